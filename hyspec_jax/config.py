@@ -1,0 +1,224 @@
+"""Frozen, hashable configs (usable as static jit arguments).
+
+`TargetConfig` is parsed from a Hugging Face `config.json` of the Qwen3.5 (`qwen3_5`, `qwen3_5_text`,
+`qwen3_5_moe[_text]`) or Qwen3-Next (`qwen3_next`) family; see `specs/target_model.md` §2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+
+# model_type -> (GDN projection layout, has MoE)
+_FAMILIES = {
+    "qwen3_5": ("split", False),
+    "qwen3_5_text": ("split", False),
+    "qwen3_5_moe": ("split", True),
+    "qwen3_5_moe_text": ("split", True),
+    "qwen3_next": ("interleaved", True),
+}
+
+
+class ConfigError(ValueError):
+    """A config.json that this library cannot serve."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.25
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    # MoE (0 experts = dense everywhere)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    eos_token_id: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.model_type not in _FAMILIES:
+            raise ConfigError(f"unsupported model_type {self.model_type!r}; expected one of {sorted(_FAMILIES)}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}")
+        bad = set(self.layer_types) - {LINEAR, FULL}
+        if bad:
+            raise ConfigError(f"unknown layer types {sorted(bad)}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.rotary_dim % 2:
+            raise ConfigError(f"head_dim*partial_rotary_factor = {self.rotary_dim} must be even")
+        if self.is_moe and not (0 < self.num_experts_per_tok <= self.num_experts):
+            raise ConfigError("num_experts_per_tok must be in [1, num_experts]")
+
+    # --- derived geometry -------------------------------------------------------------------------
+    @property
+    def projection_layout(self) -> str:
+        return _FAMILIES[self.model_type][0]
+
+    @property
+    def is_moe(self) -> bool:
+        return _FAMILIES[self.model_type][1] and self.num_experts > 0
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def gdn_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    @property
+    def attn_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    def layer_slot(self, i: int) -> int:
+        """Index of layer i among the layers of its own kind (row in the stacked state)."""
+        return (self.gdn_layers if self.layer_types[i] == LINEAR else self.attn_layers).index(i)
+
+    def is_sparse_layer(self, i: int) -> bool:
+        return (self.is_moe and i not in self.mlp_only_layers
+                and (i + 1) % max(self.decoder_sparse_step, 1) == 0)
+
+    # --- HF config.json ---------------------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> "TargetConfig":
+        cfg = dict(raw)
+        if "text_config" in cfg and isinstance(cfg["text_config"], dict):  # VLM wrapper (Qwen3_5ForConditionalGeneration)
+            top_eos = cfg.get("eos_token_id")
+            cfg = dict(cfg["text_config"])
+            cfg.setdefault("eos_token_id", top_eos)
+        model_type = cfg.get("model_type")
+        if model_type not in _FAMILIES:
+            raise ConfigError(f"unsupported model_type {model_type!r}; expected one of {sorted(_FAMILIES)}")
+        required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim"]
+        missing = [k for k in required if k not in cfg]
+        if missing:
+            raise ConfigError(f"config.json lacks required keys: {', '.join(missing)}")
+        n = int(cfg["num_hidden_layers"])
+        layer_types = cfg.get("layer_types")
+        if not layer_types:
+            interval = int(cfg.get("full_attention_interval", 4))
+            layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)]
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "mrope", None):
+            raise ConfigError(f"unsupported rope_type {rope_type!r} (only default/text-only mRoPE)")
+        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ConfigError(f"unsupported hidden_act {cfg.get('hidden_act')!r}")
+        heads = int(cfg["num_attention_heads"])
+        eos = cfg.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        return cls(
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            num_hidden_layers=n,
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            intermediate_size=int(cfg.get("intermediate_size", 0)),
+            layer_types=tuple(layer_types),
+            linear_num_key_heads=int(cfg["linear_num_key_heads"]),
+            linear_num_value_heads=int(cfg["linear_num_value_heads"]),
+            linear_key_head_dim=int(cfg["linear_key_head_dim"]),
+            linear_value_head_dim=int(cfg["linear_value_head_dim"]),
+            linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            partial_rotary_factor=partial,
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            num_experts=int(cfg.get("num_experts", 0) or 0) if _FAMILIES[model_type][1] else 0,
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0) or 0),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0),
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0),
+            # Qwen3.5-MoE always renormalises the top-k; Qwen3-Next reads norm_topk_prob.
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) if model_type == "qwen3_next" else True,
+            decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1) or 1),
+            mlp_only_layers=tuple(int(i) for i in (cfg.get("mlp_only_layers") or ())),
+            eos_token_id=eos,
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> "TargetConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{model_dir}: no config.json (not a Hugging Face model directory)")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: invalid JSON ({e})") from None
+        return cls.from_hf_dict(raw)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A config.json that transformers (and this library) read back to the same model."""
+        out: dict[str, Any] = {
+            "model_type": self.model_type,
+            "architectures": ["Qwen3NextForCausalLM" if self.model_type == "qwen3_next" else
+                              "Qwen3_5MoeForCausalLM" if self.is_moe else "Qwen3_5ForCausalLM"],
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size, "layer_types": list(self.layer_types),
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim, "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                "partial_rotary_factor": self.partial_rotary_factor},
+            "hidden_act": "silu", "attention_bias": self.attention_bias,
+            "tie_word_embeddings": self.tie_word_embeddings,
+        }
+        if self.is_moe:
+            out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size,
+                       shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+                       norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
+                       mlp_only_layers=list(self.mlp_only_layers))
+        if self.eos_token_id:
+            out["eos_token_id"] = list(self.eos_token_id)
+        return out

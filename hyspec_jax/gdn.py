@@ -1,0 +1,239 @@
+"""All Gated DeltaNet math, as pure functions (the one home; see DESIGN §3, specs/target_model.md §5, §14).
+
+Layout conventions (HF layout, kept everywhere):
+  q, k : [B, N, HV, dk]   (already expanded from HK to HV key heads, l2-normalised, q scaled)
+  v    : [B, N, HV, dv]
+  g    : [B, N, HV]       log decay (<= 0), fp32
+  beta : [B, N, HV]       in (0, 1), fp32
+  S    : [B, HV, dk, dv]  recurrent state, fp32; output o = Sᵀ q
+  mask : [B, N, N]        ancestor-or-self mask over nodes in topological order (row i: the nodes on
+                          i's path from the committed state, i included). A chain is the lower triangle.
+
+One token:  S ← e^g S;  S ← S + k βᵀ(v − Sᵀk);  o = Sᵀ q.
+Many nodes (closed form): with path decay Γ = A g, pairwise decay D_ij = A_ij e^{Γ_i − Γ_j},
+L = strict(A) ⊙ β kkᵀ ⊙ D and T = (I + L)⁻¹:
+  U = T(β v), W = T(β k e^Γ), V' = U − W S₀
+  o_i = e^{Γ_i} q_iᵀ S₀ + Σ_j (q_i·k_j) D_ij V'_j
+  S_a = e^{Γ_a} S₀ + Σ_j D_aj k_j V'_jᵀ       (any node a, from the factors (Γ, k, V') alone)
+Padding / invalid nodes use g = 0, β = 0: they are identity steps and contribute nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+HIGHEST = jax.lax.Precision.HIGHEST
+InverseMethod = Literal["solve", "neumann", "squaring"]
+
+
+def _ein(spec: str, *xs: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, *xs, precision=HIGHEST, preferred_element_type=F32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Gates and q/k preparation
+# ------------------------------------------------------------------------------------------------
+def gates(a: jax.Array, b: jax.Array, A_log: jax.Array, dt_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """g = −exp(A_log)·softplus(a + dt_bias), β = sigmoid(b); fp32. a, b: [..., HV]."""
+    g = -jnp.exp(A_log.astype(F32)) * jax.nn.softplus(a.astype(F32) + dt_bias.astype(F32))
+    beta = jax.nn.sigmoid(b.astype(F32))
+    return g, beta
+
+
+def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    x = x.astype(F32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def prepare_qk(q: jax.Array, k: jax.Array, num_value_heads: int) -> tuple[jax.Array, jax.Array]:
+    """l2-normalise q/k over dk, scale q by dk^-1/2, map key heads to value heads (head j ← ⌊j/r⌋).
+
+    q, k: [..., HK, dk] -> [..., HV, dk] fp32.
+    """
+    r = num_value_heads // q.shape[-2]
+    q = l2norm(q) * (q.shape[-1] ** -0.5)
+    k = l2norm(k)
+    return jnp.repeat(q, r, axis=-2), jnp.repeat(k, r, axis=-2)
+
+
+def invalidate(g: jax.Array, beta: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Turn invalid positions (valid: [B, N]) into identity steps (g = 0, β = 0)."""
+    keep = valid[..., None]
+    return jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# One token, and the serial recurrence (the oracle every closed form must equal)
+# ------------------------------------------------------------------------------------------------
+def step(S: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array
+         ) -> tuple[jax.Array, jax.Array]:
+    """One token. S [B,HV,dk,dv]; q,k [B,HV,dk]; v [B,HV,dv]; g,beta [B,HV]. Returns (o [B,HV,dv], S')."""
+    S = S * jnp.exp(g)[..., None, None]
+    m = _ein("bhkv,bhk->bhv", S, k)
+    delta = beta[..., None] * (v.astype(F32) - m)
+    S = S + k[..., :, None] * delta[..., None, :]
+    return _ein("bhkv,bhk->bhv", S, q), S
+
+
+def serial_recurrence(S: jax.Array, q, k, v, g, beta) -> tuple[jax.Array, jax.Array]:
+    """Token-by-token over N (a chain). Returns (o [B,N,HV,dv], S_final)."""
+    def body(S, xs):
+        o, S = step(S, *xs)
+        return S, o
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
+    S, o = jax.lax.scan(body, S, xs)
+    return jnp.moveaxis(o, 0, 1), S
+
+
+# ------------------------------------------------------------------------------------------------
+# Closed form over an ancestor mask
+# ------------------------------------------------------------------------------------------------
+class SolveFactors(NamedTuple):
+    """What is needed to form the state of any node later (Bole's factorized commit). Heads-first."""
+    log_decay: jax.Array  # Γ  [B, HV, N]
+    keys: jax.Array       # k  [B, HV, N, dk]
+    corrected: jax.Array  # V' [B, HV, N, dv]
+
+
+def unit_lower_inverse(L: jax.Array, method: InverseMethod = "solve", max_depth: int | None = None) -> jax.Array:
+    """(I + L)⁻¹ for strictly-lower L [..., N, N] whose nonzeros follow ancestor chains of depth ≤ max_depth.
+
+    neumann: Σ_{n=0}^{d} (−L)ⁿ by Horner, d products.  squaring: (I−L)(I+L²)(I+L⁴)…, ⌈log₂(d+1)⌉ factors
+    (exact because L^{d+1} = 0).  solve: triangular solve (any depth).
+    """
+    n = L.shape[-1]
+    eye = jnp.eye(n, dtype=L.dtype)
+    if method == "solve":
+        return jax.lax.linalg.triangular_solve(eye + L, jnp.broadcast_to(eye, L.shape), left_side=True,
+                                               lower=True, unit_diagonal=True)
+    d = n - 1 if max_depth is None else max(0, min(max_depth, n) - 1)  # d edges on the longest path
+    if d == 0:
+        return jnp.broadcast_to(eye, L.shape)
+    if method == "neumann":
+        T = eye - L
+        for _ in range(d - 1):
+            T = eye - _ein("...ij,...jk->...ik", L, T)
+        return T
+    if method == "squaring":
+        T, P = eye - L, L
+        for _ in range(math.ceil(math.log2(d + 1)) - 1):
+            P = _ein("...ij,...jk->...ik", P, P)
+            T = _ein("...ij,...jk->...ik", T, eye + P)
+        return T
+    raise ValueError(f"unknown inverse method {method!r}")
+
+
+def _heads_first(q, k, v, g, beta):
+    return (jnp.moveaxis(q, 2, 1).astype(F32), jnp.moveaxis(k, 2, 1).astype(F32),
+            jnp.moveaxis(v, 2, 1).astype(F32), jnp.moveaxis(g, 2, 1).astype(F32),
+            jnp.moveaxis(beta, 2, 1).astype(F32))
+
+
+def masked_solve(S0: jax.Array, q, k, v, g, beta, mask: jax.Array, *, method: InverseMethod = "solve",
+                 max_depth: int | None = None) -> tuple[jax.Array, SolveFactors]:
+    """Closed-form GDN over N nodes related by an ancestor-or-self `mask` [B,N,N], from state S0.
+
+    Never writes S0. Returns per-node outputs o [B,N,HV,dv] and the factors to form any node's state.
+    `max_depth` (nodes on the longest root-to-leaf path) bounds the Neumann / squaring rounds.
+    """
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta)
+    A = mask.astype(F32)[:, None]                                  # [B,1,N,N]
+    log_decay = _ein("bij,bhj->bhi", mask.astype(F32), g)          # Γ [B,H,N]
+    D = path_decay(A, log_decay, log_decay)                        # [B,H,N,N]
+    eye = jnp.eye(A.shape[-1], dtype=F32)
+    L = (A - eye) * beta[..., :, None] * _ein("bhid,bhjd->bhij", k, k) * D
+    T = unit_lower_inverse(L, method, max_depth)
+    U = _ein("bhij,bhjv->bhiv", T, beta[..., None] * v)
+    W = _ein("bhij,bhjd->bhid", T, beta[..., None] * k * jnp.exp(log_decay)[..., None])
+    corrected = U - _ein("bhid,bhdv->bhiv", W, S0)
+    o = (jnp.exp(log_decay)[..., None] * _ein("bhid,bhdv->bhiv", q, S0)
+         + _ein("bhij,bhjv->bhiv", _ein("bhid,bhjd->bhij", q, k) * D, corrected))
+    return jnp.moveaxis(o, 1, 2), SolveFactors(log_decay, k, corrected)
+
+
+def path_decay(A_rows: jax.Array, log_decay_rows: jax.Array, log_decay_cols: jax.Array) -> jax.Array:
+    """D = A ⊙ exp(Γ_row − Γ_col), masked before the exp so the exponent is ≤ 0 wherever it is used.
+
+    A_rows [B,1|H,M,N] (0/1), Γ rows [B,H,M], Γ cols [B,H,N] -> [B,H,M,N].
+    """
+    diff = log_decay_rows[..., :, None] - log_decay_cols[..., None, :]
+    on = A_rows > 0
+    return jnp.where(on, jnp.exp(jnp.where(on, diff, 0.0)), 0.0)
+
+
+def node_state(S0: jax.Array, factors: SolveFactors, mask: jax.Array, node: jax.Array) -> jax.Array:
+    """State after node `node` [B] (int; −1 = the committed state itself): e^{Γ_a} S0 + Σ_j D_aj k_j V'_jᵀ.
+
+    This is Bole's factorized commit: no per-node states are ever formed.
+    """
+    idx = jnp.maximum(node, 0)
+    row = jnp.take_along_axis(mask.astype(F32), idx[:, None, None], axis=1)[:, None]    # [B,1,1,N]
+    gamma_a = jnp.take_along_axis(factors.log_decay, idx[:, None, None], axis=2)       # [B,H,1]
+    D = path_decay(row, gamma_a, factors.log_decay)[..., 0, :]                          # [B,H,N]
+    S = (jnp.exp(gamma_a)[..., None] * S0
+         + _ein("bhj,bhjd,bhjv->bhdv", D, factors.keys, factors.corrected))
+    return jnp.where((node >= 0)[:, None, None, None], S, S0)
+
+
+def chain_mask(batch: int, n: int) -> jax.Array:
+    return jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (batch, n, n))
+
+
+def chunked_prefill(S0: jax.Array, q, k, v, g, beta, *, chunk_size: int = 64,
+                    method: InverseMethod = "solve") -> tuple[jax.Array, jax.Array]:
+    """A chain of any length T as a scan over chunks of the masked solve. Returns (o [B,T,HV,dv], S_T)."""
+    B, T = q.shape[:2]
+    C = min(chunk_size, T)
+    pad = (-T) % C
+    if pad:  # identity steps
+        padw = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        q, k, v, g, beta = map(padw, (q, k, v, g, beta))
+    n_chunks = (T + pad) // C
+    to_chunks = lambda x: jnp.moveaxis(x.reshape(B, n_chunks, C, *x.shape[2:]), 1, 0)
+    mask = chain_mask(B, C)
+    last = jnp.full((B,), C - 1, jnp.int32)
+
+    def body(S, xs):
+        o, fac = masked_solve(S, *xs, mask, method=method, max_depth=C)
+        return node_state(S, fac, mask, last), o
+
+    S, o = jax.lax.scan(body, S0.astype(F32), tuple(map(to_chunks, (q, k, v, g, beta))))
+    o = jnp.moveaxis(o, 0, 1).reshape(B, n_chunks * C, *o.shape[3:])[:, :T]
+    return o, S
+
+
+# ------------------------------------------------------------------------------------------------
+# Causal depthwise conv over the q/k/v stream (raw window of the last K−1 inputs is the conv state)
+# ------------------------------------------------------------------------------------------------
+def causal_conv(x: jax.Array, window: jax.Array, weight: jax.Array) -> jax.Array:
+    """x [B,T,C] new raw inputs, window [B,K−1,C] previous raw inputs, weight [C,K] (tap K−1 = current).
+
+    Returns SiLU(conv) [B,T,C] in fp32.
+    """
+    K = weight.shape[-1]
+    xs = jnp.concatenate([window.astype(x.dtype), x], axis=1).astype(F32)
+    T = x.shape[1]
+    out = sum(xs[:, j:j + T] * weight[:, j].astype(F32) for j in range(K))
+    return jax.nn.silu(out)
+
+
+def conv_window_after(x: jax.Array, window: jax.Array, num_valid: jax.Array) -> jax.Array:
+    """The last K−1 raw inputs after appending the first num_valid [B] tokens of x [B,T,C] to window."""
+    Km1 = window.shape[1]
+    xs = jnp.concatenate([window.astype(x.dtype), x], axis=1)
+    return jax.vmap(lambda s, n: jax.lax.dynamic_slice_in_dim(s, n, Km1, axis=0))(xs, num_valid)
+
+
+def gathered_conv(x: jax.Array, window: jax.Array, weight: jax.Array, taps: jax.Array) -> jax.Array:
+    """Conv where each node's K inputs are given by an index table (trees: the node and its ancestors).
+
+    x [B,N,C], window [B,K−1,C]; taps [B,N,K] indexes into concat(window, x) (K−1 + N rows), tap K−1 = self.
+    """
+    xs = jnp.concatenate([window.astype(x.dtype), x], axis=1).astype(F32)
+    cols = jax.vmap(lambda s, t: s[t])(xs, taps)                   # [B,N,K,C]
+    return jax.nn.silu(jnp.einsum("bnkc,ck->bnc", cols, weight.astype(F32), precision=HIGHEST))

@@ -1,0 +1,165 @@
+"""Hugging Face checkpoint I/O: `config.json` + safetensors (single file or sharded with an index).
+
+Parameter paths of `TargetModel` equal HF keys, so the mapping is only about prefixes and MoE expert form:
+- `model.language_model.` (Qwen3.5 saved as ConditionalGeneration) → `model.`; `mtp.*`, `model.visual.*` ignored;
+- routed experts on disk per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`) or fused
+  (`mlp.experts.gate_up_proj` [E,2I,H], `mlp.experts.down_proj` [E,H,I]); saved per expert, as
+  `save_pretrained` does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from hyspec_jax.config import ConfigError, TargetConfig
+from hyspec_jax.models.target import TargetModel, abstract_model
+
+log = logging.getLogger(__name__)
+
+_IGNORED = re.compile(r"^(mtp\.|model\.visual\.|visual\.)")
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config (missing / misshapen tensors, no weight files)."""
+
+
+def _canonical(key: str) -> str | None:
+    if _IGNORED.match(key):
+        return None
+    if key.startswith("model.language_model."):
+        key = "model." + key[len("model.language_model."):]
+    elif key.startswith("language_model."):
+        key = "model." + key[len("language_model."):]
+    return key
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} lists shards that do not exist: {', '.join(missing)}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no model.safetensors, no model.safetensors.index.json")
+    return files
+
+
+def _read_tensors(model_dir: Path) -> dict[str, np.ndarray]:
+    """All tensors under canonical names, as numpy (bf16 via ml_dtypes). Per-expert weights are fused."""
+    tensors: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, dict[str, np.ndarray]]] = {}
+    for path in _weight_files(model_dir):
+        with safe_open(str(path), framework="flax") as f:
+            for raw_key in f.keys():
+                key = _canonical(raw_key)
+                if key is None:
+                    continue
+                m = _PER_EXPERT.match(key)
+                arr = np.asarray(f.get_tensor(raw_key))
+                if m:
+                    experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = arr
+                else:
+                    tensors[key] = arr
+    for prefix, per in experts.items():
+        ids = sorted(per)
+        if ids != list(range(len(ids))):
+            raise CheckpointError(f"{prefix}: expert ids are not 0..{len(ids) - 1}")
+        try:
+            tensors[f"{prefix}.gate_up_proj"] = np.stack(
+                [np.concatenate([per[e]["gate_proj"], per[e]["up_proj"]], axis=0) for e in ids])
+            tensors[f"{prefix}.down_proj"] = np.stack([per[e]["down_proj"] for e in ids])
+        except KeyError as e:
+            raise CheckpointError(f"{prefix}: an expert lacks its {e.args[0]}.weight") from None
+    return tensors
+
+
+def _flat_params(model: TargetModel) -> dict[str, nnx.Variable]:
+    return {".".join(map(str, path)): var for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def load_pretrained(model_dir: str | Path, dtype=jnp.float32) -> tuple[TargetConfig, TargetModel]:
+    """Read a HF model directory into a `TargetModel` with parameters in `dtype`."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: model directory does not exist")
+    cfg = TargetConfig.from_pretrained(model_dir)
+    tensors = _read_tensors(model_dir)
+    model = abstract_model(cfg, dtype)
+    expected = _flat_params(model)
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    for name, var in expected.items():
+        if name not in tensors:
+            raise CheckpointError(f"missing tensor {name!r} (expected shape {tuple(var.shape)}) in {model_dir}")
+        arr = tensors.pop(name)
+        if tuple(arr.shape) != tuple(var.shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(arr.shape)} in the checkpoint, "
+                                  f"expected {tuple(var.shape)} from config.json")
+        var.set_value(jnp.asarray(arr, dtype=dtype))
+    if tensors:
+        log.warning("ignoring %d unexpected tensors, e.g. %s", len(tensors), sorted(tensors)[:3])
+    return cfg, model
+
+
+def save_pretrained(model: TargetModel, model_dir: str | Path, *, max_shard_bytes: int = 2 << 30,
+                    dtype=None) -> None:
+    """Write config.json + safetensors (sharded with an index when larger than max_shard_bytes)."""
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    cfg: TargetConfig = model.config
+    out: dict[str, np.ndarray] = {}
+    for name, var in _flat_params(model).items():
+        arr = np.asarray(var[...] if dtype is None else var[...].astype(dtype))
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name[: -len(".gate_up_proj")]
+            gate, up = np.split(arr, 2, axis=1)
+            for e in range(arr.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate[e]
+                out[f"{prefix}.{e}.up_proj.weight"] = up[e]
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name[: -len(".down_proj")]
+            for e in range(arr.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = arr[e]
+        else:
+            out[name] = arr
+    (model_dir / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(out):
+        nbytes = out[name].nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = np.ascontiguousarray(out[name])
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(model_dir / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(a.nbytes for a in out.values())
+    (model_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+
+
+__all__ = ["CheckpointError", "ConfigError", "load_pretrained", "save_pretrained"]

@@ -1,0 +1,256 @@
+"""Building blocks of the hybrid target, in Flax NNX.
+
+Parameters mirror Hugging Face names and layouts exactly (`weight` is [out, in]), so a checkpoint key
+maps to a parameter path by stripping its prefix and nothing else: one home for the name mapping
+(`hyspec_jax.io.hf`), no per-tensor transposes on load or save.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hyspec_jax import gdn
+from hyspec_jax.config import TargetConfig
+
+F32 = jnp.float32
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, F32).astype(dtype))
+
+
+class Linear(nnx.Module):
+    """y = x Wᵀ (+ b); weight [out, in] as in torch."""
+
+    def __init__(self, din: int, dout: int, *, bias: bool = False, dtype=F32, rngs: nnx.Rngs):
+        self.weight = _normal(rngs, (dout, din), dtype)
+        self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.weight[...]
+        y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=F32).astype(w.dtype)
+        return y if self.bias is None else y + self.bias[...]
+
+
+class RMSNorm(nnx.Module):
+    """Zero-centred RMSNorm of Qwen3.5/Next: x/rms(x) · (1 + w), in fp32, cast back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float, *, dtype=F32):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(F32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * (1.0 + self.weight[...].astype(F32))).astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """GDN output norm: normalise (fp32) → cast → · w (used as is, init 1) → · SiLU(z) in fp32 → cast."""
+
+    def __init__(self, dim: int, eps: float, *, dtype=F32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:
+        xf = x.astype(F32)
+        y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
+        y = self.weight[...] * y
+        return (y.astype(F32) * jax.nn.silu(z.astype(F32))).astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(SiLU(gate x) ⊙ up x)."""
+
+    def __init__(self, hidden: int, inter: int, *, dtype=F32, rngs: nnx.Rngs):
+        self.gate_proj = Linear(hidden, inter, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(hidden, inter, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(inter, hidden, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nnx.Module):
+    """All routed experts, fused as transformers holds them in memory: gate_up [E, 2I, H] (gate rows first),
+    down [E, H, I]. The loader also accepts the per-expert on-disk form."""
+
+    def __init__(self, num: int, hidden: int, inter: int, *, dtype=F32, rngs: nnx.Rngs):
+        self.gate_up_proj = _normal(rngs, (num, 2 * inter, hidden), dtype)
+        self.down_proj = _normal(rngs, (num, hidden, inter), dtype)
+
+    def __call__(self, x: jax.Array, combine: jax.Array) -> jax.Array:
+        """x [T, H], combine [T, E] routing weights (zero for unchosen experts)."""
+        # Dense over experts: exact and simple; a grouped/ragged matmul belongs in a kernel.
+        w_gu, w_d = self.gate_up_proj[...], self.down_proj[...]
+        gu = jnp.einsum("th,eoh->teo", x.astype(w_gu.dtype), w_gu, preferred_element_type=F32).astype(x.dtype)
+        gate, up = jnp.split(gu, 2, axis=-1)
+        h = jax.nn.silu(gate) * up
+        y = jnp.einsum("tei,ehi->teh", h, w_d, preferred_element_type=F32).astype(x.dtype)
+        return jnp.einsum("teh,te->th", y, combine.astype(y.dtype))
+
+
+class SparseMoe(nnx.Module):
+    """Top-k routed experts (softmax in fp32, optional renormalisation) + sigmoid-gated shared expert."""
+
+    def __init__(self, cfg: TargetConfig, *, dtype=F32, rngs: nnx.Rngs):
+        H = cfg.hidden_size
+        self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = Linear(H, cfg.num_experts, dtype=dtype, rngs=rngs)
+        self.experts = Experts(cfg.num_experts, H, cfg.moe_intermediate_size, dtype=dtype, rngs=rngs)
+        self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size, dtype=dtype, rngs=rngs)
+        self.shared_expert_gate = Linear(H, 1, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = jax.nn.softmax(self.gate(x).astype(F32), axis=-1)
+        top_p, top_i = jax.lax.top_k(probs, self.top_k)
+        if self.norm_topk:
+            top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+        top_p = top_p.astype(x.dtype)
+        combine = jnp.zeros(probs.shape, x.dtype).at[jnp.arange(x.shape[0])[:, None], top_i].set(top_p)
+        routed = self.experts(x, combine)
+        shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return (routed + shared).reshape(shape)
+
+
+# ------------------------------------------------------------------------------------------------
+# Rotary embedding (partial, rotate-half inside the rotated slice)
+# ------------------------------------------------------------------------------------------------
+def rope_cos_sin(positions: jax.Array, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=F32) / rotary_dim))
+    freqs = positions.astype(F32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, heads, hd]; cos/sin [B, T, rd]."""
+    rd = cos.shape[-1]
+    xr, xp = x[..., :rd], x[..., rd:]
+    x1, x2 = jnp.split(xr, 2, axis=-1)
+    rot = jnp.concatenate([-x2, x1], axis=-1)
+    c, s = cos[:, :, None].astype(x.dtype), sin[:, :, None].astype(x.dtype)
+    return jnp.concatenate([xr * c + rot * s, xp], axis=-1)
+
+
+def attend(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array) -> jax.Array:
+    """GQA attention. q [B,T,NH,hd]; keys/values [B,S,KVH,hd]; mask [B,T,S] bool. fp32 softmax.
+
+    Returns [B, T, NH, hd]. The one attention formula used by prefill, decode and tree verify.
+    """
+    B, T, NH, hd = q.shape
+    kvh = keys.shape[2]
+    qg = q.reshape(B, T, kvh, NH // kvh, hd)
+    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, keys, preferred_element_type=F32) * (hd ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask[:, None, None].any(-1, keepdims=True), probs, 0.0)  # rows with no key (padding)
+    out = jnp.einsum("bgrts,bsgd->btgrd", probs.astype(values.dtype), values, preferred_element_type=F32)
+    return out.reshape(B, T, NH, hd).astype(q.dtype)
+
+
+class Attention(nnx.Module):
+    """Gated full attention: q_proj packs [query | gate] per head, q/k norms before partial RoPE, GQA,
+    sigmoid(gate) on the output before o_proj."""
+
+    def __init__(self, cfg: TargetConfig, *, dtype=F32, rngs: nnx.Rngs):
+        H, nh, kvh, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, kvh, hd
+        self.rotary_dim, self.rope_theta = cfg.rotary_dim, cfg.rope_theta
+        b = cfg.attention_bias
+        self.q_proj = Linear(H, nh * hd * 2, bias=b, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(H, kvh * hd, bias=b, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(H, kvh * hd, bias=b, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(nh * hd, H, bias=b, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
+
+    def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """Projections at `positions` [B,T]: (q [B,T,NH,hd] roped, gate [B,T,NH*hd], k roped, v)."""
+        B, T, _ = x.shape
+        qg = self.q_proj(x).reshape(B, T, self.num_heads, 2 * self.head_dim)
+        q, gate = jnp.split(qg, 2, axis=-1)
+        k = self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+        cos, sin = rope_cos_sin(positions, self.rotary_dim, self.rope_theta)
+        q = apply_rope(self.q_norm(q), cos, sin)
+        k = apply_rope(self.k_norm(k), cos, sin)
+        return q, gate.reshape(B, T, -1), k, v
+
+    def out(self, attn: jax.Array, gate: jax.Array) -> jax.Array:
+        B, T = attn.shape[:2]
+        return self.o_proj(attn.reshape(B, T, -1) * jax.nn.sigmoid(gate))
+
+
+class DepthwiseConv(nnx.Module):
+    """Holds the causal depthwise conv weight [C, 1, K] (torch Conv1d layout); the conv is `gdn.causal_conv`."""
+
+    def __init__(self, channels: int, kernel: int, *, dtype=F32, rngs: nnx.Rngs):
+        self.weight = _normal(rngs, (channels, 1, kernel), dtype, std=0.3)
+
+
+class GatedDeltaNet(nnx.Module):
+    """Gated DeltaNet mixer. The math is in `hyspec_jax.gdn`; this module owns projections and layout."""
+
+    def __init__(self, cfg: TargetConfig, *, dtype=F32, rngs: nnx.Rngs):
+        H = cfg.hidden_size
+        self.layout = cfg.projection_layout
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        kd, vd = cfg.key_dim, cfg.value_dim
+        if self.layout == "split":
+            self.in_proj_qkv = Linear(H, 2 * kd + vd, dtype=dtype, rngs=rngs)
+            self.in_proj_z = Linear(H, vd, dtype=dtype, rngs=rngs)
+            self.in_proj_b = Linear(H, self.hv, dtype=dtype, rngs=rngs)
+            self.in_proj_a = Linear(H, self.hv, dtype=dtype, rngs=rngs)
+        else:
+            self.in_proj_qkvz = Linear(H, 2 * kd + 2 * vd, dtype=dtype, rngs=rngs)
+            self.in_proj_ba = Linear(H, 2 * self.hv, dtype=dtype, rngs=rngs)
+        self.conv1d = DepthwiseConv(cfg.conv_dim, cfg.linear_conv_kernel_dim, dtype=dtype, rngs=rngs)
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (self.hv,), F32, 1.0, 16.0)).astype(dtype))
+        self.dt_bias = nnx.Param(jnp.ones((self.hv,), dtype))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, dtype=dtype)
+        self.out_proj = Linear(vd, H, dtype=dtype, rngs=rngs)
+
+    @property
+    def conv_weight(self) -> jax.Array:
+        return self.conv1d.weight[...][:, 0, :]
+
+    def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """x [B,T,H] -> raw conv input qkv [B,T,conv_dim] ([q | k | v], head-major), z [B,T,HV,dv], b, a [B,T,HV]."""
+        B, T, _ = x.shape
+        if self.layout == "split":
+            qkv = self.in_proj_qkv(x)
+            z = self.in_proj_z(x).reshape(B, T, self.hv, self.dv)
+            return qkv, z, self.in_proj_b(x), self.in_proj_a(x)
+        # Qwen3-Next: per key-head group g: [q_g (dk) | k_g (dk) | v_g (r·dv) | z_g (r·dv)], ba: [b_g (r) | a_g (r)]
+        r = self.hv // self.hk
+        qkvz = self.in_proj_qkvz(x).reshape(B, T, self.hk, 2 * self.dk + 2 * r * self.dv)
+        q, k, v, z = jnp.split(qkvz, [self.dk, 2 * self.dk, 2 * self.dk + r * self.dv], axis=-1)
+        ba = self.in_proj_ba(x).reshape(B, T, self.hk, 2 * r)
+        b, a = jnp.split(ba, 2, axis=-1)
+        qkv = jnp.concatenate([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], axis=-1)
+        return (qkv, z.reshape(B, T, self.hv, self.dv), b.reshape(B, T, self.hv), a.reshape(B, T, self.hv))
+
+    def mixer_inputs(self, conv_out: jax.Array, b: jax.Array, a: jax.Array, valid: jax.Array):
+        """Post-conv stream -> gdn inputs (q, k [B,T,HV,dk] normalised and expanded; v; g, β with invalid
+        positions turned into identity steps)."""
+        B, T, _ = conv_out.shape
+        kd = self.hk * self.dk
+        q = conv_out[..., :kd].reshape(B, T, self.hk, self.dk)
+        k = conv_out[..., kd:2 * kd].reshape(B, T, self.hk, self.dk)
+        v = conv_out[..., 2 * kd:].reshape(B, T, self.hv, self.dv)
+        q, k = gdn.prepare_qk(q, k, self.hv)
+        g, beta = gdn.gates(a, b, self.A_log[...], self.dt_bias[...])
+        g, beta = gdn.invalidate(g, beta, valid)
+        return q, k, v, g, beta
+
+    def output(self, o: jax.Array, z: jax.Array, dtype) -> jax.Array:
+        B, T = o.shape[:2]
+        y = self.norm(o.astype(dtype), z)
+        return self.out_proj(y.reshape(B, T, -1))
+

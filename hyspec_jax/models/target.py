@@ -1,0 +1,160 @@
+"""The hybrid target (Qwen3.5 / Qwen3-Next) in Flax NNX, and its pure prefill / decode entry points.
+
+The module tree mirrors the Hugging Face causal-LM (`model.embed_tokens`, `model.layers.{i}.…`,
+`model.norm`, `lm_head`). Entry points are functions of `(graphdef, params, state, …)` that return new
+state: no mutation hides inside modules, so one function serves serving, training and notebooks.
+"""
+
+from __future__ import annotations
+
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hyspec_jax import gdn
+from hyspec_jax.config import LINEAR, TargetConfig
+from hyspec_jax.models.layers import (MLP, Attention, GatedDeltaNet, Linear, RMSNorm, SparseMoe, _normal,
+                                      attend)
+from hyspec_jax.state import TargetState
+
+F32 = jnp.float32
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab: int, hidden: int, *, dtype=F32, rngs: nnx.Rngs):
+        self.weight = _normal(rngs, (vocab, hidden), dtype)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], ids, axis=0)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: TargetConfig, index: int, *, dtype=F32, rngs: nnx.Rngs):
+        self.is_linear = cfg.layer_types[index] == LINEAR
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
+        else:
+            self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = (SparseMoe(cfg, dtype=dtype, rngs=rngs) if cfg.is_sparse_layer(index)
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs))
+
+
+class Backbone(nnx.Module):
+    def __init__(self, cfg: TargetConfig, *, dtype=F32, rngs: nnx.Rngs):
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs)
+                                for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+
+class TargetModel(nnx.Module):
+    """`Qwen3_5ForCausalLM` / `Qwen3NextForCausalLM` equivalent."""
+
+    def __init__(self, cfg: TargetConfig, *, dtype=F32, rngs: nnx.Rngs):
+        self.config = cfg
+        self.model = Backbone(cfg, dtype=dtype, rngs=rngs)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size,
+                                                                     dtype=dtype, rngs=rngs)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        if self.lm_head is None:
+            w = self.model.embed_tokens.weight[...]
+            return jnp.einsum("...h,vh->...v", h.astype(w.dtype), w, preferred_element_type=F32)
+        return self.lm_head(h).astype(F32)
+
+    def extend(self, state: TargetState, tokens: jax.Array, valid: jax.Array, *, last_only: bool = False
+               ) -> tuple[jax.Array, jax.Array, TargetState]:
+        """Append tokens [B,T] (valid [B,T] a per-row prefix mask) to every slot's committed sequence.
+
+        Returns (logits [B,T|1,V] fp32, final hidden [B,T|1,H], new state). With last_only, logits of each
+        slot's last valid token only. T == 1 uses the one-token GDN step, T > 1 the chunked closed form.
+        """
+        cfg = self.config
+        B, T = tokens.shape
+        chex.assert_shape(valid, (B, T))
+        x = self.model.embed_tokens(tokens)
+        positions = state.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+        num_valid = jnp.sum(valid, axis=1, dtype=jnp.int32)
+        key_pos = jnp.arange(state.max_len, dtype=jnp.int32)
+        attn_mask = key_pos[None, None, :] <= positions[:, :, None]              # [B,T,S] causal + prefix
+        write_pos = jnp.where(valid, positions, state.max_len)                    # invalid → dropped
+        rows = jnp.arange(B)[:, None]
+        ssm, conv, keys, values = [], [], [], []
+        for i, layer in enumerate(self.model.layers):
+            h = layer.input_layernorm(x)
+            j = cfg.layer_slot(i)
+            if layer.is_linear:
+                mix = layer.linear_attn
+                qkv, z, b, a = mix.project(h)
+                qkv = jnp.where(valid[..., None], qkv, 0)       # HF zeroes padding before the conv
+                conv_out = gdn.causal_conv(qkv, state.conv[j], mix.conv_weight)
+                q, k, v, g, beta = mix.mixer_inputs(conv_out, b, a, valid)
+                if T == 1:
+                    o, S = gdn.step(state.ssm[j], q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+                    o = o[:, None]
+                else:
+                    o, S = gdn.chunked_prefill(state.ssm[j], q, k, v, g, beta)
+                ssm.append(S)
+                conv.append(gdn.conv_window_after(qkv, state.conv[j], num_valid))
+                y = mix.output(o, z, x.dtype)
+            else:
+                att = layer.self_attn
+                q, gate, k, v = att.qkv(h, positions)
+                kc = state.keys[j].at[rows, write_pos].set(k.astype(state.keys.dtype), mode="drop")
+                vc = state.values[j].at[rows, write_pos].set(v.astype(state.values.dtype), mode="drop")
+                keys.append(kc)
+                values.append(vc)
+                y = att.out(attend(q, kc, vc, attn_mask), gate)
+            x = x + y
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = self.model.norm(x)
+        if last_only:
+            x = jnp.take_along_axis(x, jnp.maximum(num_valid - 1, 0)[:, None, None], axis=1)
+        new_state = TargetState(
+            ssm=jnp.stack(ssm) if ssm else state.ssm, conv=jnp.stack(conv) if conv else state.conv,
+            keys=jnp.stack(keys) if keys else state.keys, values=jnp.stack(values) if values else state.values,
+            lengths=state.lengths + num_valid)
+        return self.logits(x), x, new_state
+
+
+# ------------------------------------------------------------------------------------------------
+# Functional entry points
+# ------------------------------------------------------------------------------------------------
+def create_model(cfg: TargetConfig, *, seed: int = 0, dtype=F32) -> TargetModel:
+    """A randomly initialised model (tests, the labelled random demo, training from scratch)."""
+    return TargetModel(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+
+
+def abstract_model(cfg: TargetConfig, dtype=F32) -> TargetModel:
+    """Shapes only, no allocation (loading fills it)."""
+    return nnx.eval_shape(lambda: TargetModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def extend(graphdef: nnx.GraphDef, params: nnx.State, state: TargetState, tokens: jax.Array,
+           valid: jax.Array, last_only: bool = False) -> tuple[jax.Array, TargetState]:
+    model = nnx.merge(graphdef, params)
+    logits, _, new_state = model.extend(state, tokens, valid, last_only=last_only)
+    return logits, new_state
+
+
+# One compiled program per (bucket shape, last_only); the state buffer is donated.
+extend_jit = jax.jit(extend, static_argnames=("graphdef", "last_only"), donate_argnames=("state",))
+
+
+def forward_full(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, valid: jax.Array | None = None,
+                 max_len: int | None = None) -> jax.Array:
+    """No-cache forward of whole sequences [B,T] -> logits [B,T,V] (training, tests)."""
+    from hyspec_jax.state import init_state
+    model = nnx.merge(graphdef, params)
+    B, T = tokens.shape
+    valid = jnp.ones((B, T), bool) if valid is None else valid
+    dtype = model.model.embed_tokens.weight[...].dtype
+    state = init_state(model.config, B, max_len or T, dtype)
+    logits, _, _ = model.extend(state, tokens, valid)
+    return logits
+
+

@@ -1,0 +1,58 @@
+"""Cache / recurrent-state pytrees, batched over a fixed number of slots and stacked over layers.
+
+Stacking per layer kind ([num_gdn_layers, ...], [num_attn_layers, ...]) lets one batched op touch every
+layer at once (e.g. the factorized commit of all GDN states).
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from hyspec_jax.config import TargetConfig
+
+
+@struct.dataclass
+class TargetState:
+    ssm: jax.Array      # [Lg, B, HV, dk, dv] fp32 committed recurrent state (HF layout)
+    conv: jax.Array     # [Lg, B, K-1, conv_dim] last K-1 raw (pre-conv) q/k/v inputs, oldest first
+    keys: jax.Array     # [La, B, S, KVH, hd] post-norm, post-RoPE keys
+    values: jax.Array   # [La, B, S, KVH, hd]
+    lengths: jax.Array  # [B] int32 committed tokens per slot
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[2]
+
+
+def init_state(cfg: TargetConfig, batch: int, max_len: int, dtype=jnp.float32) -> TargetState:
+    """Empty state: zero recurrent state and conv window (HF's zero left padding), empty KV."""
+    lg, la = len(cfg.gdn_layers), len(cfg.attn_layers)
+    return TargetState(
+        ssm=jnp.zeros((lg, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                       cfg.linear_value_head_dim), jnp.float32),
+        conv=jnp.zeros((lg, batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype),
+        keys=jnp.zeros((la, batch, max_len, cfg.num_key_value_heads, cfg.head_dim), dtype),
+        values=jnp.zeros((la, batch, max_len, cfg.num_key_value_heads, cfg.head_dim), dtype),
+        lengths=jnp.zeros((batch,), jnp.int32),
+    )
+
+
+def check_state(cfg: TargetConfig, state: TargetState) -> None:
+    """Shape asserts at module edges."""
+    B = state.batch
+    chex.assert_shape(state.ssm, (len(cfg.gdn_layers), B, cfg.linear_num_value_heads,
+                                  cfg.linear_key_head_dim, cfg.linear_value_head_dim))
+    chex.assert_shape(state.conv, (len(cfg.gdn_layers), B, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim))
+    chex.assert_shape([state.keys, state.values],
+                      (len(cfg.attn_layers), B, state.max_len, cfg.num_key_value_heads, cfg.head_dim))
+
+
+def state_bytes(state: TargetState) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))

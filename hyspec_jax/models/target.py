@@ -66,12 +66,14 @@ class TargetModel(nnx.Module):
             return jnp.einsum("...h,vh->...v", h.astype(w.dtype), w, preferred_element_type=F32)
         return self.lm_head(h).astype(F32)
 
-    def extend(self, state: TargetState, tokens: jax.Array, valid: jax.Array, *, last_only: bool = False
-               ) -> tuple[jax.Array, jax.Array, TargetState]:
+    def extend(self, state: TargetState, tokens: jax.Array, valid: jax.Array, *, last_only: bool = False,
+               tap_layers: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, TargetState]:
         """Append tokens [B,T] (valid [B,T] a per-row prefix mask) to every slot's committed sequence.
 
-        Returns (logits [B,T|1,V] fp32, final hidden [B,T|1,H], new state). With last_only, logits of each
-        slot's last valid token only. T == 1 uses the one-token GDN step, T > 1 the chunked closed form.
+        Returns (logits [B,T|1,V] fp32, hidden, new state). With last_only, logits of each slot's last valid
+        token only. hidden is the final-norm hidden [B,T|1,H], or with tap_layers the outputs of those decoder
+        layers stacked [len(tap_layers), B, T, H] (drafter taps, all T positions).
+        T == 1 uses the one-token GDN step, T > 1 the chunked closed form.
         """
         cfg = self.config
         B, T = tokens.shape
@@ -83,7 +85,7 @@ class TargetModel(nnx.Module):
         attn_mask = key_pos[None, None, :] <= positions[:, :, None]              # [B,T,S] causal + prefix
         write_pos = jnp.where(valid, positions, state.max_len)                    # invalid → dropped
         rows = jnp.arange(B)[:, None]
-        ssm, conv, keys, values = [], [], [], []
+        ssm, conv, keys, values, taps = [], [], [], [], {}
         for i, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
             j = cfg.layer_slot(i)
@@ -111,6 +113,8 @@ class TargetModel(nnx.Module):
                 y = att.out(attend(q, kc, vc, attn_mask), gate)
             x = x + y
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in tap_layers:
+                taps[i] = x
         x = self.model.norm(x)
         if last_only:
             x = jnp.take_along_axis(x, jnp.maximum(num_valid - 1, 0)[:, None, None], axis=1)
@@ -118,7 +122,8 @@ class TargetModel(nnx.Module):
             ssm=jnp.stack(ssm) if ssm else state.ssm, conv=jnp.stack(conv) if conv else state.conv,
             keys=jnp.stack(keys) if keys else state.keys, values=jnp.stack(values) if values else state.values,
             lengths=state.lengths + num_valid)
-        return self.logits(x), x, new_state
+        hidden = jnp.stack([taps[i] for i in tap_layers]) if tap_layers else x
+        return self.logits(x), hidden, new_state
 
 
 # ------------------------------------------------------------------------------------------------

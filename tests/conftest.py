@@ -1,0 +1,24 @@
+"""Test configuration: CPU-friendly defaults, fake host devices for mesh code, hypothesis profile."""
+
+import os
+
+# Fake devices for mesh tests on CPU (must be set before jax initialises its backends).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+os.environ.setdefault("USE_HUB_KERNELS", "NO")  # keep transformers' torch reference path as the oracle
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import jax  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def has_gpu() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False

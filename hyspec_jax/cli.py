@@ -1,0 +1,191 @@
+"""`hyspec` console script: one entry point, subcommands.
+
+Errors the user can fix (bad paths, bad configs, bad arguments) end with one line on stderr and exit 2;
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from hyspec_jax.config import ConfigError
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "default"
+
+
+class UsageError(Exception):
+    """An error whose message is the whole story for the user."""
+
+
+def _fail(msg: str) -> "NoReturn":  # noqa: F821
+    print(f"hyspec: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def enable_compilation_cache() -> None:
+    """JAX's persistent compilation cache: a second run of the same buckets skips XLA compiles."""
+    import jax
+
+    from hyspec_jax.demo import cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+# ------------------------------------------------------------------------------------------------
+# generate
+# ------------------------------------------------------------------------------------------------
+def _read_prompts(args) -> list[str]:
+    if args.prompts_file is not None:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise UsageError(f"--prompts-file {path}: no such file")
+        prompts = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UsageError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+                if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                    raise UsageError(f"{path}:{n}: a JSON line needs a string field \"prompt\"")
+                prompts.append(obj["prompt"])
+            else:
+                prompts.append(line)
+        if args.prompt is not None:
+            prompts.insert(0, args.prompt)
+        if not prompts:
+            raise UsageError(f"--prompts-file {path}: no prompts in it")
+        return prompts
+    if args.prompt is None:
+        raise UsageError("give a PROMPT or --prompts-file")
+    return [args.prompt]
+
+
+def _resolve_model_dir(arg: str | None) -> tuple[Path, str | None]:
+    """(model directory, label to show) — a random demo model when none is given and none is shipped."""
+    if arg is not None:
+        path = Path(arg)
+        if not path.is_dir():
+            raise UsageError(f"--model {path}: no such directory")
+        return path, None
+    if (DEFAULT_MODEL_DIR / "config.json").is_file():
+        return DEFAULT_MODEL_DIR, None
+    from hyspec_jax.demo import RANDOM_LABEL, random_demo_model_dir
+    return random_demo_model_dir(), RANDOM_LABEL
+
+
+def cmd_generate(args) -> int:
+    from hyspec_jax.sampling import SamplingParams
+
+    prompts = _read_prompts(args)
+    try:
+        base = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.seed)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    model_dir, label = _resolve_model_dir(args.model)
+    if label:
+        print(f"[hyspec] using a {label}", file=sys.stderr)
+
+    import jax
+    import jax.numpy as jnp
+
+    enable_compilation_cache()
+    from hyspec_jax.generate import Generator
+    from hyspec_jax.io.hf import load_pretrained
+    from hyspec_jax.tokenizer import StreamDecoder, load_tokenizer, special_token_ids
+
+    tokenizer = load_tokenizer(model_dir)
+    dtype = {"auto": jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32,
+             "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    cfg, model = load_pretrained(model_dir, dtype=dtype)
+    stops = tuple(sorted(set(cfg.eos_token_id) | set(special_token_ids(model_dir))))
+    gen = Generator.from_model(model)
+    encoded = [tokenizer.encode(p).ids for p in prompts]
+    params = [SamplingParams(max_tokens=base.max_tokens, temperature=base.temperature, top_p=base.top_p,
+                             top_k=base.top_k, seed=base.seed + i, stop_token_ids=stops)
+              for i in range(len(prompts))]
+
+    stream = not args.json and len(prompts) == 1
+    decoder = StreamDecoder(tokenizer)
+
+    def on_tokens(i: int, ids: list[int]) -> None:
+        delta = decoder.push([t for t in ids if t not in stops])
+        if delta:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+
+    if stream:
+        sys.stdout.write(prompts[0])
+        sys.stdout.flush()
+    t0 = time.perf_counter()
+    results = gen.generate(encoded, params, on_tokens=on_tokens if stream else None)
+    seconds = time.perf_counter() - t0
+    for prompt, res in zip(prompts, results):
+        text = tokenizer.decode([t for t in res.token_ids if t not in stops], skip_special_tokens=True)
+        stats = {"new_tokens": len(res.token_ids), "seconds": round(seconds, 4),
+                 "tokens_per_second": round(len(res.token_ids) / seconds, 2) if seconds > 0 else 0.0,
+                 "prefill_seconds": round(res.prefill_seconds, 4),
+                 "decode_steps_per_second": round(res.decode_steps_per_second, 2)}
+        if args.json:
+            print(json.dumps({"prompt": prompt, "prompt_token_ids": res.prompt_token_ids,
+                              "token_ids": res.token_ids, "text": text, "finish_reason": res.finish_reason,
+                              "stats": stats}))
+        elif not stream:
+            print(f"=== {prompt}\n{prompt}{text}\n")
+    if stream:
+        print()
+    if not args.json:
+        total = sum(len(r.token_ids) for r in results)
+        rate = results[0].decode_steps_per_second
+        print(f"[hyspec] {total} tokens for {len(results)} prompt(s) in {seconds:.2f}s "
+              f"({total / seconds:.1f} tok/s incl. compile; {rate:.1f} decode steps/s warm)", file=sys.stderr)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hyspec", description="Speculative decoding for hybrid GDN LLMs in JAX.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate text with a target model (autoregressive)",
+                       description="Generate text. Without --model: the shipped default model, or a labelled "
+                                   "random-weight demo model when none is shipped.")
+    g.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt text")
+    g.add_argument("--model", metavar="DIR", help="Hugging Face model directory (config.json, safetensors, tokenizer.json)")
+    g.add_argument("--prompts-file", metavar="F", help="one prompt per line, or JSON lines with a \"prompt\" field; generated as one batch")
+    g.add_argument("--max-tokens", type=int, default=64, metavar="N", help="new tokens per prompt (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1 = off)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (default 0 = off)")
+    g.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (prompt i uses S+i)")
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="parameter dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming text")
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    from hyspec_jax.io.hf import CheckpointError
+    try:
+        return args.func(args)
+    except (UsageError, ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _fail("interrupted")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Sampling: temperature → top-k → top-p warping (Hugging Face order), per-slot parameters on device.
+
+`warp` is the single definition of the distribution a request samples from; speculative acceptance applies
+the same warping to target and draft so that rejection sampling stays lossless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings. temperature 0 = greedy; top_k 0 / top_p 1 = disabled."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SlotSampling:
+    """SamplingParams of every slot as device arrays (changing them never recompiles)."""
+
+    temperature: jax.Array  # [B] f32
+    top_p: jax.Array        # [B] f32
+    top_k: jax.Array        # [B] int32
+    seed: jax.Array         # [B] uint32
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], batch: int) -> "SlotSampling":
+        pad = params + [SamplingParams()] * (batch - len(params))
+        return cls(temperature=jnp.asarray([p.temperature for p in pad], F32),
+                   top_p=jnp.asarray([p.top_p for p in pad], F32),
+                   top_k=jnp.asarray([p.top_k for p in pad], jnp.int32),
+                   seed=jnp.asarray([p.seed % (1 << 32) for p in pad], jnp.uint32))
+
+
+def warp(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
+    """Log-probabilities [..., V] after temperature, top-k and top-p (−inf outside the kept set).
+
+    logits [..., V]; parameters broadcast against logits[..., 0]. Greedy slots (temperature 0) get a
+    one-hot distribution on the argmax, so acceptance rules need no special case.
+    """
+    logits = logits.astype(F32)
+    V = logits.shape[-1]
+    greedy = temperature <= 0
+    t = jnp.where(greedy, 1.0, temperature)[..., None]
+    scaled = logits / t
+    desc = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where((top_k > 0) & (top_k < V), top_k, V)
+    kth = jnp.take_along_axis(desc, (k - 1)[..., None].astype(jnp.int32), axis=-1)
+    scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
+    desc = jnp.where(jnp.arange(V) < k[..., None], desc, -jnp.inf)
+    probs = jax.nn.softmax(desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs              # mass strictly above each sorted token
+    keep_sorted = before < top_p[..., None]                  # always keeps the top token
+    cutoff = jnp.min(jnp.where(keep_sorted, desc, jnp.inf), axis=-1, keepdims=True)
+    scaled = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+    onehot = jnp.where(jnp.arange(V) == jnp.argmax(logits, axis=-1)[..., None], 0.0, -jnp.inf)
+    return jnp.where(greedy[..., None], onehot, logp)
+
+
+def slot_keys(seed: jax.Array, step: jax.Array) -> jax.Array:
+    """One PRNG key per slot from (its seed, the decode step): a request's samples do not depend on
+    which other requests share the batch."""
+    return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), step))(seed)
+
+
+def sample(logits: jax.Array, sampling: SlotSampling, step: jax.Array) -> jax.Array:
+    """logits [B, V] -> tokens [B] int32."""
+    logp = warp(logits, sampling.temperature, sampling.top_p, sampling.top_k)
+    keys = slot_keys(sampling.seed, step)
+    return jax.vmap(lambda key, lp: jax.random.categorical(key, lp))(keys, logp).astype(jnp.int32)

@@ -101,6 +101,8 @@ def cmd_generate(args) -> int:
     from hyspec_jax.io.hf import load_pretrained
     from hyspec_jax.tokenizer import StreamDecoder, load_tokenizer, special_token_ids
 
+    from hyspec_jax.config import TargetConfig
+    TargetConfig.from_pretrained(model_dir)  # config errors first: they say what the directory is missing
     tokenizer = load_tokenizer(model_dir)
     dtype = {"auto": jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32,
              "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]

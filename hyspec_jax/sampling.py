@@ -73,7 +73,7 @@ def warp(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax
     desc = jnp.where(jnp.arange(V) < k[..., None], desc, -jnp.inf)
     probs = jax.nn.softmax(desc, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs              # mass strictly above each sorted token
-    keep_sorted = before < top_p[..., None]                  # always keeps the top token
+    keep_sorted = (before < top_p[..., None]) | (top_p[..., None] >= 1.0)   # always keeps the top token
     cutoff = jnp.min(jnp.where(keep_sorted, desc, jnp.inf), axis=-1, keepdims=True)
     scaled = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
     logp = jax.nn.log_softmax(scaled, axis=-1)

@@ -1,0 +1,170 @@
+"""Autoregressive generation and the `hyspec generate` CLI against transformers (greedy) and HF's warpers."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
+
+from hyspec_jax import cli
+from hyspec_jax.generate import Generator, _decode_jit, _prefill_jit
+from hyspec_jax.io.hf import load_pretrained
+from hyspec_jax.sampling import SamplingParams, SlotSampling, sample, warp
+from hyspec_jax.tokenizer import byte_level_tokenizer
+from tests import hf_oracle
+
+PROMPTS = ["Hello there", "A much longer prompt, to make the batch ragged.", "x"]
+
+
+def _make_dir(tmp_path_factory, name, config):
+    model = hf_oracle.build(config, seed=7)
+    model.generation_config.eos_token_id = 3
+    path = hf_oracle.save(model, tmp_path_factory.mktemp(name))
+    byte_level_tokenizer().save(str(path / "tokenizer.json"))
+    return model, path
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+def checkpoint(request, tmp_path_factory):
+    if request.param == "qwen3_5":
+        cfg = hf_oracle.qwen3_5_config(vocab=300, hidden=40, hv=6, hk=2, dk=8, dv=4, head_dim=8, heads=2,
+                                       kv_heads=1, layers=5,
+                                       layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                    "linear_attention", "full_attention"])
+    else:
+        cfg = hf_oracle.qwen3_next_config(vocab=300, hidden=32, layers=4, num_experts=6, top_k=3,
+                                          mlp_only_layers=(2,), norm_topk_prob=False)
+    cfg.eos_token_id = 3
+    return _make_dir(tmp_path_factory, request.param, cfg)
+
+
+def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=3,
+                             pad_token_id=0)
+    new = out[0, len(ids):].tolist()
+    if 3 in new:
+        new = new[:new.index(3) + 1]
+    return new
+
+
+def _run_cli(capsys, argv) -> list[dict]:
+    assert cli.main(argv) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+
+
+def test_cli_greedy_equals_transformers(checkpoint, capsys):
+    model, path = checkpoint
+    [res] = _run_cli(capsys, ["generate", "--model", str(path), "--temperature", "0", "--max-tokens", "32",
+                              "--json", PROMPTS[0]])
+    assert res["prompt_token_ids"] == byte_level_tokenizer().encode(PROMPTS[0]).ids
+    assert res["token_ids"] == _hf_greedy(model, res["prompt_token_ids"], 32)
+    assert res["stats"]["new_tokens"] == len(res["token_ids"])
+    assert {"seconds", "tokens_per_second"} <= set(res["stats"])
+
+
+def test_cli_prompts_file_batch_matches_single(checkpoint, capsys, tmp_path):
+    model, path = checkpoint
+    pf = tmp_path / "prompts.jsonl"
+    pf.write_text(json.dumps({"prompt": PROMPTS[1]}) + "\n" + PROMPTS[2] + "\n\n" + json.dumps({"prompt": PROMPTS[0]}) + "\n")
+    results = _run_cli(capsys, ["generate", "--model", str(path), "--max-tokens", "12", "--json",
+                                "--prompts-file", str(pf)])
+    assert [r["prompt"] for r in results] == [PROMPTS[1], PROMPTS[2], PROMPTS[0]]
+    for r in results:
+        assert r["token_ids"] == _hf_greedy(model, r["prompt_token_ids"], 12)
+
+
+def test_no_recompilation_within_bucket(checkpoint):
+    _, path = checkpoint
+    cfg, model = load_pretrained(path)
+    gen = Generator.from_model(model)
+    p = SamplingParams(max_tokens=5)
+    gen.generate([[5, 6, 7]], p)
+    sizes = (_prefill_jit._cache_size(), _decode_jit._cache_size())
+    gen.generate([[9, 8, 7, 6, 5, 4]], SamplingParams(max_tokens=6, temperature=0.7, top_p=0.8, top_k=4, seed=3))
+    assert (_prefill_jit._cache_size(), _decode_jit._cache_size()) == sizes
+
+
+def test_sampling_seeded_and_independent_of_batch(checkpoint):
+    _, path = checkpoint
+    _, model = load_pretrained(path)
+    gen = Generator.from_model(model)
+    p = SamplingParams(max_tokens=10, temperature=1.0, top_k=20, seed=11)
+    alone = gen.generate([[5, 6, 7]], p)[0].token_ids
+    batched = gen.generate([[1, 2], [5, 6, 7]], [SamplingParams(max_tokens=10, temperature=1.0, seed=1), p])
+    assert batched[1].token_ids == alone
+    other = gen.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=1.0, top_k=20, seed=12))
+    assert other[0].token_ids != alone
+
+
+def test_stop_token_and_max_tokens(checkpoint):
+    _, path = checkpoint
+    _, model = load_pretrained(path)
+    gen = Generator.from_model(model)
+    free = gen.generate([[5, 6, 7]], SamplingParams(max_tokens=8))[0]
+    assert len(free.token_ids) == 8 and free.finish_reason == "length"
+    stop_at = free.token_ids[3]
+    first = free.token_ids.index(stop_at)
+    stopped = gen.generate([[5, 6, 7]], SamplingParams(max_tokens=8, stop_token_ids=(stop_at,)))[0]
+    assert stopped.token_ids == free.token_ids[:first + 1] and stopped.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.3, 5, 1.0), (0.9, 0, 0.6), (1.0, 7, 0.35)])
+def test_warp_equals_hf_warpers(temperature, top_k, top_p):
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, 50)).astype(np.float32) * 3
+    t = torch.tensor(logits)
+    t = TemperatureLogitsWarper(temperature)(None, t)
+    if top_k:
+        t = TopKLogitsWarper(top_k)(None, t)
+    t = TopPLogitsWarper(top_p)(None, t)
+    ref = torch.log_softmax(t, -1).numpy()
+    ours = np.asarray(warp(jnp.asarray(logits), jnp.full(4, temperature), jnp.full(4, top_p),
+                           jnp.full(4, top_k, jnp.int32)))
+    np.testing.assert_array_equal(np.isinf(ours), np.isinf(ref))
+    finite = ~np.isinf(ref)
+    np.testing.assert_allclose(ours[finite], ref[finite], atol=1e-5)
+
+
+def test_greedy_warp_is_argmax_one_hot():
+    logits = jnp.asarray([[0.1, 2.0, -1.0], [5.0, 0.0, 4.9]])
+    lp = warp(logits, jnp.zeros(2), jnp.ones(2), jnp.zeros(2, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(jnp.exp(lp)), [[0, 1, 0], [1, 0, 0]])
+
+
+def test_sample_frequencies_follow_warped_distribution():
+    logits = jnp.log(jnp.asarray([0.4, 0.3, 0.15, 0.1, 0.05]))
+    n = 4000
+    sampling = SlotSampling(temperature=jnp.full(n, 1.0), top_p=jnp.full(n, 0.8), top_k=jnp.zeros(n, jnp.int32),
+                            seed=jnp.arange(n, dtype=jnp.uint32))
+    toks = np.asarray(sample(jnp.broadcast_to(logits, (n, 5)), sampling, jnp.asarray(0)))
+    freq = np.bincount(toks, minlength=5) / n
+    want = np.asarray(jnp.exp(warp(logits[None], jnp.ones(1), jnp.full(1, 0.8), jnp.zeros(1, jnp.int32))))[0]
+    np.testing.assert_allclose(want, [0.4 / 0.85, 0.3 / 0.85, 0.15 / 0.85, 0, 0], atol=1e-6)
+    assert np.abs(freq - want).max() < 0.03
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "--model", "/definitely/not/here", "x"], "no such directory"),
+    (["generate", "--top-p", "1.5", "x"], "top_p"),
+    (["generate"], "PROMPT"),
+])
+def test_cli_errors_are_one_line(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hyspec: error:") and needle in err[0]
+
+
+def test_cli_error_for_directory_without_config(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--model", str(tmp_path), "x"])
+    err = capsys.readouterr().err
+    assert "config.json" in err and "Traceback" not in err

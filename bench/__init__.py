@@ -1,0 +1,1 @@
+"""Benchmarks (installed as hyspec_jax.bench)."""

@@ -1,0 +1,307 @@
+"""Benchmark of the GDN tree-verification kernels against their baselines (issue [kernels]).
+
+    python -m hyspec_jax.bench.kernels --json out.json [--quick]
+
+For the Qwen3.8-27B GDN geometry (HK 16, HV 48, dk = dv = 128; bf16 q/k/v, fp32 state) at batch
+1/8/32 and tree sizes N = 16/32/64 (depth 4/6/8), it checks every variant against the fp32 reference
+(gdn.masked_solve, triangular solve, precision HIGHEST) on random trees and times:
+  pallas_{neumann,squaring}_bv{32,64,128}  our value-tiled closed-form kernel (tf32 tensor cores)
+  pallas_neumann_bv64_tf32x3              the same with 3-pass tf32 (≈ fp32 accuracy)
+  serial_pallas_bv{32,64}                  SGLang-style per-node serial kernel (parent state from HBM)
+  xla_solve / xla_neumann                  gdn.masked_solve jitted (XLA)
+  xla_scan_paths                           lax.scan serial recurrence per root-to-leaf path (XLA)
+and the cross-layer commit (48 GDN layers) against its XLA reference.
+
+Timing (METHOD.md): each variant is jitted over R distinct input sets (rotating buffers, so repeated
+calls do not hit a cache and cannot be merged), warmed up, then timed `reps` times with
+block_until_ready; per-call time = median / R. Commit: S is donated and fed back (in place), K calls per
+timed block. Writes JSON with device kind, jax version, git commit, medians and errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from hyspec_jax import gdn
+from pallas_kernels import trees
+from pallas_kernels.gdn_commit import path_commit_pallas, path_commit_reference
+from pallas_kernels.gdn_serial import masked_solve_xla, serial_paths_xla, serial_tree_pallas
+from pallas_kernels.gdn_tree_solve import tree_solve_pallas
+
+HK, HV, DK, DV, LG = 16, 48, 128, 128, 48
+DEPTH_FOR_N = {16: 4, 32: 6, 64: 8, 128: 8}
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _rel(a, b) -> float:
+    a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+    if not np.isfinite(a).all():
+        return float("nan")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _maxabs(a, b) -> float:
+    return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
+
+
+def make_set(seed: int, B: int, N: int, dtype=jnp.bfloat16):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    q = (gdn.l2norm(jax.random.normal(ks[0], (B, N, HK, DK))) * DK ** -0.5).astype(dtype)
+    k = gdn.l2norm(jax.random.normal(ks[1], (B, N, HK, DK))).astype(dtype)
+    v = jax.random.normal(ks[2], (B, N, HV, DV)).astype(dtype)
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, N, HV)) - 1.0)     # decays in (0, 1)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, N, HV)))
+    S0 = jax.random.normal(ks[5], (B, HV, DK, DV), jnp.float32) * 0.1
+    return S0, q, k, v, g, beta
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy rate in bytes/s, counting read + write."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda x: x + 1.0)
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(10):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        ts.append(time.perf_counter() - t)
+    return 2 * nbytes / float(np.median(ts))
+
+
+def time_multi(fn, sets, reps: int, warmup: int = 2) -> dict:
+    """Median seconds per call of fn over rotating input sets (one jitted executable runs them all)."""
+    multi = jax.jit(lambda ss: [fn(*s) for s in ss])
+    t0 = time.perf_counter()
+    jax.block_until_ready(multi(sets))
+    compile_s = time.perf_counter() - t0
+    for _ in range(warmup - 1):
+        jax.block_until_ready(multi(sets))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(multi(sets))
+        ts.append(time.perf_counter() - t)
+    R = len(sets)
+    return {"median_us": 1e6 * float(np.median(ts)) / R, "min_us": 1e6 * float(np.min(ts)) / R,
+            "spread_us": 1e6 * float(np.percentile(ts, 90) - np.percentile(ts, 10)) / R,
+            "sets": R, "reps": reps, "compile_s": compile_s}
+
+
+def solve_bytes(B, N) -> int:
+    """Fewest bytes a tree solve must move: S0, q, k (key heads), v, g, β, mask in; o, V', Γ out."""
+    return (B * HV * DK * DV * 4 + 2 * B * N * HK * DK * 2 + B * N * HV * DV * 2 + 2 * B * N * HV * 4
+            + B * N * N * 4 + 2 * B * N * HV * DV * 4 + B * HV * N * 4)
+
+
+def bench_tree(B: int, N: int, args, bw: float, log) -> dict:
+    depth = DEPTH_FOR_N[N]
+    parents_np = trees.random_parents(1000 * B + N, B, N, depth)
+    parents = jnp.asarray(parents_np)
+    mask = trees.mask_from_parents(parents)
+    path_nodes = jnp.asarray(trees.leaf_paths(parents_np, depth)[0])
+    big = B * N >= 1024
+    R = 4 if big else 8
+    sets = [make_set(7919 * i + B * N, B, N) for i in range(R)]
+    o_ref, fac_ref = masked_solve_xla(*sets[0], mask, method="solve")
+    o_ref, vc_ref = jax.block_until_ready((o_ref, fac_ref.corrected))
+
+    variants = {}
+    bvs = [32, 64, 128] if not args.quick else [64]
+    for method in ["neumann", "squaring"]:
+        for bv in bvs:
+            variants[f"pallas_{method}_bv{bv}"] = (
+                lambda *s, m=method, bv=bv: tree_solve_pallas(*s, mask, max_depth=depth, method=m, block_v=bv,
+                                                              precision="tf32"), "solve")
+    variants["pallas_neumann_bv64_tf32x3"] = (
+        lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="neumann", block_v=64,
+                                     precision="tf32x3"), "solve")
+    for bv in ([32, 64] if not args.quick else [64]):
+        variants[f"serial_pallas_bv{bv}"] = (
+            lambda *s, bv=bv: serial_tree_pallas(*s, parents, block_v=bv), "serial")
+    variants["xla_solve"] = (lambda *s: masked_solve_xla(*s, mask, method="solve"), "xla")
+    variants["xla_neumann"] = (lambda *s: masked_solve_xla(*s, mask, method="neumann", max_depth=depth), "xla")
+    variants["xla_scan_paths"] = (lambda *s: serial_paths_xla(*s, path_nodes), "paths")
+
+    floor_us = 1e6 * solve_bytes(B, N) / bw
+    out = {"B": B, "N": N, "depth": depth, "paths": int(path_nodes.shape[1]), "floor_us": floor_us,
+           "variants": {}}
+    for name, (fn, kind) in variants.items():
+        rec = {}
+        try:
+            res = jax.block_until_ready(jax.jit(fn)(*sets[0]))
+            if kind == "solve":
+                o, gamma, vc = res
+                rec.update(err_o=_rel(o, o_ref), err_vc=_rel(vc, vc_ref), maxabs_o=_maxabs(o, o_ref),
+                           err_gamma=_rel(gamma, fac_ref.log_decay))
+            elif kind == "xla":
+                o, fac = res
+                rec.update(err_o=_rel(o, o_ref), err_vc=_rel(fac.corrected, vc_ref), maxabs_o=_maxabs(o, o_ref))
+            elif kind == "serial":
+                o, _states = res
+                rec.update(err_o=_rel(o, o_ref), maxabs_o=_maxabs(o, o_ref))
+            else:
+                rec.update(err_o=_rel(res, o_ref), maxabs_o=_maxabs(res, o_ref))
+            del res
+            use = sets if not (kind == "serial" and big) else sets[:2]     # per-node states are large
+            rec.update(time_multi(fn, use, args.reps))
+            rec["pct_of_floor"] = 100.0 * floor_us / rec["median_us"]
+        except Exception as e:  # noqa: BLE001 — record and go on
+            rec["error"] = f"{type(e).__name__}: {e}"[:2000]
+            traceback.print_exc()
+        out["variants"][name] = rec
+        log(f"  B={B:<3d} N={N:<3d} {name:<28s} " + (
+            f"{rec['median_us']:10.1f} us  err_o {rec.get('err_o', float('nan')):.2e}"
+            if "median_us" in rec else f"ERROR {rec.get('error', '')[:200]}"))
+    return out
+
+
+def bench_commit(B: int, N: int, args, bw: float, log) -> dict:
+    depth = DEPTH_FOR_N[N]
+    parents_np = trees.random_parents(77 + B, B, N, depth)
+    mask = trees.mask_from_parents(jnp.asarray(parents_np))
+    rng = np.random.default_rng(B)
+    node = rng.integers(0, N, size=B).astype(np.int32)
+    if B > 1:
+        node[1] = -1                                              # one request accepted nothing
+    node = jnp.asarray(node)
+    ks = jax.random.split(jax.random.key(B + 5), 4)
+    Lg = args.layers
+    S0 = jax.random.normal(ks[0], (Lg, B, HV, DK, DV), jnp.float32) * 0.1
+    gam = jnp.cumsum(-jax.random.uniform(ks[1], (Lg, B, HV, N)) * 0.1, -1)
+    keys = gdn.l2norm(jax.random.normal(ks[2], (Lg, B, N, HK, DK))).astype(jnp.bfloat16)
+    vc = jax.random.normal(ks[3], (Lg, B, HV, N, DV), jnp.float32) * 0.1
+    ref = jax.block_until_ready(jax.jit(path_commit_reference)(S0, gam, keys, vc, mask, node))
+    n_acc = int(jnp.sum(node >= 0))
+    bytes_ = n_acc * Lg * HV * DK * DV * 4 * 2 + Lg * B * HV * N * (DV * 4 + 4) + Lg * B * N * HK * DK * 2
+    out = {"B": B, "N": N, "layers": Lg, "accepted_requests": n_acc, "floor_us": 1e6 * bytes_ / bw,
+           "variants": {}}
+    variants = {f"pallas_commit_bv{bv}": (lambda S, *a, bv=bv: path_commit_pallas(S, *a, block_v=bv))
+                for bv in ([64, 128] if not args.quick else [64])}
+    variants["pallas_commit_bv64_tf32"] = lambda S, *a: path_commit_pallas(S, *a, block_v=64, precision="tf32")
+    variants["xla_reference"] = path_commit_reference
+    K = 5
+    for name, fn in variants.items():
+        rec = {}
+        try:
+            got = jax.block_until_ready(jax.jit(fn)(S0, gam, keys, vc, mask, node))
+            rec.update(err=_rel(got, ref), maxabs=_maxabs(got, ref))
+            del got
+            f = jax.jit(fn, donate_argnums=(0,))
+            S = jnp.copy(S0)
+            t0 = time.perf_counter()
+            S = jax.block_until_ready(f(S, gam, keys, vc, mask, node))
+            rec["compile_s"] = time.perf_counter() - t0
+            ts = []
+            for _ in range(args.reps):
+                t = time.perf_counter()
+                for _ in range(K):
+                    S = f(S, gam, keys, vc, mask, node)
+                S.block_until_ready()
+                ts.append((time.perf_counter() - t) / K)
+            rec.update(median_us=1e6 * float(np.median(ts)), min_us=1e6 * float(np.min(ts)),
+                       spread_us=1e6 * float(np.percentile(ts, 90) - np.percentile(ts, 10)), calls_per_block=K)
+            rec["pct_of_floor"] = 100.0 * out["floor_us"] / rec["median_us"]
+            del S
+        except Exception as e:  # noqa: BLE001
+            rec["error"] = f"{type(e).__name__}: {e}"[:2000]
+            traceback.print_exc()
+        out["variants"][name] = rec
+        log(f"  commit B={B:<3d} N={N:<3d} {name:<26s} " + (
+            f"{rec['median_us']:10.1f} us  err {rec.get('err', float('nan')):.2e}"
+            if "median_us" in rec else f"ERROR {rec.get('error', '')[:200]}"))
+    return out
+
+
+def summarize(results: dict) -> list[str]:
+    lines = ["", "tree solve (us per call, median; speedup of the best kernel vs baselines)",
+             f"{'B':>3} {'N':>3} {'d':>2} | {'best kernel':<28} {'us':>9} {'err_o':>8} | {'serial':>9} "
+             f"{'xla_solve':>9} {'xla_neu':>9} {'xla_scan':>9} | {'x serial':>8} {'x xla':>7} {'floor%':>6}"]
+    for r in results["tree"]:
+        v = r["variants"]
+        t = lambda n: v.get(n, {}).get("median_us", float("nan"))
+        kern = {n: x for n, x in v.items() if n.startswith("pallas_") and "median_us" in x and "tf32x3" not in n}
+        if not kern:
+            lines.append(f"{r['B']:>3} {r['N']:>3} {r['depth']:>2} | no kernel result")
+            continue
+        best = min(kern, key=lambda n: kern[n]["median_us"])
+        serial = min([t(n) for n in v if n.startswith("serial_pallas")] or [float("nan")])
+        xla = min(t("xla_solve"), t("xla_neumann"))
+        lines.append(
+            f"{r['B']:>3} {r['N']:>3} {r['depth']:>2} | {best:<28} {t(best):9.1f} {kern[best]['err_o']:8.1e} | "
+            f"{serial:9.1f} {t('xla_solve'):9.1f} {t('xla_neumann'):9.1f} {t('xla_scan_paths'):9.1f} | "
+            f"{serial / t(best):8.2f} {xla / t(best):7.2f} {kern[best]['pct_of_floor']:6.1f}")
+    if results.get("commit"):
+        lines += ["", f"commit over {results['commit'][0]['layers']} layers (us per call)"]
+        for r in results["commit"]:
+            v = r["variants"]
+            parts = [f"{n}={x['median_us']:.1f} (err {x['err']:.1e})" for n, x in v.items() if "median_us" in x]
+            lines.append(f"  B={r['B']:<3d} N={r['N']:<3d} floor={r['floor_us']:.1f}  " + "  ".join(parts))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--nodes", default="16,32,64")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--layers", type=int, default=LG, help="GDN layers in the commit benchmark")
+    ap.add_argument("--commit-nodes", type=int, default=64)
+    ap.add_argument("--no-commit", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="fewer block_v configs")
+    args = ap.parse_args(argv)
+
+    def log(s):
+        print(s, flush=True)
+
+    dev = jax.devices()[0]
+    results = {"device_kind": dev.device_kind, "platform": dev.platform, "jax_version": jax.__version__,
+               "git_commit": _git_commit(), "geometry": {"HK": HK, "HV": HV, "dk": DK, "dv": DV},
+               "dtypes": {"qkv": "bfloat16", "state": "float32", "o": "float32"},
+               "reference": "gdn.masked_solve(method='solve'), fp32 precision HIGHEST, same bf16 inputs",
+               "time_unit": "us per call", "tree": [], "commit": []}
+    if dev.platform != "gpu":
+        log("warning: no GPU; Pallas kernels will fail (this benchmark is for the device machine)")
+    bw = copy_bandwidth()
+    results["copy_bandwidth_GBps"] = bw / 1e9
+    log(f"device {dev.device_kind}, jax {jax.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s")
+
+    def save():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+
+    for B in map(int, args.batches.split(",")):
+        for N in map(int, args.nodes.split(",")):
+            results["tree"].append(bench_tree(B, N, args, bw, log))
+            save()
+    if not args.no_commit:
+        for B in map(int, args.batches.split(",")):
+            results["commit"].append(bench_commit(B, args.commit_nodes, args, bw, log))
+            save()
+    for line in summarize(results):
+        log(line)
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""Pallas GPU kernels for GDN tree verification; each has a pure-JAX twin in hyspec_jax.gdn (DESIGN §5).
+
+- gdn_tree_solve: closed-form value-tiled tree solve (Bole Algorithm 1)
+- gdn_commit: cross-layer factorized path commit (Bole Algorithm 2, Phase C)
+- gdn_serial: baselines (SGLang-style per-node serial kernel; XLA closed form and per-path scan)
+- dispatch: fail-closed dispatcher with custom_vjp
+"""

@@ -1,0 +1,197 @@
+"""Fail-closed dispatch between the Pallas GDN kernels and their pure-JAX references (DESIGN §5).
+
+`tree_solve(...)` has the contract of `hyspec_jax.gdn.masked_solve` and returns `(o, SolveFactors)`.
+The kernel runs only on an NVIDIA GPU backend (compute capability ≥ 8.0) with a supported shape and
+dtype; anything else takes the reference path — never a kernel that might be wrong. Node counts that
+are not a power of two in [16, 128] are padded with identity nodes (g = 0, β = 0, mask row = self) and
+sliced back. The kernel path is a `jax.custom_vjp` whose backward is the reference's VJP.
+
+`path_commit(...)` does the same for the cross-layer factorized commit (gdn.node_state per layer).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from hyspec_jax import gdn
+from pallas_kernels import gdn_commit, gdn_tree_solve
+
+F32 = jnp.float32
+Impl = Literal["auto", "reference", "pallas", "interpret"]
+_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def gpu_kernels_available() -> bool:
+    """True on an NVIDIA GPU backend with compute capability ≥ 8.0 (Triton tensor-core dots)."""
+    try:
+        if jax.default_backend() != "gpu":
+            return False
+        dev = jax.devices()[0]
+        cc = getattr(dev, "compute_capability", None)
+        return cc is not None and float(cc) >= 8.0
+    except Exception:   # noqa: BLE001 — any doubt means no kernel
+        return False
+
+
+def _padded_n(n: int) -> int | None:
+    p = 16
+    while p < n:
+        p *= 2
+    return p if p <= 128 else None
+
+
+def _expand(x: jax.Array, hv: int) -> jax.Array:
+    return jnp.repeat(x, hv // x.shape[2], axis=2) if x.shape[2] != hv else x
+
+
+def _reference(S0, q, k, v, g, beta, mask, max_depth, method="solve"):
+    HV = v.shape[2]
+    return gdn.masked_solve(S0, _expand(q, HV), _expand(k, HV), v, g, beta, mask, method=method,
+                            max_depth=max_depth)
+
+
+def tree_solve_supported(S0, q, k, v, g, beta, mask, block_v: int = 64) -> tuple[bool, str]:
+    """(ok, reason) for the kernel path on this shape/dtype (platform checked separately)."""
+    try:
+        B, N, HK, dk = q.shape
+        if k.shape != q.shape:
+            return False, "q and k shapes differ"
+        if v.ndim != 4 or v.shape[:2] != (B, N):
+            return False, "v shape"
+        HV, dv = v.shape[2], v.shape[3]
+        if HK <= 0 or HV % HK:
+            return False, "HV not a multiple of HK"
+        if S0.shape != (B, HV, dk, dv) or S0.dtype != F32:
+            return False, "S0 must be fp32 [B,HV,dk,dv]"
+        if g.shape != (B, N, HV) or beta.shape != (B, N, HV):
+            return False, "g/beta shape"
+        if mask.shape != (B, N, N):
+            return False, "mask shape"
+        if q.dtype != k.dtype or jnp.dtype(q.dtype) not in _FLOATS or jnp.dtype(v.dtype) not in _FLOATS:
+            return False, "dtype"
+        n_pad = _padded_n(N)
+        if n_pad is None:
+            return False, "N > 128"
+        if not gdn_tree_solve.supported(n_pad, dk, dv, block_v):
+            return False, "dk/dv/block_v"
+        return True, ""
+    except Exception as e:  # noqa: BLE001
+        return False, f"shape check failed: {e}"
+
+
+def _default_precision(dtype) -> str:
+    return "tf32x3" if jnp.dtype(dtype) == jnp.dtype(F32) else "tf32"
+
+
+def _pad_tree(n_pad, q, k, v, g, beta, mask):
+    N = q.shape[1]
+    if n_pad == N:
+        return q, k, v, g, beta, mask
+    extra = n_pad - N
+    padn = lambda x: jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))
+    q, k, v, g, beta = map(padn, (q, k, v, g, beta))      # zeros: g = 0, β = 0 → identity steps
+    m = jnp.pad(mask.astype(bool), [(0, 0), (0, extra), (0, extra)])
+    m = m | jnp.eye(n_pad, dtype=bool)[None]              # padded rows: self only
+    return q, k, v, g, beta, m
+
+
+def _kernel_forward(S0, q, k, v, g, beta, mask, max_depth, cfg):
+    method, block_v, precision, interpret = cfg
+    B, N = q.shape[:2]
+    HV = v.shape[2]
+    n_pad = _padded_n(N)
+    qp, kp, vp, gp, bp, mp = _pad_tree(n_pad, q, k, v, g, beta, mask)
+    o, gamma, vc = gdn_tree_solve.tree_solve_pallas(
+        S0, qp, kp, vp, gp, bp, mp, max_depth=min(max_depth, N), method=method, block_v=block_v,
+        precision=precision, interpret=interpret)
+    if n_pad != N:
+        o, gamma, vc = o[:, :N], gamma[..., :N], vc[:, :, :N]
+    keys = jnp.moveaxis(_expand(k, HV), 2, 1).astype(F32)       # factors.keys as the reference has them
+    return o, gdn.SolveFactors(gamma, keys, vc)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _kernel_solve(S0, q, k, v, g, beta, mask, max_depth, cfg):
+    return _kernel_forward(S0, q, k, v, g, beta, mask, max_depth, cfg)
+
+
+def _kernel_solve_fwd(S0, q, k, v, g, beta, mask, max_depth, cfg):
+    return _kernel_forward(S0, q, k, v, g, beta, mask, max_depth, cfg), (S0, q, k, v, g, beta, mask)
+
+
+def _kernel_solve_bwd(max_depth, cfg, res, ct):
+    S0, q, k, v, g, beta, mask = res
+    f = lambda S0, q, k, v, g, beta: _reference(S0, q, k, v, g, beta, mask, max_depth)
+    _, vjp = jax.vjp(f, S0, q, k, v, g, beta)
+    return (*vjp(ct), None)
+
+
+_kernel_solve.defvjp(_kernel_solve_fwd, _kernel_solve_bwd)
+
+
+def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl: Impl = "auto",
+               method: str = "neumann", block_v: int = 64, precision: str | None = None,
+               reference_method: str = "solve"):
+    """Closed-form GDN tree solve with gdn.masked_solve's contract; returns (o fp32, SolveFactors).
+
+    q, k: [B,N,HK,dk] or already expanded [B,N,HV,dk]. impl: "auto" (kernel iff GPU and supported),
+    "reference", "pallas" (kernel or ValueError), "interpret" (kernel in Pallas interpret mode, CPU tests).
+    method: "neumann" | "squaring" for the kernel; reference_method for the reference path.
+    """
+    N = q.shape[1]
+    max_depth = N if max_depth is None else int(max_depth)
+    if impl == "reference":
+        return _reference(S0, q, k, v, g, beta, mask, max_depth, reference_method)
+    ok, why = tree_solve_supported(S0, q, k, v, g, beta, mask, block_v)
+    if method not in ("neumann", "squaring"):
+        ok, why = False, f"method {method!r}"
+    if impl == "auto":
+        if not (ok and gpu_kernels_available()):
+            return _reference(S0, q, k, v, g, beta, mask, max_depth, reference_method)
+        interpret = False
+    elif impl in ("pallas", "interpret"):
+        if not ok:
+            raise ValueError(f"tree_solve kernel does not support this input: {why}")
+        if impl == "pallas" and not gpu_kernels_available():
+            raise ValueError("tree_solve kernel needs an NVIDIA GPU backend")
+        interpret = impl == "interpret"
+    else:
+        raise ValueError(f"unknown impl {impl!r}")
+    cfg = (method, block_v, precision or _default_precision(q.dtype), interpret)
+    return _kernel_solve(S0, q, k, v, g, beta, mask, max_depth, cfg)
+
+
+def path_commit(S0, log_decay, keys, corrected, mask, node, *, impl: Impl = "auto", block_v: int = 64,
+                precision: str = "tf32x3"):
+    """State of each request's accepted node for every GDN layer: S0 [Lg,B,HV,dk,dv] fp32,
+    log_decay [Lg,B,HV,N], keys [Lg,B,N,HK,dk] (input layout), corrected [Lg,B,HV,N,dv], mask [B,N,N],
+    node [B] (−1 keeps S0). Not differentiable through the kernel path (serving only)."""
+    if impl == "reference":
+        return gdn_commit.path_commit_reference(S0, log_decay, keys, corrected, mask, node)
+    try:
+        Lg, B, HV, dk, dv = S0.shape
+        N, HK = keys.shape[2], keys.shape[3]
+        ok = (S0.dtype == F32 and log_decay.shape == (Lg, B, HV, N) and keys.shape == (Lg, B, N, HK, dk)
+              and corrected.shape == (Lg, B, HV, N, dv) and mask.shape == (B, N, N) and node.shape == (B,)
+              and HV % HK == 0 and jnp.dtype(keys.dtype) in _FLOATS
+              and gdn_commit.supported(N, dk, dv, block_v))
+    except Exception:  # noqa: BLE001
+        ok = False
+    if impl == "auto":
+        if not (ok and gpu_kernels_available()):
+            return gdn_commit.path_commit_reference(S0, log_decay, keys, corrected, mask, node)
+        interpret = False
+    elif impl in ("pallas", "interpret"):
+        if not ok:
+            raise ValueError("path_commit kernel does not support this input")
+        if impl == "pallas" and not gpu_kernels_available():
+            raise ValueError("path_commit kernel needs an NVIDIA GPU backend")
+        interpret = impl == "interpret"
+    else:
+        raise ValueError(f"unknown impl {impl!r}")
+    return gdn_commit.path_commit_pallas(S0, log_decay, keys, corrected, mask, node, block_v=block_v,
+                                         precision=precision, interpret=interpret)

@@ -1,0 +1,167 @@
+"""Closed-form GDN tree verification (Bole Algorithm 1, value-tiled) as a Pallas GPU kernel.
+
+Must equal `hyspec_jax.gdn.masked_solve(S0, q, k, v, g, beta, mask, method=..., max_depth=...)`:
+returns o [B,N,HV,dv] (fp32 by default) and the commit factors Γ = log_decay [B,HV,N] and
+V' = corrected [B,HV,N,dv] (the keys are the inputs themselves).
+
+One program per (request b, value head h, value tile t of width block_v). It loads the committed state
+tile S0[b,h,:,t] [dk, bv] and the tree's q/k [N, dk] (key head h // (HV/HK): GVA is indexed, never
+expanded), v [N, bv], g/β [N] and the ancestor mask [N, N]; builds Γ = A g, D = A ⊙ e^{Γ_i−Γ_j},
+L = strict(A) ⊙ β kkᵀ ⊙ D and C = qkᵀ ⊙ D on chip; solves V' = (I+L)⁻¹ R with R = β(v − e^Γ (K S0))
+by `rounds` Neumann rounds (Z ← −L Z, V' += Z) or by repeated squaring ((I−L)(I+L²)(I+L⁴)…, ⌈log₂(d+1)⌉
+factors); and writes only o = e^Γ (Q S0) + C V' and V' (and Γ). Nothing per node ever reaches HBM
+except those outputs.
+
+Lowering: this file uses Pallas' Triton lowering (selected by `pltriton.CompilerParams`), although
+DESIGN §5 prefers Mosaic GPU. Reason (checked against jax 0.11.2's Mosaic GPU lowering): Mosaic GPU
+has no `dot_general` lowering, only `plgpu.wgmma`, which needs M to be a multiple of 64 and, for fp32
+(tf32) operands, both operands K-major with no transposes ("Only f16 WGMMA supports transposes"). The
+solve needs products with the node axis as M (N = 16/32 < 64), the fp32 state S0 [dk, bv] as an
+N-major B operand (K S0, Q S0) and N×N intermediates (L, C, T) produced in registers and fed back as
+operands through swizzled SMEM with matching layouts. Each of those is expressible with padding,
+bf16 hi/lo splitting and transposed-domain rewrites, but not verifiable without device time in this
+session; the Triton lowering expresses the whole algorithm directly (tl.dot takes any 2-D operand
+≥ 16 and handles transposes), and the Mosaic GPU port is listed as follow-up work.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+F32 = jnp.float32
+Method = Literal["neumann", "squaring"]
+Precision = Literal["tf32", "tf32x3", "ieee"]
+
+REFERENCE = "hyspec_jax.gdn.masked_solve"
+
+
+def _f32_precision(precision: Precision, interpret: bool):
+    """Precision argument for fp32 × fp32 dots inside the kernel."""
+    if interpret or precision == "ieee":
+        return (lax.Precision.HIGHEST, lax.Precision.HIGHEST)        # IEEE fp32 on GPU; exact on CPU
+    if precision == "tf32":
+        return (lax.Precision.DEFAULT, lax.Precision.DEFAULT)        # one tf32 tensor-core pass
+    if precision == "tf32x3":
+        return lax.DotAlgorithmPreset.TF32_TF32_F32_X3               # 3 passes, ~fp32 accurate
+    raise ValueError(f"unknown precision {precision!r}")
+
+
+def _dot(a, b, precision, *, trans_a=False, trans_b=False):
+    """a @ b (optionally with either side transposed) with fp32 accumulation."""
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    if a.dtype == F32 or b.dtype == F32:
+        a, b = a.astype(F32), b.astype(F32)
+        prec = precision
+    else:
+        prec = None                                                   # bf16/f16 tensor cores
+    return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=F32)
+
+
+def num_rounds(max_depth: int, n: int) -> int:
+    """d = edges on the longest path: the Neumann series has d nonzero terms after the identity."""
+    return max(0, min(max_depth, n) - 1)
+
+
+def num_squarings(d: int) -> int:
+    """Factors (I−L)(I+L²)…: ⌈log₂(d+1)⌉ in all."""
+    return 0 if d == 0 else math.ceil(math.log2(d + 1))
+
+
+def _tree_solve_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, v_ref, s0_ref,
+                       o_ref, gamma_ref, vc_ref, *, rounds: int, method: str, precision):
+    n = mask_ref.shape[0]
+    A = mask_ref[...]                                   # [N, N] f32 0/1
+    g = g_ref[...]                                      # [N]
+    beta = beta_ref[...]                                # [N]
+    on = A > 0
+    gamma = jnp.sum(A * g[None, :], axis=1)             # Γ = A g            [N]
+    diff = gamma[:, None] - gamma[None, :]
+    D = jnp.where(on, jnp.exp(jnp.where(on, diff, 0.0)), 0.0)
+    row = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    col = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    q = q_ref[...]                                      # [N, dk] (input dtype)
+    k = k_ref[...]
+    kk = _dot(k, k, precision, trans_b=True)            # [N, N]
+    qk = _dot(q, k, precision, trans_b=True)
+    L = jnp.where(on & (row != col), beta[:, None] * kk * D, 0.0)
+    C = qk * D
+    s0 = s0_ref[...]                                    # [dk, bv] f32
+    ks = _dot(k, s0, precision)                         # [N, bv]
+    qs = _dot(q, s0, precision)
+    eg = jnp.exp(gamma)
+    R = beta[:, None] * (v_ref[...].astype(F32) - eg[:, None] * ks)
+    if rounds == 0:
+        U = R
+    elif method == "neumann":
+        U, Z = R, R
+        for _ in range(rounds):
+            Z = -_dot(L, Z, precision)
+            U = U + Z
+    elif method == "squaring":
+        U = R - _dot(L, R, precision)
+        P = L
+        for _ in range(num_squarings(rounds) - 1):
+            P = _dot(P, P, precision)
+            U = U + _dot(P, U, precision)
+    else:
+        raise ValueError(f"unknown method {method!r}")
+    o = eg[:, None] * qs + _dot(C, U, precision)
+    o_ref[...] = o.astype(o_ref.dtype)
+    vc_ref[...] = U
+    gamma_ref[...] = gamma                              # every value tile writes the same Γ
+
+
+def supported(N: int, dk: int, dv: int, block_v: int) -> bool:
+    pow2 = lambda x: x >= 16 and (x & (x - 1)) == 0
+    return pow2(N) and N <= 128 and pow2(dk) and dk <= 256 and pow2(block_v) and dv % block_v == 0
+
+
+@functools.partial(jax.jit, static_argnames=("max_depth", "method", "block_v", "precision", "out_dtype",
+                                             "num_warps", "num_stages", "interpret"))
+def tree_solve_pallas(S0, q, k, v, g, beta, mask, *, max_depth: int, method: Method = "neumann",
+                      block_v: int = 64, precision: Precision = "tf32", out_dtype=F32,
+                      num_warps: int | None = None, num_stages: int = 1, interpret: bool = False):
+    """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
+    g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]
+    (the dispatcher pads with identity nodes). Returns (o [B,N,HV,dv], Γ [B,HV,N], V' [B,HV,N,dv]).
+    """
+    B, N, HK, dk = q.shape
+    HV, dv = v.shape[2], v.shape[3]
+    if not supported(N, dk, dv, block_v) or HV % HK:
+        raise ValueError(f"unsupported shape N={N} dk={dk} dv={dv} block_v={block_v} HV={HV} HK={HK}")
+    r = HV // HK
+    nv = dv // block_v
+    if num_warps is None:
+        num_warps = 4 if block_v * dk <= 128 * 64 else 8     # keep the fp32 state tile in registers
+    kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(max_depth, N), method=method,
+                             precision=_f32_precision(precision, interpret))
+    in_specs = [
+        pl.BlockSpec((None, N, N), lambda b, h, t: (b, 0, 0)),                 # mask
+        pl.BlockSpec((None, N, None), lambda b, h, t: (b, 0, h)),              # g
+        pl.BlockSpec((None, N, None), lambda b, h, t: (b, 0, h)),              # beta
+        pl.BlockSpec((None, N, None, dk), lambda b, h, t: (b, 0, h // r, 0)),  # q (key head)
+        pl.BlockSpec((None, N, None, dk), lambda b, h, t: (b, 0, h // r, 0)),  # k (key head)
+        pl.BlockSpec((None, N, None, block_v), lambda b, h, t: (b, 0, h, t)),  # v
+        pl.BlockSpec((None, None, dk, block_v), lambda b, h, t: (b, h, 0, t)),  # S0
+    ]
+    out_specs = [
+        pl.BlockSpec((None, N, None, block_v), lambda b, h, t: (b, 0, h, t)),  # o
+        pl.BlockSpec((None, None, N), lambda b, h, t: (b, h, 0)),              # Γ
+        pl.BlockSpec((None, None, N, block_v), lambda b, h, t: (b, h, 0, t)),  # V'
+    ]
+    out_shape = [jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype),
+                 jax.ShapeDtypeStruct((B, HV, N), F32),
+                 jax.ShapeDtypeStruct((B, HV, N, dv), F32)]
+    return pl.pallas_call(
+        kern, out_shape=out_shape, grid=(B, HV, nv), in_specs=in_specs, out_specs=out_specs,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret, name=f"gdn_tree_solve_{method}",
+    )(mask.astype(F32), g.astype(F32), beta.astype(F32), q, k, v, S0.astype(F32))

@@ -1,0 +1,215 @@
+"""Pallas GDN kernels against their pure-JAX twins (DESIGN §5): interpret mode on CPU, real GPU when present.
+
+Fresh random trees every case (seeded per parameter set, different across sets); small shapes on CPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+from hyspec_jax import gdn
+from pallas_kernels import dispatch, trees
+from pallas_kernels.gdn_commit import path_commit_pallas, path_commit_reference
+from pallas_kernels.gdn_serial import masked_solve_xla, serial_paths_xla, serial_tree_pallas
+from pallas_kernels.gdn_tree_solve import tree_solve_pallas
+
+GPU = any(d.platform == "gpu" for d in jax.devices())
+needs_gpu = pytest.mark.skipif(not GPU, reason="needs an NVIDIA GPU")
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.isfinite(a).all()
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def make_inputs(seed, B, N, HK, HV, dk, dv, depth, dtype=jnp.float32, single_root=True):
+    par = trees.random_parents(seed, B, N, depth, single_root=single_root)
+    mask = trees.mask_from_parents(jnp.asarray(par))
+    ks = jax.random.split(jax.random.key(seed + 1000), 6)
+    q = (gdn.l2norm(jax.random.normal(ks[0], (B, N, HK, dk))) * dk ** -0.5).astype(dtype)
+    k = gdn.l2norm(jax.random.normal(ks[1], (B, N, HK, dk))).astype(dtype)
+    v = jax.random.normal(ks[2], (B, N, HV, dv)).astype(dtype)
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, N, HV)) + 1.0)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, N, HV)))
+    S0 = jax.random.normal(ks[5], (B, HV, dk, dv)) * 0.5
+    return par, mask, (S0, q, k, v, g, beta)
+
+
+def reference(S0, q, k, v, g, beta, mask):
+    return masked_solve_xla(S0, q, k, v, g, beta, mask, method="solve")
+
+
+# ---------------------------------------------------------------- tree utilities
+def test_tree_utilities_roundtrip():
+    par = trees.random_parents(3, 4, 23, 6, single_root=False)
+    mask = trees.mask_from_parents(jnp.asarray(par))
+    assert (np.asarray(trees.parents_from_mask(mask)) == par).all()
+    assert int(trees.depth_of(mask).max()) <= 6
+    nodes, valid = trees.leaf_paths(par, 6)
+    assert nodes.shape[-1] == 6 and valid[0, :, 0].any()
+    assert ((valid[:, :, 0]) | ~valid.any(-1)).all()   # a used path slot starts at its root
+
+
+# ---------------------------------------------------------------- tree solve (interpret mode)
+CASES = [  # B, N, HK, HV, dk, dv, depth, block_v
+    (2, 16, 2, 4, 32, 32, 5, 16),
+    (1, 32, 1, 3, 16, 32, 8, 32),
+    (2, 16, 4, 4, 16, 16, 1, 16),      # depth 1: no rounds
+    (1, 16, 2, 2, 16, 32, 16, 16),     # a chain (depth = N)
+]
+
+
+@pytest.mark.parametrize("method", ["neumann", "squaring"])
+@pytest.mark.parametrize("case", CASES)
+def test_tree_solve_interpret(case, method):
+    B, N, HK, HV, dk, dv, depth, bv = case
+    seed = hash((case, method)) % 10_000
+    par, mask, (S0, q, k, v, g, beta) = make_inputs(seed, B, N, HK, HV, dk, dv, depth)
+    if depth == N:
+        mask = gdn.chain_mask(B, N)
+    o_ref, fac = reference(S0, q, k, v, g, beta, mask)
+    o, gamma, vc = tree_solve_pallas(S0, q, k, v, g, beta, mask, max_depth=depth, method=method,
+                                     block_v=bv, interpret=True)
+    assert rel(o, o_ref) < 1e-5
+    assert rel(gamma, fac.log_decay) < 1e-6
+    assert rel(vc, fac.corrected) < 1e-5
+
+
+def test_tree_solve_interpret_forest_and_bf16():
+    par, mask, args = make_inputs(7, 2, 16, 2, 4, 32, 32, 4, dtype=jnp.bfloat16, single_root=False)
+    o_ref, fac = reference(*args, mask)
+    o, gamma, vc = tree_solve_pallas(*args, mask, max_depth=4, block_v=32, interpret=True)
+    assert rel(o, o_ref) < 1e-5 and rel(vc, fac.corrected) < 1e-5
+
+
+# ---------------------------------------------------------------- serial baselines
+def test_serial_tree_pallas_interpret():
+    par, mask, args = make_inputs(11, 2, 16, 2, 4, 32, 32, 5)
+    o_ref, fac = reference(*args, mask)
+    o, states = serial_tree_pallas(*args, jnp.asarray(par), block_v=16, interpret=True)
+    assert rel(o, o_ref) < 1e-5
+    S0 = args[0]
+    B, N = par.shape
+    want = jnp.stack([gdn.node_state(S0, fac, mask, jnp.full((B,), i)) for i in range(N)], axis=2)
+    assert rel(states, want) < 1e-5
+
+
+def test_serial_paths_xla():
+    par, mask, args = make_inputs(12, 2, 16, 2, 4, 16, 16, 6, single_root=False)
+    o_ref, _ = reference(*args, mask)
+    nodes, _ = trees.leaf_paths(par, 6)
+    assert rel(serial_paths_xla(*args, jnp.asarray(nodes)), o_ref) < 1e-5
+
+
+# ---------------------------------------------------------------- commit
+@pytest.mark.parametrize("HK", [1, 4])
+def test_path_commit_interpret(HK):
+    B, N, HV, dk, dv, Lg = 3, 16, 4, 16, 16, 2
+    par, mask, (S0, q, k, v, g, beta) = make_inputs(21 + HK, B, N, HK, HV, dk, dv, 5)
+    ks = jax.random.split(jax.random.key(HK), 4)
+    S0l = jax.random.normal(ks[0], (Lg, B, HV, dk, dv))
+    gam = -jnp.cumsum(jax.random.uniform(ks[1], (Lg, B, HV, N)), -1) @ np.asarray(mask[0], np.float32).T * 0.1
+    keys = jax.random.normal(ks[2], (Lg, B, N, HK, dk))
+    vc = jax.random.normal(ks[3], (Lg, B, HV, N, dv))
+    node = jnp.array([5, -1, N - 1], jnp.int32)
+    want = path_commit_reference(S0l, gam, keys, vc, mask, node)
+    got = path_commit_pallas(S0l, gam, keys, vc, mask, node, block_v=16, interpret=True)
+    assert rel(got, want) < 1e-5
+    np.testing.assert_array_equal(np.asarray(got[:, 1]), np.asarray(S0l[:, 1]))   # node −1: untouched
+
+
+def test_commit_after_solve_equals_path_recurrence():
+    """Solve → commit on the accepted node equals running the accepted path serially."""
+    B, N, HK, HV, dk, dv, depth = 2, 16, 2, 4, 16, 16, 5
+    par, mask, (S0, q, k, v, g, beta) = make_inputs(31, B, N, HK, HV, dk, dv, depth)
+    o, fac = dispatch.tree_solve(S0, q, k, v, g, beta, mask, depth, impl="interpret", block_v=16)
+    node = jnp.array([N - 1, 3], jnp.int32)
+    S_new = dispatch.path_commit(S0[None], fac.log_decay[None], k[None], fac.corrected[None], mask, node,
+                                 impl="interpret", block_v=16)[0]
+    for b in range(B):
+        path, j = [], int(node[b])
+        while j >= 0:
+            path.append(j)
+            j = int(par[b, j])
+        path = path[::-1]
+        sel = lambda x: x[b:b + 1, jnp.asarray(path)]
+        r = HV // HK
+        _, S_path = gdn.serial_recurrence(S0[b:b + 1], jnp.repeat(sel(q), r, 2), jnp.repeat(sel(k), r, 2),
+                                          sel(v), sel(g), sel(beta))
+        assert rel(S_new[b:b + 1], S_path) < 1e-5
+
+
+# ---------------------------------------------------------------- dispatcher
+def test_dispatch_falls_back_on_cpu():
+    if GPU:
+        pytest.skip("CPU-only behaviour")
+    assert not dispatch.gpu_kernels_available()
+    par, mask, args = make_inputs(41, 1, 16, 2, 4, 16, 16, 4)
+    o, fac = dispatch.tree_solve(*args, mask, 4)                      # auto → reference on CPU
+    o_ref, fac_ref = reference(*args, mask)
+    assert rel(o, o_ref) < 1e-6 and rel(fac.corrected, fac_ref.corrected) < 1e-6
+    with pytest.raises(ValueError):
+        dispatch.tree_solve(*args, mask, 4, impl="pallas")
+
+
+def test_dispatch_unsupported_shape_falls_back():
+    par, mask, (S0, q, k, v, g, beta) = make_inputs(42, 1, 16, 2, 4, 16, 24, 4)   # dv 24 % 64 ≠ 0
+    ok, _ = dispatch.tree_solve_supported(S0, q, k, v, g, beta, mask, 64)
+    assert not ok
+    o, _ = dispatch.tree_solve(S0, q, k, v, g, beta, mask, 4)
+    o_ref, _ = reference(S0, q, k, v, g, beta, mask)
+    assert rel(o, o_ref) < 1e-6
+    with pytest.raises(ValueError):
+        dispatch.tree_solve(S0, q, k, v, g, beta, mask, 4, impl="interpret")
+
+
+def test_dispatch_pads_odd_node_count():
+    par, mask, args = make_inputs(43, 2, 11, 2, 4, 16, 16, 4)
+    o, fac = dispatch.tree_solve(*args, mask, 4, impl="interpret", block_v=16)
+    o_ref, fac_ref = reference(*args, mask)
+    assert o.shape == o_ref.shape and fac.corrected.shape == fac_ref.corrected.shape
+    assert rel(o, o_ref) < 1e-5 and rel(fac.corrected, fac_ref.corrected) < 1e-5
+    assert rel(fac.log_decay, fac_ref.log_decay) < 1e-6
+
+
+def test_custom_vjp_gradient_matches_reference():
+    par, mask, args = make_inputs(44, 1, 16, 2, 4, 16, 16, 4)
+    w = jax.random.normal(jax.random.key(5), (1, 16, 4, 16))
+    wv = jax.random.normal(jax.random.key(6), (1, 4, 16, 16))
+
+    def loss(impl, *a):
+        o, fac = dispatch.tree_solve(*a, mask, 4, impl=impl, block_v=16)
+        return jnp.sum(o * w) + jnp.sum(fac.corrected * wv) + jnp.sum(jnp.sin(fac.log_decay))
+
+    argnums = tuple(range(6))
+    g_k = jax.grad(lambda *a: loss("interpret", *a), argnums)(*args)
+    g_r = jax.grad(lambda *a: loss("reference", *a), argnums)(*args)
+    for a, b in zip(g_k, g_r):
+        assert rel(a, b) < 1e-5
+
+
+# ---------------------------------------------------------------- real GPU
+@needs_gpu
+@pytest.mark.parametrize("method", ["neumann", "squaring"])
+@pytest.mark.parametrize("N,depth", [(16, 4), (64, 8)])
+def test_tree_solve_gpu_bf16(method, N, depth):
+    par, mask, args = make_inputs(N + depth, 2, N, 16, 48, 128, 128, depth, dtype=jnp.bfloat16)
+    o_ref, fac = reference(*args, mask)
+    o, fac_k = dispatch.tree_solve(*args, mask, depth, impl="pallas", method=method)
+    assert rel(o, o_ref) < 1e-2 and rel(fac_k.corrected, fac.corrected) < 1e-2
+
+
+@needs_gpu
+def test_commit_gpu():
+    par, mask, (S0, q, k, v, g, beta) = make_inputs(77, 4, 32, 16, 48, 128, 128, 6, dtype=jnp.bfloat16)
+    _, fac = reference(S0, q, k, v, g, beta, mask)
+    node = jnp.array([31, -1, 0, 7], jnp.int32)
+    S0l = jnp.stack([S0, 2 * S0])
+    st = lambda x: jnp.stack([x, x])
+    want = path_commit_reference(S0l, st(fac.log_decay), st(k), st(fac.corrected), mask, node)
+    got = dispatch.path_commit(S0l, st(fac.log_decay), st(k), st(fac.corrected), mask, node, impl="pallas")
+    assert rel(got, want) < 1e-5

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from hyspec_jax.config import TargetConfig
+from hyspec_jax.gdn import SolveFactors
 
 
 @struct.dataclass
@@ -29,6 +30,19 @@ class TargetState:
     @property
     def max_len(self) -> int:
         return self.keys.shape[2]
+
+
+@struct.dataclass
+class TreeCache:
+    """What a tree verify leaves for the commit: factors, not per-node states (Bole, Algorithm 2).
+
+    Stacked over layers of each kind; N = tree nodes. Transient: lives for one round.
+    """
+    factors: SolveFactors   # Γ [Lg,B,HV,N], keys [Lg,B,HV,N,dk], corrected values V' [Lg,B,HV,N,dv]
+    conv_inputs: jax.Array  # [Lg, B, N, conv_dim] raw (pre-conv) q/k/v inputs of the nodes
+    keys: jax.Array         # [La, B, N, KVH, hd] node keys (post-norm, post-RoPE at the node's position)
+    values: jax.Array       # [La, B, N, KVH, hd]
+    mask: jax.Array         # [B, N, N] ancestor-or-self
 
 
 def init_state(cfg: TargetConfig, batch: int, max_len: int, dtype=jnp.float32) -> TargetState:

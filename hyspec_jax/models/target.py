@@ -17,7 +17,9 @@ from hyspec_jax import gdn
 from hyspec_jax.config import LINEAR, TargetConfig
 from hyspec_jax.models.layers import (MLP, Attention, GatedDeltaNet, Linear, RMSNorm, SparseMoe, _normal,
                                       attend)
-from hyspec_jax.state import TargetState
+from hyspec_jax import tree as tree_lib
+from hyspec_jax.state import TargetState, TreeCache
+from hyspec_jax.tree import Tree
 
 F32 = jnp.float32
 
@@ -66,6 +68,25 @@ class TargetModel(nnx.Module):
             return jnp.einsum("...h,vh->...v", h.astype(w.dtype), w, preferred_element_type=F32)
         return self.lm_head(h).astype(F32)
 
+    def _stack(self, x: jax.Array, gdn_mixer, attn_mixer, tap_layers: tuple[int, ...]):
+        """The decoder stack with pluggable mixers: `gdn_mixer(slot, module, h)` / `attn_mixer(slot, module, h)`
+        return (y, aux). Returns (final-norm hidden, taps dict, gdn aux list, attn aux list)."""
+        cfg = self.config
+        gdn_aux, attn_aux, taps = [], [], {}
+        for i, layer in enumerate(self.model.layers):
+            h = layer.input_layernorm(x)
+            if layer.is_linear:
+                y, aux = gdn_mixer(cfg.layer_slot(i), layer.linear_attn, h)
+                gdn_aux.append(aux)
+            else:
+                y, aux = attn_mixer(cfg.layer_slot(i), layer.self_attn, h)
+                attn_aux.append(aux)
+            x = x + y
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in tap_layers:
+                taps[i] = x
+        return self.model.norm(x), taps, gdn_aux, attn_aux
+
     def extend(self, state: TargetState, tokens: jax.Array, valid: jax.Array, *, last_only: bool = False,
                tap_layers: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, TargetState]:
         """Append tokens [B,T] (valid [B,T] a per-row prefix mask) to every slot's committed sequence.
@@ -75,7 +96,6 @@ class TargetModel(nnx.Module):
         layers stacked [len(tap_layers), B, T, H] (drafter taps, all T positions).
         T == 1 uses the one-token GDN step, T > 1 the chunked closed form.
         """
-        cfg = self.config
         B, T = tokens.shape
         chex.assert_shape(valid, (B, T))
         x = self.model.embed_tokens(tokens)
@@ -85,45 +105,81 @@ class TargetModel(nnx.Module):
         attn_mask = key_pos[None, None, :] <= positions[:, :, None]              # [B,T,S] causal + prefix
         write_pos = jnp.where(valid, positions, state.max_len)                    # invalid → dropped
         rows = jnp.arange(B)[:, None]
-        ssm, conv, keys, values, taps = [], [], [], [], {}
-        for i, layer in enumerate(self.model.layers):
-            h = layer.input_layernorm(x)
-            j = cfg.layer_slot(i)
-            if layer.is_linear:
-                mix = layer.linear_attn
-                qkv, z, b, a = mix.project(h)
-                qkv = jnp.where(valid[..., None], qkv, 0)       # HF zeroes padding before the conv
-                conv_out = gdn.causal_conv(qkv, state.conv[j], mix.conv_weight)
-                q, k, v, g, beta = mix.mixer_inputs(conv_out, b, a, valid)
-                if T == 1:
-                    o, S = gdn.step(state.ssm[j], q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
-                    o = o[:, None]
-                else:
-                    o, S = gdn.chunked_prefill(state.ssm[j], q, k, v, g, beta)
-                ssm.append(S)
-                conv.append(gdn.conv_window_after(qkv, state.conv[j], num_valid))
-                y = mix.output(o, z, x.dtype)
+
+        def gdn_mixer(j, mix, h):
+            qkv, z, b, a = mix.project(h)
+            qkv = jnp.where(valid[..., None], qkv, 0)       # HF zeroes padding before the conv
+            conv_out = gdn.causal_conv(qkv, state.conv[j], mix.conv_weight)
+            q, k, v, g, beta = mix.mixer_inputs(conv_out, b, a, valid)
+            if T == 1:
+                o, S = gdn.step(state.ssm[j], q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+                o = o[:, None]
             else:
-                att = layer.self_attn
-                q, gate, k, v = att.qkv(h, positions)
-                kc = state.keys[j].at[rows, write_pos].set(k.astype(state.keys.dtype), mode="drop")
-                vc = state.values[j].at[rows, write_pos].set(v.astype(state.values.dtype), mode="drop")
-                keys.append(kc)
-                values.append(vc)
-                y = att.out(attend(q, kc, vc, attn_mask), gate)
-            x = x + y
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            if i in tap_layers:
-                taps[i] = x
-        x = self.model.norm(x)
+                o, S = gdn.chunked_prefill(state.ssm[j], q, k, v, g, beta)
+            return mix.output(o, z, x.dtype), (S, gdn.conv_window_after(qkv, state.conv[j], num_valid))
+
+        def attn_mixer(j, att, h):
+            q, gate, k, v = att.qkv(h, positions)
+            kc = state.keys[j].at[rows, write_pos].set(k.astype(state.keys.dtype), mode="drop")
+            vc = state.values[j].at[rows, write_pos].set(v.astype(state.values.dtype), mode="drop")
+            return att.out(attend(q, kc, vc, attn_mask), gate), (kc, vc)
+
+        x, taps, gdn_aux, attn_aux = self._stack(x, gdn_mixer, attn_mixer, tap_layers)
         if last_only:
             x = jnp.take_along_axis(x, jnp.maximum(num_valid - 1, 0)[:, None, None], axis=1)
         new_state = TargetState(
-            ssm=jnp.stack(ssm) if ssm else state.ssm, conv=jnp.stack(conv) if conv else state.conv,
-            keys=jnp.stack(keys) if keys else state.keys, values=jnp.stack(values) if values else state.values,
+            ssm=jnp.stack([a[0] for a in gdn_aux]) if gdn_aux else state.ssm,
+            conv=jnp.stack([a[1] for a in gdn_aux]) if gdn_aux else state.conv,
+            keys=jnp.stack([a[0] for a in attn_aux]) if attn_aux else state.keys,
+            values=jnp.stack([a[1] for a in attn_aux]) if attn_aux else state.values,
             lengths=state.lengths + num_valid)
         hidden = jnp.stack([taps[i] for i in tap_layers]) if tap_layers else x
         return self.logits(x), hidden, new_state
+
+    def verify(self, state: TargetState, tree: Tree, tokens: jax.Array, *, method: gdn.InverseMethod = "squaring",
+               tap_layers: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, TreeCache]:
+        """One forward over a forest of draft trees (tokens [B,N]) from the committed state, never writing it.
+
+        GDN layers: conv windows follow each node's ancestors into the committed raw columns; the closed-form
+        masked solve from the committed S. Attention: the committed prefix plus the node's ancestors, at
+        positions prefix_len + depth. Returns (logits [B,N,V] fp32, hidden (final-norm [B,N,H] or stacked
+        taps), TreeCache with the commit factors — never per-node states).
+        """
+        B, N = tokens.shape
+        chex.assert_shape([tree.parent, tree.valid], (B, N))
+        mask = tree_lib.ancestor_mask(tree)                                     # [B,N,N]
+        taps_idx = tree_lib.conv_taps(tree, self.config.linear_conv_kernel_dim)
+        positions = tree_lib.positions(tree, state.lengths)
+        prefix_mask = jnp.arange(state.max_len, dtype=jnp.int32)[None, :] < state.lengths[:, None]   # [B,S]
+        attn_mask = jnp.concatenate([jnp.broadcast_to(prefix_mask[:, None], (B, N, state.max_len)), mask], -1)
+        valid = tree.valid
+        x = self.model.embed_tokens(tokens)
+
+        def gdn_mixer(j, mix, h):
+            qkv, z, b, a = mix.project(h)
+            qkv = jnp.where(valid[..., None], qkv, 0)
+            conv_out = gdn.gathered_conv(qkv, state.conv[j], mix.conv_weight, taps_idx)
+            q, k, v, g, beta = mix.mixer_inputs(conv_out, b, a, valid)
+            o, fac = gdn.masked_solve(state.ssm[j], q, k, v, g, beta, mask, method=method,
+                                      max_depth=tree.envelope.path_nodes)
+            return mix.output(o, z, x.dtype), (fac, qkv)
+
+        def attn_mixer(j, att, h):
+            q, gate, k, v = att.qkv(h, positions)
+            keys = jnp.concatenate([state.keys[j], k.astype(state.keys.dtype)], axis=1)
+            values = jnp.concatenate([state.values[j], v.astype(state.values.dtype)], axis=1)
+            return att.out(attend(q, keys, values, attn_mask), gate), (k, v)
+
+        x, taps, gdn_aux, attn_aux = self._stack(x, gdn_mixer, attn_mixer, tap_layers)
+        stack = lambda xs: jnp.stack(xs) if xs else None
+        cache = TreeCache(
+            factors=gdn.SolveFactors(*(stack([a[0][f] for a in gdn_aux]) for f in range(3))),
+            conv_inputs=stack([a[1] for a in gdn_aux]),
+            keys=stack([a[0].astype(state.keys.dtype) for a in attn_aux]),
+            values=stack([a[1].astype(state.values.dtype) for a in attn_aux]),
+            mask=mask)
+        hidden = jnp.stack([taps[i] for i in tap_layers]) if tap_layers else x
+        return self.logits(x), hidden, cache
 
 
 # ------------------------------------------------------------------------------------------------
@@ -144,6 +200,13 @@ def extend(graphdef: nnx.GraphDef, params: nnx.State, state: TargetState, tokens
     model = nnx.merge(graphdef, params)
     logits, _, new_state = model.extend(state, tokens, valid, last_only=last_only)
     return logits, new_state
+
+
+def verify(graphdef: nnx.GraphDef, params: nnx.State, state: TargetState, tree: Tree, tokens: jax.Array,
+           method: gdn.InverseMethod = "squaring") -> tuple[jax.Array, TreeCache]:
+    model = nnx.merge(graphdef, params)
+    logits, _, cache = model.verify(state, tree, tokens, method=method)
+    return logits, cache
 
 
 # One compiled program per (bucket shape, last_only); the state buffer is donated.

@@ -1,0 +1,47 @@
+"""Factorized commit of the accepted path (Bole, Algorithm 2).
+
+Given the node each request accepted, one batched op over the stacked GDN layers forms the new recurrent
+states from the verify factors, S_a = e^{Γ_a} S₀ + Σ_j D_aj k_j V'_jᵀ; the conv windows are gathered from
+the accepted path's raw inputs; the path's attention K/V are compacted to consecutive positions after the
+committed prefix. Rejected branches cost nothing and nothing is rolled back. node = −1 keeps the state.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from hyspec_jax import gdn
+from hyspec_jax import tree as tree_lib
+from hyspec_jax.state import TargetState, TreeCache
+from hyspec_jax.tree import Tree
+
+
+def commit(state: TargetState, cache: TreeCache, tree: Tree, node: jax.Array) -> TargetState:
+    """Commit, for every slot b, the root-to-`node[b]` path of its tree (node −1: nothing)."""
+    B = state.batch
+    chex.assert_shape(node, (B,))
+    path, length = tree_lib.path_to(tree, node)                                 # [B, d+1], [B]
+
+    ssm = jax.vmap(gdn.node_state, in_axes=(0, 0, None, None))(state.ssm, cache.factors, cache.mask, node)
+
+    K = state.conv.shape[2] + 1
+    rows = tree_lib.window_taps_after(tree, node, K)                             # [B, K-1]
+    def window(conv, x):                                                         # one layer: [B,K-1,C], [B,N,C]
+        xs = jnp.concatenate([conv, x.astype(conv.dtype)], axis=1)
+        return jnp.take_along_axis(xs, rows[..., None], axis=1)
+    conv = jax.vmap(window)(state.conv, cache.conv_inputs)
+
+    # KV of the path's nodes to positions lengths + i (i < length); other slots untouched.
+    i = jnp.arange(path.shape[1], dtype=jnp.int32)[None]
+    dest = jnp.where(i < length[:, None], state.lengths[:, None] + i, state.max_len)   # out of range → dropped
+    src = jnp.maximum(path, 0)
+    b = jnp.arange(B)[:, None]
+    def place(cache_kv, node_kv):                                                # [B,S,KVH,hd], [B,N,KVH,hd]
+        return cache_kv.at[b, dest].set(node_kv[b, src], mode="drop")
+    keys, values = state.keys, state.values
+    if cache.keys is not None:
+        keys = jax.vmap(place)(state.keys, cache.keys)
+        values = jax.vmap(place)(state.values, cache.values)
+    return TargetState(ssm=ssm, conv=conv, keys=keys, values=values, lengths=state.lengths + length)

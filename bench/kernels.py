@@ -1,12 +1,13 @@
 """Benchmark of the GDN tree-verification kernels against their baselines (issue [kernels]).
 
-    python -m hyspec_jax.bench.kernels --json out.json [--quick]
+    python -m hyspec_jax.bench.kernels --json out.json [--configs 1:64,32:64] [--variants REGEX]
 
 For the Qwen3.8-27B GDN geometry (HK 16, HV 48, dk = dv = 128; bf16 q/k/v, fp32 state) at batch
 1/8/32 and tree sizes N = 16/32/64 (depth 4/6/8), it checks every variant against the fp32 reference
 (gdn.masked_solve, triangular solve, precision HIGHEST) on random trees and times:
-  pallas_{neumann,squaring}_bv{32,64,128}  our value-tiled closed-form kernel (tf32 tensor cores)
-  pallas_neumann_bv64_tf32x3              the same with 3-pass tf32 (≈ fp32 accuracy)
+  pallas_{neumann,squaring}_bv{16..128}[_nwW]  our value-tiled closed-form kernel (tf32 tensor cores)
+  pallas_*_tf32x3                          the same with 3-pass tf32 (≈ fp32 accuracy)
+  null_overhead                            a trivial op on the same inputs: the harness per-call cost
   serial_pallas_bv{32,64}                  SGLang-style per-node serial kernel (parent state from HBM)
   xla_solve / xla_neumann                  gdn.masked_solve jitted (XLA)
   xla_scan_paths                           lax.scan serial recurrence per root-to-leaf path (XLA)
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -40,6 +42,9 @@ from pallas_kernels.gdn_tree_solve import tree_solve_pallas
 
 HK, HV, DK, DV, LG = 16, 48, 128, 128, 48
 DEPTH_FOR_N = {16: 4, 32: 6, 64: 8, 128: 8}
+# default sweep: the block_v grid at default warps, the 3-pass precision, baselines, overhead probe
+DEFAULT_VARIANTS = (r"pallas_(neumann|squaring)_bv(32|64|128)|pallas_.*tf32x3|serial_pallas_.*|xla_.*|null_overhead"
+                    r"|pallas_commit_.*")
 
 
 def _git_commit() -> str:
@@ -73,25 +78,31 @@ def make_set(seed: int, B: int, N: int, dtype=jnp.bfloat16):
     return S0, q, k, v, g, beta
 
 
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy rate in bytes/s, counting read + write."""
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    f = jax.jit(lambda x: x + 1.0)
-    f(x).block_until_ready()
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device streaming rate in bytes/s (x ← x + 1 in place, counting read + write)."""
+    f = jax.jit(lambda x: x + 1.0, donate_argnums=0)
+    x = f(jax.random.normal(jax.random.key(0), (nbytes // 4,), jnp.float32))
+    x.block_until_ready()
     ts = []
     for _ in range(10):
         t = time.perf_counter()
-        f(x).block_until_ready()
-        ts.append(time.perf_counter() - t)
+        for _ in range(5):
+            x = f(x)
+        x.block_until_ready()
+        ts.append((time.perf_counter() - t) / 5)
     return 2 * nbytes / float(np.median(ts))
 
 
-def time_multi(fn, sets, reps: int, warmup: int = 2) -> dict:
-    """Median seconds per call of fn over rotating input sets (one jitted executable runs them all)."""
+def time_multi(fn, sets, reps: int, warmup: int = 2, check=None) -> dict:
+    """Median seconds per call of fn over rotating input sets (one jitted executable runs them all).
+
+    check(first_output) -> dict of errors is called on the first run's output for sets[0]."""
     multi = jax.jit(lambda ss: [fn(*s) for s in ss])
     t0 = time.perf_counter()
-    jax.block_until_ready(multi(sets))
+    res = jax.block_until_ready(multi(sets))
     compile_s = time.perf_counter() - t0
+    errs = check(res[0]) if check is not None else {}
+    del res
     for _ in range(warmup - 1):
         jax.block_until_ready(multi(sets))
     ts = []
@@ -100,7 +111,7 @@ def time_multi(fn, sets, reps: int, warmup: int = 2) -> dict:
         jax.block_until_ready(multi(sets))
         ts.append(time.perf_counter() - t)
     R = len(sets)
-    return {"median_us": 1e6 * float(np.median(ts)) / R, "min_us": 1e6 * float(np.min(ts)) / R,
+    return {**errs, "median_us": 1e6 * float(np.median(ts)) / R, "min_us": 1e6 * float(np.min(ts)) / R,
             "spread_us": 1e6 * float(np.percentile(ts, 90) - np.percentile(ts, 10)) / R,
             "sets": R, "reps": reps, "compile_s": compile_s}
 
@@ -124,44 +135,53 @@ def bench_tree(B: int, N: int, args, bw: float, log) -> dict:
     o_ref, vc_ref = jax.block_until_ready((o_ref, fac_ref.corrected))
 
     variants = {}
-    bvs = [32, 64, 128] if not args.quick else [64]
     for method in ["neumann", "squaring"]:
-        for bv in bvs:
-            variants[f"pallas_{method}_bv{bv}"] = (
-                lambda *s, m=method, bv=bv: tree_solve_pallas(*s, mask, max_depth=depth, method=m, block_v=bv,
-                                                              precision="tf32"), "solve")
+        for bv in [16, 32, 64, 128]:
+            for nw in [None, 2, 8]:
+                name = f"pallas_{method}_bv{bv}" + ("" if nw is None else f"_nw{nw}")
+                variants[name] = (
+                    lambda *s, m=method, bv=bv, nw=nw: tree_solve_pallas(
+                        *s, mask, max_depth=depth, method=m, block_v=bv, precision="tf32", num_warps=nw), "solve")
     variants["pallas_neumann_bv64_tf32x3"] = (
         lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="neumann", block_v=64,
                                      precision="tf32x3"), "solve")
-    for bv in ([32, 64] if not args.quick else [64]):
+    variants["pallas_squaring_bv32_tf32x3"] = (
+        lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="squaring", block_v=32,
+                                     precision="tf32x3"), "solve")
+    for bv in [32, 64]:
         variants[f"serial_pallas_bv{bv}"] = (
             lambda *s, bv=bv: serial_tree_pallas(*s, parents, block_v=bv), "serial")
     variants["xla_solve"] = (lambda *s: masked_solve_xla(*s, mask, method="solve"), "xla")
     variants["xla_neumann"] = (lambda *s: masked_solve_xla(*s, mask, method="neumann", max_depth=depth), "xla")
     variants["xla_scan_paths"] = (lambda *s: serial_paths_xla(*s, path_nodes), "paths")
+    # harness overhead probe: a trivial op on the same inputs (per-call dispatch cost inside the timing)
+    variants["null_overhead"] = (lambda *s: s[0][0, 0, 0, :8] + 1.0, "null")
+    variants = {n: x for n, x in variants.items() if re.fullmatch(args.variants, n)}
 
     floor_us = 1e6 * solve_bytes(B, N) / bw
     out = {"B": B, "N": N, "depth": depth, "paths": int(path_nodes.shape[1]), "floor_us": floor_us,
            "variants": {}}
+    def checker(kind):
+        def check(res):
+            if kind == "solve":
+                o, gamma, vc = res
+                return dict(err_o=_rel(o, o_ref), err_vc=_rel(vc, vc_ref), maxabs_o=_maxabs(o, o_ref),
+                            err_gamma=_rel(gamma, fac_ref.log_decay))
+            if kind == "xla":
+                o, fac = res
+                return dict(err_o=_rel(o, o_ref), err_vc=_rel(fac.corrected, vc_ref), maxabs_o=_maxabs(o, o_ref))
+            if kind == "serial":
+                return dict(err_o=_rel(res[0], o_ref), maxabs_o=_maxabs(res[0], o_ref))
+            if kind == "paths":
+                return dict(err_o=_rel(res, o_ref), maxabs_o=_maxabs(res, o_ref))
+            return {}
+        return check
+
     for name, (fn, kind) in variants.items():
         rec = {}
         try:
-            res = jax.block_until_ready(jax.jit(fn)(*sets[0]))
-            if kind == "solve":
-                o, gamma, vc = res
-                rec.update(err_o=_rel(o, o_ref), err_vc=_rel(vc, vc_ref), maxabs_o=_maxabs(o, o_ref),
-                           err_gamma=_rel(gamma, fac_ref.log_decay))
-            elif kind == "xla":
-                o, fac = res
-                rec.update(err_o=_rel(o, o_ref), err_vc=_rel(fac.corrected, vc_ref), maxabs_o=_maxabs(o, o_ref))
-            elif kind == "serial":
-                o, _states = res
-                rec.update(err_o=_rel(o, o_ref), maxabs_o=_maxabs(o, o_ref))
-            else:
-                rec.update(err_o=_rel(res, o_ref), maxabs_o=_maxabs(res, o_ref))
-            del res
             use = sets if not (kind == "serial" and big) else sets[:2]     # per-node states are large
-            rec.update(time_multi(fn, use, args.reps))
+            rec.update(time_multi(fn, use, args.reps, check=checker(kind)))
             rec["pct_of_floor"] = 100.0 * floor_us / rec["median_us"]
         except Exception as e:  # noqa: BLE001 — record and go on
             rec["error"] = f"{type(e).__name__}: {e}"[:2000]
@@ -193,22 +213,22 @@ def bench_commit(B: int, N: int, args, bw: float, log) -> dict:
     bytes_ = n_acc * Lg * HV * DK * DV * 4 * 2 + Lg * B * HV * N * (DV * 4 + 4) + Lg * B * N * HK * DK * 2
     out = {"B": B, "N": N, "layers": Lg, "accepted_requests": n_acc, "floor_us": 1e6 * bytes_ / bw,
            "variants": {}}
-    variants = {f"pallas_commit_bv{bv}": (lambda S, *a, bv=bv: path_commit_pallas(S, *a, block_v=bv))
-                for bv in ([64, 128] if not args.quick else [64])}
-    variants["pallas_commit_bv64_tf32"] = lambda S, *a: path_commit_pallas(S, *a, block_v=64, precision="tf32")
+    variants = {}
+    for bv in [32, 64, 128]:
+        for prec in ["tf32x3", "tf32"]:
+            variants[f"pallas_commit_bv{bv}_{prec}"] = (
+                lambda S, *a, bv=bv, p=prec: path_commit_pallas(S, *a, block_v=bv, precision=p))
     variants["xla_reference"] = path_commit_reference
+    variants = {n: x for n, x in variants.items() if re.fullmatch(args.variants, n)}
     K = 5
     for name, fn in variants.items():
         rec = {}
         try:
-            got = jax.block_until_ready(jax.jit(fn)(S0, gam, keys, vc, mask, node))
-            rec.update(err=_rel(got, ref), maxabs=_maxabs(got, ref))
-            del got
             f = jax.jit(fn, donate_argnums=(0,))
-            S = jnp.copy(S0)
             t0 = time.perf_counter()
-            S = jax.block_until_ready(f(S, gam, keys, vc, mask, node))
+            S = jax.block_until_ready(f(jnp.copy(S0), gam, keys, vc, mask, node))
             rec["compile_s"] = time.perf_counter() - t0
+            rec.update(err=_rel(S, ref), maxabs=_maxabs(S, ref))
             ts = []
             for _ in range(args.reps):
                 t = time.perf_counter()
@@ -237,7 +257,8 @@ def summarize(results: dict) -> list[str]:
     for r in results["tree"]:
         v = r["variants"]
         t = lambda n: v.get(n, {}).get("median_us", float("nan"))
-        kern = {n: x for n, x in v.items() if n.startswith("pallas_") and "median_us" in x and "tf32x3" not in n}
+        kern = {n: x for n, x in v.items() if n.startswith("pallas_") and "median_us" in x and "tf32x3" not in n
+                and x.get("err_o", 1.0) < 1e-2}
         if not kern:
             lines.append(f"{r['B']:>3} {r['N']:>3} {r['depth']:>2} | no kernel result")
             continue
@@ -247,7 +268,8 @@ def summarize(results: dict) -> list[str]:
         lines.append(
             f"{r['B']:>3} {r['N']:>3} {r['depth']:>2} | {best:<28} {t(best):9.1f} {kern[best]['err_o']:8.1e} | "
             f"{serial:9.1f} {t('xla_solve'):9.1f} {t('xla_neumann'):9.1f} {t('xla_scan_paths'):9.1f} | "
-            f"{serial / t(best):8.2f} {xla / t(best):7.2f} {kern[best]['pct_of_floor']:6.1f}")
+            f"{serial / t(best):8.2f} {xla / t(best):7.2f} {kern[best]['pct_of_floor']:6.1f}"
+            f"   (overhead probe {t('null_overhead'):.1f})")
     if results.get("commit"):
         lines += ["", f"commit over {results['commit'][0]['layers']} layers (us per call)"]
         for r in results["commit"]:
@@ -266,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=LG, help="GDN layers in the commit benchmark")
     ap.add_argument("--commit-nodes", type=int, default=64)
     ap.add_argument("--no-commit", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="fewer block_v configs")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help="regex (fullmatch) over variant names")
+    ap.add_argument("--configs", default=None, help="B:N pairs, e.g. 1:64,32:64 (overrides the grid)")
+    ap.add_argument("--commit-batches", default=None, help="default: --batches")
     args = ap.parse_args(argv)
 
     def log(s):
@@ -289,12 +313,15 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
 
-    for B in map(int, args.batches.split(",")):
-        for N in map(int, args.nodes.split(",")):
-            results["tree"].append(bench_tree(B, N, args, bw, log))
-            save()
+    if args.configs:
+        configs = [tuple(map(int, c.split(":"))) for c in args.configs.split(",")]
+    else:
+        configs = [(B, N) for B in map(int, args.batches.split(",")) for N in map(int, args.nodes.split(","))]
+    for B, N in configs:
+        results["tree"].append(bench_tree(B, N, args, bw, log))
+        save()
     if not args.no_commit:
-        for B in map(int, args.batches.split(",")):
+        for B in map(int, (args.commit_batches or args.batches).split(",")):
             results["commit"].append(bench_commit(B, args.commit_nodes, args, bw, log))
             save()
     for line in summarize(results):

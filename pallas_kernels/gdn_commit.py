@@ -51,7 +51,7 @@ def supported(N: int, dk: int, dv: int, block_v: int) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("block_v", "precision", "num_warps", "interpret"))
 def path_commit_pallas(S0, log_decay, keys, corrected, mask, node, *, block_v: int = 64,
-                       precision: Precision = "tf32x3", num_warps: int = 4, interpret: bool = False):
+                       precision: Precision = "tf32x3", num_warps: int | None = None, interpret: bool = False):
     """S0 [Lg,B,HV,dk,dv] f32; log_decay Γ [Lg,B,HV,N]; keys [Lg,B,N,HK,dk] (input layout, key heads);
     corrected V' [Lg,B,HV,N,dv]; mask [B,N,N]; node [B] int (−1 = keep S0). Returns S_new like S0."""
     Lg, B, HV, dk, dv = S0.shape
@@ -60,6 +60,8 @@ def path_commit_pallas(S0, log_decay, keys, corrected, mask, node, *, block_v: i
         raise ValueError(f"unsupported shape N={N} dk={dk} dv={dv} block_v={block_v} HV={HV} HK={HK}")
     r = HV // HK
     nv = dv // block_v
+    if num_warps is None:
+        num_warps = 4 if block_v * dk <= 128 * 64 else 8
     kern = functools.partial(_commit_kernel, precision=_f32_precision(precision, interpret))
     in_specs = [
         pl.BlockSpec((None,), lambda l, b, h, t: (b,)),                                   # node

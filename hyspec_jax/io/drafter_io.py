@@ -1,0 +1,131 @@
+"""Drafter checkpoints: DeepSpec / SpecForge DSpark layout (specs/drafters.md §5) + ReaDy reader.
+
+    <dir>/config.json                 DeepSpec keys (`Qwen3DSparkModel`, block_size, mask_token_id,
+                                      target_layer_ids, markov_*, confidence_*), SpecForge's nested
+                                      `dflash_config`, and the explicit slot convention `logits_start`
+    <dir>/model.safetensors           fc, hidden_norm, layers.{i}.…, norm, markov_head.*, confidence_head.*
+                                      (+ optional frozen copies embed_tokens / lm_head, ignored on load:
+                                      the target's are used)
+    <dir>/reader/reader.safetensors   norm.weight, w_q [M,r,d], u [M,r,dk], v [M,dv,r_v], fc_in.*, fc_out.weight
+    <dir>/reader/reader_config.json   ReaderConfig (source layers and their state rows, ranks, injection point)
+    <dir>/SHA256.json                 digests of the files above
+
+Parameter paths of `Drafter` equal the checkpoint keys, so the mapping is the identity (plus `reader.`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from hyspec_jax.config import ConfigError
+from hyspec_jax.io.hf import CheckpointError
+from hyspec_jax.models.drafter import Drafter, DrafterConfig, TargetHeads, abstract_drafter
+from hyspec_jax.models.reader import ReaderConfig
+
+log = logging.getLogger(__name__)
+
+_FROZEN_COPIES = ("embed_tokens.weight", "lm_head.weight")  # DeepSpec saves them; the target's are used
+READER_DIR = "reader"
+
+
+def _flat(module: nnx.Module) -> dict[str, nnx.Variable]:
+    return {".".join(map(str, path)): var for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+
+
+def _read(path: Path) -> dict[str, np.ndarray]:
+    with safe_open(str(path), framework="flax") as f:
+        return {k: np.asarray(f.get_tensor(k)) for k in f.keys()}
+
+
+def _fill(expected: dict[str, nnx.Variable], tensors: dict[str, np.ndarray], where: Path, dtype) -> None:
+    for name, var in expected.items():
+        if name not in tensors:
+            raise CheckpointError(f"missing tensor {name!r} (expected shape {tuple(var.shape)}) in {where}")
+        arr = tensors.pop(name)
+        if tuple(arr.shape) != tuple(var.shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(arr.shape)} in {where}, "
+                                  f"expected {tuple(var.shape)} from the config")
+        var.set_value(jnp.asarray(arr, dtype=dtype))
+    if tensors:
+        log.warning("%s: ignoring %d unexpected tensors, e.g. %s", where, len(tensors), sorted(tensors)[:3])
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def save_drafter(model: Drafter, out_dir: str | Path, *, heads: TargetHeads | None = None, dtype=None) -> None:
+    """Write the DSpark checkpoint (+ reader/ when the drafter has a reader). With `heads`, frozen copies of the
+    target's embedding and LM head are included as DeepSpec does (readers that bind the target's skip them)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cast = lambda a: np.ascontiguousarray(np.asarray(a if dtype is None else a.astype(dtype)))  # noqa: E731
+    main, reader = {}, {}
+    for name, var in _flat(model).items():
+        if name.startswith("reader."):
+            reader[name[len("reader."):]] = cast(var[...])
+        else:
+            main[name] = cast(var[...])
+    if heads is not None:
+        main["embed_tokens.weight"], main["lm_head.weight"] = cast(heads.embed), cast(heads.lm_head)
+    (out_dir / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
+    save_file(main, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    files = ["config.json", "model.safetensors"]
+    if model.reader is not None:
+        rdir = out_dir / READER_DIR
+        rdir.mkdir(exist_ok=True)
+        save_file(reader, str(rdir / "reader.safetensors"), metadata={"format": "pt"})
+        (rdir / "reader_config.json").write_text(json.dumps(model.reader_config.to_dict(), indent=2) + "\n")
+        files += [f"{READER_DIR}/reader.safetensors", f"{READER_DIR}/reader_config.json"]
+    (out_dir / "SHA256.json").write_text(json.dumps({f: _sha256(out_dir / f) for f in files}, indent=2) + "\n")
+
+
+def load_drafter_config(model_dir: str | Path, *, logits_start: int | None = None
+                        ) -> tuple[DrafterConfig, ReaderConfig | None]:
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{model_dir}: no config.json")
+    try:
+        cfg = DrafterConfig.from_hf_dict(json.loads(path.read_text()), logits_start=logits_start)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: not a DSpark/DFlash drafter config ({e})") from None
+    rpath = model_dir / READER_DIR / "reader_config.json"
+    rcfg = ReaderConfig.from_dict(json.loads(rpath.read_text())) if rpath.is_file() else None
+    return cfg, rcfg
+
+
+def load_drafter(model_dir: str | Path, *, dtype=jnp.float32, with_reader: bool = True,
+                 logits_start: int | None = None) -> Drafter:
+    """Read a drafter directory (reader included when present and with_reader). logits_start overrides the
+    slot convention for checkpoints whose config does not state it."""
+    model_dir = Path(model_dir)
+    cfg, rcfg = load_drafter_config(model_dir, logits_start=logits_start)
+    rcfg = rcfg if with_reader else None
+    weights = model_dir / "model.safetensors"
+    if not weights.is_file():
+        raise CheckpointError(f"{model_dir}: no model.safetensors")
+    model = abstract_drafter(cfg, rcfg, dtype)
+    tensors = _read(weights)
+    for key in _FROZEN_COPIES:
+        tensors.pop(key, None)
+    params = _flat(model)
+    _fill({k: v for k, v in params.items() if not k.startswith("reader.")}, tensors, weights, dtype)
+    if model.reader is not None:
+        rweights = model_dir / READER_DIR / "reader.safetensors"
+        if not rweights.is_file():
+            raise CheckpointError(f"{model_dir}: reader_config.json without reader.safetensors")
+        _fill(_flat(model.reader), _read(rweights), rweights, dtype)
+    return model
+
+
+__all__ = ["save_drafter", "load_drafter", "load_drafter_config"]

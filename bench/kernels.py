@@ -48,11 +48,15 @@ DEFAULT_VARIANTS = (r"pallas_(neumann|squaring)_bv(32|64|128)|pallas_.*tf32x3|se
 
 
 def _git_commit() -> str:
+    """HEAD's hash, else $HYSPEC_GIT_COMMIT (copies of the tree without history), else 'unknown'."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        if re.fullmatch(r"[0-9a-f]{7,40}", out):
+            return out
     except Exception:  # noqa: BLE001
-        return "unknown"
+        pass
+    return os.environ.get("HYSPEC_GIT_COMMIT", "unknown")
 
 
 def _rel(a, b) -> float:

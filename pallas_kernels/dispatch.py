@@ -134,13 +134,16 @@ _kernel_solve.defvjp(_kernel_solve_fwd, _kernel_solve_bwd)
 
 
 def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl: Impl = "auto",
-               method: str = "neumann", block_v: int = 64, precision: str | None = None,
+               method: str = "squaring", block_v: int = 64, precision: str | None = None,
                reference_method: str = "solve"):
     """Closed-form GDN tree solve with gdn.masked_solve's contract; returns (o fp32, SolveFactors).
 
     q, k: [B,N,HK,dk] or already expanded [B,N,HV,dk]. impl: "auto" (kernel iff GPU and supported),
     "reference", "pallas" (kernel or ValueError), "interpret" (kernel in Pallas interpret mode, CPU tests).
-    method: "neumann" | "squaring" for the kernel; reference_method for the reference path.
+    method: "neumann" | "squaring" for the kernel (squaring was as fast or faster on the H200 at
+    depth 4–8, bench/results/kernels_h200.json); reference_method for the reference path.
+    precision (kernel): "tf32" (default for bf16/f16 inputs, ~3e-4 relative error), "tf32x3"
+    (default for fp32 inputs, ~3e-7), "ieee".
     """
     N = q.shape[1]
     max_depth = N if max_depth is None else int(max_depth)

@@ -56,10 +56,10 @@ def test_tree_utilities_roundtrip():
 
 # ---------------------------------------------------------------- tree solve (interpret mode)
 CASES = [  # B, N, HK, HV, dk, dv, depth, block_v
-    (2, 16, 2, 4, 32, 32, 5, 16),
-    (1, 32, 1, 3, 16, 32, 8, 32),
-    (2, 16, 4, 4, 16, 16, 1, 16),      # depth 1: no rounds
-    (1, 16, 2, 2, 16, 32, 16, 16),     # a chain (depth = N)
+    (2, 16, 1, 2, 32, 32, 5, 16),      # GVA: two value heads share a key head
+    (1, 32, 1, 3, 16, 16, 8, 16),
+    (1, 16, 2, 2, 16, 16, 1, 16),      # depth 1: no rounds
+    (1, 16, 2, 2, 16, 32, 16, 32),     # a chain (depth = N)
 ]
 
 
@@ -88,7 +88,7 @@ def test_tree_solve_interpret_forest_and_bf16():
 
 # ---------------------------------------------------------------- serial baselines
 def test_serial_tree_pallas_interpret():
-    par, mask, args = make_inputs(11, 2, 16, 2, 4, 32, 32, 5)
+    par, mask, args = make_inputs(11, 2, 16, 1, 2, 16, 32, 5)
     o_ref, fac = reference(*args, mask)
     o, states = serial_tree_pallas(*args, jnp.asarray(par), block_v=16, interpret=True)
     assert rel(o, o_ref) < 1e-5
@@ -108,7 +108,7 @@ def test_serial_paths_xla():
 # ---------------------------------------------------------------- commit
 @pytest.mark.parametrize("HK", [1, 4])
 def test_path_commit_interpret(HK):
-    B, N, HV, dk, dv, Lg = 3, 16, 4, 16, 16, 2
+    B, N, HV, dk, dv, Lg = 3, 16, 4, 16, 16, 1
     par, mask, (S0, q, k, v, g, beta) = make_inputs(21 + HK, B, N, HK, HV, dk, dv, 5)
     ks = jax.random.split(jax.random.key(HK), 4)
     S0l = jax.random.normal(ks[0], (Lg, B, HV, dk, dv))

@@ -151,6 +151,13 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    import importlib
+
+    module = importlib.import_module(f"hyspec_jax.bench.{args.which}")
+    return module.main(args.rest)
+
+
 # ------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyspec", description="Speculative decoding for hybrid GDN LLMs in JAX.")
@@ -171,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parameter dtype (auto: bfloat16 on GPU, float32 on CPU)")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming text")
     g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmarks and memory reports (JSON + a readable table)",
+                       description="Benchmarks. `hyspec bench WHICH --help` for each one's options.")
+    b.add_argument("which", choices=("memory", "kernels"), help="memory: transient verify memory, Bole's "
+                   "factorized design vs per-node snapshots; kernels: GDN tree kernels vs baselines (GPU)")
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -1,0 +1,31 @@
+"""What every benchmark JSON carries: device, versions, commit, time."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+
+
+def git_commit() -> str:
+    env = os.environ.get("HYSPEC_GIT_COMMIT")
+    if env:
+        return env
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_metadata() -> dict:
+    import jax
+    import jaxlib
+
+    dev = jax.devices()[0]
+    return {"device_kind": getattr(dev, "device_kind", dev.platform), "platform": dev.platform,
+            "device_count": jax.device_count(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "python": platform.python_version(), "commit": git_commit(),
+            "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

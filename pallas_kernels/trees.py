@@ -10,20 +10,12 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from hyspec_jax import tree as tree_lib
+
 
 def mask_from_parents(parents: jax.Array) -> jax.Array:
-    """Ancestor-or-self mask [B, N, N] from parents [B, N] (topological order, parents[i] < i)."""
-    parents = jnp.asarray(parents, jnp.int32)
-    B, N = parents.shape
-    eye = jnp.eye(N, dtype=bool)
-
-    def body(i, m):
-        p = parents[:, i]
-        prow = jnp.take_along_axis(m, jnp.maximum(p, 0)[:, None, None], axis=1)[:, 0]   # [B,N]
-        prow = jnp.where((p >= 0)[:, None], prow, False)
-        return m.at[:, i].set(prow | eye[i][None])
-
-    return jax.lax.fori_loop(0, N, body, jnp.zeros((B, N, N), bool))
+    """Ancestor-or-self mask [B, N, N] from parents [B, N] (topological order) — hyspec_jax.tree's."""
+    return tree_lib.ancestor_mask(tree_lib.from_parents(jnp.asarray(parents, jnp.int32)))
 
 
 def parents_from_mask(mask: jax.Array) -> jax.Array:
@@ -40,30 +32,19 @@ def depth_of(mask: jax.Array) -> jax.Array:
 
 
 def random_parents(seed: int, batch: int, n: int, max_depth: int, single_root: bool = True) -> np.ndarray:
-    """Random trees with n nodes whose longest root-to-leaf path has at most max_depth nodes.
+    """Random trees [batch, n] whose longest root-to-leaf path has exactly min(max_depth, n) nodes.
 
-    Node 0 is the root (parent −1). With single_root=False, later nodes may also hang off the committed
-    state (parent −1), as a forest. Each tree reaches depth max_depth when n allows it (a chain is planted).
+    Kernel convention: max_depth counts nodes on a path (hyspec_jax.tree counts edges). With
+    single_root=False, a few extra nodes hang off the committed state (a forest).
     """
     rng = np.random.default_rng(seed)
-    parents = np.full((batch, n), -1, np.int32)
-    for b in range(batch):
-        depth = np.zeros(n, np.int32)
-        depth[0] = 1
-        chain = min(max_depth, n)
-        for i in range(1, n):
-            if i < chain:                       # plant one full-depth path
-                p = i - 1
-            else:
-                cand = np.nonzero(depth[:i] < max_depth)[0]
-                if len(cand) == 0 or (not single_root and rng.random() < 0.1):
-                    p = -1                      # max_depth 1 forces a forest of roots
-                else:
-                    p = int(rng.choice(cand))
-            parents[b, i] = p
-            depth[i] = 1 if p < 0 else depth[p] + 1
-        # shuffle nothing: topological order is required and kept
-    return parents
+    edges = max(min(max_depth, n) - 1, 0)
+    out = []
+    for _ in range(batch):
+        roots = 1 if single_root or n < 4 else int(rng.integers(1, max(2, n // 8) + 1))
+        roots = max(roots, 1) if edges > 0 else n            # depth 1: every node hangs off the state
+        out.append(tree_lib.random_parents(rng, n, edges, min_depth=min(edges, n - roots), roots=roots))
+    return np.stack(out).astype(np.int32)
 
 
 def leaf_paths(parents: np.ndarray, max_depth: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,7 @@
+"""`python -m hyspec_jax.serve` = `hyspec serve`."""
+
+import sys
+
+from hyspec_jax.serve.server import main
+
+sys.exit(main())

@@ -1,0 +1,557 @@
+"""The OpenAI-compatible server: a real `hyspec serve` process on loopback, driven by the official `openai`
+client and raw HTTP, against `hyspec_jax.generate.Generator` run alone on each prompt as the oracle.
+
+One server per module (a tiny random model in a tmp dir, byte-level tokenizer, a Jinja chat template);
+its last test sends SIGTERM and checks the drain.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from hyspec_jax.config import FULL, LINEAR, TargetConfig  # noqa: E402
+from hyspec_jax.serve.chat import ChatTemplate, chatml  # noqa: E402
+from hyspec_jax.serve.metrics import parse_text  # noqa: E402
+from hyspec_jax.serve.protocol import ChoiceText, IncrementalDetokenizer  # noqa: E402
+from hyspec_jax.tokenizer import byte_level_tokenizer  # noqa: E402
+
+CONTEXT = 256
+SLOTS = 8
+QUEUE = 32
+CHUNK = 32
+NAME = "tiny-test"
+TEMPLATE = ("{% for m in messages %}[{{ m.role }}]: {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant]: {% endif %}")
+STARTUP_TIMEOUT = 240
+
+
+def _tiny_dir(root: Path) -> Path:
+    from hyspec_jax.io.hf import save_pretrained
+    from hyspec_jax.models.target import create_model
+    tok = byte_level_tokenizer()
+    V = tok.get_vocab_size()
+    cfg = TargetConfig(model_type="qwen3_5_text", vocab_size=V, hidden_size=64, num_hidden_layers=3,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=128,
+                       layer_types=(LINEAR, FULL, LINEAR), linear_num_key_heads=1, linear_num_value_heads=2,
+                       linear_key_head_dim=16, linear_value_head_dim=16, eos_token_id=(V - 1,))
+    out = root / NAME
+    save_pretrained(create_model(cfg, seed=5), out)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE,
+                                                           "eos_token": "<|endoftext|>"}))
+    return out
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path, model_dir: Path):
+        self.proc, self.port, self.log, self.model_dir = proc, port, log, model_dir
+        self.base = f"http://127.0.0.1:{port}"
+
+    def client(self, **kw) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120, **kw)
+
+    def raw(self, method: str, path: str, body: bytes | str | None = None, headers: dict | None = None):
+        """One HTTP/1.1 request on a fresh connection -> (status, headers, body bytes)."""
+        import http.client
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            r = conn.getresponse()
+            return r.status, dict(r.getheaders()), r.read()
+        finally:
+            conn.close()
+
+    def metrics(self) -> dict:
+        status, _, body = self.raw("GET", "/metrics")
+        assert status == 200
+        return parse_text(body.decode())
+
+
+def _value(m: dict, name: str, **labels) -> float:
+    return sum(v for lab, v in m.get(name, []) if all(lab.get(k) == str(x) for k, x in labels.items()))
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Start the server process (it compiles its buckets while the oracle below compiles its own)."""
+    root = tmp_path_factory.mktemp("serve")
+    model_dir = _tiny_dir(root)
+    log = root / "server.log"
+    env = dict(os.environ)
+    # Test-only: a cheaper XLA backend optimisation level roughly halves the CPU compile time of the buckets.
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    cmd = [sys.executable, "-m", "hyspec_jax.serve", "--model", str(model_dir), "--served-model-name", NAME,
+           "--port", "0", "--max-batch", str(SLOTS), "--max-queue", str(QUEUE), "--max-model-len", str(CONTEXT),
+           "--prefill-chunk", str(CHUNK), "--drain-timeout", "60"]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    yield proc, log, model_dir
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def oracle(launched):
+    """Generator greedy / seeded sampling on one prompt alone (the same model directory the server loads)."""
+    from hyspec_jax.cli import enable_compilation_cache
+    from hyspec_jax.generate import Generator
+    from hyspec_jax.io.hf import load_pretrained
+    from hyspec_jax.sampling import SamplingParams
+    enable_compilation_cache()     # as `hyspec generate` does (and the server): re-runs skip XLA compiles
+    cfg, model = load_pretrained(launched[2])
+    gen = Generator.from_model(model)
+    eos = cfg.eos_token_id
+    cache = {}
+
+    def run(ids, max_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop_ids=eos):
+        key = (tuple(ids), max_tokens, temperature, top_p, top_k, seed, tuple(stop_ids))
+        if key not in cache:
+            p = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                               stop_token_ids=tuple(stop_ids))
+            res = gen.generate([list(ids)], p)[0]
+            cache[key] = (res.token_ids, res.finish_reason)
+        return cache[key]
+    for n in (16, 32, 64):     # compile the prompt buckets the tests use now, while the server compiles
+        run([1] * n, 2)
+    return run
+
+
+@pytest.fixture(scope="module")
+def server(launched, oracle):
+    proc, log, model_dir = launched
+    port = None
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace")
+        m = re.search(r"on http://127\.0\.0\.1:(\d+)", text)
+        if m:
+            port = int(m.group(1))
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{text}")
+        time.sleep(0.2)
+    if port is None:
+        pytest.fail(f"server did not start in {STARTUP_TIMEOUT}s:\n{log.read_text(errors='replace')}")
+    return Server(proc, port, log, model_dir)
+
+
+TOK = byte_level_tokenizer()
+EOS = TOK.get_vocab_size() - 1
+
+
+def enc(text: str) -> list[int]:
+    return TOK.encode(text).ids
+
+
+def dec(ids: list[int]) -> str:
+    return TOK.decode([t for t in ids if t != EOS], skip_special_tokens=True)
+
+
+def extra(obj, name):
+    return (obj.model_extra or {}).get(name)
+
+
+# ------------------------------------------------------------------------------------------------
+# Host-side pieces (no server)
+# ------------------------------------------------------------------------------------------------
+def test_incremental_detokenizer_concatenates_to_full_decode():
+    rng = np.random.default_rng(0)
+    texts = ["héllo wörld ✓ 日本語 🙂", "plain ascii", "ﬁ€𝄞"]
+    for text in texts:
+        ids = enc(text)
+        d = IncrementalDetokenizer(TOK)
+        out = "".join(d.push(t) for t in ids) + d.flush()
+        assert out == text
+    for _ in range(20):   # random bytes: invalid UTF-8 included
+        ids = [int(x) for x in rng.integers(0, EOS, size=int(rng.integers(1, 40)))]
+        d = IncrementalDetokenizer(TOK)
+        parts = [d.push(t) for t in ids]
+        assert "".join(parts) + d.flush() == TOK.decode(ids)
+
+
+def test_choice_text_stop_string_holds_back_partial_matches():
+    ids = enc("abc STOP def")
+    c = ChoiceText(TOK, ("STOP",), frozenset())
+    sent = []
+    for t in ids[:-1]:
+        assert not c.feed([t], None) or c.finish == "stop"
+        sent.append(c.take()[0])
+        if c.finish:
+            break
+    assert c.finish == "stop"
+    assert "".join(sent) + c.take()[0] == "abc "
+    assert c.completion_tokens == len(enc("abc STOP"))
+    assert all("S" not in s for s in sent[:-1])
+
+
+def test_chat_template_fallback_is_chatml(tmp_path):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    t = ChatTemplate(tmp_path, TOK)
+    assert t.kind == "fallback ChatML"
+    assert t.render(msgs) == chatml(msgs) == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi"
+                                              "<|im_end|>\n<|im_start|>assistant\n")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    t = ChatTemplate(tmp_path, TOK)
+    assert t.render(msgs) == "[system]: be brief\n[user]: hi\n[assistant]: "
+
+
+# ------------------------------------------------------------------------------------------------
+# The server
+# ------------------------------------------------------------------------------------------------
+def test_health_and_models(server):
+    status, _, body = server.raw("GET", "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [NAME]
+    assert extra(models.data[0], "max_model_len") == CONTEXT
+
+
+def test_completion_greedy_equals_generator(server, oracle):
+    client = server.client()
+    prompt = "The quick brown fox"
+    want, why = oracle(enc(prompt), 20)
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    c = r.choices[0]
+    assert extra(c, "token_ids") == want
+    assert c.text == dec(want)
+    assert c.finish_reason == why
+    assert r.usage.prompt_tokens == len(enc(prompt))
+    assert r.usage.completion_tokens == len(want)
+    assert r.usage.total_tokens == len(enc(prompt)) + len(want)
+    # token-id prompts are the same request
+    r2 = client.completions.create(model=NAME, prompt=enc(prompt), max_tokens=20, temperature=0)
+    assert r2.choices[0].text == c.text
+
+
+def test_completion_stream_equals_non_stream(server, oracle):
+    client = server.client()
+    prompt = "Streaming, please"
+    want, why = oracle(enc(prompt), 24)
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert all(ch.usage is None for ch in chunks[:-1])
+    text = "".join(ch.choices[0].text for ch in chunks[:-1])
+    assert text == dec(want)
+    assert [ch.choices[0].finish_reason for ch in chunks[:-1]][-1] == why
+    assert all(ch.choices[0].finish_reason is None for ch in chunks[:-2])
+    assert chunks[-1].usage.prompt_tokens == len(enc(prompt))
+    assert chunks[-1].usage.completion_tokens == len(want)
+    # the wire format ends with the [DONE] sentinel
+    status, headers, body = server.raw("POST", "/v1/completions", json.dumps(
+        {"prompt": prompt, "max_tokens": 3, "temperature": 0, "stream": True}), {"Content-Type": "application/json"})
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = [e for e in body.decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+
+
+def test_chat_uses_template_stream_and_usage(server, oracle):
+    client = server.client()
+    msgs = [{"role": "system", "content": "terse"}, {"role": "user", "content": "Hi!"}]
+    ids = enc("[system]: terse\n[user]: Hi!\n[assistant]: ")
+    want, why = oracle(ids, 16)
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=16, temperature=0)
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == len(want)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == dec(want)
+    assert r.choices[0].finish_reason == why
+    chunks = list(client.chat.completions.create(model=NAME, messages=msgs, max_completion_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert content == dec(want)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == why
+    assert chunks[-1].usage.completion_tokens == len(want) and chunks[-1].usage.prompt_tokens == len(ids)
+
+
+def test_32_concurrent_requests_equal_each_prompt_alone(server, oracle):
+    """Greedy prompts of different lengths (some longer than the prefill chunk) and seeded sampled prompts with
+    their own temperature/top-p/top-k, all in flight together over 8 slots: each equals its prompt run alone."""
+    rng = np.random.default_rng(1)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    jobs = []
+    for i in range(32):
+        n = int(rng.integers(1, 12)) if i % 5 else int(rng.integers(10, 16))   # some prompts of 33..64 tokens
+        prompt = (f"{i}: " + " ".join(rng.choice(words, n)))[:64]
+        sp = dict(temperature=0.0, top_p=1.0, top_k=0, seed=0)
+        if i % 8 == 3:
+            sp = dict(temperature=float(rng.uniform(0.5, 1.5)), top_p=float(rng.uniform(0.5, 1.0)),
+                      top_k=int(rng.integers(0, 40)), seed=int(rng.integers(0, 2**31)))
+        jobs.append((prompt, int(rng.integers(4, 17)), sp, i % 4 == 1))
+    assert any(len(enc(p)) > CHUNK for p, *_ in jobs)
+    wants = [oracle(enc(p), m, **sp) for p, m, sp, _ in jobs]
+    client = server.client()
+
+    def call(job):
+        prompt, m, sp, stream = job
+        body = {"return_token_ids": True, "top_k": sp["top_k"]}
+        kw = dict(model=NAME, prompt=prompt, max_tokens=m, temperature=sp["temperature"], top_p=sp["top_p"],
+                  seed=sp["seed"], extra_body=body)
+        if not stream:
+            r = client.completions.create(**kw)
+            return extra(r.choices[0], "token_ids"), r.choices[0].text, r.choices[0].finish_reason
+        ids, text, why = [], "", None
+        for ch in client.completions.create(stream=True, **kw):
+            ids += extra(ch.choices[0], "token_ids") or []
+            text += ch.choices[0].text
+            why = ch.choices[0].finish_reason or why
+        return ids, text, why
+
+    with cf.ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(call, jobs))
+    for (prompt, *_), (want, why), (ids, text, fr) in zip(jobs, wants, got):
+        assert ids == want, prompt
+        assert text == dec(want), prompt
+        assert fr == why
+
+
+def test_stop_strings_and_stop_token_ids(server, oracle):
+    client = server.client()
+    prompt = "Stop me if you can"
+    want, _ = oracle(enc(prompt), 40)
+    pieces = [TOK.decode([t]) for t in want]
+    printable = [len(p) == 1 and p.isascii() and p.isprintable() for p in pieces]
+    k = next(k for k in range(1, len(want) - 1) if printable[k] and printable[k + 1]
+             and (pieces[k] + pieces[k + 1]) not in dec(want[:k + 1]))
+    stop = pieces[k] + pieces[k + 1]
+    for stream in (False, True):
+        kw = dict(model=NAME, prompt=prompt, max_tokens=40, temperature=0, stop=[stop, "\x00never"])
+        if stream:
+            chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            why = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            usage = chunks[-1].usage
+        else:
+            r = client.completions.create(**kw)
+            text, why, usage = r.choices[0].text, r.choices[0].finish_reason, r.usage
+        assert text == dec(want[:k]), stream
+        assert why == "stop"
+        assert usage.completion_tokens == k + 2
+    j = 6
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0,
+                                  extra_body={"stop_token_ids": [want[j]], "return_token_ids": True})
+    first = want.index(want[j])
+    assert extra(r.choices[0], "token_ids") == want[:first + 1]
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == dec(want[:first])
+
+
+def _error(status: int, body: bytes) -> dict:
+    obj = json.loads(body)
+    assert set(obj) == {"error"} and {"message", "type", "param", "code"} <= set(obj["error"]), obj
+    assert isinstance(obj["error"]["message"], str) and obj["error"]["message"]
+    return obj["error"]
+
+
+LONG_PROMPT = "x" * (CONTEXT + 10)
+BAD = [
+    # (path, body, status, param)
+    ("/v1/completions", "{not json", 400, None),
+    ("/v1/completions", "[1, 2]", 400, None),
+    ("/v1/completions", "", 400, None),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "10"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "hi", "stop": 7}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "model": 12}, 400, "model"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": CONTEXT}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": LONG_PROMPT}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400,
+     "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, 404, "model"),
+]
+
+
+def test_bad_inputs_get_openai_errors_and_do_not_disturb_others(server, oracle):
+    prompt = "A request that runs during the bad ones"
+    want, _ = oracle(enc(prompt), 48)
+    client = server.client()
+
+    def good():
+        ids = []
+        for ch in client.completions.create(model=NAME, prompt=prompt, max_tokens=48, temperature=0, stream=True,
+                                            extra_body={"return_token_ids": True}):
+            ids += extra(ch.choices[0], "token_ids") or []
+        return ids
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        bg = pool.submit(good)
+        for path, body, status, param in BAD:
+            raw = body if isinstance(body, str) else json.dumps(body)
+            got, headers, out = server.raw("POST", path, raw, {"Content-Type": "application/json"})
+            assert got == status, (body, out)
+            err = _error(got, out)
+            assert err["param"] == param, (body, err)
+            assert err["type"] == "invalid_request_error"
+        for method, path, status in [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405),
+                                     ("DELETE", "/v1/models", 405)]:
+            got, _, out = server.raw(method, path)
+            assert got == status
+            _error(got, out)
+        assert bg.result() == want
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=NAME, prompt="hi", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="unknown", messages=[{"role": "user", "content": "x"}])
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=5, temperature=0)
+    assert r.choices[0].text == dec(want[:5]) and r.usage.completion_tokens == 5
+
+
+def _send_raw(port: int, body: dict) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    data = json.dumps(body).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return s
+
+
+def _wait_idle(server, timeout=60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if _value(m, "vllm:num_requests_running") == 0 and _value(m, "vllm:num_requests_waiting") == 0:
+            return m
+        time.sleep(0.05)
+    raise AssertionError("server did not go idle")
+
+
+def test_disconnect_mid_stream_frees_the_slot(server, oracle):
+    before = server.metrics()
+    s = _send_raw(server.port, {"prompt": "never ending", "max_tokens": CONTEXT - 20, "temperature": 0,
+                                "stream": True, "ignore_eos": True})
+    buf = b""
+    while buf.count(b"data: ") < 3:
+        buf += s.recv(4096)
+    assert buf.startswith(b"HTTP/1.1 200")
+    s.close()
+    m = _wait_idle(server)
+    assert _value(m, "hyspec:requests_aborted_total") == _value(before, "hyspec:requests_aborted_total") + 1
+    generated = _value(m, "vllm:generation_tokens_total") - _value(before, "vllm:generation_tokens_total")
+    assert 3 <= generated < CONTEXT - 20     # it stopped early: the slot was freed, not run to max_tokens
+    prompt = "after the disconnect"
+    want, _ = oracle(enc(prompt), 10)
+    client = server.client()
+    for _ in range(3):
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0)
+        assert r.choices[0].text == dec(want)
+
+
+def test_full_queue_answers_429_and_others_complete(server, oracle):
+    n = SLOTS + QUEUE + 20
+    socks = [_send_raw(server.port, {"prompt": f"long {i}", "max_tokens": CONTEXT - 20, "temperature": 0,
+                                     "stream": True, "ignore_eos": True}) for i in range(n)]
+    statuses = []
+    for s in socks:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            head += chunk
+        statuses.append(int(head.split(b" ")[1]))
+        if statuses[-1] == 429:
+            body = head.split(b"\r\n\r\n", 1)[1]
+            length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+            while len(body) < length:
+                body += s.recv(4096)
+            err = _error(429, body)
+            assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
+    assert statuses.count(429) >= 1 and statuses.count(200) >= SLOTS + QUEUE
+    assert set(statuses) == {200, 429}
+    for s in socks:
+        s.close()
+    _wait_idle(server)
+    prompt = "queue drained"
+    want, _ = oracle(enc(prompt), 8)
+    r = server.client().completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0)
+    assert r.choices[0].text == dec(want)
+
+
+def test_metrics_parse_and_move(server):
+    status, headers, body = server.raw("GET", "/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    text = body.decode()
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+        families = {f.name for f in text_string_to_metric_families(text)}
+        assert {"vllm:num_requests_running", "vllm:time_to_first_token_seconds",
+                "vllm:spec_decode_num_drafts"} <= families
+    except ImportError:
+        pass
+    before = parse_text(text)
+    prompt = "count me"
+    r = server.client().completions.create(model=NAME, prompt=prompt, max_tokens=7, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 7
+    after = server.metrics()
+    d = lambda name, **kw: _value(after, name, **kw) - _value(before, name, **kw)  # noqa: E731
+    assert d("vllm:prompt_tokens_total") == len(enc(prompt))
+    assert d("vllm:generation_tokens_total") == 7
+    assert d("vllm:request_success_total", finished_reason="length") == 1
+    assert d("vllm:time_to_first_token_seconds_count") == 1
+    assert d("vllm:e2e_request_latency_seconds_count") == 1
+    assert d("vllm:inter_token_latency_seconds_count") == 6
+    assert d("hyspec:engine_steps_total", kind="decode") >= 6
+    assert d("hyspec:request_errors_total") == 0
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:spec_decode_num_drafts_total",
+                 "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"):
+        assert name in after
+    # every bucket was compiled at start-up: nothing the tests above did compiled anything new
+    assert _value(after, "hyspec:compilations_at_startup") > 0
+    assert _value(after, "hyspec:compilations_after_startup_total") == 0
+    assert _value(after, "hyspec:request_errors_total", status="400") >= 20   # the bad-input test's
+
+
+def test_sigterm_drains_in_flight_requests_then_exits(server, oracle):
+    """Last test of the module: SIGTERM stops the listener, lets the streaming request finish, exits 0."""
+    prompt = "drain me"
+    want, _ = oracle(enc(prompt), 60, stop_ids=())
+    stream = server.client().completions.create(model=NAME, prompt=prompt, max_tokens=60, temperature=0,
+                                                stream=True, extra_body={"return_token_ids": True,
+                                                                         "ignore_eos": True})
+    it = iter(stream)
+    ids = list(extra(next(it).choices[0], "token_ids") or [])
+    server.proc.send_signal(signal.SIGTERM)
+    for ch in it:
+        ids += extra(ch.choices[0], "token_ids") or []
+    assert ids == want
+    assert server.proc.wait(60) == 0
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
+    assert "SIGTERM: draining" in server.log.read_text()

@@ -151,6 +151,12 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from hyspec_jax.serve.server import run
+
+    return run(args)
+
+
 def cmd_bench(args) -> int:
     import importlib
 
@@ -185,6 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "factorized design vs per-node snapshots; kernels: GDN tree kernels vs baselines (GPU)")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
     b.set_defaults(func=cmd_bench)
+
+    from hyspec_jax.serve.server import add_arguments as add_serve_arguments
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, SSE, /metrics)",
+                       description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. "
+                                   "Without --model: the same default as `generate`. SIGTERM drains and exits.")
+    add_serve_arguments(s)
+    s.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -141,7 +141,11 @@ def run(args) -> int:
 async def _serve(args, app, scheduler, chat) -> int:
     from hyspec_jax.serve.http import HTTPServer
     http = HTTPServer(app.handle)
-    port = await http.start(args.host, args.port)
+    try:
+        port = await http.start(args.host, args.port)
+    except OSError as e:
+        scheduler.stop()
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = {"n": 0}

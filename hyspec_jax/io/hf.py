@@ -61,10 +61,14 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _read_tensors(model_dir: Path) -> dict[str, np.ndarray]:
-    """All tensors under canonical names, as numpy (bf16 via ml_dtypes). Per-expert weights are fused."""
+_Experts = dict[str, dict[int, dict[str, tuple[str, np.ndarray]]]]  # prefix -> expert -> proj -> (raw key, array)
+
+
+def _read_tensors(model_dir: Path) -> tuple[dict[str, np.ndarray], _Experts]:
+    """All tensors under canonical names, as numpy (bf16 via ml_dtypes); per-expert weights kept apart
+    (with their on-disk names, for error messages) until `_fuse_experts` checks them against the config."""
     tensors: dict[str, np.ndarray] = {}
-    experts: dict[str, dict[int, dict[str, np.ndarray]]] = {}
+    experts: _Experts = {}
     for path in _weight_files(model_dir):
         with safe_open(str(path), framework="flax") as f:
             for raw_key in f.keys():
@@ -74,20 +78,32 @@ def _read_tensors(model_dir: Path) -> dict[str, np.ndarray]:
                 m = _PER_EXPERT.match(key)
                 arr = np.asarray(f.get_tensor(raw_key))
                 if m:
-                    experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = arr
+                    experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = (raw_key, arr)
                 else:
                     tensors[key] = arr
-    for prefix, per in experts.items():
-        ids = sorted(per)
-        if ids != list(range(len(ids))):
-            raise CheckpointError(f"{prefix}: expert ids are not 0..{len(ids) - 1}")
-        try:
-            tensors[f"{prefix}.gate_up_proj"] = np.stack(
-                [np.concatenate([per[e]["gate_proj"], per[e]["up_proj"]], axis=0) for e in ids])
-            tensors[f"{prefix}.down_proj"] = np.stack([per[e]["down_proj"] for e in ids])
-        except KeyError as e:
-            raise CheckpointError(f"{prefix}: an expert lacks its {e.args[0]}.weight") from None
-    return tensors
+    return tensors, experts
+
+
+def _fuse_experts(prefix: str, per: dict[int, dict[str, tuple[str, np.ndarray]]], gate_up_shape: tuple[int, ...],
+                  down_shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-expert gate/up/down [I,H]/[I,H]/[H,I] -> fused gate_up [E,2I,H] (gate rows first), down [E,H,I]."""
+    E, two_i, H = gate_up_shape
+    want = {"gate_proj": (two_i // 2, H), "up_proj": (two_i // 2, H), "down_proj": tuple(down_shape[1:])}
+    extra = sorted(set(per) - set(range(E)))
+    if extra:
+        raise CheckpointError(f"{prefix}: expert ids {extra} in the checkpoint, config.json has {E} experts")
+    for e in range(E):
+        for proj, shape in want.items():
+            name = f"{prefix}.{e}.{proj}.weight"
+            if proj not in per.get(e, {}):
+                raise CheckpointError(f"missing tensor {name!r} (expected shape {shape})")
+            raw_key, arr = per[e][proj]
+            if tuple(arr.shape) != shape:
+                raise CheckpointError(f"tensor {raw_key!r} has shape {tuple(arr.shape)} in the checkpoint, "
+                                      f"expected {shape} from config.json")
+    gate_up = np.stack([np.concatenate([per[e]["gate_proj"][1], per[e]["up_proj"][1]], axis=0) for e in range(E)])
+    down = np.stack([per[e]["down_proj"][1] for e in range(E)])
+    return gate_up, down
 
 
 def _flat_params(model: TargetModel) -> dict[str, nnx.Variable]:
@@ -100,11 +116,20 @@ def load_pretrained(model_dir: str | Path, dtype=jnp.float32) -> tuple[TargetCon
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: model directory does not exist")
     cfg = TargetConfig.from_pretrained(model_dir)
-    tensors = _read_tensors(model_dir)
+    tensors, experts = _read_tensors(model_dir)
     model = abstract_model(cfg, dtype)
     expected = _flat_params(model)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
+    for prefix, per in experts.items():
+        gate_up, down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
+        if gate_up not in expected or down not in expected:
+            log.warning("ignoring per-expert tensors under %s (no routed experts there in config.json)", prefix)
+            continue
+        if gate_up in tensors or down in tensors:
+            raise CheckpointError(f"{prefix}: both fused and per-expert expert tensors in the checkpoint")
+        tensors[gate_up], tensors[down] = _fuse_experts(prefix, per, tuple(expected[gate_up].shape),
+                                                        tuple(expected[down].shape))
     for name, var in expected.items():
         if name not in tensors:
             raise CheckpointError(f"missing tensor {name!r} (expected shape {tuple(var.shape)}) in {model_dir}")

@@ -196,7 +196,9 @@ class TargetConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json that transformers (and this library) read back to the same model."""
         out: dict[str, Any] = {
-            "model_type": self.model_type,
+            # flat (text-only) configs: the VLM wrapper types would be read as their multimodal defaults
+            "model_type": {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}.get(self.model_type,
+                                                                                           self.model_type),
             "architectures": ["Qwen3NextForCausalLM" if self.model_type == "qwen3_next" else
                               "Qwen3_5MoeForCausalLM" if self.is_moe else "Qwen3_5ForCausalLM"],
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
@@ -213,7 +215,7 @@ class TargetConfig:
             "hidden_act": "silu", "attention_bias": self.attention_bias,
             "tie_word_embeddings": self.tie_word_embeddings,
         }
-        if self.is_moe:
+        if _FAMILIES[self.model_type][1]:  # MoE families: write 0 experts too (else transformers defaults to 512)
             out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                        moe_intermediate_size=self.moe_intermediate_size,
                        shared_expert_intermediate_size=self.shared_expert_intermediate_size,

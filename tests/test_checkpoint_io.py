@@ -163,12 +163,7 @@ TORCH_CHAIN = {
     "qwen3_5-tied": lambda: ho.qwen3_5_config(tie=True, hk=1, hv=3, layer_types=[FULL, LIN, LIN]),
     "qwen3_next-moe": lambda: ho.qwen3_next_config(decoder_sparse_step=2, mlp_only_layers=[3], num_experts=4,
                                                    top_k=3, layers=4),
-    "qwen3_next-dense": pytest.param(
-        lambda: ho.qwen3_next_config(num_experts=0, layer_types=[LIN, FULL]),
-        marks=pytest.mark.xfail(strict=True, reason=(
-            "config.py TargetConfig.to_hf_dict omits num_experts for a Qwen3-Next config without experts, so "
-            "transformers falls back to its default of 512 experts and builds MoE layers; remove this mark "
-            "with the fix"))),
+    "qwen3_next-dense": lambda: ho.qwen3_next_config(num_experts=0, layer_types=[LIN, FULL]),
 }
 
 
@@ -200,11 +195,6 @@ def _target_config(model_type, **kw):
     return TargetConfig(model_type=model_type, **{**base, **kw})
 
 
-def _xfail(reason):
-    return pytest.mark.xfail(strict=True, reason=f"config.py TargetConfig.to_hf_dict: {reason}; remove this mark "
-                                                 "with the fix")
-
-
 CONFIGS = [
     pytest.param(_target_config("qwen3_5_text"), id="qwen3_5_text"),
     pytest.param(_target_config("qwen3_5_text", tie_word_embeddings=True), id="qwen3_5_text-tied"),
@@ -213,15 +203,10 @@ CONFIGS = [
     pytest.param(_target_config("qwen3_next", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
                                 shared_expert_intermediate_size=8, norm_topk_prob=False, decoder_sparse_step=2,
                                 mlp_only_layers=(1,)), id="qwen3_next-moe"),
-    pytest.param(_target_config("qwen3_next"), id="qwen3_next-dense",
-                 marks=_xfail("num_experts is not written for a config without experts, transformers then "
-                              "defaults to 512")),
-    pytest.param(_target_config("qwen3_5"), id="qwen3_5-wrapper-type",
-                 marks=_xfail("model_type 'qwen3_5' is written flat, transformers reads it as the VLM wrapper "
-                              "with a default text_config (write 'qwen3_5_text')")),
+    pytest.param(_target_config("qwen3_next"), id="qwen3_next-dense"),
+    pytest.param(_target_config("qwen3_5"), id="qwen3_5-wrapper-type"),
     pytest.param(_target_config("qwen3_5_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
-                                shared_expert_intermediate_size=8), id="qwen3_5_moe-wrapper-type",
-                 marks=_xfail("model_type 'qwen3_5_moe' is written flat (write 'qwen3_5_moe_text')")),
+                                shared_expert_intermediate_size=8), id="qwen3_5_moe-wrapper-type"),
 ]
 
 

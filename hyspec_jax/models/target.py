@@ -187,7 +187,8 @@ class TargetModel(nnx.Module):
 # ------------------------------------------------------------------------------------------------
 def create_model(cfg: TargetConfig, *, seed: int = 0, dtype=F32) -> TargetModel:
     """A randomly initialised model (tests, the labelled random demo, training from scratch)."""
-    return TargetModel(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+    # One compiled init instead of one eager dispatch (and compile) per parameter shape.
+    return nnx.jit(lambda: TargetModel(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))()
 
 
 def abstract_model(cfg: TargetConfig, dtype=F32) -> TargetModel:

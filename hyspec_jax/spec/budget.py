@@ -1,0 +1,192 @@
+"""Verification budget: Bole's hardware-calibrated batch-shared capacity (Algorithm 3) and DSpark's
+confidence-based chain length.
+
+Offline (`hyspec calibrate`, `hyspec_jax.bench.calibrate`): for a bucket c = (device kind, model, batch slots B,
+KV length S, tree depth d) measure the complete target verify forward T_ver(N | c) for every compiled node
+capacity N (nodes per request row, anchor included) and the one-token decode T_dec(c), and store
+
+    B_ver(c) = max { N : T_ver(N | c) ≤ (1 + ε) · T_dec(c) }        (Bole eq. 12)
+
+in a JSON table (`BudgetTable`). The engine compiles its verify with row width N = B_ver(c).
+
+Online (`select_nodes`, every round, on device, fixed shapes): the candidates of all requests compete for a
+batch-wide capacity C (nodes, anchors included; a runtime scalar, so changing it never recompiles). The anchor
+and the best root child of every active request are always kept (Bole's fairness floor); the remaining
+capacity goes to the batch-wide highest-score nodes. Scores never increase down a path and ties are broken by
+depth (shallower first), then slot, then node index — so every prefix of this order is ancestor-closed and
+each request's selection is prefix-connected without a repair pass. A row holds at most N nodes (the compiled
+verify width): a node is eligible only if fewer than N nodes of its row rank above it, which is again a
+prefix of the row's order. Whether a node is kept depends only on the nodes ranked above it — never on its
+own token or its descendants — which is what lossless tree sampling needs (`spec.select`).
+
+Note on the data layout: verify runs over a dense [B, N] forest, so with C < B·N capacity is redistributed
+between rows but the forward still costs B·N nodes; a flat ragged forest (Bole's packing) would need a
+target verify over per-node slot ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+I32 = jnp.int32
+F32 = jnp.float32
+
+
+# ------------------------------------------------------------------------------------------------
+# Online selection
+# ------------------------------------------------------------------------------------------------
+@struct.dataclass
+class Selection:
+    index: jax.Array   # [B, N] int32 candidate index of each kept node (in candidate order); padding: 0
+    valid: jax.Array   # [B, N] bool
+    parent: jax.Array  # [B, N] int32 parent in the compacted numbering (−1 for the anchor and padding)
+    depth: jax.Array   # [B, N] int32
+    kept: jax.Array    # [B, M] bool which candidates were kept
+
+
+def root_floor(score: jax.Array, parent: jax.Array, valid: jax.Array, active: jax.Array) -> jax.Array:
+    """bool [B, M]: the anchor (candidate 0) and the best-scoring valid child of the anchor of every active
+    row (ties: lowest index)."""
+    B, M = score.shape
+    child = valid & (parent == 0)
+    best = jnp.argmax(jnp.where(child, score, -jnp.inf), axis=1)
+    has = jnp.any(child, axis=1)
+    idx = jnp.arange(M)[None]
+    return active[:, None] & valid & ((idx == 0) | (has[:, None] & (idx == best[:, None])))
+
+
+def select_nodes(score: jax.Array, parent: jax.Array, depth: jax.Array, valid: jax.Array, forced: jax.Array,
+                 row_capacity: int, capacity: jax.Array | int) -> Selection:
+    """Keep the forced nodes and the batch-wide best others, at most `capacity` nodes in all (but never fewer
+    than the forced ones) and at most `row_capacity` per row; compact each row to width row_capacity.
+
+    score [B,M] (log) selection scores, non-increasing down every path (−inf or invalid: never kept);
+    parent/depth/valid [B,M] candidate forest in topological order (node 0 = anchor); forced [B,M].
+    Kept rows stay in candidate order, so siblings keep their draw order.
+    """
+    B, M = score.shape
+    chex.assert_shape([parent, depth, valid, forced], (B, M))
+    N = int(row_capacity)
+    valid = valid & (score > -jnp.inf) | forced
+    score = jnp.where(valid, score, -jnp.inf).astype(F32)
+    # global order: valid first, forced first, score desc, depth asc, row asc, index asc
+    row = jnp.broadcast_to(jnp.arange(B, dtype=I32)[:, None], (B, M)).reshape(-1)
+    idx = jnp.broadcast_to(jnp.arange(M, dtype=I32)[None], (B, M)).reshape(-1)
+    neg = jnp.where(valid, -score, jnp.inf).reshape(-1)
+    order = jnp.lexsort((idx, row, depth.reshape(-1), neg, ~forced.reshape(-1), ~valid.reshape(-1)))
+    rank = jnp.zeros((B * M,), I32).at[order].set(jnp.arange(B * M, dtype=I32)).reshape(B, M)
+    above = valid[:, None, :] & (rank[:, None, :] < rank[:, :, None])          # [B, i, j]: j ranks above i
+    row_rank = jnp.sum(above, axis=2)
+    eligible = valid & (row_rank < N)
+    e_sorted = eligible.reshape(-1)[order]
+    e_rank = jnp.zeros((B * M,), I32).at[order].set(jnp.cumsum(e_sorted, dtype=I32) - 1).reshape(B, M)
+    n_forced = jnp.sum(forced & eligible, dtype=I32)
+    cap = jnp.maximum(jnp.asarray(capacity, I32), n_forced)
+    kept = eligible & (e_rank < cap)
+    # compact every row to N slots in candidate order
+    if M < N:
+        pad = lambda x, v: jnp.pad(x, ((0, 0), (0, N - M)), constant_values=v)  # noqa: E731
+        kept_p, parent_p, depth_p = pad(kept, False), pad(parent, -1), pad(depth, 0)
+    else:
+        kept_p, parent_p, depth_p = kept, parent, depth
+    take = jnp.argsort(~kept_p, axis=1, stable=True)[:, :N].astype(I32)
+    sel_valid = jnp.take_along_axis(kept_p, take, axis=1)
+    rows = jnp.arange(B)[:, None]
+    inv = jnp.full(kept_p.shape, -1, I32).at[rows, take].set(
+        jnp.where(sel_valid, jnp.arange(N, dtype=I32)[None], -1))
+    par = jnp.take_along_axis(parent_p, take, axis=1)
+    new_parent = jnp.where(sel_valid & (par >= 0), jnp.take_along_axis(inv, jnp.maximum(par, 0), axis=1), -1)
+    index = jnp.where(sel_valid, jnp.minimum(take, M - 1), 0)
+    return Selection(index=index, valid=sel_valid, parent=new_parent,
+                     depth=jnp.where(sel_valid, jnp.take_along_axis(depth_p, take, axis=1), 0), kept=kept)
+
+
+def confident_length(confidence: jax.Array, threshold: float | jax.Array, min_length: int = 1) -> jax.Array:
+    """DSpark's confidence-scheduled chain length: the number of leading draft slots whose prefix survival
+    a_k = Π_{i≤k} c_i is ≥ threshold (at least min_length). confidence [B,G] -> [B] int32.
+
+    Lossless with sampling: c_k depends on the slot's hidden state and the previous token only, so whether
+    slot k is verified never depends on the token drafted at slot k."""
+    surv = jnp.cumprod(confidence.astype(F32), axis=1)
+    n = jnp.sum(surv >= threshold, axis=1, dtype=I32)
+    return jnp.clip(n, min(min_length, confidence.shape[1]), confidence.shape[1])
+
+
+# ------------------------------------------------------------------------------------------------
+# Offline calibration table
+# ------------------------------------------------------------------------------------------------
+def b_ver(t_ver: dict[int, float], t_dec: float, eps: float) -> tuple[int, bool]:
+    """(B_ver, within) — the largest capacity N with T_ver(N) ≤ (1+ε)·T_dec; when none is within the
+    tolerance, the smallest capacity and within=False."""
+    if not t_ver:
+        raise ValueError("no verify timings")
+    ok = [n for n, t in t_ver.items() if t <= (1.0 + eps) * t_dec]
+    return (max(ok), True) if ok else (min(t_ver), False)
+
+
+def model_id(config: Any, name: str = "") -> str:
+    """A stable id of a target model: its directory name (if any) and a hash of its config."""
+    if dataclasses.is_dataclass(config):
+        raw = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
+    else:
+        raw = json.dumps(config, sort_keys=True, default=str)
+    digest = hashlib.sha256(raw.encode()).hexdigest()[:12]
+    return f"{name}@{digest}" if name else digest
+
+
+def bucket_key(device_kind: str, model: str, batch: int, kv_len: int, depth: int) -> str:
+    return f"{device_kind}|{model}|B={batch}|S={kv_len}|d={depth}"
+
+
+@dataclasses.dataclass
+class BudgetTable:
+    """JSON table of calibrated capacities keyed by device kind, model and bucket."""
+
+    entries: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    VERSION = 1
+
+    @classmethod
+    def load(cls, path: str | Path) -> "BudgetTable":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"budget table {path}: no such file")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"budget table {path}: invalid JSON ({e.msg})") from None
+        if not isinstance(raw, dict) or not isinstance(raw.get("entries"), dict):
+            raise ValueError(f"budget table {path}: expected an object with \"entries\"")
+        return cls(entries=dict(raw["entries"]))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps({"version": self.VERSION, "entries": self.entries}, indent=2,
+                                         sort_keys=True) + "\n")
+
+    def add(self, entry: dict[str, Any]) -> str:
+        key = bucket_key(entry["device_kind"], entry["model"], entry["batch"], entry["kv_len"], entry["max_depth"])
+        self.entries[key] = entry
+        return key
+
+    def lookup(self, device_kind: str, model: str, batch: int, kv_len: int, depth: int | None = None
+               ) -> dict[str, Any] | None:
+        """The entry of this bucket, else the smallest calibrated bucket covering it (batch ≥, kv_len ≥;
+        same depth when given), else None."""
+        cands = [e for e in self.entries.values()
+                 if e["device_kind"] == device_kind and e["model"] == model and e["batch"] >= batch
+                 and e["kv_len"] >= kv_len and (depth is None or e["max_depth"] == depth)]
+        if not cands:
+            return None
+        return min(cands, key=lambda e: (e["batch"], e["kv_len"]))
+
+
+__all__ = ["Selection", "root_floor", "select_nodes", "confident_length", "b_ver", "model_id", "bucket_key",
+           "BudgetTable"]

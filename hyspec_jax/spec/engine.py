@@ -1,0 +1,460 @@
+"""The speculative engine: one jitted draft → select → verify → accept → commit round per bucket (DESIGN §2, §7).
+
+Per slot the device holds the target's committed state (`TargetState`), the drafter's context K/V
+(`DrafterState`, same committed length) and the anchor — the last token the target chose, not processed yet.
+One round (`spec_round`, compiled once per bucket: batch slots B, verify width N, KV length S; state donated):
+
+  draft    one DSpark block from the context K/V + anchor (`ready` modes: the reader reads TargetState.ssm)
+  build    chain [anchor, x₀..x_{γ−1}] (optionally cut by DSpark's confidence) or a beam tree (`spec.select`)
+  select   Bole's batch-shared budget: anchor + root child of every active slot, then the batch-wide best
+           scores, ≤ N per row, ≤ C in all (`spec.budget.select_nodes`); compacted to a [B, N] forest
+  verify   one target forward over the forest from the committed state, with the drafter's tap layers
+  accept   greedy matching or lossless recursive rejection sampling (`spec.accept`)
+  commit   target: factorized commit of the root-to-accepted path (`spec.commit.commit`); drafter: context
+           K/V of the path's target taps (anchor + accepted drafts) appended; next anchor = the bonus token.
+
+The host loop (`SpecEngine.generate`) only admits requests into free slots (one jitted prefill that also fills
+the drafter context), runs rounds, streams the committed tokens and finishes requests (stop token inside the
+accepted path, or max_tokens — both exact). Modes: `ar` (plain decoding, `generate.Generator`), `chain`
+(DSpark), `ready` (DSpark + ReaDy reader), `tree` (DSpark tree, Bole verification), `tree-ready`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hyspec_jax import tree as tree_lib
+from hyspec_jax.generate import Generator, bucket
+from hyspec_jax.models.drafter import DraftBlock, Drafter, DrafterState, init_drafter_state, target_heads
+from hyspec_jax.models.target import TargetModel
+from hyspec_jax.sampling import SamplingParams, SlotSampling, sample
+from hyspec_jax.spec.accept import accept
+from hyspec_jax.spec.budget import confident_length, root_floor, select_nodes
+from hyspec_jax.spec.commit import commit
+from hyspec_jax.spec.propose import chain_from_block
+from hyspec_jax.spec.select import TreeSpec, chain_candidates, tree_candidates
+from hyspec_jax.state import TargetState, init_state
+
+I32 = jnp.int32
+F32 = jnp.float32
+MODES = ("ar", "chain", "ready", "tree", "tree-ready")
+HINT_BIAS = 1.0e3   # added to the drafter's base logits at hinted tokens (see `spec_round`)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """User-level speculation settings (the engine derives the static round shape from them)."""
+    mode: str = "chain"
+    chain_length: int | None = None          # drafts per chain (default γ of the drafter)
+    tree: TreeSpec | None = None             # tree modes (default: depth min(γ, 4), top-k 2, beam 4)
+    verify_nodes: int | None = None          # N: verify width per slot, anchor included (e.g. Bole's B_ver)
+    capacity: int | None = None              # C: batch-wide node budget (default B·N)
+    confidence_threshold: float | None = None  # chain: DSpark confidence-scheduled length
+    method: str = "squaring"                 # tree-solve inverse method
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"spec mode must be one of {MODES}, got {self.mode!r}")
+        if self.chain_length is not None and self.chain_length < 1:
+            raise ValueError("chain_length must be >= 1")
+        if self.verify_nodes is not None and self.verify_nodes < 1:
+            raise ValueError("verify_nodes must be >= 1")
+        if self.capacity is not None and self.capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        if self.confidence_threshold is not None and not 0.0 <= self.confidence_threshold <= 1.0:
+            raise ValueError("confidence_threshold must be in [0, 1]")
+
+    @property
+    def is_tree(self) -> bool:
+        return self.mode in ("tree", "tree-ready")
+
+    @property
+    def uses_reader(self) -> bool:
+        return self.mode in ("ready", "tree-ready")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundShape:
+    """Static part of a compiled round (hashable)."""
+    tree: TreeSpec | None       # None = chain
+    gamma: int                  # chain drafts
+    verify_nodes: int           # N
+    reader: bool
+    stochastic: bool            # False: every slot greedy (no draft distributions are kept)
+    confidence_threshold: float | None
+    method: str
+    tap_layers: tuple[int, ...]
+
+    @property
+    def depth(self) -> int:
+        d = self.tree.depth if self.tree is not None else self.gamma
+        return max(0, min(d, self.verify_nodes - 1))
+
+    @property
+    def max_children(self) -> int:
+        return self.tree.top_k if self.tree is not None else 1
+
+
+def _slot_keys(seed: jax.Array, steps: jax.Array) -> jax.Array:
+    return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seed, steps)
+
+
+def _fold(keys: jax.Array, i: int) -> jax.Array:
+    return jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)
+
+
+def _gather(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x [B, M, ...] at idx [B, N] -> [B, N, ...]."""
+    return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def spec_round(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
+               state: TargetState, dstate: DrafterState, anchor: jax.Array, active: jax.Array,
+               sampling: SlotSampling, steps: jax.Array, capacity: jax.Array, hint: jax.Array | None = None, *,
+               shape: RoundShape):
+    """One speculative round for every slot. Returns (state, dstate, anchor, tokens [B, D+1], count [B],
+    accepted [B]): slot b committed tokens[b, :count[b]] (its accepted drafts, then the bonus token, which is
+    also the new anchor). Inactive slots are untouched (count 0).
+
+    steps [B]: per-slot round counters (PRNG: a slot's randomness never depends on its neighbours);
+    capacity: batch-wide node budget (runtime scalar); hint [B, γ] int (−1 = none): optional token hints
+    added to the drafter's base logits at each block slot (an oracle / prompt-lookup hook; drafts stay
+    drafts — acceptance is unchanged and still lossless, because the hinted q is the q drawn from).
+    """
+    target: TargetModel = nnx.merge(tgraph, tparams)
+    drafter: Drafter = nnx.merge(dgraph, dparams)
+    heads = target_heads(target)
+    B = anchor.shape[0]
+    N, D = shape.verify_nodes, shape.depth
+    samp = sampling if shape.stochastic else None
+    keys = _slot_keys(sampling.seed, steps)
+    dkeys, akeys = _fold(keys, 0), _fold(keys, 1)
+
+    block = drafter.draft(dstate, anchor, heads, state.ssm if shape.reader else None)
+    if hint is not None:
+        G, V = block.logits.shape[1], block.logits.shape[2]
+        h = hint[:, :G]
+        bonus_logits = jnp.where((jnp.arange(V)[None, None] == h[..., None]) & (h[..., None] >= 0), HINT_BIAS, 0.0)
+        block = DraftBlock(hidden=block.hidden, logits=block.logits + bonus_logits)
+    if shape.tree is None:
+        G = shape.gamma
+        block = DraftBlock(hidden=block.hidden[:, :G], logits=block.logits[:, :G])
+        prop = chain_from_block(drafter, block, anchor, samp, dkeys if samp is not None else None)
+        length = (None if shape.confidence_threshold is None
+                  else confident_length(prop.confidence, shape.confidence_threshold))
+        cand = chain_candidates(prop, anchor, length, samp)
+    else:
+        cand = tree_candidates(drafter, block, anchor, shape.tree, samp, dkeys if samp is not None else None)
+    valid = cand.valid & active[:, None]
+    forced = root_floor(cand.score, cand.parent, valid, active)
+    sel = select_nodes(cand.score, cand.parent, cand.depth, valid, forced, N, capacity)
+    tokens = jnp.where(sel.valid, jnp.take_along_axis(cand.token, sel.index, axis=1), 0)
+    tree = tree_lib.Tree(parent=sel.parent, valid=sel.valid, depth=sel.depth,
+                         envelope=tree_lib.TreeShape(N, D))
+
+    logits, taps, cache = target.verify(state, tree, tokens, method=shape.method, tap_layers=shape.tap_layers)
+    child_q = None if samp is None else _gather(cand.child_q, sel.index)
+    acc = accept(logits, tokens, tree.parent, tree.valid, child_q, samp, akeys if samp is not None else None,
+                 max_depth=D, max_children=shape.max_children)
+
+    node = jnp.where(active, acc.node, -1)
+    new_state = commit(state, cache, tree, node)
+    path, length = tree_lib.path_to(tree, node)                                   # [B, D+1], [B]
+    src = jnp.maximum(path, 0)
+    path_taps = jnp.take_along_axis(taps, src[None, :, :, None], axis=2)          # [L, B, D+1, H]
+    new_dstate = drafter.append_context(dstate, path_taps, length)
+
+    m = acc.num_accepted
+    path_tokens = jnp.take_along_axis(tokens, src, axis=1)                        # anchor, accepted drafts
+    out = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((B, 1), I32)], axis=1)
+    out = jnp.where(jnp.arange(D + 1)[None] == m[:, None], acc.bonus[:, None], out)
+    count = jnp.where(active, m + 1, 0)
+    return new_state, new_dstate, jnp.where(active, acc.bonus, anchor), out, count, m
+
+
+spec_round_jit = jax.jit(spec_round, static_argnames=("tgraph", "dgraph", "shape"),
+                         donate_argnames=("state", "dstate"))
+
+
+def prefill(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
+            state: TargetState, dstate: DrafterState, anchor: jax.Array, tokens: jax.Array, valid: jax.Array,
+            admit: jax.Array, sampling: SlotSampling, *, tap_layers: tuple[int, ...]):
+    """Admit new requests into slots `admit` [B]: reset their state, run the target over their prompts
+    (tokens/valid [B, T]) tapping the drafter's layers, fill the drafter context with the prompt's features
+    and sample the first token (the anchor; step 0, as `generate.Generator` does). Other slots are untouched."""
+    target: TargetModel = nnx.merge(tgraph, tparams)
+    drafter: Drafter = nnx.merge(dgraph, dparams)
+    z = lambda x: jnp.where(admit.reshape((1, -1) + (1,) * (x.ndim - 2)), jnp.zeros_like(x), x)  # noqa: E731
+    state = TargetState(ssm=z(state.ssm), conv=z(state.conv), keys=state.keys, values=state.values,
+                        lengths=jnp.where(admit, 0, state.lengths))
+    dstate = DrafterState(keys=dstate.keys, values=dstate.values, lengths=jnp.where(admit, 0, dstate.lengths))
+    valid = valid & admit[:, None]
+    logits, taps, state = target.extend(state, tokens, valid, last_only=True, tap_layers=tap_layers)
+    dstate = drafter.append_context(dstate, taps, jnp.sum(valid, axis=1, dtype=I32))
+    first = sample(logits[:, 0], sampling, jnp.zeros((), I32))
+    return state, dstate, jnp.where(admit, first, anchor)
+
+
+prefill_jit = jax.jit(prefill, static_argnames=("tgraph", "dgraph", "tap_layers"),
+                      donate_argnames=("state", "dstate"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Host loop
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class SpecResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str                       # "stop" | "length"
+    rounds: int = 0                          # rounds this request took part in
+    committed: list[int] = dataclasses.field(default_factory=list)   # tokens committed per round (bonus incl.)
+
+    @property
+    def tau(self) -> float:
+        return float(np.mean(self.committed)) if self.committed else 0.0
+
+
+@dataclasses.dataclass
+class SpecStats:
+    mode: str
+    rounds: int                  # batch rounds (device calls of the round)
+    tau: float                   # mean tokens committed per request-round, bonus included
+    accepted_per_position: list[float]   # k-th entry: fraction of request-rounds accepting ≥ k+1 drafts
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    round_seconds: float = 0.0
+    verify_nodes: int = 0
+    capacity: int = 0
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["tau"] = round(self.tau, 4)
+        d["accepted_per_position"] = [round(x, 4) for x in self.accepted_per_position]
+        for k in ("seconds", "prefill_seconds", "round_seconds"):
+            d[k] = round(d[k], 4)
+        return d
+
+
+HintFn = Callable[[int, list[int]], Sequence[int]]
+
+
+class SpecEngine:
+    """Batched speculative generation with continuous admission between rounds."""
+
+    def __init__(self, target: TargetModel, drafter: Drafter | None, spec: SpecConfig, *, slots: int | None = None,
+                 kv_len: int | None = None):
+        self.spec = spec
+        self.config = target.config
+        self.tgraph, self.tparams = nnx.split(target)
+        leaves = jax.tree.leaves(self.tparams)
+        self.dtype = leaves[0].dtype if leaves else F32
+        self.slots, self.kv_len = slots, kv_len
+        self.last_stats: SpecStats | None = None
+        if spec.mode == "ar":
+            self.drafter = None
+            return
+        if drafter is None:
+            raise ValueError(f"spec mode {spec.mode!r} needs a drafter")
+        if spec.uses_reader and drafter.reader is None:
+            raise ValueError(f"spec mode {spec.mode!r} needs a drafter with a ReaDy reader")
+        dcfg = drafter.config
+        if dcfg.vocab_size != self.config.vocab_size:
+            raise ValueError(f"drafter vocab {dcfg.vocab_size} != target vocab {self.config.vocab_size}")
+        if dcfg.num_target_layers != self.config.num_hidden_layers:
+            raise ValueError(f"drafter was built for a {dcfg.num_target_layers}-layer target, this target has "
+                             f"{self.config.num_hidden_layers}")
+        if drafter.reader is not None and not spec.uses_reader:
+            drafter = _without_reader(drafter)
+        self.drafter = drafter
+        self.dgraph, self.dparams = nnx.split(drafter)
+        gamma = dcfg.num_draft_tokens
+        if spec.is_tree:
+            tspec = spec.tree or TreeSpec(depth=min(gamma, 4), top_k=2, beam=4)
+            if tspec.depth > gamma:
+                raise ValueError(f"tree depth {tspec.depth} exceeds the drafter's {gamma} draft slots")
+            if tspec.top_k > self.config.vocab_size:
+                raise ValueError(f"tree top-k {tspec.top_k} exceeds the vocabulary")
+            n = spec.verify_nodes or min(tspec.num_candidates, 16)
+            self._tree, self._gamma = tspec, tspec.depth
+        else:
+            g = spec.chain_length or gamma
+            if g > gamma:
+                raise ValueError(f"chain length {g} exceeds the drafter's {gamma} draft slots")
+            n = spec.verify_nodes or g + 1
+            self._tree, self._gamma = None, g
+        self.verify_nodes = n
+
+    @property
+    def depth(self) -> int:
+        return 0 if self.spec.mode == "ar" else max(0, min(self._gamma, self.verify_nodes - 1))
+
+    def round_shape(self, stochastic: bool) -> RoundShape:
+        return RoundShape(tree=self._tree, gamma=self._gamma, verify_nodes=self.verify_nodes,
+                          reader=self.spec.uses_reader, stochastic=stochastic,
+                          confidence_threshold=None if self._tree is not None else self.spec.confidence_threshold,
+                          method=self.spec.method, tap_layers=tuple(self.drafter.config.target_layer_ids))
+
+    # --------------------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                 on_tokens: Callable[[int, list[int]], None] | None = None,
+                 hint: HintFn | None = None) -> list[SpecResult]:
+        """Generate for ragged prompts; `on_tokens(request_index, new_ids)` streams tokens as rounds commit
+        them. hint(request_index, generated_so_far) -> token hints for the next drafts (tests / lookup)."""
+        if not prompts:
+            return []
+        n = len(prompts)
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * n
+        if len(plist) != n:
+            raise ValueError(f"{n} prompts but {len(plist)} sampling params")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            bad = [t for t in p if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary "
+                                 f"[0, {self.config.vocab_size}): {bad[:5]}")
+        if self.spec.mode == "ar":
+            return self._generate_ar(prompts, plist, on_tokens)
+        t0 = time.perf_counter()
+        B = self.slots or bucket(n, 1)
+        D = self.depth
+        need = max(len(p) for p in prompts) + max(p.max_tokens for p in plist) + D + 2
+        S = self.kv_len or bucket(need, 128)
+        if need > S:
+            raise ValueError(f"kv_len {S} is too short: prompts + max_tokens + tree depth need {need}")
+        N = self.verify_nodes
+        capacity = self.spec.capacity or B * N
+        stochastic = any(p.temperature > 0 for p in plist)
+        shape = self.round_shape(stochastic)
+        state = init_state(self.config, B, S, self.dtype)
+        dstate = init_drafter_state(self.drafter.config, B, S, self.dtype)
+        anchor = jnp.zeros((B,), I32)
+        G = self.drafter.config.num_draft_tokens
+        sampling = SlotSampling.from_params([], B)
+
+        pending = deque(range(n))
+        slot_req = [-1] * B
+        out: list[list[int]] = [[] for _ in range(n)]
+        finish = [""] * n
+        results_rounds = [0] * n
+        committed: list[list[int]] = [[] for _ in range(n)]
+        accepted_all: list[int] = []
+        slot_params = [SamplingParams()] * B
+        steps = np.zeros(B, np.int32)
+        stops = [set(p.stop_token_ids) for p in plist]
+        t_prefill = t_round = 0.0
+        rounds = 0
+
+        def emit(i: int, toks: list[int]) -> bool:
+            """Append tokens to request i up to a stop token or max_tokens; True when it finished."""
+            new = []
+            done = False
+            for t in toks:
+                new.append(t)
+                out[i].append(t)
+                if t in stops[i]:
+                    finish[i], done = "stop", True
+                    break
+                if len(out[i]) >= plist[i].max_tokens:
+                    finish[i], done = "length", True
+                    break
+            if on_tokens is not None and new:
+                on_tokens(i, new)
+            return done
+
+        while pending or any(r >= 0 for r in slot_req):
+            free = [b for b in range(B) if slot_req[b] < 0]
+            if pending and free:
+                admit = np.zeros(B, bool)
+                new_slots = []
+                for b in free[:len(pending)]:
+                    i = pending.popleft()
+                    slot_req[b], slot_params[b] = i, plist[i]
+                    admit[b] = True
+                    steps[b] = 0
+                    new_slots.append(b)
+                T = bucket(max(len(prompts[slot_req[b]]) for b in new_slots))
+                toks = np.zeros((B, T), np.int32)
+                val = np.zeros((B, T), bool)
+                for b in new_slots:
+                    p = prompts[slot_req[b]]
+                    toks[b, :len(p)], val[b, :len(p)] = p, True
+                sampling = SlotSampling.from_params(slot_params, B)
+                t1 = time.perf_counter()
+                state, dstate, anchor = prefill_jit(self.tgraph, self.tparams, self.dgraph, self.dparams, state,
+                                                    dstate, anchor, jnp.asarray(toks), jnp.asarray(val),
+                                                    jnp.asarray(admit), sampling, tap_layers=shape.tap_layers)
+                first = np.asarray(anchor)
+                t_prefill += time.perf_counter() - t1
+                for b in new_slots:
+                    i = slot_req[b]
+                    if emit(i, [int(first[b])]):
+                        slot_req[b] = -1
+                continue   # admit more if slots freed at once; then run a round
+            active = np.array([r >= 0 for r in slot_req])
+            if not active.any():
+                continue
+            hint_arr = np.full((B, G), -1, np.int32)   # always an array: one compiled round
+            if hint is not None:
+                for b in range(B):
+                    if slot_req[b] >= 0:
+                        h = list(hint(slot_req[b], list(out[slot_req[b]])))[:G]
+                        hint_arr[b, :len(h)] = h
+            steps[active] += 1
+            t1 = time.perf_counter()
+            state, dstate, anchor, toks_out, count, acc = spec_round_jit(
+                self.tgraph, self.tparams, self.dgraph, self.dparams, state, dstate, anchor, jnp.asarray(active),
+                sampling, jnp.asarray(steps), jnp.asarray(capacity, I32), jnp.asarray(hint_arr), shape=shape)
+            toks_out, count, acc = np.asarray(toks_out), np.asarray(count), np.asarray(acc)
+            t_round += time.perf_counter() - t1
+            rounds += 1
+            for b in range(B):
+                i = slot_req[b]
+                if i < 0:
+                    continue
+                results_rounds[i] += 1
+                committed[i].append(int(count[b]))
+                accepted_all.append(int(acc[b]))
+                if emit(i, [int(t) for t in toks_out[b, :count[b]]]):
+                    slot_req[b] = -1
+        all_committed = [c for cs in committed for c in cs]
+        acc_arr = np.asarray(accepted_all)
+        self.last_stats = SpecStats(
+            mode=self.spec.mode, rounds=rounds, tau=float(np.mean(all_committed)) if all_committed else 0.0,
+            accepted_per_position=[float(np.mean(acc_arr > k)) if len(acc_arr) else 0.0 for k in range(D)],
+            seconds=time.perf_counter() - t0, prefill_seconds=t_prefill, round_seconds=t_round,
+            verify_nodes=N, capacity=int(capacity))
+        return [SpecResult(list(map(int, prompts[i])), out[i], finish[i], results_rounds[i], committed[i])
+                for i in range(n)]
+
+    def _generate_ar(self, prompts, plist, on_tokens) -> list[SpecResult]:
+        t0 = time.perf_counter()
+        gen = Generator(self.config, self.tgraph, self.tparams)
+        res = gen.generate(prompts, plist, on_tokens=on_tokens)
+        rounds = max(len(r.token_ids) for r in res) - 1
+        self.last_stats = SpecStats(mode="ar", rounds=rounds, tau=1.0, accepted_per_position=[],
+                                    seconds=time.perf_counter() - t0,
+                                    prefill_seconds=max(r.prefill_seconds for r in res), verify_nodes=1)
+        return [SpecResult(r.prompt_token_ids, r.token_ids, r.finish_reason, len(r.token_ids) - 1,
+                           [1] * (len(r.token_ids) - 1)) for r in res]
+
+
+def _without_reader(drafter: Drafter) -> Drafter:
+    """The same drafter with its reader detached (plain DSpark modes)."""
+    graphdef, params = nnx.split(drafter)
+    clone = nnx.merge(graphdef, params)
+    clone.reader, clone.reader_config, clone.inject_at = None, None, -1
+    return clone
+
+
+__all__ = ["MODES", "SpecConfig", "RoundShape", "SpecResult", "SpecStats", "SpecEngine", "spec_round",
+           "spec_round_jit", "prefill", "prefill_jit", "HINT_BIAS"]

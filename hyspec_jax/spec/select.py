@@ -1,0 +1,181 @@
+"""From one DSpark draft block to the candidate forest the budget selects from (chain or tree).
+
+Candidates of a row, in the `hyspec_jax.tree` convention: node 0 is the anchor, then the drafts level by
+level (parents before children), each with its token, parent, depth, a (log) selection score and — for
+sampling — `child_q`, the warped draft distribution its own children are drawn from.
+
+Selection scores and losslessness. Greedy rows score a node by ρ(v) = Π p_draft along its path (Bole).
+For sampling rows, keeping or dropping a draft must not depend on that draft's own token, or the verified
+children would no longer be draws from q and rejection sampling would be biased. Sampling rows therefore
+score a node by its *pre-draw* value σ(v) = ρ(parent) · m_i, where m_i = 1 − Σ_{j<i} q(c_j) is the draft
+mass left before v was drawn as its parent's i-th child (the probability that a further draw happens at all):
+σ depends on v's ancestors and earlier siblings only, σ(c_i) ≥ σ(c_{i+1}) (draw order = rank order), and
+σ(child) ≤ ρ(parent) ≤ σ(parent), so σ never increases down a path. With the budget's order (score desc,
+depth asc, index asc) every node is ranked below its ancestors, its later siblings and all their
+descendants; the beam truncation per level and `budget.select_nodes` keep a node based on the nodes ranked
+above it only — so a kept set is always a draw-order prefix of every node's children whose size does not
+depend on their tokens (what `spec.accept` requires). This is why trees are expanded here and not by
+`propose.tree_from_block`, which ranks sampled nodes by ρ (their own probability): fine for greedy rows,
+biased for sampling rows. For greedy rows the two expansions agree (top-k children by logits, ρ = products
+of softmax probabilities).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from hyspec_jax.models.drafter import DraftBlock, Drafter
+from hyspec_jax.sampling import SlotSampling, warp
+from hyspec_jax.spec.propose import ChainProposal
+
+F32 = jnp.float32
+I32 = jnp.int32
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSpec:
+    """Static tree expansion: `depth` draft levels (≤ γ), `top_k` children per expanded node, at most
+    `beam` nodes kept per level (EAGLE-2 style)."""
+    depth: int
+    top_k: int
+    beam: int
+
+    def __post_init__(self):
+        if self.depth < 1 or self.top_k < 1 or self.beam < 1:
+            raise ValueError(f"tree needs depth, top_k, beam >= 1, got {self}")
+
+    def widths(self) -> tuple[int, ...]:
+        out, w = [], 1
+        for _ in range(self.depth):
+            w = min(self.beam, w * self.top_k)
+            out.append(w)
+        return tuple(out)
+
+    @property
+    def num_candidates(self) -> int:
+        """Candidates per row, anchor included."""
+        return 1 + sum(self.widths())
+
+
+@struct.dataclass
+class Candidates:
+    token: jax.Array    # [B, M] int32 (node 0 = anchor)
+    parent: jax.Array   # [B, M] int32 (−1 for the anchor)
+    depth: jax.Array    # [B, M] int32
+    valid: jax.Array    # [B, M] bool
+    score: jax.Array    # [B, M] fp32 log selection score (0 for the anchor, −inf when invalid)
+    child_q: jax.Array | None  # [B, M, V] fp32 draft distribution of the node's children (sampling only)
+
+
+def chain_candidates(prop: ChainProposal, anchor: jax.Array, length: jax.Array | None = None,
+                     sampling: SlotSampling | None = None) -> Candidates:
+    """The chain [anchor, x_0 .. x_{γ−1}] (draft slots k ≥ length[b] invalid). Scores: ρ_k = Σ_{i≤k} log q(x_i)
+    for greedy rows, the pre-draw σ_k = Σ_{i<k} log q(x_i) for sampling rows."""
+    B, G = prop.tokens.shape
+    logq = jnp.log(jnp.maximum(prop.token_probs.astype(F32), 0.0))
+    rho = jnp.cumsum(logq, axis=1)
+    if sampling is not None:
+        pre = rho - logq
+        rho = jnp.where((sampling.temperature <= 0)[:, None], rho, pre)
+    valid = jnp.ones((B, G), bool) if length is None else jnp.arange(G)[None] < length[:, None]
+    zero = lambda dt: jnp.zeros((B, 1), dt)  # noqa: E731
+    child_q = None
+    if sampling is not None:
+        child_q = jnp.concatenate([prop.probs.astype(F32), jnp.zeros_like(prop.probs[:, :1], F32)], axis=1)
+    idx = jnp.arange(G + 1, dtype=I32)[None]
+    return Candidates(
+        token=jnp.concatenate([anchor.astype(I32)[:, None], prop.tokens.astype(I32)], axis=1),
+        parent=jnp.broadcast_to(idx - 1, (B, G + 1)),
+        depth=jnp.broadcast_to(idx, (B, G + 1)),
+        valid=jnp.concatenate([jnp.ones((B, 1), bool), valid], axis=1),
+        score=jnp.concatenate([zero(F32), jnp.where(valid, rho, -jnp.inf)], axis=1),
+        child_q=child_q)
+
+
+def tree_candidates(model: Drafter, block: DraftBlock, anchor: jax.Array, spec: TreeSpec,
+                    sampling: SlotSampling | None = None, keys: jax.Array | None = None) -> Candidates:
+    """Beam expansion of the draft tree from one block (see the module docstring for the scores).
+
+    Level d (depth d+1) expands every kept node v of level d−1 into its top_k children under
+    U_d + B(token(v)) — greedy rows by logits, sampling rows by top_k draws without replacement from the
+    warped q (Gumbel-top-k, children in draw order) — and keeps the best `beam` by score (stable: ties keep
+    parent-major, draw order). sampling None: all rows greedy. keys [B] per-slot PRNG keys (sampling).
+    """
+    B, G, V = block.logits.shape
+    D, k = spec.depth, spec.top_k
+    chex.assert_shape(anchor, (B,))
+    if D > G:
+        raise ValueError(f"tree depth {D} exceeds the {G} draft slots of the block")
+    if k > V:
+        raise ValueError(f"top_k {k} exceeds the vocabulary ({V})")
+    stochastic = sampling is not None
+    if stochastic and keys is None:
+        raise ValueError("sampling needs per-slot PRNG keys")
+    r = model.config.markov_rank if model.markov_head is not None else 0
+    widths = spec.widths()
+    offsets = np.cumsum([1] + list(widths))            # first candidate index of each level
+    rows = jnp.arange(B)[:, None]
+    greedy = None if not stochastic else (sampling.temperature <= 0)[:, None, None]
+
+    beam_rows = np.cumsum([0, 1] + list(widths[:-1]))  # level d expands the beam rows [beam_rows[d], [d+1])
+    if stochastic:   # one Gumbel draw for every level (one PRNG program)
+        noise = jax.vmap(lambda kk: jax.random.gumbel(kk, (int(beam_rows[-1]), V), F32))(keys)
+    tok = anchor.astype(I32)[:, None]                  # beam of level 0: the anchor
+    logscore = jnp.zeros((B, 1), F32)
+    logrho = jnp.zeros((B, 1), F32)
+    bvalid = jnp.ones((B, 1), bool)
+    s = jnp.zeros((B, 1, r), block.hidden.dtype)
+    out = dict(token=[tok], parent=[jnp.full((B, 1), -1, I32)], depth=[jnp.zeros((B, 1), I32)],
+               valid=[bvalid], score=[logscore], q=[])
+    for d in range(D):
+        W = tok.shape[1]
+        h = jnp.broadcast_to(block.hidden[:, d, None], (B, W, block.hidden.shape[-1]))
+        bias, _, s_next = model.markov_step(tok, h, s)
+        logits = block.logits[:, d, None, :] + bias                                   # [B, W, V]
+        logq = jax.nn.log_softmax(logits.astype(F32), axis=-1)
+        if stochastic:
+            wl = warp(logits, sampling.temperature[:, None], sampling.top_p[:, None], sampling.top_k[:, None])
+            logq = jnp.where(greedy, logq, wl)
+            gumbel = noise[:, int(beam_rows[d]):int(beam_rows[d + 1])]
+            draw = jnp.where(greedy, logits.astype(F32), wl + gumbel)
+            out["q"].append(jnp.where(bvalid[..., None], jnp.exp(logq), 0.0))
+        else:
+            draw = logits.astype(F32)
+        top, child = jax.lax.top_k(draw, k)                                           # [B, W, k] draw order
+        clogq = jnp.take_along_axis(logq, child, axis=-1)
+        cvalid = bvalid[..., None] & (top > -jnp.inf) & (clogq > -jnp.inf)
+        crho = logrho[..., None] + clogq
+        score = crho
+        if stochastic:
+            cq = jnp.where(cvalid, jnp.exp(clogq), 0.0)
+            mass = 1.0 - (jnp.cumsum(cq, axis=-1) - cq)                               # left before draw i
+            sigma = logrho[..., None] + jnp.log(jnp.clip(mass, 0.0, 1.0))
+            score = jnp.where(greedy, crho, sigma)
+        score = jnp.minimum(score, logscore[..., None])                               # monotone by construction
+        score = jnp.where(cvalid, score, -jnp.inf).reshape(B, W * k)
+        order = jnp.argsort(-score, axis=1, stable=True)[:, :widths[d]]
+        par = (order // k).astype(I32)
+        take = lambda x: jnp.take_along_axis(x.reshape(B, W * k), order, axis=1)  # noqa: E731
+        tok, logscore, logrho = take(child).astype(I32), take(score), take(crho)
+        bvalid = take(cvalid)
+        s = s_next[rows, par]
+        out["token"].append(tok)
+        out["parent"].append(jnp.where(bvalid, par + int(offsets[d] - W), -1))
+        out["depth"].append(jnp.where(bvalid, d + 1, 0).astype(I32))
+        out["valid"].append(bvalid)
+        out["score"].append(jnp.where(bvalid, logscore, -jnp.inf))
+    cat = lambda key: jnp.concatenate(out[key], axis=1)  # noqa: E731
+    child_q = None
+    if stochastic:
+        child_q = jnp.concatenate(out["q"] + [jnp.zeros((B, widths[-1], V), F32)], axis=1)
+    return Candidates(token=cat("token"), parent=cat("parent"), depth=cat("depth"), valid=cat("valid"),
+                      score=cat("score"), child_q=child_q)
+
+
+__all__ = ["TreeSpec", "Candidates", "chain_candidates", "tree_candidates"]

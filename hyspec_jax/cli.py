@@ -198,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Without --model: the same default as `generate`. SIGTERM drains and exits.")
     add_serve_arguments(s)
     s.set_defaults(func=cmd_serve)
+    from hyspec_jax.train.cli_train import add_train_commands
+    add_train_commands(sub)  # build-corpus, train-target, train-drafter
     return parser
 
 

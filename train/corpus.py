@@ -65,7 +65,7 @@ KJV_BOOKS = (
     "1 John", "2 John", "3 John", "Jude", "Revelation")
 
 
-class CorpusError(RuntimeError):
+class CorpusError(ValueError):
     """A source package is missing or not in the expected form (the message says how to install it)."""
 
 

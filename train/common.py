@@ -1,0 +1,179 @@
+"""Shared training machinery: device mesh and sharding rules (data parallel + FSDP of parameters), mixed
+precision casts, optax schedules, orbax checkpoints with the data position, JSONL metrics + progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+F32 = jnp.float32
+DATA = "data"
+
+
+# ------------------------------------------------------------------------------------------------
+# Devices, mesh, sharding
+# ------------------------------------------------------------------------------------------------
+def make_mesh(num_devices: int | None = None) -> Mesh:
+    devs = jax.devices()
+    n = len(devs) if num_devices in (None, 0) else num_devices
+    if n > len(devs):
+        raise ValueError(f"asked for {n} devices, only {len(devs)} present")
+    return Mesh(np.asarray(devs[:n]), (DATA,))
+
+
+def fsdp_spec(shape: tuple[int, ...], n: int, fsdp: bool, min_size: int = 1 << 12) -> P:
+    """Shard the largest dimension divisible by the mesh size (FSDP); small or indivisible leaves replicate."""
+    if not fsdp or n == 1 or not shape or math.prod(shape) < min_size:
+        return P()
+    dims = sorted(range(len(shape)), key=lambda i: -shape[i])
+    for i in dims:
+        if shape[i] % n == 0:
+            spec = [None] * len(shape)
+            spec[i] = DATA
+            return P(*spec)
+    return P()
+
+
+def tree_shardings(tree: Any, mesh: Mesh, fsdp: bool) -> Any:
+    n = mesh.devices.size
+    return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(tuple(x.shape), n, fsdp)), tree)
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    return NamedSharding(mesh, P(DATA, *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def resolve_dtype(name: str):
+    if name == "auto":
+        return jnp.bfloat16 if jax.default_backend() == "gpu" else F32
+    return {"float32": F32, "bfloat16": jnp.bfloat16}[name]
+
+
+def cast_compute(params: Any, dtype) -> Any:
+    """Mixed precision: matrices (ndim >= 2) in the compute dtype; vectors (norms, gates, biases) stay fp32.
+    The fp32 master copy is what the optimizer updates."""
+    if dtype == F32:
+        return params
+    return jax.tree.map(lambda x: x.astype(dtype) if x.ndim >= 2 and jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        params)
+
+
+# ------------------------------------------------------------------------------------------------
+# Optimizer
+# ------------------------------------------------------------------------------------------------
+def lr_schedule(peak: float, steps: int, warmup: int, min_ratio: float = 0.1) -> optax.Schedule:
+    warmup = max(1, min(warmup, steps - 1)) if steps > 1 else 1
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(steps, warmup + 1), peak * min_ratio)
+
+
+def warmup_cosine(step: int, peak: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
+    """Linear warm-up from 0 over `warmup` steps, then cosine to peak·min_ratio at `total` (host side: the
+    total may be fixed after a throughput measurement, see `time_budget_s`)."""
+    if step < warmup:
+        return peak * step / max(warmup, 1)
+    frac = min(1.0, (step - warmup) / max(total - warmup, 1))
+    return peak * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac)))
+
+
+def adamw_direction(*, weight_decay: float, clip: float, b1: float = 0.9, b2: float = 0.95
+                    ) -> optax.GradientTransformation:
+    """AdamW without its learning rate (clip by global norm → Adam → decoupled decay on matrices); the
+    update is −lr · direction, with lr passed to the step (optax.adamw = this + scale_by_learning_rate)."""
+    mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
+    return optax.chain(optax.clip_by_global_norm(clip), optax.scale_by_adam(b1=b1, b2=b2),
+                       optax.add_decayed_weights(weight_decay, mask))
+
+
+def apply_lr(params: Any, direction: Any, lr: jax.Array) -> Any:
+    return jax.tree.map(lambda p, d: (p - lr * d).astype(p.dtype), params, direction)
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints (orbax): train state + JSON metadata (data position, configs)
+# ------------------------------------------------------------------------------------------------
+class Checkpoints:
+    def __init__(self, directory: str | Path, keep: int = 2):
+        import orbax.checkpoint as ocp
+        self._ocp = ocp
+        self.dir = Path(directory).absolute()
+        self.mngr = ocp.CheckpointManager(self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=keep,
+                                                                                         create=True))
+
+    def latest(self) -> int | None:
+        return self.mngr.latest_step()
+
+    def save(self, step: int, state: Any, meta: dict) -> None:
+        ocp = self._ocp
+        self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                     meta=ocp.args.JsonSave(meta)), force=True)
+        self.mngr.wait_until_finished()
+
+    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+        ocp = self._ocp
+        out = self.mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+                                                              meta=ocp.args.JsonRestore()))
+        return out["state"], out["meta"]
+
+    def close(self) -> None:
+        self.mngr.close()
+
+
+def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+# ------------------------------------------------------------------------------------------------
+# Logging
+# ------------------------------------------------------------------------------------------------
+class MetricsLog:
+    """JSONL metrics always; a tqdm progress bar when stderr is a terminal."""
+
+    def __init__(self, path: str | Path, total: int, initial: int = 0, desc: str = "train",
+                 progress: bool | None = None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(self.path, "a")
+        self.t0 = time.perf_counter()
+        show = sys.stderr.isatty() if progress is None else progress
+        self.bar = None
+        if show:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
+
+    def write(self, record: dict) -> None:
+        record = {"time": round(time.perf_counter() - self.t0, 3), **record}
+        self.f.write(json.dumps(record) + "\n")
+        self.f.flush()
+
+    def progress(self, n: int, postfix: dict | None = None) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+            if postfix:
+                self.bar.set_postfix(postfix, refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.f.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def to_host(tree: Any) -> Any:
+    return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)

@@ -93,7 +93,9 @@ class Scheduler:
         with self.cv:
             if not self.accepting:
                 raise ShuttingDown()
-            if len(self.waiting) >= self.max_queue:
+            # requests beyond the free slots wait; at most max_queue of them
+            free = sum(s is None for s in self.slots)
+            if len(self.waiting) >= self.max_queue + free:
                 raise QueueFull()
             self.waiting.append(req)
             self.metrics.waiting.set(len(self.waiting))

@@ -28,6 +28,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ar: target only (default); chain / ready / tree / tree-ready: speculative rounds with "
                         "--drafter")
     p.add_argument("--drafter", metavar="DIR", help="DSpark drafter directory (speculative modes)")
+    p.add_argument("--chain-length", type=int, metavar="G", help="chain modes: drafts per round (default: the "
+                   "drafter's block)")
+    p.add_argument("--spec-tree", metavar="D,K,W", help="tree modes: depth, children per node, beam width "
+                   "(default min(γ,4),2,4)")
+    p.add_argument("--verify-nodes", type=int, metavar="N", help="verify width per slot, anchor included "
+                   "(default: chain γ+1; tree min(candidates, 16))")
     p.add_argument("--max-batch", type=int, default=32, metavar="B", help="batch slots (default 32)")
     p.add_argument("--max-queue", type=int, default=256, metavar="Q",
                    help="requests waiting for a slot before new ones get 429 (default 256)")

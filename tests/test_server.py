@@ -33,6 +33,7 @@ CONTEXT = 256
 SLOTS = 8
 QUEUE = 32
 CHUNK = 32
+GAMMA = 4
 NAME = "tiny-test"
 TEMPLATE = ("{% for m in messages %}[{{ m.role }}]: {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}[assistant]: {% endif %}")
@@ -85,24 +86,57 @@ def _value(m: dict, name: str, **labels) -> float:
     return sum(v for lab, v in m.get(name, []) if all(lab.get(k) == str(x) for k, x in labels.items()))
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """Start the server process (it compiles its buckets while the oracle below compiles its own)."""
-    root = tmp_path_factory.mktemp("serve")
-    model_dir = _tiny_dir(root)
-    log = root / "server.log"
+def _drafter_dir(root: Path, model_dir: Path) -> Path:
+    from hyspec_jax.io.drafter_io import save_drafter
+    from hyspec_jax.models import drafter as D
+    tcfg = TargetConfig.from_pretrained(model_dir)
+    dcfg = D.DrafterConfig.from_target(tcfg, num_layers=1, target_layer_ids=(0, 1), markov_rank=8,
+                                       block_size=GAMMA)
+    out = root / "drafter"
+    save_drafter(D.create_drafter(dcfg, seed=1), out)
+    return out
+
+
+def _launch(cmd: list[str], log: Path) -> subprocess.Popen:
     env = dict(os.environ)
     # Test-only: a cheaper XLA backend optimisation level roughly halves the CPU compile time of the buckets.
     env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
-    cmd = [sys.executable, "-m", "hyspec_jax.serve", "--model", str(model_dir), "--served-model-name", NAME,
-           "--port", "0", "--max-batch", str(SLOTS), "--max-queue", str(QUEUE), "--max-model-len", str(CONTEXT),
-           "--prefill-chunk", str(CHUNK), "--drain-timeout", "60"]
     with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    yield proc, log, model_dir
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Start the servers (an AR one, a speculative one); they compile their buckets while the oracle compiles."""
+    root = tmp_path_factory.mktemp("serve")
+    model_dir = _tiny_dir(root)
+    drafter_dir = _drafter_dir(root, model_dir)
+    base = [sys.executable, "-m", "hyspec_jax.serve", "--model", str(model_dir), "--served-model-name", NAME,
+            "--port", "0", "--max-model-len", str(CONTEXT), "--drain-timeout", "60"]
+    procs = {
+        "ar": (_launch(base + ["--max-batch", str(SLOTS), "--max-queue", str(QUEUE), "--prefill-chunk", str(CHUNK)],
+                       root / "server.log"), root / "server.log"),
+        "chain": (_launch(base + ["--spec-mode", "chain", "--drafter", str(drafter_dir), "--max-batch", "4",
+                                  "--prefill-chunk", "16"], root / "server-chain.log"), root / "server-chain.log"),
+    }
+    yield procs, model_dir
+    for proc, _ in procs.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+
+
+def _wait_port(proc: subprocess.Popen, log: Path, model_dir: Path) -> "Server":
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace")
+        m = re.search(r"on http://127\.0\.0\.1:(\d+)", text)
+        if m:
+            return Server(proc, int(m.group(1)), log, model_dir)
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{text}")
+        time.sleep(0.2)
+    pytest.fail(f"server did not start in {STARTUP_TIMEOUT}s:\n{log.read_text(errors='replace')}")
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +147,7 @@ def oracle(launched):
     from hyspec_jax.io.hf import load_pretrained
     from hyspec_jax.sampling import SamplingParams
     enable_compilation_cache()     # as `hyspec generate` does (and the server): re-runs skip XLA compiles
-    cfg, model = load_pretrained(launched[2])
+    cfg, model = load_pretrained(launched[1])
     gen = Generator.from_model(model)
     eos = cfg.eos_token_id
     cache = {}
@@ -133,21 +167,14 @@ def oracle(launched):
 
 @pytest.fixture(scope="module")
 def server(launched, oracle):
-    proc, log, model_dir = launched
-    port = None
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    while time.monotonic() < deadline:
-        text = log.read_text(errors="replace")
-        m = re.search(r"on http://127\.0\.0\.1:(\d+)", text)
-        if m:
-            port = int(m.group(1))
-            break
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{text}")
-        time.sleep(0.2)
-    if port is None:
-        pytest.fail(f"server did not start in {STARTUP_TIMEOUT}s:\n{log.read_text(errors='replace')}")
-    return Server(proc, port, log, model_dir)
+    procs, model_dir = launched
+    return _wait_port(*procs["ar"], model_dir)
+
+
+@pytest.fixture(scope="module")
+def spec_server(launched, oracle):
+    procs, model_dir = launched
+    return _wait_port(*procs["chain"], model_dir)
 
 
 TOK = byte_level_tokenizer()
@@ -536,6 +563,49 @@ def test_metrics_parse_and_move(server):
     assert _value(after, "hyspec:compilations_at_startup") > 0
     assert _value(after, "hyspec:compilations_after_startup_total") == 0
     assert _value(after, "hyspec:request_errors_total", status="400") >= 20   # the bad-input test's
+
+
+def test_speculative_chain_server_is_lossless_and_counts_drafts(spec_server, oracle):
+    """--spec-mode chain (a random DSpark drafter, γ = 4, 4 slots, prefill chunks of 16): concurrent greedy
+    requests equal plain autoregressive decoding; seeded sampling is reproducible; the speculative counters add
+    up (draft tokens = γ · drafts, accepted = Σ accepted per position, non-increasing in the position)."""
+    client = spec_server.client()
+    rng = np.random.default_rng(3)
+    prompts = [(f"spec {i}: " + "lorem ipsum dolor sit amet " * int(rng.integers(0, 6)))[:60] for i in range(10)]
+    assert any(len(enc(p)) > 16 for p in prompts)
+    max_tokens = [int(rng.integers(3, 25)) for _ in prompts]
+    wants = [oracle(enc(p), m) for p, m in zip(prompts, max_tokens)]
+
+    def call(args):
+        p, m = args
+        r = client.completions.create(model=NAME, prompt=p, max_tokens=m, temperature=0,
+                                      extra_body={"return_token_ids": True})
+        return extra(r.choices[0], "token_ids"), r.choices[0].finish_reason, r.usage.completion_tokens
+
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(call, zip(prompts, max_tokens)))
+    for (want, why), (ids, fr, n) in zip(wants, got):
+        assert ids == want and fr == why and n == len(want)
+
+    def sampled(seed):
+        chunks = client.completions.create(model=NAME, prompt="sample me", max_tokens=20, temperature=0.9,
+                                           top_p=0.9, seed=seed, stream=True, extra_body={"ignore_eos": True})
+        return "".join(c.choices[0].text for c in chunks)
+    a, b = sampled(11), sampled(11)
+    assert a == b and len(enc(a)) > 0
+    m = spec_server.metrics()
+    drafts = _value(m, "vllm:spec_decode_num_drafts_total")
+    accepted = _value(m, "vllm:spec_decode_num_accepted_tokens_total")
+    per_pos = [_value(m, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=k) for k in range(GAMMA)]
+    assert drafts > 0
+    assert _value(m, "vllm:spec_decode_num_draft_tokens_total") == GAMMA * drafts
+    assert accepted == sum(per_pos) <= GAMMA * drafts
+    assert all(x >= y for x, y in zip(per_pos, per_pos[1:]))
+    # rounds commit 1 + accepted tokens each: generation tokens cannot exceed that
+    assert _value(m, "vllm:generation_tokens_total") <= drafts + accepted + len(prompts) + 2
+    assert _value(m, "hyspec:compilations_after_startup_total") == 0
+    models = client.models.list()
+    assert extra(models.data[0], "spec_mode") == "chain"
 
 
 def test_sigterm_drains_in_flight_requests_then_exits(server, oracle):

@@ -1,0 +1,107 @@
+"""Speculative backend: rounds are `hyspec_jax.spec.engine.spec_round_jit` (draft → select → verify → accept →
+commit, one jitted call per bucket); prefill is chunked here so that it can interleave with rounds.
+
+Per slot the device holds the target state, the drafter's context K/V and (host-side, `Scheduler.last`) the
+anchor. A prefill chunk runs the target over the chunk with the drafter's tap layers and appends those
+features to the slot's drafter context — chunk by chunk, the same as the engine's one-shot `prefill`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hyspec_jax.models.drafter import Drafter, DrafterState, init_drafter_state
+from hyspec_jax.models.target import TargetModel
+from hyspec_jax.serve.backend import (I32, Backend, StepResult, _gather_target, _rows, _scatter_target,
+                                     sample_rows)
+from hyspec_jax.spec.engine import SpecConfig, SpecEngine, spec_round_jit
+from hyspec_jax.spec.select import TreeSpec
+
+
+def _spec_prefill(tgraph, tparams, dgraph, dparams, state, dstate, slots, tokens, valid, reset, sampling, *,
+                  tap_layers):
+    target: TargetModel = nnx.merge(tgraph, tparams)
+    drafter: Drafter = nnx.merge(dgraph, dparams)
+    sub = _gather_target(state, slots, reset)
+    idx = jnp.minimum(slots, dstate.batch - 1)
+    dsub = DrafterState(keys=_rows(dstate.keys, idx, 1), values=_rows(dstate.values, idx, 1),
+                        lengths=jnp.where(reset, 0, _rows(dstate.lengths, idx, 0)))
+    logits, taps, sub = target.extend(sub, tokens, valid, last_only=True, tap_layers=tap_layers)
+    dsub = drafter.append_context(dsub, taps, jnp.sum(valid, axis=1, dtype=I32))
+    first = sample_rows(logits[:, 0], sampling, jnp.zeros(slots.shape, I32))
+    put = lambda full, part: full.at[:, slots].set(part.astype(full.dtype), mode="drop")  # noqa: E731
+    dstate = DrafterState(keys=put(dstate.keys, dsub.keys), values=put(dstate.values, dsub.values),
+                          lengths=dstate.lengths.at[slots].set(dsub.lengths, mode="drop"))
+    return first, _scatter_target(state, slots, sub), dstate
+
+
+_spec_prefill_jit = jax.jit(_spec_prefill, static_argnames=("tgraph", "dgraph", "tap_layers"),
+                            donate_argnames=("state", "dstate"))
+
+
+class SpecBackend(Backend):
+    def __init__(self, target: TargetModel, drafter: Drafter, spec: SpecConfig, *, slots: int, max_len: int,
+                 prefill_chunk: int):
+        self.engine = SpecEngine(target, drafter, spec, slots=slots)
+        self.mode = spec.mode
+        self.depth = self.engine.depth
+        super().__init__(target, slots=slots, max_len=max_len, prefill_chunk=prefill_chunk)
+        eng = self.engine
+        self.tgraph, self.tparams, self.dgraph, self.dparams = eng.tgraph, eng.tparams, eng.dgraph, eng.dparams
+        self.graphdef, self.params = self.tgraph, self.tparams
+        self.dstate = init_drafter_state(eng.drafter.config, slots, self.kv_len, self.dtype)
+        self.shapes_by_flag = {s: eng.round_shape(s) for s in (False, True)}
+        self.tap_layers = self.shapes_by_flag[False].tap_layers
+        self.capacity = jnp.asarray(spec.capacity or slots * eng.verify_nodes, I32)
+        self.drafted = eng.verify_nodes - 1
+
+    def prefill(self, slots, tokens, valid, reset, sampling) -> np.ndarray:
+        first, self.state, self.dstate = _spec_prefill_jit(
+            self.tgraph, self.tparams, self.dgraph, self.dparams, self.state, self.dstate, jnp.asarray(slots, I32),
+            jnp.asarray(tokens, I32), jnp.asarray(valid), jnp.asarray(reset), sampling, tap_layers=self.tap_layers)
+        return np.asarray(first)
+
+    def step(self, active, last, sampling, steps, stochastic) -> StepResult:
+        self.state, self.dstate, _, toks, count, acc = spec_round_jit(
+            self.tgraph, self.tparams, self.dgraph, self.dparams, self.state, self.dstate, jnp.asarray(last, I32),
+            jnp.asarray(active), sampling, jnp.asarray(steps, I32), self.capacity, None,
+            shape=self.shapes_by_flag[bool(stochastic)])
+        return StepResult(tokens=np.asarray(toks), count=np.asarray(count), accepted=np.asarray(acc),
+                          drafted=self.drafted)
+
+    def _warm_steps(self, progress) -> None:
+        B = self.slots
+        for stochastic in (False, True):
+            t0 = time.perf_counter()
+            samp = self.sampling(np.full(B, 1.0 if stochastic else 0.0, np.float32), np.ones(B, np.float32),
+                                 np.zeros(B, np.int32), np.zeros(B, np.uint32))
+            self.step(np.zeros(B, bool), np.zeros(B, np.int32), samp, np.zeros(B, np.int32), stochastic)
+            progress(f"{self.mode} round [{B}, N={self.engine.verify_nodes}, "
+                     f"{'sampling' if stochastic else 'greedy'}] {time.perf_counter() - t0:.1f}s")
+
+
+def parse_tree(text: str | None) -> TreeSpec | None:
+    if not text:
+        return None
+    try:
+        depth, top_k, beam = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--spec-tree wants DEPTH,TOP_K,BEAM (three integers), got {text!r}") from None
+    return TreeSpec(depth=depth, top_k=top_k, beam=beam)
+
+
+def build_spec_backend(args, target: TargetModel) -> SpecBackend:
+    from hyspec_jax.io.drafter_io import load_drafter
+    spec = SpecConfig(mode=args.spec_mode, chain_length=getattr(args, "chain_length", None),
+                      tree=parse_tree(getattr(args, "spec_tree", None)),
+                      verify_nodes=getattr(args, "verify_nodes", None))
+    leaves = jax.tree.leaves(nnx.state(target))
+    dtype = leaves[0].dtype if leaves else jnp.float32
+    drafter = load_drafter(args.drafter, dtype=dtype, with_reader=spec.uses_reader)
+    return SpecBackend(target, drafter, spec, slots=args.max_batch, max_len=args.max_model_len,
+                       prefill_chunk=args.prefill_chunk)

@@ -25,6 +25,16 @@ NS = 200_000
 accept_jit = jax.jit(accept, static_argnames=("max_depth", "max_children", "iid_siblings"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _quick_compiles():
+    """Tiny models: XLA's optimisation passes cost more time than they save here (compiles take about half
+    as long). Scoped to this module."""
+    prev = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", prev)
+
+
 def _dist(rng, sharp=2.0) -> np.ndarray:
     x = np.exp(sharp * rng.standard_normal(V))
     return x / x.sum()

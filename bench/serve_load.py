@@ -3,7 +3,7 @@
 For each concurrency C: requests arrive as a Poisson process of rate --rate (default: infinite = all at once)
 and at most C are in flight (a semaphore bounds the load; arrivals wait for a free place). Each request is a
 streamed /v1/completions with `ignore_eos` (fixed output length) and `stream_options.include_usage`; the client
-records the time of every token-bearing SSE event.
+records the time of every token-bearing SSE event (`return_token_ids`: also tokens with no text yet).
 
   TTFT  time from sending the request to its first token
   TPOT  (latency − TTFT) / (output tokens − 1), per request
@@ -116,7 +116,7 @@ async def one_request(host: str, port: int, payload: dict) -> dict:
                     continue
                 if obj.get("usage"):
                     usage = obj["usage"]
-                if obj.get("choices") and obj["choices"][0].get("text"):
+                if obj.get("choices") and (obj["choices"][0].get("token_ids") or obj["choices"][0].get("text")):
                     events.append(time.perf_counter())
     finally:
         writer.close()
@@ -162,7 +162,8 @@ async def run_level(host: str, port: int, *, concurrency: int, num_requests: int
     t0 = time.perf_counter()
     for i in range(num_requests):
         payload = {"prompt": _prompt(rng, prompt_words, i), "max_tokens": max_tokens, "temperature": temperature,
-                   "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "seed": i}
+                   "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "seed": i,
+                   "return_token_ids": True}
         tasks.append(asyncio.create_task(worker(i, payload)))
         if rate != float("inf"):
             await asyncio.sleep(rng.expovariate(rate))

@@ -46,13 +46,15 @@ class OpenAIApp:
         self.scheduler, self.tokenizer, self.chat, self.model, self.metrics = scheduler, tokenizer, chat, model, metrics
         self.draining = False
         self.active_generations = 0
+        self._watched: dict[int, tuple[Request, list[EngineRequest], asyncio.Queue]] = {}
+        self._watcher: asyncio.Task | None = None
 
     # --- routing ---------------------------------------------------------------------------------------
     async def handle(self, req: Request) -> Response | StreamingResponse:
         try:
             resp = await self._route(req)
         except APIError as e:
-            resp = Response.json(e.body(), e.status)
+            resp = Response.json(e.body(), e.status, e.headers)
         if resp.status >= 400:
             self.metrics.request_errors.inc(status=str(resp.status))
         return resp
@@ -143,26 +145,32 @@ class OpenAIApp:
             for er in submitted:
                 self.scheduler.abort(er)
             raise APIError(429, f"the request queue is full ({self.scheduler.max_queue} waiting); retry later",
-                           type="rate_limit_error", code="rate_limit_exceeded") from None
+                           type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
         except ShuttingDown:
             for er in submitted:
                 self.scheduler.abort(er)
             raise APIError(503, "the server is shutting down", code="service_unavailable") from None
         return ereqs, queue, stops
 
-    async def _watch(self, req: Request, ereqs: list[EngineRequest], queue: asyncio.Queue) -> None:
-        """Abort the engine requests when the client goes away (their slots free at the next step)."""
-        while True:
+    async def _watch_all(self) -> None:
+        """One poller for every generation in flight: when a client goes away, abort its engine requests (their
+        slots free at the next step) and wake its handler."""
+        while self._watched:
             await asyncio.sleep(DISCONNECT_POLL_S)
-            if req.disconnected():
-                for er in ereqs:
-                    self.scheduler.abort(er, "abort")
-                queue.put_nowait((None, [], "disconnect"))
-                return
+            for key, (req, ereqs, queue) in list(self._watched.items()):
+                if req.disconnected():
+                    for er in ereqs:
+                        self.scheduler.abort(er, "abort")
+                    queue.put_nowait((None, [], "disconnect"))
+                    self._watched.pop(key, None)
+        self._watcher = None
 
     async def _events(self, req, ereqs, queue, choices: list[ChoiceText]) -> AsyncIterator[int]:
         """Feed engine events into the choices; yields the index of every choice that changed."""
-        watcher = asyncio.create_task(self._watch(req, ereqs, queue))
+        key = id(queue)
+        self._watched[key] = (req, ereqs, queue)
+        if self._watcher is None:
+            self._watcher = asyncio.create_task(self._watch_all())
         self.active_generations += 1
         try:
             while any(c.finish is None for c in choices):
@@ -174,11 +182,11 @@ class OpenAIApp:
                     continue
                 if finish == "error":
                     raise APIError(500, "the engine failed while generating", code="engine_error")
-                if c.feed(toks, finish if finish != "abort" else "abort"):
+                if c.feed(toks, finish):
                     self.scheduler.abort(ereqs[i], "stop")
                 yield i
         finally:
-            watcher.cancel()
+            self._watched.pop(key, None)
             self.active_generations -= 1
             for er, c in zip(ereqs, choices):
                 if not er.finished:

@@ -21,9 +21,10 @@ MAX_STOP_STRINGS = 16
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict:

@@ -341,12 +341,49 @@ def test_32_concurrent_requests_equal_each_prompt_alone(server, oracle):
             why = ch.choices[0].finish_reason or why
         return ids, text, why
 
+    before = server.metrics()
     with cf.ThreadPoolExecutor(32) as pool:
         got = list(pool.map(call, jobs))
+    after = server.metrics()
+    tokens = sum(len(ids) for ids, _, _ in got)
+    steps = _value(after, "hyspec:engine_steps_total", kind="decode") - _value(
+        before, "hyspec:engine_steps_total", kind="decode")
+    assert steps < 0.75 * tokens     # requests shared decoding steps (continuous batching, not one by one)
     for (prompt, *_), (want, why), (ids, text, fr) in zip(jobs, wants, got):
         assert ids == want, prompt
         assert text == dec(want), prompt
         assert fr == why
+
+
+def test_long_prompt_is_chunked_between_decode_steps(server):
+    """A 200-token prompt is prefilled in ⌈200/32⌉ = 7 chunks while a running stream keeps receiving tokens."""
+    import threading
+    client = server.client()
+    times: list[float] = []
+    started = threading.Event()
+
+    def stream_a():
+        for ch in client.completions.create(model=NAME, prompt="keep going", max_tokens=200, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}):
+            if ch.choices and ch.choices[0].text:
+                times.append(time.perf_counter())
+                if len(times) >= 5:
+                    started.set()
+
+    t = threading.Thread(target=stream_a)
+    t.start()
+    assert started.wait(60)
+    before = server.metrics()
+    t0 = time.perf_counter()
+    r = client.completions.create(model=NAME, prompt="y" * 200, max_tokens=1, temperature=0)
+    t1 = time.perf_counter()
+    after = server.metrics()
+    t.join(120)
+    assert r.usage.prompt_tokens == 200 and r.usage.completion_tokens == 1
+    prefills = _value(after, "hyspec:engine_steps_total", kind="prefill") - _value(
+        before, "hyspec:engine_steps_total", kind="prefill")
+    assert prefills == 7
+    assert sum(t0 < x < t1 for x in times) >= 3     # the stream was not stalled by the long prefill
 
 
 def test_stop_strings_and_stop_token_ids(server, oracle):
@@ -517,6 +554,7 @@ def test_full_queue_answers_429_and_others_complete(server, oracle):
             length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
             while len(body) < length:
                 body += s.recv(4096)
+            assert b"Retry-After: 1" in head
             err = _error(429, body)
             assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
     assert statuses.count(429) >= 1 and statuses.count(200) >= SLOTS + QUEUE

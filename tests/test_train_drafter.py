@@ -1,0 +1,166 @@
+"""Drafter training (CPU, fp32): the DSpark objective against a direct numpy evaluation, the ReaDy reader's
+per-anchor states against the target's own `extend`, DSpark loss decrease, ReaDy stage 1 (reader only) and
+stage 2 (reader + LoRA) updating only what they train, and exported drafters reproducing the trainer's loss."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hyspec_jax.io.drafter_io import load_drafter
+from hyspec_jax.io.hf import save_pretrained
+from hyspec_jax.models.drafter import TrainOutputs
+from hyspec_jax.models.target import create_model
+from hyspec_jax.state import init_state
+from hyspec_jax.train import common
+from hyspec_jax.train.corpus import build_corpus
+from hyspec_jax.train.drafter import DrafterTrainConfig, DrafterTrainer, drafter_loss
+from hyspec_jax.train.forward import train_forward
+
+try:
+    from tests.test_train_target import FAST, micro_config, synthetic_docs
+except ImportError:
+    from test_train_target import FAST, micro_config, synthetic_docs
+
+
+def test_drafter_loss_matches_numpy():
+    rng = np.random.default_rng(0)
+    B, A, G, V, T = 2, 3, 4, 11, 9
+    logits = rng.normal(size=(B, A, G, V)).astype(np.float32)
+    conf = rng.normal(size=(B, A, G)).astype(np.float32)
+    labels = rng.integers(0, V, size=(B, A, G))
+    anchors = np.array([[1, 4, 6], [0, 2, 7]])
+    valid = (anchors[:, :, None] + np.arange(G) + 1) < T
+    t_logits = rng.normal(size=(B, T, V)).astype(np.float32)
+    out = TrainOutputs(logits=jnp.asarray(logits), base_logits=jnp.asarray(logits), confidence_logits=jnp.asarray(conf),
+                       labels=jnp.asarray(labels), label_valid=jnp.asarray(valid))
+    loss, m = jax.jit(lambda o, t, a: drafter_loss(o, t, a, ce=0.1, l1=0.9, conf=1.0, decay=4.0))(
+        out, jnp.asarray(t_logits), jnp.asarray(anchors))
+
+    def softmax(x):
+        e = np.exp(x - x.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+    pd = softmax(logits.astype(np.float64))
+    idx = np.clip(anchors[:, :, None] + np.arange(G), 0, T - 1)
+    pt = softmax(np.take_along_axis(t_logits[:, None], idx[..., None], axis=2).astype(np.float64))
+    w = np.exp(-np.arange(G) / 4.0) * valid
+    ce = -np.log(np.take_along_axis(pd, labels[..., None], -1)[..., 0])
+    l1 = np.abs(pd - pt).sum(-1)
+    cstar = np.clip(1 - 0.5 * l1, 0, 1)
+    sig = 1 / (1 + np.exp(-conf))
+    bce = -(cstar * np.log(sig) + (1 - cstar) * np.log(1 - sig))
+    want = (0.1 * (w * ce).sum() + 0.9 * (w * l1).sum() + (w * bce).sum()) / w.sum()
+    assert float(loss) == pytest.approx(want, rel=1e-5)
+    match = (logits.argmax(-1) == pt.argmax(-1)) & valid
+    tau = 1 + np.cumprod(match, -1).sum() / valid[..., 0].sum()
+    assert float(m["tau"]) == pytest.approx(tau, rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafter")
+    build_corpus(root / "corpus", docs=synthetic_docs(), vocab_size=400, val_fraction=0.15)
+    from tokenizers import Tokenizer
+    V = Tokenizer.from_file(str(root / "corpus" / "tokenizer" / "tokenizer.json")).get_vocab_size()
+    cfg = micro_config(V, 0)
+    save_pretrained(create_model(cfg, seed=3), root / "target")
+    return root, cfg
+
+
+def make(root, stage, out, init=None, **kw):
+    cfg = DrafterTrainConfig(target=str(root / "target"), corpus=str(root / "corpus"), out=str(root / out),
+                             stage=stage, init=init, num_layers=1, block_size=4, markov_rank=8, seq_len=32,
+                             batch_size=4, anchors=3, state_stride=8, steps=20, eval_every=0, ckpt_every=100,
+                             dtype="float32", devices=1, progress=False, compiler_options=FAST,
+                             source_layers=(0, 2), **kw)
+    return DrafterTrainer(cfg)
+
+
+def test_reader_states_are_the_committed_states_before_each_anchor(setup):
+    root, cfg = setup
+    from hyspec_jax.io.hf import load_pretrained
+    _, target = load_pretrained(root / "target")
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, cfg.vocab_size, size=(2, 24)))
+    states = jax.jit(lambda t: train_forward(target, t, chunk=8, state_slots=(0, 2))[3])(tokens)  # [2,3,B,...]
+    # the target's serving path: extend over the first a tokens (a prefix mask; row 0 a = 8, row 1 a = 16)
+    a = np.array([8, 16])
+    ssm = jax.jit(lambda t, v: target.extend(init_state(cfg, 2, 24), t, v)[2].ssm)(
+        tokens, jnp.asarray(np.arange(24)[None] < a[:, None]))
+    for b in range(2):
+        for i, slot in enumerate((0, 2)):
+            np.testing.assert_allclose(states[i, a[b] // 8 - 1, b], ssm[slot, b], atol=2e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def dspark(setup):
+    root, _ = setup
+    tr = make(root, "dspark", "dspark")
+    tokens = jax.device_put(tr.sampler.batch(0, 4), tr.batch_sh)
+    anchors = jax.device_put(tr.anchors_for(0, 4), tr.batch_sh)
+    losses = []
+    for _ in range(10):
+        tr.state, m = tr._train_fn(tr.state, tr.frozen, tokens, anchors, jnp.float32(3e-3))
+        losses.append(float(m["loss"]))
+    out = tr.export()
+    return tr, losses, out
+
+
+def test_dspark_loss_decreases_and_export_reproduces(dspark):
+    tr, losses, out = dspark
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert tr.cfg.ce_weight == 0.1 and tr.cfg.l1_weight == 0.9 and tr.cfg.conf_weight == 1.0
+    loaded = load_drafter(out)
+    assert loaded.config == tr.dcfg
+    ours = common.to_host(tr.state["train"]["drafter"])
+    theirs = common.to_host(nnx.state(loaded, nnx.Param))
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_ready_stages_train_only_reader_and_lora(setup, dspark):
+    root, _ = setup
+    _, _, dspark_dir = dspark
+    s1 = make(root, "ready1", "ready1", init=str(dspark_dir))
+    assert s1.cfg.lr == 1e-4 and (s1.cfg.ce_weight, s1.cfg.l1_weight, s1.cfg.conf_weight) == (1.0, 0.1, 0.0)
+    assert set(s1.state["train"]) == {"reader"}
+    tokens = jax.device_put(s1.sampler.batch(1, 4), s1.batch_sh)
+    anchors = jax.device_put(s1.anchors_for(1, 4), s1.batch_sh)
+    assert np.all(np.asarray(anchors) % 8 == 0)
+    before = common.to_host(s1.state["train"])
+    s1.state, m0 = s1._train_fn(s1.state, s1.frozen, tokens, anchors, jnp.float32(1e-2))
+    for _ in range(3):
+        s1.state, m = s1._train_fn(s1.state, s1.frozen, tokens, anchors, jnp.float32(1e-2))
+    after = common.to_host(s1.state["train"])
+    changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after))]
+    assert any(changed)
+    assert float(m["loss"]) < float(m0["loss"])
+    r1 = s1.export()
+    assert (r1 / "reader" / "reader.safetensors").is_file()
+
+    s2 = make(root, "ready2", "ready2", init=str(r1), lora_rank=2)
+    assert set(s2.state["train"]) == {"reader", "lora"} and s2.cfg.lr == 5e-5
+    frozen_before = common.to_host(s2.frozen["drafter"])
+    for _ in range(3):
+        s2.state, m = s2._train_fn(s2.state, s2.frozen, tokens, anchors, jnp.float32(1e-2))
+    assert any(np.abs(x).max() > 0 for x in jax.tree.leaves(common.to_host(s2.state["train"]["lora"])))
+    for a, b in zip(jax.tree.leaves(frozen_before), jax.tree.leaves(common.to_host(s2.frozen["drafter"]))):
+        np.testing.assert_array_equal(a, b)
+    # the exported drafter = LoRA merged into the frozen weights (W + α/r · B A) + the trained reader
+    lora = common.to_host(s2.state["train"]["lora"])
+    exported = load_drafter(s2.export())
+    assert exported.reader is not None
+    got = {"/".join(map(str, k)): v for k, v in nnx.to_flat_state(nnx.state(exported, nnx.Param))}
+    base = {"/".join(map(str, k)): v for k, v in nnx.to_flat_state(frozen_before)}
+    for name, d in lora.items():
+        want = np.asarray(base[name][...]) + (s2.cfg.lora_alpha / d["a"].shape[0]) * d["b"] @ d["a"]
+        np.testing.assert_allclose(np.asarray(got[name][...]), want, rtol=1e-6, atol=1e-7)
+    assert len(lora) >= 6 and "fc/weight" in lora
+    reader = {"/".join(map(str, k)): v for k, v in nnx.to_flat_state(s2.state["train"]["reader"])}
+    for name, v in reader.items():
+        np.testing.assert_array_equal(np.asarray(got[name][...]), np.asarray(v[...]))
+    # the control without state: LoRA only, no reader
+    s3 = make(root, "ready2", "nostate", init=str(r1), no_state=True)
+    assert set(s3.state["train"]) == {"lora"} and s3.rcfg is None

@@ -109,6 +109,8 @@ def cmd_generate(args) -> int:
     cfg, model = load_pretrained(model_dir, dtype=dtype)
     stops = tuple(sorted(set(cfg.eos_token_id) | set(special_token_ids(model_dir))))
     gen = Generator.from_model(model)
+    from hyspec_jax.spec.engine import engine_from_args, request_stats
+    engine = engine_from_args(args, model, model_dir, dtype)   # None: plain autoregressive decoding
     encoded = [tokenizer.encode(p).ids for p in prompts]
     params = [SamplingParams(max_tokens=base.max_tokens, temperature=base.temperature, top_p=base.top_p,
                              top_k=base.top_k, seed=base.seed + i, stop_token_ids=stops)
@@ -127,7 +129,7 @@ def cmd_generate(args) -> int:
         sys.stdout.write(prompts[0])
         sys.stdout.flush()
     t0 = time.perf_counter()
-    results = gen.generate(encoded, params, on_tokens=on_tokens if stream else None)
+    results = (engine or gen).generate(encoded, params, on_tokens=on_tokens if stream else None)
     seconds = time.perf_counter() - t0
     for prompt, res in zip(prompts, results):
         text = tokenizer.decode([t for t in res.token_ids if t not in stops], skip_special_tokens=True)
@@ -135,6 +137,7 @@ def cmd_generate(args) -> int:
                  "tokens_per_second": round(len(res.token_ids) / seconds, 2) if seconds > 0 else 0.0,
                  "prefill_seconds": round(res.prefill_seconds, 4),
                  "decode_steps_per_second": round(res.decode_steps_per_second, 2)}
+        stats.update(request_stats(engine, res))
         if args.json:
             print(json.dumps({"prompt": prompt, "prompt_token_ids": res.prompt_token_ids,
                               "token_ids": res.token_ids, "text": text, "finish_reason": res.finish_reason,
@@ -149,6 +152,13 @@ def cmd_generate(args) -> int:
         print(f"[hyspec] {total} tokens for {len(results)} prompt(s) in {seconds:.2f}s "
               f"({total / seconds:.1f} tok/s incl. compile; {rate:.1f} decode steps/s warm)", file=sys.stderr)
     return 0
+
+
+def cmd_calibrate(args) -> int:
+    from hyspec_jax.bench.calibrate import run
+
+    enable_compilation_cache()
+    return run(args)
 
 
 def cmd_serve(args) -> int:
@@ -183,7 +193,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="parameter dtype (auto: bfloat16 on GPU, float32 on CPU)")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming text")
+    sp = g.add_argument_group("speculative decoding")
+    sp.add_argument("--drafter", metavar="DIR", help="DSpark drafter directory (DeepSpec layout; reader/ for ReaDy)")
+    sp.add_argument("--spec-mode", choices=("ar", "chain", "ready", "tree", "tree-ready"),
+                    help="ar = plain decoding; chain = DSpark; ready = DSpark + reader; tree = DSpark tree with Bole "
+                         "verification; tree-ready = both (default: chain with --drafter, else ar)")
+    sp.add_argument("--chain-length", type=int, metavar="K", help="drafts per chain (default: the drafter's block)")
+    sp.add_argument("--confidence-threshold", type=float, metavar="A",
+                    help="chain: verify the drafts whose confidence survival is >= A (DSpark)")
+    sp.add_argument("--tree-depth", type=int, default=4, metavar="D", help="tree levels (default 4)")
+    sp.add_argument("--tree-topk", type=int, default=2, metavar="K", help="children per tree node (default 2)")
+    sp.add_argument("--tree-beam", type=int, default=4, metavar="W", help="tree nodes kept per level (default 4)")
+    sp.add_argument("--verify-nodes", type=int, metavar="N", help="verified nodes per request, anchor included "
+                    "(default: --budget-table's B_ver, else chain length + 1 / min(tree nodes, 16))")
+    sp.add_argument("--budget", type=int, metavar="C", help="batch-wide node budget (default: N x batch slots)")
+    sp.add_argument("--budget-table", metavar="FILE", help="calibration table from `hyspec calibrate`")
+    sp.add_argument("--slots", type=int, metavar="B", help="batch slots: more prompts are admitted as slots free up")
     g.set_defaults(func=cmd_generate)
+
+    from hyspec_jax.bench.calibrate import add_arguments as add_calibrate_arguments
+    c = sub.add_parser("calibrate", help="measure verify vs decode latency per bucket: Bole's budget table",
+                       description="Bole Algorithm 3: T_ver(N) per node capacity and T_dec per bucket; writes "
+                                   "B_ver = max{N : T_ver(N) <= (1+eps) T_dec} to a JSON table.")
+    add_calibrate_arguments(c)
+    c.set_defaults(func=cmd_calibrate)
 
     b = sub.add_parser("bench", help="benchmarks and memory reports (JSON + a readable table)",
                        description="Benchmarks. `hyspec bench WHICH --help` for each one's options.")

@@ -21,8 +21,8 @@ from hyspec_jax.sampling import SlotSampling, warp
 from hyspec_jax.spec.accept import accept
 
 V = 8
-NS = 200_000
-accept_jit = jax.jit(accept, static_argnames=("max_depth", "max_children", "iid_siblings"))
+NS = 100_000
+accept_jit = jax.jit(accept, static_argnames=("max_depth", "max_children"))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -75,18 +75,21 @@ def _chisq(samples: np.ndarray, probs: np.ndarray) -> float:
 
 
 def _one_level(rng, p_logits, q, k, sampling, iid=False):
-    """Anchor with k children drawn without replacement from q; returns the emitted first token [NS]."""
+    """Anchor with k ≤ 3 children drawn without replacement from q; returns the emitted first token [NS].
+    Always 4 nodes (unused ones invalid), so every one-level test shares one compiled program."""
     kids = _draw_without_replacement(rng, q, k)
-    N = k + 1
-    tokens = np.concatenate([np.zeros((NS, 1), np.int64), kids], 1).astype(np.int32)
-    parent = np.broadcast_to(np.array([-1] + [0] * k, np.int32), (NS, N))
+    N = 4
+    tokens = np.zeros((NS, N), np.int32)
+    tokens[:, 1:k + 1] = kids
+    parent = np.broadcast_to(np.array([-1, 0, 0, 0], np.int32), (NS, N))
+    valid = np.broadcast_to(np.arange(N) <= k, (NS, N))
     logits = np.zeros((NS, N, V), np.float32)
     logits[:, 0] = p_logits
     child_q = np.zeros((NS, N, V), np.float32)
     child_q[:, 0] = q
-    acc = accept_jit(jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(parent), jnp.ones((NS, N), bool),
+    acc = accept_jit(jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(parent), jnp.asarray(valid),
                      jnp.asarray(child_q), sampling, _keys(NS, int(rng.integers(1 << 30))), max_depth=1,
-                     max_children=k, iid_siblings=iid)
+                     max_children=3, iid_siblings=jnp.asarray(iid))
     node, bonus = np.asarray(acc.node), np.asarray(acc.bonus)
     first = np.where(node > 0, tokens[np.arange(NS), node], bonus)
     assert np.array_equal(np.asarray(acc.num_accepted), (node > 0).astype(np.int32))
@@ -196,8 +199,3 @@ def test_greedy_walk_on_a_hand_made_tree():
     assert np.asarray(acc.node).tolist() == [5, 1, 3]
     assert np.asarray(acc.num_accepted).tolist() == [3, 1, 2]
     assert np.asarray(acc.bonus).tolist() == [7, 4, 2]
-    # the same rows through the sampling code path with temperature 0 give the same answer
-    q = np.full((3, 6, V), 1.0 / V, np.float32)
-    acc2 = accept_jit(jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(parent), jnp.asarray(valid),
-                      jnp.asarray(q), _sampling(3, temperature=0.0), _keys(3), max_depth=3, max_children=2)
-    assert np.asarray(acc2.node).tolist() == [5, 1, 3] and np.asarray(acc2.bonus).tolist() == [7, 4, 2]

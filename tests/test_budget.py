@@ -144,6 +144,9 @@ def test_b_ver_and_table_round_trip(tmp_path):
     assert raw["version"] == 1 and len(raw["entries"]) == 3
     back = BudgetTable.load(path)
     assert back.lookup("cpu", mid, 1, 1024)["b_ver"] == 16
+    table.add(dict(device_kind="cpu", model=mid, batch=1, kv_len=1024, max_depth=8, b_ver=32))
+    assert table.lookup("cpu", mid, 1, 1024, depth=8)["b_ver"] == 32       # the matching depth first
+    assert table.lookup("cpu", mid, 1, 1024, depth=4)["b_ver"] == 16
     assert back.lookup("cpu", mid, 3, 2000)["b_ver"] == 4            # smallest covering bucket
     assert back.lookup("cpu", mid, 8, 1024) is None
     assert back.lookup("gpu", mid, 1, 1024) is None

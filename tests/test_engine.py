@@ -20,14 +20,19 @@ import pytest
 from flax import nnx
 from scipy import stats
 
+from hyspec_jax import cli
 from hyspec_jax.config import FULL, LINEAR, TargetConfig
 from hyspec_jax.generate import Generator
+from hyspec_jax.io.drafter_io import save_drafter
+from hyspec_jax.io.hf import save_pretrained
 from hyspec_jax.models import drafter as D
 from hyspec_jax.models.reader import ReaderConfig
 from hyspec_jax.models.target import create_model, forward_full
 from hyspec_jax.sampling import SamplingParams, warp
 from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+from hyspec_jax.spec.budget import BudgetTable
 from hyspec_jax.spec.select import TreeSpec
+from hyspec_jax.tokenizer import byte_level_tokenizer
 
 
 def _tcfg(vocab: int) -> TargetConfig:
@@ -37,7 +42,7 @@ def _tcfg(vocab: int) -> TargetConfig:
         linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
 
 
-TCFG = _tcfg(64)
+TCFG = _tcfg(300)   # ≥ the byte-level tokenizer's 257 ids: the CLI tests load the same model
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,7 +53,7 @@ def _quick_compiles():
     jax.config.update("jax_disable_most_optimizations", True)
     yield
     jax.config.update("jax_disable_most_optimizations", prev)
-SLOTS, KV = 4, 64
+SLOTS, KV = 4, 128
 GAMMA = 4
 TREE = TreeSpec(depth=4, top_k=2, beam=4)
 MAX_TOKENS = (12, 9, 16, 7, 13)
@@ -229,3 +234,61 @@ def test_sampling_matches_autoregressive_distribution(mode, small):
         s = seqs[j + 1::3]
         code = s[:, 0] * SV * SV + s[:, 1] * SV + s[:, 2]
         assert _chisq_pvalue(code, exact[j]) > 1e-3, (mode, SETTINGS[j])
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI: `hyspec generate --drafter … --spec-mode …` and `hyspec calibrate` (same model, same buckets)
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dirs(models, tmp_path_factory):
+    target, drafter = models
+    root = tmp_path_factory.mktemp("spec_cli")
+    save_pretrained(target, root / "target")
+    byte_level_tokenizer().save(str(root / "target" / "tokenizer.json"))
+    save_drafter(drafter, root / "drafter")
+    prompts = root / "prompts.txt"
+    prompts.write_text("Hi\nSpeculate!\nabc\nA longer one\nxyz\n")
+    return root
+
+
+def _cli(capsys, argv) -> list[dict]:
+    assert cli.main(argv) == 0
+    import json
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+
+
+def test_cli_generate_spec_modes_equal_ar(model_dirs, capsys):
+    base = ["generate", "--model", str(model_dirs / "target"), "--prompts-file", str(model_dirs / "prompts.txt"),
+            "--max-tokens", "10", "--json"]
+    ar = _cli(capsys, base)
+    assert all(r["stats"]["mode"] == "ar" and r["stats"]["tau"] == 1.0 for r in ar)
+    drafter = ["--drafter", str(model_dirs / "drafter"), "--slots", str(SLOTS)]
+    for mode, extra in (("chain", []), ("tree-ready", ["--verify-nodes", "8"])):
+        out = _cli(capsys, base + drafter + ["--spec-mode", mode] + extra)
+        assert [r["token_ids"] for r in out] == [r["token_ids"] for r in ar]
+        for r in out:
+            st = r["stats"]
+            assert st["mode"] == mode and st["rounds"] >= 1 and st["new_tokens"] == len(r["token_ids"])
+            assert len(st["accepted_per_position"]) == (GAMMA if mode == "chain" else TREE.depth)
+            assert 1.0 <= st["tau"] <= 1 + GAMMA
+            assert st["rounds"] >= (len(r["token_ids"]) - 1) / (1 + GAMMA)
+    with pytest.raises(SystemExit):
+        cli.main(base + ["--spec-mode", "chain"])                  # no drafter
+    assert "needs --drafter" in capsys.readouterr().err
+
+
+def test_cli_calibrate_writes_the_budget_table(model_dirs, capsys, models):
+    out = model_dirs / "budget.json"
+    argv = ["calibrate", "--model", str(model_dirs / "target"), "--batch", "1", "--kv-len", "64", "--nodes", "1,2",
+            "--depth", "1", "--repeats", "2", "--eps", "0.5", "--out", str(out), "--json"]
+    (entry,) = _cli(capsys, argv)[0]
+    assert entry["batch"] == 1 and entry["kv_len"] == 64 and set(entry["t_ver_ms"]) == {"1", "2"}
+    assert entry["t_dec_ms"] > 0 and entry["b_ver"] in (1, 2)
+    ok = [int(n) for n, t in entry["t_ver_ms"].items() if t <= 1.5 * entry["t_dec_ms"]]
+    assert entry["b_ver"] == (max(ok) if ok else 1)
+    table = BudgetTable.load(out)
+    assert len(table.entries) == 1
+    # the engine takes its verify width from the table for that bucket (and its default elsewhere)
+    target, drafter = models
+    eng = SpecEngine(target, drafter, SpecConfig(mode="chain"), budget_table=table, model_name=entry["model"])
+    assert eng.nodes_for(1, 64) == entry["b_ver"] and eng.nodes_for(8, 64) == GAMMA + 1

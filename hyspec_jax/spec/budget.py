@@ -178,14 +178,14 @@ class BudgetTable:
 
     def lookup(self, device_kind: str, model: str, batch: int, kv_len: int, depth: int | None = None
                ) -> dict[str, Any] | None:
-        """The entry of this bucket, else the smallest calibrated bucket covering it (batch ≥, kv_len ≥;
-        same depth when given), else None."""
+        """The entry of this bucket, else the smallest calibrated bucket covering it (batch ≥, kv_len ≥),
+        preferring the given tree depth; None when no calibrated bucket covers it."""
         cands = [e for e in self.entries.values()
                  if e["device_kind"] == device_kind and e["model"] == model and e["batch"] >= batch
-                 and e["kv_len"] >= kv_len and (depth is None or e["max_depth"] == depth)]
+                 and e["kv_len"] >= kv_len]
         if not cands:
             return None
-        return min(cands, key=lambda e: (e["batch"], e["kv_len"]))
+        return min(cands, key=lambda e: (depth is not None and e["max_depth"] != depth, e["batch"], e["kv_len"]))
 
 
 __all__ = ["Selection", "root_floor", "select_nodes", "confident_length", "b_ver", "model_id", "bucket_key",

@@ -37,7 +37,7 @@ from hyspec_jax.models.drafter import DraftBlock, Drafter, DrafterState, init_dr
 from hyspec_jax.models.target import TargetModel
 from hyspec_jax.sampling import SamplingParams, SlotSampling, sample
 from hyspec_jax.spec.accept import accept
-from hyspec_jax.spec.budget import confident_length, root_floor, select_nodes
+from hyspec_jax.spec.budget import BudgetTable, confident_length, model_id, root_floor, select_nodes
 from hyspec_jax.spec.commit import commit
 from hyspec_jax.spec.propose import chain_from_block
 from hyspec_jax.spec.select import TreeSpec, chain_candidates, tree_candidates
@@ -217,10 +217,17 @@ class SpecResult:
     finish_reason: str                       # "stop" | "length"
     rounds: int = 0                          # rounds this request took part in
     committed: list[int] = dataclasses.field(default_factory=list)   # tokens committed per round (bonus incl.)
+    accepted: list[int] = dataclasses.field(default_factory=list)    # drafts accepted per round
+    prefill_seconds: float = 0.0             # (as generate.GenerationResult) batch totals
+    decode_steps_per_second: float = 0.0     # rounds per second of the batch, compiles excluded where known
 
     @property
     def tau(self) -> float:
         return float(np.mean(self.committed)) if self.committed else 0.0
+
+    def accepted_per_position(self, depth: int) -> list[float]:
+        a = np.asarray(self.accepted)
+        return [float(np.mean(a > k)) if len(a) else 0.0 for k in range(depth)]
 
 
 @dataclasses.dataclass
@@ -251,8 +258,11 @@ class SpecEngine:
     """Batched speculative generation with continuous admission between rounds."""
 
     def __init__(self, target: TargetModel, drafter: Drafter | None, spec: SpecConfig, *, slots: int | None = None,
-                 kv_len: int | None = None):
+                 kv_len: int | None = None, budget_table: BudgetTable | None = None, model_name: str = ""):
+        """slots / kv_len fix the bucket (default: powers of two from the request batch); budget_table: Bole's
+        calibrated B_ver per bucket sets the verify width N when spec.verify_nodes is not given."""
         self.spec = spec
+        self.budget_table, self.model_name = budget_table, model_name
         self.config = target.config
         self.tgraph, self.tparams = nnx.split(target)
         leaves = jax.tree.leaves(self.tparams)
@@ -283,19 +293,29 @@ class SpecEngine:
                 raise ValueError(f"tree depth {tspec.depth} exceeds the drafter's {gamma} draft slots")
             if tspec.top_k > self.config.vocab_size:
                 raise ValueError(f"tree top-k {tspec.top_k} exceeds the vocabulary")
-            n = spec.verify_nodes or min(tspec.num_candidates, 16)
+            self._max_nodes = tspec.num_candidates
             self._tree, self._gamma = tspec, tspec.depth
+            self.verify_nodes = self._default_nodes = spec.verify_nodes or min(tspec.num_candidates, 16)
         else:
             g = spec.chain_length or gamma
             if g > gamma:
                 raise ValueError(f"chain length {g} exceeds the drafter's {gamma} draft slots")
-            n = spec.verify_nodes or g + 1
+            self._max_nodes = g + 1
             self._tree, self._gamma = None, g
-        self.verify_nodes = n
+            self.verify_nodes = self._default_nodes = spec.verify_nodes or g + 1
 
     @property
     def depth(self) -> int:
         return 0 if self.spec.mode == "ar" else max(0, min(self._gamma, self.verify_nodes - 1))
+
+    def nodes_for(self, batch: int, kv_len: int) -> int:
+        """Verify width N of a bucket: spec.verify_nodes, else the calibrated B_ver, else the default."""
+        if self.spec.verify_nodes is None and self.budget_table is not None:
+            e = self.budget_table.lookup(jax.devices()[0].device_kind, self.model_name, batch, kv_len,
+                                         self._gamma)
+            if e is not None:
+                return max(1, min(int(e["b_ver"]), self._max_nodes))
+        return self._default_nodes
 
     def round_shape(self, stochastic: bool) -> RoundShape:
         return RoundShape(tree=self._tree, gamma=self._gamma, verify_nodes=self.verify_nodes,
@@ -326,12 +346,12 @@ class SpecEngine:
             return self._generate_ar(prompts, plist, on_tokens)
         t0 = time.perf_counter()
         B = self.slots or bucket(n, 1)
-        D = self.depth
-        need = max(len(p) for p in prompts) + max(p.max_tokens for p in plist) + D + 2
+        need = max(len(p) for p in prompts) + max(p.max_tokens for p in plist) + self._gamma + 2
         S = self.kv_len or bucket(need, 128)
         if need > S:
-            raise ValueError(f"kv_len {S} is too short: prompts + max_tokens + tree depth need {need}")
-        N = self.verify_nodes
+            raise ValueError(f"kv_len {S} is too short: prompts + max_tokens + draft depth need {need}")
+        self.verify_nodes = N = self.nodes_for(B, S)
+        D = self.depth
         capacity = self.spec.capacity or B * N
         stochastic = any(p.temperature > 0 for p in plist)
         shape = self.round_shape(stochastic)
@@ -347,6 +367,7 @@ class SpecEngine:
         finish = [""] * n
         results_rounds = [0] * n
         committed: list[list[int]] = [[] for _ in range(n)]
+        accepted: list[list[int]] = [[] for _ in range(n)]
         accepted_all: list[int] = []
         slot_params = [SamplingParams()] * B
         steps = np.zeros(B, np.int32)
@@ -423,6 +444,7 @@ class SpecEngine:
                     continue
                 results_rounds[i] += 1
                 committed[i].append(int(count[b]))
+                accepted[i].append(int(acc[b]))
                 accepted_all.append(int(acc[b]))
                 if emit(i, [int(t) for t in toks_out[b, :count[b]]]):
                     slot_req[b] = -1
@@ -433,8 +455,9 @@ class SpecEngine:
             accepted_per_position=[float(np.mean(acc_arr > k)) if len(acc_arr) else 0.0 for k in range(D)],
             seconds=time.perf_counter() - t0, prefill_seconds=t_prefill, round_seconds=t_round,
             verify_nodes=N, capacity=int(capacity))
-        return [SpecResult(list(map(int, prompts[i])), out[i], finish[i], results_rounds[i], committed[i])
-                for i in range(n)]
+        rate = rounds / t_round if t_round > 0 else 0.0
+        return [SpecResult(list(map(int, prompts[i])), out[i], finish[i], results_rounds[i], committed[i],
+                           accepted[i], t_prefill, rate) for i in range(n)]
 
     def _generate_ar(self, prompts, plist, on_tokens) -> list[SpecResult]:
         t0 = time.perf_counter()
@@ -445,7 +468,49 @@ class SpecEngine:
                                     seconds=time.perf_counter() - t0,
                                     prefill_seconds=max(r.prefill_seconds for r in res), verify_nodes=1)
         return [SpecResult(r.prompt_token_ids, r.token_ids, r.finish_reason, len(r.token_ids) - 1,
-                           [1] * (len(r.token_ids) - 1)) for r in res]
+                           [1] * (len(r.token_ids) - 1), [0] * (len(r.token_ids) - 1), r.prefill_seconds,
+                           r.decode_steps_per_second) for r in res]
+
+
+# ------------------------------------------------------------------------------------------------
+# `hyspec generate` glue (the options are declared in hyspec_jax/cli.py)
+# ------------------------------------------------------------------------------------------------
+def engine_from_args(args, model: TargetModel, model_dir, dtype) -> "SpecEngine | None":
+    """The engine `hyspec generate` asked for, or None for plain autoregressive decoding."""
+    from pathlib import Path
+
+    from hyspec_jax.io.drafter_io import load_drafter
+    drafter_dir = getattr(args, "drafter", None)
+    mode = getattr(args, "spec_mode", None) or ("chain" if drafter_dir else "ar")
+    if mode == "ar":
+        return None
+    if drafter_dir is None:
+        raise ValueError(f"--spec-mode {mode} needs --drafter DIR")
+    if args.slots is not None and args.slots < 1:
+        raise ValueError(f"--slots must be >= 1, got {args.slots}")
+    if not Path(drafter_dir).is_dir():
+        raise ValueError(f"--drafter {drafter_dir}: no such directory")
+    spec_kw = dict(mode=mode, chain_length=args.chain_length, verify_nodes=args.verify_nodes, capacity=args.budget,
+                   confidence_threshold=args.confidence_threshold)
+    if mode in ("tree", "tree-ready"):
+        spec_kw["tree"] = TreeSpec(depth=args.tree_depth, top_k=args.tree_topk, beam=args.tree_beam)
+    spec = SpecConfig(**spec_kw)
+    drafter = load_drafter(drafter_dir, dtype=dtype, with_reader=spec.uses_reader)
+    if spec.uses_reader and drafter.reader is None:
+        raise ValueError(f"--spec-mode {mode} needs a drafter with a ReaDy reader ({drafter_dir}/reader/ is missing)")
+    table = BudgetTable.load(args.budget_table) if getattr(args, "budget_table", None) else None
+    name = model_id(model.config, Path(model_dir).name)
+    return SpecEngine(model, drafter, spec, slots=args.slots, budget_table=table, model_name=name)
+
+
+def request_stats(engine: "SpecEngine | None", res) -> dict:
+    """The speculative part of a request's `stats` (`hyspec generate --json`)."""
+    if engine is None:
+        n = max(len(res.token_ids) - 1, 0)
+        return {"mode": "ar", "rounds": n, "tau": 1.0 if n else 0.0, "accepted_per_position": []}
+    return {"mode": engine.spec.mode, "rounds": res.rounds, "tau": round(res.tau, 4),
+            "accepted_per_position": [round(x, 4) for x in res.accepted_per_position(engine.depth)],
+            "verify_nodes": engine.verify_nodes}
 
 
 def _without_reader(drafter: Drafter) -> Drafter:
@@ -457,4 +522,4 @@ def _without_reader(drafter: Drafter) -> Drafter:
 
 
 __all__ = ["MODES", "SpecConfig", "RoundShape", "SpecResult", "SpecStats", "SpecEngine", "spec_round",
-           "spec_round_jit", "prefill", "prefill_jit", "HINT_BIAS"]
+           "spec_round_jit", "prefill", "prefill_jit", "HINT_BIAS", "engine_from_args", "request_stats"]

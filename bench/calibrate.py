@@ -1,0 +1,171 @@
+"""Bole's offline calibration (Algorithm 3, steps 1–5): the verification budget of every bucket.
+
+    hyspec calibrate [--model DIR] [--batch 1,4,8] [--kv-len 1024] [--nodes 1,2,4,8,16,32,64]
+                     [--depth 8] [--eps 0.1] [--repeats 20] [--out FILE] [--json]
+    python -m hyspec_jax.bench.calibrate ...          (same options)
+
+For each bucket (batch slots B, KV length S) it measures
+  T_dec(B, S)      one-token decode of every slot (`TargetModel.extend`, T = 1, state donated and fed back),
+  T_ver(N | B, S)  the complete target verify forward over a [B, N] forest (`TargetModel.verify`, logits and
+                   commit factors; tree template: a seeded random tree of depth min(d, N−1), the same for
+                   every row), for every node capacity N,
+each as the median of `repeats` timed calls after a warm-up call (block_until_ready; the prefix holds S/2
+committed tokens), and stores B_ver = max{N : T_ver(N) ≤ (1+ε)·T_dec} in a JSON table keyed by device kind,
+model and bucket (`hyspec_jax.spec.budget.BudgetTable`; existing entries of other buckets are kept).
+`hyspec generate --budget-table FILE` then verifies B_ver nodes per slot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
+    return sorted(set(out))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="DIR", help="target model directory (default: as `hyspec generate`)")
+    p.add_argument("--batch", type=_ints, default=[1, 4, 8], metavar="B,..", help="batch-slot buckets (default 1,4,8)")
+    p.add_argument("--kv-len", type=_ints, default=[1024], metavar="S,..", help="KV-length buckets (default 1024)")
+    p.add_argument("--nodes", type=_ints, default=[1, 2, 4, 8, 16, 32, 64], metavar="N,..",
+                   help="compiled node capacities per slot, anchor included (default 1,2,4,8,16,32,64)")
+    p.add_argument("--depth", type=int, default=8, metavar="D", help="tree depth template (default 8)")
+    p.add_argument("--eps", type=float, default=0.1, metavar="E", help="admitted latency overhead ε (default 0.1)")
+    p.add_argument("--repeats", type=int, default=20, metavar="R", help="timed calls per measurement (default 20)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="parameter dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--out", metavar="FILE", help="budget table to create or update (default: DIR/budget.json)")
+    p.add_argument("--json", action="store_true", help="print the new entries as JSON")
+
+
+def _median_time(fn, repeats: int) -> float:
+    import jax
+    jax.block_until_ready(fn())                     # warm-up (compile)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def calibrate(model, *, model_name: str, batches: list[int], kv_lens: list[int], nodes: list[int], depth: int,
+              eps: float, repeats: int, log=print) -> list[dict]:
+    """Measure every bucket; returns table entries (see module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from hyspec_jax import tree as tree_lib
+    from hyspec_jax.spec.budget import b_ver
+    from hyspec_jax.state import init_state
+
+    cfg = model.config
+    graphdef, params = nnx.split(model)
+    dtype = jax.tree.leaves(params)[0].dtype
+    device_kind = jax.devices()[0].device_kind
+
+    def decode(params, state, tok):
+        m = nnx.merge(graphdef, params)
+        logits, _, state = m.extend(state, tok[:, None], jnp.ones((tok.shape[0], 1), bool))
+        return jnp.argmax(logits[:, 0], -1).astype(jnp.int32), state
+
+    def verify(params, state, tree, tok):
+        m = nnx.merge(graphdef, params)
+        logits, _, cache = m.verify(state, tree, tok)
+        return logits, cache
+
+    decode_jit = jax.jit(decode, donate_argnums=(1,))
+    verify_jit = jax.jit(verify)
+    rng = np.random.default_rng(0)
+    entries = []
+    for B in batches:
+        for S in kv_lens:
+            if S <= max(nodes) + 1:
+                raise ValueError(f"kv_len {S} too short for node capacity {max(nodes)}")
+            base = init_state(cfg, B, S, dtype)
+            base = base.replace(lengths=jnp.full((B,), S // 2, jnp.int32))
+            st = {"s": jax.tree.map(jnp.copy, base)}
+            tok = jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32)
+
+            def dec():
+                t, st["s"] = decode_jit(params, st["s"], tok)
+                st["s"] = st["s"].replace(lengths=jnp.full((B,), S // 2, jnp.int32))
+                return t
+            t_dec = _median_time(dec, repeats)
+            t_ver = {}
+            for N in nodes:
+                d = min(depth, N - 1)
+                par = tree_lib.random_parents(rng, N, max_depth=d, min_depth=d)
+                tree = tree_lib.pack_forest([par] * B, tree_lib.TreeShape(N, d))
+                toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, N)), jnp.int32)
+                t_ver[N] = _median_time(lambda: verify_jit(params, base, tree, toks), repeats)
+                log(f"[calibrate] B={B} S={S} N={N:<4d} T_ver={1e3 * t_ver[N]:8.3f} ms  "
+                    f"({t_ver[N] / t_dec:5.2f}× T_dec={1e3 * t_dec:.3f} ms)")
+            n, within = b_ver(t_ver, t_dec, eps)
+            entries.append(dict(device_kind=device_kind, model=model_name, batch=B, kv_len=S, max_depth=depth,
+                                eps=eps, t_dec_ms=round(1e3 * t_dec, 4),
+                                t_ver_ms={str(k): round(1e3 * v, 4) for k, v in t_ver.items()},
+                                b_ver=n, within_tolerance=within, dtype=str(jnp.dtype(dtype)),
+                                jax_version=jax.__version__, repeats=repeats))
+            log(f"[calibrate] B={B} S={S}: B_ver = {n}" + ("" if within else " (no capacity within ε)"))
+    return entries
+
+
+def run(args) -> int:
+    """`hyspec calibrate`."""
+    from hyspec_jax.cli import UsageError, _resolve_model_dir
+
+    if not 0 <= args.eps <= 10:
+        raise UsageError(f"--eps must be in [0, 10], got {args.eps}")
+    if args.repeats < 1 or args.depth < 0:
+        raise UsageError("--repeats must be >= 1 and --depth >= 0")
+    model_dir, label = _resolve_model_dir(args.model)
+    if label:
+        print(f"[hyspec] using a {label}", file=sys.stderr)
+    import jax
+    import jax.numpy as jnp
+
+    from hyspec_jax.io.hf import load_pretrained
+    from hyspec_jax.spec.budget import BudgetTable, model_id
+
+    dtype = {"auto": jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32,
+             "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    cfg, model = load_pretrained(model_dir, dtype=dtype)
+    out = Path(args.out) if args.out else Path(model_dir) / "budget.json"
+    table = BudgetTable.load(out) if out.is_file() else BudgetTable()
+    entries = calibrate(model, model_name=model_id(cfg, Path(model_dir).name), batches=args.batch,
+                        kv_lens=args.kv_len, nodes=args.nodes, depth=args.depth, eps=args.eps,
+                        repeats=args.repeats, log=lambda s: print(s, file=sys.stderr))
+    for e in entries:
+        table.add(e)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    table.save(out)
+    print(f"[calibrate] wrote {len(entries)} bucket(s) to {out}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(entries))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hyspec calibrate", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -121,21 +121,27 @@ def scripture_docs() -> Iterator[Document]:
     if exe is None:
         raise CorpusError("the King James Bible needs the `bible` program: apt-get install -y bible-kjv")
     raw = subprocess.run([exe, "-f", "gen1:1-rev22:21"], check=True, capture_output=True).stdout
+    return parse_kjv(raw.decode("utf-8", "replace"))
+
+
+def parse_kjv(text: str, books: tuple[str, ...] = KJV_BOOKS) -> Iterator[Document]:
+    """`bible -f` output (`Ge1:1 In the beginning …`, one verse a line) -> one document per chapter; the i-th
+    book abbreviation met is named books[i]."""
     verse = re.compile(r"^(\d?[A-Za-z]+)(\d+):(\d+) (.*)$")
-    books: list[str] = []
+    seen: list[str] = []
     chapters: dict[tuple[int, int], list[str]] = {}
-    for line in raw.decode("utf-8", "replace").splitlines():
+    for line in text.splitlines():
         m = verse.match(line.strip())
         if not m:
             continue
-        if not books or books[-1] != m.group(1):
-            books.append(m.group(1))
-        b = len(books) - 1
+        if not seen or seen[-1] != m.group(1):
+            seen.append(m.group(1))
+        b = len(seen) - 1
         chapters.setdefault((b, int(m.group(2))), []).append(f"{m.group(2)}:{m.group(3)} {m.group(4)}")
-    if len(books) != len(KJV_BOOKS):
-        raise CorpusError(f"`bible -f` gave {len(books)} books, expected {len(KJV_BOOKS)}")
+    if len(seen) != len(books):
+        raise CorpusError(f"`bible -f` gave {len(seen)} books, expected {len(books)}")
     for (b, c), verses in chapters.items():
-        name = KJV_BOOKS[b]
+        name = books[b]
         yield Document("scripture", f"{name} {c}", _clean(f"{name} {c}\n\n" + "\n".join(verses)))
 
 

@@ -161,6 +161,18 @@ def test_budget_floor_only_is_still_exact(models, reference):
     assert eng.last_stats.accepted_per_position[0] > 0.5 and eng.last_stats.accepted_per_position[1] == 0.0
 
 
+def test_confidence_scheduled_chain_is_exact(models, reference):
+    """DSpark's confidence cut: with threshold 1 no survival passes, so every round verifies the floor of one
+    draft (acceptance beyond the first position impossible) — and the output is still exactly AR."""
+    target, drafter = models
+    prompts, params, ref = reference
+    eng = SpecEngine(target, drafter, SpecConfig(mode="chain", confidence_threshold=1.0), slots=SLOTS, kv_len=KV)
+    out = eng.generate(prompts, params, hint=_hint(ref))
+    assert [r.token_ids for r in out] == ref
+    apos = eng.last_stats.accepted_per_position
+    assert apos[0] > 0.5 and apos[1] == 0.0 and max(c for r in out for c in r.committed) == 2
+
+
 # ------------------------------------------------------------------------------------------------
 # Sampling: distribution of the first three tokens vs exact AR
 # ------------------------------------------------------------------------------------------------

@@ -28,12 +28,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ar: target only (default); chain / ready / tree / tree-ready: speculative rounds with "
                         "--drafter")
     p.add_argument("--drafter", metavar="DIR", help="DSpark drafter directory (speculative modes)")
-    p.add_argument("--chain-length", type=int, metavar="G", help="chain modes: drafts per round (default: the "
-                   "drafter's block)")
-    p.add_argument("--spec-tree", metavar="D,K,W", help="tree modes: depth, children per node, beam width "
-                   "(default min(γ,4),2,4)")
-    p.add_argument("--verify-nodes", type=int, metavar="N", help="verify width per slot, anchor included "
-                   "(default: chain γ+1; tree min(candidates, 16))")
+    p.add_argument("--chain-length", type=int, metavar="K", help="drafts per chain (default: the drafter's block)")
+    p.add_argument("--confidence-threshold", type=float, metavar="A",
+                   help="chain: verify the drafts whose confidence survival is >= A (DSpark)")
+    p.add_argument("--tree-depth", type=int, default=4, metavar="D", help="tree levels (default 4)")
+    p.add_argument("--tree-topk", type=int, default=2, metavar="K", help="children per tree node (default 2)")
+    p.add_argument("--tree-beam", type=int, default=4, metavar="W", help="tree nodes kept per level (default 4)")
+    p.add_argument("--verify-nodes", type=int, metavar="N", help="verified nodes per request, anchor included "
+                   "(default: --budget-table's B_ver for this bucket, else chain length + 1 / min(tree nodes, 16))")
+    p.add_argument("--budget", type=int, metavar="C", help="batch-wide node budget (default: N x batch slots)")
+    p.add_argument("--budget-table", metavar="FILE", help="calibration table from `hyspec calibrate`")
     p.add_argument("--max-batch", type=int, default=32, metavar="B", help="batch slots (default 32)")
     p.add_argument("--max-queue", type=int, default=256, metavar="Q",
                    help="requests waiting for a slot before new ones get 429 (default 256)")
@@ -81,7 +85,7 @@ def build_backend(args, target, model_dir: Path):
             raise ValueError("--drafter is only used with a speculative --spec-mode (chain, ready, tree, tree-ready)")
         return ARBackend(target, slots=args.max_batch, max_len=args.max_model_len, prefill_chunk=args.prefill_chunk)
     from hyspec_jax.serve.spec_backend import build_spec_backend
-    return build_spec_backend(args, target)
+    return build_spec_backend(args, target, model_dir)
 
 
 def run(args) -> int:

@@ -19,8 +19,7 @@ from hyspec_jax.models.drafter import Drafter, DrafterState, init_drafter_state
 from hyspec_jax.models.target import TargetModel
 from hyspec_jax.serve.backend import (I32, Backend, StepResult, _gather_target, _rows, _scatter_target,
                                      sample_rows)
-from hyspec_jax.spec.engine import SpecConfig, SpecEngine, spec_round_jit
-from hyspec_jax.spec.select import TreeSpec
+from hyspec_jax.spec.engine import SpecEngine, spec_round_jit
 
 
 def _spec_prefill(tgraph, tparams, dgraph, dparams, state, dstate, slots, tokens, valid, reset, sampling, *,
@@ -45,20 +44,25 @@ _spec_prefill_jit = jax.jit(_spec_prefill, static_argnames=("tgraph", "dgraph", 
 
 
 class SpecBackend(Backend):
-    def __init__(self, target: TargetModel, drafter: Drafter, spec: SpecConfig, *, slots: int, max_len: int,
-                 prefill_chunk: int):
-        self.engine = SpecEngine(target, drafter, spec, slots=slots)
-        self.mode = spec.mode
-        self.depth = self.engine.depth
+    def __init__(self, engine: SpecEngine, target: TargetModel, *, slots: int, max_len: int, prefill_chunk: int):
+        self.engine = eng = engine
+        self.mode = eng.spec.mode
+        self.gamma = eng.round_shape(False).gamma
+        # the bucket's verify width: --verify-nodes, else Bole's calibrated B_ver for (slots, KV length), else default
+        eng.verify_nodes = eng.nodes_for(slots, max_len + self.gamma + 2)
+        self.depth = eng.depth
         super().__init__(target, slots=slots, max_len=max_len, prefill_chunk=prefill_chunk)
-        eng = self.engine
         self.tgraph, self.tparams, self.dgraph, self.dparams = eng.tgraph, eng.tparams, eng.dgraph, eng.dparams
         self.graphdef, self.params = self.tgraph, self.tparams
         self.dstate = init_drafter_state(eng.drafter.config, slots, self.kv_len, self.dtype)
         self.shapes_by_flag = {s: eng.round_shape(s) for s in (False, True)}
         self.tap_layers = self.shapes_by_flag[False].tap_layers
-        self.capacity = jnp.asarray(spec.capacity or slots * eng.verify_nodes, I32)
+        self.capacity = jnp.asarray(eng.spec.capacity or slots * eng.verify_nodes, I32)
         self.drafted = eng.verify_nodes - 1
+
+    @property
+    def kv_len(self) -> int:
+        return self.max_len + self.gamma + 2     # a round commits at most depth + 1 ≤ γ + 1 tokens past the limit
 
     def prefill(self, slots, tokens, valid, reset, sampling) -> np.ndarray:
         first, self.state, self.dstate = _spec_prefill_jit(
@@ -85,23 +89,16 @@ class SpecBackend(Backend):
                      f"{'sampling' if stochastic else 'greedy'}] {time.perf_counter() - t0:.1f}s")
 
 
-def parse_tree(text: str | None) -> TreeSpec | None:
-    if not text:
-        return None
-    try:
-        depth, top_k, beam = (int(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"--spec-tree wants DEPTH,TOP_K,BEAM (three integers), got {text!r}") from None
-    return TreeSpec(depth=depth, top_k=top_k, beam=beam)
+def build_spec_backend(args, target: TargetModel, model_dir) -> SpecBackend:
+    """The engine exactly as `hyspec generate` builds it from the same options (`engine_from_args`), with the
+    server's slots as its bucket."""
+    import argparse
 
-
-def build_spec_backend(args, target: TargetModel) -> SpecBackend:
-    from hyspec_jax.io.drafter_io import load_drafter
-    spec = SpecConfig(mode=args.spec_mode, chain_length=getattr(args, "chain_length", None),
-                      tree=parse_tree(getattr(args, "spec_tree", None)),
-                      verify_nodes=getattr(args, "verify_nodes", None))
+    from hyspec_jax.spec.engine import engine_from_args
     leaves = jax.tree.leaves(nnx.state(target))
     dtype = leaves[0].dtype if leaves else jnp.float32
-    drafter = load_drafter(args.drafter, dtype=dtype, with_reader=spec.uses_reader)
-    return SpecBackend(target, drafter, spec, slots=args.max_batch, max_len=args.max_model_len,
+    ns = argparse.Namespace(**vars(args))
+    ns.slots = args.max_batch
+    engine = engine_from_args(ns, target, model_dir, dtype)
+    return SpecBackend(engine, target, slots=args.max_batch, max_len=args.max_model_len,
                        prefill_chunk=args.prefill_chunk)

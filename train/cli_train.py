@@ -47,8 +47,9 @@ def cmd_train_drafter(args) -> int:
 
     enable_compilation_cache()
     cfg = DrafterTrainConfig(
-        target=args.target, corpus=args.corpus, out=args.out, stage=args.stage, init=args.init,
-        num_layers=args.layers, block_size=args.block_size, seq_len=args.seq_len, batch_size=args.batch_size,
+        target=args.target, corpus=args.corpus, out=args.out, stage=args.stage, init=args.init, data=args.data,
+        num_layers=args.layers, block_size=args.block_size, markov_rank=args.markov_rank,
+        reader_rank=args.reader_rank, seq_len=args.seq_len, batch_size=args.batch_size,
         anchors=args.anchors, steps=args.steps, lr=args.lr, seed=args.seed, dtype=args.dtype, devices=args.devices,
         source_layers=tuple(args.source_layers) if args.source_layers else None, no_state=args.no_state,
         lora_rank=args.lora_rank, ce_weight=args.ce_weight, l1_weight=args.l1_weight,
@@ -56,6 +57,29 @@ def cmd_train_drafter(args) -> int:
         time_budget_s=args.time_budget)
     summary = train_drafter(cfg)
     print(json.dumps(summary, indent=1))
+    return 0
+
+
+def cmd_build_distill(args) -> int:
+    from pathlib import Path
+
+    from hyspec_jax.train.distill import generate_continuations, sample_prompts
+
+    prompts = Path(args.prompts) if args.prompts else Path(args.out) / "prompts.npz"
+    if not args.prompts:
+        s = sample_prompts(args.corpus, prompts, per_domain=args.per_domain, prompt_len=args.prompt_len,
+                           seed=args.seed)
+        print(f"[hyspec] {s['prompts']} prompts of {s['prompt_len']} tokens ({', '.join(s['domains'])}) "
+              f"-> {prompts}", file=sys.stderr)
+    if args.prompts_only:
+        return 0
+    if not args.target:
+        raise ValueError("--target is required unless --prompts-only")
+    m = generate_continuations(args.target, prompts, args.out, gen_len=args.gen_len, batch_size=args.batch_size,
+                               temperature=args.temperature, seed=args.seed, dtype=args.dtype)
+    print(f"[hyspec] {m['sequences']} sequences of {m['prompt_len']}+{m['gen_len']} tokens -> {args.out} "
+          f"({m['seconds']:.0f}s, {m['generated_tokens_per_s']:,.0f} generated tokens/s on {m['device']})",
+          file=sys.stderr)
     return 0
 
 
@@ -111,9 +135,13 @@ def add_train_commands(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--corpus", default=DEFAULT_CORPUS)
     d.add_argument("--out", required=True)
     d.add_argument("--stage", default="dspark", choices=("dspark", "ready1", "ready2"))
+    d.add_argument("--data", metavar="DIR", help="target-generated continuations from `hyspec build-distill` "
+                   "(default: corpus windows); validation stays on the corpus validation split")
     d.add_argument("--init", help="drafter directory to start from (required for ready1/ready2)")
     d.add_argument("--layers", type=int, default=2, help="draft layers (dspark)")
     d.add_argument("--block-size", type=int, default=7, help="gamma (dspark, anchor-first)")
+    d.add_argument("--markov-rank", type=int, default=256, help="Markov head rank (dspark; 0 = no Markov head)")
+    d.add_argument("--reader-rank", type=int, default=8, help="ReaDy reader rank (ready1)")
     d.add_argument("--seq-len", type=int, default=256)
     d.add_argument("--batch-size", type=int, default=16)
     d.add_argument("--anchors", type=int, default=32, help="anchors per sequence")
@@ -134,6 +162,24 @@ def add_train_commands(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--ckpt-every", type=int, default=200)
     d.add_argument("--time-budget", type=float, default=0.0, metavar="S")
     d.set_defaults(func=cmd_train_drafter)
+
+    x = sub.add_parser("build-distill", help="drafter distillation data: corpus prompts continued by the target",
+                       description="Sample prompts from the corpus train split (deterministic) and let the frozen "
+                                   "target continue them (greedy by default). --prompts-only writes just the "
+                                   "prompt pack; --prompts FILE reuses one (e.g. on a machine without the corpus).")
+    x.add_argument("--target", help="HF directory of the target")
+    x.add_argument("--corpus", default=DEFAULT_CORPUS)
+    x.add_argument("--out", required=True, help="output directory (prompts.npz, sequences.npy, manifest.json)")
+    x.add_argument("--prompts", metavar="FILE", help="an existing prompts.npz (skip sampling)")
+    x.add_argument("--prompts-only", action="store_true", help="write OUT/prompts.npz and stop")
+    x.add_argument("--per-domain", type=int, default=1024, help="prompts per domain (default 1024)")
+    x.add_argument("--prompt-len", type=int, default=32)
+    x.add_argument("--gen-len", type=int, default=224, help="generated tokens per prompt (default 224)")
+    x.add_argument("--batch-size", type=int, default=512)
+    x.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    x.add_argument("--seed", type=int, default=0)
+    x.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    x.set_defaults(func=cmd_build_distill)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """Drafter training on a frozen target (`hyspec train-drafter`): DSpark, then ReaDy stages 1 and 2.
 
-Data. Windows of the corpus train split; the frozen target runs `train.forward.train_forward` over each window
+Data. Windows of the corpus train split, or (`data`, the DSpark / ReaDy recipe) target-generated continuations
+from `hyspec build-distill` (`train.distill.DistillSampler`); either way the frozen target runs `train.forward.train_forward` over each window
 inside the step, giving the tapped layer outputs (drafter context), its logits (the distillation target
 p^t_k = softmax(target logits at a + k), specs/drafters.md §3.5) and, for ReaDy, the committed GDN states of
 the reader's source layers at every `state_stride` boundary. A block anchored at a reads the state after
@@ -43,6 +44,7 @@ from hyspec_jax.io.hf import load_pretrained
 from hyspec_jax.models.drafter import DrafterConfig, TargetHeads, create_drafter, forward_train, target_heads
 from hyspec_jax.models.reader import ReaderConfig
 from hyspec_jax.train import common
+from hyspec_jax.train.distill import DistillSampler
 from hyspec_jax.train.forward import train_forward
 from hyspec_jax.train.target import WindowSampler, validation_windows
 
@@ -62,6 +64,7 @@ class DrafterTrainConfig:
     out: str
     stage: str = "dspark"
     init: str | None = None            # drafter dir (ready1: a DSpark drafter; ready2: a ready1 output)
+    data: str | None = None            # distillation data dir (build-distill); None = corpus windows
     num_layers: int = 2
     block_size: int = 7
     markov_rank: int = 256
@@ -262,7 +265,8 @@ class DrafterTrainer:
         self.num_trainable = int(sum(x.size for x in jax.tree.leaves(trainable)))
 
         # --- data -----------------------------------------------------------------------------------
-        self.sampler = WindowSampler(cfg.corpus, cfg.seq_len - 1, cfg.seed)
+        self.sampler = (DistillSampler(cfg.data, cfg.seq_len, cfg.seed) if cfg.data
+                        else WindowSampler(cfg.corpus, cfg.seq_len - 1, cfg.seed))
         self.val = {d: w[:, :cfg.seq_len] for d, w in
                     validation_windows(cfg.corpus, cfg.seq_len, cfg.eval_windows).items()}
 

@@ -1,0 +1,138 @@
+"""Distillation data for the drafter (`hyspec build-distill`): corpus prompts, target-generated continuations.
+
+DSpark and ReaDy train the drafter on what the *target* writes, not on human text: at inference the drafter
+always continues the target's own output. Two steps, so the second can run where the corpus is absent (the
+GPU machine receives only code + checkpoints + this small prompt pack):
+
+1. `sample_prompts`: `per_domain` windows of `prompt_len` tokens from each domain's train shard, starts drawn
+   from a PRNG keyed on the seed (deterministic), saved as `prompts.npz` (tokens [N, P] uint16, domain ids).
+2. `generate_continuations`: the frozen target continues every prompt for `gen_len` tokens with our
+   `Generator` (greedy by default — the decoding the drafter must match at inference), in batches; writes
+   `sequences.npy` [N, P + G] uint16, `domains.npy`, `manifest.json` (target, config, counts, throughput).
+
+What the drafter trains on besides the tokens — the tapped target features, the final hidden states (logits)
+and the committed GDN states of the reader's source layers at each anchor — is NOT stored: it is a
+deterministic function of (frozen target, tokens) and `train.drafter` recomputes it inside the step with one
+no-grad target forward. For this 28M target that forward is cheaper than reading the features back (per
+sequence of 256 tokens: 4 taps × 512 × 256 bf16 = 1 MiB of features and 2 × 8 × 64 × 64 fp32 × 32 anchors =
+4 MiB of states, against 2 × 28M × 256 FLOPs ≈ 14 GFLOP ≈ 20 µs on an H200), and the data stays 512 bytes a
+sequence instead of megabytes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hyspec_jax.train.corpus import load_shard, shard_domains
+
+
+def sample_prompts(corpus_dir: str | Path, out_file: str | Path, *, per_domain: int = 1024, prompt_len: int = 32,
+                   seed: int = 0, split: str = "train") -> dict:
+    """Write `prompts.npz` (tokens [N, P] uint16, domain [N] int32, domains names); returns a summary."""
+    if per_domain <= 0 or prompt_len <= 0:
+        raise ValueError("per_domain and prompt_len must be positive")
+    domains = shard_domains(corpus_dir, split)
+    rows, dom = [], []
+    for di, d in enumerate(domains):
+        s = load_shard(corpus_dir, split, d)
+        if s.size < prompt_len + 1:
+            raise ValueError(f"{d}: {split} shard of {s.size} tokens is shorter than prompt_len {prompt_len}")
+        rng = np.random.default_rng([seed, di])
+        starts = rng.integers(0, s.size - prompt_len, per_domain)
+        rows.append(np.stack([np.asarray(s[a:a + prompt_len]) for a in starts]))
+        dom.append(np.full(per_domain, di, np.int32))
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tokens = np.concatenate(rows).astype(np.uint16)
+    np.savez(out_file, tokens=tokens, domain=np.concatenate(dom), domains=np.asarray(domains))
+    return {"prompts": int(tokens.shape[0]), "prompt_len": prompt_len, "domains": domains, "file": str(out_file)}
+
+
+def load_prompts(path: str | Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no prompt pack (run `hyspec build-distill --prompts-only`)")
+    z = np.load(path)
+    return z["tokens"].astype(np.int32), z["domain"].astype(np.int32), [str(x) for x in z["domains"]]
+
+
+def generate_continuations(target_dir: str | Path, prompts_file: str | Path, out_dir: str | Path, *,
+                           gen_len: int = 224, batch_size: int = 512, temperature: float = 0.0, seed: int = 0,
+                           dtype: str = "float32", progress: bool | None = None) -> dict:
+    """Continue every prompt with the frozen target; write the sequences + manifest; return the manifest."""
+    import jax
+    import jax.numpy as jnp
+    from tqdm.auto import tqdm
+
+    from hyspec_jax.generate import Generator
+    from hyspec_jax.io.hf import load_pretrained
+    from hyspec_jax.sampling import SamplingParams
+
+    if gen_len <= 0 or batch_size <= 0:
+        raise ValueError("gen_len and batch_size must be positive")
+    tokens, domain, names = load_prompts(prompts_file)
+    dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
+    cfg, target = load_pretrained(target_dir, dtype=dt)
+    if tokens.max() >= cfg.vocab_size:
+        raise ValueError(f"prompt ids reach {tokens.max()} but the target's vocabulary is {cfg.vocab_size}")
+    gen = Generator.from_model(target)
+    N, P = tokens.shape
+    seqs = np.zeros((N, P + gen_len), np.uint16)
+    seqs[:, :P] = tokens
+    t0 = time.perf_counter()
+    bar = tqdm(total=N, desc="build-distill", unit="seq", disable=progress is False)
+    for i in range(0, N, batch_size):
+        chunk = tokens[i:i + batch_size]
+        params = [SamplingParams(max_tokens=gen_len, temperature=temperature, seed=seed * 1_000_003 + i + j)
+                  for j in range(len(chunk))]
+        for j, r in enumerate(gen.generate([list(map(int, c)) for c in chunk], params)):
+            seqs[i + j, P:P + len(r.token_ids)] = r.token_ids
+        bar.update(len(chunk))
+    bar.close()
+    seconds = time.perf_counter() - t0
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    np.save(out_dir / "sequences.npy", seqs)
+    np.save(out_dir / "domains.npy", domain)
+    manifest = {"target": str(target_dir), "target_config": cfg.to_hf_dict(), "prompts": str(prompts_file),
+                "sequences": N, "prompt_len": P, "gen_len": gen_len, "temperature": temperature, "seed": seed,
+                "dtype": dtype, "domains": names, "per_domain": {d: int((domain == k).sum()) for k, d in
+                                                                 enumerate(names)},
+                "device": jax.devices()[0].device_kind, "seconds": round(seconds, 2),
+                "generated_tokens_per_s": round(N * gen_len / max(seconds, 1e-9), 1)}
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+class DistillSampler:
+    """Batches [B, T] of target-generated sequences; batch(step) is a pure function of (seed, step).
+
+    Rows are drawn uniformly; when the stored sequences are longer than T a random offset is taken (the same
+    interface as `train.target.WindowSampler`, so the drafter trainer takes either)."""
+
+    def __init__(self, data_dir: str | Path, seq_len: int, seed: int):
+        path = Path(data_dir) / "sequences.npy"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no distillation data (run `hyspec build-distill`)")
+        self.seqs = np.load(path, mmap_mode="r")
+        self.seq_len, self.seed = seq_len, seed
+        if self.seqs.shape[1] < seq_len:
+            raise ValueError(f"{path}: sequences of {self.seqs.shape[1]} tokens are shorter than the "
+                             f"training window {seq_len}")
+
+    @property
+    def tokens(self) -> int:
+        return int(self.seqs.size)
+
+    def batch(self, step: int, batch_size: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, step, 31])
+        rows = rng.integers(0, self.seqs.shape[0], batch_size)
+        offs = rng.integers(0, self.seqs.shape[1] - self.seq_len + 1, batch_size)
+        return np.stack([np.asarray(self.seqs[r, o:o + self.seq_len]) for r, o in zip(rows, offs)]).astype(np.int32)
+
+
+__all__ = ["sample_prompts", "load_prompts", "generate_continuations", "DistillSampler"]

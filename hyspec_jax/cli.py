@@ -27,12 +27,11 @@ def _fail(msg: str) -> "NoReturn":  # noqa: F821
 
 
 def enable_compilation_cache() -> None:
-    """JAX's persistent compilation cache: a second run of the same buckets skips XLA compiles."""
-    import jax
+    """JAX's persistent compilation cache: a second run of the same buckets skips XLA compiles
+    (`hyspec_jax.compilation`: $HYSPEC_JAX_CACHE, else ~/.cache/hyspec_jax/xla)."""
+    from hyspec_jax.compilation import enable_compilation_cache as enable
 
-    from hyspec_jax.demo import cache_dir
-    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    enable()
 
 
 # ------------------------------------------------------------------------------------------------

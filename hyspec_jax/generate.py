@@ -1,29 +1,56 @@
 """Plain autoregressive generation (the `ar` baseline and the losslessness oracle for speculation).
 
 Static shapes: batch slots, prompt length and KV length are rounded up to buckets, so a generation never
-recompiles after its first step; the state buffer is donated to every step.
+recompiles after its first step; the state buffer is donated to every step. `Generator.compile_buckets` /
+`warmup` compile buckets ahead of time (start-up); `compilations_after_startup` counts what compiled since.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hyspec_jax.compilation import CompileWatch, enable_compilation_cache
 from hyspec_jax.config import TargetConfig
 from hyspec_jax.sampling import SamplingParams, SlotSampling, sample
 from hyspec_jax.state import TargetState, init_state
 
 
-def bucket(n: int, minimum: int = 16) -> int:
+MIN_PROMPT_BUCKET = 16
+
+
+def bucket(n: int, minimum: int = MIN_PROMPT_BUCKET) -> int:
     """Next power of two ≥ max(n, minimum)."""
     m = max(n, minimum, 1)
     return 1 << (m - 1).bit_length()
+
+
+def prompt_buckets(longest: int) -> list[int]:
+    """The prefill lengths (powers of two ≥ 16) of prompts of 1..longest tokens."""
+    out, t = [], MIN_PROMPT_BUCKET
+    while longest > 0 and t <= bucket(longest):
+        out.append(t)
+        t *= 2
+    return out
+
+
+def compile_progress(total: int, enabled: bool):
+    """The start-up compile progress bar (stderr)."""
+    from tqdm import tqdm
+    return tqdm(total=total, desc="compiling", unit="program", disable=not enabled, file=sys.stderr,
+                dynamic_ncols=True)
+
+
+def use_compilation_cache() -> None:
+    """Start-up compiles go through JAX's persistent cache: the configured directory, else hyspec's default."""
+    enable_compilation_cache(jax.config.jax_compilation_cache_dir)
 
 
 @dataclasses.dataclass
@@ -59,6 +86,12 @@ class Generator:
         self.config, self.graphdef, self.params = config, graphdef, params
         leaves = jax.tree.leaves(params)
         self.dtype = leaves[0].dtype if leaves else jnp.float32
+        self.watch = CompileWatch()
+
+    @property
+    def compilations_after_startup(self) -> int:
+        """XLA compilations since the end of `warmup` / `compile_buckets` (never warmed up: since construction)."""
+        return self.watch.since
 
     @classmethod
     def from_model(cls, model) -> "Generator":
@@ -67,6 +100,52 @@ class Generator:
 
     def new_state(self, batch: int, max_len: int) -> TargetState:
         return init_state(self.config, batch, max_len, self.dtype)
+
+    # device calls: `generate` and `compile_buckets` share them, so start-up compiles exactly what generate runs
+    def _prefill_call(self, state, tokens: np.ndarray, valid: np.ndarray, sampling: SlotSampling):
+        return _prefill_jit(self.graphdef, self.params, state, jnp.asarray(tokens), jnp.asarray(valid), sampling)
+
+    def _decode_call(self, state, nxt, active: np.ndarray, sampling: SlotSampling, step: int):
+        return _decode_jit(self.graphdef, self.params, state, nxt, jnp.asarray(active), sampling,
+                           jnp.asarray(step, jnp.int32))
+
+    def compile_buckets(self, buckets: Iterable[tuple[int, int]], prompt_lengths: Sequence[int] | None = None,
+                        progress: bool = True, cache: bool = True) -> int:
+        """Compile every program of the (batch slots, KV length) buckets — the prefill of each prompt bucket T < S
+        (of prompt_lengths; default: all of them, `prompt_buckets`) and the decode step — then mark start-up. A request batch of n
+        prompts runs in slots bucket(n, 1), prompt bucket bucket(longest prompt), KV bucket(T + max_tokens, 128).
+        cache: use JAX's persistent compilation cache. Returns the number of programs compiled."""
+        if cache:
+            use_compilation_cache()
+        jobs = []
+        for B, S in buckets:
+            ts = [t for t in (sorted({bucket(n) for n in prompt_lengths}) if prompt_lengths
+                              else prompt_buckets(S - 1)) if t < S]
+            jobs += [(B, S, t) for t in ts] + [(B, S, None)]
+        watch = CompileWatch()
+        bar = compile_progress(len(jobs), progress)
+        nxt = state = None
+        for B, S, T in jobs:
+            bar.set_postfix_str(f"slots {B}, kv {S}, " + (f"prefill {T}" if T is not None else "decode"))
+            sampling = SlotSampling.from_params([], B)
+            if T is not None:
+                nxt, state = self._prefill_call(self.new_state(B, S), np.zeros((B, T), np.int32),
+                                                np.zeros((B, T), bool), sampling)
+            else:
+                if state is None:
+                    nxt, state = self._prefill_call(self.new_state(B, S), np.zeros((B, 16), np.int32),
+                                                    np.zeros((B, 16), bool), sampling)
+                nxt, state = self._decode_call(state, nxt, np.zeros(B, bool), sampling, 1)
+                jax.block_until_ready(nxt)
+                nxt = state = None
+            bar.update(1)
+        bar.close()
+        self.watch.mark()
+        return watch.since
+
+    def warmup(self, batch: int = 1, kv_len: int = 128, progress: bool = True, cache: bool = True) -> int:
+        """Start-up compile of one bucket (batch slots, KV length) with every prompt bucket; see compile_buckets."""
+        return self.compile_buckets([(bucket(batch, 1), kv_len)], progress=progress, cache=cache)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  on_tokens: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
@@ -97,8 +176,7 @@ class Generator:
         out: list[list[int]] = [[] for _ in range(n)]
         finish = [""] * n
         t0 = time.perf_counter()
-        nxt, state = _prefill_jit(self.graphdef, self.params, self.new_state(B, S), jnp.asarray(tokens),
-                                  jnp.asarray(valid), sampling)
+        nxt, state = self._prefill_call(self.new_state(B, S), tokens, valid, sampling)
         nxt_host = np.asarray(nxt)
         t_prefill = time.perf_counter() - t0
         active = np.zeros(B, bool)
@@ -120,8 +198,7 @@ class Generator:
             if not active.any():
                 break
             step += 1
-            nxt, state = _decode_jit(self.graphdef, self.params, state, nxt, jnp.asarray(active), sampling,
-                                     jnp.asarray(step, jnp.int32))
+            nxt, state = self._decode_call(state, nxt, active, sampling, step)
             nxt_host = np.asarray(nxt)
             if step == 1:
                 t_warm = time.perf_counter()

@@ -184,9 +184,9 @@ class ServerMetrics:
             self.accepted_per_pos.inc(0, position=str(k))
         self.compilations_after_startup = Counter(
             r, "hyspec:compilations_after_startup_total",
-            "XLA programs lowered after start-up (each is a recompile while serving: a bug).")
+            "XLA programs compiled after start-up (each is a recompile while serving: a bug).")
         self.compilations_startup = Gauge(r, "hyspec:compilations_at_startup",
-                                          "XLA programs lowered during start-up (warm-up of every bucket).")
+                                          "XLA programs compiled during start-up (warm-up of every bucket).")
         self.engine_steps = Counter(r, "hyspec:engine_steps_total", "Jitted engine calls by kind.", ("kind",))
         for kind in ("prefill", "decode"):
             self.engine_steps.inc(0, kind=kind)

@@ -55,23 +55,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class CompileCounter:
-    """Counts XLA lowerings (= jit cache misses) through jax.monitoring."""
+    """XLA compilations (= jit cache misses) of this process, from `hyspec_jax.compilation` (the same counter
+    as the engines' `compilations_after_startup`): `count` during start-up, then each one increments the
+    metric counter `after_start` (set once serving starts) and logs a warning."""
 
     def __init__(self):
-        from jax._src import dispatch
-        from jax import monitoring
-        self.event = dispatch.JAXPR_TO_MLIR_MODULE_EVENT
-        self.count = 0
+        from hyspec_jax.compilation import CompileWatch, on_compile
+        self.watch = CompileWatch()
         self.after_start = None     # metric counter, set once serving starts
-        monitoring.register_event_duration_secs_listener(self._on_event)
+        on_compile(self._on_compile)
 
-    def _on_event(self, event: str, duration: float, **kwargs) -> None:
-        if event != self.event:
-            return
-        self.count += 1
+    @property
+    def count(self) -> int:
+        return self.watch.since
+
+    def _on_compile(self, fun_name: str) -> None:
         if self.after_start is not None:
             self.after_start.inc()
-            log.warning("compilation while serving: %s", kwargs.get("fun_name", "?"))
+            log.warning("compilation while serving: %s", fun_name)
 
 
 def _progress(msg: str) -> None:
@@ -130,6 +131,8 @@ def run(args) -> int:
     t0 = time.perf_counter()
     backend.warm_up(lambda s: _progress(f"  compiled {s}"))
     _progress(f"warm-up done in {time.perf_counter() - t0:.1f}s ({counter.count} programs)")
+    if getattr(backend, "engine", None) is not None:
+        backend.engine.watch.mark()     # the engine's compilations_after_startup: since the server's warm-up
 
     chat = ChatTemplate(model_dir, tokenizer)
     name = args.served_model_name or model_dir.name

@@ -17,6 +17,11 @@ The host loop (`SpecEngine.generate`) only admits requests into free slots (one 
 the drafter context), runs rounds, streams the committed tokens and finishes requests (stop token inside the
 accepted path, or max_tokens — both exact). Modes: `ar` (plain decoding, `generate.Generator`), `chain`
 (DSpark), `ready` (DSpark + ReaDy reader), `tree` (DSpark tree, Bole verification), `tree-ready`.
+
+Start-up: `SpecEngine.warmup()` / `compile_buckets(buckets)` compile every configured bucket (the round,
+greedy and sampling, and the prefill of every prompt bucket) through JAX's persistent compilation cache;
+`compilations_after_startup` (also in `SpecStats`) counts the XLA compilations since — 0 while every request
+fits a compiled bucket.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ import numpy as np
 from flax import nnx
 
 from hyspec_jax import tree as tree_lib
-from hyspec_jax.generate import Generator, bucket
+from hyspec_jax.compilation import CompileWatch
+from hyspec_jax.generate import Generator, bucket, compile_progress, prompt_buckets, use_compilation_cache
 from hyspec_jax.models.drafter import DraftBlock, Drafter, DrafterState, init_drafter_state, target_heads
 from hyspec_jax.models.target import TargetModel
 from hyspec_jax.sampling import SamplingParams, SlotSampling, sample
@@ -241,6 +247,7 @@ class SpecStats:
     round_seconds: float = 0.0
     verify_nodes: int = 0
     capacity: int = 0
+    compilations_after_startup: int = 0   # XLA compilations since the engine's start-up compile (warmup)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -269,8 +276,10 @@ class SpecEngine:
         self.dtype = leaves[0].dtype if leaves else F32
         self.slots, self.kv_len = slots, kv_len
         self.last_stats: SpecStats | None = None
+        self.watch = CompileWatch()
         if spec.mode == "ar":
             self.drafter = None
+            self._ar = Generator(self.config, self.tgraph, self.tparams)
             return
         if drafter is None:
             raise ValueError(f"spec mode {spec.mode!r} needs a drafter")
@@ -308,6 +317,12 @@ class SpecEngine:
     def depth(self) -> int:
         return 0 if self.spec.mode == "ar" else max(0, min(self._gamma, self.verify_nodes - 1))
 
+    @property
+    def compilations_after_startup(self) -> int:
+        """XLA compilations since the end of `warmup` / `compile_buckets` (never warmed up: since construction).
+        Process-wide: anything else compiling meanwhile counts too."""
+        return self.watch.since
+
     def nodes_for(self, batch: int, kv_len: int) -> int:
         """Verify width N of a bucket: spec.verify_nodes, else the calibrated B_ver, else the default."""
         if self.spec.verify_nodes is None and self.budget_table is not None:
@@ -322,6 +337,76 @@ class SpecEngine:
                           reader=self.spec.uses_reader, stochastic=stochastic,
                           confidence_threshold=None if self._tree is not None else self.spec.confidence_threshold,
                           method=self.spec.method, tap_layers=tuple(self.drafter.config.target_layer_ids))
+
+    # --------------------------------------------------------------------------------------------
+    # Device calls: `generate` and `compile_buckets` share them, so start-up compiles exactly what generate runs
+    def _buffers(self, B: int, S: int):
+        return (init_state(self.config, B, S, self.dtype), init_drafter_state(self.drafter.config, B, S, self.dtype),
+                jnp.zeros((B,), I32))
+
+    def _prefill_call(self, state, dstate, anchor, toks: np.ndarray, val: np.ndarray, admit: np.ndarray,
+                      sampling: SlotSampling, shape: RoundShape):
+        return prefill_jit(self.tgraph, self.tparams, self.dgraph, self.dparams, state, dstate, anchor,
+                           jnp.asarray(toks), jnp.asarray(val), jnp.asarray(admit), sampling,
+                           tap_layers=shape.tap_layers)
+
+    def _round_call(self, state, dstate, anchor, active: np.ndarray, sampling: SlotSampling, steps: np.ndarray,
+                    capacity: int, hint: np.ndarray, shape: RoundShape):
+        return spec_round_jit(self.tgraph, self.tparams, self.dgraph, self.dparams, state, dstate, anchor,
+                              jnp.asarray(active), sampling, jnp.asarray(steps), jnp.asarray(capacity, I32),
+                              jnp.asarray(hint), shape=shape)
+
+    def max_prompt_len(self, kv_len: int) -> int:
+        """Longest prompt a KV length holds (with one new token and the round's overshoot)."""
+        return kv_len - 1 - (0 if self.spec.mode == "ar" else self._gamma + 2)
+
+    def compile_buckets(self, buckets: Sequence[tuple[int, int]], prompt_lengths: Sequence[int] | None = None,
+                        stochastic: Sequence[bool] = (False, True), progress: bool = True, cache: bool = True) -> int:
+        """Start-up compile: for every (batch slots, KV length) bucket, the prefill of every prompt bucket
+        (prompt_lengths rounded up to powers of two ≥ 16; default: every one the KV length holds) and the round (greedy and/or sampling);
+        then mark start-up (`compilations_after_startup` counts from here). A `generate` call runs in
+        (self.slots or bucket(#prompts, 1), self.kv_len or bucket(prompt + max_tokens + γ + 2, 128)).
+        cache: use JAX's persistent compilation cache. Returns the number of programs compiled."""
+        if cache:
+            use_compilation_cache()
+        if self.spec.mode == "ar":
+            n = self._ar.compile_buckets(buckets, prompt_lengths, progress=progress, cache=False)
+            self.watch.mark()
+            return n
+        jobs = []
+        for B, S in buckets:
+            ts = (sorted({bucket(n) for n in prompt_lengths}) if prompt_lengths
+                  else prompt_buckets(self.max_prompt_len(S)))
+            jobs += [(B, S, "prefill", t) for t in ts] + [(B, S, "round", bool(s)) for s in stochastic]
+        watch = CompileWatch()
+        bar = compile_progress(len(jobs), progress)
+        G = self.drafter.config.num_draft_tokens
+        for B, S, kind, arg in jobs:
+            self.verify_nodes = self.nodes_for(B, S)
+            bar.set_postfix_str(f"slots {B}, kv {S}, " + (f"prefill {arg}" if kind == "prefill" else
+                                f"{self.spec.mode} round N={self.verify_nodes} {'sampling' if arg else 'greedy'}"))
+            state, dstate, anchor = self._buffers(B, S)
+            sampling = SlotSampling.from_params([], B)
+            shape = self.round_shape(arg if kind == "round" else False)
+            if kind == "prefill":
+                out = self._prefill_call(state, dstate, anchor, np.zeros((B, arg), np.int32),
+                                         np.zeros((B, arg), bool), np.zeros(B, bool), sampling, shape)
+            else:
+                state, dstate, anchor = self._prefill_call(state, dstate, anchor, np.zeros((B, bucket(1)), np.int32),
+                                                           np.zeros((B, bucket(1)), bool), np.zeros(B, bool),
+                                                           sampling, shape)
+                out = self._round_call(state, dstate, anchor, np.zeros(B, bool), sampling, np.zeros(B, np.int32),
+                                       self.spec.capacity or B * self.verify_nodes, np.full((B, G), -1, np.int32),
+                                       shape)
+            jax.block_until_ready(out)
+            bar.update(1)
+        bar.close()
+        self.watch.mark()
+        return watch.since
+
+    def warmup(self, progress: bool = True, cache: bool = True, **kw) -> int:
+        """Start-up compile of the configured bucket (slots, kv_len; unset: 1 slot, KV 128); see compile_buckets."""
+        return self.compile_buckets([(self.slots or 1, self.kv_len or 128)], progress=progress, cache=cache, **kw)
 
     # --------------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -355,9 +440,7 @@ class SpecEngine:
         capacity = self.spec.capacity or B * N
         stochastic = any(p.temperature > 0 for p in plist)
         shape = self.round_shape(stochastic)
-        state = init_state(self.config, B, S, self.dtype)
-        dstate = init_drafter_state(self.drafter.config, B, S, self.dtype)
-        anchor = jnp.zeros((B,), I32)
+        state, dstate, anchor = self._buffers(B, S)
         G = self.drafter.config.num_draft_tokens
         sampling = SlotSampling.from_params([], B)
 
@@ -411,9 +494,7 @@ class SpecEngine:
                     toks[b, :len(p)], val[b, :len(p)] = p, True
                 sampling = SlotSampling.from_params(slot_params, B)
                 t1 = time.perf_counter()
-                state, dstate, anchor = prefill_jit(self.tgraph, self.tparams, self.dgraph, self.dparams, state,
-                                                    dstate, anchor, jnp.asarray(toks), jnp.asarray(val),
-                                                    jnp.asarray(admit), sampling, tap_layers=shape.tap_layers)
+                state, dstate, anchor = self._prefill_call(state, dstate, anchor, toks, val, admit, sampling, shape)
                 first = np.asarray(anchor)
                 t_prefill += time.perf_counter() - t1
                 for b in new_slots:
@@ -432,9 +513,8 @@ class SpecEngine:
                         hint_arr[b, :len(h)] = h
             steps[active] += 1
             t1 = time.perf_counter()
-            state, dstate, anchor, toks_out, count, acc = spec_round_jit(
-                self.tgraph, self.tparams, self.dgraph, self.dparams, state, dstate, anchor, jnp.asarray(active),
-                sampling, jnp.asarray(steps), jnp.asarray(capacity, I32), jnp.asarray(hint_arr), shape=shape)
+            state, dstate, anchor, toks_out, count, acc = self._round_call(
+                state, dstate, anchor, active, sampling, steps, capacity, hint_arr, shape)
             toks_out, count, acc = np.asarray(toks_out), np.asarray(count), np.asarray(acc)
             t_round += time.perf_counter() - t1
             rounds += 1
@@ -454,19 +534,19 @@ class SpecEngine:
             mode=self.spec.mode, rounds=rounds, tau=float(np.mean(all_committed)) if all_committed else 0.0,
             accepted_per_position=[float(np.mean(acc_arr > k)) if len(acc_arr) else 0.0 for k in range(D)],
             seconds=time.perf_counter() - t0, prefill_seconds=t_prefill, round_seconds=t_round,
-            verify_nodes=N, capacity=int(capacity))
+            verify_nodes=N, capacity=int(capacity), compilations_after_startup=self.compilations_after_startup)
         rate = rounds / t_round if t_round > 0 else 0.0
         return [SpecResult(list(map(int, prompts[i])), out[i], finish[i], results_rounds[i], committed[i],
                            accepted[i], t_prefill, rate) for i in range(n)]
 
     def _generate_ar(self, prompts, plist, on_tokens) -> list[SpecResult]:
         t0 = time.perf_counter()
-        gen = Generator(self.config, self.tgraph, self.tparams)
-        res = gen.generate(prompts, plist, on_tokens=on_tokens)
+        res = self._ar.generate(prompts, plist, on_tokens=on_tokens)
         rounds = max(len(r.token_ids) for r in res) - 1
         self.last_stats = SpecStats(mode="ar", rounds=rounds, tau=1.0, accepted_per_position=[],
                                     seconds=time.perf_counter() - t0,
-                                    prefill_seconds=max(r.prefill_seconds for r in res), verify_nodes=1)
+                                    prefill_seconds=max(r.prefill_seconds for r in res), verify_nodes=1,
+                                    compilations_after_startup=self.compilations_after_startup)
         return [SpecResult(r.prompt_token_ids, r.token_ids, r.finish_reason, len(r.token_ids) - 1,
                            [1] * (len(r.token_ids) - 1), [0] * (len(r.token_ids) - 1), r.prefill_seconds,
                            r.decode_steps_per_second) for r in res]

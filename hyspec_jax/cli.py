@@ -79,6 +79,41 @@ def _resolve_model_dir(arg: str | None) -> tuple[Path, str | None]:
     return random_demo_model_dir(), RANDOM_LABEL
 
 
+def batch_stats(engine, gen, results, seconds: float) -> dict:
+    """Acceptance statistics of one `hyspec generate` batch (`--stats`)."""
+    new = sum(len(r.token_ids) for r in results)
+    st = {"prompts": len(results), "new_tokens": new, "seconds": round(seconds, 4),
+          "tokens_per_second": round(new / seconds, 2) if seconds > 0 else 0.0,
+          "prefill_seconds": round(max((r.prefill_seconds for r in results), default=0.0), 4),
+          "decode_steps_per_second": round(results[0].decode_steps_per_second, 2) if results else 0.0}
+    if engine is not None and engine.last_stats is not None:
+        s = engine.last_stats
+        st.update(mode=s.mode, rounds=s.rounds, tau=round(s.tau, 4),
+                  accepted_per_position=[round(x, 4) for x in s.accepted_per_position],
+                  verify_nodes=s.verify_nodes, compilations_after_startup=s.compilations_after_startup)
+    else:
+        steps = max((len(r.token_ids) - 1 for r in results), default=0)
+        st.update(mode="ar", rounds=steps, tau=1.0 if new else 0.0, accepted_per_position=[], verify_nodes=1,
+                  compilations_after_startup=gen.compilations_after_startup)
+    return st
+
+
+def format_stats(st: dict) -> str:
+    """`batch_stats` as the human-readable block `hyspec generate --stats` prints to stderr."""
+    lines = [f"mode {st['mode']}: {st['rounds']} rounds, tau {st['tau']:.2f} tokens per request-round "
+             f"(bonus included)" + (f", {st['verify_nodes']} verified nodes per request" if st["mode"] != "ar"
+                                    else "")]
+    if st["accepted_per_position"]:
+        lines.append("accepted per position (fraction of request-rounds accepting >= k drafts): "
+                     + "  ".join(f"{k}: {a:.2f}" for k, a in enumerate(st["accepted_per_position"], 1)))
+    lines.append(f"{st['new_tokens']} new tokens for {st['prompts']} prompt(s) in {st['seconds']:.2f}s: "
+                 f"{st['tokens_per_second']:.1f} tok/s incl. compile (prefill {st['prefill_seconds']:.2f}s, "
+                 f"{st['decode_steps_per_second']:.1f} {'rounds' if st['mode'] != 'ar' else 'decode steps'}/s warm)")
+    lines.append(f"compilations after start-up: {st['compilations_after_startup']} (generate does not warm up: "
+                 f"each program compiles on first use)")
+    return "\n".join(f"[hyspec] {line}" for line in lines)
+
+
 def cmd_generate(args) -> int:
     from hyspec_jax.sampling import SamplingParams
 
@@ -145,7 +180,9 @@ def cmd_generate(args) -> int:
             print(f"=== {prompt}\n{prompt}{text}\n")
     if stream:
         print()
-    if not args.json:
+    if args.stats:
+        print(format_stats(batch_stats(engine, gen, results, seconds)), file=sys.stderr)
+    elif not args.json:
         total = sum(len(r.token_ids) for r in results)
         rate = results[0].decode_steps_per_second
         print(f"[hyspec] {total} tokens for {len(results)} prompt(s) in {seconds:.2f}s "
@@ -192,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="parameter dtype (auto: bfloat16 on GPU, float32 on CPU)")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming text")
+    g.add_argument("--stats", action="store_true", help="after generating, print acceptance statistics to stderr "
+                   "(mode, rounds, tau, accepted per position, tokens/s, compilations after start-up)")
     sp = g.add_argument_group("speculative decoding")
     sp.add_argument("--drafter", metavar="DIR", help="DSpark drafter directory (DeepSpec layout; reader/ for ReaDy)")
     sp.add_argument("--spec-mode", choices=("ar", "chain", "ready", "tree", "tree-ready"),

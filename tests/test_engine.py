@@ -263,10 +263,13 @@ def model_dirs(models, tmp_path_factory):
     return root
 
 
-def _cli(capsys, argv) -> list[dict]:
+def _cli(capsys, argv, stderr: list | None = None) -> list[dict]:
     assert cli.main(argv) == 0
     import json
-    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    cap = capsys.readouterr()
+    if stderr is not None:
+        stderr.append(cap.err)
+    return [json.loads(line) for line in cap.out.splitlines() if line.strip()]
 
 
 def test_cli_generate_spec_modes_equal_ar(model_dirs, capsys):
@@ -275,8 +278,12 @@ def test_cli_generate_spec_modes_equal_ar(model_dirs, capsys):
     ar = _cli(capsys, base)
     assert all(r["stats"]["mode"] == "ar" and r["stats"]["tau"] == 1.0 for r in ar)
     drafter = ["--drafter", str(model_dirs / "drafter"), "--slots", str(SLOTS)]
-    for mode, extra in (("chain", []), ("tree-ready", ["--verify-nodes", "8"])):
-        out = _cli(capsys, base + drafter + ["--spec-mode", mode] + extra)
+    for mode, extra in (("chain", ["--stats"]), ("tree-ready", ["--verify-nodes", "8"])):
+        err = []
+        out = _cli(capsys, base + drafter + ["--spec-mode", mode] + extra, err)
+        if "--stats" in extra:      # acceptance statistics on stderr, next to the JSON lines
+            assert f"mode {mode}:" in err[0] and "accepted per position" in err[0]
+            assert "compilations after start-up:" in err[0]
         assert [r["token_ids"] for r in out] == [r["token_ids"] for r in ar]
         for r in out:
             st = r["stats"]

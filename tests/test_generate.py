@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +79,31 @@ def test_cli_prompts_file_batch_matches_single(checkpoint, capsys, tmp_path):
     assert [r["prompt"] for r in results] == [PROMPTS[1], PROMPTS[2], PROMPTS[0]]
     for r in results:
         assert r["token_ids"] == _hf_greedy(model, r["prompt_token_ids"], 12)
+
+
+def test_cli_stats_to_stderr(checkpoint, capsys):
+    _, path = checkpoint
+    base = ["generate", "--model", str(path), "--max-tokens", "32", "--stats", PROMPTS[0]]
+    assert cli.main(base) == 0
+    cap = capsys.readouterr()
+    assert cap.out.startswith(PROMPTS[0])                      # the streamed text is unchanged
+    err = cap.err.strip().splitlines()
+    assert all(line.startswith("[hyspec] ") for line in err)
+    assert "mode ar:" in err[0] and "tau 1.00" in err[0]
+    assert any("tok/s" in line for line in err)
+    assert re.search(r"compilations after start-up: \d+", cap.err)
+    [res] = _run_cli(capsys, base + ["--json"])                # --json keeps its stats object on stdout
+    assert res["stats"]["new_tokens"] == len(res["token_ids"]) and res["stats"]["mode"] == "ar"
+
+
+def test_format_stats_speculative():
+    st = {"prompts": 2, "new_tokens": 40, "seconds": 2.0, "tokens_per_second": 20.0, "prefill_seconds": 0.1,
+          "decode_steps_per_second": 9.5, "mode": "chain", "rounds": 12, "tau": 2.5,
+          "accepted_per_position": [0.8, 0.5, 0.25], "verify_nodes": 4, "compilations_after_startup": 0}
+    text = cli.format_stats(st)
+    assert "mode chain: 12 rounds, tau 2.50" in text and "4 verified nodes" in text
+    assert "1: 0.80  2: 0.50  3: 0.25" in text and "20.0 tok/s" in text and "9.5 rounds/s" in text
+    assert "compilations after start-up: 0" in text
 
 
 def test_no_recompilation_within_bucket(checkpoint):

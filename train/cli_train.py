@@ -49,7 +49,9 @@ def cmd_train_drafter(args) -> int:
     cfg = DrafterTrainConfig(
         target=args.target, corpus=args.corpus, out=args.out, stage=args.stage, init=args.init, data=args.data,
         num_layers=args.layers, block_size=args.block_size, markov_rank=args.markov_rank,
-        reader_rank=args.reader_rank, seq_len=args.seq_len, batch_size=args.batch_size,
+        reader_rank=args.reader_rank, tap_layers=tuple(args.tap_layers) if args.tap_layers else None,
+        intermediate_size=args.intermediate_size, export_dtype=args.export_dtype, seq_len=args.seq_len,
+        batch_size=args.batch_size,
         anchors=args.anchors, steps=args.steps, lr=args.lr, seed=args.seed, dtype=args.dtype, devices=args.devices,
         source_layers=tuple(args.source_layers) if args.source_layers else None, no_state=args.no_state,
         lora_rank=args.lora_rank, ce_weight=args.ce_weight, l1_weight=args.l1_weight,
@@ -141,6 +143,11 @@ def add_train_commands(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--layers", type=int, default=2, help="draft layers (dspark)")
     d.add_argument("--block-size", type=int, default=7, help="gamma (dspark, anchor-first)")
     d.add_argument("--markov-rank", type=int, default=256, help="Markov head rank (dspark; 0 = no Markov head)")
+    d.add_argument("--tap-layers", type=int, nargs="+", metavar="L",
+                   help="target layers whose outputs the drafter reads (dspark; default: the z-lab spacing rule)")
+    d.add_argument("--intermediate-size", type=int, help="draft MLP width (dspark; default: the target's)")
+    d.add_argument("--export-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="dtype of the written drafter (bfloat16 halves the shipped size)")
     d.add_argument("--reader-rank", type=int, default=8, help="ReaDy reader rank (ready1)")
     d.add_argument("--seq-len", type=int, default=256)
     d.add_argument("--batch-size", type=int, default=16)

@@ -21,7 +21,8 @@ Stages:
             `no_state` drops the reader (the fine-tune-without-state control of the paper's Table 2).
 Metrics: loss terms, and the teacher-forced acceptance estimate τ̂ = 1 + Σ_k Π_{i≤k} [argmax p^d_i = argmax
 p^t_i] (greedy; previous tokens are the corpus tokens, not the target's own continuation).
-The drafter is written in the DeepSpec layout (`io.drafter_io.save_drafter`, LoRA merged into the weights).
+The drafter is written in the DeepSpec layout (`io.drafter_io.save_drafter`); a stage-2 LoRA is stored unmerged
+next to the reader (merged on load with the reader), the no-state control's LoRA merged into the weights.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ class DrafterTrainConfig:
     num_layers: int = 2
     block_size: int = 7
     markov_rank: int = 256
+    tap_layers: tuple[int, ...] | None = None   # target layers the drafter reads (default: the z-lab rule)
+    intermediate_size: int | None = None        # draft MLP width (default: the target's)
     seq_len: int = 256
     batch_size: int = 16
     anchors: int = 32
@@ -95,6 +98,7 @@ class DrafterTrainConfig:
     ckpt_every: int = 200
     keep: int = 2
     time_budget_s: float = 0.0
+    export_dtype: str = "float32"               # drafter files (bfloat16 for shipping)
     progress: bool | None = None
     compiler_options: dict | None = None
 
@@ -112,6 +116,8 @@ class DrafterTrainConfig:
         self.conf_weight = conf if self.conf_weight is None else self.conf_weight
         if self.source_layers is not None:
             self.source_layers = tuple(int(i) for i in self.source_layers)
+        if self.tap_layers is not None:
+            self.tap_layers = tuple(int(i) for i in self.tap_layers)
 
     @property
     def uses_reader(self) -> bool:
@@ -227,8 +233,10 @@ class DrafterTrainer:
 
         # --- drafter (+ reader) ---------------------------------------------------------------------
         if cfg.stage == "dspark":
-            dcfg = drafter_cfg or DrafterConfig.from_target(tcfg, num_layers=cfg.num_layers,
-                                                            block_size=cfg.block_size, markov_rank=cfg.markov_rank)
+            extra = {} if cfg.intermediate_size is None else {"intermediate_size": cfg.intermediate_size}
+            dcfg = drafter_cfg or DrafterConfig.from_target(
+                tcfg, num_layers=cfg.num_layers, block_size=cfg.block_size, markov_rank=cfg.markov_rank,
+                target_layer_ids=cfg.tap_layers, **extra)
             base = create_drafter(dcfg, None, seed=cfg.seed)
             rcfg = None
         else:
@@ -465,16 +473,25 @@ class DrafterTrainer:
                               {"drafter": None if frozen is None else jax.tree.map(jnp.asarray, frozen)})
         return nnx.merge(self.d_graphdef, *params)
 
-    def export(self, out_dir: str | Path | None = None) -> Path:
+    def export(self, out_dir: str | Path | None = None, dtype=None) -> Path:
+        """The drafter directory. Stage 2 with a reader keeps its LoRA unmerged in reader/ (loaded with the
+        reader only), so the directory still holds the stage-1 DSpark drafter for chain / tree modes."""
         out_dir = Path(out_dir) if out_dir is not None else self.out / "drafter"
-        save_drafter(self.drafter(), out_dir)
+        train = common.to_host(self.state["train"])
+        if self.cfg.stage == "ready2" and "reader" in train:
+            base = jax.tree.map(jnp.asarray, common.to_host(self.frozen["drafter"]))
+            model = nnx.merge(self.d_graphdef, jax.tree.map(jnp.asarray, train["reader"]), base)
+            save_drafter(model, out_dir, dtype=dtype, lora=train["lora"], lora_alpha=self.cfg.lora_alpha)
+        else:
+            save_drafter(self.drafter(), out_dir, dtype=dtype)
         return out_dir
 
 
 def train_drafter(cfg: DrafterTrainConfig) -> dict:
     tr = DrafterTrainer(cfg)
     summary = tr.run()
-    summary["export"] = str(tr.export())
+    dtype = None if cfg.export_dtype == "float32" else jnp.dtype(cfg.export_dtype)
+    summary["export"] = str(tr.export(dtype=dtype))
     tr.ckpt.close()
     summary.pop("losses")
     (Path(cfg.out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

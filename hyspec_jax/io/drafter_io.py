@@ -8,6 +8,10 @@
                                       the target's are used)
     <dir>/reader/reader.safetensors   norm.weight, w_q [M,r,d], u [M,r,dk], v [M,dv,r_v], fc_in.*, fc_out.weight
     <dir>/reader/reader_config.json   ReaderConfig (source layers and their state rows, ranks, injection point)
+    <dir>/reader/lora.safetensors     optional ReaDy stage-2 LoRA of the drafter's linear layers: `{name}.lora_a`
+                                      [r, in], `{name}.lora_b` [out, r], metadata `alpha`; merged (W + α/r·B·A)
+                                      only when the reader is loaded, so one directory serves DSpark (chain,
+                                      tree: the stage-1 weights) and ReaDy (ready, tree-ready: LoRA + reader)
     <dir>/SHA256.json                 digests of the files above
 
 Parameter paths of `Drafter` equal the checkpoint keys, so the mapping is the identity (plus `reader.`).
@@ -35,6 +39,7 @@ log = logging.getLogger(__name__)
 
 _FROZEN_COPIES = ("embed_tokens.weight", "lm_head.weight")  # DeepSpec saves them; the target's are used
 READER_DIR = "reader"
+LORA_FILE = "lora.safetensors"
 
 
 def _flat(module: nnx.Module) -> dict[str, nnx.Variable]:
@@ -63,9 +68,12 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def save_drafter(model: Drafter, out_dir: str | Path, *, heads: TargetHeads | None = None, dtype=None) -> None:
+def save_drafter(model: Drafter, out_dir: str | Path, *, heads: TargetHeads | None = None, dtype=None,
+                 lora: dict[str, dict[str, np.ndarray]] | None = None, lora_alpha: float = 16.0) -> None:
     """Write the DSpark checkpoint (+ reader/ when the drafter has a reader). With `heads`, frozen copies of the
-    target's embedding and LM head are included as DeepSpec does (readers that bind the target's skip them)."""
+    target's embedding and LM head are included as DeepSpec does (readers that bind the target's skip them).
+    `lora` ({param name ('.' or '/' separated): {"a": [r,in], "b": [out,r]}}) is kept unmerged in reader/, next
+    to the reader it was trained with."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cast = lambda a: np.ascontiguousarray(np.asarray(a if dtype is None else a.astype(dtype)))  # noqa: E731
@@ -86,6 +94,18 @@ def save_drafter(model: Drafter, out_dir: str | Path, *, heads: TargetHeads | No
         save_file(reader, str(rdir / "reader.safetensors"), metadata={"format": "pt"})
         (rdir / "reader_config.json").write_text(json.dumps(model.reader_config.to_dict(), indent=2) + "\n")
         files += [f"{READER_DIR}/reader.safetensors", f"{READER_DIR}/reader_config.json"]
+        if lora:
+            names = set(_flat(model))
+            tensors = {}
+            for name, d in lora.items():
+                key = name.replace("/", ".")
+                if key not in names:
+                    raise CheckpointError(f"LoRA for {name!r}: no such drafter parameter")
+                tensors[f"{key}.lora_a"], tensors[f"{key}.lora_b"] = cast(np.asarray(d["a"])), cast(np.asarray(d["b"]))
+            save_file(tensors, str(rdir / LORA_FILE), metadata={"format": "pt", "alpha": repr(float(lora_alpha))})
+            files.append(f"{READER_DIR}/{LORA_FILE}")
+    elif lora:
+        raise CheckpointError("a LoRA is stored with its reader: this drafter has none (merge it instead)")
     (out_dir / "SHA256.json").write_text(json.dumps({f: _sha256(out_dir / f) for f in files}, indent=2) + "\n")
 
 
@@ -125,7 +145,27 @@ def load_drafter(model_dir: str | Path, *, dtype=jnp.float32, with_reader: bool 
         if not rweights.is_file():
             raise CheckpointError(f"{model_dir}: reader_config.json without reader.safetensors")
         _fill(_flat(model.reader), _read(rweights), rweights, dtype)
+        _merge_lora(model, model_dir / READER_DIR / LORA_FILE, dtype)
     return model
+
+
+def _merge_lora(model: Drafter, path: Path, dtype) -> None:
+    """W += α/r · B·A (fp32) for every LoRA pair in `path`, if the file exists."""
+    if not path.is_file():
+        return
+    with safe_open(str(path), framework="flax") as f:
+        alpha = float((f.metadata() or {}).get("alpha", "nan"))
+    if not np.isfinite(alpha):
+        raise CheckpointError(f"{path}: no 'alpha' in the metadata")
+    tensors = _read(path)
+    params = _flat(model)
+    for key in sorted(k[:-len(".lora_a")] for k in tensors if k.endswith(".lora_a")):
+        a, b = tensors[f"{key}.lora_a"].astype(np.float32), tensors.get(f"{key}.lora_b")
+        var = params.get(key)
+        if b is None or var is None or tuple(var.shape) != (b.shape[0], a.shape[1]) or b.shape[1] != a.shape[0]:
+            raise CheckpointError(f"{path}: LoRA pair {key!r} does not fit the drafter")
+        w = np.asarray(var[...], np.float32) + (alpha / a.shape[0]) * (b.astype(np.float32) @ a)
+        var.set_value(jnp.asarray(w, dtype=dtype))
 
 
 __all__ = ["save_drafter", "load_drafter", "load_drafter_config"]

@@ -1,0 +1,76 @@
+"""`hyspec bench e2e` on a tiny random target + random drafter with a reader (CPU, fp32): every mode's greedy
+output equals `ar` (the run's own equality check says yes), the JSON / markdown / plots are written, and the
+censored prefix survival follows ReaDy's rule on a hand-made example."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from hyspec_jax.bench.e2e import main as e2e_main, prefix_survival
+from hyspec_jax.io.drafter_io import save_drafter
+from hyspec_jax.io.hf import save_pretrained
+from hyspec_jax.models import drafter as D
+from hyspec_jax.models.reader import ReaderConfig
+from hyspec_jax.models.target import create_model
+
+try:
+    from tests.test_engine import TCFG
+except ImportError:
+    from test_engine import TCFG
+
+
+def test_prefix_survival_censors_the_last_round():
+    # request 1: rounds accept 2, 0, then a last round of 1 (cut by max_tokens); request 2: 3 then last 0
+    surv = prefix_survival([[2, 0, 1], [3, 0]], depth=3)
+    # j=1: observable rounds = 2,0,3 (non-last) + last round 1 (accepted >= 1) -> hits 2+1 of 4
+    # j=2: non-last 2,0,3 -> hits 2 of 3 (last rounds 1 and 0 are censored)
+    # j=3: non-last -> hits 1 of 3
+    assert surv == pytest.approx([3 / 4, 2 / 3, 1 / 3])
+    assert math.isnan(prefix_survival([[0]], depth=1)[0])
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    prev = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", True)
+    root = tmp_path_factory.mktemp("e2e")
+    save_pretrained(create_model(TCFG, seed=0), root / "target")
+    dcfg = D.DrafterConfig.from_target(TCFG, num_layers=1, target_layer_ids=(0, 1), markov_rank=8, block_size=4)
+    drafter = D.create_drafter(dcfg, ReaderConfig.for_target(TCFG, rank=4, mlp_hidden=16), seed=1)
+    w = drafter.reader.fc_out.weight
+    w.set_value(0.5 * jax.random.normal(jax.random.key(5), w[...].shape))
+    save_drafter(drafter, root / "drafter")
+    rng = np.random.default_rng(0)
+    np.savez(root / "prompts.npz", tokens=rng.integers(3, TCFG.vocab_size, (6, 5)).astype(np.uint16),
+             domain=np.array([0, 0, 0, 1, 1, 1], np.int32), domains=np.array(["code", "drama"]))
+    yield root
+    jax.config.update("jax_disable_most_optimizations", prev)
+
+
+def test_e2e_every_mode_equals_ar(dirs):
+    out = dirs / "res" / "e2e.json"
+    rc = e2e_main(["--json", str(out), "--model", str(dirs / "target"), "--drafter", str(dirs / "drafter"),
+                   "--prompts", str(dirs / "prompts.npz"), "--prompts-per-domain", "3", "--batch", "1", "2",
+                   "--max-tokens", "6", "--repeats", "1", "--tree-depth", "3", "--tree-topk", "2",
+                   "--tree-beam", "2", "--verify-nodes", "5", "--sweep-nodes", "3", "5"])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    res = rep["results"]
+    assert set(res) == {f"{m}@b{b}" for m in ("ar", "chain", "ready", "tree", "tree-ready") for b in (1, 2)} | {
+        "tree-ready@b1@N3", "tree-ready@b1@N5"}
+    for key, row in res.items():
+        for d, e in row["domains"].items():
+            assert e["equal_ar"] is True, (key, d)
+            assert e["tok_s"] > 0 and e["tokens"] == 3 * 6
+            if row["mode"] != "ar":
+                assert 1.0 <= e["tau"] <= 1 + row["verify_nodes"] and e["speedup"] > 0
+                assert len(e["prefix_survival"]) == len(e["accepted_per_position"])
+    assert res["tree-ready@b1@N3"]["verify_nodes"] == 3
+    assert rep["meta"]["commit"] and rep["meta"]["device_kind"]
+    assert out.with_suffix(".md").read_text().count("|") > 20
+    assert out.with_suffix(".png").stat().st_size > 0 and (out.parent / "e2e_budget.png").stat().st_size > 0

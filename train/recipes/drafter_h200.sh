@@ -17,7 +17,7 @@ DSPARK_S=${DSPARK_S:-190}; READY1_S=${READY1_S:-95}; READY2_S=${READY2_S:-110}
 GEN_LEN=${GEN_LEN:-224}; SEQ_LEN=${SEQ_LEN:-256}; BATCH=${BATCH:-32}; ANCHORS=${ANCHORS:-64}; DTYPE=${DTYPE:-auto}
 GEN_BATCH=${GEN_BATCH:-1536}
 ABLATION=${ABLATION:-"2 6|0 1|5 6|1 4"}
-H=(python -m hyspec_jax.train.cli_train)
+H=(python3 -m hyspec_jax.train.cli_train)
 export XLA_PYTHON_CLIENT_PREALLOCATE=false    # several trainers share the GPU
 mkdir -p "$RUN"
 COMMON=(--target "$TARGET" --corpus "$CORPUS" --data "$RUN/distill" --seq-len "$SEQ_LEN" --batch-size "$BATCH"
@@ -39,7 +39,7 @@ for c in "${CHOICES[@]}"; do
 done
 for p in "${pids[@]}"; do wait "$p"; done
 
-BEST=$(python - "$RUN" <<'PY'
+BEST=$(python3 - "$RUN" <<'PY'
 import json, sys, pathlib
 run = pathlib.Path(sys.argv[1])
 rows = {}

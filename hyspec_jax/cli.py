@@ -14,8 +14,6 @@ from pathlib import Path
 
 from hyspec_jax.config import ConfigError
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "default"
-
 
 class UsageError(Exception):
     """An error whose message is the whole story for the user."""
@@ -66,17 +64,24 @@ def _read_prompts(args) -> list[str]:
     return [args.prompt]
 
 
-def _resolve_model_dir(arg: str | None) -> tuple[Path, str | None]:
-    """(model directory, label to show) — a random demo model when none is given and none is shipped."""
+def resolve_model_dir(arg: str | None) -> tuple[Path, str | None]:
+    """(model directory, label to show) for a --model option: the given directory, else the embedded default
+    model (`hyspec_jax.embedded.default_model_dir`: repository checkout or installed wheel), else a labelled
+    random demo model. Used by `generate`, `serve` and `calibrate`."""
     if arg is not None:
         path = Path(arg)
         if not path.is_dir():
             raise UsageError(f"--model {path}: no such directory")
         return path, None
-    if (DEFAULT_MODEL_DIR / "config.json").is_file():
-        return DEFAULT_MODEL_DIR, None
+    from hyspec_jax.embedded import default_model_dir
+    default = default_model_dir()
+    if default is not None:
+        return default, None
     from hyspec_jax.demo import RANDOM_LABEL, random_demo_model_dir
     return random_demo_model_dir(), RANDOM_LABEL
+
+
+_resolve_model_dir = resolve_model_dir   # the earlier private name
 
 
 def batch_stats(engine, gen, results, seconds: float) -> dict:
@@ -123,7 +128,7 @@ def cmd_generate(args) -> int:
                               top_k=args.top_k, seed=args.seed)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    model_dir, label = _resolve_model_dir(args.model)
+    model_dir, label = resolve_model_dir(args.model)
     if label:
         print(f"[hyspec] using a {label}", file=sys.stderr)
 

@@ -99,8 +99,8 @@ def run(args) -> int:
         raise ValueError("--max-model-len must be >= 2")
     if args.spec_mode != "ar" and not args.drafter:
         raise ValueError(f"--spec-mode {args.spec_mode} needs --drafter DIR")
-    from hyspec_jax.cli import _resolve_model_dir, enable_compilation_cache
-    model_dir, label = _resolve_model_dir(args.model)
+    from hyspec_jax.cli import enable_compilation_cache, resolve_model_dir
+    model_dir, label = resolve_model_dir(args.model)
     if label:
         _progress(f"using a {label}")
 

@@ -18,11 +18,13 @@ model and bucket (`hyspec_jax.spec.budget.BudgetTable`; existing entries of othe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
@@ -52,25 +54,106 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the new entries as JSON")
 
 
-def _median_time(fn, repeats: int) -> float:
+# ------------------------------------------------------------------------------------------------
+# Timing (shared with bench/verify_scale.py: one home for how T_dec and T_ver are measured)
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Wall times of one program: the median of the timed calls, every timed call, and the first call.
+
+    `first_s` is the first warm-up call: trace + compile + run for a plain jitted function, just a run (plus
+    one-time autotuning / module load) for a program compiled ahead of time."""
+    median_s: float
+    times_s: tuple[float, ...]
+    first_s: float
+
+    @property
+    def spread(self) -> float:
+        """(max − min) / median of the timed calls: how much to trust a difference between two medians."""
+        return (max(self.times_s) - min(self.times_s)) / self.median_s if self.median_s > 0 else float("nan")
+
+
+def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1,
+                before: Callable[[], Any] | None = None) -> tuple[Timing, Any]:
+    """Time `fn()` (METHOD.md): `warmup` untimed calls, then `repeats` calls each timed with
+    block_until_ready. `before()` runs untimed ahead of every call (e.g. restoring a donated state); it is
+    waited for before the clock starts. Returns (Timing, the last call's output)."""
     import jax
-    jax.block_until_ready(fn())                     # warm-up (compile)
-    times = []
-    for _ in range(repeats):
+
+    if repeats < 1 or warmup < 1:
+        raise ValueError(f"repeats and warmup must be ≥ 1, got repeats={repeats}, warmup={warmup}")
+    first, times, out = 0.0, [], None
+    for i in range(warmup + repeats):
+        if before is not None:
+            jax.block_until_ready(before())
+        out = None                                   # drop the previous output before the next call
         t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        out = jax.block_until_ready(fn())
+        dt = time.perf_counter() - t0
+        if i == 0:
+            first = dt
+        elif i >= warmup:
+            times.append(dt)
+    return Timing(statistics.median(times), tuple(times), first), out
+
+
+def time_decode(decode: Callable, params, state, tokens, *, repeats: int, warmup: int = 1):
+    """T_dec: one-token decode of every slot, `decode(params, state, tokens [B,1], valid [B,1]) -> (logits,
+    state)` with the state DONATED and fed back (`target.extend` / `sharding.jit_extend`). Every call starts
+    from the same committed lengths (restored untimed before each call, in the lengths' own sharding).
+    Consumes `state`; returns (Timing, last logits, last state)."""
+    import jax
+    import jax.numpy as jnp
+
+    # Commit every input to where it already is: the outputs fed back are committed, and a jitted function
+    # recompiles when an argument changes from uncommitted to committed (it would in the timed calls).
+    commit = lambda x: jax.device_put(x, x.sharding)
+    state = jax.tree.map(commit, state)
+    tokens = commit(jnp.asarray(tokens))
+    valid = jax.device_put(jnp.ones(tokens.shape, bool), tokens.sharding)
+    lengths = np.asarray(state.lengths)
+    sharding = state.lengths.sharding
+    box = {"s": state}
+
+    def before():
+        box["s"] = box["s"].replace(lengths=jax.device_put(lengths, sharding))
+        return box["s"].lengths
+
+    def call():
+        logits, box["s"] = decode(params, box["s"], tokens, valid)
+        return logits
+
+    timing, logits = median_time(call, repeats, warmup, before=before)
+    return timing, logits, box["s"]
+
+
+def time_verify(verify: Callable, params, state, tree, tokens, *, repeats: int, warmup: int = 1):
+    """T_ver: the complete target verify forward, `verify(params, state, tree, tokens [B,N]) -> (logits,
+    cache)` (`target.verify` / `sharding.jit_verify`; the committed state is read, never written).
+    Returns (Timing, last (logits, cache))."""
+    return median_time(lambda: verify(params, state, tree, tokens), repeats, warmup)
+
+
+def template_tree(rng: np.random.Generator, nodes: int, depth: int, batch: int):
+    """The verify tree of a capacity: a seeded random tree of `nodes` nodes (anchor included) and depth
+    exactly min(depth, nodes − 1), the same for every one of `batch` rows."""
+    from hyspec_jax import tree as tree_lib
+
+    d = min(depth, nodes - 1)
+    par = tree_lib.random_parents(rng, nodes, max_depth=d, min_depth=d)
+    return tree_lib.pack_forest([par] * batch, tree_lib.TreeShape(nodes, d))
 
 
 def calibrate(model, *, model_name: str, batches: list[int], kv_lens: list[int], nodes: list[int], depth: int,
               eps: float, repeats: int, log=print) -> list[dict]:
     """Measure every bucket; returns table entries (see module docstring)."""
+    import functools
+
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from hyspec_jax import tree as tree_lib
+    from hyspec_jax.models import target as target_lib
     from hyspec_jax.spec.budget import b_ver
     from hyspec_jax.state import init_state
 
@@ -78,19 +161,8 @@ def calibrate(model, *, model_name: str, batches: list[int], kv_lens: list[int],
     graphdef, params = nnx.split(model)
     dtype = jax.tree.leaves(params)[0].dtype
     device_kind = jax.devices()[0].device_kind
-
-    def decode(params, state, tok):
-        m = nnx.merge(graphdef, params)
-        logits, _, state = m.extend(state, tok[:, None], jnp.ones((tok.shape[0], 1), bool))
-        return jnp.argmax(logits[:, 0], -1).astype(jnp.int32), state
-
-    def verify(params, state, tree, tok):
-        m = nnx.merge(graphdef, params)
-        logits, _, cache = m.verify(state, tree, tok)
-        return logits, cache
-
-    decode_jit = jax.jit(decode, donate_argnums=(1,))
-    verify_jit = jax.jit(verify)
+    decode = functools.partial(target_lib.extend_jit, graphdef)              # state donated
+    verify = jax.jit(functools.partial(target_lib.verify, graphdef))
     rng = np.random.default_rng(0)
     entries = []
     for B in batches:
@@ -99,21 +171,13 @@ def calibrate(model, *, model_name: str, batches: list[int], kv_lens: list[int],
                 raise ValueError(f"kv_len {S} too short for node capacity {max(nodes)}")
             base = init_state(cfg, B, S, dtype)
             base = base.replace(lengths=jnp.full((B,), S // 2, jnp.int32))
-            st = {"s": jax.tree.map(jnp.copy, base)}
-            tok = jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32)
-
-            def dec():
-                t, st["s"] = decode_jit(params, st["s"], tok)
-                st["s"] = st["s"].replace(lengths=jnp.full((B,), S // 2, jnp.int32))
-                return t
-            t_dec = _median_time(dec, repeats)
+            tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 1)), jnp.int32)
+            t_dec = time_decode(decode, params, jax.tree.map(jnp.copy, base), tok, repeats=repeats)[0].median_s
             t_ver = {}
             for N in nodes:
-                d = min(depth, N - 1)
-                par = tree_lib.random_parents(rng, N, max_depth=d, min_depth=d)
-                tree = tree_lib.pack_forest([par] * B, tree_lib.TreeShape(N, d))
+                tree = template_tree(rng, N, depth, B)
                 toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, N)), jnp.int32)
-                t_ver[N] = _median_time(lambda: verify_jit(params, base, tree, toks), repeats)
+                t_ver[N] = time_verify(verify, params, base, tree, toks, repeats=repeats)[0].median_s
                 log(f"[calibrate] B={B} S={S} N={N:<4d} T_ver={1e3 * t_ver[N]:8.3f} ms  "
                     f"({t_ver[N] / t_dec:5.2f}× T_dec={1e3 * t_dec:.3f} ms)")
             n, within = b_ver(t_ver, t_dec, eps)

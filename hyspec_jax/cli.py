@@ -211,7 +211,7 @@ def cmd_serve(args) -> int:
 def cmd_bench(args) -> int:
     import importlib
 
-    module = importlib.import_module(f"hyspec_jax.bench.{args.which}")
+    module = importlib.import_module(f"hyspec_jax.bench.{args.which.replace('-', '_')}")
     return module.main(args.rest)
 
 
@@ -263,8 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks and memory reports (JSON + a readable table)",
                        description="Benchmarks. `hyspec bench WHICH --help` for each one's options.")
-    b.add_argument("which", choices=("memory", "kernels"), help="memory: transient verify memory, Bole's "
-                   "factorized design vs per-node snapshots; kernels: GDN tree kernels vs baselines (GPU)")
+    b.add_argument("which", choices=("memory", "kernels", "verify-scale"), help="memory: transient verify memory, "
+                   "Bole's factorized design vs per-node snapshots; kernels: GDN tree kernels vs baselines (GPU); "
+                   "verify-scale: T_ver(N)/T_dec and B_ver of the Qwen3.8-27B geometry, 1 or D GPUs")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
     b.set_defaults(func=cmd_bench)
 

@@ -1,0 +1,705 @@
+"""Verification cost at scale (issue [bench], item 3): T_ver(N) / T_dec of the Qwen3.8-27B target.
+
+    hyspec bench verify-scale [--devices D] [--batch 1,4,8] [--nodes 1,8,16,32,64,128,256] [--prefix 512]
+                              [--eps 0.3] [--json OUT.json] [--tiny | --config PATH] ...
+    python -m hyspec_jax.bench.verify_scale ...        (same options)
+
+The Qwen3.8-27B geometry (specs/target_model.md §15, `hyspec_jax.spec.memory.qwen38_27b`; or `--config` /
+`--tiny`) with RANDOM weights, created directly on the device(s) by the model's own initialiser inside one jit
+(N(0, 0.02) matrices, RMSNorm weights as in the module; no weight ever passes through the host), on one
+device or, with `--devices D`, tensor parallel over a (data 1, model D) mesh with `hyspec_jax.sharding`'s
+rules and its pinned-sharding entry points `jit_extend` / `jit_verify`. The committed state is that of a
+prefix of `--prefix` tokens (deterministic random recurrent states, conv windows and KV; the lengths set).
+For every batch B and node capacity N it measures (timing functions shared with `hyspec calibrate`,
+bench/calibrate.py: warm-up calls, then the median of `--repeats` calls, each with block_until_ready; no
+input rotation is needed, since every call streams all the weights, far more than the L2 cache):
+
+  T_dec(B)     one-token decode of every slot: `target.extend` of 1 token per request, state donated;
+  T_ver(N, B)  the complete target verify forward (`target.verify`: logits of every node and the commit
+               factors) over a seeded random tree of N nodes (anchor included) of depth min(--depth, N−1),
+               the same tree for every request;
+
+and reports T_ver/T_dec, B_ver(B) = max{N : T_ver ≤ (1+ε)·T_dec} (`spec.budget.b_ver`; the issue's target
+is N = 64 within 1.3×), the transient verify-state memory of the factorized design against per-node state
+snapshots at the same (N, B) (`spec.memory.verify_memory`, with the bytes of the TreeCache the verify really
+returned and XLA's temp allocation beside it), lower / compile / first-call times of every program, and,
+with `--matmul-floor`, the time of the dense matrix products alone (every 2-D weight but the embedding
+applied to B·N random tokens) as a floor. Programs of one batch are compiled ahead of time in parallel
+threads (`--compile-workers`), then timed one after another with nothing else running. Every output
+(logits) is checked finite; the exit status is 1 if one is not.
+
+Outputs (with --json OUT.json): OUT.json (run_metadata: device, versions, commit; the command line; every
+number), OUT.md (report), OUT.png (T_ver/T_dec vs N, one line per batch, the 1+ε line). They are rewritten
+after each batch, so a run cut short leaves what it measured ("status": "partial"). `--merge A.json B.json
+--json OUT.json` re-renders (e.g. batches run as separate commands) without a device.
+
+On the GPU machine the package is not pip-installed (bench/e2e.py's convention): map bench/ into the package,
+run from the repository root, and pass the commit (no .git travels). One H200 (kind nvidia-h200):
+
+    ln -sfn $PWD/bench hyspec_jax/bench; HYSPEC_GIT_COMMIT=<sha> PYTHONPATH=$PWD python3 -m \
+        hyspec_jax.bench.verify_scale --compile-cache .jax_cache --json $OUT/verify_scale_1gpu.json
+
+Two H200, tensor parallel over "model" (kind nvidia-h200-x2):
+
+    ln -sfn $PWD/bench hyspec_jax/bench; HYSPEC_GIT_COMMIT=<sha> PYTHONPATH=$PWD python3 -m \
+        hyspec_jax.bench.verify_scale --devices 2 --compile-cache .jax_cache --json $OUT/verify_scale_2gpu.json
+
+.jax_cache is git-ignored, so a warm machine keeps it between calls and a repeated call skips the XLA
+compiles. Should one call not fit the 10-minute limit, run one batch per call (`--batch 1`, `--batch 4`,
+`--batch 8`, each with its own --json; the compile cache carries over), then, here, `--merge b1.json b4.json
+b8.json --json verify_scale_1gpu.json`. Compiling is the long part (24 programs of 64 unrolled layers, and the init).
+CPU smoke run: `--tiny`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from hyspec_jax.bench.calibrate import _ints, template_tree, time_decode, time_verify, median_time
+
+DEFAULT_NODES = (1, 8, 16, 32, 64, 128, 256)
+DEFAULT_BATCH = (1, 4, 8)
+MIB = 2 ** 20
+
+
+# ------------------------------------------------------------------------------------------------
+# Configs
+# ------------------------------------------------------------------------------------------------
+def tiny_config():
+    """A small geometry of the same shape family (3 GDN + 1 full-attention layer; every head count even,
+    so a 2-way model axis shards them): the CPU smoke run and the tests."""
+    from hyspec_jax.config import FULL, LINEAR, TargetConfig
+
+    n = 4
+    return TargetConfig(
+        model_type="qwen3_5_text", vocab_size=256, hidden_size=64, num_hidden_layers=n,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+        layer_types=tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(n)),
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, rope_theta=1e7, partial_rotary_factor=0.25)
+
+
+def resolve_config(tiny: bool = False, config: str | None = None):
+    """(TargetConfig, name): --tiny, --config (a config.json or a model directory), else Qwen3.8-27B."""
+    from hyspec_jax.config import TargetConfig
+    from hyspec_jax.spec.memory import qwen38_27b
+
+    if tiny:
+        return tiny_config(), "tiny geometry"
+    if config:
+        p = Path(config)
+        if p.is_dir():
+            return TargetConfig.from_pretrained(p), str(p)
+        return TargetConfig.from_hf_dict(json.loads(p.read_text())), str(p)
+    return qwen38_27b(), "Qwen3.8-27B geometry"
+
+
+def resolve_dtype(name: str):
+    import jax
+    import jax.numpy as jnp
+
+    if name == "auto":
+        return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    return {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
+
+
+# ------------------------------------------------------------------------------------------------
+# Model, state and inputs on the device(s)
+# ------------------------------------------------------------------------------------------------
+def make_mesh(devices: int):
+    from hyspec_jax import sharding as shd
+
+    return shd.make_mesh(1, devices)
+
+
+def random_params(cfg, dtype, seed: int, mesh, compiler_options: dict | None = None):
+    """(graphdef, params, shardings): the model's own random initialisation, run inside one jit whose
+    outputs are already in their tensor-parallel layout (nothing passes through the host)."""
+    import jax
+    from flax import nnx
+
+    from hyspec_jax import sharding as shd
+    from hyspec_jax.models import target as target_lib
+
+    graphdef, abstract = nnx.split(target_lib.abstract_model(cfg, dtype))
+    psh = shd.param_shardings(abstract, mesh, cfg)
+
+    def init():
+        return nnx.split(target_lib.TargetModel(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))[1]
+
+    params = jax.jit(init, out_shardings=psh, compiler_options=compiler_options)()
+    return graphdef, params, psh
+
+
+def random_state(cfg, batch: int, max_len: int, prefix: int, dtype, seed: int, mesh,
+                 compiler_options: dict | None = None):
+    """(state, shardings): a committed state as after a prefill of `prefix` tokens — random but
+    deterministic recurrent states (N(0, 0.05²), fp32), conv windows and KV (N(0, 1)), lengths = prefix —
+    created in its sharded layout. Never zeros (METHOD.md: zeros can time faster than real data)."""
+    import jax
+    import jax.numpy as jnp
+
+    from hyspec_jax import sharding as shd
+    from hyspec_jax.state import init_state
+
+    abstract = jax.eval_shape(lambda: init_state(cfg, batch, max_len, dtype))
+    sh = shd.state_shardings(cfg, abstract, mesh)
+
+    def fill():
+        k = jax.random.split(jax.random.fold_in(jax.random.key(seed), batch), 4)
+        nrm = lambda key, a, s: (s * jax.random.normal(key, a.shape, jnp.float32)).astype(a.dtype)
+        return abstract.replace(ssm=nrm(k[0], abstract.ssm, 0.05), conv=nrm(k[1], abstract.conv, 1.0),
+                                keys=nrm(k[2], abstract.keys, 1.0), values=nrm(k[3], abstract.values, 1.0),
+                                lengths=jnp.full((batch,), prefix, jnp.int32))
+
+    return jax.jit(fill, out_shardings=sh, compiler_options=compiler_options)(), sh
+
+
+def shape_inputs(cfg, batch: int, nodes: int, depth: int, seed: int, mesh, state_sh):
+    """(tree, tokens [B,N], decode tokens [B,1]) of one shape, seeded by (seed, B, N), in the slot layout."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    rng = np.random.default_rng([seed, batch, nodes])
+    tree = template_tree(rng, nodes, depth, batch)
+    toks = rng.integers(0, cfg.vocab_size, (batch, nodes))
+    rows = NamedSharding(mesh, P(*state_sh.lengths.spec, None))
+    dec = np.random.default_rng([seed, batch]).integers(0, cfg.vocab_size, (batch, 1))
+    return (jax.device_put(tree, rows), jax.device_put(jnp.asarray(toks, jnp.int32), rows),
+            jax.device_put(jnp.asarray(dec, jnp.int32), rows))
+
+
+def entry_points(graphdef, mesh, param_sh, state_sh, cfg, batch: int, method: str,
+                 compiler_options: dict | None = None):
+    """(decode, verify): `sharding.jit_extend` (state donated) and `sharding.jit_verify` for this batch."""
+    from hyspec_jax import sharding as shd
+
+    cache_sh = shd.cache_shardings(cfg, batch, mesh)
+    return (shd.jit_extend(graphdef, mesh, param_sh, state_sh, compiler_options=compiler_options),
+            shd.jit_verify(graphdef, mesh, param_sh, state_sh, cache_sh, method=method,
+                           compiler_options=compiler_options))
+
+
+def verify_logits(cfg, *, devices: int, batch: int, nodes: int, prefix: int, max_len: int, depth: int = 8,
+                  dtype=None, seed: int = 0, method: str = "squaring",
+                  compiler_options: dict | None = None) -> np.ndarray:
+    """The verify logits [B, N, V] of one shape, built exactly as the sweep builds it (tests: 1 vs D devices)."""
+    import jax.numpy as jnp
+
+    dtype = dtype or jnp.float32
+    mesh = make_mesh(devices)
+    graphdef, params, psh = random_params(cfg, dtype, seed, mesh, compiler_options)
+    state, ssh = random_state(cfg, batch, max_len, prefix, dtype, seed, mesh, compiler_options)
+    tree, toks, _ = shape_inputs(cfg, batch, nodes, depth, seed, mesh, ssh)
+    _, verify = entry_points(graphdef, mesh, psh, ssh, cfg, batch, method, compiler_options)
+    logits, _ = verify(params, state, tree, toks)
+    return np.asarray(logits, np.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Dense matmul floor
+# ------------------------------------------------------------------------------------------------
+def dense_weights(params) -> list:
+    """Every 2-D weight of the params but the embedding (a gather, not a product)."""
+    import jax
+
+    from hyspec_jax.sharding import _path_name
+
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return [x for p, x in flat if x.ndim == 2 and "embed_tokens" not in _path_name(p)]
+
+
+def matmul_floor_fn(tokens: int, compiler_options: dict | None = None):
+    """f(weights, key) -> scalar: x[T, in] @ Wᵀ for every weight W [out, in] (random bf16/f32 x, one per
+    input width), each product reduced so none is dead code. Same weights and layout as the model."""
+    import jax
+    import jax.numpy as jnp
+
+    def f(weights, key):
+        xs, acc = {}, jnp.zeros((), jnp.float32)
+        for w in weights:
+            n_in = w.shape[1]
+            if n_in not in xs:
+                xs[n_in] = jax.random.normal(jax.random.fold_in(key, n_in), (tokens, n_in), jnp.float32
+                                             ).astype(w.dtype)
+            y = jnp.einsum("ti,oi->to", xs[n_in], w, preferred_element_type=jnp.float32)
+            acc = acc + jnp.sum(y)
+        return acc
+
+    return jax.jit(f, compiler_options=compiler_options)
+
+
+# ------------------------------------------------------------------------------------------------
+# Compile ahead of time, in parallel
+# ------------------------------------------------------------------------------------------------
+class _NoBar:
+    def __init__(self, *a, **k):
+        pass
+
+    def update(self, n=1):
+        pass
+
+    def set_description(self, s):
+        pass
+
+    def set_postfix_str(self, s):
+        pass
+
+    def close(self):
+        pass
+
+
+def progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:               # tqdm is a dependency of the package, but not every image has it
+        return _NoBar()
+    return tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+
+def compile_all(jobs: list, workers: int, bar) -> dict:
+    """jobs: [(key, jitted_fn, args)] -> {key: (compiled, lower_s, compile_s)}. Lowering (Python tracing)
+    runs here one job at a time; XLA compiles run in `workers` threads (the compiler releases the GIL)."""
+    out = {}
+
+    def comp(lowered):
+        t0 = time.perf_counter()
+        c = lowered.compile()
+        return c, time.perf_counter() - t0
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as ex:
+        futs = []
+        for key, fn, args in jobs:
+            bar.set_postfix_str(f"lower {key}")
+            t0 = time.perf_counter()
+            lowered = fn.lower(*args)
+            futs.append((key, time.perf_counter() - t0, ex.submit(comp, lowered)))
+        for key, lower_s, fut in futs:
+            compiled, compile_s = fut.result()
+            out[key] = (compiled, lower_s, compile_s)
+            bar.set_postfix_str(f"compiled {key}")
+            bar.update()
+    return out
+
+
+def _xla_stats(compiled) -> dict:
+    """XLA's own accounting of a compiled program (per device): temp bytes, FLOPs, bytes accessed."""
+    out = {}
+    try:
+        m = compiled.memory_analysis()
+        if m is not None:
+            out["xla_temp_bytes"] = int(m.temp_size_in_bytes)
+            out["xla_output_bytes"] = int(m.output_size_in_bytes)
+    except Exception:  # noqa: BLE001 — optional diagnostics, not every backend has them
+        pass
+    try:
+        c = compiled.cost_analysis()
+        c = c[0] if isinstance(c, (list, tuple)) else c
+        if c:
+            out["xla_flops"] = float(c.get("flops", float("nan")))
+            out["xla_bytes_accessed"] = float(c.get("bytes accessed", float("nan")))
+    except Exception:  # noqa: BLE001
+        pass
+    return out
+
+
+def _finite(x) -> bool:
+    import jax.numpy as jnp
+
+    return bool(jnp.isfinite(x).all())
+
+
+def _ms(t: float) -> float:
+    return round(1e3 * t, 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# The sweep
+# ------------------------------------------------------------------------------------------------
+def measure_batch(cfg, *, mesh, graphdef, params, param_sh, weights, batch: int, nodes: list[int], prefix: int,
+                  max_len: int, depth: int, dtype, seed: int, method: str, repeats: int, warmup: int, eps: float,
+                  workers: int, floor: bool, bar, compiler_options: dict | None = None) -> dict:
+    """Compile every program of one batch (parallel), then time them one after another."""
+    import jax
+    import jax.numpy as jnp
+
+    from hyspec_jax.spec.budget import b_ver
+    from hyspec_jax.spec.memory import OURS, verify_memory
+
+    state, ssh = random_state(cfg, batch, max_len, prefix, dtype, seed, mesh, compiler_options)
+    decode, verify = entry_points(graphdef, mesh, param_sh, ssh, cfg, batch, method, compiler_options)
+    inputs = {N: shape_inputs(cfg, batch, N, depth, seed, mesh, ssh) for N in nodes}
+    dec_tok = inputs[nodes[0]][2]
+    jobs = [(("decode",), decode, (params, state, dec_tok, jnp.ones(dec_tok.shape, bool)))]
+    jobs += [(("verify", N), verify, (params, state, inputs[N][0], inputs[N][1])) for N in nodes]
+    key = jax.random.key(seed)
+    if floor:
+        jobs += [(("floor", T), matmul_floor_fn(T, compiler_options), (weights, key))
+                 for T in sorted({batch} | {batch * N for N in nodes})]
+    bar.set_description(f"B={batch} compile")
+    progs = compile_all(jobs, workers, bar)
+
+    def floor_ms(T):
+        if not floor:
+            return None
+        compiled = progs[("floor", T)][0]
+        return _ms(median_time(lambda: compiled(weights, key), repeats, warmup)[0].median_s)
+
+    bar.set_description(f"B={batch} time")
+    # T_dec: a second copy of the state (the decode donates it; `state` stays the verify's committed state)
+    compiled, lower_s, compile_s = progs[("decode",)]
+    dec_state, _ = random_state(cfg, batch, max_len, prefix, dtype, seed, mesh, compiler_options)
+    t, logits, dec_state = time_decode(compiled, params, dec_state, dec_tok, repeats=repeats, warmup=warmup)
+    dec = dict(t_ms=_ms(t.median_s), times_ms=[_ms(x) for x in t.times_s], first_ms=_ms(t.first_s),
+               spread=round(t.spread, 4), lower_s=round(lower_s, 3), compile_s=round(compile_s, 3),
+               finite=_finite(logits), floor_ms=floor_ms(batch), **_xla_stats(compiled))
+    del logits, dec_state
+    bar.set_postfix_str(f"T_dec {dec['t_ms']:.3f} ms")
+    bar.update()
+    design = dataclasses.replace(OURS, act_bytes=jnp.dtype(dtype).itemsize)
+    rows, t_ver = [], {}
+    for N in nodes:
+        compiled, lower_s, compile_s = progs[("verify", N)]
+        tree, toks, _ = inputs[N]
+        t, (logits, cache) = time_verify(compiled, params, state, tree, toks, repeats=repeats, warmup=warmup)
+        mem = verify_memory(cfg, batch, N, design)
+        cache_bytes = sum(int(x.nbytes) for x in jax.tree.leaves((cache.factors, cache.conv_inputs)))
+        t_ver[N] = t.median_s
+        rows.append(dict(
+            nodes=N, depth=int(tree.envelope.max_depth), tokens=batch * N, t_ms=_ms(t.median_s),
+            times_ms=[_ms(x) for x in t.times_s], first_ms=_ms(t.first_s), spread=round(t.spread, 4),
+            lower_s=round(lower_s, 3), compile_s=round(compile_s, 3), ratio=t.median_s / (dec["t_ms"] / 1e3),
+            finite=_finite(logits), floor_ms=floor_ms(batch * N), **_xla_stats(compiled),
+            memory=dict(factorized_bytes=mem.bole_bytes, snapshot_bytes=mem.sglang_bytes,
+                        ratio=round(mem.ratio, 3), measured_cache_bytes=cache_bytes)))
+        del logits, cache
+        bar.set_postfix_str(f"N={N} T_ver/T_dec {rows[-1]['ratio']:.2f}")
+        bar.update()
+    n, within = b_ver(t_ver, dec["t_ms"] / 1e3, eps)
+    del state, progs
+    return dict(batch=batch, decode=dec, verify=rows, b_ver=n, within=within, eps=eps)
+
+
+def sweep(args, cfg, name: str, on_batch=None) -> dict:
+    import jax
+
+    from hyspec_jax.bench.report import run_metadata
+
+    dtype = resolve_dtype(args.dtype)
+    nodes, batches = sorted(args.nodes), sorted(args.batch)
+    max_len = args.max_len or args.prefix + max(nodes)
+    if max_len <= args.prefix:
+        raise ValueError(f"--max-len {max_len} must exceed --prefix {args.prefix} (the decode writes there)")
+    if jax.device_count() < args.devices:
+        raise ValueError(f"--devices {args.devices}: only {jax.device_count()} device(s) visible")
+    t_start = time.perf_counter()
+    mesh = make_mesh(args.devices)
+    t0 = time.perf_counter()
+    copts = dict(args.xla_option) or None
+    graphdef, params, psh = random_params(cfg, dtype, args.seed, mesh, copts)
+    jax.block_until_ready(params)
+    init_s = time.perf_counter() - t0
+    leaves = jax.tree.leaves(params)
+    embed = sum(int(x.size) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+                if "embed_tokens" in jax.tree_util.keystr(p))
+    count = sum(int(x.size) for x in leaves)
+    report = dict(
+        meta=run_metadata(), command=shlex.join([sys.executable, "-m", "hyspec_jax.bench.verify_scale", *args.argv]),
+        argv=list(args.argv), status="partial",
+        model=dict(name=name, config=dataclasses.asdict(cfg), param_count=count,
+                   param_bytes=sum(int(x.nbytes) for x in leaves),
+                   param_bytes_per_device=sum(int(x.addressable_shards[0].data.nbytes) for x in leaves),
+                   dense_flops_per_token=2 * (count - embed)),
+        settings=dict(devices=args.devices, mesh=dict(data=1, model=args.devices), dtype=str(np.dtype(dtype)),
+                      prefix=args.prefix, max_len=max_len, depth=args.depth, eps=args.eps, repeats=args.repeats,
+                      warmup=args.warmup, method=args.method, nodes=nodes, batches=batches, seed=args.seed,
+                      compile_workers=args.compile_workers, compile_cache=args.compile_cache,
+                      matmul_floor=args.matmul_floor, xla_options=dict(args.xla_option)),
+        init_s=round(init_s, 3), batches=[])
+    weights = dense_weights(params) if args.matmul_floor else None
+    floors = lambda B: len({B} | {B * n for n in nodes}) if args.matmul_floor else 0
+    bar = progress_bar(sum(2 * (len(nodes) + 1) + floors(B) for B in batches), not args.no_progress)  # compile + time
+    try:
+        for B in batches:
+            res = measure_batch(cfg, mesh=mesh, graphdef=graphdef, params=params, param_sh=psh, weights=weights,
+                                batch=B, nodes=nodes, prefix=args.prefix, max_len=max_len, depth=args.depth,
+                                dtype=dtype, seed=args.seed, method=args.method, repeats=args.repeats,
+                                warmup=args.warmup, eps=args.eps, workers=args.compile_workers,
+                                floor=args.matmul_floor, bar=bar, compiler_options=copts)
+            report["batches"].append(res)
+            report["wall_s"] = round(time.perf_counter() - t_start, 2)
+            if on_batch is not None:
+                on_batch(report)
+    finally:
+        bar.close()
+    report["status"] = "complete"
+    report["wall_s"] = round(time.perf_counter() - t_start, 2)
+    return report
+
+
+# ------------------------------------------------------------------------------------------------
+# Reports: stdout table, markdown, plot
+# ------------------------------------------------------------------------------------------------
+def all_finite(report: dict) -> bool:
+    return all(b["decode"]["finite"] and all(r["finite"] for r in b["verify"]) for b in report["batches"])
+
+
+def ratio_table(report: dict) -> str:
+    """Markdown table: N down, per batch T_ver (ms) and T_ver/T_dec; T_dec and B_ver rows last."""
+    bs = report["batches"]
+    nodes = sorted({r["nodes"] for b in bs for r in b["verify"]})
+    head = "| N | " + " | ".join(f"B={b['batch']} T_ver ms | ×T_dec" for b in bs) + " |"
+    out = [head, "|---|" + "---:|---:|" * len(bs)]
+    for N in nodes:
+        cells = []
+        for b in bs:
+            r = next((r for r in b["verify"] if r["nodes"] == N), None)
+            cells.append(f"{r['t_ms']:.3f} | {r['ratio']:.2f}" if r else " | ")
+        out.append(f"| {N} | " + " | ".join(cells) + " |")
+    out.append("| T_dec | " + " | ".join(f"{b['decode']['t_ms']:.3f} | 1.00" for b in bs) + " |")
+    out.append("| B_ver | " + " | ".join(
+        f"{b['b_ver']}{'' if b['within'] else ' (none within)'} | ≤{1 + b['eps']:.2f}" for b in bs) + " |")
+    return "\n".join(out)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.3f} M"
+
+
+def _gib(x: int) -> str:
+    return f"{x / 2**30:.1f} GiB" if x >= 2**28 else f"{x / MIB:.2f} MiB"
+
+
+def target_line(report: dict, n: int = 64) -> str:
+    """The issue's target: T_ver(64) within (1+ε)·T_dec, per batch."""
+    eps, cells = report["settings"]["eps"], []
+    for b in report["batches"]:
+        r = next((r for r in b["verify"] if r["nodes"] == n), None)
+        if r is not None:
+            cells.append(f"B={b['batch']}: {r['ratio']:.2f}× ({'met' if r['ratio'] <= 1 + eps else 'missed'})")
+    return f"Target T_ver(N={n}) ≤ {1 + eps:g}·T_dec — " + ("; ".join(cells) if cells else f"N={n} not measured")
+
+
+def _mib(x: float) -> str:
+    return f"{x / MIB:,.1f}" if x >= 10 * MIB else f"{x / MIB:.4f}"
+
+
+def memory_table(report: dict) -> str:
+    out = ["| N | B | factorized MiB (this library) | TreeCache returned MiB | per-node snapshots MiB | ratio | "
+           "XLA temp MiB (verify, per device) |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for b in report["batches"]:
+        for r in b["verify"]:
+            m = r["memory"]
+            tmp = r.get("xla_temp_bytes")
+            out.append(f"| {r['nodes']} | {b['batch']} | {_mib(m['factorized_bytes'])} | "
+                       f"{_mib(m['measured_cache_bytes'])} | {_mib(m['snapshot_bytes'])} | "
+                       f"{m['ratio']:.1f}× | {'' if tmp is None else _mib(tmp)} |")
+    return "\n".join(out)
+
+
+def compile_table(report: dict) -> str:
+    out = ["| program | B | N | lower s | compile s | first call ms | median ms | spread | dense-matmul floor ms |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for b in report["batches"]:
+        d = b["decode"]
+        fl = lambda r: "" if r.get("floor_ms") is None else f"{r['floor_ms']:.3f}"
+        out.append(f"| decode | {b['batch']} | 1 | {d['lower_s']:.2f} | {d['compile_s']:.2f} | {d['first_ms']:.1f} | "
+                   f"{d['t_ms']:.3f} | {d['spread']:.2f} | {fl(d)} |")
+        for r in b["verify"]:
+            out.append(f"| verify | {b['batch']} | {r['nodes']} | {r['lower_s']:.2f} | {r['compile_s']:.2f} | "
+                       f"{r['first_ms']:.1f} | {r['t_ms']:.3f} | {r['spread']:.2f} | {fl(r)} |")
+    return "\n".join(out)
+
+
+def _title(report: dict) -> str:
+    meta, s = report["meta"], report["settings"]
+    return (f"{report['model']['name']}, {meta['device_kind']} × {s['devices']}"
+            f"{' (tensor parallel)' if s['devices'] > 1 else ''}, {s['dtype']}, prefix {s['prefix']}")
+
+
+def markdown(report: dict) -> str:
+    meta, s, m = report["meta"], report["settings"], report["model"]
+    lines = [
+        f"# Verification cost at scale — {_title(report)}", "",
+        f"`{report['command']}`", "",
+        f"commit {meta['commit']}, jax {meta['jax']}, jaxlib {meta['jaxlib']}, {meta['device_count']} "
+        f"{meta['platform']} device(s) visible, {meta['time_utc']}; status **{report['status']}**"
+        + (f", wall {report['wall_s']:.0f} s" if "wall_s" in report else "")
+        + (f" (merged from {', '.join(report['merged_from'])})" if report.get("merged_from") else ""), "",
+        f"Random weights ({_count(m['param_count'])} parameters, {_gib(m['param_bytes'])}, "
+        f"{_gib(m['param_bytes_per_device'])} per device; created on device in {report['init_s']:.1f} s). "
+        f"Mesh data 1 × model {s['devices']}. KV length {s['max_len']}, committed prefix {s['prefix']}; "
+        f"trees: random, depth min({s['depth']}, N−1), anchor included in N; GDN inverse `{s['method']}`. "
+        f"Median of {s['repeats']} timed calls after {s['warmup']} warm-up call(s).", "",
+        f"## T_ver / T_dec and B_ver = max{{N : T_ver ≤ (1+ε)·T_dec}}, ε = {s['eps']}", "",
+        ratio_table(report), "", target_line(report), "",
+        "## Transient verify-state memory: factorized (Γ, k, V′, conv inputs) vs per-node state snapshots", "",
+        "Both counted by `hyspec_jax.spec.memory.verify_memory` (docstring there); beside them the bytes of "
+        "the factors + conv inputs the verify really returned, and XLA's temp allocation of the verify program.", "",
+        memory_table(report), "",
+        "## Programs: lower / compile time, first call, timing spread ((max − min) / median)", "",
+        compile_table(report), "",
+    ]
+    if not all_finite(report):
+        lines += ["**WARNING: non-finite logits in at least one program (see the JSON `finite` fields).**", ""]
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[verify-scale] matplotlib missing: no plot", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    eps = report["settings"]["eps"]
+    for b in report["batches"]:
+        ns = [r["nodes"] for r in b["verify"]]
+        line, = ax.plot(ns, [r["ratio"] for r in b["verify"]], "o-", label=f"batch {b['batch']} (B_ver {b['b_ver']})")
+        if b["within"]:
+            r = next(r for r in b["verify"] if r["nodes"] == b["b_ver"])
+            ax.plot([r["nodes"]], [r["ratio"]], "*", ms=14, color=line.get_color())
+    ax.axhline(1 + eps, color="k", ls="--", lw=1, label=f"1 + ε = {1 + eps:g}")
+    ax.set_xscale("log", base=2)
+    ticks = sorted({r["nodes"] for b in report["batches"] for r in b["verify"]})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("verified nodes per request N (anchor included)")
+    ax.set_ylabel("T_ver(N) / T_dec")
+    ax.set_title(_title(report), fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_outputs(report: dict, json_path: str | None) -> None:
+    if not json_path:
+        return
+    p = Path(json_path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    os.replace(tmp, p)
+    p.with_suffix(".md").write_text(markdown(report))
+    if report["batches"]:
+        plot(report, p.with_suffix(".png"))
+
+
+def merge(paths: list[str]) -> dict:
+    """One report from several runs of the same model and settings but different batches (later wins)."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    base = dict(reports[0])
+    loose = {"batches", "compile_workers", "compile_cache"}           # may differ between the merged runs
+    key = lambda r: (r["model"]["name"], {k: v for k, v in r["settings"].items() if k not in loose})
+    by_batch = {}
+    for p, r in zip(paths, reports):
+        if key(r) != key(reports[0]):
+            raise ValueError(f"{p}: model or settings differ from {paths[0]}; cannot merge")
+        for b in r["batches"]:
+            by_batch[b["batch"]] = b
+    base["batches"] = [by_batch[k] for k in sorted(by_batch)]
+    base["settings"] = dict(base["settings"], batches=sorted(by_batch))
+    base["status"] = "complete" if all(r["status"] == "complete" for r in reports) else "partial"
+    base["merged_from"] = list(paths)
+    base.pop("wall_s", None)
+    return base
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------
+def _kv(s: str) -> tuple[str, str]:
+    k, sep, v = s.partition("=")
+    if not sep or not k:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {s!r}")
+    return k, v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hyspec bench verify-scale", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--tiny", action="store_true", help="a small geometry (CPU smoke run, tests)")
+    g.add_argument("--config", metavar="PATH", help="a config.json or model directory (default: Qwen3.8-27B)")
+    ap.add_argument("--devices", type=int, default=1, metavar="D", help="tensor-parallel width: a (1, D) mesh")
+    ap.add_argument("--batch", type=_ints, default=list(DEFAULT_BATCH), metavar="B,..", help="batches (default 1,4,8)")
+    ap.add_argument("--nodes", type=_ints, default=list(DEFAULT_NODES), metavar="N,..",
+                    help="verified nodes per request, anchor included (default 1,8,16,32,64,128,256)")
+    ap.add_argument("--prefix", type=int, default=512, metavar="P", help="committed tokens per request (default 512)")
+    ap.add_argument("--max-len", type=int, metavar="S", help="KV cache length (default prefix + max N)")
+    ap.add_argument("--depth", type=int, default=8, metavar="D", help="tree depth, edges (default 8)")
+    ap.add_argument("--eps", type=float, default=0.3, metavar="E", help="B_ver tolerance ε (default 0.3)")
+    ap.add_argument("--repeats", type=int, default=10, metavar="K", help="timed calls per program (default 10)")
+    ap.add_argument("--warmup", type=int, default=2, metavar="W", help="untimed calls first (default 2)")
+    ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                    help="weights / activations (auto: bfloat16 on GPU, float32 on CPU)")
+    ap.add_argument("--method", choices=("squaring", "neumann", "solve"), default="squaring",
+                    help="GDN unit-lower inverse in the verify (default squaring)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile-workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)), metavar="W",
+                    help="parallel XLA compiles (default min(8, cores/2))")
+    ap.add_argument("--compile-cache", metavar="DIR", help="JAX persistent compilation cache directory")
+    ap.add_argument("--xla-option", type=_kv, action="append", default=[], metavar="KEY=VALUE",
+                    help="XLA compiler option for every program (repeatable), e.g. xla_backend_optimization_level=0")
+    ap.add_argument("--matmul-floor", action="store_true", help="also time the dense matmuls alone (floor)")
+    ap.add_argument("--json", metavar="OUT.json", help="write OUT.json, OUT.md and OUT.png")
+    ap.add_argument("--merge", nargs="+", metavar="IN.json", help="re-render (and merge) earlier results; no device")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    args.argv = argv
+    if args.merge:
+        report = merge(args.merge)
+        write_outputs(report, args.json)
+        print(f"\n{_title(report)}\n{ratio_table(report)}")
+        return 0
+    if args.devices < 1 or args.prefix < 0 or args.depth < 0 or args.repeats < 1 or args.warmup < 1:
+        ap.error("--devices, --repeats, --warmup must be ≥ 1 and --prefix, --depth ≥ 0")
+    if not 0 <= args.eps <= 10:
+        ap.error(f"--eps must be in [0, 10], got {args.eps}")
+    if args.compile_cache:
+        import jax
+        jax.config.update("jax_compilation_cache_dir", str(Path(args.compile_cache).expanduser().resolve()))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    cfg, name = resolve_config(args.tiny, args.config)
+
+    def checkpoint(report):
+        write_outputs(report, args.json)
+
+    report = sweep(args, cfg, name, on_batch=checkpoint)
+    write_outputs(report, args.json)
+    print(f"\n{_title(report)}\n{ratio_table(report)}\n{target_line(report)}\n\n{memory_table(report)}")
+    if args.json:
+        print(f"\n[verify-scale] wrote {args.json} and its .md / .png", file=sys.stderr)
+    if not all_finite(report):
+        print("[verify-scale] ERROR: non-finite logits (see the JSON 'finite' fields)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

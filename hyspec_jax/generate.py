@@ -53,6 +53,23 @@ def use_compilation_cache() -> None:
     enable_compilation_cache(jax.config.jax_compilation_cache_dir)
 
 
+def validate_prompts(prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                     vocab_size: int) -> list[SamplingParams]:
+    """Check a batch request (non-empty prompts of in-vocabulary ids, one SamplingParams or one per prompt) and
+    return the per-prompt parameter list. Raises ValueError with the user-facing message."""
+    n = len(prompts)
+    plist = list(params) if isinstance(params, (list, tuple)) else [params] * n
+    if len(plist) != n:
+        raise ValueError(f"{n} prompts but {len(plist)} sampling params")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    return plist
+
+
 @dataclasses.dataclass
 class GenerationResult:
     prompt_token_ids: list[int]
@@ -153,15 +170,7 @@ class Generator:
         if not prompts:
             return []
         n = len(prompts)
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * n
-        if len(plist) != n:
-            raise ValueError(f"{n} prompts but {len(plist)} sampling params")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            bad = [t for t in p if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5]}")
+        plist = validate_prompts(prompts, params, self.config.vocab_size)
         B = bucket(n, 1)
         T = bucket(max(len(p) for p in prompts))
         max_new = max(p.max_tokens for p in plist)

@@ -18,6 +18,7 @@ ever trigger a recompile or change a request's samples.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import logging
 import time
@@ -107,7 +108,7 @@ def prefill_shapes(chunk: int, max_rows: int) -> list[tuple[int, int]]:
     return out
 
 
-class Backend:
+class Backend(abc.ABC):
     """Common host interface of the AR and speculative backends."""
 
     mode = "ar"
@@ -156,15 +157,18 @@ class Backend:
         self._warm_steps(progress)
 
     # --- to implement ------------------------------------------------------------------------------
+    @abc.abstractmethod
     def prefill(self, slots, tokens, valid, reset, sampling) -> np.ndarray:
-        raise NotImplementedError
+        """Run prompt chunks [P, T] into slots `slots` [P] (B = padding row); returns the sampled first tokens."""
 
+    @abc.abstractmethod
     def step(self, active: np.ndarray, last: np.ndarray, sampling: SlotSampling, steps: np.ndarray,
              stochastic: bool) -> StepResult:
-        raise NotImplementedError
+        """One decoding step (AR) or speculative round for every active slot."""
 
+    @abc.abstractmethod
     def _warm_steps(self, progress) -> None:
-        raise NotImplementedError
+        """Compile the step programs (called by `warm_up` after the prefill shapes)."""
 
 
 class ARBackend(Backend):

@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from hyspec_jax.config import ConfigError
-from hyspec_jax.io.hf import CheckpointError
+from hyspec_jax.io.hf import CheckpointError, flat_params
 from hyspec_jax.models.drafter import Drafter, DrafterConfig, TargetHeads, abstract_drafter
 from hyspec_jax.models.reader import ReaderConfig
 
@@ -40,10 +40,6 @@ log = logging.getLogger(__name__)
 _FROZEN_COPIES = ("embed_tokens.weight", "lm_head.weight")  # DeepSpec saves them; the target's are used
 READER_DIR = "reader"
 LORA_FILE = "lora.safetensors"
-
-
-def _flat(module: nnx.Module) -> dict[str, nnx.Variable]:
-    return {".".join(map(str, path)): var for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param))}
 
 
 def _read(path: Path) -> dict[str, np.ndarray]:
@@ -78,7 +74,7 @@ def save_drafter(model: Drafter, out_dir: str | Path, *, heads: TargetHeads | No
     out_dir.mkdir(parents=True, exist_ok=True)
     cast = lambda a: np.ascontiguousarray(np.asarray(a if dtype is None else a.astype(dtype)))  # noqa: E731
     main, reader = {}, {}
-    for name, var in _flat(model).items():
+    for name, var in flat_params(model).items():
         if name.startswith("reader."):
             reader[name[len("reader."):]] = cast(var[...])
         else:
@@ -95,7 +91,7 @@ def save_drafter(model: Drafter, out_dir: str | Path, *, heads: TargetHeads | No
         (rdir / "reader_config.json").write_text(json.dumps(model.reader_config.to_dict(), indent=2) + "\n")
         files += [f"{READER_DIR}/reader.safetensors", f"{READER_DIR}/reader_config.json"]
         if lora:
-            names = set(_flat(model))
+            names = set(flat_params(model))
             tensors = {}
             for name, d in lora.items():
                 key = name.replace("/", ".")
@@ -138,13 +134,13 @@ def load_drafter(model_dir: str | Path, *, dtype=jnp.float32, with_reader: bool 
     tensors = _read(weights)
     for key in _FROZEN_COPIES:
         tensors.pop(key, None)
-    params = _flat(model)
+    params = flat_params(model)
     _fill({k: v for k, v in params.items() if not k.startswith("reader.")}, tensors, weights, dtype)
     if model.reader is not None:
         rweights = model_dir / READER_DIR / "reader.safetensors"
         if not rweights.is_file():
             raise CheckpointError(f"{model_dir}: reader_config.json without reader.safetensors")
-        _fill(_flat(model.reader), _read(rweights), rweights, dtype)
+        _fill(flat_params(model.reader), _read(rweights), rweights, dtype)
         _merge_lora(model, model_dir / READER_DIR / LORA_FILE, dtype)
     return model
 
@@ -158,7 +154,7 @@ def _merge_lora(model: Drafter, path: Path, dtype) -> None:
     if not np.isfinite(alpha):
         raise CheckpointError(f"{path}: no 'alpha' in the metadata")
     tensors = _read(path)
-    params = _flat(model)
+    params = flat_params(model)
     for key in sorted(k[:-len(".lora_a")] for k in tensors if k.endswith(".lora_a")):
         a, b = tensors[f"{key}.lora_a"].astype(np.float32), tensors.get(f"{key}.lora_b")
         var = params.get(key)

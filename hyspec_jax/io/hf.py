@@ -106,8 +106,10 @@ def _fuse_experts(prefix: str, per: dict[int, dict[str, tuple[str, np.ndarray]]]
     return gate_up, down
 
 
-def _flat_params(model: TargetModel) -> dict[str, nnx.Variable]:
-    return {".".join(map(str, path)): var for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+def flat_params(module: nnx.Module) -> dict[str, nnx.Variable]:
+    """A module's parameters by dotted path (`layers.0.mlp.gate_proj.weight`): the checkpoint key names of the
+    target (HF) and the drafter (DeepSpec) layouts."""
+    return {".".join(map(str, path)): var for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param))}
 
 
 def load_pretrained(model_dir: str | Path, dtype=jnp.float32) -> tuple[TargetConfig, TargetModel]:
@@ -118,7 +120,7 @@ def load_pretrained(model_dir: str | Path, dtype=jnp.float32) -> tuple[TargetCon
     cfg = TargetConfig.from_pretrained(model_dir)
     tensors, experts = _read_tensors(model_dir)
     model = abstract_model(cfg, dtype)
-    expected = _flat_params(model)
+    expected = flat_params(model)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     for prefix, per in experts.items():
@@ -150,7 +152,7 @@ def save_pretrained(model: TargetModel, model_dir: str | Path, *, max_shard_byte
     model_dir.mkdir(parents=True, exist_ok=True)
     cfg: TargetConfig = model.config
     out: dict[str, np.ndarray] = {}
-    for name, var in _flat_params(model).items():
+    for name, var in flat_params(model).items():
         arr = np.asarray(var[...] if dtype is None else var[...].astype(dtype))
         if name.endswith(".mlp.experts.gate_up_proj"):
             prefix = name[: -len(".gate_up_proj")]

@@ -38,7 +38,8 @@ from flax import nnx
 
 from hyspec_jax import tree as tree_lib
 from hyspec_jax.compilation import CompileWatch
-from hyspec_jax.generate import Generator, bucket, compile_progress, prompt_buckets, use_compilation_cache
+from hyspec_jax.generate import (Generator, bucket, compile_progress, prompt_buckets, use_compilation_cache,
+                                 validate_prompts)
 from hyspec_jax.models.drafter import DraftBlock, Drafter, DrafterState, init_drafter_state, target_heads
 from hyspec_jax.models.target import TargetModel
 from hyspec_jax.sampling import SamplingParams, SlotSampling, sample
@@ -417,16 +418,7 @@ class SpecEngine:
         if not prompts:
             return []
         n = len(prompts)
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * n
-        if len(plist) != n:
-            raise ValueError(f"{n} prompts but {len(plist)} sampling params")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            bad = [t for t in p if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids outside the vocabulary "
-                                 f"[0, {self.config.vocab_size}): {bad[:5]}")
+        plist = validate_prompts(prompts, params, self.config.vocab_size)
         if self.spec.mode == "ar":
             return self._generate_ar(prompts, plist, on_tokens)
         t0 = time.perf_counter()

@@ -137,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     configs += [(sweep_mode, 1, n) for n in a.sweep_nodes]
     results: dict = {}
     ref: dict = {}
+    out = Path(a.json)
+    meta = {**run_metadata(), "command": "hyspec bench e2e " + " ".join(argv or sys.argv[1:]),
+            "model": str(model_dir), "drafter": str(drafter_dir) if needs_drafter else None,
+            "dtype": a.dtype, "prompts": str(a.prompts), "prompts_per_domain": a.prompts_per_domain,
+            "max_tokens": a.max_tokens, "repeats": a.repeats,
+            "tree": {"depth": depth, "top_k": a.tree_topk, "beam": a.tree_beam, "verify_nodes": a.verify_nodes}}
     bar = tqdm(total=len(configs) * (1 + a.repeats), desc="bench e2e", unit="pass")
     for mode, batch, nodes in configs:
         key = f"{mode}@b{batch}" + (f"@N{nodes}" if nodes else "")
@@ -183,8 +189,20 @@ def main(argv: list[str] | None = None) -> int:
         if mode != "ar":
             row["mean_tau"] = round(float(np.mean([e["tau"] for e in doms])), 3)
         results[key] = row
+        finish(results, meta, out, partial=True)
     bar.close()
-    for key, row in results.items():  # speed-up over ar of the same engine, batch and domain
+    report = finish(results, meta, out, partial=False)
+    md = markdown(report)
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    if not a.no_plots:
+        plots(report, out)
+    return 0
+
+
+def finish(results: dict, meta: dict, out: Path, partial: bool) -> dict:
+    """Speed-ups over ar of the same engine, batch and domain; write the JSON (partial while running)."""
+    for row in results.values():
         if "domains" not in row:
             continue
         arrow = results.get(f"ar@b{row['batch']}")
@@ -192,22 +210,10 @@ def main(argv: list[str] | None = None) -> int:
             for d, e in row["domains"].items():
                 e["speedup"] = round(e["tok_s"] / arrow["domains"][d]["tok_s"], 3)
             row["mean_speedup"] = round(float(np.mean([e["speedup"] for e in row["domains"].values()])), 3)
-    report = {"meta": {**run_metadata(), "command": "hyspec bench e2e " + " ".join(argv or sys.argv[1:]),
-                       "model": str(model_dir), "drafter": str(drafter_dir) if needs_drafter else None,
-                       "dtype": a.dtype, "prompts": str(a.prompts), "prompts_per_domain": a.prompts_per_domain,
-                       "max_tokens": a.max_tokens, "repeats": a.repeats,
-                       "tree": {"depth": depth, "top_k": a.tree_topk, "beam": a.tree_beam,
-                                "verify_nodes": a.verify_nodes}},
-              "results": results}
-    out = Path(a.json)
+    report = {"meta": {**meta, "status": "partial" if partial else "complete"}, "results": results}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
-    md = markdown(report)
-    out.with_suffix(".md").write_text(md)
-    print(md)
-    if not a.no_plots:
-        plots(report, out)
-    return 0
+    return report
 
 
 def _default_model() -> Path:

@@ -237,20 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stats", action="store_true", help="after generating, print acceptance statistics to stderr "
                    "(mode, rounds, tau, accepted per position, tokens/s, compilations after start-up)")
     sp = g.add_argument_group("speculative decoding")
-    sp.add_argument("--drafter", metavar="DIR", help="DSpark drafter directory (DeepSpec layout; reader/ for ReaDy)")
-    sp.add_argument("--spec-mode", choices=("ar", "chain", "ready", "tree", "tree-ready"),
-                    help="ar = plain decoding; chain = DSpark; ready = DSpark + reader; tree = DSpark tree with Bole "
-                         "verification; tree-ready = both (default: chain with --drafter, else ar)")
-    sp.add_argument("--chain-length", type=int, metavar="K", help="drafts per chain (default: the drafter's block)")
-    sp.add_argument("--confidence-threshold", type=float, metavar="A",
-                    help="chain: verify the drafts whose confidence survival is >= A (DSpark)")
-    sp.add_argument("--tree-depth", type=int, default=4, metavar="D", help="tree levels (default 4)")
-    sp.add_argument("--tree-topk", type=int, default=2, metavar="K", help="children per tree node (default 2)")
-    sp.add_argument("--tree-beam", type=int, default=4, metavar="W", help="tree nodes kept per level (default 4)")
-    sp.add_argument("--verify-nodes", type=int, metavar="N", help="verified nodes per request, anchor included "
-                    "(default: --budget-table's B_ver, else chain length + 1 / min(tree nodes, 16))")
-    sp.add_argument("--budget", type=int, metavar="C", help="batch-wide node budget (default: N x batch slots)")
-    sp.add_argument("--budget-table", metavar="FILE", help="calibration table from `hyspec calibrate`")
+    from hyspec_jax.spec.options import add_spec_arguments
+    add_spec_arguments(sp)
     sp.add_argument("--slots", type=int, metavar="B", help="batch slots: more prompts are admitted as slots free up")
     g.set_defaults(func=cmd_generate)
 

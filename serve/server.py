@@ -15,7 +15,7 @@ from pathlib import Path
 
 log = logging.getLogger("hyspec.serve")
 
-SPEC_MODES = ("ar", "chain", "ready", "tree", "tree-ready")
+from hyspec_jax.spec.options import add_spec_arguments  # noqa: E402
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,20 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", metavar="NAME", help="model id clients send (default: the directory name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port, printed)")
-    p.add_argument("--spec-mode", choices=SPEC_MODES, default="ar",
-                   help="ar: target only (default); chain / ready / tree / tree-ready: speculative rounds with "
-                        "--drafter")
-    p.add_argument("--drafter", metavar="DIR", help="DSpark drafter directory (speculative modes)")
-    p.add_argument("--chain-length", type=int, metavar="K", help="drafts per chain (default: the drafter's block)")
-    p.add_argument("--confidence-threshold", type=float, metavar="A",
-                   help="chain: verify the drafts whose confidence survival is >= A (DSpark)")
-    p.add_argument("--tree-depth", type=int, default=4, metavar="D", help="tree levels (default 4)")
-    p.add_argument("--tree-topk", type=int, default=2, metavar="K", help="children per tree node (default 2)")
-    p.add_argument("--tree-beam", type=int, default=4, metavar="W", help="tree nodes kept per level (default 4)")
-    p.add_argument("--verify-nodes", type=int, metavar="N", help="verified nodes per request, anchor included "
-                   "(default: --budget-table's B_ver for this bucket, else chain length + 1 / min(tree nodes, 16))")
-    p.add_argument("--budget", type=int, metavar="C", help="batch-wide node budget (default: N x batch slots)")
-    p.add_argument("--budget-table", metavar="FILE", help="calibration table from `hyspec calibrate`")
+    add_spec_arguments(p, default_mode="ar")
     p.add_argument("--max-batch", type=int, default=32, metavar="B", help="batch slots (default 32)")
     p.add_argument("--max-queue", type=int, default=256, metavar="Q",
                    help="requests waiting for a slot before new ones get 429 (default 256)")

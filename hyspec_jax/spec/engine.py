@@ -52,7 +52,7 @@ from hyspec_jax.state import TargetState, init_state
 
 I32 = jnp.int32
 F32 = jnp.float32
-MODES = ("ar", "chain", "ready", "tree", "tree-ready")
+from hyspec_jax.spec.options import MODES  # noqa: E402  (one home for the mode names)
 HINT_BIAS = 1.0e3   # added to the drafter's base logits at hinted tokens (see `spec_round`)
 
 
@@ -548,31 +548,47 @@ class SpecEngine:
 # `hyspec generate` glue (the options are declared in hyspec_jax/cli.py)
 # ------------------------------------------------------------------------------------------------
 def engine_from_args(args, model: TargetModel, model_dir, dtype) -> "SpecEngine | None":
-    """The engine `hyspec generate` asked for, or None for plain autoregressive decoding."""
+    """The engine `hyspec generate` / `hyspec serve` asked for, or None for plain autoregressive decoding.
+
+    With the embedded model (no --model) and no --drafter, its shipped drafter is used, and every option the
+    user left unset takes the drafter's recommended value for this backend (explicit options always win)."""
     from pathlib import Path
 
     from hyspec_jax.io.drafter_io import load_drafter
+    from hyspec_jax.spec.options import recommended_settings
     drafter_dir = getattr(args, "drafter", None)
-    mode = getattr(args, "spec_mode", None) or ("chain" if drafter_dir else "ar")
+    rec: dict = {}
+    if drafter_dir is None and getattr(args, "model", None) is None and getattr(args, "spec_mode", None) != "ar":
+        from hyspec_jax.embedded import default_drafter_dir, default_model_dir
+        shipped = default_drafter_dir()
+        if shipped is not None and default_model_dir() == Path(model_dir):
+            drafter_dir = shipped
+            rec = recommended_settings(shipped, jax.default_backend())
+            if getattr(args, "spec_mode", None) is None and not rec:
+                return None                       # nothing measured for this backend: plain decoding
+    opt = lambda name, fallback=None: (getattr(args, name, None) if getattr(args, name, None) is not None  # noqa: E731
+                                        else rec.get(name, fallback))
+    mode = opt("spec_mode") or ("chain" if drafter_dir else "ar")
     if mode == "ar":
         return None
     if drafter_dir is None:
         raise ValueError(f"--spec-mode {mode} needs --drafter DIR")
-    if args.slots is not None and args.slots < 1:
+    if getattr(args, "slots", None) is not None and args.slots < 1:
         raise ValueError(f"--slots must be >= 1, got {args.slots}")
     if not Path(drafter_dir).is_dir():
         raise ValueError(f"--drafter {drafter_dir}: no such directory")
-    spec_kw = dict(mode=mode, chain_length=args.chain_length, verify_nodes=args.verify_nodes, capacity=args.budget,
-                   confidence_threshold=args.confidence_threshold)
+    spec_kw = dict(mode=mode, chain_length=opt("chain_length"), verify_nodes=opt("verify_nodes"),
+                   capacity=getattr(args, "budget", None), confidence_threshold=getattr(args, "confidence_threshold",
+                                                                                        None))
     if mode in ("tree", "tree-ready"):
-        spec_kw["tree"] = TreeSpec(depth=args.tree_depth, top_k=args.tree_topk, beam=args.tree_beam)
+        spec_kw["tree"] = TreeSpec(depth=opt("tree_depth", 4), top_k=opt("tree_topk", 2), beam=opt("tree_beam", 4))
     spec = SpecConfig(**spec_kw)
     drafter = load_drafter(drafter_dir, dtype=dtype, with_reader=spec.uses_reader)
     if spec.uses_reader and drafter.reader is None:
         raise ValueError(f"--spec-mode {mode} needs a drafter with a ReaDy reader ({drafter_dir}/reader/ is missing)")
     table = BudgetTable.load(args.budget_table) if getattr(args, "budget_table", None) else None
     name = model_id(model.config, Path(model_dir).name)
-    return SpecEngine(model, drafter, spec, slots=args.slots, budget_table=table, model_name=name)
+    return SpecEngine(model, drafter, spec, slots=getattr(args, "slots", None), budget_table=table, model_name=name)
 
 
 def request_stats(engine: "SpecEngine | None", res) -> dict:

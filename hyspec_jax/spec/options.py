@@ -1,0 +1,44 @@
+"""Speculative-decoding command-line options (one home for `hyspec generate` and `hyspec serve`) and the
+embedded drafter's recommended settings. No jax import here: `hyspec --help` stays fast."""
+
+from __future__ import annotations
+
+MODES = ("ar", "chain", "ready", "tree", "tree-ready")
+
+RECOMMENDED_FILE = "recommended_modes.json"
+
+
+def add_spec_arguments(p, *, default_mode: str | None = None) -> None:
+    """The speculative-decoding options of `hyspec generate` and `hyspec serve` (one home)."""
+    p.add_argument("--drafter", metavar="DIR", help="DSpark drafter directory (DeepSpec layout; reader/ for ReaDy; "
+                   "default with the embedded model: its drafter)")
+    p.add_argument("--spec-mode", choices=MODES, default=default_mode,
+                   help="ar = plain decoding; chain = DSpark; ready = DSpark + reader; tree = DSpark tree with Bole "
+                        "verification; tree-ready = both (default: " + (
+                            default_mode or "the embedded model's measured best mode for this backend "
+                            "(drafter/recommended_modes.json); chain with another --drafter; else ar") + ")")
+    p.add_argument("--chain-length", type=int, metavar="K", help="drafts per chain (default: the drafter's block)")
+    p.add_argument("--confidence-threshold", type=float, metavar="A",
+                   help="chain: verify the drafts whose confidence survival is >= A (DSpark)")
+    p.add_argument("--tree-depth", type=int, metavar="D", help="tree levels (default: recommended, else 4)")
+    p.add_argument("--tree-topk", type=int, metavar="K", help="children per tree node (default: recommended, else 2)")
+    p.add_argument("--tree-beam", type=int, metavar="W", help="tree nodes kept per level (default: recommended, "
+                   "else 4)")
+    p.add_argument("--verify-nodes", type=int, metavar="N", help="verified nodes per request, anchor included "
+                   "(default: recommended, else --budget-table's B_ver, else chain length + 1 / min(tree nodes, 16))")
+    p.add_argument("--budget", type=int, metavar="C", help="batch-wide node budget (default: N x batch slots)")
+    p.add_argument("--budget-table", metavar="FILE", help="calibration table from `hyspec calibrate`")
+
+
+def recommended_settings(drafter_dir, backend: str) -> dict:
+    """The measured best speculative settings of a drafter for a backend ('cpu' / 'gpu'): its
+    recommended_modes.json (written from `hyspec bench e2e` results), or {}."""
+    import json
+    from pathlib import Path
+
+    path = Path(drafter_dir) / RECOMMENDED_FILE
+    if not path.is_file():
+        return {}
+    rec = json.loads(path.read_text()).get(backend) or {}
+    return {k: rec[k] for k in ("spec_mode", "tree_depth", "tree_topk", "tree_beam", "verify_nodes",
+                                "chain_length") if rec.get(k) is not None}

@@ -1,0 +1,67 @@
+"""The embedded default model and its drafter: `hyspec generate` without --model / --drafter picks the shipped
+drafter with the settings it recommends for the backend; explicit options win; a backend with no measured
+speed-up stays on plain decoding."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from hyspec_jax import cli
+from hyspec_jax.embedded import default_drafter_dir, default_model_dir
+from hyspec_jax.io.hf import load_pretrained
+from hyspec_jax.spec import engine as E
+from hyspec_jax.spec.options import RECOMMENDED_FILE, recommended_settings
+
+pytestmark = pytest.mark.skipif(default_drafter_dir() is None, reason="no embedded drafter in this checkout")
+
+
+def _args(**kw):
+    return cli.build_parser().parse_args(["generate", "x", *kw.pop("argv", [])])
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_pretrained(default_model_dir(), dtype=jnp.float32)[1]
+
+
+def test_recommended_file_is_well_formed():
+    raw = json.loads((default_drafter_dir() / RECOMMENDED_FILE).read_text())
+    for backend in ("cpu", "gpu"):
+        rec = recommended_settings(default_drafter_dir(), backend)
+        assert rec == {} or rec["spec_mode"] in E.MODES, raw
+
+
+def test_embedded_defaults_follow_the_backend(monkeypatch, target):
+    model_dir = default_model_dir()
+    for backend in ("cpu", "gpu"):
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        rec = recommended_settings(default_drafter_dir(), backend)
+        eng = E.engine_from_args(_args(), target, model_dir, jnp.float32)
+        if not rec or rec["spec_mode"] == "ar":
+            assert eng is None
+            continue
+        assert eng.spec.mode == rec["spec_mode"]
+        if eng.spec.is_tree:
+            assert (eng.spec.tree.depth, eng.spec.tree.top_k, eng.spec.tree.beam) == (
+                rec["tree_depth"], rec["tree_topk"], rec["tree_beam"])
+            assert eng.spec.verify_nodes == rec["verify_nodes"]
+
+
+def test_explicit_options_win(monkeypatch, target):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    model_dir = default_model_dir()
+    eng = E.engine_from_args(_args(argv=["--spec-mode", "chain", "--chain-length", "3"]), target, model_dir,
+                             jnp.float32)
+    assert eng.spec.mode == "chain" and eng.spec.chain_length == 3 and eng.drafter is not None
+    eng = E.engine_from_args(_args(argv=["--spec-mode", "tree", "--tree-depth", "2"]), target, model_dir,
+                             jnp.float32)
+    assert eng.spec.tree.depth == 2
+    assert E.engine_from_args(_args(argv=["--spec-mode", "ar"]), target, model_dir, jnp.float32) is None
+    # another model directory never picks up the embedded drafter implicitly
+    ns = _args(argv=["--model", str(model_dir)])
+    assert E.engine_from_args(ns, target, model_dir, jnp.float32) is None

@@ -71,11 +71,11 @@ def setup(tmp_path_factory):
 
 
 def make(root, stage, out, init=None, **kw):
-    kw = {"ckpt_every": 100, **kw}
+    kw = {"ckpt_every": 100, "devices": 1, **kw}
     cfg = DrafterTrainConfig(target=str(root / "target"), corpus=str(root / "corpus"), out=str(root / out),
                              stage=stage, init=init, num_layers=1, block_size=4, markov_rank=8, seq_len=32,
                              batch_size=4, anchors=3, state_stride=8, steps=20, eval_every=0,
-                             dtype="float32", devices=1, progress=False, compiler_options=FAST,
+                             dtype="float32", progress=False, compiler_options=FAST,
                              source_layers=(0, 2), **kw)
     return DrafterTrainer(cfg)
 
@@ -211,3 +211,13 @@ def test_drafter_on_distill_data_resumes_exactly(setup):
     assert resumed.start_step == 2
     again = resumed.run(stop_after=4)["losses"]
     np.testing.assert_allclose([again[2], again[3]], [straight[2], straight[3]], rtol=1e-6)
+
+
+def test_dspark_on_four_fake_devices_matches_one(setup):
+    """Data parallel over the mesh (conftest forces 4 CPU devices): the same losses as one device."""
+    root, _ = setup
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 (fake) devices")
+    one = make(root, "dspark", "mesh1", devices=1).run(stop_after=3)["losses"]
+    four = make(root, "dspark", "mesh4", devices=4).run(stop_after=3)["losses"]
+    np.testing.assert_allclose([four[s] for s in range(3)], [one[s] for s in range(3)], rtol=2e-5)

@@ -1,15 +1,20 @@
 """Verification cost at scale (issue [bench], item 3): T_ver(N) / T_dec of the Qwen3.8-27B target.
 
     hyspec bench verify-scale [--devices D] [--batch 1,4,8] [--nodes 1,8,16,32,64,128,256] [--prefix 512]
-                              [--eps 0.3] [--json OUT.json] [--tiny | --config PATH] ...
+                              [--eps 0.3] [--max-seconds S] [--json OUT.json] [--tiny | --config PATH] ...
     python -m hyspec_jax.bench.verify_scale ...        (same options)
 
 The Qwen3.8-27B geometry (specs/target_model.md §15, `hyspec_jax.spec.memory.qwen38_27b`; or `--config` /
-`--tiny`) with RANDOM weights, created directly on the device(s) by the model's own initialiser inside one jit
-(N(0, 0.02) matrices, RMSNorm weights as in the module; no weight ever passes through the host), on one
+`--tiny`) with RANDOM weights distributed as the model's own initialiser draws them (`INIT_RULES`: N(0, 0.02)
+matrices, RMSNorm / gated-norm weights, A_log, dt_bias and conv weights as in the modules), created leaf by
+leaf directly on the device(s) in their final sharding by one small jitted filler per distinct (shape,
+dtype, sharding) — the 64 layers share shapes, so the init compiles ~15 tiny programs whatever the depth (a
+whole-model init jit tripped XLA's "very slow compile" alarm) and no weight passes through the host — on one
 device or, with `--devices D`, tensor parallel over a (data 1, model D) mesh with `hyspec_jax.sharding`'s
 rules and its pinned-sharding entry points `jit_extend` / `jit_verify`. The committed state is that of a
-prefix of `--prefix` tokens (deterministic random recurrent states, conv windows and KV; the lengths set).
+prefix of `--prefix` tokens (deterministic random recurrent states, conv windows and KV; the lengths set),
+made by the same fillers. The only whole-model programs compiled are the decode / verify being measured
+(and, with `--matmul-floor`, the floor).
 For every batch B and node capacity N it measures (timing functions shared with `hyspec calibrate`,
 bench/calibrate.py: warm-up calls, then the median of `--repeats` calls, each with block_until_ready; no
 input rotation is needed, since every call streams all the weights, far more than the L2 cache):
@@ -24,37 +29,47 @@ is N = 64 within 1.3×), the transient verify-state memory of the factorized des
 snapshots at the same (N, B) (`spec.memory.verify_memory`, with the bytes of the TreeCache the verify really
 returned and XLA's temp allocation beside it), lower / compile / first-call times of every program, and,
 with `--matmul-floor`, the time of the dense matrix products alone (every 2-D weight but the embedding
-applied to B·N random tokens) as a floor. Programs of one batch are compiled ahead of time in parallel
-threads (`--compile-workers`), then timed one after another with nothing else running. Every output
-(logits) is checked finite; the exit status is 1 if one is not.
+applied to B·N random tokens) as a floor. Work runs in groups (`work_plan`): batch 1 with N ∈ {1, 64} first
+(the issue's headline, T_ver(64) ≤ 1.3·T_dec at batch 1), then batch 1's other N, then batches 4 and 8;
+the programs of a group are compiled ahead of time in parallel threads (`--compile-workers`), then timed one
+after another with nothing else running. With `--max-seconds S` no new (batch, N) program is lowered or
+compiled once S seconds have passed since the start (programs already compiled are still timed); the
+report then lists what was skipped. Every output (logits) is checked finite; the exit status is 1 if one is
+not.
 
 Outputs (with --json OUT.json): OUT.json (run_metadata: device, versions, commit; the command line; every
 number), OUT.md (report), OUT.png (T_ver/T_dec vs N, one line per batch, the 1+ε line). They are rewritten
-after each batch, so a run cut short leaves what it measured ("status": "partial"). `--merge A.json B.json
+after every measured decode and every N, so a run cut short (`--max-seconds`, or killed) leaves what it
+measured ("status": "partial", and "skipped": [[B, N], ...] when --max-seconds stopped it). `--merge A.json B.json
 --json OUT.json` re-renders (e.g. batches run as separate commands) without a device.
 
 On the GPU machine the package is not pip-installed (bench/e2e.py's convention): map bench/ into the package,
-run from the repository root, and pass the commit (no .git travels). One H200 (kind nvidia-h200):
+run from the repository root, and pass the commit (no .git travels). One H200 (kind nvidia-h200, run with
+timeout_s 600; --max-seconds 480 leaves two minutes for the compiles in flight at the deadline and the
+final write — a call killed anyway still returns the JSON written after its last measured N):
 
     ln -sfn $PWD/bench hyspec_jax/bench; HYSPEC_GIT_COMMIT=<sha> PYTHONPATH=$PWD python3 -m \
-        hyspec_jax.bench.verify_scale --compile-cache .jax_cache --json $OUT/verify_scale_1gpu.json
+        hyspec_jax.bench.verify_scale --max-seconds 480 --compile-cache .jax_cache \
+        --json $OUT/verify_scale_1gpu.json
 
 Two H200, tensor parallel over "model" (kind nvidia-h200-x2):
 
     ln -sfn $PWD/bench hyspec_jax/bench; HYSPEC_GIT_COMMIT=<sha> PYTHONPATH=$PWD python3 -m \
-        hyspec_jax.bench.verify_scale --devices 2 --compile-cache .jax_cache --json $OUT/verify_scale_2gpu.json
+        hyspec_jax.bench.verify_scale --devices 2 --max-seconds 480 --compile-cache .jax_cache \
+        --json $OUT/verify_scale_2gpu.json
 
 .jax_cache is git-ignored, so a warm machine keeps it between calls and a repeated call skips the XLA
-compiles. Should one call not fit the 10-minute limit, run one batch per call (`--batch 1`, `--batch 4`,
-`--batch 8`, each with its own --json; the compile cache carries over), then, here, `--merge b1.json b4.json
-b8.json --json verify_scale_1gpu.json`. Compiling is the long part (24 programs of 64 unrolled layers, and the init).
-CPU smoke run: `--tiny`.
+compiles. Compiling is the long part (24 programs of 64 unrolled layers; the init is ~15 tiny programs). If
+one call leaves (B, N) skipped, run the rest in further calls (e.g. `--batch 4`, `--batch 8`, each with its
+own --json; the compile cache carries over), then, here, `--merge b1.json b4.json b8.json --json
+verify_scale_1gpu.json` (a skipped (B, N) measured by another run counts as done). CPU smoke run: `--tiny`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import shlex
@@ -75,12 +90,12 @@ MIB = 2 ** 20
 # ------------------------------------------------------------------------------------------------
 # Configs
 # ------------------------------------------------------------------------------------------------
-def tiny_config():
-    """A small geometry of the same shape family (3 GDN + 1 full-attention layer; every head count even,
-    so a 2-way model axis shards them): the CPU smoke run and the tests."""
+def tiny_config(layers: int = 4):
+    """A small geometry of the same shape family (3 GDN + 1 full-attention layer per 4; every head count
+    even, so a 2-way model axis shards them): the CPU smoke run and the tests."""
     from hyspec_jax.config import FULL, LINEAR, TargetConfig
 
-    n = 4
+    n = layers
     return TargetConfig(
         model_type="qwen3_5_text", vocab_size=256, hidden_size=64, num_hidden_layers=n,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
@@ -122,47 +137,115 @@ def make_mesh(devices: int):
     return shd.make_mesh(1, devices)
 
 
-def random_params(cfg, dtype, seed: int, mesh, compiler_options: dict | None = None):
-    """(graphdef, params, shardings): the model's own random initialisation, run inside one jit whose
-    outputs are already in their tensor-parallel layout (nothing passes through the host)."""
+# (module class, attribute) -> (kind, scale): how the model's own initialisers (models/layers.py,
+# models/target.py) fill each parameter. "normal": scale·N(0, 1) drawn in fp32; "const": every entry = scale;
+# "log_uniform": log U(lo, hi), scale = (lo, hi).
+INIT_RULES = {
+    ("Linear", "weight"): ("normal", 0.02),
+    ("Linear", "bias"): ("const", 0.0),
+    ("Embedding", "weight"): ("normal", 0.02),
+    ("Experts", "gate_up_proj"): ("normal", 0.02),
+    ("Experts", "down_proj"): ("normal", 0.02),
+    ("RMSNorm", "weight"): ("const", 0.0),            # zero-centred: x/rms(x) · (1 + w)
+    ("GatedRMSNorm", "weight"): ("const", 1.0),
+    ("DepthwiseConv", "weight"): ("normal", 0.3),
+    ("GatedDeltaNet", "A_log"): ("log_uniform", (1.0, 16.0)),
+    ("GatedDeltaNet", "dt_bias"): ("const", 1.0),
+}
+
+
+def param_init_rules(model) -> dict:
+    """{parameter path (tuple): (kind, scale)} from the (abstract) model's module classes and `INIT_RULES`.
+    A parameter with no rule is an error (add its rule), never a silent guess."""
+    from flax import nnx
+
+    nodes = list(nnx.iter_graph(model))
+    owners = {tuple(p): type(n).__name__ for p, n in nodes if isinstance(n, nnx.Module)}
+    rules = {}
+    for p, n in nodes:
+        if isinstance(n, nnx.Param):
+            key = (owners.get(tuple(p[:-1])), p[-1])
+            if key not in INIT_RULES:
+                raise KeyError(f"no init rule for parameter {'.'.join(map(str, p))} ({key[0]}.{key[1]}): "
+                               "add one to verify_scale.INIT_RULES")
+            rules[tuple(p)] = INIT_RULES[key]
+    return rules
+
+
+@functools.lru_cache(maxsize=None)
+def _filler(kind: str, scale, shape: tuple, dtype, sharding, compiler_options: tuple):
+    """One small jitted program per distinct (kind, scale, shape, dtype, sharding): f(seed, stream, index)
+    -> the array, created directly in `sharding`. The key, fold_in(fold_in(key(seed), stream), index), is
+    traced, so every leaf of one signature (e.g. the same projection in all 64 layers) reuses one compile."""
     import jax
+    import jax.numpy as jnp
+
+    def fill(seed, stream, index):
+        if kind == "const":
+            return jnp.full(shape, scale, dtype)
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), index)
+        if kind == "normal":
+            return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        if kind == "log_uniform":
+            lo, hi = scale
+            return jnp.log(jax.random.uniform(key, shape, jnp.float32, lo, hi)).astype(dtype)
+        raise ValueError(f"unknown init kind {kind!r}")
+
+    return jax.jit(fill, out_shardings=sharding, compiler_options=dict(compiler_options) or None)
+
+
+def fill_leaf(kind: str, scale, shape, dtype, sharding, *, seed: int, stream: int, index: int,
+              compiler_options: dict | None = None):
+    """A random (or constant) array of `shape`/`dtype` created on the device(s) in `sharding`."""
+    fn = _filler(kind, scale, tuple(int(d) for d in shape), np.dtype(dtype), sharding,
+                 tuple(sorted((compiler_options or {}).items())))
+    return fn(np.int32(seed), np.int32(stream), np.int32(index))
+
+
+def random_params(cfg, dtype, seed: int, mesh, compiler_options: dict | None = None):
+    """(graphdef, params, shardings): random weights distributed as the model's own initialiser draws them
+    (`INIT_RULES`), built leaf by leaf on the device(s), each directly in its tensor-parallel layout (nothing
+    passes through the host). One small program per distinct leaf signature (`_filler`): the compile count
+    and time do not grow with depth — a whole-model init jit of 64 layers is a very slow XLA compile."""
     from flax import nnx
 
     from hyspec_jax import sharding as shd
     from hyspec_jax.models import target as target_lib
 
-    graphdef, abstract = nnx.split(target_lib.abstract_model(cfg, dtype))
+    model = target_lib.abstract_model(cfg, dtype)
+    graphdef, abstract = nnx.split(model)
     psh = shd.param_shardings(abstract, mesh, cfg)
-
-    def init():
-        return nnx.split(target_lib.TargetModel(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))[1]
-
-    params = jax.jit(init, out_shardings=psh, compiler_options=compiler_options)()
-    return graphdef, params, psh
+    rules = param_init_rules(model)
+    shardings = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(psh)}
+    leaves = []
+    for i, (p, v) in enumerate(nnx.to_flat_state(abstract)):
+        a, (kind, scale) = v.get_value(), rules[tuple(p)]
+        x = fill_leaf(kind, scale, a.shape, a.dtype, shardings[tuple(p)], seed=seed, stream=0, index=i,
+                      compiler_options=compiler_options)
+        leaves.append((p, v.replace(value=x)))
+    return graphdef, nnx.from_flat_state(leaves), psh
 
 
 def random_state(cfg, batch: int, max_len: int, prefix: int, dtype, seed: int, mesh,
                  compiler_options: dict | None = None):
     """(state, shardings): a committed state as after a prefill of `prefix` tokens — random but
     deterministic recurrent states (N(0, 0.05²), fp32), conv windows and KV (N(0, 1)), lengths = prefix —
-    created in its sharded layout. Never zeros (METHOD.md: zeros can time faster than real data)."""
+    created leaf by leaf in its sharded layout (`fill_leaf`; no whole-state program). Never zeros (METHOD.md:
+    zeros can time faster than real data). The same (seed, batch) gives the same state."""
     import jax
-    import jax.numpy as jnp
 
     from hyspec_jax import sharding as shd
     from hyspec_jax.state import init_state
 
     abstract = jax.eval_shape(lambda: init_state(cfg, batch, max_len, dtype))
     sh = shd.state_shardings(cfg, abstract, mesh)
-
-    def fill():
-        k = jax.random.split(jax.random.fold_in(jax.random.key(seed), batch), 4)
-        nrm = lambda key, a, s: (s * jax.random.normal(key, a.shape, jnp.float32)).astype(a.dtype)
-        return abstract.replace(ssm=nrm(k[0], abstract.ssm, 0.05), conv=nrm(k[1], abstract.conv, 1.0),
-                                keys=nrm(k[2], abstract.keys, 1.0), values=nrm(k[3], abstract.values, 1.0),
-                                lengths=jnp.full((batch,), prefix, jnp.int32))
-
-    return jax.jit(fill, out_shardings=sh, compiler_options=compiler_options)(), sh
+    fill = lambda j, name, kind, scale: fill_leaf(
+        kind, scale, getattr(abstract, name).shape, getattr(abstract, name).dtype, getattr(sh, name),
+        seed=seed, stream=1 + batch, index=j, compiler_options=compiler_options)
+    state = abstract.replace(ssm=fill(0, "ssm", "normal", 0.05), conv=fill(1, "conv", "normal", 1.0),
+                             keys=fill(2, "keys", "normal", 1.0), values=fill(3, "values", "normal", 1.0),
+                             lengths=fill(4, "lengths", "const", prefix))
+    return state, sh
 
 
 def shape_inputs(cfg, batch: int, nodes: int, depth: int, seed: int, mesh, state_sh):
@@ -270,9 +353,11 @@ def progress_bar(total: int, enabled: bool):
     return tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True)
 
 
-def compile_all(jobs: list, workers: int, bar) -> dict:
+def compile_all(jobs: list, workers: int, bar, deadline: float | None = None) -> dict:
     """jobs: [(key, jitted_fn, args)] -> {key: (compiled, lower_s, compile_s)}. Lowering (Python tracing)
-    runs here one job at a time; XLA compiles run in `workers` threads (the compiler releases the GIL)."""
+    runs here one job at a time; XLA compiles run in `workers` threads (the compiler releases the GIL). Once
+    `deadline` (time.perf_counter) has passed, the remaining jobs are neither lowered nor compiled (absent
+    from the result); compiles already started are waited for."""
     out = {}
 
     def comp(lowered):
@@ -283,6 +368,8 @@ def compile_all(jobs: list, workers: int, bar) -> dict:
     with ThreadPoolExecutor(max_workers=max(1, workers)) as ex:
         futs = []
         for key, fn, args in jobs:
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
             bar.set_postfix_str(f"lower {key}")
             t0 = time.perf_counter()
             lowered = fn.lower(*args)
@@ -329,83 +416,154 @@ def _ms(t: float) -> float:
 # ------------------------------------------------------------------------------------------------
 # The sweep
 # ------------------------------------------------------------------------------------------------
-def measure_batch(cfg, *, mesh, graphdef, params, param_sh, weights, batch: int, nodes: list[int], prefix: int,
-                  max_len: int, depth: int, dtype, seed: int, method: str, repeats: int, warmup: int, eps: float,
-                  workers: int, floor: bool, bar, compiler_options: dict | None = None) -> dict:
-    """Compile every program of one batch (parallel), then time them one after another."""
-    import jax
-    import jax.numpy as jnp
+HEADLINE_BATCH, HEADLINE_NODES = 1, (1, 64)
 
-    from hyspec_jax.spec.budget import b_ver
-    from hyspec_jax.spec.memory import OURS, verify_memory
 
-    state, ssh = random_state(cfg, batch, max_len, prefix, dtype, seed, mesh, compiler_options)
-    decode, verify = entry_points(graphdef, mesh, param_sh, ssh, cfg, batch, method, compiler_options)
-    inputs = {N: shape_inputs(cfg, batch, N, depth, seed, mesh, ssh) for N in nodes}
-    dec_tok = inputs[nodes[0]][2]
-    jobs = [(("decode",), decode, (params, state, dec_tok, jnp.ones(dec_tok.shape, bool)))]
-    jobs += [(("verify", N), verify, (params, state, inputs[N][0], inputs[N][1])) for N in nodes]
-    key = jax.random.key(seed)
-    if floor:
-        jobs += [(("floor", T), matmul_floor_fn(T, compiler_options), (weights, key))
-                 for T in sorted({batch} | {batch * N for N in nodes})]
-    bar.set_description(f"B={batch} compile")
-    progs = compile_all(jobs, workers, bar)
+def work_plan(batches, nodes) -> list[tuple[int, list[int]]]:
+    """The (batch, [N, ...]) groups in the order they are compiled and timed: batch 1 with N ∈ {1, 64} first
+    (the issue's headline: T_ver(64) ≤ 1.3·T_dec at batch 1), then batch 1's other N, then every other batch
+    in increasing order. A cut-short run (`--max-seconds`, or killed) has measured the headline first."""
+    batches, nodes = sorted(set(batches)), sorted(set(nodes))
+    plan = []
+    if HEADLINE_BATCH in batches:
+        head = [n for n in nodes if n in HEADLINE_NODES]
+        rest = [n for n in nodes if n not in HEADLINE_NODES]
+        plan += [(HEADLINE_BATCH, g) for g in (head, rest) if g]
+    return plan + [(b, nodes) for b in batches if b != HEADLINE_BATCH]
 
-    def floor_ms(T):
-        if not floor:
+
+class BatchBench:
+    """One batch: its committed state, entry points, inputs and results (`result`, the JSON's batch entry).
+    `run(Ns)` compiles the programs of those N (plus the decode, the first time) in parallel, then times
+    them one after another; a batch may be run in several groups (`work_plan`)."""
+
+    def __init__(self, cfg, *, mesh, graphdef, params, param_sh, weights, batch: int, prefix: int, max_len: int,
+                 depth: int, dtype, seed: int, method: str, repeats: int, warmup: int, eps: float, floor: bool,
+                 compiler_options: dict | None = None):
+        import jax
+        import jax.numpy as jnp
+
+        from hyspec_jax.spec.memory import OURS
+
+        self.cfg, self.mesh, self.params, self.weights, self.batch = cfg, mesh, params, weights, batch
+        self.prefix, self.max_len, self.depth, self.dtype, self.seed = prefix, max_len, depth, dtype, seed
+        self.repeats, self.warmup, self.eps, self.floor, self.copts = repeats, warmup, eps, floor, compiler_options
+        self.state, self.ssh = random_state(cfg, batch, max_len, prefix, dtype, seed, mesh, compiler_options)
+        self.decode, self.verify = entry_points(graphdef, mesh, param_sh, self.ssh, cfg, batch, method,
+                                                compiler_options)
+        self.dec_tok = shape_inputs(cfg, batch, 1, depth, seed, mesh, self.ssh)[2]   # depends on (seed, B) only
+        self.key = jax.random.key(seed)
+        self.design = dataclasses.replace(OURS, act_bytes=jnp.dtype(dtype).itemsize)
+        self.floors: dict[int, float] = {}
+        self.t_ver: dict[int, float] = {}
+        self.result = dict(batch=batch, decode=None, verify=[], b_ver=None, within=False, eps=eps)
+
+    def _jobs(self, Ns, inputs) -> list:
+        import jax.numpy as jnp
+
+        jobs = []
+        if self.result["decode"] is None:
+            jobs.append((("decode",), self.decode,
+                         (self.params, self.state, self.dec_tok, jnp.ones(self.dec_tok.shape, bool))))
+        jobs += [(("verify", N), self.verify, (self.params, self.state, inputs[N][0], inputs[N][1])) for N in Ns]
+        if self.floor:
+            need = ({self.batch} if self.result["decode"] is None else set()) | {self.batch * N for N in Ns}
+            jobs += [(("floor", T), matmul_floor_fn(T, self.copts), (self.weights, self.key))
+                     for T in sorted(need - set(self.floors))]
+        return jobs
+
+    def _floor_ms(self, progs, T):
+        if not self.floor:
             return None
-        compiled = progs[("floor", T)][0]
-        return _ms(median_time(lambda: compiled(weights, key), repeats, warmup)[0].median_s)
+        if T not in self.floors and ("floor", T) in progs:
+            compiled = progs[("floor", T)][0]
+            self.floors[T] = _ms(median_time(lambda: compiled(self.weights, self.key), self.repeats,
+                                             self.warmup)[0].median_s)
+        return self.floors.get(T)
 
-    bar.set_description(f"B={batch} time")
-    # T_dec: a second copy of the state (the decode donates it; `state` stays the verify's committed state)
-    compiled, lower_s, compile_s = progs[("decode",)]
-    dec_state, _ = random_state(cfg, batch, max_len, prefix, dtype, seed, mesh, compiler_options)
-    t, logits, dec_state = time_decode(compiled, params, dec_state, dec_tok, repeats=repeats, warmup=warmup)
-    dec = dict(t_ms=_ms(t.median_s), times_ms=[_ms(x) for x in t.times_s], first_ms=_ms(t.first_s),
-               spread=round(t.spread, 4), lower_s=round(lower_s, 3), compile_s=round(compile_s, 3),
-               finite=_finite(logits), floor_ms=floor_ms(batch), **_xla_stats(compiled))
-    del logits, dec_state
-    bar.set_postfix_str(f"T_dec {dec['t_ms']:.3f} ms")
-    bar.update()
-    design = dataclasses.replace(OURS, act_bytes=jnp.dtype(dtype).itemsize)
-    rows, t_ver = [], {}
-    for N in nodes:
-        compiled, lower_s, compile_s = progs[("verify", N)]
-        tree, toks, _ = inputs[N]
-        t, (logits, cache) = time_verify(compiled, params, state, tree, toks, repeats=repeats, warmup=warmup)
-        mem = verify_memory(cfg, batch, N, design)
-        cache_bytes = sum(int(x.nbytes) for x in jax.tree.leaves((cache.factors, cache.conv_inputs)))
-        t_ver[N] = t.median_s
-        rows.append(dict(
-            nodes=N, depth=int(tree.envelope.max_depth), tokens=batch * N, t_ms=_ms(t.median_s),
-            times_ms=[_ms(x) for x in t.times_s], first_ms=_ms(t.first_s), spread=round(t.spread, 4),
-            lower_s=round(lower_s, 3), compile_s=round(compile_s, 3), ratio=t.median_s / (dec["t_ms"] / 1e3),
-            finite=_finite(logits), floor_ms=floor_ms(batch * N), **_xla_stats(compiled),
-            memory=dict(factorized_bytes=mem.bole_bytes, snapshot_bytes=mem.sglang_bytes,
-                        ratio=round(mem.ratio, 3), measured_cache_bytes=cache_bytes)))
-        del logits, cache
-        bar.set_postfix_str(f"N={N} T_ver/T_dec {rows[-1]['ratio']:.2f}")
-        bar.update()
-    n, within = b_ver(t_ver, dec["t_ms"] / 1e3, eps)
-    del state, progs
-    return dict(batch=batch, decode=dec, verify=rows, b_ver=n, within=within, eps=eps)
+    def run(self, Ns: list[int], *, workers: int, bar, deadline: float | None = None, on_update=None) -> list[int]:
+        """Compile and time the verify of every N in `Ns` (and the decode, once). Past `deadline`
+        (perf_counter) no further program is lowered or compiled; what was compiled is timed. Calls
+        `on_update(result)` after the decode and after every N. Returns the N measured."""
+        import jax
+
+        from hyspec_jax.spec.budget import b_ver
+        from hyspec_jax.spec.memory import verify_memory
+
+        B = self.batch
+        inputs = {N: shape_inputs(self.cfg, B, N, self.depth, self.seed, self.mesh, self.ssh) for N in Ns}
+        bar.set_description(f"B={B} compile")
+        progs = compile_all(self._jobs(Ns, inputs), workers, bar, deadline=deadline)
+        bar.set_description(f"B={B} time")
+        if self.result["decode"] is None:
+            if ("decode",) not in progs:
+                return []
+            # T_dec: a second copy of the state (the decode donates it; self.state stays the verify's state)
+            compiled, lower_s, compile_s = progs[("decode",)]
+            dec_state, _ = random_state(self.cfg, B, self.max_len, self.prefix, self.dtype, self.seed, self.mesh,
+                                        self.copts)
+            t, logits, dec_state = time_decode(compiled, self.params, dec_state, self.dec_tok,
+                                               repeats=self.repeats, warmup=self.warmup)
+            self.result["decode"] = dict(
+                t_ms=_ms(t.median_s), times_ms=[_ms(x) for x in t.times_s], first_ms=_ms(t.first_s),
+                spread=round(t.spread, 4), lower_s=round(lower_s, 3), compile_s=round(compile_s, 3),
+                finite=_finite(logits), floor_ms=self._floor_ms(progs, B), **_xla_stats(compiled))
+            del logits, dec_state
+            bar.set_postfix_str(f"T_dec {self.result['decode']['t_ms']:.3f} ms")
+            bar.update()
+            if on_update is not None:
+                on_update(self.result)
+        t_dec = self.result["decode"]["t_ms"] / 1e3
+        done = []
+        for N in Ns:
+            if ("verify", N) not in progs:
+                continue
+            compiled, lower_s, compile_s = progs[("verify", N)]
+            tree, toks, _ = inputs[N]
+            t, (logits, cache) = time_verify(compiled, self.params, self.state, tree, toks, repeats=self.repeats,
+                                             warmup=self.warmup)
+            mem = verify_memory(self.cfg, B, N, self.design)
+            cache_bytes = sum(int(x.nbytes) for x in jax.tree.leaves((cache.factors, cache.conv_inputs)))
+            self.t_ver[N] = t.median_s
+            rows = self.result["verify"]
+            rows.append(dict(
+                nodes=N, depth=int(tree.envelope.max_depth), tokens=B * N, t_ms=_ms(t.median_s),
+                times_ms=[_ms(x) for x in t.times_s], first_ms=_ms(t.first_s), spread=round(t.spread, 4),
+                lower_s=round(lower_s, 3), compile_s=round(compile_s, 3), ratio=t.median_s / t_dec,
+                finite=_finite(logits), floor_ms=self._floor_ms(progs, B * N), **_xla_stats(compiled),
+                memory=dict(factorized_bytes=mem.bole_bytes, snapshot_bytes=mem.sglang_bytes,
+                            ratio=round(mem.ratio, 3), measured_cache_bytes=cache_bytes)))
+            rows.sort(key=lambda r: r["nodes"])
+            del logits, cache
+            self.result["b_ver"], self.result["within"] = b_ver(self.t_ver, t_dec, self.eps)
+            done.append(N)
+            bar.set_postfix_str(f"N={N} T_ver/T_dec {rows[-1]['ratio']:.2f}")
+            bar.update()
+            if on_update is not None:
+                on_update(self.result)
+        del progs
+        return done
 
 
-def sweep(args, cfg, name: str, on_batch=None) -> dict:
+def sweep(args, cfg, name: str, on_progress=None) -> dict:
+    """Init the weights, then run `work_plan`'s groups in order; `on_progress(report)` after every
+    measured decode and verify (the JSON is rewritten there). With `args.max_seconds`, no program is started
+    once that many seconds have passed since the start (the skipped (B, N) are listed in the report)."""
     import jax
 
     from hyspec_jax.bench.report import run_metadata
 
+    t_start = time.perf_counter()
     dtype = resolve_dtype(args.dtype)
-    nodes, batches = sorted(args.nodes), sorted(args.batch)
+    nodes, batches = sorted(set(args.nodes)), sorted(set(args.batch))
     max_len = args.max_len or args.prefix + max(nodes)
     if max_len <= args.prefix:
         raise ValueError(f"--max-len {max_len} must exceed --prefix {args.prefix} (the decode writes there)")
     if jax.device_count() < args.devices:
         raise ValueError(f"--devices {args.devices}: only {jax.device_count()} device(s) visible")
-    t_start = time.perf_counter()
+    max_seconds = getattr(args, "max_seconds", None)
+    deadline = None if max_seconds is None else t_start + max_seconds
+    plan = work_plan(batches, nodes)
     mesh = make_mesh(args.devices)
     t0 = time.perf_counter()
     copts = dict(args.xla_option) or None
@@ -427,25 +585,45 @@ def sweep(args, cfg, name: str, on_batch=None) -> dict:
                       prefix=args.prefix, max_len=max_len, depth=args.depth, eps=args.eps, repeats=args.repeats,
                       warmup=args.warmup, method=args.method, nodes=nodes, batches=batches, seed=args.seed,
                       compile_workers=args.compile_workers, compile_cache=args.compile_cache,
-                      matmul_floor=args.matmul_floor, xla_options=dict(args.xla_option)),
-        init_s=round(init_s, 3), batches=[])
+                      matmul_floor=args.matmul_floor, xla_options=dict(args.xla_option), max_seconds=max_seconds,
+                      order=[[b, ns] for b, ns in plan]),
+        init_s=round(init_s, 3), batches=[], skipped=[])
     weights = dense_weights(params) if args.matmul_floor else None
     floors = lambda B: len({B} | {B * n for n in nodes}) if args.matmul_floor else 0
     bar = progress_bar(sum(2 * (len(nodes) + 1) + floors(B) for B in batches), not args.no_progress)  # compile + time
+
+    def update(result):
+        if not any(b is result for b in report["batches"]):
+            report["batches"].append(result)
+            report["batches"].sort(key=lambda b: b["batch"])
+        report["wall_s"] = round(time.perf_counter() - t_start, 2)
+        if on_progress is not None:
+            on_progress(report)
+
+    groups_left = {B: sum(1 for b, _ in plan if b == B) for B in batches}
+    benches: dict[int, BatchBench] = {}
     try:
-        for B in batches:
-            res = measure_batch(cfg, mesh=mesh, graphdef=graphdef, params=params, param_sh=psh, weights=weights,
-                                batch=B, nodes=nodes, prefix=args.prefix, max_len=max_len, depth=args.depth,
-                                dtype=dtype, seed=args.seed, method=args.method, repeats=args.repeats,
-                                warmup=args.warmup, eps=args.eps, workers=args.compile_workers,
-                                floor=args.matmul_floor, bar=bar, compiler_options=copts)
-            report["batches"].append(res)
-            report["wall_s"] = round(time.perf_counter() - t_start, 2)
-            if on_batch is not None:
-                on_batch(report)
+        for B, Ns in plan:
+            groups_left[B] -= 1
+            if deadline is not None and time.perf_counter() >= deadline:
+                report["skipped"] += [[B, N] for N in Ns]
+                continue
+            if B not in benches:
+                benches[B] = BatchBench(
+                    cfg, mesh=mesh, graphdef=graphdef, params=params, param_sh=psh, weights=weights, batch=B,
+                    prefix=args.prefix, max_len=max_len, depth=args.depth, dtype=dtype, seed=args.seed,
+                    method=args.method, repeats=args.repeats, warmup=args.warmup, eps=args.eps,
+                    floor=args.matmul_floor, compiler_options=copts)
+            done = benches[B].run(Ns, workers=args.compile_workers, bar=bar, deadline=deadline, on_update=update)
+            report["skipped"] += [[B, N] for N in Ns if N not in done]
+            if not groups_left[B]:
+                del benches[B]                         # frees the batch's states
     finally:
         bar.close()
-    report["status"] = "complete"
+    if report["skipped"]:
+        report["stopped"] = f"--max-seconds {max_seconds:g}: {len(report['skipped'])} (batch, N) not measured"
+        print(f"[verify-scale] {report['stopped']}: {report['skipped']}", file=sys.stderr)
+    report["status"] = "partial" if report["skipped"] else "complete"
     report["wall_s"] = round(time.perf_counter() - t_start, 2)
     return report
 
@@ -471,7 +649,8 @@ def ratio_table(report: dict) -> str:
         out.append(f"| {N} | " + " | ".join(cells) + " |")
     out.append("| T_dec | " + " | ".join(f"{b['decode']['t_ms']:.3f} | 1.00" for b in bs) + " |")
     out.append("| B_ver | " + " | ".join(
-        f"{b['b_ver']}{'' if b['within'] else ' (none within)'} | ≤{1 + b['eps']:.2f}" for b in bs) + " |")
+        ("—" if b["b_ver"] is None else f"{b['b_ver']}{'' if b['within'] else ' (none within)'}")
+        + f" | ≤{1 + b['eps']:.2f}" for b in bs) + " |")
     return "\n".join(out)
 
 
@@ -546,6 +725,8 @@ def markdown(report: dict) -> str:
         f"Median of {s['repeats']} timed calls after {s['warmup']} warm-up call(s).", "",
         f"## T_ver / T_dec and B_ver = max{{N : T_ver ≤ (1+ε)·T_dec}}, ε = {s['eps']}", "",
         ratio_table(report), "", target_line(report), "",
+        *([f"Not measured ({report.get('stopped', 'run cut short')}): "
+           + ", ".join(f"B={b} N={n}" for b, n in report["skipped"]), ""] if report.get("skipped") else []),
         "## Transient verify-state memory: factorized (Γ, k, V′, conv inputs) vs per-node state snapshots", "",
         "Both counted by `hyspec_jax.spec.memory.verify_memory` (docstring there); beside them the bytes of "
         "the factors + conv inputs the verify really returned, and XLA's temp allocation of the verify program.", "",
@@ -570,6 +751,8 @@ def plot(report: dict, path: Path) -> bool:
     eps = report["settings"]["eps"]
     for b in report["batches"]:
         ns = [r["nodes"] for r in b["verify"]]
+        if not ns:
+            continue
         line, = ax.plot(ns, [r["ratio"] for r in b["verify"]], "o-", label=f"batch {b['batch']} (B_ver {b['b_ver']})")
         if b["within"]:
             r = next(r for r in b["verify"] if r["nodes"] == b["b_ver"])
@@ -607,7 +790,7 @@ def merge(paths: list[str]) -> dict:
     """One report from several runs of the same model and settings but different batches (later wins)."""
     reports = [json.loads(Path(p).read_text()) for p in paths]
     base = dict(reports[0])
-    loose = {"batches", "compile_workers", "compile_cache"}           # may differ between the merged runs
+    loose = {"batches", "compile_workers", "compile_cache", "max_seconds", "order"}   # may differ between runs
     key = lambda r: (r["model"]["name"], {k: v for k, v in r["settings"].items() if k not in loose})
     by_batch = {}
     for p, r in zip(paths, reports):
@@ -617,7 +800,15 @@ def merge(paths: list[str]) -> dict:
             by_batch[b["batch"]] = b
     base["batches"] = [by_batch[k] for k in sorted(by_batch)]
     base["settings"] = dict(base["settings"], batches=sorted(by_batch))
-    base["status"] = "complete" if all(r["status"] == "complete" for r in reports) else "partial"
+    measured = {(b["batch"], r["nodes"]) for b in base["batches"] for r in b["verify"]}
+    base["skipped"] = sorted({tuple(x) for r in reports for x in r.get("skipped", [])} - measured)
+    base["skipped"] = [list(x) for x in base["skipped"]]
+    # a report cut short by --max-seconds lists what it skipped: complete once another run measured those
+    done = lambda r: r["status"] == "complete" or (bool(r.get("skipped")) and all(
+        tuple(x) in measured for x in r["skipped"]))
+    base["status"] = "complete" if all(done(r) for r in reports) else "partial"
+    if base["status"] == "complete":
+        base.pop("stopped", None)
     base["merged_from"] = list(paths)
     base.pop("wall_s", None)
     return base
@@ -660,6 +851,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--xla-option", type=_kv, action="append", default=[], metavar="KEY=VALUE",
                     help="XLA compiler option for every program (repeatable), e.g. xla_backend_optimization_level=0")
     ap.add_argument("--matmul-floor", action="store_true", help="also time the dense matmuls alone (floor)")
+    ap.add_argument("--max-seconds", type=float, metavar="S",
+                    help="start no new (batch, N) program once S seconds have passed since the start (programs "
+                         "already compiled are still timed); the JSON then has status partial and lists the "
+                         "skipped (batch, N). Batch 1 with N in {1, 64} is measured first")
     ap.add_argument("--json", metavar="OUT.json", help="write OUT.json, OUT.md and OUT.png")
     ap.add_argument("--merge", nargs="+", metavar="IN.json", help="re-render (and merge) earlier results; no device")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -678,6 +873,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.devices < 1 or args.prefix < 0 or args.depth < 0 or args.repeats < 1 or args.warmup < 1:
         ap.error("--devices, --repeats, --warmup must be ≥ 1 and --prefix, --depth ≥ 0")
+    if args.max_seconds is not None and args.max_seconds <= 0:
+        ap.error(f"--max-seconds must be > 0, got {args.max_seconds}")
     if not 0 <= args.eps <= 10:
         ap.error(f"--eps must be in [0, 10], got {args.eps}")
     if args.compile_cache:
@@ -690,7 +887,7 @@ def main(argv: list[str] | None = None) -> int:
     def checkpoint(report):
         write_outputs(report, args.json)
 
-    report = sweep(args, cfg, name, on_batch=checkpoint)
+    report = sweep(args, cfg, name, on_progress=checkpoint)
     write_outputs(report, args.json)
     print(f"\n{_title(report)}\n{ratio_table(report)}\n{target_line(report)}\n\n{memory_table(report)}")
     if args.json:

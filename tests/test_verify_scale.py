@@ -92,3 +92,118 @@ def test_cli_help(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "--devices" in out and "--tiny" in out and "T_ver" in out
+
+
+# ------------------------------------------------------------------------------------------------
+# Weight construction: per-leaf fillers, compile count independent of depth
+# ------------------------------------------------------------------------------------------------
+def _init_compiles(layers: int) -> tuple[int, object]:
+    import jax
+    import jax.numpy as jnp
+
+    from hyspec_jax.compilation import compile_count
+
+    vs._filler.cache_clear()                       # fresh fillers: every signature compiles again
+    mesh = vs.make_mesh(1)
+    c0 = compile_count()
+    _, params, _ = vs.random_params(vs.tiny_config(layers), jnp.float32, 0, mesh)
+    jax.block_until_ready(params)
+    return compile_count() - c0, params
+
+
+def test_weight_construction_compiles_do_not_grow_with_depth():
+    import jax
+
+    n8, p8 = _init_compiles(8)
+    n16, p16 = _init_compiles(16)
+    assert len(jax.tree.leaves(p16)) > len(jax.tree.leaves(p8))
+    # one small program per distinct (kind, shape, dtype, sharding), shared by every layer
+    sigs = {(x.shape, str(x.dtype)) for x in jax.tree.leaves(p16)}
+    assert 0 < n8 == n16 <= len(sigs) + 4, (n8, n16, len(sigs))
+    # a second build of the same geometry compiles nothing; nor does a state (after its first build)
+    from hyspec_jax.compilation import compile_count
+    import jax.numpy as jnp
+
+    c0 = compile_count()
+    vs.random_params(vs.tiny_config(16), jnp.float32, 1, vs.make_mesh(1))
+    cfg, mesh = vs.tiny_config(16), vs.make_mesh(1)
+    vs.random_state(cfg, 2, 12, 5, jnp.float32, 0, mesh)
+    c1 = compile_count()
+    s1, _ = vs.random_state(cfg, 2, 12, 5, jnp.float32, 0, mesh)
+    assert c1 - c0 <= 5 and compile_count() == c1          # ≤ 5 state leaves the first time, then none
+    assert np.asarray(s1.lengths).tolist() == [5, 5] and float(np.asarray(s1.ssm).std()) == pytest.approx(0.05, rel=0.1)
+
+
+def test_random_weights_follow_the_model_initialiser():
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from hyspec_jax.models import target as target_lib
+
+    cfg = vs.tiny_config()
+    ref = nnx.split(target_lib.create_model(cfg, seed=0))[1]
+    _, params, _ = vs.random_params(cfg, jnp.float32, 0, vs.make_mesh(1))
+    assert jax.tree.structure(ref) == jax.tree.structure(params)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ref)[0], jax.tree.leaves(params)):
+        a, b, name = np.asarray(a), np.asarray(b), jax.tree_util.keystr(path)
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        if a.std() == 0:                                           # constants (norm weights, dt_bias): exact
+            np.testing.assert_array_equal(a, b, err_msg=name)
+        elif a.size >= 256:                                        # random: same scale
+            assert b.std() == pytest.approx(a.std(), rel=0.2), name
+        else:                                                      # A_log = log U(1, 16)
+            assert 0 <= b.min() and b.max() <= np.log(16) + 1e-6, name
+
+
+def test_init_rules_reject_an_unknown_parameter(monkeypatch):
+    from hyspec_jax.models import target as target_lib
+
+    monkeypatch.delitem(vs.INIT_RULES, ("DepthwiseConv", "weight"))
+    with pytest.raises(KeyError, match="conv1d.weight"):
+        vs.param_init_rules(target_lib.abstract_model(vs.tiny_config()))
+
+
+# ------------------------------------------------------------------------------------------------
+# Order of work and --max-seconds
+# ------------------------------------------------------------------------------------------------
+def test_work_plan_headline_first():
+    assert vs.work_plan([8, 1, 4], [256, 1, 8, 64, 16]) == [
+        (1, [1, 64]), (1, [8, 16, 256]), (4, [1, 8, 16, 64, 256]), (8, [1, 8, 16, 64, 256])]
+    assert vs.work_plan([4, 2], [1, 4]) == [(2, [1, 4]), (4, [1, 4])]
+    assert vs.work_plan([1], [64]) == [(1, [64])]
+
+
+def test_max_seconds_stops_and_writes_partial_json(tmp_path, monkeypatch):
+    """The clock jumps past --max-seconds after the first group (B=1, N=1): nothing more is started, the
+    JSON (rewritten after the decode and after each N) is partial and lists the skipped (B, N)."""
+    import time as real_time
+
+    jump = {"s": 0.0}
+
+    class Clock:
+        perf_counter = staticmethod(lambda: real_time.perf_counter() + jump["s"])
+
+    monkeypatch.setattr(vs, "time", Clock)
+    run_group, writes = vs.BatchBench.run, []
+
+    def run_then_jump(self, *a, **k):
+        out = run_group(self, *a, **k)
+        jump["s"] = 1e6
+        return out
+
+    monkeypatch.setattr(vs.BatchBench, "run", run_then_jump)
+    write = vs.write_outputs
+    monkeypatch.setattr(vs, "write_outputs", lambda rep, p: (writes.append(json.loads(json.dumps(rep, default=str))),
+                                                             write(rep, p)))
+    out = tmp_path / "p.json"
+    argv = ["--tiny", "--batch", "1,2", "--nodes", "1,4", "--prefix", "6", "--repeats", "1", "--warmup", "1",
+            "--max-seconds", "100", "--no-progress", "--json", str(out), *FAST]
+    assert vs.main(argv) == 0
+    rep = json.loads(out.read_text())
+    assert rep["status"] == "partial" and rep["skipped"] == [[1, 4], [2, 1], [2, 4]]
+    assert rep["settings"]["max_seconds"] == 100 and rep["settings"]["order"][0] == [1, [1]]
+    assert [b["batch"] for b in rep["batches"]] == [1] and [r["nodes"] for r in rep["batches"][0]["verify"]] == [1]
+    # written after the decode, after N=1, and at the end
+    assert [len(w["batches"][0]["verify"]) for w in writes] == [0, 1, 1]
+    assert "Not measured" in out.with_suffix(".md").read_text()

@@ -31,23 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
+from hyspec_jax.spec.stats import prefix_survival   # the engine's statistics (SpecStats) use the same
+
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "heldout_prompts.npz"
 MODES = ("ar", "chain", "ready", "tree", "tree-ready")
-
-
-def prefix_survival(accepted: list[list[int]], depth: int) -> list[float]:
-    """ReaDy's censored prefix survival from per-request lists of accepted drafts per round."""
-    hits, seen = np.zeros(depth), np.zeros(depth)
-    for rounds in accepted:
-        for r, a in enumerate(rounds):
-            last = r == len(rounds) - 1
-            for j in range(1, depth + 1):
-                if a >= j:
-                    hits[j - 1] += 1
-                    seen[j - 1] += 1
-                elif not last:
-                    seen[j - 1] += 1
-    return [float(h / s) if s else float("nan") for h, s in zip(hits, seen)]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -93,12 +93,15 @@ def batch_stats(engine, gen, results, seconds: float) -> dict:
           "decode_steps_per_second": round(results[0].decode_steps_per_second, 2) if results else 0.0}
     if engine is not None and engine.last_stats is not None:
         s = engine.last_stats
+        from hyspec_jax.spec.stats import rounded
         st.update(mode=s.mode, rounds=s.rounds, tau=round(s.tau, 4),
                   accepted_per_position=[round(x, 4) for x in s.accepted_per_position],
+                  prefix_survival=rounded(s.prefix_survival),
                   verify_nodes=s.verify_nodes, compilations_after_startup=s.compilations_after_startup)
     else:
         steps = max((len(r.token_ids) - 1 for r in results), default=0)
-        st.update(mode="ar", rounds=steps, tau=1.0 if new else 0.0, accepted_per_position=[], verify_nodes=1,
+        st.update(mode="ar", rounds=steps, tau=1.0 if new else 0.0, accepted_per_position=[], prefix_survival=[],
+                  verify_nodes=1,
                   compilations_after_startup=gen.compilations_after_startup)
     return st
 
@@ -111,6 +114,10 @@ def format_stats(st: dict) -> str:
     if st["accepted_per_position"]:
         lines.append("accepted per position (fraction of request-rounds accepting >= k drafts): "
                      + "  ".join(f"{k}: {a:.2f}" for k, a in enumerate(st["accepted_per_position"], 1)))
+    if st.get("prefix_survival"):
+        lines.append("prefix survival (ReaDy: P(>= k drafts accepted), last round of each request censored): "
+                     + "  ".join(f"{k}: " + ("n/a" if a is None else f"{a:.2f}")
+                                 for k, a in enumerate(st["prefix_survival"], 1)))
     lines.append(f"{st['new_tokens']} new tokens for {st['prompts']} prompt(s) in {st['seconds']:.2f}s: "
                  f"{st['tokens_per_second']:.1f} tok/s incl. compile (prefill {st['prefill_seconds']:.2f}s, "
                  f"{st['decode_steps_per_second']:.1f} {'rounds' if st['mode'] != 'ar' else 'decode steps'}/s warm)")
@@ -192,6 +199,13 @@ def cmd_generate(args) -> int:
         rate = results[0].decode_steps_per_second
         print(f"[hyspec] {total} tokens for {len(results)} prompt(s) in {seconds:.2f}s "
               f"({total / seconds:.1f} tok/s incl. compile; {rate:.1f} decode steps/s warm)", file=sys.stderr)
+    if getattr(args, "phase_times", False):
+        from hyspec_jax.spec.engine import format_phase_times
+        if engine is None:
+            print("[hyspec] --phase-times: plain autoregressive decoding has no draft / verify / commit phases",
+                  file=sys.stderr)
+        else:
+            print(format_phase_times(engine.phase_times(encoded, params)), file=sys.stderr)
     return 0
 
 
@@ -235,7 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parameter dtype (auto: bfloat16 on GPU, float32 on CPU)")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming text")
     g.add_argument("--stats", action="store_true", help="after generating, print acceptance statistics to stderr "
-                   "(mode, rounds, tau, accepted per position, tokens/s, compilations after start-up)")
+                   "(mode, rounds, tau, accepted per position, prefix survival, tokens/s, compilations after "
+                   "start-up)")
+    g.add_argument("--phase-times", action="store_true",
+                   help="speculative modes: after generating, time one round of the same prompts split into its "
+                        "phases — draft (+ select), verify, accept + commit, each jitted alone — against the "
+                        "fused round, one line each on stderr (compiles the split programs)")
     sp = g.add_argument_group("speculative decoding")
     from hyspec_jax.spec.options import add_spec_arguments
     add_spec_arguments(sp)

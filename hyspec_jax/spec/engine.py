@@ -22,6 +22,12 @@ Start-up: `SpecEngine.warmup()` / `compile_buckets(buckets)` compile every confi
 greedy and sampling, and the prefill of every prompt bucket) through JAX's persistent compilation cache;
 `compilations_after_startup` (also in `SpecStats`) counts the XLA compilations since — 0 while every request
 fits a compiled bucket.
+
+Statistics (`SpecStats` of the last `generate`, `hyspec generate --stats` / `--json`): rounds, τ, accepted
+drafts per position, ReaDy's censored prefix survival (`prefix_survival`: the last round of each request
+censored), times. Where a round's time goes: `SpecEngine.phase_times` times the round's three phases —
+`round_draft` (draft, build, select), `round_verify`, `round_commit` (accept + commit), the functions
+`spec_round` composes — each jitted alone, against the fused round (`hyspec generate --phase-times`).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from hyspec_jax.spec.budget import BudgetTable, confident_length, model_id, root
 from hyspec_jax.spec.commit import commit
 from hyspec_jax.spec.propose import chain_from_block
 from hyspec_jax.spec.select import TreeSpec, chain_candidates, tree_candidates
+from hyspec_jax.spec.stats import prefix_survival, rounded
 from hyspec_jax.state import TargetState, init_state
 
 I32 = jnp.int32
@@ -123,27 +130,18 @@ def _gather(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def spec_round(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
-               state: TargetState, dstate: DrafterState, anchor: jax.Array, active: jax.Array,
-               sampling: SlotSampling, steps: jax.Array, capacity: jax.Array, hint: jax.Array | None = None, *,
-               shape: RoundShape):
-    """One speculative round for every slot. Returns (state, dstate, anchor, tokens [B, D+1], count [B],
-    accepted [B]): slot b committed tokens[b, :count[b]] (its accepted drafts, then the bonus token, which is
-    also the new anchor). Inactive slots are untouched (count 0).
-
-    steps [B]: per-slot round counters (PRNG: a slot's randomness never depends on its neighbours);
-    capacity: batch-wide node budget (runtime scalar); hint [B, γ] int (−1 = none): optional token hints
-    added to the drafter's base logits at each block slot (an oracle / prompt-lookup hook; drafts stay
-    drafts — acceptance is unchanged and still lossless, because the hinted q is the q drawn from).
-    """
+def round_draft(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
+                state: TargetState, dstate: DrafterState, anchor: jax.Array, active: jax.Array,
+                sampling: SlotSampling, steps: jax.Array, capacity: jax.Array, hint: jax.Array | None = None, *,
+                shape: RoundShape):
+    """Round phase 1 — draft, build, select (see `spec_round`): (tokens [B, N], tree, child_q [B, N, …] or
+    None) — the [B, N] forest the target verifies and, when sampling, the draft distribution of each node."""
     target: TargetModel = nnx.merge(tgraph, tparams)
     drafter: Drafter = nnx.merge(dgraph, dparams)
     heads = target_heads(target)
-    B = anchor.shape[0]
     N, D = shape.verify_nodes, shape.depth
     samp = sampling if shape.stochastic else None
-    keys = _slot_keys(sampling.seed, steps)
-    dkeys, akeys = _fold(keys, 0), _fold(keys, 1)
+    dkeys = _fold(_slot_keys(sampling.seed, steps), 0)
 
     block = drafter.draft(dstate, anchor, heads, state.ssm if shape.reader else None)
     if hint is not None:
@@ -166,9 +164,27 @@ def spec_round(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, d
     tokens = jnp.where(sel.valid, jnp.take_along_axis(cand.token, sel.index, axis=1), 0)
     tree = tree_lib.Tree(parent=sel.parent, valid=sel.valid, depth=sel.depth,
                          envelope=tree_lib.TreeShape(N, D))
-
-    logits, taps, cache = target.verify(state, tree, tokens, method=shape.method, tap_layers=shape.tap_layers)
     child_q = None if samp is None else _gather(cand.child_q, sel.index)
+    return tokens, tree, child_q
+
+
+def round_verify(tgraph: nnx.GraphDef, tparams: nnx.State, state: TargetState, tree: tree_lib.Tree,
+                 tokens: jax.Array, *, shape: RoundShape):
+    """Round phase 2 — the target's verify forward over the forest: (logits, taps, TreeCache)."""
+    target: TargetModel = nnx.merge(tgraph, tparams)
+    return target.verify(state, tree, tokens, method=shape.method, tap_layers=shape.tap_layers)
+
+
+def round_commit(dgraph: nnx.GraphDef, dparams: nnx.State, state: TargetState, dstate: DrafterState,
+                 anchor: jax.Array, active: jax.Array, sampling: SlotSampling, steps: jax.Array,
+                 tokens: jax.Array, tree: tree_lib.Tree, child_q: jax.Array | None, logits: jax.Array,
+                 taps: jax.Array, cache, *, shape: RoundShape):
+    """Round phase 3 — accept, then commit target and drafter: `spec_round`'s return value."""
+    drafter: Drafter = nnx.merge(dgraph, dparams)
+    B = anchor.shape[0]
+    D = shape.depth
+    samp = sampling if shape.stochastic else None
+    akeys = _fold(_slot_keys(sampling.seed, steps), 1)
     acc = accept(logits, tokens, tree.parent, tree.valid, child_q, samp, akeys if samp is not None else None,
                  max_depth=D, max_children=shape.max_children)
 
@@ -187,8 +203,35 @@ def spec_round(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, d
     return new_state, new_dstate, jnp.where(active, acc.bonus, anchor), out, count, m
 
 
+def spec_round(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
+               state: TargetState, dstate: DrafterState, anchor: jax.Array, active: jax.Array,
+               sampling: SlotSampling, steps: jax.Array, capacity: jax.Array, hint: jax.Array | None = None, *,
+               shape: RoundShape):
+    """One speculative round for every slot. Returns (state, dstate, anchor, tokens [B, D+1], count [B],
+    accepted [B]): slot b committed tokens[b, :count[b]] (its accepted drafts, then the bonus token, which is
+    also the new anchor). Inactive slots are untouched (count 0).
+
+    steps [B]: per-slot round counters (PRNG: a slot's randomness never depends on its neighbours);
+    capacity: batch-wide node budget (runtime scalar); hint [B, γ] int (−1 = none): optional token hints
+    added to the drafter's base logits at each block slot (an oracle / prompt-lookup hook; drafts stay
+    drafts — acceptance is unchanged and still lossless, because the hinted q is the q drawn from).
+
+    The three phases are `round_draft` → `round_verify` → `round_commit` (composed here into one program;
+    `SpecEngine.phase_times` jits and times them one by one).
+    """
+    tokens, tree, child_q = round_draft(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, sampling,
+                                        steps, capacity, hint, shape=shape)
+    logits, taps, cache = round_verify(tgraph, tparams, state, tree, tokens, shape=shape)
+    return round_commit(dgraph, dparams, state, dstate, anchor, active, sampling, steps, tokens, tree, child_q,
+                        logits, taps, cache, shape=shape)
+
+
 spec_round_jit = jax.jit(spec_round, static_argnames=("tgraph", "dgraph", "shape"),
                          donate_argnames=("state", "dstate"))
+# the phases jitted alone (`SpecEngine.phase_times`); the commit donates the states as the fused round does
+round_draft_jit = jax.jit(round_draft, static_argnames=("tgraph", "dgraph", "shape"))
+round_verify_jit = jax.jit(round_verify, static_argnames=("tgraph", "shape"))
+round_commit_jit = jax.jit(round_commit, static_argnames=("dgraph", "shape"), donate_argnames=("state", "dstate"))
 
 
 def prefill(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
@@ -236,6 +279,10 @@ class SpecResult:
         a = np.asarray(self.accepted)
         return [float(np.mean(a > k)) if len(a) else 0.0 for k in range(depth)]
 
+    def prefix_survival(self, depth: int) -> list[float]:
+        """`prefix_survival` of this request alone (its last round censored)."""
+        return prefix_survival([self.accepted], depth)
+
 
 @dataclasses.dataclass
 class SpecStats:
@@ -249,11 +296,14 @@ class SpecStats:
     verify_nodes: int = 0
     capacity: int = 0
     compilations_after_startup: int = 0   # XLA compilations since the engine's start-up compile (warmup)
+    # ReaDy's censored prefix survival over the requests of the call (`prefix_survival`; NaN: no round counts)
+    prefix_survival: list[float] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["tau"] = round(self.tau, 4)
         d["accepted_per_position"] = [round(x, 4) for x in self.accepted_per_position]
+        d["prefix_survival"] = rounded(self.prefix_survival)
         for k in ("seconds", "prefill_seconds", "round_seconds"):
             d[k] = round(d[k], 4)
         return d
@@ -526,10 +576,93 @@ class SpecEngine:
             mode=self.spec.mode, rounds=rounds, tau=float(np.mean(all_committed)) if all_committed else 0.0,
             accepted_per_position=[float(np.mean(acc_arr > k)) if len(acc_arr) else 0.0 for k in range(D)],
             seconds=time.perf_counter() - t0, prefill_seconds=t_prefill, round_seconds=t_round,
-            verify_nodes=N, capacity=int(capacity), compilations_after_startup=self.compilations_after_startup)
+            verify_nodes=N, capacity=int(capacity), compilations_after_startup=self.compilations_after_startup,
+            prefix_survival=prefix_survival(accepted, D))
         rate = rounds / t_round if t_round > 0 else 0.0
         return [SpecResult(list(map(int, prompts[i])), out[i], finish[i], results_rounds[i], committed[i],
                            accepted[i], t_prefill, rate) for i in range(n)]
+
+    # --------------------------------------------------------------------------------------------
+    def phase_times(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                    repeats: int = 5, warmup: int = 1) -> dict:
+        """Where a round's time goes: from the engine state after the prefill of `prompts` (the first
+        `slots` of them, admitted at once as `generate` admits them; same bucket), time one round split into
+        its phases — `round_draft` (draft, build, select), `round_verify` (the target's verify forward),
+        `round_commit` (accept + commit of target and drafter) — each jitted on its own, and the fused round
+        (`spec_round_jit`, as `generate` runs it). Median of `repeats` calls after `warmup`, each with
+        block_until_ready; donated inputs (fused round, commit) are restored untimed before each call.
+
+        Returns {"draft_ms", "verify_ms", "commit_ms", "sum_ms", "round_ms", "sum_over_round", "identical"
+        (the split round's committed tokens, counts, accepted and anchors equal the fused round's),
+        "state_identical" (its new target and drafter states too, bit for bit: XLA may fuse across the phase
+        boundaries differently), "mode", "batch", "kv_len", "verify_nodes", "active", "repeats"}. The split pieces are extra programs: they count in `compilations_after_startup`."""
+        if self.spec.mode == "ar":
+            raise ValueError("phase times need a speculative mode (ar has no draft / verify / commit)")
+        if not prompts:
+            raise ValueError("phase_times needs at least one prompt")
+        if repeats < 1 or warmup < 0:
+            raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+        plist = validate_prompts(prompts, params, self.config.vocab_size)
+        n = len(prompts)
+        B = self.slots or bucket(n, 1)
+        need = max(len(p) for p in prompts) + max(p.max_tokens for p in plist) + self._gamma + 2
+        S = self.kv_len or bucket(need, 128)
+        if need > S:
+            raise ValueError(f"kv_len {S} is too short: prompts + max_tokens + draft depth need {need}")
+        self.verify_nodes = N = self.nodes_for(B, S)
+        shape = self.round_shape(any(p.temperature > 0 for p in plist))
+        G = self.drafter.config.num_draft_tokens
+        k = min(n, B)
+        admit = np.arange(B) < k
+        T = bucket(max(len(p) for p in prompts[:k]))
+        toks, val = np.zeros((B, T), np.int32), np.zeros((B, T), bool)
+        for b in range(k):
+            toks[b, :len(prompts[b])], val[b, :len(prompts[b])] = prompts[b], True
+        sampling = SlotSampling.from_params(list(plist[:k]) + [SamplingParams()] * (B - k), B)
+        state, dstate, anchor = self._buffers(B, S)
+        state, dstate, anchor = self._prefill_call(state, dstate, anchor, toks, val, admit, sampling, shape)
+        active, steps = jnp.asarray(admit), jnp.asarray(admit.astype(np.int32))
+        capacity = jnp.asarray(self.spec.capacity or B * N, I32)
+        hint = jnp.full((B, G), -1, I32)
+        copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
+
+        draft, verify, commit_ = round_draft_jit, round_verify_jit, round_commit_jit
+        tg, tp, dg, dp = self.tgraph, self.tparams, self.dgraph, self.dparams
+        box = {}
+
+        def timed(fn, before=None) -> tuple[float, object]:
+            times, out = [], None
+            for i in range(warmup + repeats):
+                if before is not None:
+                    jax.block_until_ready(before())
+                out = None
+                t0 = time.perf_counter()
+                out = jax.block_until_ready(fn())
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+            return 1e3 * float(np.median(times)), out
+
+        def restore():
+            box["s"], box["d"] = copy(state), copy(dstate)
+            return box["s"], box["d"]
+
+        t_draft, (dtoks, tree, child_q) = timed(lambda: draft(tg, tp, dg, dp, state, dstate, anchor, active, sampling,
+                                                               steps, capacity, hint, shape=shape))
+        t_verify, (logits, taps, cache) = timed(lambda: verify(tg, tp, state, tree, dtoks, shape=shape))
+        t_commit, split = timed(lambda: commit_(dg, dp, box["s"], box["d"], anchor, active, sampling, steps, dtoks,
+                                                tree, child_q, logits, taps, cache, shape=shape), before=restore)
+        t_round, fused = timed(lambda: spec_round_jit(tg, tp, dg, dp, box["s"], box["d"], anchor, active, sampling,
+                                                      steps, capacity, hint, shape=shape), before=restore)
+        same = lambda xs, ys: all(bool(np.array_equal(np.asarray(a), np.asarray(b)))  # noqa: E731
+                                  for a, b in zip(jax.tree.leaves(xs), jax.tree.leaves(ys)))
+        identical = same(split[2:], fused[2:])            # anchor, tokens, count, accepted
+        state_identical = same(split[:2], fused[:2])      # target and drafter states, bit for bit
+        total = t_draft + t_verify + t_commit
+        return dict(draft_ms=round(t_draft, 4), verify_ms=round(t_verify, 4), commit_ms=round(t_commit, 4),
+                    sum_ms=round(total, 4), round_ms=round(t_round, 4),
+                    sum_over_round=round(total / t_round, 4) if t_round > 0 else float("nan"),
+                    identical=identical, state_identical=state_identical, mode=self.spec.mode, batch=B, kv_len=S,
+                    verify_nodes=N, active=k, repeats=repeats)
 
     def _generate_ar(self, prompts, plist, on_tokens) -> list[SpecResult]:
         t0 = time.perf_counter()
@@ -595,9 +728,11 @@ def request_stats(engine: "SpecEngine | None", res) -> dict:
     """The speculative part of a request's `stats` (`hyspec generate --json`)."""
     if engine is None:
         n = max(len(res.token_ids) - 1, 0)
-        return {"mode": "ar", "rounds": n, "tau": 1.0 if n else 0.0, "accepted_per_position": []}
+        return {"mode": "ar", "rounds": n, "tau": 1.0 if n else 0.0, "accepted_per_position": [],
+                "prefix_survival": []}
     return {"mode": engine.spec.mode, "rounds": res.rounds, "tau": round(res.tau, 4),
             "accepted_per_position": [round(x, 4) for x in res.accepted_per_position(engine.depth)],
+            "prefix_survival": rounded(res.prefix_survival(engine.depth)),
             "verify_nodes": engine.verify_nodes}
 
 
@@ -609,5 +744,19 @@ def _without_reader(drafter: Drafter) -> Drafter:
     return clone
 
 
+def format_phase_times(pt: dict) -> str:
+    """`SpecEngine.phase_times` as the lines `hyspec generate --phase-times` prints to stderr."""
+    head = (f"[hyspec] round phases ({pt['mode']}, {pt['active']} request(s) in {pt['batch']} slot(s), "
+            f"KV {pt['kv_len']}, N={pt['verify_nodes']}; median of {pt['repeats']}, each phase jitted alone):")
+    lines = [head] + [f"[hyspec]   {name:<7} {pt[key]:10.3f} ms" for name, key in
+                      (("draft", "draft_ms"), ("verify", "verify_ms"), ("commit", "commit_ms"))]
+    lines.append(f"[hyspec]   sum     {pt['sum_ms']:10.3f} ms  vs fused round {pt['round_ms']:.3f} ms "
+                 f"(sum/fused {pt['sum_over_round']:.2f}; split outputs "
+                 f"{'identical' if pt['identical'] else 'DIFFER'}, states "
+                 f"{'bit-identical' if pt['state_identical'] else 'differ in rounding'})")
+    return "\n".join(lines)
+
+
 __all__ = ["MODES", "SpecConfig", "RoundShape", "SpecResult", "SpecStats", "SpecEngine", "spec_round",
-           "spec_round_jit", "prefill", "prefill_jit", "HINT_BIAS", "engine_from_args", "request_stats"]
+           "spec_round_jit", "round_draft", "round_verify", "round_commit", "prefill", "prefill_jit", "HINT_BIAS",
+           "engine_from_args", "request_stats", "prefix_survival", "rounded", "format_phase_times"]

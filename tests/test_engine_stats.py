@@ -1,0 +1,134 @@
+"""Engine statistics: the round split into draft / verify / commit (`SpecEngine.phase_times`, `hyspec generate
+--phase-times`) and ReaDy's censored prefix survival in `SpecStats` / `--stats` / `--json`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from hyspec_jax import cli
+from hyspec_jax.config import FULL, LINEAR, TargetConfig
+from hyspec_jax.io.drafter_io import save_drafter
+from hyspec_jax.io.hf import save_pretrained
+from hyspec_jax.models import drafter as D
+from hyspec_jax.models.reader import ReaderConfig
+from hyspec_jax.models.target import create_model
+from hyspec_jax.sampling import SamplingParams
+from hyspec_jax.spec.engine import SpecConfig, SpecEngine, SpecStats, format_phase_times, request_stats
+from hyspec_jax.spec.select import TreeSpec
+from hyspec_jax.spec.stats import prefix_survival
+from hyspec_jax.tokenizer import byte_level_tokenizer
+
+TCFG = TargetConfig(
+    model_type="qwen3_5_text", vocab_size=300, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=16, intermediate_size=64, layer_types=(LINEAR, FULL, LINEAR),
+    linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
+GAMMA, SLOTS, KV = 4, 2, 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _quick_compiles():
+    prev = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", prev)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = create_model(TCFG, seed=0)
+    dcfg = D.DrafterConfig.from_target(TCFG, num_layers=1, target_layer_ids=(0, 1), markov_rank=8,
+                                       block_size=GAMMA)
+    drafter = D.create_drafter(dcfg, ReaderConfig.for_target(TCFG, rank=4, mlp_hidden=16), seed=1)
+    return target, drafter
+
+
+PROMPTS = [[5, 9, 17, 3, 44, 2], [7, 1, 250]]
+
+
+@pytest.mark.parametrize("mode,spec_kw,temperature", [
+    ("chain", {}, 0.0),
+    ("tree-ready", dict(tree=TreeSpec(depth=3, top_k=2, beam=3), verify_nodes=6), 1.0),   # sampling: child q
+])
+def test_phase_times_split_round_equals_fused(models, mode, spec_kw, temperature):
+    target, drafter = models
+    eng = SpecEngine(target, drafter, SpecConfig(mode=mode, **spec_kw), slots=SLOTS, kv_len=KV)
+    params = [SamplingParams(max_tokens=8, temperature=temperature, seed=i) for i in range(len(PROMPTS))]
+    pt = eng.phase_times(PROMPTS, params, repeats=2)
+    assert pt["identical"] and pt["state_identical"], pt   # the three jitted phases = the fused round
+    for k in ("draft_ms", "verify_ms", "commit_ms", "round_ms"):
+        assert pt[k] > 0, pt
+    assert pt["sum_ms"] == pytest.approx(pt["draft_ms"] + pt["verify_ms"] + pt["commit_ms"], abs=1e-3)
+    assert pt["sum_over_round"] > 0 and pt["batch"] == SLOTS and pt["kv_len"] == KV and pt["active"] == 2
+    assert pt["verify_nodes"] == (6 if mode == "tree-ready" else GAMMA + 1)
+    text = format_phase_times(pt)
+    assert all(w in text for w in ("draft", "verify", "commit", "fused round", "identical"))
+    # the engine still generates normally afterwards (same bucket, same compiled round)
+    assert len(eng.generate(PROMPTS, params)[0].token_ids) == 8
+
+
+def test_phase_times_rejects_ar(models):
+    target, _ = models
+    with pytest.raises(ValueError, match="speculative mode"):
+        SpecEngine(target, None, SpecConfig(mode="ar")).phase_times(PROMPTS, SamplingParams(max_tokens=4))
+
+
+def test_prefix_survival_in_spec_stats(models):
+    target, drafter = models
+    eng = SpecEngine(target, drafter, SpecConfig(mode="chain"), slots=SLOTS, kv_len=KV)
+    prompts = PROMPTS + [[3, 3, 3]]
+    res = eng.generate(prompts, [SamplingParams(max_tokens=m) for m in (12, 9, 7)])
+    st = eng.last_stats
+    assert st.prefix_survival == prefix_survival([r.accepted for r in res], eng.depth)
+    assert len(st.prefix_survival) == eng.depth == GAMMA
+    # censored: the last round of each request never counts as a rejection
+    uncensored = [a for r in res for a in r.accepted[:-1]]
+    if uncensored and not math.isnan(st.prefix_survival[0]):
+        hits0 = sum(a >= 1 for r in res for a in r.accepted)
+        assert st.prefix_survival[0] == pytest.approx(hits0 / (len(uncensored) + sum(r.accepted[-1] >= 1 for r in res)))
+    d = st.to_dict()
+    assert len(d["prefix_survival"]) == GAMMA and all(x is None or 0 <= x <= 1 for x in d["prefix_survival"])
+    json.dumps(d, allow_nan=False)                     # NaN (no round counts) is written as null
+    rs = request_stats(eng, res[0])
+    assert rs["prefix_survival"] == [None if math.isnan(x) else round(x, 4) for x in res[0].prefix_survival(GAMMA)]
+
+
+def test_spec_stats_to_dict_nan_is_null():
+    st = SpecStats(mode="chain", rounds=1, tau=1.0, accepted_per_position=[0.0, 0.0],
+                   prefix_survival=prefix_survival([[0]], 2))
+    assert st.to_dict()["prefix_survival"] == [None, None]
+
+
+def test_format_stats_prefix_survival():
+    st = {"prompts": 1, "new_tokens": 10, "seconds": 1.0, "tokens_per_second": 10.0, "prefill_seconds": 0.1,
+          "decode_steps_per_second": 5.0, "mode": "chain", "rounds": 4, "tau": 2.5,
+          "accepted_per_position": [0.75, 0.5], "prefix_survival": [0.8, None], "verify_nodes": 3,
+          "compilations_after_startup": 0}
+    text = cli.format_stats(st)
+    assert "prefix survival" in text and "1: 0.80  2: n/a" in text
+
+
+def test_cli_stats_and_phase_times(models, tmp_path, capsys):
+    target, drafter = models
+    save_pretrained(target, tmp_path / "target")
+    byte_level_tokenizer().save(str(tmp_path / "target" / "tokenizer.json"))
+    save_drafter(drafter, tmp_path / "drafter")
+    base = ["generate", "--model", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+            "--spec-mode", "chain", "--slots", str(SLOTS), "--max-tokens", "6", "--json", "--stats",
+            "--phase-times", "Hi"]
+    assert cli.main(base) == 0
+    cap = capsys.readouterr()
+    [res] = [json.loads(line) for line in cap.out.splitlines() if line.strip()]
+    assert len(res["stats"]["prefix_survival"]) == GAMMA
+    assert "prefix survival" in cap.err and "round phases (chain" in cap.err
+    for phase in ("draft", "verify", "commit"):
+        assert any(line.split()[1:2] == [phase] and line.rstrip().endswith("ms") for line in cap.err.splitlines())
+    assert "identical" in cap.err
+    # streamed text, no --stats: the one-line summary stays, the phase lines follow it
+    assert cli.main([a for a in base if a not in ("--json", "--stats")]) == 0
+    err = capsys.readouterr().err
+    assert "tok/s incl. compile" in err and "round phases (chain" in err and "prefix survival" not in err

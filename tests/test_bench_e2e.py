@@ -55,20 +55,21 @@ def dirs(tmp_path_factory):
 def test_e2e_every_mode_equals_ar(dirs):
     out = dirs / "res" / "e2e.json"
     rc = e2e_main(["--json", str(out), "--model", str(dirs / "target"), "--drafter", str(dirs / "drafter"),
-                   "--prompts", str(dirs / "prompts.npz"), "--prompts-per-domain", "3", "--batch", "1", "2",
+                   "--prompts", str(dirs / "prompts.npz"), "--prompts-per-domain", "3", "--batch", "2",
                    "--max-tokens", "6", "--repeats", "1", "--tree-depth", "3", "--tree-topk", "2",
-                   "--tree-beam", "2", "--verify-nodes", "5", "--sweep-nodes", "3", "5"])
+                   "--tree-beam", "2", "--verify-nodes", "5", "--sweep-nodes", "3"])
     assert rc == 0
     rep = json.loads(out.read_text())
     res = rep["results"]
-    assert set(res) == {f"{m}@b{b}" for m in ("ar", "chain", "ready", "tree", "tree-ready") for b in (1, 2)} | {
-        "tree-ready@b1@N3", "tree-ready@b1@N5"}
+    # batch 2 over 3 prompts a domain: a full group and a ragged one
+    assert set(res) == {f"{m}@b2" for m in ("ar", "chain", "ready", "tree", "tree-ready")} | {"tree-ready@b1@N3"}
     for key, row in res.items():
         for d, e in row["domains"].items():
             assert e["equal_ar"] is True, (key, d)
             assert e["tok_s"] > 0 and e["tokens"] == 3 * 6
             if row["mode"] != "ar":
-                assert 1.0 <= e["tau"] <= 1 + row["verify_nodes"] and e["speedup"] > 0
+                assert 1.0 <= e["tau"] <= 1 + row["verify_nodes"]
+                assert e["speedup"] > 0 if f"ar@b{row['batch']}" in res else "speedup" not in e
                 assert len(e["prefix_survival"]) == len(e["accepted_per_position"])
     assert res["tree-ready@b1@N3"]["verify_nodes"] == 3
     assert rep["meta"]["commit"] and rep["meta"]["device_kind"]

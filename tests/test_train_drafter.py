@@ -4,6 +4,8 @@ stage 2 (reader + LoRA) updating only what they train, and exported drafters rep
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -173,41 +175,52 @@ def test_ready_stages_train_only_reader_and_lora(setup, dspark):
     assert set(s3.state["train"]) == {"lora"} and s3.rcfg is None
 
 
-def test_distillation_data_is_the_targets_greedy_continuation(setup):
+@pytest.fixture(scope="module")
+def distill(setup):
+    """One distillation set for the module: prompt pack (8 tokens, 2 per domain) + 32 greedy tokens each."""
+    root, _ = setup
+    from hyspec_jax.train.distill import generate_continuations, sample_prompts
+    summary = sample_prompts(root / "corpus", root / "distill" / "prompts.npz", per_domain=2, prompt_len=8, seed=4)
+    generate_continuations(root / "target", root / "distill" / "prompts.npz", root / "distill", gen_len=32,
+                           batch_size=8, progress=False)
+    return root / "distill", summary
+
+
+def test_distillation_data_is_the_targets_greedy_continuation(setup, distill):
     root, cfg = setup
     from hyspec_jax.io.hf import load_pretrained
     from hyspec_jax.models.target import forward_full
-    from hyspec_jax.train.distill import DistillSampler, generate_continuations, load_prompts, sample_prompts
+    from hyspec_jax.train.distill import DistillSampler, load_prompts, sample_prompts
 
-    a = sample_prompts(root / "corpus", root / "distill" / "prompts.npz", per_domain=2, prompt_len=6, seed=4)
-    first = load_prompts(root / "distill" / "prompts.npz")
-    sample_prompts(root / "corpus", root / "again.npz", per_domain=2, prompt_len=6, seed=4)
+    ddir, a = distill
+    first = load_prompts(ddir / "prompts.npz")
+    sample_prompts(root / "corpus", root / "again.npz", per_domain=2, prompt_len=8, seed=4)
     np.testing.assert_array_equal(first[0], load_prompts(root / "again.npz")[0])      # deterministic
-    assert a["prompts"] == 2 * len(a["domains"]) and first[0].shape == (a["prompts"], 6)
-    m = generate_continuations(root / "target", root / "distill" / "prompts.npz", root / "distill", gen_len=10,
-                               batch_size=3, progress=False)
-    seqs = np.load(root / "distill" / "sequences.npy").astype(np.int32)
-    assert seqs.shape == (a["prompts"], 16) and m["sequences"] == a["prompts"]
-    np.testing.assert_array_equal(seqs[:, :6], first[0])
+    assert a["prompts"] == 2 * len(a["domains"]) and first[0].shape == (a["prompts"], 8)
+    manifest = json.loads((ddir / "manifest.json").read_text())
+    seqs = np.load(ddir / "sequences.npy").astype(np.int32)
+    assert seqs.shape == (a["prompts"], 40) and manifest["sequences"] == a["prompts"]
+    np.testing.assert_array_equal(seqs[:, :8], first[0])
     # every generated token is the argmax of one no-cache forward over the sequence (an independent path)
     _, target = load_pretrained(root / "target")
     logits = forward_full(*nnx.split(target), jnp.asarray(seqs))
-    np.testing.assert_array_equal(np.argmax(np.asarray(logits[:, 5:-1]), -1), seqs[:, 6:])
-    s = DistillSampler(root / "distill", 12, seed=0)
+    np.testing.assert_array_equal(np.argmax(np.asarray(logits[:, 7:-1]), -1), seqs[:, 8:])
+    s = DistillSampler(ddir, 12, seed=0)
     b = s.batch(3, 5)
     assert b.shape == (5, 12) and np.array_equal(b, s.batch(3, 5))
-    assert all(any(np.array_equal(r, q[o:o + 12]) for q in seqs for o in range(5)) for r in b)
+    assert all(any(np.array_equal(r, q[o:o + 12]) for q in seqs for o in range(29)) for r in b)
 
 
-def test_drafter_on_distill_data_resumes_exactly(setup):
+def test_drafter_on_distill_data_resumes_exactly(setup, distill):
+    """Steps 3-4 after a restart from the step-2 checkpoint equal steps 3-4 of the uninterrupted run."""
     root, _ = setup
-    from hyspec_jax.train.distill import generate_continuations, sample_prompts
-    sample_prompts(root / "corpus", root / "d2" / "prompts.npz", per_domain=2, prompt_len=8, seed=1)
-    generate_continuations(root / "target", root / "d2" / "prompts.npz", root / "d2", gen_len=32, batch_size=8,
-                           progress=False)
-    straight = make(root, "dspark", "straight", data=str(root / "d2"), ckpt_every=2).run(stop_after=4)["losses"]
-    make(root, "dspark", "killed", data=str(root / "d2"), ckpt_every=2).run(stop_after=2)
-    resumed = make(root, "dspark", "killed", data=str(root / "d2"), ckpt_every=2)
+    ddir, _ = distill
+    import shutil
+    first = make(root, "dspark", "resume", data=str(ddir), ckpt_every=2)
+    first.run(stop_after=2)                                      # saves step 2 (synchronously)
+    shutil.copytree(root / "resume", root / "killed")            # the run as it was when killed
+    straight = first.run(stop_after=4)["losses"]                 # the same process carries on
+    resumed = make(root, "dspark", "killed", data=str(ddir), ckpt_every=2)
     assert resumed.start_step == 2
     again = resumed.run(stop_after=4)["losses"]
     np.testing.assert_allclose([again[2], again[3]], [straight[2], straight[3]], rtol=1e-6)

@@ -34,6 +34,7 @@ SLOTS = 8
 QUEUE = 32
 CHUNK = 32
 GAMMA = 4
+TREE_DEPTH, TREE_NODES = 3, 6      # the tree server: 3 levels of top-2 children (beam 3), 6 verified nodes per slot
 NAME = "tiny-test"
 TEMPLATE = ("{% for m in messages %}[{{ m.role }}]: {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}[assistant]: {% endif %}")
@@ -107,7 +108,8 @@ def _launch(cmd: list[str], log: Path) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """Start the servers (an AR one, a speculative one); they compile their buckets while the oracle compiles."""
+    """Start the servers (an AR one, a chain and a tree speculative one); they compile their buckets while the
+    oracle compiles."""
     root = tmp_path_factory.mktemp("serve")
     model_dir = _tiny_dir(root)
     drafter_dir = _drafter_dir(root, model_dir)
@@ -118,6 +120,10 @@ def launched(tmp_path_factory):
                        root / "server.log"), root / "server.log"),
         "chain": (_launch(base + ["--spec-mode", "chain", "--drafter", str(drafter_dir), "--max-batch", "4",
                                   "--prefill-chunk", "16"], root / "server-chain.log"), root / "server-chain.log"),
+        "tree": (_launch(base + ["--spec-mode", "tree", "--drafter", str(drafter_dir), "--max-batch", "4",
+                                 "--prefill-chunk", "16", "--tree-depth", str(TREE_DEPTH), "--tree-topk", "2",
+                                 "--tree-beam", "3", "--verify-nodes", str(TREE_NODES)],
+                         root / "server-tree.log"), root / "server-tree.log"),
     }
     yield procs, model_dir
     for proc, _ in procs.values():
@@ -175,6 +181,12 @@ def server(launched, oracle):
 def spec_server(launched, oracle):
     procs, model_dir = launched
     return _wait_port(*procs["chain"], model_dir)
+
+
+@pytest.fixture(scope="module")
+def tree_server(launched, oracle):
+    procs, model_dir = launched
+    return _wait_port(*procs["tree"], model_dir)
 
 
 TOK = byte_level_tokenizer()
@@ -653,6 +665,51 @@ def test_speculative_chain_server_is_lossless_and_counts_drafts(spec_server, ora
     assert _value(m, "hyspec:compilations_after_startup_total") == 0
     models = client.models.list()
     assert extra(models.data[0], "spec_mode") == "chain"
+
+
+def test_speculative_tree_server_equals_plain_decoding(tree_server, oracle):
+    """--spec-mode tree (the random DSpark drafter; 3 levels of top-2 children, beam 3, 6 verified nodes per slot;
+    4 slots, prefill chunks of 16): 8 concurrent greedy requests — prompts shorter and longer than a chunk,
+    admitted as slots free, streamed or not — return exactly the token ids, text and finish reason of plain
+    autoregressive decoding of each prompt alone; the tree counters add up (5 draft tokens per round)."""
+    client = tree_server.client()
+    rng = np.random.default_rng(4)
+    prompts = [(f"tree {i}: " + "the quick brown fox " * int(rng.integers(0, 4)))[:56] for i in range(8)]
+    assert any(len(enc(p)) > 16 for p in prompts) and any(len(enc(p)) <= 16 for p in prompts)
+    max_tokens = [int(rng.integers(4, 21)) for _ in prompts]
+    wants = [oracle(enc(p), m) for p, m in zip(prompts, max_tokens)]
+    before = tree_server.metrics()
+
+    def call(args):
+        i, p, m = args
+        kw = dict(model=NAME, prompt=p, max_tokens=m, temperature=0, extra_body={"return_token_ids": True})
+        if i % 2:
+            ids, text, why = [], "", None
+            for ch in client.completions.create(stream=True, **kw):
+                ids += extra(ch.choices[0], "token_ids") or []
+                text += ch.choices[0].text
+                why = ch.choices[0].finish_reason or why
+            return ids, text, why
+        r = client.completions.create(**kw)
+        return extra(r.choices[0], "token_ids"), r.choices[0].text, r.choices[0].finish_reason
+
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(call, [(i, p, m) for i, (p, m) in enumerate(zip(prompts, max_tokens))]))
+    for p, (want, why), (ids, text, fr) in zip(prompts, wants, got):
+        assert ids == want, p
+        assert text == dec(want), p
+        assert fr == why, p
+    m = tree_server.metrics()
+    d = lambda name, **kw: _value(m, name, **kw) - _value(before, name, **kw)  # noqa: E731
+    drafts, accepted = d("vllm:spec_decode_num_drafts_total"), d("vllm:spec_decode_num_accepted_tokens_total")
+    per_pos = [d("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=k) for k in range(TREE_DEPTH)]
+    assert drafts > 0 and accepted > 0           # some rounds committed an accepted branch, not just the bonus
+    assert d("vllm:spec_decode_num_draft_tokens_total") == (TREE_NODES - 1) * drafts
+    assert accepted == sum(per_pos) <= TREE_DEPTH * drafts
+    assert all(x >= y for x, y in zip(per_pos, per_pos[1:]))
+    assert d("vllm:generation_tokens_total") == sum(len(w) for w, _ in wants)
+    assert _value(m, "hyspec:compilations_after_startup_total") == 0
+    assert extra(client.models.list().data[0], "spec_mode") == "tree"
 
 
 def test_sigterm_drains_in_flight_requests_then_exits(server, oracle):

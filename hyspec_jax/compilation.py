@@ -8,6 +8,10 @@
   (`/jax/core/compile/backend_compile_duration`, recorded around `compiler.compile_or_get_cached`).
   `CompileWatch` counts from a mark: engines mark it at the end of their start-up compile (`warmup`), so
   `compilations_after_startup` is the number of recompiles while serving (it should stay 0).
+- `split_for_jit(module)` = (`static_graphdef`, `pure_params`): what the jitted entry points take, cheap to pass
+  on every call (a decode step / speculative round): a GraphDef whose hash is computed once, and the
+  parameters as a plain nested dict of arrays (`nnx.merge` accepts it) that jit flattens in C++ instead of
+  through nnx's Python Variable flattening (~1.3 ms per call for the 108 arrays of the embedded model).
 """
 
 from __future__ import annotations
@@ -93,6 +97,75 @@ def on_compile(callback: Callable[[str], None]) -> Callable[[], None]:
     return remove
 
 
+def split_for_jit(module):
+    """`nnx.split(module)` in the form jitted entry points take: (`static_graphdef`, `pure_params`)."""
+    from flax import nnx
+    graphdef, params = nnx.split(module)
+    return static_graphdef(graphdef), pure_params(params)
+
+
+def pure_params(params):
+    """An `nnx.State` as a plain nested dict of arrays (anything else unchanged); `nnx.merge` takes either."""
+    from flax import nnx
+    return nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+
+
+def static_graphdef(graphdef):
+    """`graphdef` (an `nnx.GraphDef`) as an equal GraphDef whose hash is computed once and whose equality
+    short-cuts on identity; interchangeable with it everywhere (`nnx.merge`, static jit arguments).
+
+    `jit` hashes its static arguments on every call, and compares them on a cache hit; a plain GraphDef
+    recomputes both over every node of the model: ~3.5 ms per call for the 8-layer embedded model on a 2-core
+    host, a third of a CPU decode step, paid by every decode step and speculative round."""
+    from flax.nnx import graphlib
+    if isinstance(graphdef, _static_graphdef_class()) or not isinstance(graphdef, graphlib.GraphDef):
+        return graphdef
+    return _static_graphdef_class()(graphdef)
+
+
+_STATIC_GRAPHDEF: list = []
+
+
+def _static_graphdef_class():
+    if _STATIC_GRAPHDEF:
+        return _STATIC_GRAPHDEF[0]
+    import jax
+    from flax.nnx import graphlib
+
+    class StaticGraphDef(graphlib.GraphDef):
+        __slots__ = ("_hash",)
+
+        def __init__(self, graphdef):
+            super().__init__(nodes=graphdef.nodes, attributes=graphdef.attributes, num_leaves=graphdef.num_leaves)
+            object.__setattr__(self, "_hash", graphlib.GraphDef.__hash__(self))
+
+        def __hash__(self) -> int:
+            return self._hash
+
+        def __eq__(self, other) -> bool:
+            if self is other:
+                return True
+            if not isinstance(other, graphlib.GraphDef):
+                return NotImplemented
+            return (hash(self) == hash(other) and self.num_leaves == other.num_leaves
+                    and self.nodes == other.nodes and self.attributes == other.attributes)
+
+        def __ne__(self, other) -> bool:
+            eq = self.__eq__(other)
+            return eq if eq is NotImplemented else not eq
+
+        def __reduce__(self):
+            return (_rebuild_static_graphdef, (graphlib.GraphDef(self.nodes, self.attributes, self.num_leaves),))
+
+    jax.tree_util.register_static(StaticGraphDef)
+    _STATIC_GRAPHDEF.append(StaticGraphDef)
+    return StaticGraphDef
+
+
+def _rebuild_static_graphdef(graphdef):
+    return static_graphdef(graphdef)
+
+
 class CompileWatch:
     """Counts this process's compilations since `mark()` (initially: since construction)."""
 
@@ -110,4 +183,5 @@ class CompileWatch:
 
 
 __all__ = ["BACKEND_COMPILE_EVENT", "CACHE_ENV", "compilation_cache_dir", "enable_compilation_cache", "install",
-           "compile_count", "on_compile", "CompileWatch"]
+           "compile_count", "on_compile", "CompileWatch", "split_for_jit", "static_graphdef",
+           "pure_params"]

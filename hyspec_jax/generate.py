@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hyspec_jax.compilation import CompileWatch, enable_compilation_cache
+from hyspec_jax.compilation import CompileWatch, enable_compilation_cache, pure_params, static_graphdef
 from hyspec_jax.config import TargetConfig
 from hyspec_jax.sampling import SamplingParams, SlotSampling, sample
 from hyspec_jax.state import TargetState, init_state
@@ -100,7 +100,8 @@ class Generator:
     """Batched autoregressive generation with a target model split into (graphdef, params)."""
 
     def __init__(self, config: TargetConfig, graphdef: nnx.GraphDef, params: nnx.State):
-        self.config, self.graphdef, self.params = config, graphdef, params
+        # cheap to pass on every step: GraphDef hashed once, params a plain dict (hyspec_jax.compilation)
+        self.config, self.graphdef, self.params = config, static_graphdef(graphdef), pure_params(params)
         leaves = jax.tree.leaves(params)
         self.dtype = leaves[0].dtype if leaves else jnp.float32
         self.watch = CompileWatch()
@@ -120,11 +121,13 @@ class Generator:
 
     # device calls: `generate` and `compile_buckets` share them, so start-up compiles exactly what generate runs
     def _prefill_call(self, state, tokens: np.ndarray, valid: np.ndarray, sampling: SlotSampling):
-        return _prefill_jit(self.graphdef, self.params, state, jnp.asarray(tokens), jnp.asarray(valid), sampling)
+        return _prefill_jit(self.graphdef, self.params, state, np.asarray(tokens), np.asarray(valid), sampling)
 
     def _decode_call(self, state, nxt, active: np.ndarray, sampling: SlotSampling, step: int):
-        return _decode_jit(self.graphdef, self.params, state, nxt, jnp.asarray(active), sampling,
-                           jnp.asarray(step, jnp.int32))
+        # host arrays go straight to the jitted call (cheaper than a jnp.asarray dispatch each); `active` is
+        # copied because the caller updates it in place while the step may still be running
+        return _decode_jit(self.graphdef, self.params, state, nxt, np.array(active), sampling,
+                           np.asarray(step, np.int32))
 
     def compile_buckets(self, buckets: Iterable[tuple[int, int]], prompt_lengths: Sequence[int] | None = None,
                         progress: bool = True, cache: bool = True) -> int:

@@ -88,7 +88,17 @@ def slot_keys(seed: jax.Array, step: jax.Array) -> jax.Array:
 
 
 def sample(logits: jax.Array, sampling: SlotSampling, step: jax.Array) -> jax.Array:
-    """logits [B, V] -> tokens [B] int32."""
-    logp = warp(logits, sampling.temperature, sampling.top_p, sampling.top_k)
-    keys = slot_keys(sampling.seed, step)
-    return jax.vmap(lambda key, lp: jax.random.categorical(key, lp))(keys, logp).astype(jnp.int32)
+    """logits [B, V] -> tokens [B] int32.
+
+    When every slot is greedy (a runtime branch: one program either way) this is the argmax alone — what the
+    warped one-hot distribution draws — skipping the sort, softmax and Gumbel noise over the vocabulary
+    (~2 ms per decode step on a CPU, a fifth of the embedded model's step)."""
+    def draw(_):
+        logp = warp(logits, sampling.temperature, sampling.top_p, sampling.top_k)
+        keys = slot_keys(sampling.seed, step)
+        return jax.vmap(lambda key, lp: jax.random.categorical(key, lp))(keys, logp).astype(jnp.int32)
+
+    def greedy(_):
+        return jnp.argmax(logits.astype(F32), axis=-1).astype(jnp.int32)
+
+    return jax.lax.cond(jnp.all(sampling.temperature <= 0), greedy, draw, None)

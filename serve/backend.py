@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hyspec_jax.compilation import split_for_jit
 from hyspec_jax.generate import bucket
 from hyspec_jax.models.target import TargetModel
 from hyspec_jax.sampling import SlotSampling, warp
@@ -118,7 +119,7 @@ class Backend(abc.ABC):
         if prefill_chunk < MIN_CHUNK or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill chunk must be a power of two >= {MIN_CHUNK}, got {prefill_chunk}")
         self.config = target.config
-        self.graphdef, self.params = nnx.split(target)
+        self.graphdef, self.params = split_for_jit(target)     # cheap to pass every step (compilation.py)
         leaves = jax.tree.leaves(self.params)
         self.dtype = leaves[0].dtype if leaves else F32
         self.slots, self.max_len, self.prefill_chunk = slots, max_len, prefill_chunk

@@ -53,6 +53,7 @@ def test_wheel_ships_the_embedded_model(tmp_path):
     missing = [f for f in shipped if f"hyspec_jax/checkpoints/default/{f}" not in names]
     assert not missing, f"not in the wheel: {missing}"
     assert not any(n.startswith(("checkpoints/", "train/", "serve/", "tests/")) for n in names)  # no top-level
+    assert "hyspec_jax/cpu_kernels.cc" in names          # the native CPU kernel's source (built on first use)
 
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from hyspec_jax.config import ConfigError, TargetConfig
-from hyspec_jax.models.layers import MLP, Linear, apply_rope, attend, rope_cos_sin
+from hyspec_jax.models.layers import MLP, Linear, apply_rope, attend, dense, rope_cos_sin
 from hyspec_jax.models.reader import Reader, ReaderConfig, select_states
 from hyspec_jax.models.target import Embedding, TargetModel
 
@@ -239,7 +239,7 @@ class TargetHeads:
 
     def logits(self, h: jax.Array) -> jax.Array:
         w = jax.lax.stop_gradient(self.lm_head)
-        return jnp.einsum("...h,vh->...v", h.astype(w.dtype), w, preferred_element_type=F32)
+        return dense(h.astype(w.dtype), w)
 
 
 def target_heads(target: TargetModel) -> TargetHeads:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hyspec_jax import gdn
+from hyspec_jax import cpu_kernels, gdn
 from hyspec_jax.config import TargetConfig
 
 F32 = jnp.float32
@@ -19,6 +19,17 @@ F32 = jnp.float32
 
 def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, F32).astype(dtype))
+
+
+def dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] · wᵀ for a weight in the HF [out, in] layout -> [..., out] float32 (fp32 accumulation).
+
+    The one home of the models' weight products (Linear, tied / shared LM heads). A few float32 rows on a CPU
+    (speculative verify / draft) run the native streaming kernel, everything else XLA's dot
+    (`hyspec_jax.cpu_kernels`)."""
+    if cpu_kernels.eligible(x, w):
+        return cpu_kernels.dense(x, w)
+    return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=F32)
 
 
 class Linear(nnx.Module):
@@ -30,7 +41,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.weight[...]
-        y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=F32).astype(w.dtype)
+        y = dense(x.astype(w.dtype), w).astype(w.dtype)
         return y if self.bias is None else y + self.bias[...]
 
 

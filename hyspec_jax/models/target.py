@@ -16,7 +16,7 @@ from flax import nnx
 from hyspec_jax import gdn
 from hyspec_jax.config import LINEAR, TargetConfig
 from hyspec_jax.models.layers import (MLP, Attention, GatedDeltaNet, Linear, RMSNorm, SparseMoe, _normal,
-                                      attend)
+                                      attend, dense)
 from hyspec_jax import tree as tree_lib
 from hyspec_jax.state import TargetState, TreeCache
 from hyspec_jax.tree import Tree
@@ -65,7 +65,7 @@ class TargetModel(nnx.Module):
     def logits(self, h: jax.Array) -> jax.Array:
         if self.lm_head is None:
             w = self.model.embed_tokens.weight[...]
-            return jnp.einsum("...h,vh->...v", h.astype(w.dtype), w, preferred_element_type=F32)
+            return dense(h.astype(w.dtype), w)
         return self.lm_head(h).astype(F32)
 
     def _stack(self, x: jax.Array, gdn_mixer, attn_mixer, tap_layers: tuple[int, ...]):

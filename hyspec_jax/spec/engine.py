@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 from hyspec_jax import tree as tree_lib
-from hyspec_jax.compilation import CompileWatch
+from hyspec_jax.compilation import CompileWatch, split_for_jit
 from hyspec_jax.generate import (Generator, bucket, compile_progress, prompt_buckets, use_compilation_cache,
                                  validate_prompts)
 from hyspec_jax.models.drafter import DraftBlock, Drafter, DrafterState, init_drafter_state, target_heads
@@ -322,7 +322,7 @@ class SpecEngine:
         self.spec = spec
         self.budget_table, self.model_name = budget_table, model_name
         self.config = target.config
-        self.tgraph, self.tparams = nnx.split(target)
+        self.tgraph, self.tparams = split_for_jit(target)      # cheap to pass every round (compilation.py)
         leaves = jax.tree.leaves(self.tparams)
         self.dtype = leaves[0].dtype if leaves else F32
         self.slots, self.kv_len = slots, kv_len
@@ -345,7 +345,7 @@ class SpecEngine:
         if drafter.reader is not None and not spec.uses_reader:
             drafter = _without_reader(drafter)
         self.drafter = drafter
-        self.dgraph, self.dparams = nnx.split(drafter)
+        self.dgraph, self.dparams = split_for_jit(drafter)
         gamma = dcfg.num_draft_tokens
         if spec.is_tree:
             tspec = spec.tree or TreeSpec(depth=min(gamma, 4), top_k=2, beam=4)

@@ -454,10 +454,12 @@ class Drafter(nnx.Module):
         return jnp.concatenate([anchor[..., None], mask], axis=-1)
 
     def draft(self, dstate: DrafterState, anchor: jax.Array, heads: TargetHeads,
-              ssm: jax.Array | None = None) -> DraftBlock:
+              ssm: jax.Array | None = None, num_slots: int | None = None) -> DraftBlock:
         """The parallel stage for one block per slot, anchored at position dstate.lengths.
 
         ssm: the target's committed GDN states TargetState.ssm [Lg,B,HV,dk,dv] (read by the reader only).
+        num_slots: return only the first draft slots (default all γ): the whole block still runs (its slots
+        attend to each other), but the vocabulary projection of slots nobody reads is skipped.
         """
         B = dstate.batch
         chex.assert_shape(anchor, (B,))
@@ -467,6 +469,8 @@ class Drafter(nnx.Module):
         x = heads.embed_tokens(self.block_tokens(anchor))[:, None]          # [B,1,bs,d]
         h = self.block_hidden(x, dstate.lengths[:, None], dstate.keys, dstate.values, dstate.lengths, states)
         h = h[:, 0, self.config.logits_start:]
+        if num_slots is not None:
+            h = h[:, :num_slots]
         return DraftBlock(hidden=h, logits=heads.logits(h))
 
     # --- sequential heads -------------------------------------------------------------------------

@@ -143,7 +143,8 @@ def round_draft(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, 
     samp = sampling if shape.stochastic else None
     dkeys = _fold(_slot_keys(sampling.seed, steps), 0)
 
-    block = drafter.draft(dstate, anchor, heads, state.ssm if shape.reader else None)
+    block = drafter.draft(dstate, anchor, heads, state.ssm if shape.reader else None,
+                          num_slots=shape.gamma)       # the slots a chain / tree reads (no unused LM heads)
     if hint is not None:
         G, V = block.logits.shape[1], block.logits.shape[2]
         h = hint[:, :G]

@@ -6,6 +6,8 @@ The repository keeps it under `checkpoints/default/` (its drafter, once shipped,
 
     repository checkout / editable install   <repo>/checkpoints/default
     installed wheel                          <site-packages>/hyspec_jax/checkpoints/default
+
+Its calibration table (Bole's B_ver per device kind and bucket) is `default/budget_table.json`.
 """
 
 from __future__ import annotations
@@ -38,4 +40,14 @@ def default_drafter_dir() -> Path | None:
     return d if (d / "config.json").is_file() else None
 
 
-__all__ = ["checkpoint_roots", "default_model_dir", "default_drafter_dir"]
+def default_budget_table() -> Path | None:
+    """The embedded model's calibration table (`default/budget_table.json`: `hyspec calibrate` entries per
+    device kind, e.g. the H200 and this project's CPU host), or None."""
+    model = default_model_dir()
+    if model is None:
+        return None
+    f = model / "budget_table.json"
+    return f if f.is_file() else None
+
+
+__all__ = ["checkpoint_roots", "default_model_dir", "default_drafter_dir", "default_budget_table"]

@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import pytest
 
 from hyspec_jax import cli
-from hyspec_jax.embedded import default_drafter_dir, default_model_dir
+from hyspec_jax.embedded import default_budget_table, default_drafter_dir, default_model_dir
 from hyspec_jax.io.hf import load_pretrained
 from hyspec_jax.spec import engine as E
+from hyspec_jax.spec.budget import BudgetTable, b_ver, model_id
 from hyspec_jax.spec.options import RECOMMENDED_FILE, recommended_settings
 
 pytestmark = pytest.mark.skipif(default_drafter_dir() is None, reason="no embedded drafter in this checkout")
@@ -65,3 +66,19 @@ def test_explicit_options_win(monkeypatch, target):
     # another model directory never picks up the embedded drafter implicitly
     ns = _args(argv=["--model", str(model_dir)])
     assert E.engine_from_args(ns, target, model_dir, jnp.float32) is None
+
+
+def test_shipped_budget_table_covers_the_embedded_model(monkeypatch, target):
+    """checkpoints/default/budget_table.json: `hyspec calibrate` entries of this very model (config hash) on the
+    H200 and on a CPU, each B_ver consistent with its own timings; the embedded engine loads it by default."""
+    path = default_budget_table()
+    assert path is not None
+    table = BudgetTable.load(path)
+    name = model_id(target.config, default_model_dir().name)
+    assert {"NVIDIA H200", "cpu"} <= {e["device_kind"] for e in table.entries.values() if e["model"] == name}
+    for e in table.entries.values():
+        t_ver = {int(n): t for n, t in e["t_ver_ms"].items()}
+        assert (e["b_ver"], e["within_tolerance"]) == b_ver(t_ver, e["t_dec_ms"], e["eps"]), e
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    eng = E.engine_from_args(_args(argv=["--spec-mode", "chain"]), target, default_model_dir(), jnp.float32)
+    assert eng.budget_table is not None and eng.budget_table.entries == table.entries

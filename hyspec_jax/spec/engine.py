@@ -692,11 +692,13 @@ def engine_from_args(args, model: TargetModel, model_dir, dtype) -> "SpecEngine 
     from hyspec_jax.spec.options import recommended_settings
     drafter_dir = getattr(args, "drafter", None)
     rec: dict = {}
+    table_path = getattr(args, "budget_table", None)
     if drafter_dir is None and getattr(args, "model", None) is None and getattr(args, "spec_mode", None) != "ar":
-        from hyspec_jax.embedded import default_drafter_dir, default_model_dir
+        from hyspec_jax.embedded import default_budget_table, default_drafter_dir, default_model_dir
         shipped = default_drafter_dir()
         if shipped is not None and default_model_dir() == Path(model_dir):
             drafter_dir = shipped
+            table_path = table_path or default_budget_table()   # the embedded model's own calibration
             rec = recommended_settings(shipped, jax.default_backend())
             if getattr(args, "spec_mode", None) is None and not rec:
                 return None                       # nothing measured for this backend: plain decoding
@@ -720,7 +722,7 @@ def engine_from_args(args, model: TargetModel, model_dir, dtype) -> "SpecEngine 
     drafter = load_drafter(drafter_dir, dtype=dtype, with_reader=spec.uses_reader)
     if spec.uses_reader and drafter.reader is None:
         raise ValueError(f"--spec-mode {mode} needs a drafter with a ReaDy reader ({drafter_dir}/reader/ is missing)")
-    table = BudgetTable.load(args.budget_table) if getattr(args, "budget_table", None) else None
+    table = BudgetTable.load(table_path) if table_path else None
     name = model_id(model.config, Path(model_dir).name)
     return SpecEngine(model, drafter, spec, slots=getattr(args, "slots", None), budget_table=table, model_name=name)
 

@@ -265,6 +265,7 @@ def plots(report: dict, out: Path) -> None:
         ax.set(xlabel="verified nodes per request N", ylabel="tokens/s (mean over domains)",
                title=f"Budget curve ({sweep[0]['mode']}, batch 1)", xscale="log", xticks=ns)
         ax.set_xticklabels([str(n) for n in ns])
+        ax.set_xticks([], minor=True)   # no log-scale minor labels between the swept N
         ax2 = ax.twinx()
         ax2.plot(ns, [r["mean_tau"] for r in sweep], marker="s", color="tab:orange", label="τ")
         ax2.set_ylabel("τ")

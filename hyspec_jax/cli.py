@@ -106,6 +106,14 @@ def batch_stats(engine, gen, results, seconds: float) -> dict:
     return st
 
 
+def _warm_rate(mode: str, steps_per_second: float, tau: float, prompts: int) -> str:
+    """Decode speed after the first (compiling) step or round; for one prompt also as tokens/s."""
+    if mode == "ar":
+        return f"{steps_per_second:.1f} decode steps/s warm"
+    one = f" = {steps_per_second * tau:.1f} tok/s warm" if prompts == 1 else ""
+    return f"{steps_per_second:.1f} rounds/s warm x tau {tau:.2f}{one}"
+
+
 def format_stats(st: dict) -> str:
     """`batch_stats` as the human-readable block `hyspec generate --stats` prints to stderr."""
     lines = [f"mode {st['mode']}: {st['rounds']} rounds, tau {st['tau']:.2f} tokens per request-round "
@@ -120,7 +128,7 @@ def format_stats(st: dict) -> str:
                                  for k, a in enumerate(st["prefix_survival"], 1)))
     lines.append(f"{st['new_tokens']} new tokens for {st['prompts']} prompt(s) in {st['seconds']:.2f}s: "
                  f"{st['tokens_per_second']:.1f} tok/s incl. compile (prefill {st['prefill_seconds']:.2f}s, "
-                 f"{st['decode_steps_per_second']:.1f} {'rounds' if st['mode'] != 'ar' else 'decode steps'}/s warm)")
+                 f"{_warm_rate(st['mode'], st['decode_steps_per_second'], st['tau'], st['prompts'])})")
     lines.append(f"compilations after start-up: {st['compilations_after_startup']} (generate does not warm up: "
                  f"each program compiles on first use)")
     return "\n".join(f"[hyspec] {line}" for line in lines)
@@ -156,7 +164,7 @@ def cmd_generate(args) -> int:
     stops = tuple(sorted(set(cfg.eos_token_id) | set(special_token_ids(model_dir))))
     gen = Generator.from_model(model)
     from hyspec_jax.spec.engine import engine_from_args, request_stats
-    engine = engine_from_args(args, model, model_dir, dtype)   # None: plain autoregressive decoding
+    engine = engine_from_args(args, model, model_dir, dtype, batch=len(prompts))   # None: plain decoding
     encoded = [tokenizer.encode(p).ids for p in prompts]
     params = [SamplingParams(max_tokens=base.max_tokens, temperature=base.temperature, top_p=base.top_p,
                              top_k=base.top_k, seed=base.seed + i, stop_token_ids=stops)
@@ -197,8 +205,10 @@ def cmd_generate(args) -> int:
     elif not args.json:
         total = sum(len(r.token_ids) for r in results)
         rate = results[0].decode_steps_per_second
+        mode, tau = ("ar", 1.0) if engine is None else (engine.spec.mode, engine.last_stats.tau)
         print(f"[hyspec] {total} tokens for {len(results)} prompt(s) in {seconds:.2f}s "
-              f"({total / seconds:.1f} tok/s incl. compile; {rate:.1f} decode steps/s warm)", file=sys.stderr)
+              f"({total / seconds:.1f} tok/s incl. compile; {_warm_rate(mode, rate, tau, len(results))})",
+              file=sys.stderr)
     if getattr(args, "phase_times", False):
         from hyspec_jax.spec.engine import format_phase_times
         if engine is None:

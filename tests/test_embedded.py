@@ -82,3 +82,21 @@ def test_shipped_budget_table_covers_the_embedded_model(monkeypatch, target):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     eng = E.engine_from_args(_args(argv=["--spec-mode", "chain"]), target, default_model_dir(), jnp.float32)
     assert eng.budget_table is not None and eng.budget_table.entries == table.entries
+
+
+def test_recommendation_bounded_by_slots(monkeypatch, target):
+    """A recommendation measured up to `max_slots` concurrent requests: more prompts (or --slots) decode plainly
+    unless a mode is asked for explicitly."""
+    model_dir = default_model_dir()
+    for backend in ("cpu", "gpu"):
+        rec = recommended_settings(default_drafter_dir(), backend)
+        if not rec or rec.get("max_slots") is None:
+            continue
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        k = rec["max_slots"]
+        assert E.engine_from_args(_args(), target, model_dir, jnp.float32, batch=k) is not None
+        assert E.engine_from_args(_args(), target, model_dir, jnp.float32, batch=k + 1) is None
+        assert E.engine_from_args(_args(argv=["--slots", str(k + 1)]), target, model_dir, jnp.float32) is None
+        eng = E.engine_from_args(_args(argv=["--spec-mode", rec["spec_mode"]]), target, model_dir, jnp.float32,
+                                 batch=k + 1)
+        assert eng is not None and eng.spec.mode == rec["spec_mode"]

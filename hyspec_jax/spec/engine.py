@@ -270,7 +270,7 @@ class SpecResult:
     committed: list[int] = dataclasses.field(default_factory=list)   # tokens committed per round (bonus incl.)
     accepted: list[int] = dataclasses.field(default_factory=list)    # drafts accepted per round
     prefill_seconds: float = 0.0             # (as generate.GenerationResult) batch totals
-    decode_steps_per_second: float = 0.0     # rounds per second of the batch, compiles excluded where known
+    decode_steps_per_second: float = 0.0     # rounds per second of the batch after its first (compiling) round
 
     @property
     def tau(self) -> float:
@@ -498,7 +498,7 @@ class SpecEngine:
         slot_params = [SamplingParams()] * B
         steps = np.zeros(B, np.int32)
         stops = [set(p.stop_token_ids) for p in plist]
-        t_prefill = t_round = 0.0
+        t_prefill = t_round = t_first_round = 0.0
         rounds = 0
 
         def emit(i: int, toks: list[int]) -> bool:
@@ -561,6 +561,8 @@ class SpecEngine:
             toks_out, count, acc = np.asarray(toks_out), np.asarray(count), np.asarray(acc)
             t_round += time.perf_counter() - t1
             rounds += 1
+            if rounds == 1:
+                t_first_round = t_round               # compiles (or loads) the round program: not "warm"
             for b in range(B):
                 i = slot_req[b]
                 if i < 0:
@@ -579,7 +581,8 @@ class SpecEngine:
             seconds=time.perf_counter() - t0, prefill_seconds=t_prefill, round_seconds=t_round,
             verify_nodes=N, capacity=int(capacity), compilations_after_startup=self.compilations_after_startup,
             prefix_survival=prefix_survival(accepted, D))
-        rate = rounds / t_round if t_round > 0 else 0.0
+        # rounds per second after the first round (as Generator's decode steps/s after the first step)
+        rate = (rounds - 1) / (t_round - t_first_round) if rounds > 1 and t_round > t_first_round else 0.0
         return [SpecResult(list(map(int, prompts[i])), out[i], finish[i], results_rounds[i], committed[i],
                            accepted[i], t_prefill, rate) for i in range(n)]
 
@@ -681,11 +684,14 @@ class SpecEngine:
 # ------------------------------------------------------------------------------------------------
 # `hyspec generate` glue (the options are declared in hyspec_jax/cli.py)
 # ------------------------------------------------------------------------------------------------
-def engine_from_args(args, model: TargetModel, model_dir, dtype) -> "SpecEngine | None":
+def engine_from_args(args, model: TargetModel, model_dir, dtype, batch: int | None = None) -> "SpecEngine | None":
     """The engine `hyspec generate` / `hyspec serve` asked for, or None for plain autoregressive decoding.
 
     With the embedded model (no --model) and no --drafter, its shipped drafter is used, and every option the
-    user left unset takes the drafter's recommended value for this backend (explicit options always win)."""
+    user left unset takes the drafter's recommended value for this backend (explicit options always win).
+    batch: the number of requests decoded together (`--slots` wins): where the recommendation was measured
+    up to `max_slots` only and no --spec-mode was given, more slots decode plainly (e.g. on a 2-core CPU,
+    verification is nearly free for one request but not for eight)."""
     from pathlib import Path
 
     from hyspec_jax.io.drafter_io import load_drafter
@@ -702,6 +708,10 @@ def engine_from_args(args, model: TargetModel, model_dir, dtype) -> "SpecEngine 
             rec = recommended_settings(shipped, jax.default_backend())
             if getattr(args, "spec_mode", None) is None and not rec:
                 return None                       # nothing measured for this backend: plain decoding
+            slots = getattr(args, "slots", None) or batch
+            if (getattr(args, "spec_mode", None) is None and rec.get("max_slots") is not None
+                    and slots is not None and slots > rec["max_slots"]):
+                return None                       # measured slower than plain decoding at this batch
     opt = lambda name, fallback=None: (getattr(args, name, None) if getattr(args, name, None) is not None  # noqa: E731
                                         else rec.get(name, fallback))
     mode = opt("spec_mode") or ("chain" if drafter_dir else "ar")

@@ -32,7 +32,8 @@ def add_spec_arguments(p, *, default_mode: str | None = None) -> None:
 
 def recommended_settings(drafter_dir, backend: str) -> dict:
     """The measured best speculative settings of a drafter for a backend ('cpu' / 'gpu'): its
-    recommended_modes.json (written from `hyspec bench e2e` results), or {}."""
+    recommended_modes.json (written from `hyspec bench e2e` results), or {}. "max_slots" (optional): the
+    largest number of concurrent requests at which the mode was measured faster than plain decoding."""
     import json
     from pathlib import Path
 
@@ -41,4 +42,4 @@ def recommended_settings(drafter_dir, backend: str) -> dict:
         return {}
     rec = json.loads(path.read_text()).get(backend) or {}
     return {k: rec[k] for k in ("spec_mode", "tree_depth", "tree_topk", "tree_beam", "verify_nodes",
-                                "chain_length") if rec.get(k) is not None}
+                                "chain_length", "max_slots") if rec.get(k) is not None}

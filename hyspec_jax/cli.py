@@ -135,6 +135,12 @@ def format_stats(st: dict) -> str:
 
 
 def cmd_generate(args) -> int:
+    from hyspec_jax.compilation import program_cache
+    with program_cache():      # traced programs on disk too: a second `generate` skips tracing its programs
+        return _generate(args)
+
+
+def _generate(args) -> int:
     from hyspec_jax.sampling import SamplingParams
 
     prompts = _read_prompts(args)

@@ -1,4 +1,5 @@
-"""Compilation bookkeeping: JAX's persistent compilation cache and a process-wide compile counter.
+"""Compilation bookkeeping: JAX's persistent compilation cache, an on-disk program cache and a process-wide
+compile counter.
 
 - `enable_compilation_cache()` points JAX at an on-disk cache ($HYSPEC_JAX_CACHE, else
   `$HYSPEC_CACHE/xla`, else ~/.cache/hyspec_jax/xla) with no minimum compile time or entry size, so that every
@@ -8,6 +9,10 @@
   (`/jax/core/compile/backend_compile_duration`, recorded around `compiler.compile_or_get_cached`).
   `CompileWatch` counts from a mark: engines mark it at the end of their start-up compile (`warmup`), so
   `compilations_after_startup` is the number of recompiles while serving (it should stay 0).
+- `DiskCachedJit`: a jit whose traced + lowered program is also kept on disk (`jax.export`), keyed by its static
+  arguments, argument tree, shapes, dtypes, backend and `source_digest()`; used where `program_cache()` turns
+  it on (`hyspec generate`, CPU): a second process skips Python tracing and lowering, ~1-1.5 s per large
+  program on a 2-core CPU (the persistent compilation cache only skips XLA's compile).
 - `split_for_jit(module)` = (`static_graphdef`, `pure_params`): what the jitted entry points take, cheap to pass
   on every call (a decode step / speculative round): a GraphDef whose hash is computed once, and the
   parameters as a plain nested dict of arrays (`nnx.merge` accepts it) that jit flattens in C++ instead of
@@ -16,6 +21,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from pathlib import Path
@@ -166,6 +172,189 @@ def _rebuild_static_graphdef(graphdef):
     return static_graphdef(graphdef)
 
 
+# ------------------------------------------------------------------------------------------------
+# Program cache: traced + lowered programs on disk (jax.export), so a new process skips Python tracing
+# ------------------------------------------------------------------------------------------------
+PROGRAM_CACHE_ENV = "HYSPEC_PROGRAM_CACHE"     # "0" / "off": never use it, even where a command enables it
+_program_cache = {"on": False}
+
+
+def enable_program_cache(on: bool = True) -> bool:
+    """Let `DiskCachedJit` functions use the on-disk program cache in this process (`hyspec generate` turns it
+    on; libraries and tests leave it off). Returns whether it is now on: only on a CPU backend, and
+    $HYSPEC_PROGRAM_CACHE=0 keeps it off, as does a missing `flatbuffers` (`jax.export` serialization)."""
+    import jax
+    ok = on and os.environ.get(PROGRAM_CACHE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    # CPU only: each call pays ~0.2 ms of Python (flatten + key) — ~1.5% of a CPU decode step, but ~15% of an
+    # H200 one, where tracing is also a small part of the start-up (XLA's compile dominates there)
+    ok = ok and jax.default_backend() == "cpu"
+    if ok:
+        try:
+            import flatbuffers  # noqa: F401 - jax.export's serializer needs it
+        except ImportError:
+            ok = False
+    _program_cache["on"] = ok
+    return ok
+
+
+@contextlib.contextmanager
+def program_cache(on: bool = True):
+    """`enable_program_cache(on)` for the duration of a `with` block (then as before)."""
+    before = _program_cache["on"]
+    try:
+        yield enable_program_cache(on)
+    finally:
+        _program_cache["on"] = before
+
+
+def program_cache_dir() -> Path:
+    """Where exported programs live: next to the compilation cache (`<that>/../programs`)."""
+    return compilation_cache_dir().parent / "programs"
+
+
+_SOURCE_DIGEST: list[str] = []
+
+
+def source_digest() -> str:
+    """sha256 of this package's and `pallas_kernels`' sources (*.py, *.cc) and the JAX / jaxlib / flax versions:
+    part of every program key,
+    so a changed line anywhere re-traces (a stale program is never run)."""
+    if not _SOURCE_DIGEST:
+        import hashlib
+
+        import jax
+        import jaxlib
+        import flax
+        h = hashlib.sha256(f"{jax.__version__} {jaxlib.__version__} {flax.__version__}".encode())
+        root = Path(__file__).resolve().parent
+        for pkg in (root, root.parent / "pallas_kernels"):      # the kernels package sits beside this one
+            for f in sorted(list(pkg.rglob("*.py")) + list(pkg.rglob("*.cc"))):
+                h.update(str(f.relative_to(root.parent)).encode())
+                h.update(f.read_bytes())
+        _SOURCE_DIGEST.append(h.hexdigest())
+    return _SOURCE_DIGEST[0]
+
+
+class DiskCachedJit:
+    """`jax.jit(fn, static_argnames=..., donate_argnames=...)` whose traced and lowered program is kept on disk.
+
+    JAX's persistent compilation cache skips XLA's compile in a new process, but not tracing and lowering,
+    which for the speculative round and the prefill cost ~1-1.5 s each on a 2-core CPU — most of a short
+    `hyspec generate`. With the program cache on (`enable_program_cache`) the first call for a new (static
+    arguments, argument tree, shapes, dtypes) exports the program (`jax.export`, lowered for this backend
+    only) to `program_cache_dir()` keyed by all of these, `source_digest()` and the backend; later processes
+    deserialize it and run `jax.jit(exported.call)` (the same StableHLO, donation kept), whose compile
+    comes from the persistent cache. Off, or on any failure (a custom call export refuses, a sharded input,
+    an unreadable file: one warning), it is the plain jit. Outputs are bitwise those of the plain jit.
+    """
+
+    def __init__(self, fn: Callable, *, name: str, static_argnames: tuple[str, ...] = (),
+                 donate_argnames: tuple[str, ...] = ()):
+        import inspect
+
+        import jax
+        self.fn, self.name = fn, name
+        self.static_argnames, self.donate_argnames = tuple(static_argnames), tuple(donate_argnames)
+        self.signature = inspect.signature(fn)
+        self.jit = jax.jit(fn, static_argnames=self.static_argnames, donate_argnames=self.donate_argnames)
+        self._programs: dict = {}
+        self._warned = False
+
+    def __getattr__(self, item):          # lower / trace / _cache_size ...: the plain jit's
+        return getattr(self.jit, item)
+
+    def __call__(self, *args, **kwargs):
+        if not _program_cache["on"]:
+            return self.jit(*args, **kwargs)
+        import jax
+        import numpy as np
+        bound = self.signature.bind(*args, **kwargs)
+        static = tuple((k, v) for k, v in bound.arguments.items() if k in self.static_argnames)
+        names = tuple(k for k in bound.arguments if k not in self.static_argnames)
+        leaves, treedef = jax.tree.flatten([bound.arguments[k] for k in names])
+        try:            # arrays (jax / numpy): attribute reads, ~50 µs for the ~150 leaves of a round
+            avals = tuple((x.shape, x.dtype) for x in leaves)
+        except AttributeError:
+            avals = tuple((np.shape(x), _dtype(x)) for x in leaves)
+        key = (static, names, treedef, avals)
+        prog = self._programs.get(key)
+        if prog is None:
+            prog = self._programs[key] = self._program(static, names, treedef, leaves)
+        if prog is False:
+            return self.jit(*args, **kwargs)
+        call, out_tree = prog
+        return jax.tree.unflatten(out_tree, call(*leaves))
+
+    def _program(self, static, names, treedef, leaves):
+        try:
+            return self._load_or_export(static, names, treedef, leaves)
+        except Exception as e:  # noqa: BLE001 - the plain jit is always right
+            if not self._warned:
+                import warnings
+                self._warned = True
+                warnings.warn(f"hyspec: program cache unused for {self.name} ({type(e).__name__}: "
+                              f"{str(e)[:200]}); tracing it instead", RuntimeWarning, stacklevel=3)
+            return False
+
+    def _load_or_export(self, static, names, treedef, leaves):
+        import hashlib
+        import pickle
+
+        import jax
+        import numpy as np
+        from jax import export
+
+        if any(isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 for x in leaves):
+            raise ValueError("sharded inputs")
+        platform = jax.default_backend()
+        avals = [jax.ShapeDtypeStruct(np.shape(x), _dtype(x)) for x in leaves]
+        ident = repr((self.name, static, names, str(treedef), [(a.shape, str(a.dtype)) for a in avals],
+                      platform, source_digest()))
+        path = program_cache_dir() / f"{self.name}-{hashlib.sha256(ident.encode()).hexdigest()[:24]}"
+        donated = [i for i, (k, sub) in enumerate(_leaf_owners(names, treedef)) if k in self.donate_argnames]
+        if path.with_suffix(".bin").is_file() and path.with_suffix(".tree").is_file():
+            exp = export.deserialize(bytearray(path.with_suffix(".bin").read_bytes()))
+            out_tree = pickle.loads(path.with_suffix(".tree").read_bytes())
+        else:
+            from hyspec_jax import cpu_kernels
+            box = {}
+            kw_static = dict(static)
+
+            def flat(*xs):
+                dyn = jax.tree.unflatten(treedef, xs)
+                out = self.fn(**kw_static, **dict(zip(names, dyn)))
+                out_leaves, box["tree"] = jax.tree.flatten(out)
+                return out_leaves
+
+            exp = export.export(jax.jit(flat), platforms=[platform],
+                                disabled_checks=[export.DisabledSafetyCheck.custom_call(cpu_kernels.TARGET)])(*avals)
+            out_tree = box["tree"]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            for suffix, blob in ((".bin", exp.serialize()), (".tree", pickle.dumps(out_tree))):
+                tmp = path.with_suffix(f"{suffix}.{os.getpid()}.tmp")
+                tmp.write_bytes(blob)
+                os.replace(tmp, path.with_suffix(suffix))     # atomic: concurrent writers race harmlessly
+        if platform == "cpu":
+            from hyspec_jax import cpu_kernels
+            cpu_kernels.available()       # the native kernel's FFI target must be registered before it runs
+        return jax.jit(exp.call, donate_argnums=tuple(donated)), out_tree
+
+
+def _dtype(x):
+    import numpy as np
+    d = getattr(x, "dtype", None)
+    return np.dtype(d) if d is not None else np.result_type(x)
+
+
+def _leaf_owners(names, treedef):
+    """For every leaf of the flattened list of arguments: (argument name, None)."""
+    import jax
+    owners = []
+    for k, sub in zip(names, jax.tree.unflatten(treedef, range(treedef.num_leaves))):
+        owners += [(k, None)] * len(jax.tree.leaves(sub))
+    return owners
+
+
 class CompileWatch:
     """Counts this process's compilations since `mark()` (initially: since construction)."""
 
@@ -184,4 +373,5 @@ class CompileWatch:
 
 __all__ = ["BACKEND_COMPILE_EVENT", "CACHE_ENV", "compilation_cache_dir", "enable_compilation_cache", "install",
            "compile_count", "on_compile", "CompileWatch", "split_for_jit", "static_graphdef",
-           "pure_params"]
+           "pure_params", "DiskCachedJit", "enable_program_cache", "program_cache", "program_cache_dir", "source_digest",
+           "PROGRAM_CACHE_ENV"]

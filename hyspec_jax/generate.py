@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hyspec_jax.compilation import CompileWatch, enable_compilation_cache, pure_params, static_graphdef
+from hyspec_jax.compilation import (CompileWatch, DiskCachedJit, enable_compilation_cache, pure_params,
+                                    static_graphdef)
 from hyspec_jax.config import TargetConfig
 from hyspec_jax.sampling import SamplingParams, SlotSampling, sample
 from hyspec_jax.state import TargetState, init_state
@@ -92,8 +93,10 @@ def _decode(graphdef, params, state, tokens, active, sampling, step):
     return sample(logits[:, 0], sampling, step), state
 
 
-_prefill_jit = jax.jit(_prefill, static_argnames=("graphdef",), donate_argnames=("state",))
-_decode_jit = jax.jit(_decode, static_argnames=("graphdef",), donate_argnames=("state",))
+_prefill_jit = DiskCachedJit(_prefill, name="generate_prefill", static_argnames=("graphdef",),
+                             donate_argnames=("state",))
+_decode_jit = DiskCachedJit(_decode, name="generate_decode", static_argnames=("graphdef",),
+                            donate_argnames=("state",))
 
 
 class Generator:

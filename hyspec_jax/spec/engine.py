@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 from hyspec_jax import tree as tree_lib
-from hyspec_jax.compilation import CompileWatch, split_for_jit
+from hyspec_jax.compilation import CompileWatch, DiskCachedJit, split_for_jit
 from hyspec_jax.generate import (Generator, bucket, compile_progress, prompt_buckets, use_compilation_cache,
                                  validate_prompts)
 from hyspec_jax.models.drafter import DraftBlock, Drafter, DrafterState, init_drafter_state, target_heads
@@ -227,8 +227,8 @@ def spec_round(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, d
                         logits, taps, cache, shape=shape)
 
 
-spec_round_jit = jax.jit(spec_round, static_argnames=("tgraph", "dgraph", "shape"),
-                         donate_argnames=("state", "dstate"))
+spec_round_jit = DiskCachedJit(spec_round, name="spec_round", static_argnames=("tgraph", "dgraph", "shape"),
+                               donate_argnames=("state", "dstate"))
 # the phases jitted alone (`SpecEngine.phase_times`); the commit donates the states as the fused round does
 round_draft_jit = jax.jit(round_draft, static_argnames=("tgraph", "dgraph", "shape"))
 round_verify_jit = jax.jit(round_verify, static_argnames=("tgraph", "shape"))
@@ -254,8 +254,8 @@ def prefill(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dpar
     return state, dstate, jnp.where(admit, first, anchor)
 
 
-prefill_jit = jax.jit(prefill, static_argnames=("tgraph", "dgraph", "tap_layers"),
-                      donate_argnames=("state", "dstate"))
+prefill_jit = DiskCachedJit(prefill, name="spec_prefill", static_argnames=("tgraph", "dgraph", "tap_layers"),
+                            donate_argnames=("state", "dstate"))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -280,6 +280,14 @@ class DiskCachedJit:
         prog = self._programs.get(key)
         if prog is None:
             prog = self._programs[key] = self._program(static, names, treedef, leaves)
+            if prog is not False:
+                try:        # the first call compiles it: a stored program this jaxlib cannot run falls back
+                    call, out_tree = prog
+                    return jax.tree.unflatten(out_tree, call(*leaves))
+                except Exception as e:  # noqa: BLE001
+                    if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
+                        raise       # it ran and consumed donated buffers: nothing left to fall back with
+                    prog = self._programs[key] = self._fail(e)
         if prog is False:
             return self.jit(*args, **kwargs)
         call, out_tree = prog
@@ -289,12 +297,15 @@ class DiskCachedJit:
         try:
             return self._load_or_export(static, names, treedef, leaves)
         except Exception as e:  # noqa: BLE001 - the plain jit is always right
-            if not self._warned:
-                import warnings
-                self._warned = True
-                warnings.warn(f"hyspec: program cache unused for {self.name} ({type(e).__name__}: "
-                              f"{str(e)[:200]}); tracing it instead", RuntimeWarning, stacklevel=3)
-            return False
+            return self._fail(e)
+
+    def _fail(self, e: Exception) -> bool:
+        if not self._warned:
+            import warnings
+            self._warned = True
+            warnings.warn(f"hyspec: program cache unused for {self.name} ({type(e).__name__}: "
+                          f"{str(e)[:200]}); tracing it instead", RuntimeWarning, stacklevel=4)
+        return False
 
     def _load_or_export(self, static, names, treedef, leaves):
         import hashlib

@@ -105,3 +105,16 @@ def test_generate_cli_same_tokens_with_and_without(cache, monkeypatch, capsys):
         runs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"])
     assert runs[0] == runs[1] == runs[2]
     assert list(cache.glob("*.bin"))
+
+
+def test_unusable_stored_program_falls_back(cache):
+    """A stored program that cannot be read (truncated file) is not run: one warning, the plain jit's result."""
+    x = jnp.arange(4, dtype=jnp.float32)
+    plain = jax.jit(step, static_argnames=("power",))(jnp.float32(2.0), x, _state(), power=1)
+    C.DiskCachedJit(step, name="t_bad", static_argnames=("power",))(jnp.float32(2.0), x, _state(), power=1)
+    (stored,) = cache.glob("t_bad-*.bin")
+    stored.write_bytes(stored.read_bytes()[:64])
+    fresh = C.DiskCachedJit(step, name="t_bad", static_argnames=("power",))
+    with pytest.warns(RuntimeWarning, match="program cache unused for t_bad"):
+        out = fresh(jnp.float32(2.0), x, _state(), power=1)
+    assert _same(out, plain)

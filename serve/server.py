@@ -76,6 +76,13 @@ def build_backend(args, target, model_dir: Path):
     return build_spec_backend(args, target, model_dir)
 
 
+def _embedded_drafter(args) -> bool:
+    """Serving the embedded model (no --model) whose drafter ships beside it: a speculative mode uses that
+    drafter (as `hyspec generate`), with its recommended settings for options left unset."""
+    from hyspec_jax.embedded import default_drafter_dir
+    return args.model is None and default_drafter_dir() is not None
+
+
 def run(args) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="[hyspec serve] %(message)s")
     if args.max_batch < 1:
@@ -84,7 +91,7 @@ def run(args) -> int:
         raise ValueError("--max-queue must be >= 0")
     if args.max_model_len < 2:
         raise ValueError("--max-model-len must be >= 2")
-    if args.spec_mode != "ar" and not args.drafter:
+    if args.spec_mode != "ar" and not args.drafter and not _embedded_drafter(args):
         raise ValueError(f"--spec-mode {args.spec_mode} needs --drafter DIR")
     from hyspec_jax.cli import enable_compilation_cache, resolve_model_dir
     model_dir, label = resolve_model_dir(args.model)

@@ -100,3 +100,16 @@ def test_recommendation_bounded_by_slots(monkeypatch, target):
         eng = E.engine_from_args(_args(argv=["--spec-mode", rec["spec_mode"]]), target, model_dir, jnp.float32,
                                  batch=k + 1)
         assert eng is not None and eng.spec.mode == rec["spec_mode"]
+
+
+def test_serve_speculative_mode_uses_the_embedded_drafter(target):
+    """`hyspec serve --spec-mode M` without --model / --drafter serves the embedded model with its drafter; with
+    --model it still asks for --drafter."""
+    from hyspec_jax.serve import server
+    p = argparse.ArgumentParser()
+    server.add_arguments(p)
+    args = p.parse_args(["--spec-mode", "tree-ready", "--max-batch", "2", "--max-model-len", "256"])
+    assert server._embedded_drafter(args)
+    backend = server.build_backend(args, target, default_model_dir())
+    assert backend.mode == "tree-ready" and backend.engine.drafter.reader is not None
+    assert not server._embedded_drafter(p.parse_args(["--model", str(default_model_dir()), "--spec-mode", "chain"]))

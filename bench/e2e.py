@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
     from tqdm.auto import tqdm
 
-    from hyspec_jax.bench.report import run_metadata
+    from hyspec_jax.bench.report import portable_path, run_metadata
     from hyspec_jax.io.drafter_io import load_drafter
     from hyspec_jax.io.hf import load_pretrained
     from hyspec_jax.sampling import SamplingParams
@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ref: dict = {}
     out = Path(a.json)
     meta = {**run_metadata(), "command": "hyspec bench e2e " + " ".join(argv or sys.argv[1:]),
-            "model": str(model_dir), "drafter": str(drafter_dir) if needs_drafter else None,
-            "dtype": a.dtype, "prompts": str(a.prompts), "prompts_per_domain": a.prompts_per_domain,
+            "model": portable_path(model_dir), "drafter": portable_path(drafter_dir) if needs_drafter else None,
+            "dtype": a.dtype, "prompts": portable_path(a.prompts), "prompts_per_domain": a.prompts_per_domain,
             "max_tokens": a.max_tokens, "repeats": a.repeats,
             "tree": {"depth": depth, "top_k": a.tree_topk, "beam": a.tree_beam, "verify_nodes": a.verify_nodes}}
     bar = tqdm(total=len(configs) * (1 + a.repeats), desc="bench e2e", unit="pass")

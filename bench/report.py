@@ -6,6 +6,7 @@ import datetime
 import os
 import platform
 import subprocess
+from pathlib import Path
 
 
 def git_commit() -> str:
@@ -18,6 +19,19 @@ def git_commit() -> str:
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def portable_path(path) -> str | None:
+    """A path as results should record it: relative to the project root (the folder holding `hyspec_jax`:
+    the repository, or site-packages for a wheel) when inside it, so a JSON names no machine's directories."""
+    if path is None:
+        return None
+    import hyspec_jax
+    p, root = Path(path).resolve(), Path(hyspec_jax.__file__).resolve().parent.parent
+    try:
+        return str(p.relative_to(root))
+    except ValueError:
+        return str(path)
 
 
 def run_metadata() -> dict:

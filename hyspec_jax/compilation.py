@@ -315,6 +315,7 @@ class DiskCachedJit:
         import numpy as np
         from jax import export
 
+        from hyspec_jax import cpu_kernels
         if any(isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 for x in leaves):
             raise ValueError("sharded inputs")
         platform = jax.default_backend()
@@ -322,12 +323,11 @@ class DiskCachedJit:
         ident = repr((self.name, static, names, str(treedef), [(a.shape, str(a.dtype)) for a in avals],
                       platform, source_digest()))
         path = program_cache_dir() / f"{self.name}-{hashlib.sha256(ident.encode()).hexdigest()[:24]}"
-        donated = [i for i, (k, sub) in enumerate(_leaf_owners(names, treedef)) if k in self.donate_argnames]
+        donated = [i for i, k in enumerate(_leaf_owners(names, treedef)) if k in self.donate_argnames]
         if path.with_suffix(".bin").is_file() and path.with_suffix(".tree").is_file():
             exp = export.deserialize(bytearray(path.with_suffix(".bin").read_bytes()))
             out_tree = pickle.loads(path.with_suffix(".tree").read_bytes())
         else:
-            from hyspec_jax import cpu_kernels
             box = {}
             kw_static = dict(static)
 
@@ -346,7 +346,6 @@ class DiskCachedJit:
                 tmp.write_bytes(blob)
                 os.replace(tmp, path.with_suffix(suffix))     # atomic: concurrent writers race harmlessly
         if platform == "cpu":
-            from hyspec_jax import cpu_kernels
             cpu_kernels.available()       # the native kernel's FFI target must be registered before it runs
         return jax.jit(exp.call, donate_argnums=tuple(donated)), out_tree
 
@@ -357,12 +356,12 @@ def _dtype(x):
     return np.dtype(d) if d is not None else np.result_type(x)
 
 
-def _leaf_owners(names, treedef):
-    """For every leaf of the flattened list of arguments: (argument name, None)."""
+def _leaf_owners(names, treedef) -> list[str]:
+    """For every leaf of the flattened list of arguments, the name of the argument it belongs to."""
     import jax
     owners = []
     for k, sub in zip(names, jax.tree.unflatten(treedef, range(treedef.num_leaves))):
-        owners += [(k, None)] * len(jax.tree.leaves(sub))
+        owners += [k] * len(jax.tree.leaves(sub))
     return owners
 
 

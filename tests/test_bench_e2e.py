@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -95,3 +96,13 @@ def test_budget_report_joins_sweep_and_table(tmp_path):
     for r in out["eps"]:
         assert r["b_ver"] == b_ver({int(k): v for k, v in t_ver.items()}, 1.0, r["eps"])[0]
     assert [r["measured_n"] for r in out["eps"]] == [8, 32, 64]
+
+
+def test_results_record_project_paths_relative():
+    """Result JSONs name the project's own files relative to its root, never one machine's directories."""
+    import hyspec_jax
+    from hyspec_jax.bench.report import portable_path
+    root = Path(hyspec_jax.__file__).resolve().parent.parent
+    assert portable_path(root / "checkpoints" / "default") == str(Path("checkpoints") / "default")
+    assert portable_path("/elsewhere/prompts.npz") == "/elsewhere/prompts.npz"
+    assert portable_path(None) is None

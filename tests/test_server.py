@@ -205,6 +205,19 @@ def extra(obj, name):
     return (obj.model_extra or {}).get(name)
 
 
+def complete(client, stream: bool, **kw) -> tuple[list[int], str, str | None]:
+    """One completion through the official client, streamed or not: (token ids, text, finish reason)."""
+    if not stream:
+        r = client.completions.create(**kw)
+        return extra(r.choices[0], "token_ids"), r.choices[0].text, r.choices[0].finish_reason
+    ids, text, why = [], "", None
+    for ch in client.completions.create(stream=True, **kw):
+        ids += extra(ch.choices[0], "token_ids") or []
+        text += ch.choices[0].text
+        why = ch.choices[0].finish_reason or why
+    return ids, text, why
+
+
 # ------------------------------------------------------------------------------------------------
 # Host-side pieces (no server)
 # ------------------------------------------------------------------------------------------------
@@ -348,17 +361,8 @@ def test_32_concurrent_requests_equal_each_prompt_alone(server, oracle):
     def call(job):
         prompt, m, sp, stream = job
         body = {"return_token_ids": True, "top_k": sp["top_k"]}
-        kw = dict(model=NAME, prompt=prompt, max_tokens=m, temperature=sp["temperature"], top_p=sp["top_p"],
-                  seed=sp["seed"], extra_body=body)
-        if not stream:
-            r = client.completions.create(**kw)
-            return extra(r.choices[0], "token_ids"), r.choices[0].text, r.choices[0].finish_reason
-        ids, text, why = [], "", None
-        for ch in client.completions.create(stream=True, **kw):
-            ids += extra(ch.choices[0], "token_ids") or []
-            text += ch.choices[0].text
-            why = ch.choices[0].finish_reason or why
-        return ids, text, why
+        return complete(client, stream, model=NAME, prompt=prompt, max_tokens=m, temperature=sp["temperature"],
+                        top_p=sp["top_p"], seed=sp["seed"], extra_body=body)
 
     before = server.metrics()
     with cf.ThreadPoolExecutor(32) as pool:
@@ -682,16 +686,8 @@ def test_speculative_tree_server_equals_plain_decoding(tree_server, oracle):
 
     def call(args):
         i, p, m = args
-        kw = dict(model=NAME, prompt=p, max_tokens=m, temperature=0, extra_body={"return_token_ids": True})
-        if i % 2:
-            ids, text, why = [], "", None
-            for ch in client.completions.create(stream=True, **kw):
-                ids += extra(ch.choices[0], "token_ids") or []
-                text += ch.choices[0].text
-                why = ch.choices[0].finish_reason or why
-            return ids, text, why
-        r = client.completions.create(**kw)
-        return extra(r.choices[0], "token_ids"), r.choices[0].text, r.choices[0].finish_reason
+        return complete(client, bool(i % 2), model=NAME, prompt=p, max_tokens=m, temperature=0,
+                        extra_body={"return_token_ids": True})
 
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         got = list(pool.map(call, [(i, p, m) for i, (p, m) in enumerate(zip(prompts, max_tokens))]))

@@ -27,9 +27,7 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     The one home of the models' weight products (Linear, tied / shared LM heads). A few float32 rows on a CPU
     (speculative verify / draft) run the native streaming kernel, everything else XLA's dot
     (`hyspec_jax.cpu_kernels`)."""
-    if cpu_kernels.eligible(x, w):
-        return cpu_kernels.dense(x, w)
-    return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=F32)
+    return cpu_kernels.dense(x, w)
 
 
 class Linear(nnx.Module):

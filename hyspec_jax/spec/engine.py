@@ -706,12 +706,10 @@ def engine_from_args(args, model: TargetModel, model_dir, dtype, batch: int | No
             drafter_dir = shipped
             table_path = table_path or default_budget_table()   # the embedded model's own calibration
             rec = recommended_settings(shipped, jax.default_backend())
-            if getattr(args, "spec_mode", None) is None and not rec:
-                return None                       # nothing measured for this backend: plain decoding
             slots = getattr(args, "slots", None) or batch
-            if (getattr(args, "spec_mode", None) is None and rec.get("max_slots") is not None
-                    and slots is not None and slots > rec["max_slots"]):
-                return None                       # measured slower than plain decoding at this batch
+            too_many = rec.get("max_slots") is not None and slots is not None and slots > rec["max_slots"]
+            if getattr(args, "spec_mode", None) is None and (not rec or too_many):
+                return None     # nothing measured for this backend, or measured slower than ar at this batch
     opt = lambda name, fallback=None: (getattr(args, name, None) if getattr(args, name, None) is not None  # noqa: E731
                                         else rec.get(name, fallback))
     mode = opt("spec_mode") or ("chain" if drafter_dir else "ar")

@@ -198,6 +198,11 @@ class Generator:
         active[:n] = True
         step = 0
         t_warm = None
+        # Steps are pipelined: step s+1 is dispatched before the host reads step s's tokens, so the host's work
+        # overlaps the device's. A request that stops on a stop token costs its slot one discarded step; no step
+        # is dispatched ahead when a request could reach max_tokens with the tokens of the step in flight.
+        inflight = None                   # device tokens of the step dispatched and not yet read
+        reads = 0
         while True:
             for i in range(n):
                 if not active[i]:
@@ -212,12 +217,20 @@ class Generator:
                     finish[i], active[i] = "length", False
             if not active.any():
                 break
-            step += 1
-            nxt, state = self._decode_call(state, nxt, active, sampling, step)
+            if inflight is None:
+                step += 1
+                inflight, state = self._decode_call(state, nxt, active, sampling, step)
+            nxt = inflight
+            if all(not active[i] or len(out[i]) + 1 < plist[i].max_tokens for i in range(n)):
+                step += 1                 # ahead: step s+1 runs while the host reads step s
+                inflight, state = self._decode_call(state, nxt, active, sampling, step)
+            else:
+                inflight = None
             nxt_host = np.asarray(nxt)
-            if step == 1:
-                t_warm = time.perf_counter()
+            reads += 1
+            if t_warm is None:
+                t_warm, warm_reads = time.perf_counter(), reads
         t_end = time.perf_counter()
-        rate = (step - 1) / (t_end - t_warm) if t_warm is not None and step > 1 else 0.0
+        rate = (reads - warm_reads) / (t_end - t_warm) if t_warm is not None and reads > warm_reads else 0.0
         return [GenerationResult(list(map(int, prompts[i])), out[i], finish[i], t_end - t0, t_prefill, rate)
                 for i in range(n)]

@@ -399,14 +399,14 @@ class SpecEngine:
     def _prefill_call(self, state, dstate, anchor, toks: np.ndarray, val: np.ndarray, admit: np.ndarray,
                       sampling: SlotSampling, shape: RoundShape):
         return prefill_jit(self.tgraph, self.tparams, self.dgraph, self.dparams, state, dstate, anchor,
-                           jnp.asarray(toks), jnp.asarray(val), jnp.asarray(admit), sampling,
+                           np.asarray(toks), np.asarray(val), np.array(admit), sampling,
                            tap_layers=shape.tap_layers)
 
     def _round_call(self, state, dstate, anchor, active: np.ndarray, sampling: SlotSampling, steps: np.ndarray,
                     capacity: int, hint: np.ndarray, shape: RoundShape):
         return spec_round_jit(self.tgraph, self.tparams, self.dgraph, self.dparams, state, dstate, anchor,
-                              jnp.asarray(active), sampling, jnp.asarray(steps), jnp.asarray(capacity, I32),
-                              jnp.asarray(hint), shape=shape)
+                              np.array(active), sampling, np.array(steps), np.asarray(capacity, np.int32),
+                              np.asarray(hint, np.int32), shape=shape)
 
     def max_prompt_len(self, kv_len: int) -> int:
         """Longest prompt a KV length holds (with one new token and the round's overshoot)."""
@@ -498,7 +498,7 @@ class SpecEngine:
         slot_params = [SamplingParams()] * B
         steps = np.zeros(B, np.int32)
         stops = [set(p.stop_token_ids) for p in plist]
-        t_prefill = t_round = t_first_round = 0.0
+        t_prefill = t_round = 0.0
         rounds = 0
 
         def emit(i: int, toks: list[int]) -> bool:
@@ -518,7 +518,51 @@ class SpecEngine:
                 on_tokens(i, new)
             return done
 
-        while pending or any(r >= 0 for r in slot_req):
+        # Rounds are pipelined: the next round is dispatched before the host reads the one in flight, so the
+        # host's work (dispatch, streaming, bookkeeping) overlaps the device's. A slot's round outputs are used
+        # only while the request that owned the slot at dispatch still runs: a request that stops in the round
+        # in flight costs one discarded round of its slot. A round is not dispatched ahead when a request could
+        # reach max_tokens in the round in flight (known on the host: no discarded round at the end of a
+        # generation) or with hints (they read the tokens of the round before).
+        inflight = None                              # (device outputs, slot owners at dispatch, dispatch time)
+        t_first_done = t_last_done = None
+
+        def dispatch():
+            nonlocal state, dstate, anchor
+            active = np.array([r >= 0 for r in slot_req])
+            hint_arr = np.full((B, G), -1, np.int32)   # always an array: one compiled round
+            if hint is not None:
+                for b in range(B):
+                    if slot_req[b] >= 0:
+                        h = list(hint(slot_req[b], list(out[slot_req[b]])))[:G]
+                        hint_arr[b, :len(h)] = h
+            steps[active] += 1
+            t1 = time.perf_counter()
+            state, dstate, anchor, toks_out, count, acc = self._round_call(
+                state, dstate, anchor, active, sampling, steps, capacity, hint_arr, shape)
+            return (toks_out, count, acc), list(slot_req), t1
+
+        def finish_round(flight) -> None:
+            nonlocal rounds, t_round, t_first_done, t_last_done
+            outs, owners, t1 = flight
+            toks_out, count, acc = jax.device_get(outs)          # one transfer, waits for the round
+            t_done = time.perf_counter()
+            t_round += t_done - t1
+            rounds += 1
+            t_first_done = t_first_done or t_done
+            t_last_done = t_done
+            for b in range(B):
+                i = owners[b]
+                if i < 0 or slot_req[b] != i:
+                    continue                             # the request finished in the round before
+                results_rounds[i] += 1
+                committed[i].append(int(count[b]))
+                accepted[i].append(int(acc[b]))
+                accepted_all.append(int(acc[b]))
+                if emit(i, [int(t) for t in toks_out[b, :count[b]]]):
+                    slot_req[b] = -1
+
+        while pending or any(r >= 0 for r in slot_req) or inflight is not None:
             free = [b for b in range(B) if slot_req[b] < 0]
             if pending and free:
                 admit = np.zeros(B, bool)
@@ -545,34 +589,16 @@ class SpecEngine:
                     if emit(i, [int(first[b])]):
                         slot_req[b] = -1
                 continue   # admit more if slots freed at once; then run a round
-            active = np.array([r >= 0 for r in slot_req])
-            if not active.any():
-                continue
-            hint_arr = np.full((B, G), -1, np.int32)   # always an array: one compiled round
-            if hint is not None:
-                for b in range(B):
-                    if slot_req[b] >= 0:
-                        h = list(hint(slot_req[b], list(out[slot_req[b]])))[:G]
-                        hint_arr[b, :len(h)] = h
-            steps[active] += 1
-            t1 = time.perf_counter()
-            state, dstate, anchor, toks_out, count, acc = self._round_call(
-                state, dstate, anchor, active, sampling, steps, capacity, hint_arr, shape)
-            toks_out, count, acc = np.asarray(toks_out), np.asarray(count), np.asarray(acc)
-            t_round += time.perf_counter() - t1
-            rounds += 1
-            if rounds == 1:
-                t_first_round = t_round               # compiles (or loads) the round program: not "warm"
-            for b in range(B):
-                i = slot_req[b]
-                if i < 0:
-                    continue
-                results_rounds[i] += 1
-                committed[i].append(int(count[b]))
-                accepted[i].append(int(acc[b]))
-                accepted_all.append(int(acc[b]))
-                if emit(i, [int(t) for t in toks_out[b, :count[b]]]):
-                    slot_req[b] = -1
+            ahead = (inflight is not None and hint is None
+                     and all(r < 0 or len(out[r]) + D + 1 < plist[r].max_tokens for r in slot_req))
+            if inflight is None or ahead:
+                nxt = dispatch() if any(r >= 0 for r in slot_req) else None
+                if inflight is not None:
+                    finish_round(inflight)
+                inflight = nxt
+            else:
+                finish_round(inflight)
+                inflight = None
         all_committed = [c for cs in committed for c in cs]
         acc_arr = np.asarray(accepted_all)
         self.last_stats = SpecStats(
@@ -582,7 +608,8 @@ class SpecEngine:
             verify_nodes=N, capacity=int(capacity), compilations_after_startup=self.compilations_after_startup,
             prefix_survival=prefix_survival(accepted, D))
         # rounds per second after the first round (as Generator's decode steps/s after the first step)
-        rate = (rounds - 1) / (t_round - t_first_round) if rounds > 1 and t_round > t_first_round else 0.0
+        warm = (t_last_done - t_first_done) if rounds > 1 else 0.0
+        rate = (rounds - 1) / warm if warm > 0 else 0.0
         return [SpecResult(list(map(int, prompts[i])), out[i], finish[i], results_rounds[i], committed[i],
                            accepted[i], t_prefill, rate) for i in range(n)]
 

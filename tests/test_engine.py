@@ -150,6 +150,23 @@ def test_isolation_alone_and_cobatched(engines, reference):
     assert [r.token_ids for r in batch] == ref
 
 
+@pytest.mark.parametrize("mode", ["chain", "ready", "tree-ready"])
+def test_pipelined_rounds_equal_autoregressive(mode, engines, reference):
+    """Without hints the host dispatches the next round before reading the one in flight: a request that stops
+    on a stop token in flight (request 2) and the request admitted into a freed slot (5 requests, 4 slots) still
+    get exactly the AR tokens, and only the rounds a request really owned count in its statistics."""
+    prompts, params, ref = reference
+    eng = engines(mode)
+    out = eng.generate(prompts, params)
+    assert [r.token_ids for r in out] == ref
+    assert out[2].finish_reason == "stop" and all(r.finish_reason == "length" for i, r in enumerate(out) if i != 2)
+    for r in out:
+        assert r.rounds == len(r.committed) == len(r.accepted)
+        # tokens after the prefill's first: every owned round's, the last one's possibly cut (stop / max_tokens)
+        assert sum(r.committed[:-1]) + 1 <= len(r.token_ids) - 1 <= sum(r.committed)
+    assert eng.last_stats.rounds >= max(r.rounds for r in out)
+
+
 def test_budget_floor_only_is_still_exact(models, reference):
     """Capacity 1 (below the floor): every request verifies its anchor and root child only."""
     target, drafter = models

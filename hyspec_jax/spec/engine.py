@@ -408,6 +408,17 @@ class SpecEngine:
                               np.array(active), sampling, np.array(steps), np.asarray(capacity, np.int32),
                               np.asarray(hint, np.int32), shape=shape)
 
+    def _bucket_for(self, prompts, plist) -> tuple[int, int, int, RoundShape]:
+        """The bucket a request batch runs in: (slots B, KV length S, verified nodes N, round shape); sets
+        `verify_nodes`. One rule for `generate` and `phase_times`."""
+        B = self.slots or bucket(len(prompts), 1)
+        need = max(len(p) for p in prompts) + max(p.max_tokens for p in plist) + self._gamma + 2
+        S = self.kv_len or bucket(need, 128)
+        if need > S:
+            raise ValueError(f"kv_len {S} is too short: prompts + max_tokens + draft depth need {need}")
+        self.verify_nodes = N = self.nodes_for(B, S)
+        return B, S, N, self.round_shape(any(p.temperature > 0 for p in plist))
+
     def max_prompt_len(self, kv_len: int) -> int:
         """Longest prompt a KV length holds (with one new token and the round's overshoot)."""
         return kv_len - 1 - (0 if self.spec.mode == "ar" else self._gamma + 2)
@@ -473,16 +484,9 @@ class SpecEngine:
         if self.spec.mode == "ar":
             return self._generate_ar(prompts, plist, on_tokens)
         t0 = time.perf_counter()
-        B = self.slots or bucket(n, 1)
-        need = max(len(p) for p in prompts) + max(p.max_tokens for p in plist) + self._gamma + 2
-        S = self.kv_len or bucket(need, 128)
-        if need > S:
-            raise ValueError(f"kv_len {S} is too short: prompts + max_tokens + draft depth need {need}")
-        self.verify_nodes = N = self.nodes_for(B, S)
+        B, S, N, shape = self._bucket_for(prompts, plist)
         D = self.depth
         capacity = self.spec.capacity or B * N
-        stochastic = any(p.temperature > 0 for p in plist)
-        shape = self.round_shape(stochastic)
         state, dstate, anchor = self._buffers(B, S)
         G = self.drafter.config.num_draft_tokens
         sampling = SlotSampling.from_params([], B)
@@ -635,13 +639,7 @@ class SpecEngine:
             raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
         plist = validate_prompts(prompts, params, self.config.vocab_size)
         n = len(prompts)
-        B = self.slots or bucket(n, 1)
-        need = max(len(p) for p in prompts) + max(p.max_tokens for p in plist) + self._gamma + 2
-        S = self.kv_len or bucket(need, 128)
-        if need > S:
-            raise ValueError(f"kv_len {S} is too short: prompts + max_tokens + draft depth need {need}")
-        self.verify_nodes = N = self.nodes_for(B, S)
-        shape = self.round_shape(any(p.temperature > 0 for p in plist))
+        B, S, N, shape = self._bucket_for(prompts, plist)
         G = self.drafter.config.num_draft_tokens
         k = min(n, B)
         admit = np.arange(B) < k

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from hyspec_jax import gdn
+from hyspec_jax.bench.report import run_metadata
 from pallas_kernels import trees
 from pallas_kernels.gdn_commit import path_commit_pallas, path_commit_reference
 from pallas_kernels.gdn_serial import masked_solve_xla, serial_paths_xla, serial_tree_pallas
@@ -283,6 +284,96 @@ def summarize(results: dict) -> list[str]:
     return lines
 
 
+def _tree_row(r: dict) -> dict | None:
+    """The best single-pass kernel of one (B, N) entry against its baselines; None without a kernel result."""
+    v = r["variants"]
+    t = lambda n: v.get(n, {}).get("median_us", float("nan"))  # noqa: E731
+    kern = {n: x for n, x in v.items() if n.startswith("pallas_") and "median_us" in x and "tf32x3" not in n
+            and x.get("err_o", 1.0) < 1e-2}
+    if not kern:
+        return None
+    best = min(kern, key=lambda n: kern[n]["median_us"])
+    serial = min([t(n) for n in v if n.startswith("serial_pallas")] or [float("nan")])
+    xla = np.nanmin([t("xla_solve"), t("xla_neumann")]) if any(n in v for n in ("xla_solve", "xla_neumann")) \
+        else float("nan")
+    return {"B": r["B"], "N": r["N"], "depth": r["depth"], "best": best, "us": t(best), "err_o": kern[best]["err_o"],
+            "serial_us": serial, "xla_us": float(xla), "xla_scan_us": t("xla_scan_paths"), "floor_us": r["floor_us"],
+            "x_serial": serial / t(best), "x_xla": float(xla) / t(best), "pct_floor": 100.0 * r["floor_us"] / t(best),
+            "overhead_us": t("null_overhead")}
+
+
+def merge(paths: list[str]) -> dict:
+    """Several result files as one: later files win per (B, N) variant and per commit (B, N) variant."""
+    out: dict = {}
+    tree: dict = {}
+    commit: dict = {}
+    for path in paths:
+        with open(path) as f:
+            r = json.load(f)
+        out.update({k: v for k, v in r.items() if k not in ("tree", "commit")})
+        for key, dest in (("tree", tree), ("commit", commit)):
+            for e in r.get(key, []):
+                cur = dest.setdefault((e["B"], e["N"]), {**e, "variants": {}})
+                cur["variants"].update(e["variants"])
+    out["tree"], out["commit"] = list(tree.values()), list(commit.values())
+    out["merged_from"] = [str(p) for p in paths]
+    return out
+
+
+def render(results: dict, json_path: str) -> None:
+    """OUT.md (tables) and OUT.png (best kernel vs the serial kernel, XLA and the HBM floor) beside OUT.json."""
+    base = os.path.splitext(json_path)[0]
+    meta = results.get("run_metadata", {})
+    lines = [f"# GDN tree-verification kernels — {results.get('device_kind', '?')}", ""]
+    if meta.get("command"):
+        lines += [f"`{meta['command']}`", ""]
+    lines += [f"commit {results.get('git_commit', meta.get('commit', '?'))}, jax {results.get('jax_version', '?')}, "
+              f"copy bandwidth {results.get('copy_bandwidth_GBps', float('nan')):.0f} GB/s"
+              + (f"; merged from {', '.join(results['merged_from'])}" if results.get("merged_from") else ""), "",
+              "Geometry HK 16, HV 48, dk = dv = 128; bf16 q/k/v, fp32 state. Times: median µs per call over rotating "
+              "input sets in one executable (a share of dispatch included: see the overhead column). Floor: fewest "
+              "bytes / copy bandwidth.", "",
+              "| B | N | depth | best kernel (tf32) | µs | err o | serial Pallas | XLA masked_solve | XLA scan/path "
+              "| × serial | × XLA | % of floor | overhead probe µs |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = sorted((x for x in map(_tree_row, results.get("tree", [])) if x is not None),
+                  key=lambda x: (x["B"], x["N"]))
+    for x in rows:
+        lines.append(f"| {x['B']} | {x['N']} | {x['depth']} | {x['best'].removeprefix('pallas_')} | {x['us']:.1f} | "
+                     f"{x['err_o']:.1e} | {x['serial_us']:.1f} | {x['xla_us']:.1f} | {x['xla_scan_us']:.0f} | "
+                     f"{x['x_serial']:.1f} | {x['x_xla']:.1f} | {x['pct_floor']:.1f} | {x['overhead_us']:.1f} |")
+    if results.get("commit"):
+        lines += ["", f"Commit of the accepted paths over {results['commit'][0]['layers']} GDN layers "
+                  "(µs per call, S donated):", "", "| B | N | variant | µs | err | % of floor |", "|---|---|---|---|---|---|"]
+        for r in results["commit"]:
+            for n, x in r["variants"].items():
+                if "median_us" in x:
+                    lines.append(f"| {r['B']} | {r['N']} | {n} | {x['median_us']:.1f} | {x['err']:.1e} | "
+                                 f"{x['pct_of_floor']:.1f} |")
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    if not rows:
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [f"B{x['B']} N{x['N']}" for x in rows]
+    xs = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows) + 2), 4))
+    for key, name, m in (("serial_us", "serial Pallas (SGLang-style)", "s"), ("xla_us", "XLA masked_solve", "^"),
+                         ("us", "our tree-solve kernel (best)", "o"), ("floor_us", "HBM floor", "_")):
+        ax.plot(xs, [x[key] for x in rows], m, label=name, markersize=8)
+    ax.set_yscale("log")
+    ax.set_xticks(xs, labels, rotation=45, ha="right")
+    ax.set_ylabel("µs per call (log)")
+    ax.set_title(f"GDN tree solve, Qwen3.8-27B GDN geometry, {results.get('device_kind', '')}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(base + ".png", dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None, help="write results here")
@@ -295,17 +386,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default=DEFAULT_VARIANTS, help="regex (fullmatch) over variant names")
     ap.add_argument("--configs", default=None, help="B:N pairs, e.g. 1:64,32:64 (overrides the grid)")
     ap.add_argument("--commit-batches", default=None, help="default: --batches")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="start no new configuration after this many seconds (what ran is written)")
+    ap.add_argument("--merge", nargs="+", metavar="IN.json", default=None,
+                    help="re-render result files as one (later files win per variant) into --json; no device")
     args = ap.parse_args(argv)
 
     def log(s):
         print(s, flush=True)
+
+    if args.merge:
+        if not args.json:
+            ap.error("--merge needs --json OUT.json")
+        merged = merge(args.merge)
+        with open(args.json, "w") as f:
+            json.dump(merged, f, indent=1)
+        render(merged, args.json)
+        log(f"wrote {args.json} and its .md / .png")
+        return 0
+    t_start = time.perf_counter()
 
     dev = jax.devices()[0]
     results = {"device_kind": dev.device_kind, "platform": dev.platform, "jax_version": jax.__version__,
                "git_commit": _git_commit(), "geometry": {"HK": HK, "HV": HV, "dk": DK, "dv": DV},
                "dtypes": {"qkv": "bfloat16", "state": "float32", "o": "float32"},
                "reference": "gdn.masked_solve(method='solve'), fp32 precision HIGHEST, same bf16 inputs",
-               "time_unit": "us per call", "tree": [], "commit": []}
+               "time_unit": "us per call", "tree": [], "commit": [], "skipped": [],
+               "run_metadata": {**run_metadata(), "command": "hyspec bench kernels " + " ".join(
+                   sys.argv[1:] if argv is None else argv)}}
     if dev.platform != "gpu":
         log("warning: no GPU; Pallas kernels will fail (this benchmark is for the device machine)")
     bw = copy_bandwidth()
@@ -321,16 +429,29 @@ def main(argv: list[str] | None = None) -> int:
         configs = [tuple(map(int, c.split(":"))) for c in args.configs.split(",")]
     else:
         configs = [(B, N) for B in map(int, args.batches.split(",")) for N in map(int, args.nodes.split(","))]
+    def out_of_time() -> bool:
+        return args.max_seconds is not None and time.perf_counter() - t_start > args.max_seconds
+
     for B, N in configs:
+        if out_of_time():
+            results["skipped"].append(f"tree {B}:{N}")
+            continue
         results["tree"].append(bench_tree(B, N, args, bw, log))
         save()
     if not args.no_commit:
         for B in map(int, (args.commit_batches or args.batches).split(",")):
+            if out_of_time():
+                results["skipped"].append(f"commit {B}:{args.commit_nodes}")
+                continue
             results["commit"].append(bench_commit(B, args.commit_nodes, args, bw, log))
             save()
     for line in summarize(results):
         log(line)
+    if results["skipped"]:
+        log(f"--max-seconds {args.max_seconds}: not measured: {', '.join(results['skipped'])}")
     save()
+    if args.json:
+        render(results, args.json)
     return 0
 
 

@@ -15,7 +15,9 @@ One round (`spec_round`, compiled once per bucket: batch slots B, verify width N
 
 The host loop (`SpecEngine.generate`) only admits requests into free slots (one jitted prefill that also fills
 the drafter context), runs rounds, streams the committed tokens and finishes requests (stop token inside the
-accepted path, or max_tokens — both exact). Modes: `ar` (plain decoding, `generate.Generator`), `chain`
+accepted path, or max_tokens — both exact). It is pipelined: the next round is dispatched before the host
+reads the one in flight, except where a request could reach max_tokens in that round or hints are given (a
+stop token costs one discarded round of its slot). Modes: `ar` (plain decoding, `generate.Generator`), `chain`
 (DSpark), `ready` (DSpark + ReaDy reader), `tree` (DSpark tree, Bole verification), `tree-ready`.
 
 Start-up: `SpecEngine.warmup()` / `compile_buckets(buckets)` compile every configured bucket (the round,

@@ -176,14 +176,16 @@ class ARBackend(Backend):
     mode = "ar"
 
     def prefill(self, slots, tokens, valid, reset, sampling) -> np.ndarray:
-        first, self.state = _ar_prefill_jit(self.graphdef, self.params, self.state, jnp.asarray(slots, I32),
-                                            jnp.asarray(tokens, I32), jnp.asarray(valid), jnp.asarray(reset),
-                                            sampling)
+        # host arrays go straight to the jitted call (a jnp.asarray is one more dispatch each); copies, since
+        # the scheduler reuses its buffers
+        first, self.state = _ar_prefill_jit(self.graphdef, self.params, self.state, np.array(slots, np.int32),
+                                            np.array(tokens, np.int32), np.array(valid, bool),
+                                            np.array(reset, bool), sampling)
         return np.asarray(first)
 
     def step(self, active, last, sampling, steps, stochastic) -> StepResult:
-        nxt, self.state = _ar_decode_jit(self.graphdef, self.params, self.state, jnp.asarray(last, I32),
-                                         jnp.asarray(active), sampling, jnp.asarray(steps, I32))
+        nxt, self.state = _ar_decode_jit(self.graphdef, self.params, self.state, np.array(last, np.int32),
+                                         np.array(active, bool), sampling, np.array(steps, np.int32))
         nxt = np.asarray(nxt)
         return StepResult(tokens=nxt[:, None], count=active.astype(np.int32))
 

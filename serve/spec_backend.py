@@ -66,17 +66,18 @@ class SpecBackend(Backend):
 
     def prefill(self, slots, tokens, valid, reset, sampling) -> np.ndarray:
         first, self.state, self.dstate = _spec_prefill_jit(
-            self.tgraph, self.tparams, self.dgraph, self.dparams, self.state, self.dstate, jnp.asarray(slots, I32),
-            jnp.asarray(tokens, I32), jnp.asarray(valid), jnp.asarray(reset), sampling, tap_layers=self.tap_layers)
+            self.tgraph, self.tparams, self.dgraph, self.dparams, self.state, self.dstate, np.array(slots, np.int32),
+            np.array(tokens, np.int32), np.array(valid, bool), np.array(reset, bool), sampling,
+            tap_layers=self.tap_layers)
         return np.asarray(first)
 
     def step(self, active, last, sampling, steps, stochastic) -> StepResult:
         self.state, self.dstate, _, toks, count, acc = spec_round_jit(
-            self.tgraph, self.tparams, self.dgraph, self.dparams, self.state, self.dstate, jnp.asarray(last, I32),
-            jnp.asarray(active), sampling, jnp.asarray(steps, I32), self.capacity, None,
+            self.tgraph, self.tparams, self.dgraph, self.dparams, self.state, self.dstate, np.array(last, np.int32),
+            np.array(active, bool), sampling, np.array(steps, np.int32), self.capacity, None,
             shape=self.shapes_by_flag[bool(stochastic)])
-        return StepResult(tokens=np.asarray(toks), count=np.asarray(count), accepted=np.asarray(acc),
-                          drafted=self.drafted)
+        toks, count, acc = jax.device_get((toks, count, acc))     # one transfer
+        return StepResult(tokens=toks, count=count, accepted=acc, drafted=self.drafted)
 
     def _warm_steps(self, progress) -> None:
         B = self.slots

@@ -11,7 +11,11 @@ For the Qwen3.8-27B GDN geometry (HK 16, HV 48, dk = dv = 128; bf16 q/k/v, fp32 
   serial_pallas_bv{32,64}                  SGLang-style per-node serial kernel (parent state from HBM)
   xla_solve / xla_neumann                  gdn.masked_solve jitted (XLA)
   xla_scan_paths                           lax.scan serial recurrence per root-to-leaf path (XLA)
-and the cross-layer commit (48 GDN layers) against its XLA reference.
+and the cross-layer commit (48 GDN layers) against its XLA reference. With `--attention B:N:S,..` also the
+verify's tree attention of one full-attention layer (24 query heads, 4 KV heads, head_dim 256, bf16; committed
+prefix of S tokens + N tree nodes): the concatenate-then-attend form the verify runs and the two-part form
+`layers.attend_prefix_tree`, each against the memory floor (the issue's bar: XLA within 1.2x of it, else a kernel).
+`--merge A.json B.json --json OUT.json` re-renders runs as one; every run writes OUT.md and OUT.png beside OUT.json.
 
 Timing (METHOD.md): each variant is jitted over R distinct input sets (rotating buffers, so repeated
 calls do not hit a cache and cannot be merged), warmed up, then timed `reps` times with
@@ -255,6 +259,63 @@ def bench_commit(B: int, N: int, args, bw: float, log) -> dict:
     return out
 
 
+ATTN_GEOMETRY = (24, 4, 256)      # Qwen3.8-27B full attention: query heads, KV heads, head_dim
+
+
+def attention_bytes(B: int, N: int, S: int, geometry=ATTN_GEOMETRY) -> int:
+    """Fewest bytes a verify's tree attention must move (bf16): the committed K and V of S tokens, the tree's
+    q / k / v, the output; the [B, N, N] ancestor mask and the prefix lengths are noise beside them."""
+    nh, kvh, hd = geometry
+    return 2 * (2 * B * S * kvh * hd + B * N * nh * hd + 2 * B * N * kvh * hd + B * N * nh * hd) + B * N * N
+
+
+def bench_attention(B: int, N: int, S: int, args, bw: float, log, geometry=ATTN_GEOMETRY) -> dict:
+    """Tree attention of one full-attention layer of the verify (committed prefix of S tokens, all valid, + a
+    random tree of N nodes), XLA only: `concat_attend` is what `TargetModel.verify` runs (the cache and the
+    tree's K/V concatenated, `layers.attend`), `two_part` is `layers.attend_prefix_tree` (no copy of the
+    cache). Both against the floor: `attention_bytes` / copy bandwidth."""
+    from hyspec_jax.models.layers import attend, attend_prefix_tree
+    nh, kvh, hd = geometry
+    depth = DEPTH_FOR_N.get(N, min(8, N - 1))
+    parents = jnp.asarray(trees.random_parents(31 * B + N, B, N, depth))
+    tree_mask = trees.mask_from_parents(parents)
+    prefix_mask = jnp.ones((B, S), bool)
+    R = 4 if B * S >= 64 * 1024 else 8
+
+    def make(i):
+        ks = jax.random.split(jax.random.key(100 * i + B * N + S), 5)
+        bf = jnp.bfloat16
+        return (jax.random.normal(ks[0], (B, N, nh, hd)).astype(bf), jax.random.normal(ks[1], (B, S, kvh, hd)).astype(bf),
+                jax.random.normal(ks[2], (B, S, kvh, hd)).astype(bf), jax.random.normal(ks[3], (B, N, kvh, hd)).astype(bf),
+                jax.random.normal(ks[4], (B, N, kvh, hd)).astype(bf))
+    sets = [make(i) for i in range(R)]
+
+    def concat_attend(q, k, v, tk, tv):
+        mask = jnp.concatenate([jnp.broadcast_to(prefix_mask[:, None], (B, N, S)), tree_mask], -1)
+        return attend(q, jnp.concatenate([k, tk], 1), jnp.concatenate([v, tv], 1), mask)
+
+    def two_part(q, k, v, tk, tv):
+        return attend_prefix_tree(q, k, v, prefix_mask, tk, tv, tree_mask)
+
+    ref = jax.block_until_ready(jax.jit(concat_attend)(*sets[0]))
+    floor_us = 1e6 * attention_bytes(B, N, S, geometry) / bw
+    out = {"B": B, "N": N, "S": S, "depth": depth, "geometry": list(geometry), "floor_us": floor_us, "variants": {}}
+    for name, fn in (("xla_concat_attend", concat_attend), ("xla_two_part", two_part)):
+        rec = {}
+        try:
+            rec.update(time_multi(fn, sets, args.reps,
+                                  check=lambda o: {"err_o": _rel(o, ref), "maxabs_o": _maxabs(o, ref)}))
+            rec["x_floor"] = rec["median_us"] / floor_us
+        except Exception as e:  # noqa: BLE001 — record and go on
+            rec["error"] = f"{type(e).__name__}: {e}"[:2000]
+            traceback.print_exc()
+        out["variants"][name] = rec
+        log(f"  attention B={B:<3d} N={N:<3d} S={S:<6d} {name:<20s} " + (
+            f"{rec['median_us']:10.1f} us  {rec['x_floor']:.2f}x floor  err_o {rec.get('err_o', float('nan')):.1e}"
+            if "median_us" in rec else f"ERROR {rec.get('error', '')[:200]}"))
+    return out
+
+
 def summarize(results: dict) -> list[str]:
     lines = ["", "tree solve (us per call, median; speedup of the best kernel vs baselines)",
              f"{'B':>3} {'N':>3} {'d':>2} | {'best kernel':<28} {'us':>9} {'err_o':>8} | {'serial':>9} "
@@ -307,15 +368,16 @@ def merge(paths: list[str]) -> dict:
     out: dict = {}
     tree: dict = {}
     commit: dict = {}
+    attention: dict = {}
     for path in paths:
         with open(path) as f:
             r = json.load(f)
-        out.update({k: v for k, v in r.items() if k not in ("tree", "commit")})
-        for key, dest in (("tree", tree), ("commit", commit)):
+        out.update({k: v for k, v in r.items() if k not in ("tree", "commit", "attention")})
+        for key, dest in (("tree", tree), ("commit", commit), ("attention", attention)):
             for e in r.get(key, []):
-                cur = dest.setdefault((e["B"], e["N"]), {**e, "variants": {}})
+                cur = dest.setdefault((e["B"], e["N"], e.get("S")), {**e, "variants": {}})
                 cur["variants"].update(e["variants"])
-    out["tree"], out["commit"] = list(tree.values()), list(commit.values())
+    out["tree"], out["commit"], out["attention"] = list(tree.values()), list(commit.values()), list(attention.values())
     out["merged_from"] = [str(p) for p in paths]
     return out
 
@@ -350,6 +412,18 @@ def render(results: dict, json_path: str) -> None:
                 if "median_us" in x:
                     lines.append(f"| {r['B']} | {r['N']} | {n} | {x['median_us']:.1f} | {x['err']:.1e} | "
                                  f"{x['pct_of_floor']:.1f} |")
+    if results.get("attention"):
+        lines += ["", "Tree attention of one full-attention layer (Qwen3.8-27B: 24 query heads, 4 KV heads, head_dim 256, "
+                  "bf16), committed prefix of S tokens + N tree nodes; XLA; × floor = time / (fewest bytes / copy "
+                  "bandwidth), the issue's bar is 1.2:", "",
+                  "| B | N | S | floor µs | concat + attend µs (verify today) | × floor | two-part µs | × floor |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in sorted(results["attention"], key=lambda r: (r["B"], r["N"], r["S"])):
+            c, t = r["variants"].get("xla_concat_attend", {}), r["variants"].get("xla_two_part", {})
+            f = lambda x, k: f"{x[k]:.1f}" if k in x else "—"  # noqa: E731
+            g = lambda x: f"{x['x_floor']:.2f}" if "x_floor" in x else "—"  # noqa: E731
+            lines.append(f"| {r['B']} | {r['N']} | {r['S']} | {r['floor_us']:.1f} | {f(c, 'median_us')} | {g(c)} | "
+                         f"{f(t, 'median_us')} | {g(t)} |")
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     if not rows:
@@ -386,6 +460,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default=DEFAULT_VARIANTS, help="regex (fullmatch) over variant names")
     ap.add_argument("--configs", default=None, help="B:N pairs, e.g. 1:64,32:64 (overrides the grid)")
     ap.add_argument("--commit-batches", default=None, help="default: --batches")
+    ap.add_argument("--attention", default=None, metavar="B:N:S,..",
+                    help="also time the verify's tree attention (Qwen3.8-27B full-attention geometry) at these "
+                         "batch:nodes:prefix configurations, e.g. 1:64:4096,8:64:4096")
+    ap.add_argument("--no-tree", action="store_true", help="skip the GDN tree-solve sweep")
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="start no new configuration after this many seconds (what ran is written)")
     ap.add_argument("--merge", nargs="+", metavar="IN.json", default=None,
@@ -411,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
                "git_commit": _git_commit(), "geometry": {"HK": HK, "HV": HV, "dk": DK, "dv": DV},
                "dtypes": {"qkv": "bfloat16", "state": "float32", "o": "float32"},
                "reference": "gdn.masked_solve(method='solve'), fp32 precision HIGHEST, same bf16 inputs",
-               "time_unit": "us per call", "tree": [], "commit": [], "skipped": [],
+               "time_unit": "us per call", "tree": [], "commit": [], "attention": [], "skipped": [],
                "run_metadata": {**run_metadata(), "command": "hyspec bench kernels " + " ".join(
                    sys.argv[1:] if argv is None else argv)}}
     if dev.platform != "gpu":
@@ -432,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     def out_of_time() -> bool:
         return args.max_seconds is not None and time.perf_counter() - t_start > args.max_seconds
 
-    for B, N in configs:
+    for B, N in ([] if args.no_tree else configs):
         if out_of_time():
             results["skipped"].append(f"tree {B}:{N}")
             continue
@@ -445,6 +523,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             results["commit"].append(bench_commit(B, args.commit_nodes, args, bw, log))
             save()
+    for cfg in (args.attention.split(",") if args.attention else []):
+        B, N, S = map(int, cfg.split(":"))
+        if out_of_time():
+            results["skipped"].append(f"attention {cfg}")
+            continue
+        results["attention"].append(bench_attention(B, N, S, args, bw, log))
+        save()
     for line in summarize(results):
         log(line)
     if results["skipped"]:

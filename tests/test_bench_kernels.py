@@ -33,3 +33,37 @@ def test_merge_later_files_win_and_render(tmp_path):
     md = (tmp_path / "m.md").read_text()
     assert md.index("| 1 | 16 |") < md.index("| 8 | 64 |") and "neumann_bv64 | 100.0" in md
     assert (tmp_path / "m.png").stat().st_size > 1000
+
+
+def test_two_part_attention_equals_concatenated():
+    """layers.attend_prefix_tree == layers.attend over the concatenated [prefix | tree] keys, incl. a row with
+    no key at all (zeros) and an empty prefix."""
+    import jax
+    import jax.numpy as jnp
+
+    from hyspec_jax.models.layers import attend, attend_prefix_tree
+    ks = jax.random.split(jax.random.key(0), 6)
+    B, T, NH, KVH, hd, S, N = 2, 5, 4, 2, 16, 7, 5
+    q = jax.random.normal(ks[0], (B, T, NH, hd))
+    k, v = jax.random.normal(ks[1], (B, S, KVH, hd)), jax.random.normal(ks[2], (B, S, KVH, hd))
+    tk, tv = jax.random.normal(ks[3], (B, N, KVH, hd)), jax.random.normal(ks[4], (B, N, KVH, hd))
+    prefix = jnp.arange(S)[None] < jnp.array([3, 0])[:, None]
+    tree = jax.random.bernoulli(ks[5], 0.5, (B, T, N)).at[1, 0].set(False)
+    full = jnp.concatenate([jnp.broadcast_to(prefix[:, None], (B, T, S)), tree], -1)
+    ref = attend(q, jnp.concatenate([k, tk], 1), jnp.concatenate([v, tv], 1), full)
+    out = attend_prefix_tree(q, k, v, prefix, tk, tv, tree)
+    assert float(jnp.max(jnp.abs(out - ref))) < 1e-5
+    assert bool(jnp.all(out[1, 0] == 0)) and bool(jnp.all(ref[1, 0] == 0))
+
+
+def test_attention_bench_runs_on_cpu(tmp_path):
+    """The attention section (both XLA forms, errors against the verify's form, floor ratio) and its md table."""
+    import argparse
+    res = K.bench_attention(2, 8, 32, argparse.Namespace(reps=2), 1e11, lambda s: None, geometry=(4, 2, 16))
+    for name in ("xla_concat_attend", "xla_two_part"):
+        rec = res["variants"][name]
+        assert rec["err_o"] < 1e-2 and rec["median_us"] > 0 and rec["x_floor"] > 0, rec
+    assert res["floor_us"] == 1e6 * K.attention_bytes(2, 8, 32, (4, 2, 16)) / 1e11
+    results = {"device_kind": "cpu", "tree": [], "commit": [], "attention": [res]}
+    K.render(results, str(tmp_path / "a.json"))
+    assert "| 2 | 8 | 32 |" in (tmp_path / "a.md").read_text()

@@ -165,6 +165,33 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array) ->
     return out.reshape(B, T, NH, hd).astype(q.dtype)
 
 
+def attend_prefix_tree(q: jax.Array, keys: jax.Array, values: jax.Array, prefix_mask: jax.Array,
+                       tree_keys: jax.Array, tree_values: jax.Array, tree_mask: jax.Array) -> jax.Array:
+    """`attend` over [committed prefix | tree nodes] without concatenating the KV cache: the two parts' scores
+    are normalised jointly (one max, one denominator), so it equals
+    attend(q, concat(keys, tree_keys), concat(values, tree_values), concat(prefix_mask[:, None], tree_mask)).
+
+    q [B,T,NH,hd]; keys/values [B,S,KVH,hd]; prefix_mask [B,S]; tree_keys/values [B,N,KVH,hd]; tree_mask
+    [B,T,N]. A candidate for the verify's tree attention (it never copies the cache); `hyspec bench kernels
+    --attention` times both forms against the memory floor."""
+    B, T, NH, hd = q.shape
+    kvh = keys.shape[2]
+    qg = q.reshape(B, T, kvh, NH // kvh, hd)
+    scale = hd ** -0.5
+    sp = jnp.einsum("btgrd,bsgd->bgrts", qg, keys, preferred_element_type=F32) * scale
+    st = jnp.einsum("btgrd,bsgd->bgrts", qg, tree_keys, preferred_element_type=F32) * scale
+    sp = jnp.where(prefix_mask[:, None, None, None, :], sp, -jnp.inf)
+    st = jnp.where(tree_mask[:, None, None], st, -jnp.inf)
+    m = jnp.maximum(sp.max(-1, keepdims=True), st.max(-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)                                   # rows with no key at all
+    pp, pt = jnp.exp(sp - m), jnp.exp(st - m)
+    denom = pp.sum(-1, keepdims=True) + pt.sum(-1, keepdims=True)
+    out = (jnp.einsum("bgrts,bsgd->bgrtd", pp.astype(values.dtype), values, preferred_element_type=F32)
+           + jnp.einsum("bgrts,bsgd->bgrtd", pt.astype(tree_values.dtype), tree_values, preferred_element_type=F32))
+    out = jnp.where(denom > 0, out / jnp.where(denom > 0, denom, 1.0), 0.0)
+    return jnp.moveaxis(out, 3, 1).reshape(B, T, NH, hd).astype(q.dtype)
+
+
 class Attention(nnx.Module):
     """Gated full attention: q_proj packs [query | gate] per head, q/k norms before partial RoPE, GQA,
     sigmoid(gate) on the output before o_proj."""

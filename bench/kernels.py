@@ -125,6 +125,19 @@ def time_multi(fn, sets, reps: int, warmup: int = 2, check=None) -> dict:
             "sets": R, "reps": reps, "compile_s": compile_s}
 
 
+def _measure(fn, sets, reps: int, check, floor_us: float) -> dict:
+    """time_multi of one variant, with its distance to the floor; an exception is recorded, not raised."""
+    rec = {}
+    try:
+        rec.update(time_multi(fn, sets, reps, check=check))
+        rec["pct_of_floor"] = 100.0 * floor_us / rec["median_us"]
+        rec["x_floor"] = rec["median_us"] / floor_us
+    except Exception as e:  # noqa: BLE001 — record and go on
+        rec["error"] = f"{type(e).__name__}: {e}"[:2000]
+        traceback.print_exc()
+    return rec
+
+
 def solve_bytes(B, N) -> int:
     """Fewest bytes a tree solve must move: S0, q, k (key heads), v, g, β, mask in; o, V', Γ out."""
     return (B * HV * DK * DV * 4 + 2 * B * N * HK * DK * 2 + B * N * HV * DV * 2 + 2 * B * N * HV * 4
@@ -187,15 +200,8 @@ def bench_tree(B: int, N: int, args, bw: float, log) -> dict:
         return check
 
     for name, (fn, kind) in variants.items():
-        rec = {}
-        try:
-            use = sets if not (kind == "serial" and big) else sets[:2]     # per-node states are large
-            rec.update(time_multi(fn, use, args.reps, check=checker(kind)))
-            rec["pct_of_floor"] = 100.0 * floor_us / rec["median_us"]
-        except Exception as e:  # noqa: BLE001 — record and go on
-            rec["error"] = f"{type(e).__name__}: {e}"[:2000]
-            traceback.print_exc()
-        out["variants"][name] = rec
+        use = sets if not (kind == "serial" and big) else sets[:2]     # per-node states are large
+        out["variants"][name] = rec = _measure(fn, use, args.reps, checker(kind), floor_us)
         log(f"  B={B:<3d} N={N:<3d} {name:<28s} " + (
             f"{rec['median_us']:10.1f} us  err_o {rec.get('err_o', float('nan')):.2e}"
             if "median_us" in rec else f"ERROR {rec.get('error', '')[:200]}"))
@@ -301,15 +307,8 @@ def bench_attention(B: int, N: int, S: int, args, bw: float, log, geometry=ATTN_
     floor_us = 1e6 * attention_bytes(B, N, S, geometry) / bw
     out = {"B": B, "N": N, "S": S, "depth": depth, "geometry": list(geometry), "floor_us": floor_us, "variants": {}}
     for name, fn in (("xla_concat_attend", concat_attend), ("xla_two_part", two_part)):
-        rec = {}
-        try:
-            rec.update(time_multi(fn, sets, args.reps,
-                                  check=lambda o: {"err_o": _rel(o, ref), "maxabs_o": _maxabs(o, ref)}))
-            rec["x_floor"] = rec["median_us"] / floor_us
-        except Exception as e:  # noqa: BLE001 — record and go on
-            rec["error"] = f"{type(e).__name__}: {e}"[:2000]
-            traceback.print_exc()
-        out["variants"][name] = rec
+        out["variants"][name] = rec = _measure(
+            fn, sets, args.reps, lambda o: {"err_o": _rel(o, ref), "maxabs_o": _maxabs(o, ref)}, floor_us)
         log(f"  attention B={B:<3d} N={N:<3d} S={S:<6d} {name:<20s} " + (
             f"{rec['median_us']:10.1f} us  {rec['x_floor']:.2f}x floor  err_o {rec.get('err_o', float('nan')):.1e}"
             if "median_us" in rec else f"ERROR {rec.get('error', '')[:200]}"))

@@ -48,7 +48,7 @@ def sample_prompts(corpus_dir: str | Path, out_file: str | Path, *, per_domain: 
     out_file = Path(out_file)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     tokens = np.concatenate(rows).astype(np.uint16)
-    np.savez(out_file, tokens=tokens, domain=np.concatenate(dom), domains=np.asarray(domains))
+    np.savez_compressed(out_file, tokens=tokens, domain=np.concatenate(dom), domains=np.asarray(domains))
     return {"prompts": int(tokens.shape[0]), "prompt_len": prompt_len, "domains": domains, "file": str(out_file)}
 
 

@@ -278,20 +278,20 @@ class DiskCachedJit:
             avals = tuple((np.shape(x), _dtype(x)) for x in leaves)
         key = (static, names, treedef, avals)
         prog = self._programs.get(key)
-        if prog is None:
+        first = prog is None
+        if first:
             prog = self._programs[key] = self._program(static, names, treedef, leaves)
-            if prog is not False:
-                try:        # the first call compiles it: a stored program this jaxlib cannot run falls back
-                    call, out_tree = prog
-                    return jax.tree.unflatten(out_tree, call(*leaves))
-                except Exception as e:  # noqa: BLE001
-                    if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
-                        raise       # it ran and consumed donated buffers: nothing left to fall back with
-                    prog = self._programs[key] = self._fail(e)
-        if prog is False:
-            return self.jit(*args, **kwargs)
-        call, out_tree = prog
-        return jax.tree.unflatten(out_tree, call(*leaves))
+        if prog is not False:
+            call, out_tree = prog
+            try:
+                return jax.tree.unflatten(out_tree, call(*leaves))
+            except Exception as e:  # noqa: BLE001
+                # the first call compiles it: a stored program this jaxlib cannot run falls back, unless it ran
+                # and consumed donated buffers (nothing left to fall back with); later failures are real
+                if not first or any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
+                    raise
+                self._programs[key] = self._fail(e)
+        return self.jit(*args, **kwargs)
 
     def _program(self, static, names, treedef, leaves):
         try:

@@ -7,6 +7,8 @@ maps to a parameter path by stripping its prefix and nothing else: one home for 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -152,44 +154,40 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def attend(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array) -> jax.Array:
     """GQA attention. q [B,T,NH,hd]; keys/values [B,S,KVH,hd]; mask [B,T,S] bool. fp32 softmax.
 
-    Returns [B, T, NH, hd]. The one attention formula used by prefill, decode and tree verify.
+    Returns [B, T, NH, hd]. The one attention formula used by prefill, decode and tree verify (`attend_parts`).
     """
-    B, T, NH, hd = q.shape
-    kvh = keys.shape[2]
-    qg = q.reshape(B, T, kvh, NH // kvh, hd)
-    scores = jnp.einsum("btgrd,bsgd->bgrts", qg, keys, preferred_element_type=F32) * (hd ** -0.5)
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(mask[:, None, None].any(-1, keepdims=True), probs, 0.0)  # rows with no key (padding)
-    out = jnp.einsum("bgrts,bsgd->btgrd", probs.astype(values.dtype), values, preferred_element_type=F32)
-    return out.reshape(B, T, NH, hd).astype(q.dtype)
+    return attend_parts(q, ((keys, values, mask),))
 
 
 def attend_prefix_tree(q: jax.Array, keys: jax.Array, values: jax.Array, prefix_mask: jax.Array,
                        tree_keys: jax.Array, tree_values: jax.Array, tree_mask: jax.Array) -> jax.Array:
-    """`attend` over [committed prefix | tree nodes] without concatenating the KV cache: the two parts' scores
-    are normalised jointly (one max, one denominator), so it equals
+    """`attend` over [committed prefix | tree nodes] without concatenating the KV cache: equals
     attend(q, concat(keys, tree_keys), concat(values, tree_values), concat(prefix_mask[:, None], tree_mask)).
+    prefix_mask [B,S]; tree_keys/values [B,N,KVH,hd]; tree_mask [B,T,N]. A candidate for the verify's tree
+    attention (it never copies the cache); `hyspec bench kernels --attention` times both forms."""
+    return attend_parts(q, ((keys, values, prefix_mask[:, None]), (tree_keys, tree_values, tree_mask)))
 
-    q [B,T,NH,hd]; keys/values [B,S,KVH,hd]; prefix_mask [B,S]; tree_keys/values [B,N,KVH,hd]; tree_mask
-    [B,T,N]. A candidate for the verify's tree attention (it never copies the cache); `hyspec bench kernels
-    --attention` times both forms against the memory floor."""
+
+def attend_parts(q: jax.Array, parts) -> jax.Array:
+    """GQA attention of q [B,T,NH,hd] over the union of key/value parts ((keys [B,S_i,KVH,hd], values, mask
+    [B,T or 1,S_i] bool), ...), normalised jointly (one max, one denominator: a softmax over all parts' keys),
+    fp32 scores and softmax. A query row with no key in any part gets zeros (padding). Returns [B,T,NH,hd]."""
     B, T, NH, hd = q.shape
-    kvh = keys.shape[2]
+    kvh = parts[0][0].shape[2]
     qg = q.reshape(B, T, kvh, NH // kvh, hd)
-    scale = hd ** -0.5
-    sp = jnp.einsum("btgrd,bsgd->bgrts", qg, keys, preferred_element_type=F32) * scale
-    st = jnp.einsum("btgrd,bsgd->bgrts", qg, tree_keys, preferred_element_type=F32) * scale
-    sp = jnp.where(prefix_mask[:, None, None, None, :], sp, -jnp.inf)
-    st = jnp.where(tree_mask[:, None, None], st, -jnp.inf)
-    m = jnp.maximum(sp.max(-1, keepdims=True), st.max(-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)                                   # rows with no key at all
-    pp, pt = jnp.exp(sp - m), jnp.exp(st - m)
-    denom = pp.sum(-1, keepdims=True) + pt.sum(-1, keepdims=True)
-    out = (jnp.einsum("bgrts,bsgd->bgrtd", pp.astype(values.dtype), values, preferred_element_type=F32)
-           + jnp.einsum("bgrts,bsgd->bgrtd", pt.astype(tree_values.dtype), tree_values, preferred_element_type=F32))
+    scores = []
+    for keys, _, mask in parts:
+        s = jnp.einsum("btgrd,bsgd->bgrts", qg, keys, preferred_element_type=F32) * (hd ** -0.5)
+        scores.append(jnp.where(mask[:, None, None], s, -jnp.inf))
+    m = functools.reduce(jnp.maximum, [s.max(-1, keepdims=True) for s in scores])
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))           # 0: rows with no key at all
+    probs = [jnp.exp(s - m) for s in scores]
+    denom = sum(p.sum(-1, keepdims=True) for p in probs)
+    out = sum(jnp.einsum("bgrts,bsgd->btgrd", p.astype(values.dtype), values, preferred_element_type=F32)
+              for p, (_, values, _) in zip(probs, parts))
+    denom = jnp.moveaxis(denom, 3, 1)                                        # [B,T,g,r,1] like out
     out = jnp.where(denom > 0, out / jnp.where(denom > 0, denom, 1.0), 0.0)
-    return jnp.moveaxis(out, 3, 1).reshape(B, T, NH, hd).astype(q.dtype)
+    return out.reshape(B, T, NH, hd).astype(q.dtype)
 
 
 class Attention(nnx.Module):

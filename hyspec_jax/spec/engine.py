@@ -504,7 +504,7 @@ class SpecEngine:
         slot_params = [SamplingParams()] * B
         steps = np.zeros(B, np.int32)
         stops = [set(p.stop_token_ids) for p in plist]
-        t_prefill = t_round = 0.0
+        t_prefill = 0.0
         rounds = 0
 
         def emit(i: int, toks: list[int]) -> bool:
@@ -530,7 +530,7 @@ class SpecEngine:
         # in flight costs one discarded round of its slot. A round is not dispatched ahead when a request could
         # reach max_tokens in the round in flight (known on the host: no discarded round at the end of a
         # generation) or with hints (they read the tokens of the round before).
-        inflight = None                              # (device outputs, slot owners at dispatch, dispatch time)
+        inflight = None                              # (device outputs, slot owners at dispatch)
         t_first_done = t_last_done = None
 
         def dispatch():
@@ -543,17 +543,15 @@ class SpecEngine:
                         h = list(hint(slot_req[b], list(out[slot_req[b]])))[:G]
                         hint_arr[b, :len(h)] = h
             steps[active] += 1
-            t1 = time.perf_counter()
             state, dstate, anchor, toks_out, count, acc = self._round_call(
                 state, dstate, anchor, active, sampling, steps, capacity, hint_arr, shape)
-            return (toks_out, count, acc), list(slot_req), t1
+            return (toks_out, count, acc), list(slot_req)
 
         def finish_round(flight) -> None:
-            nonlocal rounds, t_round, t_first_done, t_last_done
-            outs, owners, t1 = flight
+            nonlocal rounds, t_first_done, t_last_done
+            outs, owners = flight
             toks_out, count, acc = jax.device_get(outs)          # one transfer, waits for the round
             t_done = time.perf_counter()
-            t_round += t_done - t1
             rounds += 1
             t_first_done = t_first_done or t_done
             t_last_done = t_done
@@ -607,10 +605,12 @@ class SpecEngine:
                 inflight = None
         all_committed = [c for cs in committed for c in cs]
         acc_arr = np.asarray(accepted_all)
+        seconds = time.perf_counter() - t0
         self.last_stats = SpecStats(
             mode=self.spec.mode, rounds=rounds, tau=float(np.mean(all_committed)) if all_committed else 0.0,
             accepted_per_position=[float(np.mean(acc_arr > k)) if len(acc_arr) else 0.0 for k in range(D)],
-            seconds=time.perf_counter() - t0, prefill_seconds=t_prefill, round_seconds=t_round,
+            # rounds overlap each other in the pipeline: their time is the generation's less its prefills
+            seconds=seconds, prefill_seconds=t_prefill, round_seconds=seconds - t_prefill,
             verify_nodes=N, capacity=int(capacity), compilations_after_startup=self.compilations_after_startup,
             prefix_survival=prefix_survival(accepted, D))
         # rounds per second after the first round (as Generator's decode steps/s after the first step)

@@ -234,3 +234,36 @@ def test_dspark_on_four_fake_devices_matches_one(setup):
     one = make(root, "dspark", "mesh1", devices=1).run(stop_after=3)["losses"]
     four = make(root, "dspark", "mesh4", devices=4).run(stop_after=3)["losses"]
     np.testing.assert_allclose([four[s] for s in range(3)], [one[s] for s in range(3)], rtol=2e-5)
+
+
+def test_distillation_variants_fork_then_follow_the_target(setup, distill):
+    """Variant 1 samples its first tokens, then every token is the target's argmax (no-cache forward); slices
+    built apart and merged equal the set built at once."""
+    root, _ = setup
+    from hyspec_jax.io.hf import load_pretrained
+    from hyspec_jax.models.target import forward_full
+    from hyspec_jax.train.distill import generate_continuations, merge_distill
+
+    ddir, _ = distill
+    both = root / "variants"
+    kw = dict(gen_len=16, batch_size=8, sample_prefix=3, progress=False)
+    m = generate_continuations(root / "target", ddir / "prompts.npz", both, variants=2, **kw)
+    seqs = np.load(both / "sequences.npy").astype(np.int32)
+    n = seqs.shape[0] // 2
+    assert m["variants"] == [0, 1] and seqs.shape == (2 * n, 24)
+    np.testing.assert_array_equal(seqs[:n, :8], seqs[n:, :8])                        # same prompts
+    plain = np.load(ddir / "sequences.npy").astype(np.int32)[:, :24]
+    np.testing.assert_array_equal(seqs[:n], plain)                                  # variant 0 = plain greedy
+    assert (seqs[n:, 8:11] != seqs[:n, 8:11]).any()                                 # the forks differ
+    _, target = load_pretrained(root / "target")
+    logits = np.asarray(forward_full(*nnx.split(target), jnp.asarray(seqs[n:])))
+    np.testing.assert_array_equal(np.argmax(logits[:, 10:-1], -1), seqs[n:, 11:])    # greedy after the fork
+    a = generate_continuations(root / "target", ddir / "prompts.npz", root / "v0", **kw)
+    b = generate_continuations(root / "target", ddir / "prompts.npz", root / "v1", first_variant=1, **kw)
+    assert a["variants"] == [0] and b["variants"] == [1]
+    merged = merge_distill([root / "v0", root / "v1"], root / "merged")
+    np.testing.assert_array_equal(np.load(root / "merged" / "sequences.npy"), seqs)
+    np.testing.assert_array_equal(np.load(root / "merged" / "domains.npy"), np.load(both / "domains.npy"))
+    assert merged["sequences"] == 2 * n and merged["variants"] == [0, 1]
+    with pytest.raises(ValueError, match="variants repeat"):
+        merge_distill([root / "v0", root / "v0"], root / "bad")

@@ -78,10 +78,20 @@ def cmd_build_distill(args) -> int:
     if not args.target:
         raise ValueError("--target is required unless --prompts-only")
     m = generate_continuations(args.target, prompts, args.out, gen_len=args.gen_len, batch_size=args.batch_size,
-                               temperature=args.temperature, seed=args.seed, dtype=args.dtype)
+                               temperature=args.temperature, seed=args.seed, dtype=args.dtype,
+                               variants=args.variants, first_variant=args.first_variant,
+                               sample_prefix=args.sample_prefix, prefix_temperature=args.prefix_temperature)
     print(f"[hyspec] {m['sequences']} sequences of {m['prompt_len']}+{m['gen_len']} tokens -> {args.out} "
           f"({m['seconds']:.0f}s, {m['generated_tokens_per_s']:,.0f} generated tokens/s on {m['device']})",
           file=sys.stderr)
+    return 0
+
+
+def cmd_merge_distill(args) -> int:
+    from hyspec_jax.train.distill import merge_distill
+
+    m = merge_distill(args.parts, args.out)
+    print(f"[hyspec] {m['sequences']} sequences (variants {m['variants']}) -> {args.out}", file=sys.stderr)
     return 0
 
 
@@ -186,7 +196,21 @@ def add_train_commands(sub: argparse._SubParsersAction) -> None:
     x.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     x.add_argument("--seed", type=int, default=0)
     x.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    x.add_argument("--variants", type=int, default=1,
+                   help="continuations per prompt (default 1): variant 0 plain, variant v >= 1 samples its first "
+                        "--sample-prefix tokens, then continues greedily")
+    x.add_argument("--first-variant", type=int, default=0,
+                   help="build variants FIRST .. FIRST+VARIANTS-1 (slices of one set; join with merge-distill)")
+    x.add_argument("--sample-prefix", type=int, default=4, help="sampled tokens that fork a variant (default 4)")
+    x.add_argument("--prefix-temperature", type=float, default=1.0)
     x.set_defaults(func=cmd_build_distill)
+
+    m = sub.add_parser("merge-distill", help="join distillation slices built from one prompt pack",
+                       description="Concatenate the sequences of build-distill outputs that differ only in their "
+                                   "variants (e.g. built on two GPUs) into one directory.")
+    m.add_argument("parts", nargs="+", metavar="DIR")
+    m.add_argument("--out", required=True)
+    m.set_defaults(func=cmd_merge_distill)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,13 @@ GPU machine receives only code + checkpoints + this small prompt pack):
    from a PRNG keyed on the seed (deterministic), saved as `prompts.npz` (tokens [N, P] uint16, domain ids).
 2. `generate_continuations`: the frozen target continues every prompt for `gen_len` tokens with our
    `Generator` (greedy by default — the decoding the drafter must match at inference), in batches; writes
-   `sequences.npy` [N, P + G] uint16, `domains.npy`, `manifest.json` (target, config, counts, throughput).
+   `sequences.npy` [N·V, P + G] uint16, `domains.npy`, `manifest.json` (target, config, counts, throughput).
+   With `variants` V > 1 every prompt is continued V times: variant 0 as above, variant v ≥ 1 samples its first
+   `sample_prefix` tokens at `prefix_temperature` (seeded by v) and continues greedily from there. The greedy
+   part is what the drafter must match; the sampled fork sends it down a different path, so V variants give
+   V times the distinct training text from the same prompt pack (the pack must be small: it travels to the
+   GPU machine with the code). The first 9,216-prompt drafter saw its 2M tokens ~50 times in 190 s and
+   reached first-slot accuracy 0.83 on them against 0.62 acceptance on held-out prompts — it was data-bound.
 
 What the drafter trains on besides the tokens — the tapped target features, the final hidden states (logits)
 and the committed GDN states of the reader's source layers at each anchor — is NOT stored: it is a
@@ -62,8 +68,13 @@ def load_prompts(path: str | Path) -> tuple[np.ndarray, np.ndarray, list[str]]:
 
 def generate_continuations(target_dir: str | Path, prompts_file: str | Path, out_dir: str | Path, *,
                            gen_len: int = 224, batch_size: int = 512, temperature: float = 0.0, seed: int = 0,
-                           dtype: str = "float32", progress: bool | None = None) -> dict:
-    """Continue every prompt with the frozen target; write the sequences + manifest; return the manifest."""
+                           dtype: str = "float32", variants: int = 1, first_variant: int = 0,
+                           sample_prefix: int = 4, prefix_temperature: float = 1.0,
+                           progress: bool | None = None) -> dict:
+    """Continue every prompt with the frozen target; write the sequences + manifest; return the manifest.
+
+    Variants `first_variant .. first_variant + variants - 1` are written (rows variant-major), so two machines
+    can each build a slice of one set and `merge_distill` joins them."""
     import jax
     import jax.numpy as jnp
     from tqdm.auto import tqdm
@@ -72,8 +83,10 @@ def generate_continuations(target_dir: str | Path, prompts_file: str | Path, out
     from hyspec_jax.io.hf import load_pretrained
     from hyspec_jax.sampling import SamplingParams
 
-    if gen_len <= 0 or batch_size <= 0:
-        raise ValueError("gen_len and batch_size must be positive")
+    if gen_len <= 0 or batch_size <= 0 or variants <= 0 or first_variant < 0:
+        raise ValueError("gen_len, batch_size and variants must be positive, first_variant non-negative")
+    if not 0 < sample_prefix < gen_len and (first_variant + variants > 1):
+        raise ValueError(f"sample_prefix must be in [1, gen_len) for variants beyond 0, got {sample_prefix}")
     tokens, domain, names = load_prompts(prompts_file)
     dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
     cfg, target = load_pretrained(target_dir, dtype=dt)
@@ -81,31 +94,74 @@ def generate_continuations(target_dir: str | Path, prompts_file: str | Path, out
         raise ValueError(f"prompt ids reach {tokens.max()} but the target's vocabulary is {cfg.vocab_size}")
     gen = Generator.from_model(target)
     N, P = tokens.shape
-    seqs = np.zeros((N, P + gen_len), np.uint16)
-    seqs[:, :P] = tokens
+    vids = list(range(first_variant, first_variant + variants))
+    seqs = np.zeros((N * variants, P + gen_len), np.uint16)
     t0 = time.perf_counter()
-    bar = tqdm(total=N, desc="build-distill", unit="seq", disable=progress is False)
-    for i in range(0, N, batch_size):
-        chunk = tokens[i:i + batch_size]
-        params = [SamplingParams(max_tokens=gen_len, temperature=temperature, seed=seed * 1_000_003 + i + j)
-                  for j in range(len(chunk))]
-        for j, r in enumerate(gen.generate([list(map(int, c)) for c in chunk], params)):
-            seqs[i + j, P:P + len(r.token_ids)] = r.token_ids
-        bar.update(len(chunk))
+    bar = tqdm(total=N * variants, desc="build-distill", unit="seq", disable=progress is False)
+    for k, v in enumerate(vids):
+        block = seqs[k * N:(k + 1) * N]
+        block[:, :P] = tokens
+        for i in range(0, N, batch_size):
+            chunk = [list(map(int, c)) for c in tokens[i:i + batch_size]]
+            rows = range(i, i + len(chunk))
+            fork = [[] for _ in chunk]
+            if v > 0:        # the sampled fork: seeds differ per variant and per prompt
+                params = [SamplingParams(max_tokens=sample_prefix, temperature=prefix_temperature,
+                                         seed=(seed * 1_000_003 + v) * 1_000_003 + r) for r in rows]
+                fork = [r.token_ids if r.finish_reason == "length" else None
+                        for r in gen.generate(chunk, params)]
+            live = [j for j in range(len(chunk)) if fork[j] is not None]
+            for j in range(len(chunk)):
+                if fork[j] is None:                  # stopped inside the fork: keep what there is
+                    fork[j] = []
+            rest = gen_len - len(fork[live[0]]) if live else gen_len
+            params = [SamplingParams(max_tokens=rest, temperature=temperature, seed=seed * 1_000_003 + i + j)
+                      for j in live]
+            outs = gen.generate([chunk[j] + fork[j] for j in live], params) if live else []
+            for j, r in zip(live, outs):
+                got = fork[j] + r.token_ids
+                block[i + j, P:P + len(got)] = got
+            bar.update(len(chunk))
     bar.close()
     seconds = time.perf_counter() - t0
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     np.save(out_dir / "sequences.npy", seqs)
-    np.save(out_dir / "domains.npy", domain)
+    np.save(out_dir / "domains.npy", np.tile(domain, variants))
     manifest = {"target": str(target_dir), "target_config": cfg.to_hf_dict(), "prompts": str(prompts_file),
-                "sequences": N, "prompt_len": P, "gen_len": gen_len, "temperature": temperature, "seed": seed,
-                "dtype": dtype, "domains": names, "per_domain": {d: int((domain == k).sum()) for k, d in
-                                                                 enumerate(names)},
+                "sequences": N * variants, "prompt_len": P, "gen_len": gen_len, "temperature": temperature,
+                "seed": seed, "variants": vids, "sample_prefix": sample_prefix if vids != [0] else 0,
+                "prefix_temperature": prefix_temperature, "dtype": dtype, "domains": names,
+                "per_domain": {d: int((domain == k).sum()) * variants for k, d in enumerate(names)},
                 "device": jax.devices()[0].device_kind, "seconds": round(seconds, 2),
-                "generated_tokens_per_s": round(N * gen_len / max(seconds, 1e-9), 1)}
+                "generated_tokens_per_s": round(N * variants * gen_len / max(seconds, 1e-9), 1)}
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
+
+
+def merge_distill(parts: list[str | Path], out_dir: str | Path) -> dict:
+    """Join distillation slices built from one prompt pack (e.g. variants 0-1 and 2-3 on two GPUs)."""
+    parts = [Path(p) for p in parts]
+    mans = [json.loads((p / "manifest.json").read_text()) for p in parts]
+    keys = ("target", "prompts", "prompt_len", "gen_len", "temperature", "seed", "dtype", "domains")
+    for m in mans[1:]:
+        bad = [k for k in keys if m[k] != mans[0][k]]
+        if bad:
+            raise ValueError(f"distillation slices differ in {', '.join(bad)}: not one set")
+    vids = [v for m in mans for v in m.get("variants", [0])]
+    if len(set(vids)) != len(vids):
+        raise ValueError(f"variants repeat across the slices: {vids}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    np.save(out_dir / "sequences.npy", np.concatenate([np.load(p / "sequences.npy") for p in parts]))
+    np.save(out_dir / "domains.npy", np.concatenate([np.load(p / "domains.npy") for p in parts]))
+    merged = dict(mans[0], sequences=sum(m["sequences"] for m in mans), variants=vids,
+                  sample_prefix=max(m.get("sample_prefix", 0) for m in mans),
+                  per_domain={d: sum(m["per_domain"][d] for m in mans) for d in mans[0]["per_domain"]},
+                  seconds=[m["seconds"] for m in mans],
+                  generated_tokens_per_s=sum(m["generated_tokens_per_s"] for m in mans), parts=[str(p) for p in parts])
+    (out_dir / "manifest.json").write_text(json.dumps(merged, indent=1) + "\n")
+    return merged
 
 
 class DistillSampler:
@@ -135,4 +191,4 @@ class DistillSampler:
         return np.stack([np.asarray(self.seqs[r, o:o + self.seq_len]) for r, o in zip(rows, offs)]).astype(np.int32)
 
 
-__all__ = ["sample_prompts", "load_prompts", "generate_continuations", "DistillSampler"]
+__all__ = ["sample_prompts", "load_prompts", "generate_continuations", "merge_distill", "DistillSampler"]

@@ -1,65 +1,111 @@
 #!/usr/bin/env bash
-# The shipped drafter's recipe (checkpoints/default/drafter): distillation data, DSpark, a ReaDy source-layer
-# ablation (stage 1, four choices run side by side on the one GPU), ReaDy stage 2 on the best choice and the
-# no-state control (Table 2) side by side. About 9 minutes on one H200.
+# The shipped drafter's recipe (checkpoints/default/drafter): distillation data (every prompt continued VARIANTS
+# times: once greedily, then forked by a few sampled tokens and continued greedily), DSpark with a tap-layer
+# ablation, a ReaDy source-layer ablation (stage 1), ReaDy stage 2 on the best choice and the no-state control
+# (Table 2). Runs of one stage go side by side: spread over NGPU GPUs (each with its share of the CPU cores), or
+# sharing the one GPU. About 9 minutes on two H200s with the defaults.
 #
-#   train/recipes/drafter_h200.sh RUN_DIR          # needs train/data/distill/prompts.npz
+#   NGPU=2 train/recipes/drafter_h200.sh RUN_DIR   # needs train/data/distill/prompts.npz
 #                                                  # (hyspec build-distill --out train/data/distill --prompts-only
 #                                                  #  --per-domain 1536) and the corpus validation shards
-# Budgets (seconds, compiles included) and sizes can be overridden for a CPU smoke run:
-#   DSPARK_S=190 READY1_S=95 READY2_S=110 GEN_LEN=224 SEQ_LEN=256 BATCH=32 ANCHORS=64 DTYPE=auto
+# Budgets (seconds, compiles included) and sizes can be overridden, e.g. for a CPU smoke run:
+#   DSPARK_S=220 READY1_S=75 READY2_S=85 GEN_LEN=224 SEQ_LEN=256 BATCH=64 ANCHORS=64 DTYPE=auto VARIANTS=4
 set -euo pipefail
 RUN=${1:?usage: drafter_h200.sh RUN_DIR}
 TARGET=${TARGET:-checkpoints/default}
 CORPUS=${CORPUS:-train/data/corpus}
 PROMPTS=${PROMPTS:-train/data/distill/prompts.npz}
-DSPARK_S=${DSPARK_S:-190}; READY1_S=${READY1_S:-95}; READY2_S=${READY2_S:-110}
-GEN_LEN=${GEN_LEN:-224}; SEQ_LEN=${SEQ_LEN:-256}; BATCH=${BATCH:-32}; ANCHORS=${ANCHORS:-64}; DTYPE=${DTYPE:-auto}
-GEN_BATCH=${GEN_BATCH:-1536}
+NGPU=${NGPU:-1}
+DSPARK_S=${DSPARK_S:-220}; READY1_S=${READY1_S:-75}; READY2_S=${READY2_S:-85}
+GEN_LEN=${GEN_LEN:-224}; SEQ_LEN=${SEQ_LEN:-256}; BATCH=${BATCH:-64}; ANCHORS=${ANCHORS:-64}; DTYPE=${DTYPE:-auto}
+GEN_BATCH=${GEN_BATCH:-1536}; VARIANTS=${VARIANTS:-4}
+TAPS=${TAPS:-"1 3 5|1 4 6"}
 ABLATION=${ABLATION:-"2 6|0 1|5 6|1 4"}
 H=(python3 -m hyspec_jax.train.cli_train)
-export XLA_PYTHON_CLIENT_PREALLOCATE=false    # several trainers share the GPU
+export XLA_PYTHON_CLIENT_PREALLOCATE=false    # several trainers may share a GPU
 mkdir -p "$RUN"
 COMMON=(--target "$TARGET" --corpus "$CORPUS" --data "$RUN/distill" --seq-len "$SEQ_LEN" --batch-size "$BATCH"
         --anchors "$ANCHORS" --steps 1000000 --dtype "$DTYPE" --eval-every 0 --ckpt-every 1000000)
 
-"${H[@]}" build-distill --target "$TARGET" --prompts "$PROMPTS" --out "$RUN/distill" --gen-len "$GEN_LEN" \
-    --batch-size "$GEN_BATCH"
-
-"${H[@]}" train-drafter "${COMMON[@]}" --out "$RUN/dspark" --stage dspark --layers 1 --tap-layers 1 3 5 \
-    --intermediate-size 768 --markov-rank 32 --block-size 7 --time-budget "$DSPARK_S" > "$RUN/dspark.log" 2>&1
-
-IFS='|' read -r -a CHOICES <<< "$ABLATION"
-pids=()
-for c in "${CHOICES[@]}"; do
-  tag=${c// /_}
-  "${H[@]}" train-drafter "${COMMON[@]}" --out "$RUN/ready1_$tag" --stage ready1 --init "$RUN/dspark/drafter" \
-      --source-layers $c --time-budget "$READY1_S" > "$RUN/ready1_$tag.log" 2>&1 &
-  pids+=($!)
-done
-for p in "${pids[@]}"; do wait "$p"; done
-
-BEST=$(python3 - "$RUN" <<'PY'
+# on SLOT CMD...: run CMD on GPU SLOT % NGPU with that GPU's share of the cores (NGPU 1: as is)
+on() {
+  local slot=$1; shift
+  if [ "$NGPU" -gt 1 ]; then
+    local g=$((slot % NGPU)) per=$(( $(nproc) / NGPU ))
+    CUDA_VISIBLE_DEVICES=$g taskset -c $((g * per))-$((g * per + per - 1)) "$@"
+  else
+    "$@"
+  fi
+}
+# mean teacher-forced tau over the validation domains of RUN/NAME/summary.json, for NAME in the arguments
+mean_tau() {
+  python3 - "$RUN" "$@" <<'PY'
 import json, sys, pathlib
 run = pathlib.Path(sys.argv[1])
 rows = {}
-for d in sorted(run.glob("ready1_*")):
-    if (d / "summary.json").is_file():
-        val = json.loads((d / "summary.json").read_text())["val"]
-        rows[d.name] = sum(v["tau"] for v in val.values()) / len(val)
-dspark = json.loads((run / "dspark" / "summary.json").read_text())["val"]
-rows["dspark"] = sum(v["tau"] for v in dspark.values()) / len(dspark)
-(run / "ablation.json").write_text(json.dumps(rows, indent=1) + "\n")
-best = max((k for k in rows if k != "dspark"), key=rows.get)
-print(best)
+for name in sys.argv[2:]:
+    f = run / name / "summary.json"
+    if f.is_file():
+        val = json.loads(f.read_text())["val"]
+        rows[name] = round(sum(v["tau"] for v in val.values()) / len(val), 4)
+print(json.dumps(rows))
 PY
-)
-echo "ReaDy source layers: best $BEST ($(cat "$RUN/ablation.json" | tr -d '\n '))"
+}
+best_of() { python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print(max(r, key=r.get))' "$1"; }
 
-"${H[@]}" train-drafter "${COMMON[@]}" --out "$RUN/ready2" --stage ready2 --init "$RUN/$BEST/drafter" \
+# 1. distillation data: variants split over the GPUs, then joined
+per=$(( (VARIANTS + NGPU - 1) / NGPU )); parts=(); pids=()
+for ((g = 0; g < NGPU; g++)); do
+  first=$((g * per)); n=$(( VARIANTS - first < per ? VARIANTS - first : per ))
+  [ "$n" -gt 0 ] || continue
+  on "$g" "${H[@]}" build-distill --target "$TARGET" --prompts "$PROMPTS" --out "$RUN/distill_$g" \
+      --gen-len "$GEN_LEN" --batch-size "$GEN_BATCH" --variants "$n" --first-variant "$first" \
+      > "$RUN/distill_$g.log" 2>&1 &
+  pids+=($!); parts+=("$RUN/distill_$g")
+done
+for p in "${pids[@]}"; do wait "$p"; done
+"${H[@]}" merge-distill "${parts[@]}" --out "$RUN/distill"
+rm -f "$RUN"/distill_*/sequences.npy
+
+# 2. DSpark, one run per tap choice
+IFS='|' read -r -a TAP_CHOICES <<< "$TAPS"
+pids=(); names=(); i=0
+for t in "${TAP_CHOICES[@]}"; do
+  name=dspark_${t// /_}; names+=("$name")
+  on "$i" "${H[@]}" train-drafter "${COMMON[@]}" --out "$RUN/$name" --stage dspark --layers 1 --tap-layers $t \
+      --intermediate-size 768 --markov-rank 32 --block-size 7 --time-budget "$DSPARK_S" > "$RUN/$name.log" 2>&1 &
+  pids+=($!); i=$((i + 1))
+done
+for p in "${pids[@]}"; do wait "$p"; done
+TAP_ROWS=$(mean_tau "${names[@]}")
+DSPARK=$(best_of "$TAP_ROWS")
+echo "DSpark taps: best $DSPARK ($TAP_ROWS)"
+
+# 3. ReaDy stage 1: reader source-layer ablation on the best DSpark
+IFS='|' read -r -a CHOICES <<< "$ABLATION"
+pids=(); names=(); i=0
+for c in "${CHOICES[@]}"; do
+  name=ready1_${c// /_}; names+=("$name")
+  on "$i" "${H[@]}" train-drafter "${COMMON[@]}" --out "$RUN/$name" --stage ready1 --init "$RUN/$DSPARK/drafter" \
+      --source-layers $c --time-budget "$READY1_S" > "$RUN/$name.log" 2>&1 &
+  pids+=($!); i=$((i + 1))
+done
+for p in "${pids[@]}"; do wait "$p"; done
+READER_ROWS=$(mean_tau "${names[@]}")
+BEST=$(best_of "$READER_ROWS")
+python3 - "$RUN" "$TAP_ROWS" "$READER_ROWS" "$DSPARK" <<'PY'
+import json, sys, pathlib
+run, taps, readers, dspark = pathlib.Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+rows = dict(readers, dspark=taps[dspark])
+(run / "ablation.json").write_text(json.dumps({"dspark_taps": taps, "reader_source_layers": rows}, indent=1) + "\n")
+PY
+echo "ReaDy source layers: best $BEST ($READER_ROWS)"
+
+# 4. ReaDy stage 2 on the best reader, and the no-state control
+on 0 "${H[@]}" train-drafter "${COMMON[@]}" --out "$RUN/ready2" --stage ready2 --init "$RUN/$BEST/drafter" \
     --export-dtype bfloat16 --time-budget "$READY2_S" > "$RUN/ready2.log" 2>&1 &
 p1=$!
-"${H[@]}" train-drafter "${COMMON[@]}" --out "$RUN/nostate" --stage ready2 --init "$RUN/$BEST/drafter" \
+on 1 "${H[@]}" train-drafter "${COMMON[@]}" --out "$RUN/nostate" --stage ready2 --init "$RUN/$BEST/drafter" \
     --no-state --time-budget "$READY2_S" > "$RUN/nostate.log" 2>&1 &
 p2=$!
 wait $p1; wait $p2

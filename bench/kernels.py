@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 import traceback
@@ -39,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from hyspec_jax import gdn
-from hyspec_jax.bench.report import run_metadata
+from hyspec_jax.bench.report import git_commit, run_metadata
 from pallas_kernels import trees
 from pallas_kernels.gdn_commit import path_commit_pallas, path_commit_reference
 from pallas_kernels.gdn_serial import masked_solve_xla, serial_paths_xla, serial_tree_pallas
@@ -50,18 +49,6 @@ DEPTH_FOR_N = {16: 4, 32: 6, 64: 8, 128: 8}
 # default sweep: the block_v grid at default warps, the 3-pass precision, baselines, overhead probe
 DEFAULT_VARIANTS = (r"pallas_(neumann|squaring)_bv(32|64|128)|pallas_.*tf32x3|serial_pallas_.*|xla_.*|null_overhead"
                     r"|pallas_commit_.*")
-
-
-def _git_commit() -> str:
-    """HEAD's hash, else $HYSPEC_GIT_COMMIT (copies of the tree without history), else 'unknown'."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-        if re.fullmatch(r"[0-9a-f]{7,40}", out):
-            return out
-    except Exception:  # noqa: BLE001
-        pass
-    return os.environ.get("HYSPEC_GIT_COMMIT", "unknown")
 
 
 def _rel(a, b) -> float:
@@ -485,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dev = jax.devices()[0]
     results = {"device_kind": dev.device_kind, "platform": dev.platform, "jax_version": jax.__version__,
-               "git_commit": _git_commit(), "geometry": {"HK": HK, "HV": HV, "dk": DK, "dv": DV},
+               "git_commit": git_commit(), "geometry": {"HK": HK, "HV": HV, "dk": DK, "dv": DV},
                "dtypes": {"qkv": "bfloat16", "state": "float32", "o": "float32"},
                "reference": "gdn.masked_solve(method='solve'), fp32 precision HIGHEST, same bf16 inputs",
                "time_unit": "us per call", "tree": [], "commit": [], "attention": [], "skipped": [],

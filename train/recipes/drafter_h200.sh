@@ -3,8 +3,9 @@
 # times: once greedily, then forked by a few sampled tokens and continued greedily), DSpark choices side by
 # side (tap layers, batch, lr), a ReaDy source-layer ablation (stage 1), ReaDy stage 2 on the best choice and
 # the no-state control (Table 2). Runs of one stage go side by side: spread over NGPU GPUs (each with its share
-# of the CPU cores), or sharing the one GPU. The defaults made the shipped drafter: 524 s on two H200s (NGPU=2). Budgets are training
-# seconds per run, so a larger set (VARIANTS=6, DSPARK_S=260) ran past a 570 s device limit in stage 2.
+# of the CPU cores), or sharing the one GPU. The defaults made the shipped drafter: 524 s on two H200s
+# (NGPU=2). Budgets are training seconds per run; a larger set (VARIANTS=6, DSPARK_S=260) ran past a 570 s
+# device limit in stage 2.
 #
 #   NGPU=2 train/recipes/drafter_h200.sh RUN_DIR   # needs train/data/distill/prompts.npz
 #                                                  # (hyspec build-distill --out train/data/distill --prompts-only

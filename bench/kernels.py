@@ -262,11 +262,23 @@ def attention_bytes(B: int, N: int, S: int, geometry=ATTN_GEOMETRY) -> int:
     return 2 * (2 * B * S * kvh * hd + B * N * nh * hd + 2 * B * N * kvh * hd + B * N * nh * hd) + B * N * N
 
 
+def attention_splits(B: int, rows: int, S: int, kvh: int, block_rows: int, block_s: int,
+                     programs: int = 264) -> int:
+    """Splits of the prefix for `tree_attention.prefix_partials_pallas`: the fewest (a power of two) that give
+    about two programs per H200 SM (132), each split still a power-of-two multiple of block_s keys."""
+    tiles = -(-rows // block_rows)
+    splits = 1
+    while B * kvh * tiles * splits < programs and S % (2 * splits) == 0 and S // (2 * splits) >= block_s:
+        splits *= 2
+    return splits
+
+
 def bench_attention(B: int, N: int, S: int, args, bw: float, log, geometry=ATTN_GEOMETRY) -> dict:
     """Tree attention of one full-attention layer of the verify (committed prefix of S tokens, all valid, + a
     random tree of N nodes), XLA only: `concat_attend` is what `TargetModel.verify` runs (the cache and the
     tree's K/V concatenated, `layers.attend`), `two_part` is `layers.attend_prefix_tree` (no copy of the
-    cache). Both against the floor: `attention_bytes` / copy bandwidth."""
+    cache). Both against the floor: `attention_bytes` / copy bandwidth. On a GPU also the Pallas split-S kernel
+    (`pallas_kernels.tree_attention`) in three tilings."""
     from hyspec_jax.models.layers import attend, attend_prefix_tree
     nh, kvh, hd = geometry
     depth = DEPTH_FOR_N.get(N, min(8, N - 1))
@@ -293,7 +305,16 @@ def bench_attention(B: int, N: int, S: int, args, bw: float, log, geometry=ATTN_
     ref = jax.block_until_ready(jax.jit(concat_attend)(*sets[0]))
     floor_us = 1e6 * attention_bytes(B, N, S, geometry) / bw
     out = {"B": B, "N": N, "S": S, "depth": depth, "geometry": list(geometry), "floor_us": floor_us, "variants": {}}
-    for name, fn in (("xla_concat_attend", concat_attend), ("xla_two_part", two_part)):
+    variants = {"xla_concat_attend": concat_attend, "xla_two_part": two_part}
+    if args.attention_kernels:         # Pallas split-S prefix + XLA combine; on a CPU only when asked (interpret)
+        from pallas_kernels.tree_attention import prefix_tree_attention
+        for block_rows, block_s in ((64, 64), (128, 64), (64, 128)):
+            splits = attention_splits(B, N * nh // kvh, S, kvh, block_rows, block_s)
+            variants[f"pallas_split_prefix_r{block_rows}_s{block_s}_x{splits}"] = (
+                lambda q, k, v, tk, tv, br=block_rows, bs=block_s, sp=splits: prefix_tree_attention(
+                    q, k, v, prefix_mask, tk, tv, tree_mask, block_s=bs, splits=sp, block_rows=br,
+                    interpret=args.attention_kernels == "interpret"))
+    for name, fn in variants.items():
         out["variants"][name] = rec = _measure(
             fn, sets, args.reps, lambda o: {"err_o": _rel(o, ref), "maxabs_o": _maxabs(o, ref)}, floor_us)
         log(f"  attention B={B:<3d} N={N:<3d} S={S:<6d} {name:<20s} " + (
@@ -402,14 +423,20 @@ def render(results: dict, json_path: str) -> None:
         lines += ["", "Tree attention of one full-attention layer (Qwen3.8-27B: 24 query heads, 4 KV heads, head_dim 256, "
                   "bf16), committed prefix of S tokens + N tree nodes; XLA; × floor = time / (fewest bytes / copy "
                   "bandwidth), the issue's bar is 1.2:", "",
-                  "| B | N | S | floor µs | concat + attend µs (verify today) | × floor | two-part µs | × floor |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| B | N | S | floor µs | concat + attend µs (verify today) | × floor | two-part µs | × floor | "
+                  "best Pallas split-S (tiling) µs | × floor |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(results["attention"], key=lambda r: (r["B"], r["N"], r["S"])):
             c, t = r["variants"].get("xla_concat_attend", {}), r["variants"].get("xla_two_part", {})
             f = lambda x, k: f"{x[k]:.1f}" if k in x else "—"  # noqa: E731
             g = lambda x: f"{x['x_floor']:.2f}" if "x_floor" in x else "—"  # noqa: E731
+            ks = {n: x for n, x in r["variants"].items() if n.startswith("pallas_") and "median_us" in x
+                  and x.get("err_o", 1.0) < 2e-2}
+            best = min(ks, key=lambda n: ks[n]["median_us"]) if ks else None
+            kcol = f"{ks[best]['median_us']:.1f} ({best.removeprefix('pallas_split_prefix_')}) | {g(ks[best])}" \
+                if best else "— | —"
             lines.append(f"| {r['B']} | {r['N']} | {r['S']} | {r['floor_us']:.1f} | {f(c, 'median_us')} | {g(c)} | "
-                         f"{f(t, 'median_us')} | {g(t)} |")
+                         f"{f(t, 'median_us')} | {g(t)} | {kcol} |")
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     if not rows:
@@ -449,12 +476,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", default=None, metavar="B:N:S,..",
                     help="also time the verify's tree attention (Qwen3.8-27B full-attention geometry) at these "
                          "batch:nodes:prefix configurations, e.g. 1:64:4096,8:64:4096")
+    ap.add_argument("--attention-kernels", choices=("on", "off", "interpret"), default=None,
+                    help="with --attention: also the Pallas split-S tree attention (default: on a GPU only; "
+                         "interpret: Pallas interpret mode, for a CPU check)")
     ap.add_argument("--no-tree", action="store_true", help="skip the GDN tree-solve sweep")
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="start no new configuration after this many seconds (what ran is written)")
     ap.add_argument("--merge", nargs="+", metavar="IN.json", default=None,
                     help="re-render result files as one (later files win per variant) into --json; no device")
     args = ap.parse_args(argv)
+    if args.attention_kernels is None:
+        args.attention_kernels = "on" if jax.default_backend() == "gpu" else "off"
+    args.attention_kernels = None if args.attention_kernels == "off" else args.attention_kernels
 
     def log(s):
         print(s, flush=True)

@@ -57,13 +57,24 @@ def test_two_part_attention_equals_concatenated():
 
 
 def test_attention_bench_runs_on_cpu(tmp_path):
-    """The attention section (both XLA forms, errors against the verify's form, floor ratio) and its md table."""
+    """The attention section (both XLA forms and the Pallas kernel in interpret mode, errors against the verify's
+    form, floor ratio) and its md table."""
     import argparse
-    res = K.bench_attention(2, 8, 32, argparse.Namespace(reps=2), 1e11, lambda s: None, geometry=(4, 2, 16))
-    for name in ("xla_concat_attend", "xla_two_part"):
+    ns = argparse.Namespace(reps=2, attention_kernels="interpret")
+    res = K.bench_attention(2, 8, 128, ns, 1e11, lambda s: None, geometry=(4, 2, 16))
+    kernels = [n for n in res["variants"] if n.startswith("pallas_split_prefix")]
+    assert len(kernels) == 3
+    for name in ("xla_concat_attend", "xla_two_part", *kernels):
         rec = res["variants"][name]
-        assert rec["err_o"] < 1e-2 and rec["median_us"] > 0 and rec["x_floor"] > 0, rec
-    assert res["floor_us"] == 1e6 * K.attention_bytes(2, 8, 32, (4, 2, 16)) / 1e11
+        assert rec["err_o"] < 1e-2 and rec["median_us"] > 0 and rec["x_floor"] > 0, (name, rec)
+    assert res["floor_us"] == 1e6 * K.attention_bytes(2, 8, 128, (4, 2, 16)) / 1e11
     results = {"device_kind": "cpu", "tree": [], "commit": [], "attention": [res]}
     K.render(results, str(tmp_path / "a.json"))
-    assert "| 2 | 8 | 32 |" in (tmp_path / "a.md").read_text()
+    md = (tmp_path / "a.md").read_text()
+    assert "| 2 | 8 | 128 |" in md and "best Pallas split-S" in md
+
+
+def test_attention_splits_fill_the_gpu():
+    assert K.attention_splits(1, 64 * 6, 4096, 4, 64, 64) == 16          # 4 heads x 6 row tiles x 16 = 384
+    assert K.attention_splits(32, 64 * 6, 4096, 4, 64, 64) == 1          # 768 programs without splitting
+    assert K.attention_splits(1, 16, 128, 4, 64, 64) == 2                # never below block_s keys a split

@@ -213,3 +213,36 @@ def test_commit_gpu():
     want = path_commit_reference(S0l, st(fac.log_decay), st(k), st(fac.corrected), mask, node)
     got = dispatch.path_commit(S0l, st(fac.log_decay), st(k), st(fac.corrected), mask, node, impl="pallas")
     assert rel(got, want) < 1e-5
+
+
+# ---------------------------------------------------------------- tree attention (prefix + tree parts)
+def _attention_inputs(seed, B, T, NH, KVH, hd, S, N, dtype):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    q = jax.random.normal(ks[0], (B, T, NH, hd), dtype)
+    keys = jax.random.normal(ks[1], (B, S, KVH, hd), dtype)
+    values = jax.random.normal(ks[2], (B, S, KVH, hd), dtype)
+    tk = jax.random.normal(ks[3], (B, N, KVH, hd), dtype)
+    tv = jax.random.normal(ks[4], (B, N, KVH, hd), dtype)
+    lens = jnp.array([S - 5, 0, S // 3][:B])                 # a ragged cache, an empty one
+    prefix_mask = jnp.arange(S)[None] < lens[:, None]
+    par = trees.random_parents(seed, B, N, min(3, N - 1))
+    tree_mask = trees.mask_from_parents(jnp.asarray(par)) > 0   # [B, N, N]: each node sees itself + ancestors
+    tree_mask = tree_mask[:, :T]
+    tree_mask = tree_mask.at[1, -1].set(False)               # request 1's last row: no key at all (padding)
+    return q, keys, values, prefix_mask, tk, tv, tree_mask
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 2e-2)])
+def test_tree_attention_interpret(dtype, tol):
+    """Split-S prefix partials + the XLA combine == layers.attend_prefix_tree (ragged and empty caches, a row with
+    no key, rows padded to the tile, GQA)."""
+    from hyspec_jax.models.layers import attend_prefix_tree
+    from pallas_kernels.tree_attention import prefix_tree_attention, supported
+
+    args = _attention_inputs(3, 3, 7, 6, 2, 32, 128, 7, dtype)
+    want = attend_prefix_tree(*args)
+    got = prefix_tree_attention(*args, block_s=16, splits=4, block_rows=16, interpret=True)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert rel(got, want) < tol
+    assert not bool(jnp.any(got[1, -1]))                      # the row with no key is zeros, as in the reference
+    assert not supported(96, 32, block_s=16, splits=4, block_rows=16)       # 24 keys a split: not a power of two

@@ -253,6 +253,7 @@ def bench_commit(B: int, N: int, args, bw: float, log) -> dict:
 
 
 ATTN_GEOMETRY = (24, 4, 256)      # Qwen3.8-27B full attention: query heads, KV heads, head_dim
+ATTN_TILINGS = ((64, 64), (128, 64), (64, 128))   # Pallas tree attention (query rows, keys) per block
 
 
 def attention_bytes(B: int, N: int, S: int, geometry=ATTN_GEOMETRY) -> int:
@@ -308,7 +309,7 @@ def bench_attention(B: int, N: int, S: int, args, bw: float, log, geometry=ATTN_
     variants = {"xla_concat_attend": concat_attend, "xla_two_part": two_part}
     if args.attention_kernels:         # Pallas split-S prefix + XLA combine; on a CPU only when asked (interpret)
         from pallas_kernels.tree_attention import prefix_tree_attention
-        for block_rows, block_s in ((64, 64), (128, 64), (64, 128)):
+        for block_rows, block_s in getattr(args, "attention_tilings", ATTN_TILINGS):
             splits = attention_splits(B, N * nh // kvh, S, kvh, block_rows, block_s)
             variants[f"pallas_split_prefix_r{block_rows}_s{block_s}_x{splits}"] = (
                 lambda q, k, v, tk, tv, br=block_rows, bs=block_s, sp=splits: prefix_tree_attention(

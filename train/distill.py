@@ -104,22 +104,18 @@ def generate_continuations(target_dir: str | Path, prompts_file: str | Path, out
         for i in range(0, N, batch_size):
             chunk = [list(map(int, c)) for c in tokens[i:i + batch_size]]
             rows = range(i, i + len(chunk))
-            fork = [[] for _ in chunk]
+            fork, live = [[] for _ in chunk], list(range(len(chunk)))
             if v > 0:        # the sampled fork: seeds differ per variant and per prompt
                 params = [SamplingParams(max_tokens=sample_prefix, temperature=prefix_temperature,
                                          seed=(seed * 1_000_003 + v) * 1_000_003 + r) for r in rows]
-                fork = [r.token_ids if r.finish_reason == "length" else None
-                        for r in gen.generate(chunk, params)]
-            live = [j for j in range(len(chunk)) if fork[j] is not None]
+                res = gen.generate(chunk, params)
+                fork = [r.token_ids for r in res]
+                live = [j for j, r in enumerate(res) if r.finish_reason == "length"]   # not stopped in the fork
+            params = [SamplingParams(max_tokens=gen_len - len(fork[j]), temperature=temperature,
+                                     seed=seed * 1_000_003 + i + j) for j in live]
+            rest = dict(zip(live, gen.generate([chunk[j] + fork[j] for j in live], params))) if live else {}
             for j in range(len(chunk)):
-                if fork[j] is None:                  # stopped inside the fork: keep what there is
-                    fork[j] = []
-            rest = gen_len - len(fork[live[0]]) if live else gen_len
-            params = [SamplingParams(max_tokens=rest, temperature=temperature, seed=seed * 1_000_003 + i + j)
-                      for j in live]
-            outs = gen.generate([chunk[j] + fork[j] for j in live], params) if live else []
-            for j, r in zip(live, outs):
-                got = fork[j] + r.token_ids
+                got = fork[j] + (rest[j].token_ids if j in rest else [])
                 block[i + j, P:P + len(got)] = got
             bar.update(len(chunk))
     bar.close()

@@ -40,7 +40,8 @@ import jax.numpy as jnp
 from hyspec_jax import gdn
 from hyspec_jax.bench.report import git_commit, run_metadata
 from pallas_kernels import trees
-from pallas_kernels.gdn_commit import path_commit_pallas, path_commit_reference
+from pallas_kernels.gdn_commit import (deferred_append_pallas, deferred_append_reference, deferred_to_reference,
+                                       path_commit_pallas, path_commit_reference)
 from pallas_kernels.gdn_serial import masked_solve_xla, serial_paths_xla, serial_tree_pallas
 from pallas_kernels.gdn_tree_solve import tree_solve_pallas
 
@@ -195,6 +196,37 @@ def bench_tree(B: int, N: int, args, bw: float, log) -> dict:
     return out
 
 
+def time_in_place(f, donated: tuple, rest: tuple, reps: int, check, floor_us: float, K: int = 5) -> dict:
+    """Per-call time of f(*donated, *rest) -> (*donated', ...) with the donated buffers fed back (in-place
+    updates, as the engine runs them): K calls per timed block; check(first outputs) -> errors. An exception is
+    recorded, not raised."""
+    rec = {}
+    try:
+        n = len(donated)
+        fj = jax.jit(f, donate_argnums=tuple(range(n)))
+        t0 = time.perf_counter()
+        res = jax.block_until_ready(fj(*donated, *rest))
+        rec["compile_s"] = time.perf_counter() - t0
+        rec.update(check(res))
+        state = res[:n]
+        del res
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            for _ in range(K):
+                state = fj(*state, *rest)[:n]
+            jax.block_until_ready(state)
+            ts.append((time.perf_counter() - t) / K)
+        rec.update(median_us=1e6 * float(np.median(ts)), min_us=1e6 * float(np.min(ts)),
+                   spread_us=1e6 * float(np.percentile(ts, 90) - np.percentile(ts, 10)), calls_per_block=K)
+        rec["pct_of_floor"] = 100.0 * floor_us / rec["median_us"]
+        del state
+    except Exception as e:  # noqa: BLE001
+        rec["error"] = f"{type(e).__name__}: {e}"[:2000]
+        traceback.print_exc()
+    return rec
+
+
 def bench_commit(B: int, N: int, args, bw: float, log) -> dict:
     depth = DEPTH_FOR_N[N]
     parents_np = trees.random_parents(77 + B, B, N, depth)
@@ -222,34 +254,100 @@ def bench_commit(B: int, N: int, args, bw: float, log) -> dict:
                 lambda S, *a, bv=bv, p=prec: path_commit_pallas(S, *a, block_v=bv, precision=p))
     variants["xla_reference"] = path_commit_reference
     variants = {n: x for n, x in variants.items() if re.fullmatch(args.variants, n)}
-    K = 5
     for name, fn in variants.items():
-        rec = {}
-        try:
-            f = jax.jit(fn, donate_argnums=(0,))
-            t0 = time.perf_counter()
-            S = jax.block_until_ready(f(jnp.copy(S0), gam, keys, vc, mask, node))
-            rec["compile_s"] = time.perf_counter() - t0
-            rec.update(err=_rel(S, ref), maxabs=_maxabs(S, ref))
-            ts = []
-            for _ in range(args.reps):
-                t = time.perf_counter()
-                for _ in range(K):
-                    S = f(S, gam, keys, vc, mask, node)
-                S.block_until_ready()
-                ts.append((time.perf_counter() - t) / K)
-            rec.update(median_us=1e6 * float(np.median(ts)), min_us=1e6 * float(np.min(ts)),
-                       spread_us=1e6 * float(np.percentile(ts, 90) - np.percentile(ts, 10)), calls_per_block=K)
-            rec["pct_of_floor"] = 100.0 * out["floor_us"] / rec["median_us"]
-            del S
-        except Exception as e:  # noqa: BLE001
-            rec["error"] = f"{type(e).__name__}: {e}"[:2000]
-            traceback.print_exc()
-        out["variants"][name] = rec
+        out["variants"][name] = rec = time_in_place(
+            lambda S, *rest, fn=fn: (fn(S, *rest),), (jnp.copy(S0),), (gam, keys, vc, mask, node), args.reps,
+            lambda res: dict(err=_rel(res[0], ref), maxabs=_maxabs(res[0], ref)), out["floor_us"])
         log(f"  commit B={B:<3d} N={N:<3d} {name:<26s} " + (
             f"{rec['median_us']:10.1f} us  err {rec.get('err', float('nan')):.2e}"
             if "median_us" in rec else f"ERROR {rec.get('error', '')[:200]}"))
     return out
+
+
+def bench_deferred(B: int, N: int, args, bw: float, log) -> dict:
+    """Deferred commit (`gdn.DeferredUpdates`) against the eager one, at the 27B GDN geometry.
+
+    commit: `deferred_append_pallas` (every request accepts a full-depth path — the most rows — over all GDN
+    layers, one launch) against `path_commit_pallas` (rewrites each accepted request's state in every layer).
+    verify, one layer: the tree solve without updates, with P rows of updates merged on chip (every row in
+    use), and the same writing the merged state back (S donated, in place). Per round and layer, with a merge
+    every R = P // depth rounds: eager = solve + commit / layers; deferred = ((R−1)·solve_deferred +
+    solve_merge) / R + append / layers."""
+    depth, Lg = DEPTH_FOR_N[N], args.layers
+    parents_np = trees.random_parents(91 + B, B, N, depth)
+    mask = trees.mask_from_parents(jnp.asarray(parents_np))
+    nodes_at_depth = np.asarray(trees.depth_of(mask)) == depth
+    node = jnp.asarray(np.argmax(nodes_at_depth, axis=1).astype(np.int32))       # a deepest node per request
+    path, length = map(jnp.asarray, trees.paths_to(parents_np, np.asarray(node), depth))
+    ks = jax.random.split(jax.random.key(B + 11), 6)
+    gam = jnp.einsum("lbhj,bij->lbhi", -jax.random.uniform(ks[0], (Lg, B, HV, N)) * 0.2, mask.astype(jnp.float32))
+    keys = gdn.l2norm(jax.random.normal(ks[1], (Lg, B, N, HK, DK))).astype(jnp.bfloat16)
+    vc = jax.random.normal(ks[2], (Lg, B, HV, N, DV), jnp.float32) * 0.1
+    method, bv = args.deferred_method, args.deferred_block_v
+    interpret = bool(getattr(args, "interpret", False))          # Pallas interpret mode: the CPU test
+    out = {"B": B, "N": N, "depth": depth, "layers": Lg, "method": method, "block_v": bv, "variants": {}}
+    rows_written = int(jnp.sum(length))
+    # eager commit of the same accepted nodes (S donated, in place)
+    S0l = jax.random.normal(ks[3], (Lg, B, HV, DK, DV), jnp.float32) * 0.1
+    eager_bytes = B * Lg * HV * DK * DV * 4 * 2 + Lg * B * HV * N * (DV * 4 + 4) + Lg * B * N * HK * DK * 2
+    out["variants"]["commit_eager"] = rec = time_in_place(
+        lambda S, *r: (path_commit_pallas(S, *r, block_v=min(64, DV), precision="tf32", interpret=interpret),), (S0l,), (gam, keys, vc, mask, node),
+        args.reps, lambda res: {}, 1e6 * eager_bytes / bw)
+    del S0l
+    log(f"  deferred B={B:<3d} N={N:<3d} commit_eager ({Lg} layers) " + _us(rec))
+    sets = [make_set(4099 * i + B * N, B, N) for i in range(4)]
+    for P in map(int, args.deferred_rows.split(",")):
+        # updates in kernel layout, every row in use for the solve; count = P − depth before the append
+        kd = jax.random.split(jax.random.key(P + B), 4)
+        def updates(L, count):
+            c = -jax.random.uniform(kd[0], (L, B, HV)) * 2.0
+            return (c, c[..., None] + jax.random.uniform(kd[1], (L, B, HV, P)),
+                    gdn.l2norm(jax.random.normal(kd[2], (L, B, P, HK, DK))).astype(jnp.bfloat16),
+                    jax.random.normal(kd[3], (L, B, HV, P, DV), jnp.float32) * 0.1, jnp.full((B,), count, jnp.int32))
+        upd = updates(Lg, P - depth)
+        ref = jax.jit(deferred_append_reference)(upd, gam, keys, vc, path, length)
+        bytes_ = 2 * rows_written * Lg * (HV * (DV * 4 + 4) + HK * DK * 2)          # rows read + written
+        def check_append(res, ref=ref):
+            return {"err": max(_rel(a, b) for a, b in zip(res[:4], ref[:4])),
+                    "count_ok": bool(jnp.all(res[4] == ref[4]))}
+        out["variants"][f"append_P{P}"] = rec = time_in_place(
+            lambda c, rc, pk, pv, *r: deferred_append_pallas((c, rc, pk, pv, r[0]), *r[1:], interpret=interpret), upd[:4],
+            (upd[4], gam, keys, vc, path, length), args.reps, check_append, 1e6 * bytes_ / bw)
+        log(f"  deferred B={B:<3d} N={N:<3d} append_P{P} ({Lg} layers) " + _us(rec))
+        del upd, ref
+        one = tuple(x[0] for x in updates(1, P)[:4]) + (jnp.full((B,), P, jnp.int32),)
+        S_eff = gdn.deferred_fold(sets[0][0], jax.tree.map(lambda x: x[0], deferred_to_reference(
+            tuple(x[None] for x in one[:4]) + (one[4],), HV)))
+        o_ref = masked_solve_xla(S_eff, *sets[0][1:], mask, method="solve")[0]
+        kw = dict(max_depth=depth, method=method, block_v=bv, precision="tf32", interpret=interpret)
+        floor = 1e6 * (solve_bytes(B, N) + B * HV * P * (DV * 4 + 4) + B * P * HK * DK * 2) / bw
+        for name, fn, kind in (("solve_plain", lambda *s: tree_solve_pallas(*s, mask, **kw), "plain"),
+                               (f"solve_deferred_P{P}", lambda *s: tree_solve_pallas(*s, mask, one, **kw), "deferred")):
+            if name in out["variants"]:
+                continue
+            chk = (lambda res: {"err_o": _rel(res[0], o_ref)}) if kind == "deferred" else (lambda res: {})
+            out["variants"][name] = rec = _measure(fn, sets, args.reps, chk, floor)
+            log(f"  deferred B={B:<3d} N={N:<3d} {name} " + _us(rec))
+        out["variants"][f"solve_merge_P{P}"] = rec = time_in_place(
+            lambda S, *r: tree_solve_pallas(S, *r[:5], mask, one, write_state=True, **kw)[3:],
+            (jnp.copy(sets[0][0]),), sets[0][1:], args.reps, lambda res: {"err_state": _rel(res[0], S_eff)},
+            1e6 * (solve_bytes(B, N) + B * HV * DK * DV * 4) / bw)
+        log(f"  deferred B={B:<3d} N={N:<3d} solve_merge_P{P} " + _us(rec))
+        t = lambda n: out["variants"].get(n, {}).get("median_us", float("nan"))  # noqa: E731
+        R = max(1, P // depth)
+        eager = t("solve_plain") + t("commit_eager") / Lg
+        deferred = ((R - 1) * t(f"solve_deferred_P{P}") + t(f"solve_merge_P{P}")) / R + t(f"append_P{P}") / Lg
+        out.setdefault("per_round_layer_us", {})[f"P{P}"] = {"merge_every": R, "eager": eager, "deferred": deferred}
+        log(f"  deferred B={B:<3d} N={N:<3d} P={P}: per round and layer {eager:.1f} us eager, {deferred:.1f} us "
+            f"deferred (merge every {R} rounds)")
+    return out
+
+
+def _us(rec: dict) -> str:
+    if "median_us" not in rec:
+        return f"ERROR {rec.get('error', '')[:200]}"
+    errs = "  ".join(f"{k} {v:.1e}" for k, v in rec.items() if k.startswith("err") and isinstance(v, float))
+    return f"{rec['median_us']:10.1f} us  {errs}"
 
 
 ATTN_GEOMETRY = (24, 4, 256)      # Qwen3.8-27B full attention: query heads, KV heads, head_dim
@@ -350,6 +448,16 @@ def summarize(results: dict) -> list[str]:
             v = r["variants"]
             parts = [f"{n}={x['median_us']:.1f} (err {x['err']:.1e})" for n, x in v.items() if "median_us" in x]
             lines.append(f"  B={r['B']:<3d} N={r['N']:<3d} floor={r['floor_us']:.1f}  " + "  ".join(parts))
+    for r in results.get("deferred", []):
+        v = r["variants"]
+        t = lambda n: v.get(n, {}).get("median_us", float("nan"))  # noqa: E731
+        lines.append(f"deferred commit B={r['B']} N={r['N']} over {r['layers']} layers: eager commit "
+                     f"{t('commit_eager'):.1f} us; append " + ", ".join(
+                         f"{n.removeprefix('append_')} {x['median_us']:.1f} us" for n, x in v.items()
+                         if n.startswith("append_") and "median_us" in x))
+        for p, x in r.get("per_round_layer_us", {}).items():
+            lines.append(f"  {p}: per round and layer {x['eager']:.1f} us eager, {x['deferred']:.1f} us deferred "
+                         f"(merge every {x['merge_every']} rounds)")
     return lines
 
 
@@ -377,15 +485,19 @@ def merge(paths: list[str]) -> dict:
     tree: dict = {}
     commit: dict = {}
     attention: dict = {}
+    deferred: dict = {}
+    sections = (("tree", tree), ("commit", commit), ("attention", attention), ("deferred", deferred))
     for path in paths:
         with open(path) as f:
             r = json.load(f)
-        out.update({k: v for k, v in r.items() if k not in ("tree", "commit", "attention")})
-        for key, dest in (("tree", tree), ("commit", commit), ("attention", attention)):
+        out.update({k: v for k, v in r.items() if k not in dict(sections)})
+        for key, dest in sections:
             for e in r.get(key, []):
                 cur = dest.setdefault((e["B"], e["N"], e.get("S")), {**e, "variants": {}})
                 cur["variants"].update(e["variants"])
-    out["tree"], out["commit"], out["attention"] = list(tree.values()), list(commit.values()), list(attention.values())
+                cur.get("per_round_layer_us", {}).update(e.get("per_round_layer_us", {}))
+    for key, dest in sections:
+        out[key] = list(dest.values())
     out["merged_from"] = [str(p) for p in paths]
     return out
 
@@ -438,6 +550,21 @@ def render(results: dict, json_path: str) -> None:
                 if best else "— | —"
             lines.append(f"| {r['B']} | {r['N']} | {r['S']} | {r['floor_us']:.1f} | {f(c, 'median_us')} | {g(c)} | "
                          f"{f(t, 'median_us')} | {g(t)} | {kcol} |")
+    if results.get("deferred"):
+        lines += ["", "Deferred commit (`gdn.DeferredUpdates`): the accepted paths (full depth, every request) appended "
+                  "as factor rows over all GDN layers in one launch, merged by the next verify's tree solve; against "
+                  "the eager factorized commit. µs per call (median); solve columns are one layer:", "",
+                  "| B | N | layers | P | eager commit µs | append µs | solve µs | solve + merge P rows µs | "
+                  "+ write back µs | per round·layer eager µs | deferred µs (merge every R) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in results["deferred"]:
+            v = r["variants"]
+            f = lambda n: f"{v[n]['median_us']:.1f}" if "median_us" in v.get(n, {}) else "—"  # noqa: E731
+            for p, x in r.get("per_round_layer_us", {}).items():
+                lines.append(f"| {r['B']} | {r['N']} | {r['layers']} | {p[1:]} | {f('commit_eager')} | "
+                             f"{f('append_' + p)} | {f('solve_plain')} | {f('solve_deferred_' + p)} | "
+                             f"{f('solve_merge_' + p)} | {x['eager']:.1f} | {x['deferred']:.1f} "
+                             f"({x['merge_every']}) |")
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     if not rows:
@@ -480,6 +607,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-kernels", choices=("on", "off", "interpret"), default=None,
                     help="with --attention: also the Pallas split-S tree attention (default: on a GPU only; "
                          "interpret: Pallas interpret mode, for a CPU check)")
+    ap.add_argument("--deferred", default=None, metavar="B,..",
+                    help="also time the deferred commit (append of the accepted paths over --layers GDN layers, "
+                         "and the tree solve that merges them) against the eager commit at these batches, "
+                         "N = --commit-nodes")
+    ap.add_argument("--deferred-rows", default="16,32", help="update rows P per (layer, request, head)")
+    ap.add_argument("--deferred-method", default="squaring", choices=("neumann", "squaring"))
+    ap.add_argument("--deferred-block-v", type=int, default=64)
     ap.add_argument("--no-tree", action="store_true", help="skip the GDN tree-solve sweep")
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="start no new configuration after this many seconds (what ran is written)")
@@ -509,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
                "git_commit": git_commit(), "geometry": {"HK": HK, "HV": HV, "dk": DK, "dv": DV},
                "dtypes": {"qkv": "bfloat16", "state": "float32", "o": "float32"},
                "reference": "gdn.masked_solve(method='solve'), fp32 precision HIGHEST, same bf16 inputs",
-               "time_unit": "us per call", "tree": [], "commit": [], "attention": [], "skipped": [],
+               "time_unit": "us per call", "tree": [], "commit": [], "deferred": [], "attention": [], "skipped": [],
                "run_metadata": {**run_metadata(), "command": "hyspec bench kernels " + " ".join(
                    sys.argv[1:] if argv is None else argv)}}
     if dev.platform != "gpu":
@@ -543,6 +677,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             results["commit"].append(bench_commit(B, args.commit_nodes, args, bw, log))
             save()
+    for B in (map(int, args.deferred.split(",")) if args.deferred else []):
+        if out_of_time():
+            results["skipped"].append(f"deferred {B}:{args.commit_nodes}")
+            continue
+        results["deferred"].append(bench_deferred(B, args.commit_nodes, args, bw, log))
+        save()
     for cfg in (args.attention.split(",") if args.attention else []):
         B, N, S = map(int, cfg.split(":"))
         if out_of_time():

@@ -180,6 +180,71 @@ def node_state(S0: jax.Array, factors: SolveFactors, mask: jax.Array, node: jax.
     return jnp.where((node >= 0)[:, None, None, None], S, S0)
 
 
+# ------------------------------------------------------------------------------------------------
+# Deferred commit: the state as a base plus a low-rank tail of committed, not yet merged, path updates
+# ------------------------------------------------------------------------------------------------
+class DeferredUpdates(NamedTuple):
+    """S = e^{c} S_base + Σ_{i<count} e^{c − c_i} k_i v_iᵀ  (heads-first, keys expanded to value heads).
+
+    Committing a path then writes only its ≤ d+1 rows (k_j, V'_j, c_i = c + Γ_j) and c ← c + Γ_a; the full
+    state is merged (`deferred_fold`) by whoever reads S_base next — the next verify, which reads it anyway —
+    or when the P rows run out. Row weights e^{c − c_i} ≤ 1: decays only shrink old rows.
+    """
+    log_decay: jax.Array   # c    [B, HV] total log decay applied since S_base
+    row_decay: jax.Array   # c_i  [B, HV, P] c + Γ_j when row i was appended
+    keys: jax.Array        # k_i  [B, HV, P, dk]
+    values: jax.Array      # v_i  [B, HV, P, dv] (the path's V' rows, unscaled)
+    count: jax.Array       # [B] int32 rows in use
+
+
+def deferred_empty(batch: int, heads: int, rows: int, dk: int, dv: int) -> DeferredUpdates:
+    z = lambda *s: jnp.zeros(s, F32)  # noqa: E731
+    return DeferredUpdates(z(batch, heads), z(batch, heads, rows), z(batch, heads, rows, dk),
+                           z(batch, heads, rows, dv), jnp.zeros((batch,), jnp.int32))
+
+
+def deferred_row_weights(pend: DeferredUpdates) -> jax.Array:
+    """e^{c − c_i} for rows in use, 0 beyond `count`: [B, HV, P]."""
+    used = jnp.arange(pend.row_decay.shape[-1])[None, None, :] < pend.count[:, None, None]
+    return jnp.where(used, jnp.exp(jnp.where(used, pend.log_decay[..., None] - pend.row_decay, 0.0)), 0.0)
+
+
+def deferred_fold(S_base: jax.Array, pend: DeferredUpdates) -> jax.Array:
+    """The state the updates stand for: e^{c} S_base + Σ_i w_i k_i v_iᵀ  [B, HV, dk, dv]."""
+    w = deferred_row_weights(pend)
+    return (jnp.exp(pend.log_decay)[..., None, None] * S_base.astype(F32)
+            + _ein("bhp,bhpd,bhpv->bhdv", w, pend.keys, pend.values))
+
+
+def deferred_append(pend: DeferredUpdates, factors: SolveFactors, path: jax.Array,
+                    length: jax.Array) -> DeferredUpdates:
+    """Commit the root-to-node path of a tree solved from `deferred_fold(S_base, pend)`.
+
+    path [B, d] the path's nodes in order (−1 past `length` [B]; length 0 = nothing accepted), as
+    `tree.path_to` returns them. Equal, once folded, to `node_state(deferred_fold(...), factors, mask, node)`
+    with node = the path's last entry:
+    e^{Γ_a}(e^{c} S_base + Σ_i w_i k_i v_iᵀ) + Σ_j e^{Γ_a − Γ_j} k_j V'_jᵀ. The caller keeps count + d ≤ P
+    (merge first otherwise); rows past P are dropped.
+    """
+    B, H, P = pend.row_decay.shape
+    d = path.shape[1]
+    on = jnp.arange(d)[None] < length[:, None]                                        # [B, d]
+    src = jnp.maximum(path, 0)
+    dst = jnp.where(on, pend.count[:, None] + jnp.arange(d)[None], P)               # P → dropped
+    gather = lambda x: jnp.take_along_axis(x, src[:, None, :, None], axis=2)  # noqa: E731  [B,H,d,·]
+    gam = jnp.take_along_axis(factors.log_decay, src[:, None, :], axis=2)            # Γ_j  [B,H,d]
+    b, h = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
+    put = lambda x, rows: x.at[b, h, dst[:, None, :]].set(rows, mode="drop")  # noqa: E731
+    last = jnp.take_along_axis(gam, jnp.maximum(length - 1, 0)[:, None, None], axis=2)[..., 0]   # Γ_a [B,H]
+    accepted = (length > 0)[:, None]
+    return DeferredUpdates(
+        log_decay=pend.log_decay + jnp.where(accepted, last, 0.0),
+        row_decay=put(pend.row_decay, pend.log_decay[..., None] + gam),
+        keys=put(pend.keys, gather(factors.keys)),
+        values=put(pend.values, gather(factors.corrected)),
+        count=jnp.minimum(pend.count + length, P).astype(jnp.int32))
+
+
 def chain_mask(batch: int, n: int) -> jax.Array:
     return jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (batch, n, n))
 

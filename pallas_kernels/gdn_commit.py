@@ -88,3 +88,101 @@ def path_commit_reference(S0, log_decay, keys, corrected, mask, node):
     keys_hf = jnp.moveaxis(jnp.repeat(keys, HV // HK, axis=3), 3, 2).astype(F32)     # [Lg,B,HV,N,dk]
     fac = gdn.SolveFactors(log_decay, keys_hf, corrected)
     return jax.vmap(gdn.node_state, in_axes=(0, 0, None, None))(S0, fac, mask, node)
+
+
+# ------------------------------------------------------------------------------------------------
+# Deferred commit: append the accepted paths' factor rows (gdn.deferred_append) for every layer, one launch
+# ------------------------------------------------------------------------------------------------
+def _append_kernel(path_ref, length_ref, count_ref, gamma_ref, k_ref, vc_ref, c_in, rc_in, pk_in, pv_in,
+                   c_ref, rc_ref, pk_ref, pv_ref, count_out_ref, *, depth: int, ratio: int):
+    n = length_ref[...]
+    cnt = count_ref[...]
+    c = c_in[...]
+    P = rc_ref.shape[0]
+    h = pl.program_id(2)
+    for i in range(depth):                                  # the path's nodes, root first
+        @pl.when((i < n) & (cnt + i < P))
+        def _(i=i):
+            j = path_ref[i]
+            dst = cnt + i
+            rc_ref[dst] = c + gamma_ref[j]
+            pv_ref[dst, :] = vc_ref[j, :]
+
+            @pl.when(h % ratio == 0)                        # one value head per key head writes the key row
+            def _():
+                pk_ref[dst, :] = k_ref[j, :].astype(pk_ref.dtype)
+
+    @pl.when(n > 0)
+    def _():
+        c_ref[...] = c + gamma_ref[path_ref[n - 1]]         # c ← c + Γ_a
+
+    @pl.when((pl.program_id(0) == 0) & (h == 0))
+    def _():
+        count_out_ref[...] = jnp.minimum(cnt + n, P)
+
+
+@functools.partial(jax.jit, static_argnames=("num_warps", "interpret"))
+def deferred_append_pallas(deferred, log_decay, keys, corrected, path, length, *, num_warps: int = 1,
+                           interpret: bool = False):
+    """Commit each request's accepted path for every GDN layer by appending its rows to the deferred updates.
+
+    deferred = (c [Lg,B,HV], c_i [Lg,B,HV,P], keys [Lg,B,P,HK,dk], values [Lg,B,HV,P,dv], count [B]) — the
+    kernel layout of `gdn.DeferredUpdates` stacked over layers (count shared by the layers); log_decay Γ
+    [Lg,B,HV,N], keys [Lg,B,N,HK,dk], corrected V' [Lg,B,HV,N,dv] from the verify; path [B,d] / length [B]
+    from `tree.path_to`. One program per (layer, request, value head) copies ≤ d rows; nothing of the state
+    itself is read or written. The four update arrays are updated in place when donated; returns them and
+    the new count.
+    """
+    c, rc, pk, pv, count = deferred
+    Lg, B, HV, P = rc.shape
+    N, HK, dk = keys.shape[2], keys.shape[3], keys.shape[4]
+    dv = corrected.shape[-1]
+    d = path.shape[1]
+    pow2 = lambda x: x >= 16 and (x & (x - 1)) == 0  # noqa: E731
+    if not (pow2(P) and pow2(N) and pow2(dk) and pow2(dv)) or HV % HK:
+        raise ValueError(f"unsupported shape P={P} N={N} dk={dk} dv={dv} HV={HV} HK={HK}")
+    r = HV // HK
+    kern = functools.partial(_append_kernel, depth=d, ratio=r)
+    per_b = lambda *shape: pl.BlockSpec((None,) + shape, lambda l, b, h: (b,) + (0,) * len(shape))  # noqa: E731
+    in_specs = [
+        per_b(d),                                                                         # path
+        per_b(),                                                                          # length
+        per_b(),                                                                          # count
+        pl.BlockSpec((None, None, None, N), lambda l, b, h: (l, b, h, 0)),                # Γ
+        pl.BlockSpec((None, None, N, None, dk), lambda l, b, h: (l, b, 0, h // r, 0)),    # keys
+        pl.BlockSpec((None, None, None, N, dv), lambda l, b, h: (l, b, h, 0, 0)),         # V'
+    ]
+    upd_specs = [
+        pl.BlockSpec((None, None, None), lambda l, b, h: (l, b, h)),                      # c
+        pl.BlockSpec((None, None, None, P), lambda l, b, h: (l, b, h, 0)),                # c_i
+        pl.BlockSpec((None, None, P, None, dk), lambda l, b, h: (l, b, 0, h // r, 0)),    # key rows
+        pl.BlockSpec((None, None, None, P, dv), lambda l, b, h: (l, b, h, 0, 0)),         # value rows
+    ]
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (c, rc, pk, pv)]
+    out_shape.append(jax.ShapeDtypeStruct((B,), jnp.int32))
+    return pl.pallas_call(
+        kern, out_shape=out_shape, grid=(Lg, B, HV), in_specs=in_specs + upd_specs,
+        out_specs=upd_specs + [per_b()], input_output_aliases={6: 0, 7: 1, 8: 2, 9: 3},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret, name="gdn_deferred_append",
+    )(path.astype(jnp.int32), length.astype(jnp.int32), count.astype(jnp.int32), log_decay.astype(F32), keys,
+      corrected.astype(F32), c, rc, pk, pv)
+
+
+def deferred_to_reference(deferred, num_value_heads: int):
+    """Kernel layout (stacked layers, key-head key rows) → `gdn.DeferredUpdates` stacked over layers."""
+    from hyspec_jax import gdn
+    c, rc, pk, pv, count = deferred
+    keys = jnp.moveaxis(jnp.repeat(pk, num_value_heads // pk.shape[3], axis=3), 3, 2).astype(F32)
+    return gdn.DeferredUpdates(c, rc, keys, pv, jnp.broadcast_to(count, c.shape[:2]))
+
+
+def deferred_append_reference(deferred, log_decay, keys, corrected, path, length):
+    """The pure-JAX meaning of `deferred_append_pallas`: gdn.deferred_append per layer, in kernel layout."""
+    from hyspec_jax import gdn
+    HV, HK = corrected.shape[2], keys.shape[3]
+    keys_hf = jnp.moveaxis(jnp.repeat(keys, HV // HK, axis=3), 3, 2).astype(F32)        # [Lg,B,HV,N,dk]
+    new = jax.vmap(lambda p, f: gdn.deferred_append(p, f, path, length))(
+        deferred_to_reference(deferred, HV), gdn.SolveFactors(log_decay.astype(F32), keys_hf, corrected.astype(F32)))
+    pk = jnp.moveaxis(new.keys[:, :, ::HV // HK], 2, 3).astype(deferred[2].dtype)       # back to key heads
+    return new.log_decay, new.row_decay, pk, new.values, new.count[0]

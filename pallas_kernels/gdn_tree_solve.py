@@ -10,7 +10,9 @@ expanded), v [N, bv], g/β [N] and the ancestor mask [N, N]; builds Γ = A g, D 
 L = strict(A) ⊙ β kkᵀ ⊙ D and C = qkᵀ ⊙ D on chip; solves V' = (I+L)⁻¹ R with R = β(v − e^Γ (K S0))
 by `rounds` Neumann rounds (Z ← −L Z, V' += Z) or by repeated squaring ((I−L)(I+L²)(I+L⁴)…, ⌈log₂(d+1)⌉
 factors); and writes only o = e^Γ (Q S0) + C V' and V' (and Γ). Nothing per node ever reaches HBM
-except those outputs.
+except those outputs. With deferred updates (the previous rounds' accepted paths, not yet merged: see
+`gdn.DeferredUpdates`) the program merges them into its S0 tile first — P extra rows of k and V' against a
+dk × bv tile — and can write the merged tile back, so a commit never needs its own pass over the state.
 
 Lowering: this file uses Pallas' Triton lowering (selected by `pltriton.CompilerParams`), although
 DESIGN §5 prefers Mosaic GPU. Reason (checked against jax 0.11.2's Mosaic GPU lowering): Mosaic GPU
@@ -75,8 +77,23 @@ def num_squarings(d: int) -> int:
     return 0 if d == 0 else math.ceil(math.log2(d + 1))
 
 
-def _tree_solve_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, v_ref, s0_ref,
-                       o_ref, gamma_ref, vc_ref, *, rounds: int, method: str, precision):
+def _fold_deferred(s0, c_ref, rc_ref, pk_ref, pv_ref, count_ref, precision):
+    """e^{c} S_base + Σ_{i<count} e^{c − c_i} k_i v_iᵀ on one [dk, bv] tile (gdn.deferred_fold)."""
+    c = c_ref[...]
+    rows = lax.broadcasted_iota(jnp.int32, rc_ref.shape, 0)
+    used = rows < count_ref[...]
+    w = jnp.where(used, jnp.exp(jnp.where(used, c - rc_ref[...], 0.0)), 0.0)            # [P]
+    kw = pk_ref[...].astype(F32) * w[:, None]                                           # [P, dk]
+    return jnp.exp(c) * s0 + _dot(kw, pv_ref[...], precision, trans_a=True)
+
+
+def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: bool, write_state: bool):
+    mask_ref, g_ref, beta_ref, q_ref, k_ref, v_ref, s0_ref = refs[:7]
+    rest = refs[7:]
+    if deferred:
+        c_ref, rc_ref, pk_ref, pv_ref, count_ref = rest[:5]
+        rest = rest[5:]
+    o_ref, gamma_ref, vc_ref = rest[:3]
     n = mask_ref.shape[0]
     A = mask_ref[...]                                   # [N, N] f32 0/1
     g = g_ref[...]                                      # [N]
@@ -94,6 +111,10 @@ def _tree_solve_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, v_ref, s0_ref,
     L = jnp.where(on & (row != col), beta[:, None] * kk * D, 0.0)
     C = qk * D
     s0 = s0_ref[...]                                    # [dk, bv] f32
+    if deferred:                                        # merge the committed-but-deferred path updates
+        s0 = _fold_deferred(s0, c_ref, rc_ref, pk_ref, pv_ref, count_ref, precision)
+        if write_state:
+            rest[3][...] = s0                           # the merged state replaces S_base (aliased)
     ks = _dot(k, s0, precision)                         # [N, bv]
     qs = _dot(q, s0, precision)
     eg = jnp.exp(gamma)
@@ -125,24 +146,33 @@ def supported(N: int, dk: int, dv: int, block_v: int) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("max_depth", "method", "block_v", "precision", "out_dtype",
-                                             "num_warps", "num_stages", "interpret"))
-def tree_solve_pallas(S0, q, k, v, g, beta, mask, *, max_depth: int, method: Method = "neumann",
+                                             "num_warps", "num_stages", "write_state", "interpret"))
+def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: int, method: Method = "neumann",
                       block_v: int = 64, precision: Precision = "tf32", out_dtype=F32,
-                      num_warps: int | None = None, num_stages: int = 1, interpret: bool = False):
+                      num_warps: int | None = None, num_stages: int = 1, write_state: bool = False,
+                      interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]
     (the dispatcher pads with identity nodes). Returns (o [B,N,HV,dv], Γ [B,HV,N], V' [B,HV,N,dv]).
+
+    deferred: the state is S0 plus committed-but-unmerged path updates (`gdn.DeferredUpdates` in kernel
+    layout: c [B,HV], c_i [B,HV,P], keys [B,P,HK,dk] (key heads), values [B,HV,P,dv], count [B]; P a power
+    of two ≥ 16), merged on chip after the S0 tile is loaded. write_state: also return the merged state
+    (fourth output, written over S0 — donate S0 to make it in place); the caller then empties the updates.
     """
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
     if not supported(N, dk, dv, block_v) or HV % HK:
         raise ValueError(f"unsupported shape N={N} dk={dk} dv={dv} block_v={block_v} HV={HV} HK={HK}")
+    if write_state and deferred is None:
+        raise ValueError("write_state needs deferred updates (without them the state is S0 itself)")
     r = HV // HK
     nv = dv // block_v
     if num_warps is None:
         num_warps = 4 if block_v * dk <= 128 * 64 else 8     # keep the fp32 state tile in registers
     kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(max_depth, N), method=method,
-                             precision=_f32_precision(precision, interpret))
+                             precision=_f32_precision(precision, interpret), deferred=deferred is not None,
+                             write_state=write_state)
     in_specs = [
         pl.BlockSpec((None, N, N), lambda b, h, t: (b, 0, 0)),                 # mask
         pl.BlockSpec((None, N, None), lambda b, h, t: (b, 0, h)),              # g
@@ -160,8 +190,29 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, *, max_depth: int, method: Met
     out_shape = [jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype),
                  jax.ShapeDtypeStruct((B, HV, N), F32),
                  jax.ShapeDtypeStruct((B, HV, N, dv), F32)]
+    operands = [mask.astype(F32), g.astype(F32), beta.astype(F32), q, k, v, S0.astype(F32)]
+    aliases = {}
+    if deferred is not None:
+        c, rc, pk, pv, count = deferred
+        P = rc.shape[-1]
+        if not (P >= 16 and P & (P - 1) == 0) or pk.shape != (B, P, HK, dk) or pv.shape != (B, HV, P, dv):
+            raise ValueError(f"deferred updates: P={P} must be a power of two >= 16, keys [B,P,HK,dk], "
+                             f"values [B,HV,P,dv]; got {pk.shape}, {pv.shape}")
+        in_specs += [
+            pl.BlockSpec((None, None), lambda b, h, t: (b, h)),                     # c
+            pl.BlockSpec((None, None, P), lambda b, h, t: (b, h, 0)),               # c_i
+            pl.BlockSpec((None, P, None, dk), lambda b, h, t: (b, 0, h // r, 0)),   # keys (key head)
+            pl.BlockSpec((None, None, P, block_v), lambda b, h, t: (b, h, 0, t)),   # values
+            pl.BlockSpec((None,), lambda b, h, t: (b,)),                            # count
+        ]
+        operands += [c.astype(F32), rc.astype(F32), pk, pv.astype(F32), count.astype(jnp.int32)]
+        if write_state:
+            out_specs.append(pl.BlockSpec((None, None, dk, block_v), lambda b, h, t: (b, h, 0, t)))
+            out_shape.append(jax.ShapeDtypeStruct((B, HV, dk, dv), F32))
+            aliases = {6: 3}
     return pl.pallas_call(
         kern, out_shape=out_shape, grid=(B, HV, nv), in_specs=in_specs, out_specs=out_specs,
+        input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name=f"gdn_tree_solve_{method}",
-    )(mask.astype(F32), g.astype(F32), beta.astype(F32), q, k, v, S0.astype(F32))
+        interpret=interpret, name=f"gdn_tree_solve_{method}" + ("_deferred" if deferred is not None else ""),
+    )(*operands)

@@ -74,3 +74,20 @@ def leaf_paths(parents: np.ndarray, max_depth: int) -> tuple[np.ndarray, np.ndar
             assert len(path) <= max_depth, (len(path), max_depth)
             nodes[b, p, :len(path)] = path
     return nodes, nodes >= 0
+
+
+def paths_to(parents: np.ndarray, nodes, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Root-first paths to `nodes` [B] (−1: empty) as `hyspec_jax.tree.path_to` returns them (host side):
+    (path [B, width] int32, −1 padded; length [B] int32)."""
+    B = parents.shape[0]
+    path = np.full((B, width), -1, np.int32)
+    length = np.zeros(B, np.int32)
+    for b in range(B):
+        p, j = [], int(nodes[b])
+        while j >= 0:
+            p.append(j)
+            j = int(parents[b, j])
+        assert len(p) <= width, (len(p), width)
+        path[b, :len(p)] = p[::-1]
+        length[b] = len(p)
+    return path, length

@@ -78,3 +78,29 @@ def test_attention_splits_fill_the_gpu():
     assert K.attention_splits(1, 64 * 6, 4096, 4, 64, 64) == 16          # 4 heads x 6 row tiles x 16 = 384
     assert K.attention_splits(32, 64 * 6, 4096, 4, 64, 64) == 1          # 768 programs without splitting
     assert K.attention_splits(1, 16, 128, 4, 64, 64) == 2                # never below block_s keys a split
+
+
+def test_deferred_bench_runs_on_cpu(tmp_path, monkeypatch):
+    """The deferred-commit section at a small geometry with the kernels in interpret mode: the append and the
+    merging solve agree with their references, the per-round sums use the measured parts, and it renders."""
+    import argparse
+    for name, value in (("HK", 1), ("HV", 2), ("DK", 16), ("DV", 16)):
+        monkeypatch.setattr(K, name, value)
+    ns = argparse.Namespace(reps=1, layers=2, deferred_rows="16", deferred_method="squaring", deferred_block_v=16,
+                            interpret=True)
+    res = K.bench_deferred(2, 16, ns, 1e11, lambda s: None)
+    v = res["variants"]
+    for name in ("commit_eager", "append_P16", "solve_plain", "solve_deferred_P16", "solve_merge_P16"):
+        assert v[name]["median_us"] > 0, (name, v[name])
+    assert v["append_P16"]["err"] < 1e-6 and v["append_P16"]["count_ok"]
+    assert v["solve_deferred_P16"]["err_o"] < 1e-3 and v["solve_merge_P16"]["err_state"] < 1e-5
+    x = res["per_round_layer_us"]["P16"]
+    assert x["merge_every"] == 16 // K.DEPTH_FOR_N[16]
+    R = x["merge_every"]
+    want = ((R - 1) * v["solve_deferred_P16"]["median_us"] + v["solve_merge_P16"]["median_us"]) / R \
+        + v["append_P16"]["median_us"] / 2
+    assert abs(x["deferred"] - want) < 1e-9
+    K.render({"device_kind": "cpu", "tree": [], "commit": [], "attention": [], "deferred": [res]},
+             str(tmp_path / "d.json"))
+    md = (tmp_path / "d.md").read_text()
+    assert "Deferred commit" in md and "| 2 | 16 | 2 | 16 |" in md

@@ -133,8 +133,13 @@ def _kernel_solve_bwd(max_depth, cfg, res, ct):
 _kernel_solve.defvjp(_kernel_solve_fwd, _kernel_solve_bwd)
 
 
+def _block_v(dv: int, block_v: int | None) -> int:
+    """Value tile width: 64 (the H200 sweep's choice at B = 8) unless the head is narrower."""
+    return block_v if block_v is not None else min(64, dv)
+
+
 def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl: Impl = "auto",
-               method: str = "squaring", block_v: int = 64, precision: str | None = None,
+               method: str = "squaring", block_v: int | None = None, precision: str | None = None,
                reference_method: str = "solve"):
     """Closed-form GDN tree solve with gdn.masked_solve's contract; returns (o fp32, SolveFactors).
 
@@ -149,6 +154,7 @@ def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl
     max_depth = N if max_depth is None else int(max_depth)
     if impl == "reference":
         return _reference(S0, q, k, v, g, beta, mask, max_depth, reference_method)
+    block_v = _block_v(v.shape[-1], block_v)
     ok, why = tree_solve_supported(S0, q, k, v, g, beta, mask, block_v)
     if method not in ("neumann", "squaring"):
         ok, why = False, f"method {method!r}"
@@ -168,7 +174,7 @@ def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl
     return _kernel_solve(S0, q, k, v, g, beta, mask, max_depth, cfg)
 
 
-def path_commit(S0, log_decay, keys, corrected, mask, node, *, impl: Impl = "auto", block_v: int = 64,
+def path_commit(S0, log_decay, keys, corrected, mask, node, *, impl: Impl = "auto", block_v: int | None = None,
                 precision: str = "tf32x3"):
     """State of each request's accepted node for every GDN layer: S0 [Lg,B,HV,dk,dv] fp32,
     log_decay [Lg,B,HV,N], keys [Lg,B,N,HK,dk] (input layout), corrected [Lg,B,HV,N,dv], mask [B,N,N],
@@ -178,10 +184,12 @@ def path_commit(S0, log_decay, keys, corrected, mask, node, *, impl: Impl = "aut
     try:
         Lg, B, HV, dk, dv = S0.shape
         N, HK = keys.shape[2], keys.shape[3]
+        block_v = _block_v(dv, block_v)
+        n_pad = _padded_n(N)
         ok = (S0.dtype == F32 and log_decay.shape == (Lg, B, HV, N) and keys.shape == (Lg, B, N, HK, dk)
               and corrected.shape == (Lg, B, HV, N, dv) and mask.shape == (B, N, N) and node.shape == (B,)
-              and HV % HK == 0 and jnp.dtype(keys.dtype) in _FLOATS
-              and gdn_commit.supported(N, dk, dv, block_v))
+              and HV % HK == 0 and jnp.dtype(keys.dtype) in _FLOATS and n_pad is not None
+              and gdn_commit.supported(n_pad, dk, dv, block_v))
     except Exception:  # noqa: BLE001
         ok = False
     if impl == "auto":
@@ -196,5 +204,11 @@ def path_commit(S0, log_decay, keys, corrected, mask, node, *, impl: Impl = "aut
         interpret = impl == "interpret"
     else:
         raise ValueError(f"unknown impl {impl!r}")
+    if n_pad != N:   # extra nodes no accepted node descends from: zero factors, off every mask row
+        extra = n_pad - N
+        log_decay = jnp.pad(log_decay, [(0, 0)] * 3 + [(0, extra)])
+        keys = jnp.pad(keys, [(0, 0), (0, 0), (0, extra), (0, 0), (0, 0)])
+        corrected = jnp.pad(corrected, [(0, 0)] * 3 + [(0, extra), (0, 0)])
+        mask = jnp.pad(mask.astype(bool), [(0, 0), (0, extra), (0, extra)]) | jnp.eye(n_pad, dtype=bool)[None]
     return gdn_commit.path_commit_pallas(S0, log_decay, keys, corrected, mask, node, block_v=block_v,
                                          precision=precision, interpret=interpret)

@@ -137,11 +137,13 @@ class TargetModel(nnx.Module):
         return self.logits(x), hidden, new_state
 
     def verify(self, state: TargetState, tree: Tree, tokens: jax.Array, *, method: gdn.InverseMethod = "squaring",
-               tap_layers: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, TreeCache]:
+               tap_layers: tuple[int, ...] = (), gdn_impl: str = "reference"
+               ) -> tuple[jax.Array, jax.Array, TreeCache]:
         """One forward over a forest of draft trees (tokens [B,N]) from the committed state, never writing it.
 
         GDN layers: conv windows follow each node's ancestors into the committed raw columns; the closed-form
-        masked solve from the committed S. Attention: the committed prefix plus the node's ancestors, at
+        masked solve from the committed S (gdn_impl "reference": `gdn.masked_solve`; "auto" / "pallas" /
+        "interpret": the fail-closed `pallas_kernels.dispatch.tree_solve`). Attention: the committed prefix plus the node's ancestors, at
         positions prefix_len + depth. Returns (logits [B,N,V] fp32, hidden (final-norm [B,N,H] or stacked
         taps), TreeCache with the commit factors — never per-node states).
         """
@@ -160,8 +162,14 @@ class TargetModel(nnx.Module):
             qkv = jnp.where(valid[..., None], qkv, 0)
             conv_out = gdn.gathered_conv(qkv, state.conv[j], mix.conv_weight, taps_idx)
             q, k, v, g, beta = mix.mixer_inputs(conv_out, b, a, valid)
-            o, fac = gdn.masked_solve(state.ssm[j], q, k, v, g, beta, mask, method=method,
-                                      max_depth=tree.envelope.path_nodes)
+            if gdn_impl == "reference":
+                o, fac = gdn.masked_solve(state.ssm[j], q, k, v, g, beta, mask, method=method,
+                                          max_depth=tree.envelope.path_nodes)
+            else:
+                from pallas_kernels import dispatch
+                o, fac = dispatch.tree_solve(state.ssm[j], q, k, v, g, beta, mask, tree.envelope.path_nodes,
+                                             impl=gdn_impl, method="neumann" if method == "neumann" else "squaring",
+                                             reference_method=method)
             return mix.output(o, z, x.dtype), (fac, qkv)
 
         def attn_mixer(j, att, h):

@@ -1,0 +1,75 @@
+"""The engine with the Pallas GDN kernels in its verify (tree solve) and commit (path commit), run in Pallas
+interpret mode on the CPU: greedy outputs equal plain decoding (the losslessness oracle), with long and short
+acceptances (oracle hints as in test_engine), for a chain and a tree bucket."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from hyspec_jax.config import FULL, LINEAR, TargetConfig
+from hyspec_jax.generate import Generator
+from hyspec_jax.models import drafter as D
+from hyspec_jax.models.target import create_model
+from hyspec_jax.sampling import SamplingParams
+from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+from hyspec_jax.spec.select import TreeSpec
+
+# GDN heads of 16 × 16: the smallest the kernels take (tl.dot needs every dimension ≥ 16)
+TCFG = TargetConfig(
+    model_type="qwen3_5_text", vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=16, intermediate_size=64, layer_types=(LINEAR, FULL, LINEAR),
+    linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+GAMMA = 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _quick_compiles():
+    prev = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", prev)
+
+
+def test_kernel_engine_equals_autoregressive(monkeypatch):
+    from pallas_kernels import gdn_commit, gdn_tree_solve
+    traced = {"solve": 0, "commit": 0}      # the kernels really are in the compiled rounds
+
+    def counting(fn, key):
+        def wrapped(*a, **kw):
+            traced[key] += 1
+            return fn(*a, **kw)
+        return wrapped
+    monkeypatch.setattr(gdn_tree_solve, "tree_solve_pallas", counting(gdn_tree_solve.tree_solve_pallas, "solve"))
+    monkeypatch.setattr(gdn_commit, "path_commit_pallas", counting(gdn_commit.path_commit_pallas, "commit"))
+    target = create_model(TCFG, seed=3)
+    dcfg = D.DrafterConfig.from_target(TCFG, num_layers=1, target_layer_ids=(0, 1), markov_rank=4,
+                                       block_size=GAMMA)
+    drafter = D.create_drafter(dcfg, None, seed=4)
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(0, TCFG.vocab_size, n)] for n in (4, 9)]
+    params = [SamplingParams(max_tokens=m) for m in (10, 7)]
+    ref = [r.token_ids for r in Generator.from_model(target).generate(prompts, params)]
+
+    def hint(i, out):      # the AR continuation with one wrong token at a position cycling with progress
+        g = len(out)
+        h = list(ref[i][g:g + GAMMA])
+        k = g % (GAMMA + 1)
+        if k < len(h):
+            h[k] = (h[k] + 1) % TCFG.vocab_size
+        return h
+
+    for spec in (SpecConfig(mode="chain", gdn_kernels="interpret"),
+                 SpecConfig(mode="tree", tree=TreeSpec(depth=GAMMA, top_k=2, beam=2), verify_nodes=5,
+                            gdn_kernels="interpret")):
+        eng = SpecEngine(target, drafter, spec, slots=2, kv_len=32)
+        out = eng.generate(prompts, params, hint=hint)
+        assert [r.token_ids for r in out] == ref, spec.mode
+        assert eng.last_stats.tau > 1.5, (spec.mode, eng.last_stats)
+    assert traced["solve"] >= 2 * 2 and traced["commit"] >= 2, traced     # 2 GDN layers, 2 buckets
+
+
+def test_unknown_kernel_setting_is_refused():
+    with pytest.raises(ValueError, match="gdn_kernels"):
+        SpecConfig(mode="chain", gdn_kernels="triton")

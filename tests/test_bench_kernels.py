@@ -104,3 +104,36 @@ def test_deferred_bench_runs_on_cpu(tmp_path, monkeypatch):
              str(tmp_path / "d.json"))
     md = (tmp_path / "d.md").read_text()
     assert "Deferred commit" in md and "| 2 | 16 | 2 | 16 |" in md
+
+
+def test_kernel_resources_parse_ptxas_and_refuse_without_gpu(tmp_path):
+    """The ptxas -v lines (format of CUDA 12's ptxas) map to our kernels by name; on a CPU the command says
+    why it cannot run and exits 1 (never a traceback)."""
+    from hyspec_jax.bench import kernel_resources as KR
+    text = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'gdn_tree_solve_squaring_deferred' for 'sm_90a'
+ptxas info    : Function properties for gdn_tree_solve_squaring_deferred
+    0 bytes stack frame, 24 bytes spill stores, 24 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 400 bytes cmem[0]
+ptxas info    : Compiling entry function 'loop_add_fusion' for 'sm_90a'
+ptxas info    : Function properties for loop_add_fusion
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 16 registers, 380 bytes cmem[0]
+ptxas info    : Compiling entry function 'gdn_path_commit_1' for 'sm_90a'
+ptxas info    : Function properties for gdn_path_commit_1
+    8 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 128 registers, 1024 bytes smem, 400 bytes cmem[0]
+"""
+    entries = KR.parse_ptxas(text)
+    assert entries["loop_add_fusion"]["registers"] == 16
+    ours = KR.match_kernels(entries)
+    assert set(ours) == {"gdn_tree_solve_squaring_deferred", "gdn_path_commit"}
+    assert ours["gdn_tree_solve_squaring_deferred"] == {
+        "registers": 255, "smem_static_bytes": 0, "stack_bytes": 0, "spill_store_bytes": 24, "spill_load_bytes": 24,
+        "ptx_entry": "gdn_tree_solve_squaring_deferred"}
+    assert ours["gdn_path_commit"]["smem_static_bytes"] == 1024 and ours["gdn_path_commit"]["stack_bytes"] == 8
+    md = KR.render({"batch": 8, "nodes": 64, "arch": "sm_90a", "kernels": ours, "notes": ["n"]})
+    assert "| gdn_path_commit | 128 | 0 | 0 | 8 | 1024 |" in md
+    import jax
+    if jax.default_backend() != "gpu":
+        assert KR.main(["--json", str(tmp_path / "r.json")]) == 1

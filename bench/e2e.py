@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify-nodes", type=int, default=32, help="tree modes: verified nodes per request (N)")
     p.add_argument("--sweep-nodes", type=int, nargs="*", default=[],
                    help="also run tree-ready (or tree) at batch 1 for each N here: the budget curve")
-    p.add_argument("--gdn-kernels", choices=("reference", "auto"), default="reference",
+    p.add_argument("--kernels", choices=("reference", "auto"), default="reference",
                    help="GDN verify + commit of the speculative modes: pure JAX, or the Pallas kernels where "
                         "supported (auto; GPU)")
     p.add_argument("--no-plots", action="store_true")
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         d = drafters[mode in ("ready", "tree-ready")]
         if d is None:
             return None
-        kw = dict(gdn_kernels=a.gdn_kernels)
+        kw = dict(kernels=a.kernels)
         if mode.startswith("tree"):
             kw.update(tree=TreeSpec(depth, a.tree_topk, a.tree_beam), verify_nodes=nodes or a.verify_nodes)
         return SpecEngine(target, d, SpecConfig(mode=mode, **kw), slots=batch)
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {**run_metadata(), "command": "hyspec bench e2e " + " ".join(argv or sys.argv[1:]),
             "model": portable_path(model_dir), "drafter": portable_path(drafter_dir) if needs_drafter else None,
             "dtype": a.dtype, "prompts": portable_path(a.prompts), "prompts_per_domain": a.prompts_per_domain,
-            "max_tokens": a.max_tokens, "repeats": a.repeats, "gdn_kernels": a.gdn_kernels,
+            "max_tokens": a.max_tokens, "repeats": a.repeats, "kernels": a.kernels,
             "tree": {"depth": depth, "top_k": a.tree_topk, "beam": a.tree_beam, "verify_nodes": a.verify_nodes}}
     bar = tqdm(total=len(configs) * (1 + a.repeats), desc="bench e2e", unit="pass")
     for mode, batch, nodes in configs:

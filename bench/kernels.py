@@ -363,13 +363,9 @@ def attention_bytes(B: int, N: int, S: int, geometry=ATTN_GEOMETRY) -> int:
 
 def attention_splits(B: int, rows: int, S: int, kvh: int, block_rows: int, block_s: int,
                      programs: int = 264) -> int:
-    """Splits of the prefix for `tree_attention.prefix_partials_pallas`: the fewest (a power of two) that give
-    about two programs per H200 SM (132), each split still a power-of-two multiple of block_s keys."""
-    tiles = -(-rows // block_rows)
-    splits = 1
-    while B * kvh * tiles * splits < programs and S % (2 * splits) == 0 and S // (2 * splits) >= block_s:
-        splits *= 2
-    return splits
+    """Splits of the prefix for `tree_attention.prefix_partials_pallas` (the dispatcher's choice)."""
+    from pallas_kernels.tree_attention import default_splits
+    return default_splits(B, rows, S, kvh, block_rows, block_s, programs)
 
 
 def bench_attention(B: int, N: int, S: int, args, bw: float, log, geometry=ATTN_GEOMETRY) -> dict:

@@ -6,7 +6,9 @@ dtype; anything else takes the reference path — never a kernel that might be w
 are not a power of two in [16, 128] are padded with identity nodes (g = 0, β = 0, mask row = self) and
 sliced back. The kernel path is a `jax.custom_vjp` whose backward is the reference's VJP.
 
-`path_commit(...)` does the same for the cross-layer factorized commit (gdn.node_state per layer).
+`path_commit(...)` does the same for the cross-layer factorized commit (gdn.node_state per layer), and
+`tree_attention(...)` for the verify's attention over the committed prefix + the tree
+(`layers.attend_prefix_tree`; the split-S Pallas prefix kernel where S fits its blocks).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from hyspec_jax import gdn
-from pallas_kernels import gdn_commit, gdn_tree_solve
+from pallas_kernels import gdn_commit, gdn_tree_solve, tree_attention as tree_attention_kernel
 
 F32 = jnp.float32
 Impl = Literal["auto", "reference", "pallas", "interpret"]
@@ -212,3 +214,40 @@ def path_commit(S0, log_decay, keys, corrected, mask, node, *, impl: Impl = "aut
         mask = jnp.pad(mask.astype(bool), [(0, 0), (0, extra), (0, extra)]) | jnp.eye(n_pad, dtype=bool)[None]
     return gdn_commit.path_commit_pallas(S0, log_decay, keys, corrected, mask, node, block_v=block_v,
                                          precision=precision, interpret=interpret)
+
+
+def tree_attention(q, keys, values, prefix_mask, tree_keys, tree_values, tree_mask, *, impl: Impl = "auto",
+                   block_s: int = 64, block_rows: int = 64):
+    """`layers.attend_prefix_tree` (q [B,T,NH,hd]; keys/values [B,S,KVH,hd]; prefix_mask [B,S]; tree_keys/values
+    [B,N,KVH,hd]; tree_mask [B,T,N]) by the split-S Pallas prefix kernel + XLA combine where supported (GPU,
+    head_dim a power of two ≤ 256, S a power-of-two multiple of block_s per split), else the reference.
+    Forward only on the kernel path (serving)."""
+    from hyspec_jax.models.layers import attend_prefix_tree
+    if impl == "reference":
+        return attend_prefix_tree(q, keys, values, prefix_mask, tree_keys, tree_values, tree_mask)
+    try:
+        B, T, NH, hd = q.shape
+        S, KVH = keys.shape[1], keys.shape[2]
+        while block_s > 16 and S % block_s:          # short caches: a smaller key block
+            block_s //= 2
+        splits = tree_attention_kernel.default_splits(B, T * NH // KVH, S, KVH, block_rows, block_s)
+        ok = (NH % KVH == 0 and values.shape == keys.shape and prefix_mask.shape == (B, S)
+              and tree_keys.shape[2:] == (KVH, hd) and tree_mask.shape == (B, T, tree_keys.shape[1])
+              and tree_attention_kernel.supported(S, hd, block_s=block_s, splits=splits, block_rows=block_rows))
+    except Exception:  # noqa: BLE001
+        ok = False
+    if impl == "auto":
+        if not (ok and gpu_kernels_available()):
+            return attend_prefix_tree(q, keys, values, prefix_mask, tree_keys, tree_values, tree_mask)
+        interpret = False
+    elif impl in ("pallas", "interpret"):
+        if not ok:
+            raise ValueError("tree attention kernel does not support this input")
+        if impl == "pallas" and not gpu_kernels_available():
+            raise ValueError("tree attention kernel needs an NVIDIA GPU backend")
+        interpret = impl == "interpret"
+    else:
+        raise ValueError(f"unknown impl {impl!r}")
+    return tree_attention_kernel.prefix_tree_attention(q, keys, values, prefix_mask, tree_keys, tree_values, tree_mask,
+                                                       block_s=block_s, splits=splits, block_rows=block_rows,
+                                                       interpret=interpret)

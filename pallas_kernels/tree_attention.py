@@ -148,4 +148,14 @@ def prefix_tree_attention(q, keys, values, prefix_mask, tree_keys, tree_values, 
     return out.reshape(B, KVH, T, R, hd).transpose(0, 2, 1, 3, 4).reshape(B, T, NH, hd).astype(q.dtype)
 
 
-__all__ = ["REFERENCE", "supported", "prefix_partials_pallas", "combine", "prefix_tree_attention"]
+def default_splits(B: int, rows: int, S: int, kvh: int, block_rows: int, block_s: int, programs: int = 264) -> int:
+    """Splits of the prefix: the fewest (a power of two) that give about two programs per H200 SM (132), each
+    split still a power-of-two multiple of block_s keys."""
+    tiles = -(-rows // block_rows)
+    splits = 1
+    while B * kvh * tiles * splits < programs and S % (2 * splits) == 0 and S // (2 * splits) >= block_s:
+        splits *= 2
+    return splits
+
+
+__all__ = ["REFERENCE", "supported", "prefix_partials_pallas", "combine", "prefix_tree_attention", "default_splits"]

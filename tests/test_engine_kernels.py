@@ -1,4 +1,4 @@
-"""The engine with the Pallas GDN kernels in its verify (tree solve) and commit (path commit), run in Pallas
+"""The engine with the Pallas kernels in its verify (GDN tree solve, tree attention) and commit, run in Pallas
 interpret mode on the CPU: greedy outputs equal plain decoding (the losslessness oracle), with long and short
 acceptances (oracle hints as in test_engine), for a chain and a tree bucket."""
 
@@ -33,8 +33,8 @@ def _quick_compiles():
 
 
 def test_kernel_engine_equals_autoregressive(monkeypatch):
-    from pallas_kernels import gdn_commit, gdn_tree_solve
-    traced = {"solve": 0, "commit": 0}      # the kernels really are in the compiled rounds
+    from pallas_kernels import gdn_commit, gdn_tree_solve, tree_attention
+    traced = {"solve": 0, "commit": 0, "attention": 0}      # the kernels really are in the compiled rounds
 
     def counting(fn, key):
         def wrapped(*a, **kw):
@@ -43,6 +43,8 @@ def test_kernel_engine_equals_autoregressive(monkeypatch):
         return wrapped
     monkeypatch.setattr(gdn_tree_solve, "tree_solve_pallas", counting(gdn_tree_solve.tree_solve_pallas, "solve"))
     monkeypatch.setattr(gdn_commit, "path_commit_pallas", counting(gdn_commit.path_commit_pallas, "commit"))
+    monkeypatch.setattr(tree_attention, "prefix_tree_attention",
+                        counting(tree_attention.prefix_tree_attention, "attention"))
     target = create_model(TCFG, seed=3)
     dcfg = D.DrafterConfig.from_target(TCFG, num_layers=1, target_layer_ids=(0, 1), markov_rank=4,
                                        block_size=GAMMA)
@@ -60,16 +62,16 @@ def test_kernel_engine_equals_autoregressive(monkeypatch):
             h[k] = (h[k] + 1) % TCFG.vocab_size
         return h
 
-    for spec in (SpecConfig(mode="chain", gdn_kernels="interpret"),
+    for spec in (SpecConfig(mode="chain", kernels="interpret"),
                  SpecConfig(mode="tree", tree=TreeSpec(depth=GAMMA, top_k=2, beam=2), verify_nodes=5,
-                            gdn_kernels="interpret")):
+                            kernels="interpret")):
         eng = SpecEngine(target, drafter, spec, slots=2, kv_len=32)
         out = eng.generate(prompts, params, hint=hint)
         assert [r.token_ids for r in out] == ref, spec.mode
         assert eng.last_stats.tau > 1.5, (spec.mode, eng.last_stats)
-    assert traced["solve"] >= 2 * 2 and traced["commit"] >= 2, traced     # 2 GDN layers, 2 buckets
+    assert traced["solve"] >= 2 * 2 and traced["commit"] >= 2 and traced["attention"] >= 2, traced  # 2 buckets
 
 
 def test_unknown_kernel_setting_is_refused():
-    with pytest.raises(ValueError, match="gdn_kernels"):
-        SpecConfig(mode="chain", gdn_kernels="triton")
+    with pytest.raises(ValueError, match="kernels"):
+        SpecConfig(mode="chain", kernels="triton")

@@ -137,13 +137,14 @@ class TargetModel(nnx.Module):
         return self.logits(x), hidden, new_state
 
     def verify(self, state: TargetState, tree: Tree, tokens: jax.Array, *, method: gdn.InverseMethod = "squaring",
-               tap_layers: tuple[int, ...] = (), gdn_impl: str = "reference"
+               tap_layers: tuple[int, ...] = (), kernel_impl: str = "reference"
                ) -> tuple[jax.Array, jax.Array, TreeCache]:
         """One forward over a forest of draft trees (tokens [B,N]) from the committed state, never writing it.
 
         GDN layers: conv windows follow each node's ancestors into the committed raw columns; the closed-form
-        masked solve from the committed S (gdn_impl "reference": `gdn.masked_solve`; "auto" / "pallas" /
-        "interpret": the fail-closed `pallas_kernels.dispatch.tree_solve`). Attention: the committed prefix plus the node's ancestors, at
+        masked solve from the committed S (kernel_impl "reference": `gdn.masked_solve`; "auto" / "pallas" /
+        "interpret": the fail-closed `pallas_kernels.dispatch.tree_solve`; attention likewise through
+        `dispatch.tree_attention`). Attention: the committed prefix plus the node's ancestors, at
         positions prefix_len + depth. Returns (logits [B,N,V] fp32, hidden (final-norm [B,N,H] or stacked
         taps), TreeCache with the commit factors — never per-node states).
         """
@@ -162,21 +163,26 @@ class TargetModel(nnx.Module):
             qkv = jnp.where(valid[..., None], qkv, 0)
             conv_out = gdn.gathered_conv(qkv, state.conv[j], mix.conv_weight, taps_idx)
             q, k, v, g, beta = mix.mixer_inputs(conv_out, b, a, valid)
-            if gdn_impl == "reference":
+            if kernel_impl == "reference":
                 o, fac = gdn.masked_solve(state.ssm[j], q, k, v, g, beta, mask, method=method,
                                           max_depth=tree.envelope.path_nodes)
             else:
                 from pallas_kernels import dispatch
                 o, fac = dispatch.tree_solve(state.ssm[j], q, k, v, g, beta, mask, tree.envelope.path_nodes,
-                                             impl=gdn_impl, method="neumann" if method == "neumann" else "squaring",
+                                             impl=kernel_impl, method="neumann" if method == "neumann" else "squaring",
                                              reference_method=method)
             return mix.output(o, z, x.dtype), (fac, qkv)
 
         def attn_mixer(j, att, h):
             q, gate, k, v = att.qkv(h, positions)
-            keys = jnp.concatenate([state.keys[j], k.astype(state.keys.dtype)], axis=1)
-            values = jnp.concatenate([state.values[j], v.astype(state.values.dtype)], axis=1)
-            return att.out(attend(q, keys, values, attn_mask), gate), (k, v)
+            if kernel_impl == "reference":
+                keys = jnp.concatenate([state.keys[j], k.astype(state.keys.dtype)], axis=1)
+                values = jnp.concatenate([state.values[j], v.astype(state.values.dtype)], axis=1)
+                return att.out(attend(q, keys, values, attn_mask), gate), (k, v)
+            from pallas_kernels import dispatch     # the cache is read in place, never concatenated
+            o = dispatch.tree_attention(q, state.keys[j], state.values[j], prefix_mask, k.astype(state.keys.dtype),
+                                        v.astype(state.values.dtype), mask, impl=kernel_impl)
+            return att.out(o, gate), (k, v)
 
         x, taps, gdn_aux, attn_aux = self._stack(x, gdn_mixer, attn_mixer, tap_layers)
         stack = lambda xs: jnp.stack(xs) if xs else None

@@ -61,7 +61,7 @@ from hyspec_jax.state import TargetState, init_state
 
 I32 = jnp.int32
 F32 = jnp.float32
-from hyspec_jax.spec.options import GDN_KERNELS, MODES  # noqa: E402  (one home for the option values)
+from hyspec_jax.spec.options import KERNEL_IMPLS, MODES  # noqa: E402  (one home for the option values)
 HINT_BIAS = 1.0e3   # added to the drafter's base logits at hinted tokens (see `spec_round`)
 
 
@@ -75,11 +75,11 @@ class SpecConfig:
     capacity: int | None = None              # C: batch-wide node budget (default B·N)
     confidence_threshold: float | None = None  # chain: DSpark confidence-scheduled length
     method: str = "squaring"                 # tree-solve inverse method
-    gdn_kernels: str = "reference"           # "auto": Pallas tree solve + commit where supported (GPU)
+    kernels: str = "reference"           # "auto": Pallas tree solve + commit where supported (GPU)
 
     def __post_init__(self):
-        if self.gdn_kernels not in GDN_KERNELS:
-            raise ValueError(f"gdn_kernels must be one of {GDN_KERNELS}, got {self.gdn_kernels!r}")
+        if self.kernels not in KERNEL_IMPLS:
+            raise ValueError(f"kernels must be one of {KERNEL_IMPLS}, got {self.kernels!r}")
         if self.mode not in MODES:
             raise ValueError(f"spec mode must be one of {MODES}, got {self.mode!r}")
         if self.chain_length is not None and self.chain_length < 1:
@@ -111,7 +111,7 @@ class RoundShape:
     confidence_threshold: float | None
     method: str
     tap_layers: tuple[int, ...]
-    gdn_impl: str = "reference"
+    kernel_impl: str = "reference"
 
     @property
     def depth(self) -> int:
@@ -180,7 +180,7 @@ def round_verify(tgraph: nnx.GraphDef, tparams: nnx.State, state: TargetState, t
     """Round phase 2 — the target's verify forward over the forest: (logits, taps, TreeCache)."""
     target: TargetModel = nnx.merge(tgraph, tparams)
     return target.verify(state, tree, tokens, method=shape.method, tap_layers=shape.tap_layers,
-                         gdn_impl=shape.gdn_impl)
+                         kernel_impl=shape.kernel_impl)
 
 
 def round_commit(dgraph: nnx.GraphDef, dparams: nnx.State, state: TargetState, dstate: DrafterState,
@@ -197,7 +197,7 @@ def round_commit(dgraph: nnx.GraphDef, dparams: nnx.State, state: TargetState, d
                  max_depth=D, max_children=shape.max_children)
 
     node = jnp.where(active, acc.node, -1)
-    new_state = commit(state, cache, tree, node, shape.gdn_impl)
+    new_state = commit(state, cache, tree, node, shape.kernel_impl)
     path, length = tree_lib.path_to(tree, node)                                   # [B, D+1], [B]
     src = jnp.maximum(path, 0)
     path_taps = jnp.take_along_axis(taps, src[None, :, :, None], axis=2)          # [L, B, D+1, H]
@@ -396,7 +396,7 @@ class SpecEngine:
                           reader=self.spec.uses_reader, stochastic=stochastic,
                           confidence_threshold=None if self._tree is not None else self.spec.confidence_threshold,
                           method=self.spec.method, tap_layers=tuple(self.drafter.config.target_layer_ids),
-                          gdn_impl=self.spec.gdn_kernels)
+                          kernel_impl=self.spec.kernels)
 
     # --------------------------------------------------------------------------------------------
     # Device calls: `generate` and `compile_buckets` share them, so start-up compiles exactly what generate runs
@@ -757,7 +757,7 @@ def engine_from_args(args, model: TargetModel, model_dir, dtype, batch: int | No
     spec_kw = dict(mode=mode, chain_length=opt("chain_length"), verify_nodes=opt("verify_nodes"),
                    capacity=getattr(args, "budget", None), confidence_threshold=getattr(args, "confidence_threshold",
                                                                                         None),
-                   gdn_kernels=getattr(args, "gdn_kernels", None) or "reference")
+                   kernels=getattr(args, "kernels", None) or "reference")
     if mode in ("tree", "tree-ready"):
         spec_kw["tree"] = TreeSpec(depth=opt("tree_depth", 4), top_k=opt("tree_topk", 2), beam=opt("tree_beam", 4))
     spec = SpecConfig(**spec_kw)

@@ -26,16 +26,26 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+mask_from_parents = jax.jit(trees.mask_from_parents)
+
+
+def _unit(x):
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
 def make_inputs(seed, B, N, HK, HV, dk, dv, depth, dtype=jnp.float32, single_root=True):
+    """Drawn with numpy: on a CPU an XLA compile per random shape would cost more than the kernel checks."""
     par = trees.random_parents(seed, B, N, depth, single_root=single_root)
-    mask = trees.mask_from_parents(jnp.asarray(par))
-    ks = jax.random.split(jax.random.key(seed + 1000), 6)
-    q = (gdn.l2norm(jax.random.normal(ks[0], (B, N, HK, dk))) * dk ** -0.5).astype(dtype)
-    k = gdn.l2norm(jax.random.normal(ks[1], (B, N, HK, dk))).astype(dtype)
-    v = jax.random.normal(ks[2], (B, N, HV, dv)).astype(dtype)
-    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, N, HV)) + 1.0)
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, N, HV)))
-    S0 = jax.random.normal(ks[5], (B, HV, dk, dv)) * 0.5
+    mask = mask_from_parents(jnp.asarray(par))
+    rng = np.random.default_rng(seed + 1000)
+    n = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    q = jnp.asarray(_unit(n(B, N, HK, dk)) * dk ** -0.5, dtype)
+    k = jnp.asarray(_unit(n(B, N, HK, dk)), dtype)
+    v = jnp.asarray(n(B, N, HV, dv), dtype)
+    g = f32(-np.log1p(np.exp(n(B, N, HV) + 1.0)))
+    beta = f32(1.0 / (1.0 + np.exp(-n(B, N, HV))))
+    S0 = f32(n(B, HV, dk, dv) * 0.5)
     return par, mask, (S0, q, k, v, g, beta)
 
 
@@ -110,13 +120,14 @@ def test_serial_paths_xla():
 def test_path_commit_interpret(HK):
     B, N, HV, dk, dv, Lg = 3, 16, 4, 16, 16, 1
     par, mask, (S0, q, k, v, g, beta) = make_inputs(21 + HK, B, N, HK, HV, dk, dv, 5)
-    ks = jax.random.split(jax.random.key(HK), 4)
-    S0l = jax.random.normal(ks[0], (Lg, B, HV, dk, dv))
-    gam = -jnp.cumsum(jax.random.uniform(ks[1], (Lg, B, HV, N)), -1) @ np.asarray(mask[0], np.float32).T * 0.1
-    keys = jax.random.normal(ks[2], (Lg, B, N, HK, dk))
-    vc = jax.random.normal(ks[3], (Lg, B, HV, N, dv))
+    rng = np.random.default_rng(HK)
+    S0l = jnp.asarray(rng.standard_normal((Lg, B, HV, dk, dv)), jnp.float32)
+    gam = jnp.asarray(-np.cumsum(rng.uniform(size=(Lg, B, HV, N)), -1) @ np.asarray(mask[0], np.float32).T * 0.1,
+                      jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((Lg, B, N, HK, dk)), jnp.float32)
+    vc = jnp.asarray(rng.standard_normal((Lg, B, HV, N, dv)), jnp.float32)
     node = jnp.array([5, -1, N - 1], jnp.int32)
-    want = path_commit_reference(S0l, gam, keys, vc, mask, node)
+    want = jax.jit(path_commit_reference)(S0l, gam, keys, vc, mask, node)
     got = path_commit_pallas(S0l, gam, keys, vc, mask, node, block_v=16, interpret=True)
     assert rel(got, want) < 1e-5
     np.testing.assert_array_equal(np.asarray(got[:, 1]), np.asarray(S0l[:, 1]))   # node −1: untouched
@@ -217,12 +228,10 @@ def test_commit_gpu():
 
 # ---------------------------------------------------------------- tree attention (prefix + tree parts)
 def _attention_inputs(seed, B, T, NH, KVH, hd, S, N, dtype):
-    ks = jax.random.split(jax.random.key(seed), 6)
-    q = jax.random.normal(ks[0], (B, T, NH, hd), dtype)
-    keys = jax.random.normal(ks[1], (B, S, KVH, hd), dtype)
-    values = jax.random.normal(ks[2], (B, S, KVH, hd), dtype)
-    tk = jax.random.normal(ks[3], (B, N, KVH, hd), dtype)
-    tv = jax.random.normal(ks[4], (B, N, KVH, hd), dtype)
+    rng = np.random.default_rng(seed)
+    n = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
+    q, keys, values = n(B, T, NH, hd), n(B, S, KVH, hd), n(B, S, KVH, hd)
+    tk, tv = n(B, N, KVH, hd), n(B, N, KVH, hd)
     lens = jnp.array([S - 5, 0, S // 3][:B])                 # a ragged cache, an empty one
     prefix_mask = jnp.arange(S)[None] < lens[:, None]
     par = trees.random_parents(seed, B, N, min(3, N - 1))

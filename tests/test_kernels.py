@@ -255,3 +255,19 @@ def test_tree_attention_interpret(dtype, tol):
     assert rel(got, want) < tol
     assert not bool(jnp.any(got[1, -1]))                      # the row with no key is zeros, as in the reference
     assert not supported(96, 32, block_s=16, splits=4, block_rows=16)       # 24 keys a split: not a power of two
+
+
+def test_attention_dispatch_fails_closed():
+    """auto on a CPU, or a cache length no split fits: the reference (layers.attend_prefix_tree); an explicit
+    kernel request it cannot honour: ValueError; interpret with a short cache: smaller key blocks, same result."""
+    from hyspec_jax.models.layers import attend_prefix_tree
+    args = _attention_inputs(5, 2, 5, 4, 2, 16, 48, 5, jnp.float32)       # S = 48: no power-of-two split
+    want = attend_prefix_tree(*args)
+    assert rel(dispatch.tree_attention(*args, impl="auto"), want) < 1e-6
+    with pytest.raises(ValueError):
+        dispatch.tree_attention(*args, impl="interpret")
+    if not GPU:
+        with pytest.raises(ValueError):
+            dispatch.tree_attention(*args, impl="pallas")
+    short = _attention_inputs(6, 2, 5, 4, 2, 16, 32, 5, jnp.float32)      # S = 32 < the 64-key block
+    assert rel(dispatch.tree_attention(*short, impl="interpret"), attend_prefix_tree(*short)) < 2e-5

@@ -1,6 +1,6 @@
 """Benchmark of the GDN tree-verification kernels against their baselines (issue [kernels]).
 
-    python -m hyspec_jax.bench.kernels --json out.json [--configs 1:64,32:64] [--variants REGEX]
+    hyspec bench kernels --json out.json [--configs 1:64,32:64] [--variants REGEX] [--deferred 8] [--attention ..]
 
 For the Qwen3.8-27B GDN geometry (HK 16, HV 48, dk = dv = 128; bf16 q/k/v, fp32 state) at batch
 1/8/32 and tree sizes N = 16/32/64 (depth 4/6/8), it checks every variant against the fp32 reference
@@ -15,6 +15,9 @@ and the cross-layer commit (48 GDN layers) against its XLA reference. With `--at
 verify's tree attention of one full-attention layer (24 query heads, 4 KV heads, head_dim 256, bf16; committed
 prefix of S tokens + N tree nodes): the concatenate-then-attend form the verify runs and the two-part form
 `layers.attend_prefix_tree`, each against the memory floor (the issue's bar: XLA within 1.2x of it, else a kernel).
+With `--deferred B,..` the deferred commit (`gdn.DeferredUpdates`): the one-launch append of the accepted paths
+over all GDN layers against the eager path commit, and the tree solve merging P update rows on chip (with and
+without writing the merged state back), summed per round and layer with a merge every P / depth rounds.
 `--merge A.json B.json --json OUT.json` re-renders runs as one; every run writes OUT.md and OUT.png beside OUT.json.
 
 Timing (METHOD.md): each variant is jitted over R distinct input sets (rotating buffers, so repeated
@@ -586,7 +589,7 @@ def render(results: dict, json_path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="hyspec bench kernels", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--nodes", default="16,32,64")

@@ -39,6 +39,20 @@ def gpu_kernels_available() -> bool:
         return False
 
 
+def _use_kernel(impl: Impl, ok: bool, what: str, why: str = "") -> bool | None:
+    """The fail-closed choice: None = take the reference; else the kernel's `interpret` flag. "auto" takes the
+    kernel only on a supported shape on an NVIDIA GPU; "pallas" / "interpret" raise where they cannot be honoured."""
+    if impl == "auto":
+        return False if ok and gpu_kernels_available() else None
+    if impl in ("pallas", "interpret"):
+        if not ok:
+            raise ValueError(f"{what} kernel does not support this input" + (f": {why}" if why else ""))
+        if impl == "pallas" and not gpu_kernels_available():
+            raise ValueError(f"{what} kernel needs an NVIDIA GPU backend")
+        return impl == "interpret"
+    raise ValueError(f"unknown impl {impl!r}")
+
+
 def _padded_n(n: int) -> int | None:
     p = 16
     while p < n:
@@ -160,18 +174,9 @@ def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl
     ok, why = tree_solve_supported(S0, q, k, v, g, beta, mask, block_v)
     if method not in ("neumann", "squaring"):
         ok, why = False, f"method {method!r}"
-    if impl == "auto":
-        if not (ok and gpu_kernels_available()):
-            return _reference(S0, q, k, v, g, beta, mask, max_depth, reference_method)
-        interpret = False
-    elif impl in ("pallas", "interpret"):
-        if not ok:
-            raise ValueError(f"tree_solve kernel does not support this input: {why}")
-        if impl == "pallas" and not gpu_kernels_available():
-            raise ValueError("tree_solve kernel needs an NVIDIA GPU backend")
-        interpret = impl == "interpret"
-    else:
-        raise ValueError(f"unknown impl {impl!r}")
+    interpret = _use_kernel(impl, ok, "tree_solve", why)
+    if interpret is None:
+        return _reference(S0, q, k, v, g, beta, mask, max_depth, reference_method)
     cfg = (method, block_v, precision or _default_precision(q.dtype), interpret)
     return _kernel_solve(S0, q, k, v, g, beta, mask, max_depth, cfg)
 
@@ -194,18 +199,9 @@ def path_commit(S0, log_decay, keys, corrected, mask, node, *, impl: Impl = "aut
               and gdn_commit.supported(n_pad, dk, dv, block_v))
     except Exception:  # noqa: BLE001
         ok = False
-    if impl == "auto":
-        if not (ok and gpu_kernels_available()):
-            return gdn_commit.path_commit_reference(S0, log_decay, keys, corrected, mask, node)
-        interpret = False
-    elif impl in ("pallas", "interpret"):
-        if not ok:
-            raise ValueError("path_commit kernel does not support this input")
-        if impl == "pallas" and not gpu_kernels_available():
-            raise ValueError("path_commit kernel needs an NVIDIA GPU backend")
-        interpret = impl == "interpret"
-    else:
-        raise ValueError(f"unknown impl {impl!r}")
+    interpret = _use_kernel(impl, ok, "path_commit")
+    if interpret is None:
+        return gdn_commit.path_commit_reference(S0, log_decay, keys, corrected, mask, node)
     if n_pad != N:   # extra nodes no accepted node descends from: zero factors, off every mask row
         extra = n_pad - N
         log_decay = jnp.pad(log_decay, [(0, 0)] * 3 + [(0, extra)])
@@ -236,18 +232,9 @@ def tree_attention(q, keys, values, prefix_mask, tree_keys, tree_values, tree_ma
               and tree_attention_kernel.supported(S, hd, block_s=block_s, splits=splits, block_rows=block_rows))
     except Exception:  # noqa: BLE001
         ok = False
-    if impl == "auto":
-        if not (ok and gpu_kernels_available()):
-            return attend_prefix_tree(q, keys, values, prefix_mask, tree_keys, tree_values, tree_mask)
-        interpret = False
-    elif impl in ("pallas", "interpret"):
-        if not ok:
-            raise ValueError("tree attention kernel does not support this input")
-        if impl == "pallas" and not gpu_kernels_available():
-            raise ValueError("tree attention kernel needs an NVIDIA GPU backend")
-        interpret = impl == "interpret"
-    else:
-        raise ValueError(f"unknown impl {impl!r}")
+    interpret = _use_kernel(impl, ok, "tree attention")
+    if interpret is None:
+        return attend_prefix_tree(q, keys, values, prefix_mask, tree_keys, tree_values, tree_mask)
     return tree_attention_kernel.prefix_tree_attention(q, keys, values, prefix_mask, tree_keys, tree_values, tree_mask,
                                                        block_s=block_s, splits=splits, block_rows=block_rows,
                                                        interpret=interpret)

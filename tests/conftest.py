@@ -8,6 +8,7 @@ os.environ.setdefault("USE_HUB_KERNELS", "NO")  # keep transformers' torch refer
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -22,3 +23,13 @@ def has_gpu() -> bool:
         return any(d.platform == "gpu" for d in jax.devices())
     except RuntimeError:
         return False
+
+
+@pytest.fixture(scope="module")
+def quick_compiles():
+    """Tiny models and shapes: XLA's optimisation passes cost more time than they save (compiles take about half
+    as long). Module-scoped; a module opts in with `pytestmark = pytest.mark.usefixtures("quick_compiles")`."""
+    prev = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", prev)

@@ -25,14 +25,7 @@ NS = 100_000
 accept_jit = jax.jit(accept, static_argnames=("max_depth", "max_children"))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _quick_compiles():
-    """Tiny models: XLA's optimisation passes cost more time than they save here (compiles take about half
-    as long). Scoped to this module."""
-    prev = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", prev)
+pytestmark = pytest.mark.usefixtures("quick_compiles")   # tiny models: see conftest
 
 
 def _dist(rng, sharp=2.0) -> np.ndarray:

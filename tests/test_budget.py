@@ -22,13 +22,7 @@ from hyspec_jax.spec.select import TreeSpec, tree_candidates
 B, M = 6, 12
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _quick_compiles():
-    """Tiny shapes: XLA's optimisation passes cost more time than they save here. Scoped to this module."""
-    prev = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", prev)
+pytestmark = pytest.mark.usefixtures("quick_compiles")   # tiny models: see conftest
 
 
 @jax.jit

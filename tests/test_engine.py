@@ -33,6 +33,7 @@ from hyspec_jax.spec.engine import SpecConfig, SpecEngine
 from hyspec_jax.spec.budget import BudgetTable
 from hyspec_jax.spec.select import TreeSpec
 from hyspec_jax.tokenizer import byte_level_tokenizer
+from tests.spec_hints import oracle_hint
 
 
 def _tcfg(vocab: int) -> TargetConfig:
@@ -45,14 +46,7 @@ def _tcfg(vocab: int) -> TargetConfig:
 TCFG = _tcfg(300)   # ≥ the byte-level tokenizer's 257 ids: the CLI tests load the same model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _quick_compiles():
-    """Tiny models: XLA's optimisation passes cost more time than they save here (compiles take about half
-    as long). Scoped to this module."""
-    prev = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", prev)
+pytestmark = pytest.mark.usefixtures("quick_compiles")   # tiny models: see conftest
 SLOTS, KV = 4, 128
 GAMMA = 4
 TREE = TreeSpec(depth=4, top_k=2, beam=4)
@@ -89,15 +83,7 @@ def reference(models):
 
 
 def _hint(ref):
-    """Oracle hints: the AR continuation, with one wrong token at a position that cycles with progress."""
-    def hint(i, out):
-        g = len(out)
-        h = list(ref[i][g:g + GAMMA])
-        k = g % (GAMMA + 1)
-        if k < len(h):
-            h[k] = (h[k] + 1) % TCFG.vocab_size
-        return h
-    return hint
+    return oracle_hint(ref, GAMMA, TCFG.vocab_size)
 
 
 def _spec(mode: str, **kw) -> SpecConfig:

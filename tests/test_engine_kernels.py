@@ -15,6 +15,7 @@ from hyspec_jax.models.target import create_model
 from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.spec.engine import SpecConfig, SpecEngine
 from hyspec_jax.spec.select import TreeSpec
+from tests.spec_hints import oracle_hint
 
 # GDN heads of 16 × 16: the smallest the kernels take (tl.dot needs every dimension ≥ 16)
 TCFG = TargetConfig(
@@ -24,12 +25,7 @@ TCFG = TargetConfig(
 GAMMA = 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _quick_compiles():
-    prev = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", prev)
+pytestmark = pytest.mark.usefixtures("quick_compiles")   # tiny models: see conftest
 
 
 def test_kernel_engine_equals_autoregressive(monkeypatch):
@@ -54,13 +50,7 @@ def test_kernel_engine_equals_autoregressive(monkeypatch):
     params = [SamplingParams(max_tokens=m) for m in (10, 7)]
     ref = [r.token_ids for r in Generator.from_model(target).generate(prompts, params)]
 
-    def hint(i, out):      # the AR continuation with one wrong token at a position cycling with progress
-        g = len(out)
-        h = list(ref[i][g:g + GAMMA])
-        k = g % (GAMMA + 1)
-        if k < len(h):
-            h[k] = (h[k] + 1) % TCFG.vocab_size
-        return h
+    hint = oracle_hint(ref, GAMMA, TCFG.vocab_size)
 
     for spec in (SpecConfig(mode="chain", kernels="interpret"),
                  SpecConfig(mode="tree", tree=TreeSpec(depth=GAMMA, top_k=2, beam=2), verify_nodes=5,

@@ -30,12 +30,7 @@ TCFG = TargetConfig(
 GAMMA, SLOTS, KV = 4, 2, 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _quick_compiles():
-    prev = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", prev)
+pytestmark = pytest.mark.usefixtures("quick_compiles")   # tiny models: see conftest
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,7 @@ CFG = TargetConfig(
     linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _quick_compiles():
-    prev = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", prev)
+pytestmark = pytest.mark.usefixtures("quick_compiles")   # tiny models: see conftest
 
 
 @pytest.fixture(scope="module")

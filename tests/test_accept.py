@@ -192,3 +192,42 @@ def test_greedy_walk_on_a_hand_made_tree():
     assert np.asarray(acc.node).tolist() == [5, 1, 3]
     assert np.asarray(acc.num_accepted).tolist() == [3, 1, 2]
     assert np.asarray(acc.bonus).tolist() == [7, 4, 2]
+
+
+@pytest.mark.parametrize("max_depth", [1, 3, 4, 6])
+def test_greedy_closed_form_equals_the_walk(max_depth):
+    """The all-greedy path (sampling None: pointer jumping over the tree) equals the sequential walk (the sampling
+    path with every row at temperature 0) on random trees with distinct sibling tokens, deeper than max_depth,
+    with padding nodes, and targets that agree with the drafts often."""
+    from hyspec_jax import tree as tree_lib
+    rng = np.random.default_rng(max_depth)
+    B, N, Vb = 64, 16, 12
+    parent = np.stack([tree_lib.random_parents(rng, N, 7) for _ in range(B)])
+    tokens = np.zeros((B, N), np.int32)
+    for b in range(B):                                    # distinct tokens among siblings
+        for p in range(-1, N):
+            kids = np.nonzero(parent[b] == p)[0]
+            tokens[b, kids] = rng.permutation(Vb)[:len(kids)]
+    valid = rng.random((B, N)) > 0.1
+    valid[:, 0] = True
+    parent = np.where(valid, parent, -1)
+    for _ in range(N):                                    # a node is valid only under a valid parent
+        valid &= np.where(parent >= 0, np.take_along_axis(valid, np.maximum(parent, 0), 1), True)
+    parent = np.where(valid, parent, -1)
+    # target argmax: the token of a random child (a match) most of the time
+    argmax = rng.integers(0, Vb, (B, N))
+    for b in range(B):
+        for u in range(N):
+            kids = np.nonzero((parent[b] == u) & valid[b])[0]
+            if len(kids) and rng.random() < 0.8:
+                argmax[b, u] = tokens[b, rng.choice(kids)]
+    logits = np.full((B, N, Vb), -1.0, np.float32)
+    np.put_along_axis(logits, argmax[..., None], 1.0, axis=2)
+    kids_max = max(int(np.max(np.bincount(p[p >= 0], minlength=N))) for p in parent)
+    args = (jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(parent), jnp.asarray(valid))
+    fast = accept_jit(*args, None, None, None, max_depth=max_depth, max_children=kids_max)
+    walk = accept_jit(*args, jnp.zeros((B, N, Vb), jnp.float32), _sampling(B, temperature=0.0), _keys(B),
+                      max_depth=max_depth, max_children=kids_max)
+    for name in ("node", "num_accepted", "bonus"):
+        np.testing.assert_array_equal(np.asarray(getattr(fast, name)), np.asarray(getattr(walk, name)), err_msg=name)
+    assert 0 < float(np.mean(np.asarray(fast.num_accepted))) and int(np.max(np.asarray(fast.num_accepted))) == max_depth

@@ -83,9 +83,9 @@ def accept(logits: jax.Array, tokens: jax.Array, parent: jax.Array, valid: jax.A
         greedy = sampling.temperature <= 0                                      # [B]
         p_all = jnp.exp(warp(logits, sampling.temperature[:, None], sampling.top_p[:, None],
                              sampling.top_k[:, None]))                          # [B,N,V]
-    else:
-        greedy = jnp.ones((B,), bool)
     argmax = jnp.argmax(logits, axis=-1).astype(I32)                            # [B,N]
+    if not stochastic:
+        return _accept_greedy(argmax, tokens, parent, valid, max_depth)
 
     if stochastic:   # one PRNG draw per row: a uniform per (depth, sibling) visit, then V for the bonus
         n_u = max_depth * max_children
@@ -150,6 +150,29 @@ def accept(logits: jax.Array, tokens: jax.Array, parent: jax.Array, valid: jax.A
         depth = depth + up
         a = jnp.where(up, jnp.maximum(_rows(parent, a), 0), 0)
     return Acceptance(node=cur, num_accepted=depth, bonus=bonus)
+
+
+def _accept_greedy(argmax: jax.Array, tokens: jax.Array, parent: jax.Array, valid: jax.Array,
+                   max_depth: int) -> Acceptance:
+    """Every row greedy, without the walk: a node matches when its token is the target's argmax at its parent,
+    and the accepted node is the deepest node (≤ max_depth) whose whole path matches. Siblings hold distinct
+    tokens, so at most one child of a node matches and that path is the walk's, token for token. Paths and
+    depths by pointer jumping: ⌊log₂ max_depth⌋ + 1 rounds of [B, N] gathers instead of max_depth × max_children
+    sequential steps (a round of small kernels each on a GPU)."""
+    take = lambda x, i: jnp.take_along_axis(x, jnp.maximum(i, 0), axis=1)  # noqa: E731
+    has_parent = valid & (parent >= 0)
+    ok = jnp.where(has_parent, tokens == take(argmax, parent), valid)            # the anchor (no parent): itself
+    depth = has_parent.astype(I32)
+    anc = jnp.where(has_parent, parent, -1)
+    for _ in range(max_depth.bit_length()):                                      # 2^k > max_depth hops
+        up = anc >= 0
+        ok = ok & jnp.where(up, take(ok, anc), True)
+        depth = depth + jnp.where(up, take(depth, anc), 0)
+        anc = jnp.where(up, take(anc, anc), -1)
+    # a node with an ancestor left after the rounds is deeper than 2^k − 1 ≥ max_depth: never accepted
+    score = jnp.where(ok & (depth <= max_depth) & (anc < 0), depth, -1)
+    node = jnp.argmax(score, axis=1).astype(I32)
+    return Acceptance(node=node, num_accepted=take(depth, node[:, None])[:, 0], bonus=take(argmax, node[:, None])[:, 0])
 
 
 __all__ = ["Acceptance", "accept"]

@@ -6,7 +6,9 @@ for sampling the draft distribution `child_q[u]` that node u's children were dra
 
 Greedy rows (temperature 0): walk down from the anchor; at node u accept the child whose token equals the
 target's argmax at u (siblings hold distinct tokens, so at most one matches); the bonus token is the argmax at
-the last accepted node. This is exactly plain greedy decoding, token for token.
+the last accepted node. This is exactly plain greedy decoding, token for token. When every row of a bucket is
+greedy the walk is computed in closed form (`_accept_greedy`: per-node matches, then the deepest fully matching
+path by pointer jumping), which is the same path because at most one child of a node can match.
 
 Sampling rows — recursive rejection sampling with siblings drawn WITHOUT replacement (SpecInfer's multi-draft
 rule with Sequoia's / Recursive-Speculative-Decoding's update). At node u let p₁ = warp(target logits at u)

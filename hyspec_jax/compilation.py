@@ -83,6 +83,23 @@ def install() -> None:
     monitoring.register_event_duration_secs_listener(_on_event)
 
 
+_KERNEL_OPS = ("fusion", "custom-call", "dot", "convolution", "sort", "scatter", "gather", "reduce", "while",
+               "conditional", "copy", "all-reduce", "all-gather", "reduce-scatter")
+
+
+def kernel_count(lowered) -> int:
+    """Launch-level work items of a lowered program once compiled: the instructions of its entry computation
+    that run as kernels or library calls (fusions, custom calls, dots, sorts, scatters, copies, loops, ...),
+    not parameters, tuples or bitcasts. On a GPU each is about one kernel launch — the number a
+    latency-bound round scales with."""
+    import re
+    text = lowered.compile().as_text()
+    entry = text[text.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    ops = re.findall(r"^\s*(?:ROOT )?%?\S+ = \S+ ([a-z\-]+)\(", entry, re.M)
+    return sum(op in _KERNEL_OPS for op in ops)
+
+
 def compile_count() -> int:
     """XLA compilations in this process since `install()` (called by every `CompileWatch`)."""
     install()

@@ -60,8 +60,11 @@ def test_phase_times_split_round_equals_fused(models, mode, spec_kw, temperature
     assert pt["sum_ms"] == pytest.approx(pt["draft_ms"] + pt["verify_ms"] + pt["commit_ms"], abs=1e-3)
     assert pt["sum_over_round"] > 0 and pt["batch"] == SLOTS and pt["kv_len"] == KV and pt["active"] == 2
     assert pt["verify_nodes"] == (6 if mode == "tree-ready" else GAMMA + 1)
+    k = pt["kernels"]
+    assert all(isinstance(k[n], int) and k[n] > 0 for n in ("draft", "verify", "commit", "round", "ar_step")), k
+    assert k["round"] > k["ar_step"], k          # a round does more than one decoding step
     text = format_phase_times(pt)
-    assert all(w in text for w in ("draft", "verify", "commit", "fused round", "identical"))
+    assert all(w in text for w in ("draft", "verify", "commit", "fused round", "identical", "kernels"))
     # the engine still generates normally afterwards (same bucket, same compiled round)
     assert len(eng.generate(PROMPTS, params)[0].token_ids) == 8
 

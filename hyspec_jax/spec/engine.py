@@ -635,7 +635,8 @@ class SpecEngine:
         (`spec_round_jit`, as `generate` runs it). Median of `repeats` calls after `warmup`, each with
         block_until_ready; donated inputs (fused round, commit) are restored untimed before each call.
 
-        Returns {"draft_ms", "verify_ms", "commit_ms", "sum_ms", "round_ms", "sum_over_round", "identical"
+        Returns {"draft_ms", "verify_ms", "commit_ms", "kernels" (`compilation.kernel_count` of each phase, the
+        fused round and one plain decoding step of the same bucket), "sum_ms", "round_ms", "sum_over_round", "identical"
         (the split round's committed tokens, counts, accepted and anchors equal the fused round's),
         "state_identical" (its new target and drafter states too, bit for bit: XLA may fuse across the phase
         boundaries differently), "mode", "batch", "kv_len", "verify_nodes", "active", "repeats"}. The split pieces are extra programs: they count in `compilations_after_startup`."""
@@ -695,7 +696,20 @@ class SpecEngine:
         identical = same(split[2:], fused[2:])            # anchor, tokens, count, accepted
         state_identical = same(split[:2], fused[:2])      # target and drafter states, bit for bit
         total = t_draft + t_verify + t_commit
+        from hyspec_jax.compilation import kernel_count
+        from hyspec_jax.generate import _decode_jit
+        kernels = dict(
+            draft=kernel_count(draft.lower(tg, tp, dg, dp, state, dstate, anchor, active, sampling, steps, capacity,
+                                           hint, shape=shape)),
+            verify=kernel_count(verify.lower(tg, tp, state, tree, dtoks, shape=shape)),
+            commit=kernel_count(commit_.lower(dg, dp, state, dstate, anchor, active, sampling, steps, dtoks, tree,
+                                              child_q, logits, taps, cache, shape=shape)),
+            round=kernel_count(spec_round_jit.lower(tg, tp, dg, dp, state, dstate, anchor, active, sampling, steps,
+                                                    capacity, hint, shape=shape)),
+            ar_step=kernel_count(_decode_jit.lower(tg, tp, state, np.zeros((B,), np.int32), np.asarray(admit),
+                                                   sampling, np.asarray(0, np.int32))))
         return dict(draft_ms=round(t_draft, 4), verify_ms=round(t_verify, 4), commit_ms=round(t_commit, 4),
+                    kernels=kernels,
                     sum_ms=round(total, 4), round_ms=round(t_round, 4),
                     sum_over_round=round(total / t_round, 4) if t_round > 0 else float("nan"),
                     identical=identical, state_identical=state_identical, mode=self.spec.mode, batch=B, kv_len=S,
@@ -799,6 +813,10 @@ def format_phase_times(pt: dict) -> str:
                  f"(sum/fused {pt['sum_over_round']:.2f}; split outputs "
                  f"{'identical' if pt['identical'] else 'DIFFER'}, states "
                  f"{'bit-identical' if pt['state_identical'] else 'differ in rounding'})")
+    if pt.get("kernels"):
+        k = pt["kernels"]
+        lines.append(f"[hyspec]   kernels (compiled entry ops): draft {k['draft']}, verify {k['verify']}, commit "
+                     f"{k['commit']}, fused round {k['round']}; one plain decoding step {k['ar_step']}")
     return "\n".join(lines)
 
 

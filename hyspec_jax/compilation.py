@@ -83,21 +83,54 @@ def install() -> None:
     monitoring.register_event_duration_secs_listener(_on_event)
 
 
-_KERNEL_OPS = ("fusion", "custom-call", "dot", "convolution", "sort", "scatter", "gather", "reduce", "while",
-               "conditional", "copy", "all-reduce", "all-gather", "reduce-scatter")
+_KERNEL_OPS = ("fusion", "custom-call", "dot", "convolution", "sort", "scatter", "gather", "reduce", "copy",
+               "all-reduce", "all-gather", "reduce-scatter")
 
 
 def kernel_count(lowered) -> int:
-    """Launch-level work items of a lowered program once compiled: the instructions of its entry computation
-    that run as kernels or library calls (fusions, custom calls, dots, sorts, scatters, copies, loops, ...),
-    not parameters, tuples or bitcasts. On a GPU each is about one kernel launch — the number a
-    latency-bound round scales with."""
+    """Launch-level work items of a lowered program once compiled: the instructions that run as kernels or library
+    calls (fusions, custom calls, dots, sorts, scatters, copies, ...), not parameters, tuples or bitcasts; a
+    loop's body counts once per iteration (XLA's known trip count; once where unknown), a conditional its
+    smallest branch (sampling's all-greedy fast path: what greedy decoding runs). On a GPU each is about one kernel launch — what a latency-bound round scales with."""
     import re
     text = lowered.compile().as_text()
-    entry = text[text.index("\nENTRY"):]
-    entry = entry[:entry.index("\n}")]
-    ops = re.findall(r"^\s*(?:ROOT )?%?\S+ = \S+ ([a-z\-]+)\(", entry, re.M)
-    return sum(op in _KERNEL_OPS for op in ops)
+    comps: dict[str, list[str]] = {}
+    name = None
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if head and not line.startswith(" "):
+            name = "ENTRY" if line.startswith("ENTRY") else head.group(1)
+            comps[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            comps[name].append(line)
+
+    def count(comp: str, seen: tuple = ()) -> int:
+        if comp not in comps or comp in seen:
+            return 0
+        n = 0
+        for line in comps[comp]:
+            m = re.match(r"^\s*(?:ROOT )?%?\S+ = .*? ([a-z\-]+)\(", line)
+            if not m:
+                continue
+            op = m.group(1)
+            if op == "while":
+                body = re.search(r"body=%?([\w.\-]+)", line).group(1)
+                cond = re.search(r"condition=%?([\w.\-]+)", line).group(1)
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                n += (int(trip.group(1)) if trip else 1) * (count(body, seen + (comp,)) + count(cond, seen + (comp,)))
+            elif op == "conditional":
+                branches = re.findall(r"(?:branch_computations=\{|true_computation=|false_computation=|, )%([\w.\-]+)",
+                                      line)
+                n += 1 + min((count(b, seen + (comp,)) for b in branches if b in comps), default=0)
+            elif op == "call":
+                callee = re.search(r"to_apply=%?([\w.\-]+)", line)
+                n += count(callee.group(1), seen + (comp,)) if callee else 0
+            elif op in _KERNEL_OPS:
+                n += 1
+        return n
+    return count("ENTRY")
 
 
 def compile_count() -> int:

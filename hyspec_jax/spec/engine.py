@@ -815,7 +815,7 @@ def format_phase_times(pt: dict) -> str:
                  f"{'bit-identical' if pt['state_identical'] else 'differ in rounding'})")
     if pt.get("kernels"):
         k = pt["kernels"]
-        lines.append(f"[hyspec]   kernels (compiled entry ops): draft {k['draft']}, verify {k['verify']}, commit "
+        lines.append(f"[hyspec]   kernels (compiled; loops per iteration): draft {k['draft']}, verify {k['verify']}, commit "
                      f"{k['commit']}, fused round {k['round']}; one plain decoding step {k['ar_step']}")
     return "\n".join(lines)
 

@@ -55,7 +55,8 @@ class ChainProposal:
 
 def chain_from_block(model: Drafter, block: DraftBlock, anchor: jax.Array, sampling: SlotSampling | None = None,
                      keys: jax.Array | None = None) -> ChainProposal:
-    """The sequential stage left to right (lax.scan over the γ slots). keys [B]: per-slot PRNG keys
+    """The sequential stage left to right (lax.scan over the γ slots, unrolled: γ is small, and on a GPU each
+    loop iteration would be its own round of tiny kernels). keys [B]: per-slot PRNG keys
     (e.g. `sampling.slot_keys(seed, step)`), required with `sampling`; draft k uses fold_in(key, k)."""
     B, G, V = block.logits.shape
     chex.assert_shape(anchor, (B,))
@@ -79,7 +80,7 @@ def chain_from_block(model: Drafter, block: DraftBlock, anchor: jax.Array, sampl
 
     s0 = jnp.zeros((B, r), block.hidden.dtype)
     xs = (jnp.moveaxis(block.logits, 1, 0), jnp.moveaxis(block.hidden, 1, 0), jnp.arange(G))
-    _, (tok, probs, logits, conf) = jax.lax.scan(body, (anchor.astype(I32), s0), xs)
+    _, (tok, probs, logits, conf) = jax.lax.scan(body, (anchor.astype(I32), s0), xs, unroll=True)
     tok, probs = jnp.moveaxis(tok, 0, 1), jnp.moveaxis(probs, 0, 1)
     return ChainProposal(tokens=tok, probs=probs, token_probs=jnp.take_along_axis(probs, tok[..., None], -1)[..., 0],
                          logits=jnp.moveaxis(logits, 0, 1), confidence=jnp.moveaxis(conf, 0, 1))

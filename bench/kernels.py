@@ -323,12 +323,13 @@ def bench_deferred(B: int, N: int, args, bw: float, log) -> dict:
             tuple(x[None] for x in one[:4]) + (one[4],), HV)))
         o_ref = masked_solve_xla(S_eff, *sets[0][1:], mask, method="solve")[0]
         kw = dict(max_depth=depth, method=method, block_v=bv, precision="tf32", interpret=interpret)
-        floor = 1e6 * (solve_bytes(B, N) + B * HV * P * (DV * 4 + 4) + B * P * HK * DK * 2) / bw
+        rows_bytes = B * HV * P * (DV * 4 + 4) + B * P * HK * DK * 2                  # the P update rows read
         for name, fn, kind in (("solve_plain", lambda *s: tree_solve_pallas(*s, mask, **kw), "plain"),
                                (f"solve_deferred_P{P}", lambda *s: tree_solve_pallas(*s, mask, one, **kw), "deferred")):
             if name in out["variants"]:
                 continue
             chk = (lambda res: {"err_o": _rel(res[0], o_ref)}) if kind == "deferred" else (lambda res: {})
+            floor = 1e6 * (solve_bytes(B, N) + (rows_bytes if kind == "deferred" else 0)) / bw
             out["variants"][name] = rec = _measure(fn, sets, args.reps, chk, floor)
             log(f"  deferred B={B:<3d} N={N:<3d} {name} " + _us(rec))
         out["variants"][f"solve_merge_P{P}"] = rec = time_in_place(
@@ -362,13 +363,6 @@ def attention_bytes(B: int, N: int, S: int, geometry=ATTN_GEOMETRY) -> int:
     q / k / v, the output; the [B, N, N] ancestor mask and the prefix lengths are noise beside them."""
     nh, kvh, hd = geometry
     return 2 * (2 * B * S * kvh * hd + B * N * nh * hd + 2 * B * N * kvh * hd + B * N * nh * hd) + B * N * N
-
-
-def attention_splits(B: int, rows: int, S: int, kvh: int, block_rows: int, block_s: int,
-                     programs: int = 264) -> int:
-    """Splits of the prefix for `tree_attention.prefix_partials_pallas` (the dispatcher's choice)."""
-    from pallas_kernels.tree_attention import default_splits
-    return default_splits(B, rows, S, kvh, block_rows, block_s, programs)
 
 
 def bench_attention(B: int, N: int, S: int, args, bw: float, log, geometry=ATTN_GEOMETRY) -> dict:
@@ -405,9 +399,9 @@ def bench_attention(B: int, N: int, S: int, args, bw: float, log, geometry=ATTN_
     out = {"B": B, "N": N, "S": S, "depth": depth, "geometry": list(geometry), "floor_us": floor_us, "variants": {}}
     variants = {"xla_concat_attend": concat_attend, "xla_two_part": two_part}
     if args.attention_kernels:         # Pallas split-S prefix + XLA combine; on a CPU only when asked (interpret)
-        from pallas_kernels.tree_attention import prefix_tree_attention
+        from pallas_kernels.tree_attention import default_splits, prefix_tree_attention
         for block_rows, block_s in getattr(args, "attention_tilings", ATTN_TILINGS):
-            splits = attention_splits(B, N * nh // kvh, S, kvh, block_rows, block_s)
+            splits = default_splits(B, N * nh // kvh, S, kvh, block_rows, block_s)
             variants[f"pallas_split_prefix_r{block_rows}_s{block_s}_x{splits}"] = (
                 lambda q, k, v, tk, tv, br=block_rows, bs=block_s, sp=splits: prefix_tree_attention(
                     q, k, v, prefix_mask, tk, tv, tree_mask, block_s=bs, splits=sp, block_rows=br,

@@ -75,9 +75,10 @@ def test_attention_bench_runs_on_cpu(tmp_path):
 
 
 def test_attention_splits_fill_the_gpu():
-    assert K.attention_splits(1, 64 * 6, 4096, 4, 64, 64) == 16          # 4 heads x 6 row tiles x 16 = 384
-    assert K.attention_splits(32, 64 * 6, 4096, 4, 64, 64) == 1          # 768 programs without splitting
-    assert K.attention_splits(1, 16, 128, 4, 64, 64) == 2                # never below block_s keys a split
+    from pallas_kernels.tree_attention import default_splits
+    assert default_splits(1, 64 * 6, 4096, 4, 64, 64) == 16          # 4 heads x 6 row tiles x 16 = 384
+    assert default_splits(32, 64 * 6, 4096, 4, 64, 64) == 1          # 768 programs without splitting
+    assert default_splits(1, 16, 128, 4, 64, 64) == 2                # never below block_s keys a split
 
 
 def test_deferred_bench_runs_on_cpu(tmp_path, monkeypatch):

@@ -134,7 +134,7 @@ ptxas info    : Used 128 registers, 1024 bytes smem, 400 bytes cmem[0]
         "ptx_entry": "gdn_tree_solve_squaring_deferred"}
     assert ours["gdn_path_commit"]["smem_static_bytes"] == 1024 and ours["gdn_path_commit"]["stack_bytes"] == 8
     md = KR.render({"batch": 8, "nodes": 64, "arch": "sm_90a", "kernels": ours, "notes": ["n"]})
-    assert "| gdn_path_commit | 128 | 0 | 0 | 8 | 1024 |" in md
+    assert "| gdn_path_commit (gdn_path_commit_1) | 128 | 0 | 0 | 8 | 1024 |" in md
     import jax
     if jax.default_backend() != "gpu":
         assert KR.main(["--json", str(tmp_path / "r.json")]) == 1

@@ -1,13 +1,15 @@
-"""Registers, spills and static shared memory of each Pallas kernel, as ptxas reports them (issue [kernels]).
+"""Registers, shared memory and launch shape of each Pallas kernel, as Nsight Compute reads them (issue [kernels]).
 
     hyspec bench kernel-resources --json out.json [--batch 8 --nodes 64]
 
-A child process compiles every kernel at the Qwen3.8-27B GDN geometry (shapes only: nothing is allocated or
-run) with XLA dumping its PTX (`--xla_dump_to`); the PTX of each module goes through `ptxas -v` for the
-H200's sm_90a, and the `Used N registers, M bytes smem` lines are matched to the kernels by the names our
-`pallas_call`s give them. Triton kernels take their working shared memory dynamically at launch, so ptxas's
-smem column is the static part only (say so, never guess the dynamic part). Needs a GPU backend (XLA's GPU
-compiler) and a ptxas binary (PATH, $CUDA_HOME/bin, or the nvidia-cuda-nvcc wheel jax installs).
+One child process per kernel builds zero inputs at the Qwen3.8-27B GDN geometry, compiles the kernel and runs
+it once under `ncu` (launch statistics and the kernel's duration only: `--clock-control none`, no hardware
+counters needed beyond the timer). Each launch's registers per thread, static and dynamic shared memory (Triton
+kernels take their working shared memory dynamically), block and grid size and duration are matched to our
+kernels by the names our `pallas_call`s give them; where XLA renames a kernel, the job's longest launch is
+taken and marked so. (XLA 0.11's `--xla_dump_to` writes no PTX for Triton custom calls, so `ptxas -v` on
+dumped PTX, the first design, found nothing.) Needs a GPU and `ncu` (PATH, $CUDA_HOME/bin or
+/opt/nvidia/nsight-compute).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import argparse
 import glob
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -25,53 +26,63 @@ import tempfile
 KERNELS = ("gdn_tree_solve_neumann", "gdn_tree_solve_squaring", "gdn_tree_solve_squaring_deferred",
            "gdn_path_commit", "gdn_deferred_append", "gdn_serial_tree", "tree_attention_prefix")
 
-_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
-_PROPS = re.compile(r"Function properties for (\S+)")
-_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-_USED = re.compile(r"Used (\d+) registers(?:, used \d+ barriers)?(?:, (\d+) bytes smem)?")
+NCU_METRICS = ("launch__registers_per_thread", "launch__shared_mem_per_block_static",
+               "launch__shared_mem_per_block_dynamic", "launch__block_size", "launch__grid_size",
+               "launch__waves_per_multiprocessor", "gpu__time_duration.sum")
+_SHORT = {"launch__registers_per_thread": "registers", "launch__shared_mem_per_block_static": "smem_static_bytes",
+          "launch__shared_mem_per_block_dynamic": "smem_dynamic_bytes", "launch__block_size": "block_threads",
+          "launch__grid_size": "grid_blocks", "launch__waves_per_multiprocessor": "waves",
+          "gpu__time_duration.sum": "duration_ns"}
 
 
-def parse_ptxas(text: str) -> dict[str, dict]:
-    """`ptxas -v` output -> {entry: {registers, smem_static_bytes, stack_bytes, spill_store_bytes,
-    spill_load_bytes}} for every compiled entry function."""
-    out: dict[str, dict] = {}
-    current = None
-    for line in text.splitlines():
-        m = _ENTRY.search(line) or _PROPS.search(line)
-        if m:
-            current = m.group(1)
-            out.setdefault(current, {})
-            continue
-        if current is None:
-            continue
-        m = _FRAME.search(line)
-        if m:
-            out[current].update(stack_bytes=int(m.group(1)), spill_store_bytes=int(m.group(2)),
-                                spill_load_bytes=int(m.group(3)))
-        m = _USED.search(line)
-        if m:
-            out[current].update(registers=int(m.group(1)), smem_static_bytes=int(m.group(2) or 0))
+def _number(text: str):
+    t = text.replace(",", "").strip()
+    try:
+        return int(t)
+    except ValueError:
+        try:
+            return float(t)
+        except ValueError:
+            return t
+
+
+def parse_ncu_csv(text: str) -> list[dict]:
+    """`ncu --csv --page raw --print-units base` output -> one dict per kernel launch: name + our metric names.
+    ncu's own log lines (==PROF==, ==WARNING==) and the units row are skipped."""
+    import csv
+    rows = [r for r in csv.reader(line for line in text.splitlines() if line.startswith('"'))]
+    head = next((i for i, r in enumerate(rows) if "Kernel Name" in r), None)
+    if head is None:
+        return []
+    cols = rows[head]
+    out = []
+    for r in rows[head + 1:]:
+        if len(r) != len(cols) or not r[cols.index("ID")].strip():
+            continue                                     # the units row has no ID
+        rec = {"name": r[cols.index("Kernel Name")]}
+        for metric, short in _SHORT.items():
+            if metric in cols:
+                rec[short] = _number(r[cols.index(metric)])
+        out.append(rec)
     return out
 
 
-def find_ptxas() -> str | None:
-    cands = [shutil.which("ptxas")]
+def find_ncu() -> str | None:
+    cands = [shutil.which("ncu")]
     if os.environ.get("CUDA_HOME"):
-        cands.append(os.path.join(os.environ["CUDA_HOME"], "bin", "ptxas"))
-    for path in sys.path:
-        cands += glob.glob(os.path.join(path, "nvidia", "cuda_nvcc", "bin", "ptxas"))
-        cands += glob.glob(os.path.join(path, "nvidia", "cu*", "bin", "ptxas"))
+        cands.append(os.path.join(os.environ["CUDA_HOME"], "bin", "ncu"))
+    cands += sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"), reverse=True) + ["/usr/local/cuda/bin/ncu"]
     return next((c for c in cands if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
 
 
-def match_kernels(entries: dict[str, dict]) -> dict[str, dict]:
-    """Our kernels among the entry functions (XLA may decorate the names): the longest of our names each
-    entry contains."""
-    out = {}
-    for entry, info in entries.items():
-        names = [k for k in KERNELS if k in entry]
+def match_kernels(launches: list[dict]) -> dict[str, dict]:
+    """Our kernels among the launches (XLA may decorate the names): the longest of our names each name
+    contains; a kernel launched more than once keeps its first launch."""
+    out: dict[str, dict] = {}
+    for rec in launches:
+        names = [k for k in KERNELS if k in rec["name"]]
         if names:
-            out[max(names, key=len)] = {**info, "ptx_entry": entry}
+            out.setdefault(max(names, key=len), dict(rec))
     return out
 
 
@@ -79,7 +90,7 @@ JOBS = ("neumann", "squaring", "squaring_deferred", "commit", "append", "serial"
 
 
 def _compile_job(B: int, N: int, only: str) -> None:
-    """Child: compile one kernel (shapes only) so XLA dumps the PTX of its module alone."""
+    """Child: compile one kernel and run it once on zero inputs (under ncu in the parent's command)."""
     import jax
     import jax.numpy as jnp
 
@@ -118,63 +129,62 @@ def _compile_job(B: int, N: int, only: str) -> None:
         if name != only:
             continue
         try:
-            jax.jit(fn).lower(*args).compile()
-            print(f"compiled {name}", flush=True)
+            compiled = jax.jit(fn).lower(*args).compile()
+            jax.block_until_ready(compiled(*[jnp.zeros(a.shape, a.dtype) for a in args]))
+            print(f"ran {name}", flush=True)
         except Exception as e:  # noqa: BLE001 — one kernel failing to compile must not hide the others
             print(f"FAILED {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
 def run(B: int, N: int, log=print) -> dict:
     import jax
-    out: dict = {"batch": B, "nodes": N, "arch": "sm_90a", "kernels": {}, "notes": []}
+    out: dict = {"batch": B, "nodes": N, "kernels": {}, "notes": []}
     if jax.default_backend() != "gpu":
-        out["error"] = "needs a GPU backend: XLA's GPU compiler emits the PTX"
+        out["error"] = "needs a GPU backend: the kernels run once under ncu"
         return out
-    ptxas = find_ptxas()
-    if ptxas is None:
-        out["error"] = "no ptxas binary found (PATH, $CUDA_HOME/bin, nvidia-cuda-nvcc wheel)"
+    ncu = find_ncu()
+    if ncu is None:
+        out["error"] = "no ncu (Nsight Compute) found (PATH, $CUDA_HOME/bin, /opt/nvidia/nsight-compute)"
         return out
-    out["ptxas"] = ptxas
+    out["ncu"] = ncu
     out["jobs"] = {}
-    for job in JOBS:                # one child and one dump per kernel: its module's entries are its own
-        with tempfile.TemporaryDirectory() as dump:
-            env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}").strip()}
-            child = subprocess.run([sys.executable, "-c", "from hyspec_jax.bench.kernel_resources import "
-                                    f"_compile_job; _compile_job({B}, {N}, {job!r})"], env=env, capture_output=True,
-                                   text=True)
-            entries: dict[str, dict] = {}
-            for path in sorted(glob.glob(os.path.join(dump, "**", "*.ptx"), recursive=True)):
-                res = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", "-o", os.devnull, path],
-                                     capture_output=True, text=True)
-                entries.update(parse_ptxas(res.stdout + res.stderr))
-            files = sorted(os.path.relpath(f, dump) for f in glob.glob(os.path.join(dump, "**", "*"), recursive=True))
-            out["jobs"][job] = {"compile_log": (child.stdout + child.stderr)[-1500:], "entries": entries,
-                                "dump_files": files[:80], "dump_file_count": len(files)}
-            mine = match_kernels(entries)
-            if not mine and entries:          # the name did not survive: the module's heaviest entry is ours
-                entry = max(entries, key=lambda e: entries[e].get("registers", 0))
-                mine = {f"({job})": {**entries[entry], "ptx_entry": entry, "matched": "most registers in module"}}
-            out["kernels"].update(mine)
-        log(f"{job}: {len(entries)} PTX entries, {len(files)} dump files")
-    out["notes"].append("smem_static_bytes is the static shared memory only: Triton kernels take their working "
-                        "shared memory dynamically at launch")
-    missing = [j for j, x in out["jobs"].items() if not x["entries"]]
+    for job in JOBS:                # one child per kernel: its launches are its own
+        with tempfile.TemporaryDirectory() as tmp:
+            report = os.path.join(tmp, "ncu.csv")
+            cmd = [ncu, "--clock-control", "none", "--target-processes", "all", "--csv", "--page", "raw",
+                   "--print-units", "base", "--metrics", ",".join(NCU_METRICS), "--log-file", report,
+                   sys.executable, "-c", "from hyspec_jax.bench.kernel_resources import "
+                   f"_compile_job; _compile_job({B}, {N}, {job!r})"]
+            child = subprocess.run(cmd, capture_output=True, text=True)
+            text = open(report).read() if os.path.isfile(report) else ""
+        launches = parse_ncu_csv(text)
+        out["jobs"][job] = {"rc": child.returncode, "log": (child.stdout + child.stderr)[-1500:],
+                            "ncu_tail": text[-800:] if not launches else "", "launches": launches[:40]}
+        mine = match_kernels(launches)
+        if not mine and launches:      # the name did not survive: the job's longest launch is ours
+            rec = max(launches, key=lambda r: r.get("duration_ns", 0) if isinstance(r.get("duration_ns"), (int, float))
+                      else 0)
+            mine = {f"({job})": {**rec, "matched": "longest launch of the job"}}
+        out["kernels"].update(mine)
+        log(f"{job}: {len(launches)} launches, ours: {', '.join(mine) or 'none'}")
+    out["notes"].append("one run on zero inputs per kernel under ncu --clock-control none; duration is that one "
+                        "launch's (ncu serializes launches), not a benchmark")
+    missing = [j for j, x in out["jobs"].items() if not x["launches"]]
     if missing:
-        out["notes"].append(f"no PTX entries for: {', '.join(missing)} (see jobs[...].compile_log / dump_files)")
-    out["notes"].append("a kernel named '(job)' was not found by name: it is the entry with the most registers in "
-                        "that job's module (all entries are in jobs[...].entries)")
+        out["notes"].append(f"no launches recorded for: {', '.join(missing)} (see jobs[...].log / ncu_tail)")
     return out
 
 
 def render(res: dict) -> list[str]:
-    lines = [f"Pallas kernels at B = {res['batch']}, N = {res['nodes']} (Qwen3.8-27B GDN geometry), ptxas -v for "
-             f"{res['arch']}:", "", "| kernel | registers / thread | spill stores B | spill loads B | stack B | "
-             "static smem B |", "|---|---|---|---|---|---|"]
+    lines = [f"Pallas kernels at B = {res['batch']}, N = {res['nodes']} (Qwen3.8-27B GDN geometry), Nsight Compute "
+             "launch statistics:", "", "| kernel | registers / thread | static smem B | dynamic smem B | block | grid | "
+             "waves / SM | µs (one launch) |", "|---|---|---|---|---|---|---|---|"]
     for name, x in res["kernels"].items():
-        if x:
-            lines.append(f"| {name} ({x.get('ptx_entry', '?')}) | {x.get('registers', '—')} | {x.get('spill_store_bytes', '—')} | "
-                         f"{x.get('spill_load_bytes', '—')} | {x.get('stack_bytes', '—')} | "
-                         f"{x.get('smem_static_bytes', '—')} |")
+        dur = x.get("duration_ns")
+        us = f"{dur / 1e3:.1f}" if isinstance(dur, (int, float)) else "—"
+        lines.append(f"| {name} ({x.get('name', '?')[:60]}) | {x.get('registers', '—')} | "
+                     f"{x.get('smem_static_bytes', '—')} | {x.get('smem_dynamic_bytes', '—')} | "
+                     f"{x.get('block_threads', '—')} | {x.get('grid_blocks', '—')} | {x.get('waves', '—')} | {us} |")
     return lines + [""] + [f"- {n}" for n in res.get("notes", [])]
 
 

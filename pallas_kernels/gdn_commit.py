@@ -20,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -94,43 +95,68 @@ def path_commit_reference(S0, log_decay, keys, corrected, mask, node):
 # Deferred commit: append the accepted paths' factor rows (gdn.deferred_append) for every layer, one launch
 # ------------------------------------------------------------------------------------------------
 def _append_kernel(path_ref, length_ref, count_ref, gamma_ref, k_ref, vc_ref, c_in, rc_in, pk_in, pv_in,
-                   c_ref, rc_ref, pk_ref, pv_ref, count_out_ref, *, depth: int, ratio: int):
+                   c_ref, rc_ref, pk_ref, pv_ref, count_out_ref, *, depth: int, ratio: int, gather: bool):
     n = length_ref[...]
     cnt = count_ref[...]
     c = c_in[...]
     P = rc_ref.shape[0]
     h = pl.program_id(2)
-    for i in range(depth):                                  # the path's nodes, root first
-        @pl.when((i < n) & (cnt + i < P))
-        def _(i=i):
-            j = path_ref[i]
-            dst = cnt + i
-            rc_ref[dst] = c + gamma_ref[j]
-            pv_ref[dst, :] = vc_ref[j, :]
+    if gather:
+        # the whole path at once: one gather of its rows and one masked scatter (no dependent chain of ≤ d
+        # guarded copies, which left each program waiting on 2d serial loads)
+        dp = path_ref.shape[0]
+        i = lax.broadcasted_iota(jnp.int32, (dp,), 0)
+        on_path = i < n
+        j = jnp.where(on_path, path_ref[...], 0)
+        ok = on_path & (cnt + i < P)
+        dst = jnp.where(ok, cnt + i, 0)
+        gam = gamma_ref[j]                                                           # Γ_j   [dp]
+        pltriton.store(rc_ref.at[dst], c + gam, mask=ok)
+        dv, dk = pv_ref.shape[1], pk_ref.shape[1]
+        cv = lax.broadcasted_iota(jnp.int32, (dp, dv), 1)                            # row gathers as [dp, d·]
+        rows_v = vc_ref[j[:, None] + 0 * cv, cv]                                      # index arrays
+        pltriton.store(pv_ref.at[dst[:, None] + 0 * cv, cv], rows_v, mask=ok[:, None] & (cv >= 0))
 
-            @pl.when(h % ratio == 0)                        # one value head per key head writes the key row
-            def _():
-                pk_ref[dst, :] = k_ref[j, :].astype(pk_ref.dtype)
+        @pl.when(h % ratio == 0)                            # one value head per key head writes the key rows
+        def _():
+            ck = lax.broadcasted_iota(jnp.int32, (dp, dk), 1)
+            rows_k = k_ref[j[:, None] + 0 * ck, ck].astype(pk_ref.dtype)
+            pltriton.store(pk_ref.at[dst[:, None] + 0 * ck, ck], rows_k, mask=ok[:, None] & (ck >= 0))
 
-    @pl.when(n > 0)
-    def _():
-        c_ref[...] = c + gamma_ref[path_ref[n - 1]]         # c ← c + Γ_a
+        c_ref[...] = c + jnp.sum(jnp.where(i == n - 1, gam, 0.0))                  # c ← c + Γ_a (n = 0: c)
+    else:
+        for i in range(depth):                              # the path's nodes, root first
+            @pl.when((i < n) & (cnt + i < P))
+            def _(i=i):
+                j = path_ref[i]
+                dst = cnt + i
+                rc_ref[dst] = c + gamma_ref[j]
+                pv_ref[dst, :] = vc_ref[j, :]
+
+                @pl.when(h % ratio == 0)                    # one value head per key head writes the key row
+                def _():
+                    pk_ref[dst, :] = k_ref[j, :].astype(pk_ref.dtype)
+
+        @pl.when(n > 0)
+        def _():
+            c_ref[...] = c + gamma_ref[path_ref[n - 1]]     # c ← c + Γ_a
 
     @pl.when((pl.program_id(0) == 0) & (h == 0))
     def _():
         count_out_ref[...] = jnp.minimum(cnt + n, P)
 
 
-@functools.partial(jax.jit, static_argnames=("num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_warps", "gather", "interpret"))
 def deferred_append_pallas(deferred, log_decay, keys, corrected, path, length, *, num_warps: int = 1,
-                           interpret: bool = False):
+                           gather: bool = True, interpret: bool = False):
     """Commit each request's accepted path for every GDN layer by appending its rows to the deferred updates.
 
     deferred = (c [Lg,B,HV], c_i [Lg,B,HV,P], keys [Lg,B,P,HK,dk], values [Lg,B,HV,P,dv], count [B]) — the
     kernel layout of `gdn.DeferredUpdates` stacked over layers (count shared by the layers); log_decay Γ
     [Lg,B,HV,N], keys [Lg,B,N,HK,dk], corrected V' [Lg,B,HV,N,dv] from the verify; path [B,d] / length [B]
-    from `tree.path_to`. One program per (layer, request, value head) copies ≤ d rows; nothing of the state
-    itself is read or written. The four update arrays are updated in place when donated; returns them and
+    from `tree.path_to`. One program per (layer, request, value head) copies ≤ d rows (gather: as one gather
+    and one masked scatter of the path padded to a power of two; else one guarded copy per row); nothing of
+    the state itself is read or written. The four update arrays are updated in place when donated; returns them and
     the new count.
     """
     c, rc, pk, pv, count = deferred
@@ -142,7 +168,11 @@ def deferred_append_pallas(deferred, log_decay, keys, corrected, path, length, *
     if not (pow2(P) and pow2(N) and pow2(dk) and pow2(dv)) or HV % HK:
         raise ValueError(f"unsupported shape P={P} N={N} dk={dk} dv={dv} HV={HV} HK={HK}")
     r = HV // HK
-    kern = functools.partial(_append_kernel, depth=d, ratio=r)
+    if gather:                                              # Triton tensors: a power-of-two path length
+        dp = max(2, 1 << (d - 1).bit_length())
+        path = jnp.pad(path, ((0, 0), (0, dp - d)))
+        d = dp
+    kern = functools.partial(_append_kernel, depth=d, ratio=r, gather=gather)
     per_b = lambda *shape: pl.BlockSpec((None,) + shape, lambda l, b, h: (b,) + (0,) * len(shape))  # noqa: E731
     in_specs = [
         per_b(d),                                                                         # path

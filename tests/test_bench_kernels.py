@@ -107,34 +107,30 @@ def test_deferred_bench_runs_on_cpu(tmp_path, monkeypatch):
     assert "Deferred commit" in md and "| 2 | 16 | 2 | 16 |" in md
 
 
-def test_kernel_resources_parse_ptxas_and_refuse_without_gpu(tmp_path):
-    """The ptxas -v lines (format of CUDA 12's ptxas) map to our kernels by name; on a CPU the command says
-    why it cannot run and exits 1 (never a traceback)."""
+def test_kernel_resources_parse_ncu_and_refuse_without_gpu(tmp_path):
+    """ncu's raw CSV (units row, log lines, thousands separators) maps to our kernels by name; on a CPU the
+    command says why it cannot run and exits 1 (never a traceback)."""
     from hyspec_jax.bench import kernel_resources as KR
-    text = """ptxas info    : 0 bytes gmem
-ptxas info    : Compiling entry function 'gdn_tree_solve_squaring_deferred' for 'sm_90a'
-ptxas info    : Function properties for gdn_tree_solve_squaring_deferred
-    0 bytes stack frame, 24 bytes spill stores, 24 bytes spill loads
-ptxas info    : Used 255 registers, used 1 barriers, 400 bytes cmem[0]
-ptxas info    : Compiling entry function 'loop_add_fusion' for 'sm_90a'
-ptxas info    : Function properties for loop_add_fusion
-    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
-ptxas info    : Used 16 registers, 380 bytes cmem[0]
-ptxas info    : Compiling entry function 'gdn_path_commit_1' for 'sm_90a'
-ptxas info    : Function properties for gdn_path_commit_1
-    8 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
-ptxas info    : Used 128 registers, 1024 bytes smem, 400 bytes cmem[0]
+    metrics = ",".join(f'"{m}"' for m in KR.NCU_METRICS)
+    text = f"""==PROF== Connected to process 123 (/usr/bin/python3)
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC",{metrics}
+"","","","","","","","","","","","register/thread","byte","byte","","","","nsecond"
+"0","123","python3","127.0.0.1","loop_add_fusion","1","7","(128, 1, 1)","(8, 1, 1)","0","9.0","16","0","0","128","8","0.01","1,984"
+"1","123","python3","127.0.0.1","gdn_tree_solve_squaring_deferred","1","7","(256, 1, 1)","(768, 1, 1)","0","9.0","255","0","98,304","256","768","2.91","113,216"
+"2","123","python3","127.0.0.1","gdn_path_commit_1","1","7","(128, 1, 1)","(36,864, 1, 1)","0","9.0","128","1024","0","128","36864","34.9","905,000"
+==PROF== Disconnected from process 123
 """
-    entries = KR.parse_ptxas(text)
-    assert entries["loop_add_fusion"]["registers"] == 16
-    ours = KR.match_kernels(entries)
+    launches = KR.parse_ncu_csv(text)
+    assert [r["name"] for r in launches] == ["loop_add_fusion", "gdn_tree_solve_squaring_deferred", "gdn_path_commit_1"]
+    ours = KR.match_kernels(launches)
     assert set(ours) == {"gdn_tree_solve_squaring_deferred", "gdn_path_commit"}
     assert ours["gdn_tree_solve_squaring_deferred"] == {
-        "registers": 255, "smem_static_bytes": 0, "stack_bytes": 0, "spill_store_bytes": 24, "spill_load_bytes": 24,
-        "ptx_entry": "gdn_tree_solve_squaring_deferred"}
-    assert ours["gdn_path_commit"]["smem_static_bytes"] == 1024 and ours["gdn_path_commit"]["stack_bytes"] == 8
-    md = KR.render({"batch": 8, "nodes": 64, "arch": "sm_90a", "kernels": ours, "notes": ["n"]})
-    assert "| gdn_path_commit (gdn_path_commit_1) | 128 | 0 | 0 | 8 | 1024 |" in md
+        "name": "gdn_tree_solve_squaring_deferred", "registers": 255, "smem_static_bytes": 0,
+        "smem_dynamic_bytes": 98304, "block_threads": 256, "grid_blocks": 768, "waves": 2.91, "duration_ns": 113216}
+    assert ours["gdn_path_commit"]["smem_static_bytes"] == 1024 and ours["gdn_path_commit"]["grid_blocks"] == 36864
+    md = "\n".join(KR.render({"batch": 8, "nodes": 64, "kernels": ours, "notes": ["n"]}))
+    assert "| gdn_path_commit (gdn_path_commit_1) | 128 | 1024 | 0 | 128 | 36864 | 34.9 | 905.0 |" in md
+    assert KR.parse_ncu_csv("==ERROR== no kernels were profiled") == []
     import jax
     if jax.default_backend() != "gpu":
         assert KR.main(["--json", str(tmp_path / "r.json")]) == 1

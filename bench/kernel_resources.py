@@ -136,7 +136,7 @@ def _compile_job(B: int, N: int, only: str) -> None:
             print(f"FAILED {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
-def run(B: int, N: int, log=print) -> dict:
+def run(B: int, N: int, log=print, timeout_s: float = 90.0) -> dict:
     import jax
     out: dict = {"batch": B, "nodes": N, "kernels": {}, "notes": []}
     if jax.default_backend() != "gpu":
@@ -153,12 +153,17 @@ def run(B: int, N: int, log=print) -> dict:
             report = os.path.join(tmp, "ncu.csv")
             cmd = [ncu, "--clock-control", "none", "--target-processes", "all", "--csv", "--page", "raw",
                    "--print-units", "base", "--metrics", ",".join(NCU_METRICS), "--log-file", report,
+                   "--kernel-name", "regex:" + "|".join(KERNELS),     # XLA's own kernels are not profiled
                    sys.executable, "-c", "from hyspec_jax.bench.kernel_resources import "
                    f"_compile_job; _compile_job({B}, {N}, {job!r})"]
-            child = subprocess.run(cmd, capture_output=True, text=True)
+            try:
+                child = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+                rc, child_log = child.returncode, child.stdout + child.stderr
+            except subprocess.TimeoutExpired as e:     # one kernel must not cost the others their report
+                rc, child_log = "timeout", f"timed out after {timeout_s} s: {e.stdout or ''}{e.stderr or ''}"
             text = open(report).read() if os.path.isfile(report) else ""
         launches = parse_ncu_csv(text)
-        out["jobs"][job] = {"rc": child.returncode, "log": (child.stdout + child.stderr)[-1500:],
+        out["jobs"][job] = {"rc": rc, "log": str(child_log)[-1500:],
                             "ncu_tail": text[-800:] if not launches else "", "launches": launches[:40]}
         mine = match_kernels(launches)
         if not mine and launches:      # the name did not survive: the job's longest launch is ours

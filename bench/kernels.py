@@ -230,7 +230,7 @@ def time_in_place(f, donated: tuple, rest: tuple, reps: int, check, floor_us: fl
         rec.update(median_us=1e6 * float(np.median(ts)), min_us=1e6 * float(np.min(ts)),
                    spread_us=1e6 * float(np.percentile(ts, 90) - np.percentile(ts, 10)), calls_per_block=K,
                    timing="K calls chained in one executable")
-        rec["pct_of_floor"] = 100.0 * floor_us / rec["median_us"]
+        rec.update(floor_us=floor_us, pct_of_floor=100.0 * floor_us / rec["median_us"])
         del state
     except Exception as e:  # noqa: BLE001
         rec["error"] = f"{type(e).__name__}: {e}"[:2000]
@@ -325,13 +325,6 @@ def bench_deferred(B: int, N: int, args, bw: float, log) -> dict:
             lambda c, rc, pk, pv, *r: deferred_append_pallas((c, rc, pk, pv, r[0]), *r[1:], interpret=interpret), upd[:4],
             (upd[4], gam, keys, vc, path, length), args.reps, check_append, 1e6 * bytes_ / bw)
         log(f"  deferred B={B:<3d} N={N:<3d} append_P{P} ({Lg} layers) " + _us(rec))
-        upd = updates(Lg, P - depth)                          # the first variant consumed (donated) its copy
-        out["variants"][f"append_rowwise_P{P}"] = rec = time_in_place(
-            lambda c, rc, pk, pv, *r: deferred_append_pallas((c, rc, pk, pv, r[0]), *r[1:], gather=False,
-                                                             interpret=interpret), upd[:4],
-            (upd[4], gam, keys, vc, path, length), args.reps, check_append, 1e6 * bytes_ / bw)
-        log(f"  deferred B={B:<3d} N={N:<3d} append_rowwise_P{P} ({Lg} layers) " + _us(rec))
-        out["variants"][f"append_P{P}"]["floor_us"] = 1e6 * bytes_ / bw
         del upd, ref
         one = tuple(x[0] for x in updates(1, P)[:4]) + (jnp.full((B,), P, jnp.int32),)
         S_eff = gdn.deferred_fold(sets[0][0], jax.tree.map(lambda x: x[0], deferred_to_reference(
@@ -562,16 +555,15 @@ def render(results: dict, json_path: str) -> None:
         lines += ["", "Deferred commit (`gdn.DeferredUpdates`): the accepted paths (full depth, every request) appended "
                   "as factor rows over all GDN layers in one launch, merged by the next verify's tree solve; against "
                   "the eager factorized commit. µs per call (median); solve columns are one layer:", "",
-                  "| B | N | layers | P | eager commit µs | append µs (gather) | append µs (row by row) | append "
-                  "floor µs | solve µs | solve + merge P rows µs | + write back µs | per round·layer eager µs | "
-                  "deferred µs (merge every R) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| B | N | layers | P | eager commit µs | append µs | append floor µs | solve µs | "
+                  "solve + merge P rows µs | + write back µs | per round·layer eager µs | deferred µs (merge every R) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["deferred"]:
             v = r["variants"]
             f = lambda n: f"{v[n]['median_us']:.1f}" if "median_us" in v.get(n, {}) else "—"  # noqa: E731
             for p, x in r.get("per_round_layer_us", {}).items():
                 lines.append(f"| {r['B']} | {r['N']} | {r['layers']} | {p[1:]} | {f('commit_eager')} | "
-                             f"{f('append_' + p)} | {f('append_rowwise_' + p)} | "
+                             f"{f('append_' + p)} | "
                              f"{v.get('append_' + p, {}).get('floor_us', float('nan')):.1f} | "
                              f"{f('solve_plain')} | {f('solve_deferred_' + p)} | "
                              f"{f('solve_merge_' + p)} | {x['eager']:.1f} | {x['deferred']:.1f} "

@@ -288,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Benchmarks. `hyspec bench WHICH --help` for each one's options.")
     b.add_argument("which", choices=("memory", "kernels", "kernel-resources", "verify-scale", "e2e", "budget-report"), help="budget-report: throughput vs node budget and eps from an e2e sweep + a calibration table; e2e: Spec-Bench-style tokens/s, tau and prefix survival per domain and mode vs ar; memory: transient verify memory, "
                    "Bole's factorized design vs per-node snapshots; kernels: GDN tree kernels vs baselines (GPU); "
-                   "kernel-resources: registers, spills and static smem of each Pallas kernel (ptxas; GPU); "
+                   "kernel-resources: registers, shared memory, launch shape and one launch's time of each Pallas kernel "
+                   "(Nsight Compute; GPU); "
                    "verify-scale: T_ver(N)/T_dec and B_ver of the Qwen3.8-27B geometry, 1 or D GPUs")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
     b.set_defaults(func=cmd_bench)

@@ -5,3 +5,8 @@
 - gdn_serial: baselines (SGLang-style per-node serial kernel; XLA closed form and per-path scan)
 - dispatch: fail-closed dispatcher with custom_vjp
 """
+
+
+def tile_dim_ok(x: int) -> bool:
+    """A block dimension the Triton lowering takes: a power of two, at least 16 (tl.dot's smallest operand)."""
+    return x >= 16 and (x & (x - 1)) == 0

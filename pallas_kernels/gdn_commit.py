@@ -24,6 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import tile_dim_ok
 from pallas_kernels.gdn_tree_solve import Precision, _dot, _f32_precision
 
 F32 = jnp.float32
@@ -46,8 +47,8 @@ def _commit_kernel(node_ref, mask_ref, gamma_ref, k_ref, vc_ref, s0_ref, out_ref
 
 
 def supported(N: int, dk: int, dv: int, block_v: int) -> bool:
-    pow2 = lambda x: x >= 16 and (x & (x - 1)) == 0
-    return pow2(N) and N <= 128 and pow2(dk) and dk <= 256 and pow2(block_v) and dv % block_v == 0
+    return (tile_dim_ok(N) and N <= 128 and tile_dim_ok(dk) and dk <= 256 and tile_dim_ok(block_v)
+            and dv % block_v == 0)
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "precision", "num_warps", "interpret"))
@@ -82,12 +83,15 @@ def path_commit_pallas(S0, log_decay, keys, corrected, mask, node, *, block_v: i
       S0.astype(F32))
 
 
+def _keys_by_value_head(keys, num_value_heads: int):
+    """Key rows in kernel layout [Lg, B, R, HK, dk] → heads first and one per value head [Lg, B, HV, R, dk] fp32."""
+    return jnp.moveaxis(jnp.repeat(keys, num_value_heads // keys.shape[3], axis=3), 3, 2).astype(F32)
+
+
 def path_commit_reference(S0, log_decay, keys, corrected, mask, node):
     """The pure-JAX meaning: gdn.node_state per layer (keys in input layout, expanded here)."""
     from hyspec_jax import gdn
-    HV, HK = S0.shape[2], keys.shape[3]
-    keys_hf = jnp.moveaxis(jnp.repeat(keys, HV // HK, axis=3), 3, 2).astype(F32)     # [Lg,B,HV,N,dk]
-    fac = gdn.SolveFactors(log_decay, keys_hf, corrected)
+    fac = gdn.SolveFactors(log_decay, _keys_by_value_head(keys, S0.shape[2]), corrected)
     return jax.vmap(gdn.node_state, in_axes=(0, 0, None, None))(S0, fac, mask, node)
 
 
@@ -95,68 +99,52 @@ def path_commit_reference(S0, log_decay, keys, corrected, mask, node):
 # Deferred commit: append the accepted paths' factor rows (gdn.deferred_append) for every layer, one launch
 # ------------------------------------------------------------------------------------------------
 def _append_kernel(path_ref, length_ref, count_ref, gamma_ref, k_ref, vc_ref, c_in, rc_in, pk_in, pv_in,
-                   c_ref, rc_ref, pk_ref, pv_ref, count_out_ref, *, depth: int, ratio: int, gather: bool):
+                   c_ref, rc_ref, pk_ref, pv_ref, count_out_ref, *, ratio: int):
+    # The whole path at once: one gather of its rows and one masked scatter. (A loop of ≤ d guarded row copies
+    # left each program waiting on 2d dependent loads: 119 vs 79 µs at B 8, bench/results/deferred_h200.md.)
     n = length_ref[...]
     cnt = count_ref[...]
     c = c_in[...]
     P = rc_ref.shape[0]
-    h = pl.program_id(2)
-    if gather:
-        # the whole path at once: one gather of its rows and one masked scatter (no dependent chain of ≤ d
-        # guarded copies, which left each program waiting on 2d serial loads)
-        dp = path_ref.shape[0]
-        i = lax.broadcasted_iota(jnp.int32, (dp,), 0)
-        on_path = i < n
-        j = jnp.where(on_path, path_ref[...], 0)
-        ok = on_path & (cnt + i < P)
-        dst = jnp.where(ok, cnt + i, 0)
-        gam = gamma_ref[j]                                                           # Γ_j   [dp]
-        pltriton.store(rc_ref.at[dst], c + gam, mask=ok)
-        dv, dk = pv_ref.shape[1], pk_ref.shape[1]
-        cv = lax.broadcasted_iota(jnp.int32, (dp, dv), 1)                            # row gathers as [dp, d·]
-        rows_v = vc_ref[j[:, None] + 0 * cv, cv]                                      # index arrays
-        pltriton.store(pv_ref.at[dst[:, None] + 0 * cv, cv], rows_v, mask=ok[:, None] & (cv >= 0))
+    dp = path_ref.shape[0]
+    i = lax.broadcasted_iota(jnp.int32, (dp,), 0)
+    on_path = i < n
+    j = jnp.where(on_path, path_ref[...], 0)
+    ok = on_path & (cnt + i < P)
+    dst = jnp.where(ok, cnt + i, 0)
+    gam = gamma_ref[j]                                                               # Γ_j   [dp]
+    pltriton.store(rc_ref.at[dst], c + gam, mask=ok)
 
-        @pl.when(h % ratio == 0)                            # one value head per key head writes the key rows
-        def _():
-            ck = lax.broadcasted_iota(jnp.int32, (dp, dk), 1)
-            rows_k = k_ref[j[:, None] + 0 * ck, ck].astype(pk_ref.dtype)
-            pltriton.store(pk_ref.at[dst[:, None] + 0 * ck, ck], rows_k, mask=ok[:, None] & (ck >= 0))
+    def copy_rows(src_ref, dst_ref):                     # rows j → rows dst, as [dp, width] index arrays
+        shape = (dp, dst_ref.shape[1])
+        col = lax.broadcasted_iota(jnp.int32, shape, 1)
+        rows = src_ref[jnp.broadcast_to(j[:, None], shape), col].astype(dst_ref.dtype)
+        pltriton.store(dst_ref.at[jnp.broadcast_to(dst[:, None], shape), col], rows,
+                       mask=jnp.broadcast_to(ok[:, None], shape))
 
-        c_ref[...] = c + jnp.sum(jnp.where(i == n - 1, gam, 0.0))                  # c ← c + Γ_a (n = 0: c)
-    else:
-        for i in range(depth):                              # the path's nodes, root first
-            @pl.when((i < n) & (cnt + i < P))
-            def _(i=i):
-                j = path_ref[i]
-                dst = cnt + i
-                rc_ref[dst] = c + gamma_ref[j]
-                pv_ref[dst, :] = vc_ref[j, :]
+    copy_rows(vc_ref, pv_ref)
 
-                @pl.when(h % ratio == 0)                    # one value head per key head writes the key row
-                def _():
-                    pk_ref[dst, :] = k_ref[j, :].astype(pk_ref.dtype)
+    @pl.when(pl.program_id(2) % ratio == 0)                 # one value head per key head writes the key rows
+    def _():
+        copy_rows(k_ref, pk_ref)
 
-        @pl.when(n > 0)
-        def _():
-            c_ref[...] = c + gamma_ref[path_ref[n - 1]]     # c ← c + Γ_a
+    c_ref[...] = c + jnp.sum(jnp.where(i == n - 1, gam, 0.0))                      # c ← c + Γ_a (n = 0: c)
 
-    @pl.when((pl.program_id(0) == 0) & (h == 0))
+    @pl.when((pl.program_id(0) == 0) & (pl.program_id(2) == 0))
     def _():
         count_out_ref[...] = jnp.minimum(cnt + n, P)
 
 
-@functools.partial(jax.jit, static_argnames=("num_warps", "gather", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_warps", "interpret"))
 def deferred_append_pallas(deferred, log_decay, keys, corrected, path, length, *, num_warps: int = 1,
-                           gather: bool = True, interpret: bool = False):
+                           interpret: bool = False):
     """Commit each request's accepted path for every GDN layer by appending its rows to the deferred updates.
 
     deferred = (c [Lg,B,HV], c_i [Lg,B,HV,P], keys [Lg,B,P,HK,dk], values [Lg,B,HV,P,dv], count [B]) — the
     kernel layout of `gdn.DeferredUpdates` stacked over layers (count shared by the layers); log_decay Γ
     [Lg,B,HV,N], keys [Lg,B,N,HK,dk], corrected V' [Lg,B,HV,N,dv] from the verify; path [B,d] / length [B]
-    from `tree.path_to`. One program per (layer, request, value head) copies ≤ d rows (gather: as one gather
-    and one masked scatter of the path padded to a power of two; else one guarded copy per row); nothing of
-    the state itself is read or written. The four update arrays are updated in place when donated; returns them and
+    from `tree.path_to`. One program per (layer, request, value head) copies ≤ d rows as one gather and one
+    masked scatter (the path padded to a power of two); nothing of the state itself is read or written. The four update arrays are updated in place when donated; returns them and
     the new count.
     """
     c, rc, pk, pv, count = deferred
@@ -164,18 +152,15 @@ def deferred_append_pallas(deferred, log_decay, keys, corrected, path, length, *
     N, HK, dk = keys.shape[2], keys.shape[3], keys.shape[4]
     dv = corrected.shape[-1]
     d = path.shape[1]
-    pow2 = lambda x: x >= 16 and (x & (x - 1)) == 0  # noqa: E731
-    if not (pow2(P) and pow2(N) and pow2(dk) and pow2(dv)) or HV % HK:
+    if not (tile_dim_ok(P) and tile_dim_ok(N) and tile_dim_ok(dk) and tile_dim_ok(dv)) or HV % HK:
         raise ValueError(f"unsupported shape P={P} N={N} dk={dk} dv={dv} HV={HV} HK={HK}")
     r = HV // HK
-    if gather:                                              # Triton tensors: a power-of-two path length
-        dp = max(2, 1 << (d - 1).bit_length())
-        path = jnp.pad(path, ((0, 0), (0, dp - d)))
-        d = dp
-    kern = functools.partial(_append_kernel, depth=d, ratio=r, gather=gather)
+    dp = max(2, 1 << (d - 1).bit_length())                  # Triton tensors: a power-of-two path length
+    path = jnp.pad(path, ((0, 0), (0, dp - d)))
+    kern = functools.partial(_append_kernel, ratio=r)
     per_b = lambda *shape: pl.BlockSpec((None,) + shape, lambda l, b, h: (b,) + (0,) * len(shape))  # noqa: E731
     in_specs = [
-        per_b(d),                                                                         # path
+        per_b(dp),                                                                        # path
         per_b(),                                                                          # length
         per_b(),                                                                          # count
         pl.BlockSpec((None, None, None, N), lambda l, b, h: (l, b, h, 0)),                # Γ
@@ -203,16 +188,15 @@ def deferred_to_reference(deferred, num_value_heads: int):
     """Kernel layout (stacked layers, key-head key rows) → `gdn.DeferredUpdates` stacked over layers."""
     from hyspec_jax import gdn
     c, rc, pk, pv, count = deferred
-    keys = jnp.moveaxis(jnp.repeat(pk, num_value_heads // pk.shape[3], axis=3), 3, 2).astype(F32)
-    return gdn.DeferredUpdates(c, rc, keys, pv, jnp.broadcast_to(count, c.shape[:2]))
+    return gdn.DeferredUpdates(c, rc, _keys_by_value_head(pk, num_value_heads), pv, jnp.broadcast_to(count, c.shape[:2]))
 
 
 def deferred_append_reference(deferred, log_decay, keys, corrected, path, length):
     """The pure-JAX meaning of `deferred_append_pallas`: gdn.deferred_append per layer, in kernel layout."""
     from hyspec_jax import gdn
     HV, HK = corrected.shape[2], keys.shape[3]
-    keys_hf = jnp.moveaxis(jnp.repeat(keys, HV // HK, axis=3), 3, 2).astype(F32)        # [Lg,B,HV,N,dk]
     new = jax.vmap(lambda p, f: gdn.deferred_append(p, f, path, length))(
-        deferred_to_reference(deferred, HV), gdn.SolveFactors(log_decay.astype(F32), keys_hf, corrected.astype(F32)))
+        deferred_to_reference(deferred, HV),
+        gdn.SolveFactors(log_decay.astype(F32), _keys_by_value_head(keys, HV), corrected.astype(F32)))
     pk = jnp.moveaxis(new.keys[:, :, ::HV // HK], 2, 3).astype(deferred[2].dtype)       # back to key heads
     return new.log_decay, new.row_decay, pk, new.values, new.count[0]

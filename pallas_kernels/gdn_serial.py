@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from hyspec_jax import gdn
+from pallas_kernels import tile_dim_ok
 
 F32 = jnp.float32
 
@@ -56,8 +57,7 @@ def serial_tree_pallas(S0, q, k, v, g, beta, parents, *, block_v: int = 64, num_
     """
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
-    pow2 = lambda x: x >= 16 and (x & (x - 1)) == 0
-    if not (pow2(N) and pow2(dk) and pow2(block_v) and dv % block_v == 0 and HV % HK == 0):
+    if not (tile_dim_ok(N) and tile_dim_ok(dk) and tile_dim_ok(block_v) and dv % block_v == 0 and HV % HK == 0):
         raise ValueError(f"unsupported shape N={N} dk={dk} dv={dv} block_v={block_v} HV={HV} HK={HK}")
     r = HV // HK
     nv = dv // block_v

@@ -38,6 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import tile_dim_ok
+
 F32 = jnp.float32
 Method = Literal["neumann", "squaring"]
 Precision = Literal["tf32", "tf32x3", "ieee"]
@@ -141,8 +143,8 @@ def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: boo
 
 
 def supported(N: int, dk: int, dv: int, block_v: int) -> bool:
-    pow2 = lambda x: x >= 16 and (x & (x - 1)) == 0
-    return pow2(N) and N <= 128 and pow2(dk) and dk <= 256 and pow2(block_v) and dv % block_v == 0
+    return (tile_dim_ok(N) and N <= 128 and tile_dim_ok(dk) and dk <= 256 and tile_dim_ok(block_v)
+            and dv % block_v == 0)
 
 
 @functools.partial(jax.jit, static_argnames=("max_depth", "method", "block_v", "precision", "out_dtype",
@@ -195,7 +197,7 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     if deferred is not None:
         c, rc, pk, pv, count = deferred
         P = rc.shape[-1]
-        if not (P >= 16 and P & (P - 1) == 0) or pk.shape != (B, P, HK, dk) or pv.shape != (B, HV, P, dv):
+        if not tile_dim_ok(P) or pk.shape != (B, P, HK, dk) or pv.shape != (B, HV, P, dv):
             raise ValueError(f"deferred updates: P={P} must be a power of two >= 16, keys [B,P,HK,dk], "
                              f"values [B,HV,P,dv]; got {pk.shape}, {pv.shape}")
         in_specs += [

@@ -32,19 +32,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import tile_dim_ok
+
 F32 = jnp.float32
 REFERENCE = "hyspec_jax.models.layers.attend_prefix_tree"
-
-
-def _pow2(x: int) -> bool:
-    return x >= 16 and (x & (x - 1)) == 0
 
 
 def supported(S: int, hd: int, *, block_s: int, splits: int, block_rows: int) -> bool:
     if splits < 1 or S % splits:
         return False
     per = S // splits
-    return _pow2(hd) and hd <= 256 and _pow2(block_s) and _pow2(block_rows) and _pow2(per) and per % block_s == 0
+    return (tile_dim_ok(hd) and hd <= 256 and tile_dim_ok(block_s) and tile_dim_ok(block_rows) and tile_dim_ok(per)
+            and per % block_s == 0)
 
 
 def _prefix_kernel(q_ref, k_ref, v_ref, mask_ref, acc_ref, m_ref, l_ref, *, block_s: int, scale: float):

@@ -77,17 +77,8 @@ def leaf_paths(parents: np.ndarray, max_depth: int) -> tuple[np.ndarray, np.ndar
 
 
 def paths_to(parents: np.ndarray, nodes, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Root-first paths to `nodes` [B] (−1: empty) as `hyspec_jax.tree.path_to` returns them (host side):
-    (path [B, width] int32, −1 padded; length [B] int32)."""
-    B = parents.shape[0]
-    path = np.full((B, width), -1, np.int32)
-    length = np.zeros(B, np.int32)
-    for b in range(B):
-        p, j = [], int(nodes[b])
-        while j >= 0:
-            p.append(j)
-            j = int(parents[b, j])
-        assert len(p) <= width, (len(p), width)
-        path[b, :len(p)] = p[::-1]
-        length[b] = len(p)
-    return path, length
+    """Root-first paths to `nodes` [B] (−1: empty) of trees with ≤ `width` nodes on a path — hyspec_jax.tree's
+    `path_to`, on the host: (path [B, width] int32, −1 padded; length [B] int32)."""
+    tree = tree_lib.from_parents(jnp.asarray(parents, jnp.int32), max_depth=width - 1)
+    path, length = tree_lib.path_to(tree, jnp.asarray(nodes, jnp.int32))
+    return np.asarray(path, np.int32), np.asarray(length, np.int32)

@@ -123,8 +123,8 @@ def test_tree_solve_deferred_interpret(HK):
         tree_solve_pallas(S_base, q, k, v, g, beta, mask, max_depth=depth, write_state=True, interpret=True)
 
 
-@pytest.mark.parametrize("HK,gather", [(1, True), (2, True), (2, False)])
-def test_deferred_append_interpret(HK, gather):
+@pytest.mark.parametrize("HK", [1, 2])
+def test_deferred_append_interpret(HK):
     """The one-launch append over layers equals gdn.deferred_append per layer, and once folded equals the
     eager factorized commit (path_commit_reference) of the same accepted nodes."""
     Lg, B, N, HV, dk, dv, depth, P = 2, 3, 16, 2, 16, 16, 5, 32
@@ -139,7 +139,7 @@ def test_deferred_append_interpret(HK, gather):
     path, length = map(jnp.asarray, trees.paths_to(par, node, depth))
     deferred = kernel_layout_deferred(7, Lg, B, HK, HV, P, dk, dv, [3, 0, P - depth])
     want = jax.jit(deferred_append_reference)(deferred, gam, keys, vc, path, length)
-    got = deferred_append_pallas(deferred, gam, keys, vc, path, length, gather=gather, interpret=True)
+    got = deferred_append_pallas(deferred, gam, keys, vc, path, length, interpret=True)
     for name, a, b in zip(("c", "c_i", "keys", "values", "count"), got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6, err_msg=name)
     assert np.asarray(got[4]).tolist() == [3 + length[0], 0, P - depth + length[2]]

@@ -4,7 +4,6 @@ acceptances (oracle hints as in test_engine), for a chain and a tree bucket."""
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 

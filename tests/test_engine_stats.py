@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import math
 
-import jax
-import numpy as np
 import pytest
 
 from hyspec_jax import cli

@@ -77,34 +77,30 @@ def accept(logits: jax.Array, tokens: jax.Array, parent: jax.Array, valid: jax.A
     """
     B, N, V = logits.shape
     chex.assert_shape([tokens, parent, valid], (B, N))
-    stochastic = sampling is not None
-    if stochastic:
-        if child_q is None or keys is None:
-            raise ValueError("sampling acceptance needs child_q and per-slot keys")
-        chex.assert_shape(child_q, (B, N, V))
-        greedy = sampling.temperature <= 0                                      # [B]
-        p_all = jnp.exp(warp(logits, sampling.temperature[:, None], sampling.top_p[:, None],
-                             sampling.top_k[:, None]))                          # [B,N,V]
     argmax = jnp.argmax(logits, axis=-1).astype(I32)                            # [B,N]
-    if not stochastic:
+    if sampling is None:
         return _accept_greedy(argmax, tokens, parent, valid, max_depth)
-
-    if stochastic:   # one PRNG draw per row: a uniform per (depth, sibling) visit, then V for the bonus
-        n_u = max_depth * max_children
-        noise = jax.vmap(lambda k: jax.random.uniform(k, (n_u + V,), F32, minval=jnp.finfo(F32).tiny))(keys)
+    if child_q is None or keys is None:
+        raise ValueError("sampling acceptance needs child_q and per-slot keys")
+    chex.assert_shape(child_q, (B, N, V))
+    greedy = sampling.temperature <= 0                                          # [B]
+    p_all = jnp.exp(warp(logits, sampling.temperature[:, None], sampling.top_p[:, None],
+                         sampling.top_k[:, None]))                              # [B,N,V]
+    # one PRNG draw per row: a uniform per (depth, sibling) visit, then V for the bonus
+    n_u = max_depth * max_children
+    noise = jax.vmap(lambda k: jax.random.uniform(k, (n_u + V,), F32, minval=jnp.finfo(F32).tiny))(keys)
 
     def uniform(d, i):
         return noise[:, d * max_children + i]
 
     cur = jnp.zeros((B,), I32)
     done = jnp.zeros((B,), bool)
-    p_fin = jnp.zeros((B, V), F32) if stochastic else None
+    p_fin = jnp.zeros((B, V), F32)
     for d in range(max_depth):
         is_child = valid & (parent == cur[:, None])                             # [B,N]
         rank = jnp.cumsum(is_child, axis=1) - 1
         t_cur = _rows(argmax, cur)
-        if stochastic:
-            p_res, q_res = _rows(p_all, cur), _rows(child_q, cur).astype(F32)
+        p_res, q_res = _rows(p_all, cur), _rows(child_q, cur).astype(F32)
         found = jnp.zeros((B,), bool)
         child = cur
         for i in range(max_children):
@@ -113,37 +109,28 @@ def accept(logits: jax.Array, tokens: jax.Array, parent: jax.Array, valid: jax.A
             c = jnp.argmax(hit, axis=1).astype(I32)
             x = _rows(tokens, c)
             live = ~done & exists & ~found
-            ok_greedy = x == t_cur
-            if stochastic:
-                px = jnp.take_along_axis(p_res, x[:, None], axis=1)[:, 0]
-                qx = jnp.take_along_axis(q_res, x[:, None], axis=1)[:, 0]
-                ok = jnp.where(greedy, ok_greedy, uniform(d, i) * qx < px)
-            else:
-                ok = ok_greedy
+            px = jnp.take_along_axis(p_res, x[:, None], axis=1)[:, 0]
+            qx = jnp.take_along_axis(q_res, x[:, None], axis=1)[:, 0]
+            ok = jnp.where(greedy, x == t_cur, uniform(d, i) * qx < px)
             acc = live & ok
             rej = live & ~ok & ~greedy
             found = found | acc
             child = jnp.where(acc, c, child)
-            if stochastic:
-                p_new = _normalise(jnp.maximum(p_res - q_res, 0.0), p_res)
-                p_res = jnp.where(rej[:, None], p_new, p_res)
-                if iid_siblings is not True:
-                    q_drop = jnp.where(jnp.arange(V)[None] == x[:, None], 0.0, q_res)
-                    q_drop = _normalise(q_drop, jnp.zeros_like(q_res))
-                    q_res = jnp.where(rej[:, None] & ~jnp.asarray(iid_siblings, bool), q_drop, q_res)
+            p_new = _normalise(jnp.maximum(p_res - q_res, 0.0), p_res)
+            p_res = jnp.where(rej[:, None], p_new, p_res)
+            if iid_siblings is not True:
+                q_drop = jnp.where(jnp.arange(V)[None] == x[:, None], 0.0, q_res)
+                q_drop = _normalise(q_drop, jnp.zeros_like(q_res))
+                q_res = jnp.where(rej[:, None] & ~jnp.asarray(iid_siblings, bool), q_drop, q_res)
         stop = ~done & ~found
-        if stochastic:
-            p_fin = jnp.where(stop[:, None], p_res, p_fin)
+        p_fin = jnp.where(stop[:, None], p_res, p_fin)
         done = done | stop
         cur = jnp.where(found & ~stop, child, cur)
     # rows still walking reached max_depth: the bonus comes from the target at their node
-    if stochastic:
-        p_fin = jnp.where(done[:, None], p_fin, _rows(p_all, cur))
-        gumbel = -jnp.log(-jnp.log(noise[:, n_u:]))                             # Gumbel-max = categorical
-        sampled = jnp.argmax(jnp.log(jnp.maximum(p_fin, 0.0)) + gumbel, axis=-1).astype(I32)
-        bonus = jnp.where(greedy, _rows(argmax, cur), sampled)
-    else:
-        bonus = _rows(argmax, cur)
+    p_fin = jnp.where(done[:, None], p_fin, _rows(p_all, cur))
+    gumbel = -jnp.log(-jnp.log(noise[:, n_u:]))                                 # Gumbel-max = categorical
+    sampled = jnp.argmax(jnp.log(jnp.maximum(p_fin, 0.0)) + gumbel, axis=-1).astype(I32)
+    bonus = jnp.where(greedy, _rows(argmax, cur), sampled)
     depth = jnp.zeros((B,), I32)
     # depth of cur: count ancestors by walking parents (max_depth gathers)
     a = cur

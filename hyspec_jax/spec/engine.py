@@ -75,7 +75,7 @@ class SpecConfig:
     capacity: int | None = None              # C: batch-wide node budget (default B·N)
     confidence_threshold: float | None = None  # chain: DSpark confidence-scheduled length
     method: str = "squaring"                 # tree-solve inverse method
-    kernels: str = "reference"           # "auto": Pallas tree solve + commit where supported (GPU)
+    kernels: str = "reference"           # "auto": Pallas tree solve, tree attention, commit where supported (GPU)
 
     def __post_init__(self):
         if self.kernels not in KERNEL_IMPLS:

@@ -13,7 +13,8 @@ hyspec_jax/train; PYTHONPATH=$PWD python -m hyspec_jax.bench.e2e --json $OUT/e2e
 Prompts: `bench/data/heldout_prompts.npz`, 16 windows of 32 tokens per domain from the corpus *validation* split
 (documents the target and drafter never trained on; `hyspec build-distill --prompts-only` format). Greedy.
 Timing: every (mode, batch) configuration first runs one domain untimed (compiles), then `repeats` timed passes
-over all domains; tokens/s = generated tokens / wall seconds of the pass (prefill included, as a user sees it).
+over all domains, round-robin over the configurations (a drift of the machine's speed during the run then falls
+on every mode alike: run one after another, two modes with the same τ measured 1.65x and 2.23x); tokens/s = generated tokens / wall seconds of the pass (prefill included, as a user sees it).
 Batch b: the domain's prompts in groups of b, one `generate` call per group.
 
 Prefix survival (ReaDy): P̂_j = fraction of fully observable rounds whose first j drafts were all accepted. A
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="prompt pack (.npz: tokens, domain, domains)")
     p.add_argument("--prompts-per-domain", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="timed passes per configuration (≥ 1)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="float32 (default): greedy output is exactly plain decoding's, so equality is checkable")
     p.add_argument("--tree-depth", type=int, default=None, help="tree levels (default: the drafter's γ)")
@@ -65,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if a.repeats < 1:
+        parser.error("--repeats must be at least 1")
     import jax
     import jax.numpy as jnp
     from tqdm.auto import tqdm
@@ -131,9 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     meta = {**run_metadata(), "command": "hyspec bench e2e " + " ".join(argv or sys.argv[1:]),
             "model": portable_path(model_dir), "drafter": portable_path(drafter_dir) if needs_drafter else None,
             "dtype": a.dtype, "prompts": portable_path(a.prompts), "prompts_per_domain": a.prompts_per_domain,
-            "max_tokens": a.max_tokens, "repeats": a.repeats, "kernels": a.kernels,
+            "max_tokens": a.max_tokens, "repeats": a.repeats, "repeat_order": "round-robin over modes",
+            "kernels": a.kernels,
             "tree": {"depth": depth, "top_k": a.tree_topk, "beam": a.tree_beam, "verify_nodes": a.verify_nodes}}
     bar = tqdm(total=len(configs) * (1 + a.repeats), desc="bench e2e", unit="pass")
+    # Every engine compiles first; then the repeats go round-robin over the configurations, so a drift of the
+    # machine's speed over the run (clocks, host load) falls on every mode alike rather than on whichever ran last.
+    live: dict = {}                                   # key -> (mode, batch, engine, first pass seconds)
     for mode, batch, nodes in configs:
         key = f"{mode}@b{batch}" + (f"@N{nodes}" if nodes else "")
         eng = engine(mode, batch, nodes)
@@ -143,44 +151,51 @@ def main(argv: list[str] | None = None) -> int:
             continue
         t0 = time.perf_counter()
         run_pass(eng, batch, names[:1])                      # compiles
-        compile_s = time.perf_counter() - t0
+        live[key] = (mode, batch, eng, time.perf_counter() - t0)
         bar.update(1)
-        times = {d: [] for d in names}
-        outs = None
-        for _ in range(a.repeats):
-            outs, secs = run_pass(eng, batch, names)
+
+    def add_rows(times: dict, outs: dict) -> None:
+        """results[key] from the timed passes so far of every live configuration."""
+        for key, (mode, batch, eng, compile_s) in live.items():
+            row = {"mode": mode, "batch": batch, "verify_nodes": eng.verify_nodes if mode != "ar" else 1,
+                   "first_pass_s": round(compile_s, 2), "domains": {}}
             for d in names:
-                times[d].append(secs[d])
-            bar.update(1)
-        row = {"mode": mode, "batch": batch, "verify_nodes": eng.verify_nodes if mode != "ar" else 1,
-               "first_pass_s": round(compile_s, 2), "domains": {}}
-        for d in names:
-            res = outs[d]
-            ntok = sum(len(r.token_ids) for r in res)
-            tps = [ntok / t for t in times[d]]
-            toks = [r.token_ids for r in res]
-            if mode == "ar":
-                ref[(batch, d)] = toks
-            ent = {"tok_s": round(float(np.mean(tps)), 1), "tok_s_std": round(float(np.std(tps)), 1),
-                   "tokens": ntok}
+                res = outs[key][d]
+                ntok = sum(len(r.token_ids) for r in res)
+                tps = [ntok / t for t in times[key][d]]
+                toks = [r.token_ids for r in res]
+                if mode == "ar":
+                    ref[(batch, d)] = toks
+                ent = {"tok_s": round(float(np.mean(tps)), 1), "tok_s_std": round(float(np.std(tps)), 1),
+                       "tokens": ntok}
+                if mode != "ar":
+                    acc = [r.accepted for r in res]
+                    committed = [c for r in res for c in r.committed]
+                    D = eng.depth
+                    ent.update(tau=round(float(np.mean(committed)), 3), rounds=len(committed),
+                               accepted_per_position=[round(float(np.mean([x > k for r in acc for x in r])), 4)
+                                                      for k in range(D)],
+                               prefix_survival=[round(x, 4) for x in prefix_survival(acc, D)])
+                # greedy outputs do not depend on the batch (isolation), so any batch's ar run is the reference
+                base = ref.get((batch, d)) or next((v for (_, dd), v in ref.items() if dd == d), None)
+                ent["equal_ar"] = None if base is None else toks == base
+                row["domains"][d] = ent
+            doms = row["domains"].values()
+            row["mean_tok_s"] = round(float(np.mean([e["tok_s"] for e in doms])), 1)
             if mode != "ar":
-                acc = [r.accepted for r in res]
-                committed = [c for r in res for c in r.committed]
-                D = eng.depth
-                ent.update(tau=round(float(np.mean(committed)), 3), rounds=len(committed),
-                           accepted_per_position=[round(float(np.mean([x > k for r in acc for x in r])), 4)
-                                                  for k in range(D)],
-                           prefix_survival=[round(x, 4) for x in prefix_survival(acc, D)])
-            # greedy outputs do not depend on the batch (isolation), so any batch's ar run is the reference
-            base = ref.get((batch, d)) or next((v for (_, dd), v in ref.items() if dd == d), None)
-            ent["equal_ar"] = None if base is None else toks == base
-            row["domains"][d] = ent
-        doms = row["domains"].values()
-        row["mean_tok_s"] = round(float(np.mean([e["tok_s"] for e in doms])), 1)
-        if mode != "ar":
-            row["mean_tau"] = round(float(np.mean([e["tau"] for e in doms])), 3)
-        results[key] = row
-        finish(results, meta, out, partial=True)
+                row["mean_tau"] = round(float(np.mean([e["tau"] for e in doms])), 3)
+            results[key] = row
+
+    times = {key: {d: [] for d in names} for key in live}
+    outs: dict = {}
+    for _ in range(a.repeats):
+        for key, (mode, batch, eng, _) in live.items():
+            outs[key], secs = run_pass(eng, batch, names)
+            for d in names:
+                times[key][d].append(secs[d])
+            bar.update(1)
+        add_rows(times, outs)
+        finish(results, meta, out, partial=True)          # what the repeats so far measured
     bar.close()
     report = finish(results, meta, out, partial=False)
     md = markdown(report)

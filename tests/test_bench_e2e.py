@@ -57,11 +57,12 @@ def test_e2e_every_mode_equals_ar(dirs):
     out = dirs / "res" / "e2e.json"
     rc = e2e_main(["--json", str(out), "--model", str(dirs / "target"), "--drafter", str(dirs / "drafter"),
                    "--prompts", str(dirs / "prompts.npz"), "--prompts-per-domain", "3", "--batch", "2",
-                   "--max-tokens", "6", "--repeats", "1", "--tree-depth", "3", "--tree-topk", "2",
+                   "--max-tokens", "6", "--repeats", "2", "--tree-depth", "3", "--tree-topk", "2",
                    "--tree-beam", "2", "--verify-nodes", "5", "--sweep-nodes", "3"])
     assert rc == 0
     rep = json.loads(out.read_text())
     res = rep["results"]
+    assert rep["meta"]["status"] == "complete" and rep["meta"]["repeat_order"] == "round-robin over modes"
     # batch 2 over 3 prompts a domain: a full group and a ragged one
     assert set(res) == {f"{m}@b2" for m in ("ar", "chain", "ready", "tree", "tree-ready")} | {"tree-ready@b1@N3"}
     for key, row in res.items():

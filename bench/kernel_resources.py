@@ -24,6 +24,7 @@ import sys
 import tempfile
 
 KERNELS = ("gdn_tree_solve_neumann", "gdn_tree_solve_squaring", "gdn_tree_solve_squaring_deferred",
+           "gdn_tree_solve_inverse", "gdn_tree_operators", "gdn_tree_apply",
            "gdn_path_commit", "gdn_deferred_append", "gdn_serial_tree", "tree_attention_prefix")
 
 _SHORT = {"launch__registers_per_thread": "registers", "launch__shared_mem_per_block_static": "smem_static_bytes",
@@ -44,9 +45,10 @@ def _number(text: str):
             return t
 
 
-def parse_ncu_csv(text: str) -> list[dict]:
-    """`ncu --csv --page raw --print-units base` output -> one dict per kernel launch: name + our metric names.
-    ncu's own log lines (==PROF==, ==WARNING==) and the units row are skipped."""
+def parse_ncu_csv(text: str, all_columns: bool = False) -> list[dict]:
+    """`ncu --csv --page raw --print-units base` output -> one dict per kernel launch: name + our metric names
+    (all_columns: every metric column, by ncu's name). ncu's own log lines (==PROF==, ==WARNING==) and the units
+    row are skipped."""
     import csv
     rows = [r for r in csv.reader(line for line in text.splitlines() if line.startswith('"'))]
     head = next((i for i, r in enumerate(rows) if "Kernel Name" in r), None)
@@ -58,6 +60,10 @@ def parse_ncu_csv(text: str) -> list[dict]:
         if len(r) != len(cols) or not r[cols.index("ID")].strip():
             continue                                     # the units row has no ID
         rec = {"name": r[cols.index("Kernel Name")]}
+        if all_columns:
+            rec.update({c: _number(x) for c, x in zip(cols, r) if "__" in c})
+            out.append(rec)
+            continue
         for metric, short in _SHORT.items():
             if metric in cols:
                 rec[short] = _number(r[cols.index(metric)])
@@ -85,7 +91,10 @@ def match_kernels(launches: list[dict]) -> dict[str, dict]:
 
 
 JOBS = ("neumann", "squaring", "neumann_bv32", "squaring_bv32", "neumann_bv128", "squaring_bv128",
+        "inverse", "inverse_bv32", "inverse_bv128", "split", "split_bv32", "split_bv128",
         "squaring_deferred", "commit", "append", "serial", "attention")
+# --detail: a second ncu pass per job with these sections (hardware counters: stall reasons, occupancy, memory)
+DETAIL_SECTIONS = ("SpeedOfLight", "Occupancy", "WarpStateStats", "MemoryWorkloadAnalysis", "LaunchStats")
 
 
 def _compile_job(B: int, N: int, only: str) -> None:
@@ -109,7 +118,9 @@ def _compile_job(B: int, N: int, only: str) -> None:
         "neumann": (lambda *a: tree_solve_pallas(*a, max_depth=depth, method="neumann"), tree),
         "squaring": (lambda *a: tree_solve_pallas(*a, max_depth=depth, method="squaring"), tree),
         **{f"{m}_bv{bv}": (lambda *a, m=m, bv=bv: tree_solve_pallas(*a, max_depth=depth, method=m, block_v=bv), tree)
-           for m in ("neumann", "squaring") for bv in (32, 128)},
+           for m in ("neumann", "squaring", "inverse", "split") for bv in (32, 128)},
+        "inverse": (lambda *a: tree_solve_pallas(*a, max_depth=depth, method="inverse"), tree),
+        "split": (lambda *a: tree_solve_pallas(*a, max_depth=depth, method="split"), tree),
         "squaring_deferred": (lambda *a: tree_solve_pallas(*a[:7], a[7:], max_depth=depth, method="squaring",
                                                             write_state=True), tree + deferred),
         "commit": (lambda *a: path_commit_pallas(*a), (sd((LG, B, HV, DK, DV), f32), sd((LG, B, HV, N), f32),
@@ -140,7 +151,29 @@ def _compile_job(B: int, N: int, only: str) -> None:
             print(f"FAILED {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
-def run(B: int, N: int, log=print, timeout_s: float = 90.0) -> dict:
+def _ncu_job(ncu: str, B: int, N: int, job: str, timeout_s: float, detail: bool) -> tuple:
+    """One child under ncu: (rc, log, csv text)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "ncu.csv")
+        what = [a for sec in DETAIL_SECTIONS for a in ("--section", sec)] if detail else \
+            ["--clock-control", "none", "--metrics", ",".join(NCU_METRICS)]
+        cmd = [ncu, *what, "--target-processes", "all", "--csv", "--page", "raw", "--print-units", "base",
+               "--log-file", report, "--kernel-name", "regex:" + "|".join(KERNELS),   # XLA's own kernels are not profiled
+               sys.executable, "-c", "from hyspec_jax.bench.kernel_resources import "
+               f"_compile_job; _compile_job({B}, {N}, {job!r})"]
+        try:
+            child = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            rc, child_log = child.returncode, child.stdout + child.stderr
+        except subprocess.TimeoutExpired as e:     # one kernel must not cost the others their report
+            rc, child_log = "timeout", f"timed out after {timeout_s} s: {e.stdout or ''}{e.stderr or ''}"
+        text = ""
+        if os.path.isfile(report):
+            with open(report) as f:
+                text = f.read()
+    return rc, child_log, text
+
+
+def run(B: int, N: int, log=print, timeout_s: float = 90.0, jobs: tuple = JOBS, detail: bool = False) -> dict:
     import jax
     out: dict = {"batch": B, "nodes": N, "kernels": {}, "notes": []}
     if jax.default_backend() != "gpu":
@@ -152,32 +185,30 @@ def run(B: int, N: int, log=print, timeout_s: float = 90.0) -> dict:
         return out
     out["ncu"] = ncu
     out["jobs"] = {}
-    for job in JOBS:                # one child per kernel: its launches are its own
-        with tempfile.TemporaryDirectory() as tmp:
-            report = os.path.join(tmp, "ncu.csv")
-            cmd = [ncu, "--clock-control", "none", "--target-processes", "all", "--csv", "--page", "raw",
-                   "--print-units", "base", "--metrics", ",".join(NCU_METRICS), "--log-file", report,
-                   "--kernel-name", "regex:" + "|".join(KERNELS),     # XLA's own kernels are not profiled
-                   sys.executable, "-c", "from hyspec_jax.bench.kernel_resources import "
-                   f"_compile_job; _compile_job({B}, {N}, {job!r})"]
-            try:
-                child = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-                rc, child_log = child.returncode, child.stdout + child.stderr
-            except subprocess.TimeoutExpired as e:     # one kernel must not cost the others their report
-                rc, child_log = "timeout", f"timed out after {timeout_s} s: {e.stdout or ''}{e.stderr or ''}"
-            text = ""
-            if os.path.isfile(report):
-                with open(report) as f:
-                    text = f.read()
+    for job in jobs:                # one child per kernel: its launches are its own
+        rc, child_log, text = _ncu_job(ncu, B, N, job, timeout_s, detail=False)
         launches = parse_ncu_csv(text)
         out["jobs"][job] = {"rc": rc, "log": str(child_log)[-1500:],
                             "ncu_tail": text[-800:] if not launches else "", "launches": launches[:40]}
-        mine = match_kernels(launches)          # ncu profiled our kernels only: at most one per job
-        if mine:
-            out["kernels"][job] = next(iter(mine.values()))
+        mine = match_kernels(launches)          # ncu profiled our kernels only: one or two (split) per job
+        for i, (kname, rec) in enumerate(mine.items()):
+            out["kernels"][job if i == 0 else f"{job}/{kname}"] = rec
+        if detail and mine:
+            rc, child_log, text = _ncu_job(ncu, B, N, job, 2 * timeout_s, detail=True)
+            full = match_kernels(parse_ncu_csv(text, all_columns=True))
+            out["jobs"][job]["detail_rc"] = rc
+            for i, (kname, rec) in enumerate(full.items()):
+                key = job if i == 0 else f"{job}/{kname}"
+                if key in out["kernels"]:
+                    out["kernels"][key]["detail"] = rec
+            if not full:
+                out["jobs"][job]["detail_log"] = (str(child_log) + text)[-1500:]
         log(f"{job}: {len(launches)} launches, ours: {', '.join(x['name'] for x in mine.values()) or 'none'}")
     out["notes"].append("one run on zero inputs per kernel under ncu --clock-control none; duration is that one "
                         "launch's (ncu serializes launches), not a benchmark")
+    if detail:
+        out["notes"].append("detail: a second run per kernel with the ncu sections " + ", ".join(DETAIL_SECTIONS)
+                            + " (hardware counters; ncu replays the kernel, so its duration there is not used)")
     missing = [j for j, x in out["jobs"].items() if not x["launches"]]
     if missing:
         out["notes"].append(f"no launches recorded for: {', '.join(missing)} (see jobs[...].log / ncu_tail)")
@@ -194,6 +225,20 @@ def render(res: dict) -> list[str]:
         lines.append(f"| {name} ({x.get('name', '?')[:60]}) | {x.get('registers', '—')} | "
                      f"{x.get('smem_static_bytes', '—')} | {x.get('smem_dynamic_bytes', '—')} | "
                      f"{x.get('block_threads', '—')} | {x.get('grid_blocks', '—')} | {x.get('waves', '—')} | {us} |")
+    detailed = {n: x["detail"] for n, x in res["kernels"].items() if isinstance(x.get("detail"), dict)}
+    if detailed:
+        lines += ["", "Hardware counters (`--detail`): achieved occupancy, DRAM bytes, the four largest stall reasons "
+                  "(warps stalled per issued instruction):", "", "| kernel | occupancy % | DRAM read MB | DRAM write MB | "
+                  "top stalls |", "|---|---|---|---|---|"]
+        for name, d in detailed.items():
+            num = lambda key: d.get(key) if isinstance(d.get(key), (int, float)) else float("nan")  # noqa: E731
+            stalls = {k.split("issue_stalled_")[1].split("_per_")[0]: v for k, v in d.items()
+                      if "warps_issue_stalled_" in k and k.endswith("per_issue_active.ratio")
+                      and isinstance(v, (int, float))}
+            top = ", ".join(f"{k} {v:.2f}" for k, v in sorted(stalls.items(), key=lambda kv: -kv[1])[:4])
+            lines.append(f"| {name} | {num('sm__warps_active.avg.pct_of_peak_sustained_active'):.1f} | "
+                         f"{num('dram__bytes_read.sum') / 1e6:.1f} | {num('dram__bytes_write.sum') / 1e6:.1f} | "
+                         f"{top or '—'} |")
     return lines + [""] + [f"- {n}" for n in res.get("notes", [])]
 
 
@@ -203,9 +248,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write results here (and a .md table beside it)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--nodes", type=int, default=64, choices=(16, 32, 64, 128))
+    ap.add_argument("--jobs", default=None, help="comma-separated subset of: " + ", ".join(JOBS))
+    ap.add_argument("--detail", action="store_true",
+                    help="also collect stall reasons, occupancy and memory traffic (ncu sections, a second run each)")
     args = ap.parse_args(argv)
+    jobs = JOBS if args.jobs is None else tuple(j.strip() for j in args.jobs.split(",") if j.strip())
+    unknown = [j for j in jobs if j not in JOBS]
+    if unknown:
+        print(f"hyspec bench kernel-resources: unknown job(s) {', '.join(unknown)}; choose from {', '.join(JOBS)}",
+              file=sys.stderr)
+        return 2
     from hyspec_jax.bench.report import run_metadata
-    res = {**run(args.batch, args.nodes), "run_metadata": {**run_metadata(), "command": "hyspec bench kernel-resources "
+    res = {**run(args.batch, args.nodes, jobs=jobs, detail=args.detail), "run_metadata": {**run_metadata(), "command": "hyspec bench kernel-resources "
                                                              + " ".join(sys.argv[1:] if argv is None else argv)}}
     if "error" in res:
         print(f"hyspec bench kernel-resources: {res['error']}", file=sys.stderr)

@@ -6,6 +6,8 @@ For the Qwen3.8-27B GDN geometry (HK 16, HV 48, dk = dv = 128; bf16 q/k/v, fp32 
 1/8/32 and tree sizes N = 16/32/64 (depth 4/6/8), it checks every variant against the fp32 reference
 (gdn.masked_solve, triangular solve, precision HIGHEST) on random trees and times:
   pallas_{neumann,squaring}_bv{16..128}[_nwW]  our value-tiled closed-form kernel (tf32 tensor cores)
+  pallas_inverse_bv*                       the same with (I+L)⁻¹ and C(I+L)⁻¹ built before the state tile
+  pallas_split_bv*                         those node-wise operators in a first launch, the value tiles in a second
   pallas_*_tf32x3                          the same with 3-pass tf32 (≈ fp32 accuracy)
   null_overhead                            a trivial op on the same inputs: the harness per-call cost
   serial_pallas_bv{32,64}                  SGLang-style per-node serial kernel (parent state from HBM)
@@ -22,7 +24,8 @@ without writing the merged state back), summed per round and layer with a merge 
 
 Timing (METHOD.md): each variant is jitted over R distinct input sets (rotating buffers, so repeated
 calls do not hit a cache and cannot be merged), warmed up, then timed `reps` times with
-block_until_ready; per-call time = median / R. Commit: S is donated and fed back (in place), K calls per
+block_until_ready; per-call time = median / R. marginal_us (unless --no-marginal): the time R more calls
+add, per call, which takes out the executable's fixed dispatch cost. Commit: S is donated and fed back (in place), K calls per
 timed block. Writes JSON with device kind, jax version, git commit, medians and errors.
 """
 
@@ -51,7 +54,7 @@ from pallas_kernels.gdn_tree_solve import tree_solve_pallas
 HK, HV, DK, DV, LG = 16, 48, 128, 128, 48
 DEPTH_FOR_N = {16: 4, 32: 6, 64: 8, 128: 8}
 # default sweep: the block_v grid at default warps, the 3-pass precision, baselines, overhead probe
-DEFAULT_VARIANTS = (r"pallas_(neumann|squaring)_bv(32|64|128)|pallas_.*tf32x3|serial_pallas_.*|xla_.*|null_overhead"
+DEFAULT_VARIANTS = (r"pallas_(neumann|squaring|inverse|split)_bv(32|64|128)|pallas_.*tf32x3|serial_pallas_.*|xla_.*|null_overhead"
                     r"|pallas_commit_.*")
 
 
@@ -93,36 +96,51 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / float(np.median(ts))
 
 
-def time_multi(fn, sets, reps: int, warmup: int = 2, check=None) -> dict:
+def time_multi(fn, sets, reps: int, warmup: int = 2, check=None, extra_sets=None) -> dict:
     """Median seconds per call of fn over rotating input sets (one jitted executable runs them all).
 
-    check(first_output) -> dict of errors is called on the first run's output for sets[0]."""
+    check(first_output) -> dict of errors is called on the first run's output for sets[0]. With extra_sets (as
+    many distinct sets again) a second executable runs sets + extra_sets, timed alternately with the first:
+    marginal_us = (t(2R calls) − t(R calls)) / R is the device time one more call adds, without the fixed cost
+    of dispatching an executable and waiting for it (≈ 150 µs on the H200, which median_us spreads over R)."""
     multi = jax.jit(lambda ss: [fn(*s) for s in ss])
     t0 = time.perf_counter()
     res = jax.block_until_ready(multi(sets))
     compile_s = time.perf_counter() - t0
     errs = check(res[0]) if check is not None else {}
     del res
+    both = list(sets) + list(extra_sets or [])
     for _ in range(warmup - 1):
         jax.block_until_ready(multi(sets))
-    ts = []
+    if extra_sets:
+        jax.block_until_ready(multi(both))           # compile the longer executable
+    ts, ts2 = [], []
     for _ in range(reps):
         t = time.perf_counter()
         jax.block_until_ready(multi(sets))
         ts.append(time.perf_counter() - t)
+        if extra_sets:
+            t = time.perf_counter()
+            jax.block_until_ready(multi(both))
+            ts2.append(time.perf_counter() - t)
     R = len(sets)
-    return {**errs, "median_us": 1e6 * float(np.median(ts)) / R, "min_us": 1e6 * float(np.min(ts)) / R,
-            "spread_us": 1e6 * float(np.percentile(ts, 90) - np.percentile(ts, 10)) / R,
-            "sets": R, "reps": reps, "compile_s": compile_s}
+    rec = {**errs, "median_us": 1e6 * float(np.median(ts)) / R, "min_us": 1e6 * float(np.min(ts)) / R,
+           "spread_us": 1e6 * float(np.percentile(ts, 90) - np.percentile(ts, 10)) / R,
+           "sets": R, "reps": reps, "compile_s": compile_s}
+    if extra_sets:
+        rec["marginal_us"] = 1e6 * float(np.median(ts2) - np.median(ts)) / len(extra_sets)
+    return rec
 
 
-def _measure(fn, sets, reps: int, check, floor_us: float) -> dict:
+def _measure(fn, sets, reps: int, check, floor_us: float, extra_sets=None) -> dict:
     """time_multi of one variant, with its distance to the floor; an exception is recorded, not raised."""
     rec = {}
     try:
-        rec.update(time_multi(fn, sets, reps, check=check))
+        rec.update(time_multi(fn, sets, reps, check=check, extra_sets=extra_sets))
         rec["pct_of_floor"] = 100.0 * floor_us / rec["median_us"]
         rec["x_floor"] = rec["median_us"] / floor_us
+        if "marginal_us" in rec:
+            rec["marginal_x_floor"] = rec["marginal_us"] / floor_us
     except Exception as e:  # noqa: BLE001 — record and go on
         rec["error"] = f"{type(e).__name__}: {e}"[:2000]
         traceback.print_exc()
@@ -144,11 +162,12 @@ def bench_tree(B: int, N: int, args, bw: float, log) -> dict:
     big = B * N >= 1024
     R = 4 if big else 8
     sets = [make_set(7919 * i + B * N, B, N) for i in range(R)]
+    extra = [make_set(7919 * (R + i) + B * N, B, N) for i in range(R)] if args.marginal else None
     o_ref, fac_ref = masked_solve_xla(*sets[0], mask, method="solve")
     o_ref, vc_ref = jax.block_until_ready((o_ref, fac_ref.corrected))
 
     variants = {}
-    for method in ["neumann", "squaring"]:
+    for method in ["neumann", "squaring", "inverse", "split"]:
         for bv in [16, 32, 64, 128]:
             for nw in [None, 2, 8]:
                 name = f"pallas_{method}_bv{bv}" + ("" if nw is None else f"_nw{nw}")
@@ -191,10 +210,12 @@ def bench_tree(B: int, N: int, args, bw: float, log) -> dict:
         return check
 
     for name, (fn, kind) in variants.items():
-        use = sets if not (kind == "serial" and big) else sets[:2]     # per-node states are large
-        out["variants"][name] = rec = _measure(fn, use, args.reps, checker(kind), floor_us)
+        small = kind == "serial" and big                                 # per-node states are large
+        use, more = (sets[:2], extra and extra[:2]) if small else (sets, extra)
+        out["variants"][name] = rec = _measure(fn, use, args.reps, checker(kind), floor_us, more)
         log(f"  B={B:<3d} N={N:<3d} {name:<28s} " + (
-            f"{rec['median_us']:10.1f} us  err_o {rec.get('err_o', float('nan')):.2e}"
+            f"{rec['median_us']:10.1f} us  marginal {rec.get('marginal_us', float('nan')):8.1f} us  "
+            f"err_o {rec.get('err_o', float('nan')):.2e}"
             if "median_us" in rec else f"ERROR {rec.get('error', '')[:200]}"))
     return out
 
@@ -474,10 +495,20 @@ def _tree_row(r: dict) -> dict | None:
     serial = min([t(n) for n in v if n.startswith("serial_pallas")] or [float("nan")])
     xla = np.nanmin([t("xla_solve"), t("xla_neumann")]) if any(n in v for n in ("xla_solve", "xla_neumann")) \
         else float("nan")
-    return {"B": r["B"], "N": r["N"], "depth": r["depth"], "best": best, "us": t(best), "err_o": kern[best]["err_o"],
-            "serial_us": serial, "xla_us": float(xla), "xla_scan_us": t("xla_scan_paths"), "floor_us": r["floor_us"],
-            "x_serial": serial / t(best), "x_xla": float(xla) / t(best), "pct_floor": 100.0 * r["floor_us"] / t(best),
-            "overhead_us": t("null_overhead")}
+    row = {"B": r["B"], "N": r["N"], "depth": r["depth"], "best": best, "us": t(best), "err_o": kern[best]["err_o"],
+           "serial_us": serial, "xla_us": float(xla), "xla_scan_us": t("xla_scan_paths"), "floor_us": r["floor_us"],
+           "x_serial": serial / t(best), "x_xla": float(xla) / t(best), "pct_floor": 100.0 * r["floor_us"] / t(best),
+           "overhead_us": t("null_overhead")}
+    marg = {n: x["marginal_us"] for n, x in kern.items() if "marginal_us" in x}
+    m = lambda n: v.get(n, {}).get("marginal_us", float("nan"))  # noqa: E731
+    if marg:                                   # device time per call: the executable's fixed cost taken out
+        mbest = min(marg, key=marg.get)
+        mserial = min([m(n) for n in v if n.startswith("serial_pallas")] or [float("nan")])
+        mxla = np.nanmin([m("xla_solve"), m("xla_neumann")])
+        row.update(marginal_best=mbest, marginal_us=marg[mbest], marginal_err_o=kern[mbest]["err_o"],
+                   marginal_serial_us=mserial, marginal_xla_us=float(mxla), marginal_x_serial=mserial / marg[mbest],
+                   marginal_x_xla=float(mxla) / marg[mbest], marginal_x_floor=marg[mbest] / r["floor_us"])
+    return row
 
 
 def merge(paths: list[str]) -> dict:
@@ -525,6 +556,18 @@ def render(results: dict, json_path: str) -> None:
         lines.append(f"| {x['B']} | {x['N']} | {x['depth']} | {x['best'].removeprefix('pallas_')} | {x['us']:.1f} | "
                      f"{x['err_o']:.1e} | {x['serial_us']:.1f} | {x['xla_us']:.1f} | {x['xla_scan_us']:.0f} | "
                      f"{x['x_serial']:.1f} | {x['x_xla']:.1f} | {x['pct_floor']:.1f} | {x['overhead_us']:.1f} |")
+    mrows = [x for x in rows if "marginal_us" in x]
+    if mrows:
+        lines += ["", "Device time per call (`marginal_us`: a second executable runs twice as many calls, on R more "
+                  "distinct input sets, timed alternately with the first; (t(2R) − t(R)) / R leaves out the fixed cost "
+                  "of dispatching and awaiting an executable, but keeps the launch gaps between calls):", "",
+                  "| B | N | depth | best kernel (tf32) | µs | err o | serial Pallas µs | XLA masked_solve µs | × serial "
+                  "| × XLA | × floor |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for x in mrows:
+            lines.append(f"| {x['B']} | {x['N']} | {x['depth']} | {x['marginal_best'].removeprefix('pallas_')} | "
+                         f"{x['marginal_us']:.1f} | {x['marginal_err_o']:.1e} | {x['marginal_serial_us']:.1f} | "
+                         f"{x['marginal_xla_us']:.1f} | {x['marginal_x_serial']:.1f} | {x['marginal_x_xla']:.1f} | "
+                         f"{x['marginal_x_floor']:.2f} |")
     if results.get("commit"):
         lines += ["", f"Commit of the accepted paths over {results['commit'][0]['layers']} GDN layers "
                   "(µs per call, S donated):", "", "| B | N | variant | µs | err | % of floor |", "|---|---|---|---|---|---|"]
@@ -598,6 +641,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--nodes", default="16,32,64")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--no-marginal", dest="marginal", action="store_false",
+                    help="skip the second, twice-as-long executable per variant that measures each call's device "
+                         "time without the executable's fixed dispatch cost (marginal_us)")
     ap.add_argument("--layers", type=int, default=LG, help="GDN layers in the commit benchmark")
     ap.add_argument("--commit-nodes", type=int, default=64)
     ap.add_argument("--no-commit", action="store_true")
@@ -615,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
                          "and the tree solve that merges them) against the eager commit at these batches, "
                          "N = --commit-nodes")
     ap.add_argument("--deferred-rows", default="16,32", help="update rows P per (layer, request, head)")
-    ap.add_argument("--deferred-method", default="squaring", choices=("neumann", "squaring"))
+    ap.add_argument("--deferred-method", default="squaring", choices=("neumann", "squaring", "inverse"))
     ap.add_argument("--deferred-block-v", type=int, default=64)
     ap.add_argument("--no-tree", action="store_true", help="skip the GDN tree-solve sweep")
     ap.add_argument("--max-seconds", type=float, default=None,

@@ -9,7 +9,11 @@ tile S0[b,h,:,t] [dk, bv] and the tree's q/k [N, dk] (key head h // (HV/HK): GVA
 expanded), v [N, bv], g/β [N] and the ancestor mask [N, N]; builds Γ = A g, D = A ⊙ e^{Γ_i−Γ_j},
 L = strict(A) ⊙ β kkᵀ ⊙ D and C = qkᵀ ⊙ D on chip; solves V' = (I+L)⁻¹ R with R = β(v − e^Γ (K S0))
 by `rounds` Neumann rounds (Z ← −L Z, V' += Z) or by repeated squaring ((I−L)(I+L²)(I+L⁴)…, ⌈log₂(d+1)⌉
-factors); and writes only o = e^Γ (Q S0) + C V' and V' (and Γ). Nothing per node ever reaches HBM
+factors); and writes only o = e^Γ (Q S0) + C V' and V' (and Γ). method "inverse" builds M = (I+L)⁻¹ as an
+N × N matrix (the same squaring factors) and C M before the state tile is loaded, so the value tile needs only
+V' = M R and o = e^Γ (Q S0) + (C M) R, two independent products; method "split" does that node-wise part in a
+first launch per (request, value head) — shared by all value tiles instead of redone in each — and the value
+tiles in a second (M and C M pass through HBM: 2·N² fp32 words per head). Nothing per node ever reaches HBM
 except those outputs. With deferred updates (the previous rounds' accepted paths, not yet merged: see
 `gdn.DeferredUpdates`) the program merges them into its S0 tile first — P extra rows of k and V' against a
 dk × bv tile — and can write the merged tile back, so a commit never needs its own pass over the state.
@@ -41,7 +45,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import tile_dim_ok
 
 F32 = jnp.float32
-Method = Literal["neumann", "squaring"]
+Method = Literal["neumann", "squaring", "inverse", "split"]
 Precision = Literal["tf32", "tf32x3", "ieee"]
 
 REFERENCE = "hyspec_jax.gdn.masked_solve"
@@ -89,13 +93,8 @@ def _fold_deferred(s0, c_ref, rc_ref, pk_ref, pv_ref, count_ref, precision):
     return jnp.exp(c) * s0 + _dot(kw, pv_ref[...], precision, trans_a=True)
 
 
-def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: bool, write_state: bool):
-    mask_ref, g_ref, beta_ref, q_ref, k_ref, v_ref, s0_ref = refs[:7]
-    rest = refs[7:]
-    if deferred:
-        c_ref, rc_ref, pk_ref, pv_ref, count_ref = rest[:5]
-        rest = rest[5:]
-    o_ref, gamma_ref, vc_ref = rest[:3]
+def _node_operators(mask_ref, g_ref, beta_ref, q, k, precision):
+    """Γ = A g, the ancestor-masked L = strict(A) ⊙ β kkᵀ ⊙ D and C = qkᵀ ⊙ D (node by node, no value tile)."""
     n = mask_ref.shape[0]
     A = mask_ref[...]                                   # [N, N] f32 0/1
     g = g_ref[...]                                      # [N]
@@ -106,12 +105,58 @@ def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: boo
     D = jnp.where(on, jnp.exp(jnp.where(on, diff, 0.0)), 0.0)
     row = lax.broadcasted_iota(jnp.int32, (n, n), 0)
     col = lax.broadcasted_iota(jnp.int32, (n, n), 1)
-    q = q_ref[...]                                      # [N, dk] (input dtype)
-    k = k_ref[...]
     kk = _dot(k, k, precision, trans_b=True)            # [N, N]
     qk = _dot(q, k, precision, trans_b=True)
     L = jnp.where(on & (row != col), beta[:, None] * kk * D, 0.0)
-    C = qk * D
+    return gamma, beta, L, qk * D
+
+
+def _inverse(L, rounds: int, precision):
+    """(I+L)⁻¹ = (I−L)(I+L²)(I+L⁴)… as an explicit N × N matrix (L is nilpotent: L^{d+1} = 0)."""
+    n = L.shape[0]
+    eye = (lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1)).astype(F32)
+    if rounds == 0:
+        return eye
+    M, P = eye - L, L
+    for _ in range(num_squarings(rounds) - 1):
+        P = _dot(P, P, precision)
+        M = M + _dot(P, M, precision)
+    return M
+
+
+def _apply_inverse(L, R, rounds: int, method: str, precision):
+    """V' = (I+L)⁻¹ R against one value tile: Neumann rounds or the squaring factors applied to R."""
+    if rounds == 0:
+        return R
+    if method == "neumann":
+        U, Z = R, R
+        for _ in range(rounds):
+            Z = -_dot(L, Z, precision)
+            U = U + Z
+        return U
+    if method == "squaring":
+        U = R - _dot(L, R, precision)
+        P = L
+        for _ in range(num_squarings(rounds) - 1):
+            P = _dot(P, P, precision)
+            U = U + _dot(P, U, precision)
+        return U
+    raise ValueError(f"unknown method {method!r}")
+
+
+def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: bool, write_state: bool):
+    mask_ref, g_ref, beta_ref, q_ref, k_ref, v_ref, s0_ref = refs[:7]
+    rest = refs[7:]
+    if deferred:
+        c_ref, rc_ref, pk_ref, pv_ref, count_ref = rest[:5]
+        rest = rest[5:]
+    o_ref, gamma_ref, vc_ref = rest[:3]
+    q = q_ref[...]                                      # [N, dk] (input dtype)
+    k = k_ref[...]
+    gamma, beta, L, C = _node_operators(mask_ref, g_ref, beta_ref, q, k, precision)
+    if method == "inverse":                             # node-wise work first, before the state tile is live
+        M = _inverse(L, rounds, precision)
+        CM = _dot(C, M, precision)
     s0 = s0_ref[...]                                    # [dk, bv] f32
     if deferred:                                        # merge the committed-but-deferred path updates
         s0 = _fold_deferred(s0, c_ref, rc_ref, pk_ref, pv_ref, count_ref, precision)
@@ -121,25 +166,85 @@ def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: boo
     qs = _dot(q, s0, precision)
     eg = jnp.exp(gamma)
     R = beta[:, None] * (v_ref[...].astype(F32) - eg[:, None] * ks)
-    if rounds == 0:
-        U = R
-    elif method == "neumann":
-        U, Z = R, R
-        for _ in range(rounds):
-            Z = -_dot(L, Z, precision)
-            U = U + Z
-    elif method == "squaring":
-        U = R - _dot(L, R, precision)
-        P = L
-        for _ in range(num_squarings(rounds) - 1):
-            P = _dot(P, P, precision)
-            U = U + _dot(P, U, precision)
+    if method == "inverse":                             # V' = M R and C V' = (C M) R: two independent products
+        U = _dot(M, R, precision)
+        o = eg[:, None] * qs + _dot(CM, R, precision)
     else:
-        raise ValueError(f"unknown method {method!r}")
-    o = eg[:, None] * qs + _dot(C, U, precision)
+        U = _apply_inverse(L, R, rounds, method, precision)
+        o = eg[:, None] * qs + _dot(C, U, precision)
     o_ref[...] = o.astype(o_ref.dtype)
     vc_ref[...] = U
     gamma_ref[...] = gamma                              # every value tile writes the same Γ
+
+
+def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, m_ref, cm_ref, *, rounds: int,
+                          precision):
+    """Split form, pass 1 (one program per request and value head): Γ, M = (I+L)⁻¹ and C M to HBM."""
+    gamma, _, L, C = _node_operators(mask_ref, g_ref, beta_ref, q_ref[...], k_ref[...], precision)
+    M = _inverse(L, rounds, precision)
+    gamma_ref[...] = gamma
+    m_ref[...] = M
+    cm_ref[...] = _dot(C, M, precision)
+
+
+def _tree_apply_kernel(gamma_ref, beta_ref, m_ref, cm_ref, q_ref, k_ref, v_ref, s0_ref, o_ref, vc_ref, *,
+                       precision):
+    """Split form, pass 2 (one program per request, value head and value tile): four products against S0."""
+    s0 = s0_ref[...]
+    k = k_ref[...]
+    ks = _dot(k, s0, precision)
+    qs = _dot(q_ref[...], s0, precision)
+    eg = jnp.exp(gamma_ref[...])
+    R = beta_ref[...][:, None] * (v_ref[...].astype(F32) - eg[:, None] * ks)
+    vc_ref[...] = _dot(m_ref[...], R, precision)
+    o_ref[...] = (eg[:, None] * qs + _dot(cm_ref[...], R, precision)).astype(o_ref.dtype)
+
+
+def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision, out_dtype, num_warps, num_stages,
+                      interpret):
+    """Two launches: the node-wise operators once per (request, value head) — Γ, M = (I+L)⁻¹, C M, 2·N² fp32
+    words each through HBM — then the value tiles, which hold no N × N chain and only four products."""
+    B, N, HK, dk = q.shape
+    HV, dv = v.shape[2], v.shape[3]
+    r = HV // HK
+    node_specs = [
+        pl.BlockSpec((None, N, N), lambda b, h: (b, 0, 0)),                    # mask
+        pl.BlockSpec((None, N, None), lambda b, h: (b, 0, h)),                 # g
+        pl.BlockSpec((None, N, None), lambda b, h: (b, 0, h)),                 # beta
+        pl.BlockSpec((None, N, None, dk), lambda b, h: (b, 0, h // r, 0)),     # q (key head)
+        pl.BlockSpec((None, N, None, dk), lambda b, h: (b, 0, h // r, 0)),     # k (key head)
+    ]
+    gamma, M, CM = pl.pallas_call(
+        functools.partial(_tree_operator_kernel, rounds=rounds, precision=precision),
+        out_shape=[jax.ShapeDtypeStruct((B, HV, N), F32), jax.ShapeDtypeStruct((B, HV, N, N), F32),
+                   jax.ShapeDtypeStruct((B, HV, N, N), F32)],
+        grid=(B, HV), in_specs=node_specs,
+        out_specs=[pl.BlockSpec((None, None, N), lambda b, h: (b, h, 0)),
+                   pl.BlockSpec((None, None, N, N), lambda b, h: (b, h, 0, 0)),
+                   pl.BlockSpec((None, None, N, N), lambda b, h: (b, h, 0, 0))],
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="gdn_tree_operators",
+    )(mask.astype(F32), g.astype(F32), beta.astype(F32), q, k)
+    o, vc = pl.pallas_call(
+        functools.partial(_tree_apply_kernel, precision=precision),
+        out_shape=[jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype), jax.ShapeDtypeStruct((B, HV, N, dv), F32)],
+        grid=(B, HV, dv // block_v),
+        in_specs=[
+            pl.BlockSpec((None, None, N), lambda b, h, t: (b, h, 0)),               # Γ
+            pl.BlockSpec((None, N, None), lambda b, h, t: (b, 0, h)),               # beta
+            pl.BlockSpec((None, None, N, N), lambda b, h, t: (b, h, 0, 0)),         # M
+            pl.BlockSpec((None, None, N, N), lambda b, h, t: (b, h, 0, 0)),         # C M
+            pl.BlockSpec((None, N, None, dk), lambda b, h, t: (b, 0, h // r, 0)),   # q (key head)
+            pl.BlockSpec((None, N, None, dk), lambda b, h, t: (b, 0, h // r, 0)),   # k (key head)
+            pl.BlockSpec((None, N, None, block_v), lambda b, h, t: (b, 0, h, t)),   # v
+            pl.BlockSpec((None, None, dk, block_v), lambda b, h, t: (b, h, 0, t)),  # S0
+        ],
+        out_specs=[pl.BlockSpec((None, N, None, block_v), lambda b, h, t: (b, 0, h, t)),
+                   pl.BlockSpec((None, None, N, block_v), lambda b, h, t: (b, h, 0, t))],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret, name="gdn_tree_apply",
+    )(gamma, beta.astype(F32), M, CM, q, k, v, S0.astype(F32))
+    return o, gamma, vc
 
 
 def supported(N: int, dk: int, dv: int, block_v: int) -> bool:
@@ -168,10 +273,18 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
         raise ValueError(f"unsupported shape N={N} dk={dk} dv={dv} block_v={block_v} HV={HV} HK={HK}")
     if write_state and deferred is None:
         raise ValueError("write_state needs deferred updates (without them the state is S0 itself)")
+    if method not in ("neumann", "squaring", "inverse", "split"):
+        raise ValueError(f"unknown method {method!r}")
     r = HV // HK
     nv = dv // block_v
     if num_warps is None:
         num_warps = 4 if block_v * dk <= 128 * 64 else 8     # keep the fp32 state tile in registers
+    if method == "split":
+        if deferred is not None:
+            raise ValueError("method 'split' takes no deferred updates (use 'inverse', its one-pass form)")
+        return _tree_solve_split(S0, q, k, v, g, beta, mask, rounds=num_rounds(max_depth, N), block_v=block_v,
+                                 precision=_f32_precision(precision, interpret), out_dtype=out_dtype,
+                                 num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(max_depth, N), method=method,
                              precision=_f32_precision(precision, interpret), deferred=deferred is not None,
                              write_state=write_state)

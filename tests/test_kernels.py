@@ -73,7 +73,7 @@ CASES = [  # B, N, HK, HV, dk, dv, depth, block_v
 ]
 
 
-@pytest.mark.parametrize("method", ["neumann", "squaring"])
+@pytest.mark.parametrize("method", ["neumann", "squaring", "inverse", "split"])
 @pytest.mark.parametrize("case", CASES)
 def test_tree_solve_interpret(case, method):
     B, N, HK, HV, dk, dv, depth, bv = case

@@ -154,15 +154,27 @@ def _block_v(dv: int, block_v: int | None) -> int:
     return block_v if block_v is not None else min(64, dv)
 
 
+# "auto" kernel form: below this many (request, value head) pairs a second launch costs more than the node-wise
+# work it saves in each value tile (H200, bench/results/kernels_h200.md: at B = 1, 48 heads the split form was
+# already the fastest; the embedded model's 8 heads at batch 1 keep the one-launch form)
+SPLIT_MIN_HEADS = 48
+
+
+def auto_method(batch: int, value_heads: int) -> str:
+    """The tree-solve form `method="auto"` picks for a batch of `batch` requests with `value_heads` heads."""
+    return "split" if batch * value_heads >= SPLIT_MIN_HEADS else "inverse"
+
+
 def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl: Impl = "auto",
-               method: str = "squaring", block_v: int | None = None, precision: str | None = None,
+               method: str = "auto", block_v: int | None = None, precision: str | None = None,
                reference_method: str = "solve"):
     """Closed-form GDN tree solve with gdn.masked_solve's contract; returns (o fp32, SolveFactors).
 
     q, k: [B,N,HK,dk] or already expanded [B,N,HV,dk]. impl: "auto" (kernel iff GPU and supported),
     "reference", "pallas" (kernel or ValueError), "interpret" (kernel in Pallas interpret mode, CPU tests).
-    method: "neumann" | "squaring" for the kernel (squaring was as fast or faster on the H200 at
-    depth 4–8, bench/results/kernels_h200.json); reference_method for the reference path.
+    method: the kernel's form, "neumann" | "squaring" | "inverse" | "split" (gdn_tree_solve says what each
+    does; bench/results/kernels_h200.md has them timed), or "auto" (`auto_method`); reference_method for the
+    reference path.
     precision (kernel): "tf32" (default for bf16/f16 inputs, ~3e-4 relative error), "tf32x3"
     (default for fp32 inputs, ~3e-7), "ieee".
     """
@@ -172,7 +184,9 @@ def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl
         return _reference(S0, q, k, v, g, beta, mask, max_depth, reference_method)
     block_v = _block_v(v.shape[-1], block_v)
     ok, why = tree_solve_supported(S0, q, k, v, g, beta, mask, block_v)
-    if method not in ("neumann", "squaring"):
+    if method == "auto":
+        method = auto_method(q.shape[0], v.shape[2])
+    if method not in ("neumann", "squaring", "inverse", "split"):
         ok, why = False, f"method {method!r}"
     interpret = _use_kernel(impl, ok, "tree_solve", why)
     if interpret is None:

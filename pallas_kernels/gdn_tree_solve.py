@@ -177,73 +177,69 @@ def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: boo
     gamma_ref[...] = gamma                              # every value tile writes the same Γ
 
 
-def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, m_ref, cm_ref, *, rounds: int,
-                          precision):
-    """Split form, pass 1 (one program per request and value head): Γ, M = (I+L)⁻¹ and C M to HBM."""
+def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, mc_ref, *, rounds: int, precision):
+    """Split form, pass 1 (one program per request and value head): Γ and [M; C M] (M = (I+L)⁻¹) to HBM."""
+    n = mask_ref.shape[0]
     gamma, _, L, C = _node_operators(mask_ref, g_ref, beta_ref, q_ref[...], k_ref[...], precision)
     M = _inverse(L, rounds, precision)
     gamma_ref[...] = gamma
-    m_ref[...] = M
-    cm_ref[...] = _dot(C, M, precision)
+    mc_ref[pl.ds(0, n), :] = M
+    mc_ref[pl.ds(n, n), :] = _dot(C, M, precision)
 
 
-def _tree_apply_kernel(gamma_ref, beta_ref, m_ref, cm_ref, q_ref, k_ref, v_ref, s0_ref, o_ref, vc_ref, *,
-                       precision):
-    """Split form, pass 2 (one program per request, value head and value tile): four products against S0."""
-    s0 = s0_ref[...]
-    k = k_ref[...]
-    ks = _dot(k, s0, precision)
-    qs = _dot(q_ref[...], s0, precision)
+def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, kq_ref, v_ref, s0_ref, o_ref, vc_ref, *, precision):
+    """Split form, pass 2 (one program per request, value head and value tile): two products with 2N rows —
+    [K; Q] S0, then [M; C M] R — so the tile's tensor-core work is two MMAs deep."""
+    n = gamma_ref.shape[0]
+    ks, qs = lax.split(_dot(kq_ref[...], s0_ref[...], precision), (n, n), axis=0)
     eg = jnp.exp(gamma_ref[...])
     R = beta_ref[...][:, None] * (v_ref[...].astype(F32) - eg[:, None] * ks)
-    vc_ref[...] = _dot(m_ref[...], R, precision)
-    o_ref[...] = (eg[:, None] * qs + _dot(cm_ref[...], R, precision)).astype(o_ref.dtype)
+    U, CU = lax.split(_dot(mc_ref[...], R, precision), (n, n), axis=0)
+    vc_ref[...] = U
+    o_ref[...] = (eg[:, None] * qs + CU).astype(o_ref.dtype)
 
 
 def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision, out_dtype, num_warps, num_stages,
                       interpret):
-    """Two launches: the node-wise operators once per (request, value head) — Γ, M = (I+L)⁻¹, C M, 2·N² fp32
-    words each through HBM — then the value tiles, which hold no N × N chain and only four products."""
+    """Two launches: the node-wise operators once per (request, value head) — Γ and [M; C M], 2·N² fp32 words
+    per head through HBM — then the value tiles, which hold no N × N chain: two products of 2N rows each."""
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
     r = HV // HK
-    node_specs = [
-        pl.BlockSpec((None, N, N), lambda b, h: (b, 0, 0)),                    # mask
-        pl.BlockSpec((None, N, None), lambda b, h: (b, 0, h)),                 # g
-        pl.BlockSpec((None, N, None), lambda b, h: (b, 0, h)),                 # beta
-        pl.BlockSpec((None, N, None, dk), lambda b, h: (b, 0, h // r, 0)),     # q (key head)
-        pl.BlockSpec((None, N, None, dk), lambda b, h: (b, 0, h // r, 0)),     # k (key head)
-    ]
-    gamma, M, CM = pl.pallas_call(
+    gamma, MC = pl.pallas_call(
         functools.partial(_tree_operator_kernel, rounds=rounds, precision=precision),
-        out_shape=[jax.ShapeDtypeStruct((B, HV, N), F32), jax.ShapeDtypeStruct((B, HV, N, N), F32),
-                   jax.ShapeDtypeStruct((B, HV, N, N), F32)],
-        grid=(B, HV), in_specs=node_specs,
+        out_shape=[jax.ShapeDtypeStruct((B, HV, N), F32), jax.ShapeDtypeStruct((B, HV, 2 * N, N), F32)],
+        grid=(B, HV),
+        in_specs=[
+            pl.BlockSpec((None, N, N), lambda b, h: (b, 0, 0)),                    # mask
+            pl.BlockSpec((None, N, None), lambda b, h: (b, 0, h)),                 # g
+            pl.BlockSpec((None, N, None), lambda b, h: (b, 0, h)),                 # beta
+            pl.BlockSpec((None, N, None, dk), lambda b, h: (b, 0, h // r, 0)),     # q (key head)
+            pl.BlockSpec((None, N, None, dk), lambda b, h: (b, 0, h // r, 0)),     # k (key head)
+        ],
         out_specs=[pl.BlockSpec((None, None, N), lambda b, h: (b, h, 0)),
-                   pl.BlockSpec((None, None, N, N), lambda b, h: (b, h, 0, 0)),
-                   pl.BlockSpec((None, None, N, N), lambda b, h: (b, h, 0, 0))],
+                   pl.BlockSpec((None, None, 2 * N, N), lambda b, h: (b, h, 0, 0))],
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="gdn_tree_operators",
     )(mask.astype(F32), g.astype(F32), beta.astype(F32), q, k)
+    kq = jnp.concatenate([k, q], axis=1)                                               # [B, 2N, HK, dk]
     o, vc = pl.pallas_call(
         functools.partial(_tree_apply_kernel, precision=precision),
         out_shape=[jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype), jax.ShapeDtypeStruct((B, HV, N, dv), F32)],
         grid=(B, HV, dv // block_v),
         in_specs=[
-            pl.BlockSpec((None, None, N), lambda b, h, t: (b, h, 0)),               # Γ
-            pl.BlockSpec((None, N, None), lambda b, h, t: (b, 0, h)),               # beta
-            pl.BlockSpec((None, None, N, N), lambda b, h, t: (b, h, 0, 0)),         # M
-            pl.BlockSpec((None, None, N, N), lambda b, h, t: (b, h, 0, 0)),         # C M
-            pl.BlockSpec((None, N, None, dk), lambda b, h, t: (b, 0, h // r, 0)),   # q (key head)
-            pl.BlockSpec((None, N, None, dk), lambda b, h, t: (b, 0, h // r, 0)),   # k (key head)
-            pl.BlockSpec((None, N, None, block_v), lambda b, h, t: (b, 0, h, t)),   # v
-            pl.BlockSpec((None, None, dk, block_v), lambda b, h, t: (b, h, 0, t)),  # S0
+            pl.BlockSpec((None, None, N), lambda b, h, t: (b, h, 0)),                   # Γ
+            pl.BlockSpec((None, N, None), lambda b, h, t: (b, 0, h)),                   # beta
+            pl.BlockSpec((None, None, 2 * N, N), lambda b, h, t: (b, h, 0, 0)),         # [M; C M]
+            pl.BlockSpec((None, 2 * N, None, dk), lambda b, h, t: (b, 0, h // r, 0)),   # [k; q] (key head)
+            pl.BlockSpec((None, N, None, block_v), lambda b, h, t: (b, 0, h, t)),       # v
+            pl.BlockSpec((None, None, dk, block_v), lambda b, h, t: (b, h, 0, t)),      # S0
         ],
         out_specs=[pl.BlockSpec((None, N, None, block_v), lambda b, h, t: (b, 0, h, t)),
                    pl.BlockSpec((None, None, N, block_v), lambda b, h, t: (b, h, 0, t))],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="gdn_tree_apply",
-    )(gamma, beta.astype(F32), M, CM, q, k, v, S0.astype(F32))
+    )(gamma, beta.astype(F32), MC, kq, v, S0.astype(F32))
     return o, gamma, vc
 
 

@@ -205,7 +205,7 @@ def test_custom_vjp_gradient_matches_reference():
 
 # ---------------------------------------------------------------- real GPU
 @needs_gpu
-@pytest.mark.parametrize("method", ["neumann", "squaring"])
+@pytest.mark.parametrize("method", ["neumann", "squaring", "inverse", "split"])
 @pytest.mark.parametrize("N,depth", [(16, 4), (64, 8)])
 def test_tree_solve_gpu_bf16(method, N, depth):
     par, mask, args = make_inputs(N + depth, 2, N, 16, 48, 128, 128, depth, dtype=jnp.bfloat16)

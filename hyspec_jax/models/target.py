@@ -169,7 +169,7 @@ class TargetModel(nnx.Module):
             else:
                 from pallas_kernels import dispatch
                 o, fac = dispatch.tree_solve(state.ssm[j], q, k, v, g, beta, mask, tree.envelope.path_nodes,
-                                             impl=kernel_impl, method="neumann" if method == "neumann" else "squaring",
+                                             impl=kernel_impl, method="neumann" if method == "neumann" else "auto",
                                              reference_method=method)
             return mix.output(o, z, x.dtype), (fac, qkv)
 

@@ -24,8 +24,8 @@ without writing the merged state back), summed per round and layer with a merge 
 
 Timing (METHOD.md): each variant is jitted over R distinct input sets (rotating buffers, so repeated
 calls do not hit a cache and cannot be merged), warmed up, then timed `reps` times with
-block_until_ready; per-call time = median / R. marginal_us (unless --no-marginal): the time R more calls
-add, per call, which takes out the executable's fixed dispatch cost. Commit: S is donated and fed back (in place), K calls per
+block_until_ready; per-call time = median / R. device_us (GPU, unless --no-profile): the time the GPU spends in
+the call's kernels, summed from a `jax.profiler` trace of 3 more runs (no dispatch, no idle gaps). Commit: S is donated and fed back (in place), K calls per
 timed block. Writes JSON with device kind, jax version, git commit, medians and errors.
 """
 
@@ -96,51 +96,88 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / float(np.median(ts))
 
 
-def time_multi(fn, sets, reps: int, warmup: int = 2, check=None, extra_sets=None) -> dict:
+def device_kernel_time(run, calls: int) -> dict:
+    """Device time per call from JAX's profiler trace: run() (one executable of `calls` calls, blocking) goes
+    PROFILE_REPS times under `jax.profiler.trace`; the GPU planes' stream events (kernels, memsets, copies the
+    executable itself issues) are summed per call. Unlike a host clock this leaves out dispatching and awaiting the
+    executable and the idle gaps between launches: it is the time the GPU spends in our kernels, warm (the
+    Nsight Compute table in kernel-resources times one cold, serialized launch instead)."""
+    import glob
+    import tempfile
+    from jax.profiler import ProfileData
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp)
+        try:
+            for _ in range(PROFILE_REPS):
+                run()
+        finally:
+            jax.profiler.stop_trace()
+        files = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            raise RuntimeError("the profiler wrote no trace")
+        data = ProfileData.from_file(files[0])
+    per_name: dict[str, float] = {}
+    seen = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            seen.append(line.name)
+            if not line.name.startswith("Stream"):
+                continue                                 # "XLA Ops" / "XLA Modules" lines repeat the same time
+            for ev in line.events:
+                per_name[ev.name] = per_name.get(ev.name, 0.0) + ev.duration_ns
+    if not per_name:
+        raise RuntimeError(f"no GPU stream events in the trace (planes {[p.name for p in data.planes]}, "
+                           f"GPU lines {seen[:12]})")
+    n = PROFILE_REPS * calls
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:8]
+    return {"device_us": sum(per_name.values()) / 1e3 / n,
+            "device_kernels_us": {k: v / 1e3 / n for k, v in top}}
+
+
+PROFILE_REPS = 3
+
+
+def time_multi(fn, sets, reps: int, warmup: int = 2, check=None, profile: bool = False) -> dict:
     """Median seconds per call of fn over rotating input sets (one jitted executable runs them all).
 
-    check(first_output) -> dict of errors is called on the first run's output for sets[0]. With extra_sets (as
-    many distinct sets again) a second executable runs sets + extra_sets, timed alternately with the first:
-    marginal_us = (t(2R calls) − t(R calls)) / R is the device time one more call adds, without the fixed cost
-    of dispatching an executable and waiting for it (≈ 150 µs on the H200, which median_us spreads over R)."""
+    check(first_output) -> dict of errors is called on the first run's output for sets[0]. profile (GPU): also
+    the device time per call from a profiler trace (`device_kernel_time`)."""
     multi = jax.jit(lambda ss: [fn(*s) for s in ss])
     t0 = time.perf_counter()
     res = jax.block_until_ready(multi(sets))
     compile_s = time.perf_counter() - t0
     errs = check(res[0]) if check is not None else {}
     del res
-    both = list(sets) + list(extra_sets or [])
     for _ in range(warmup - 1):
         jax.block_until_ready(multi(sets))
-    if extra_sets:
-        jax.block_until_ready(multi(both))           # compile the longer executable
-    ts, ts2 = [], []
+    ts = []
     for _ in range(reps):
         t = time.perf_counter()
         jax.block_until_ready(multi(sets))
         ts.append(time.perf_counter() - t)
-        if extra_sets:
-            t = time.perf_counter()
-            jax.block_until_ready(multi(both))
-            ts2.append(time.perf_counter() - t)
     R = len(sets)
     rec = {**errs, "median_us": 1e6 * float(np.median(ts)) / R, "min_us": 1e6 * float(np.min(ts)) / R,
            "spread_us": 1e6 * float(np.percentile(ts, 90) - np.percentile(ts, 10)) / R,
            "sets": R, "reps": reps, "compile_s": compile_s}
-    if extra_sets:
-        rec["marginal_us"] = 1e6 * float(np.median(ts2) - np.median(ts)) / len(extra_sets)
+    if profile and jax.default_backend() == "gpu":
+        try:
+            rec.update(device_kernel_time(lambda: jax.block_until_ready(multi(sets)), R))
+        except Exception as e:  # noqa: BLE001 — the host-clock time stands without it
+            rec["device_error"] = f"{type(e).__name__}: {e}"[:500]
     return rec
 
 
-def _measure(fn, sets, reps: int, check, floor_us: float, extra_sets=None) -> dict:
+def _measure(fn, sets, reps: int, check, floor_us: float, profile: bool = False) -> dict:
     """time_multi of one variant, with its distance to the floor; an exception is recorded, not raised."""
     rec = {}
     try:
-        rec.update(time_multi(fn, sets, reps, check=check, extra_sets=extra_sets))
+        rec.update(time_multi(fn, sets, reps, check=check, profile=profile))
         rec["pct_of_floor"] = 100.0 * floor_us / rec["median_us"]
         rec["x_floor"] = rec["median_us"] / floor_us
-        if "marginal_us" in rec:
-            rec["marginal_x_floor"] = rec["marginal_us"] / floor_us
+        if "device_us" in rec:
+            rec["device_x_floor"] = rec["device_us"] / floor_us
     except Exception as e:  # noqa: BLE001 — record and go on
         rec["error"] = f"{type(e).__name__}: {e}"[:2000]
         traceback.print_exc()
@@ -162,7 +199,6 @@ def bench_tree(B: int, N: int, args, bw: float, log) -> dict:
     big = B * N >= 1024
     R = 4 if big else 8
     sets = [make_set(7919 * i + B * N, B, N) for i in range(R)]
-    extra = [make_set(7919 * (R + i) + B * N, B, N) for i in range(R)] if args.marginal else None
     o_ref, fac_ref = masked_solve_xla(*sets[0], mask, method="solve")
     o_ref, vc_ref = jax.block_until_ready((o_ref, fac_ref.corrected))
 
@@ -210,11 +246,10 @@ def bench_tree(B: int, N: int, args, bw: float, log) -> dict:
         return check
 
     for name, (fn, kind) in variants.items():
-        small = kind == "serial" and big                                 # per-node states are large
-        use, more = (sets[:2], extra and extra[:2]) if small else (sets, extra)
-        out["variants"][name] = rec = _measure(fn, use, args.reps, checker(kind), floor_us, more)
+        use = sets if not (kind == "serial" and big) else sets[:2]     # per-node states are large
+        out["variants"][name] = rec = _measure(fn, use, args.reps, checker(kind), floor_us, args.profile)
         log(f"  B={B:<3d} N={N:<3d} {name:<28s} " + (
-            f"{rec['median_us']:10.1f} us  marginal {rec.get('marginal_us', float('nan')):8.1f} us  "
+            f"{rec['median_us']:10.1f} us  device {rec.get('device_us', float('nan')):8.1f} us  "
             f"err_o {rec.get('err_o', float('nan')):.2e}"
             if "median_us" in rec else f"ERROR {rec.get('error', '')[:200]}"))
     return out
@@ -499,15 +534,15 @@ def _tree_row(r: dict) -> dict | None:
            "serial_us": serial, "xla_us": float(xla), "xla_scan_us": t("xla_scan_paths"), "floor_us": r["floor_us"],
            "x_serial": serial / t(best), "x_xla": float(xla) / t(best), "pct_floor": 100.0 * r["floor_us"] / t(best),
            "overhead_us": t("null_overhead")}
-    marg = {n: x["marginal_us"] for n, x in kern.items() if "marginal_us" in x}
-    m = lambda n: v.get(n, {}).get("marginal_us", float("nan"))  # noqa: E731
-    if marg:                                   # device time per call: the executable's fixed cost taken out
-        mbest = min(marg, key=marg.get)
-        mserial = min([m(n) for n in v if n.startswith("serial_pallas")] or [float("nan")])
-        mxla = np.nanmin([m("xla_solve"), m("xla_neumann")])
-        row.update(marginal_best=mbest, marginal_us=marg[mbest], marginal_err_o=kern[mbest]["err_o"],
-                   marginal_serial_us=mserial, marginal_xla_us=float(mxla), marginal_x_serial=mserial / marg[mbest],
-                   marginal_x_xla=float(mxla) / marg[mbest], marginal_x_floor=marg[mbest] / r["floor_us"])
+    dev = {n: x["device_us"] for n, x in kern.items() if "device_us" in x}
+    m = lambda n: v.get(n, {}).get("device_us", float("nan"))  # noqa: E731
+    if dev:                                    # GPU time per call from the profiler trace
+        dbest = min(dev, key=dev.get)
+        dserial = min([m(n) for n in v if n.startswith("serial_pallas")] or [float("nan")])
+        dxla = np.nanmin([m("xla_solve"), m("xla_neumann")])
+        row.update(device_best=dbest, device_us=dev[dbest], device_err_o=kern[dbest]["err_o"],
+                   device_serial_us=dserial, device_xla_us=float(dxla), device_x_serial=dserial / dev[dbest],
+                   device_x_xla=float(dxla) / dev[dbest], device_x_floor=dev[dbest] / r["floor_us"])
     return row
 
 
@@ -556,18 +591,17 @@ def render(results: dict, json_path: str) -> None:
         lines.append(f"| {x['B']} | {x['N']} | {x['depth']} | {x['best'].removeprefix('pallas_')} | {x['us']:.1f} | "
                      f"{x['err_o']:.1e} | {x['serial_us']:.1f} | {x['xla_us']:.1f} | {x['xla_scan_us']:.0f} | "
                      f"{x['x_serial']:.1f} | {x['x_xla']:.1f} | {x['pct_floor']:.1f} | {x['overhead_us']:.1f} |")
-    mrows = [x for x in rows if "marginal_us" in x]
+    mrows = [x for x in rows if "device_us" in x]
     if mrows:
-        lines += ["", "Device time per call (`marginal_us`: a second executable runs twice as many calls, on R more "
-                  "distinct input sets, timed alternately with the first; (t(2R) − t(R)) / R leaves out the fixed cost "
-                  "of dispatching and awaiting an executable, but keeps the launch gaps between calls):", "",
+        lines += ["", "GPU time per call (`device_us`: the kernels of one call, summed from a `jax.profiler` trace of "
+                  "3 more runs of the same executable — no dispatch, no idle gaps between launches):", "",
                   "| B | N | depth | best kernel (tf32) | µs | err o | serial Pallas µs | XLA masked_solve µs | × serial "
                   "| × XLA | × floor |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for x in mrows:
-            lines.append(f"| {x['B']} | {x['N']} | {x['depth']} | {x['marginal_best'].removeprefix('pallas_')} | "
-                         f"{x['marginal_us']:.1f} | {x['marginal_err_o']:.1e} | {x['marginal_serial_us']:.1f} | "
-                         f"{x['marginal_xla_us']:.1f} | {x['marginal_x_serial']:.1f} | {x['marginal_x_xla']:.1f} | "
-                         f"{x['marginal_x_floor']:.2f} |")
+            lines.append(f"| {x['B']} | {x['N']} | {x['depth']} | {x['device_best'].removeprefix('pallas_')} | "
+                         f"{x['device_us']:.1f} | {x['device_err_o']:.1e} | {x['device_serial_us']:.1f} | "
+                         f"{x['device_xla_us']:.1f} | {x['device_x_serial']:.1f} | {x['device_x_xla']:.1f} | "
+                         f"{x['device_x_floor']:.2f} |")
     if results.get("commit"):
         lines += ["", f"Commit of the accepted paths over {results['commit'][0]['layers']} GDN layers "
                   "(µs per call, S donated):", "", "| B | N | variant | µs | err | % of floor |", "|---|---|---|---|---|---|"]
@@ -641,9 +675,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--nodes", default="16,32,64")
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--no-marginal", dest="marginal", action="store_false",
-                    help="skip the second, twice-as-long executable per variant that measures each call's device "
-                         "time without the executable's fixed dispatch cost (marginal_us)")
+    ap.add_argument("--no-profile", dest="profile", action="store_false",
+                    help="skip the profiler trace per tree-solve variant that gives its device time per call "
+                         "(device_us, GPU only)")
     ap.add_argument("--layers", type=int, default=LG, help="GDN layers in the commit benchmark")
     ap.add_argument("--commit-nodes", type=int, default=64)
     ap.add_argument("--no-commit", action="store_true")

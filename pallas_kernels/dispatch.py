@@ -154,15 +154,20 @@ def _block_v(dv: int, block_v: int | None) -> int:
     return block_v if block_v is not None else min(64, dv)
 
 
-# "auto" kernel form: below this many (request, value head) pairs a second launch costs more than the node-wise
-# work it saves in each value tile (H200, bench/results/kernels_h200.md: at B = 1, 48 heads the split form was
-# already the fastest; the embedded model's 8 heads at batch 1 keep the one-launch form)
-SPLIT_MIN_HEADS = 48
+# "auto" kernel form, from the H200 device times of each form (bench/results/kernels_h200_final.md, profiler trace,
+# 27B geometry): below 64 nodes the one-launch inverse form wins (N 16: 18.1 vs 22.7 µs split at B 8; B 1, N 64:
+# 17.7 vs 18.9); from 64 nodes and 384 request-heads the split form does (B 8, N 64: 59.2 vs 61.4), and at 128
+# nodes by far, with whole-width value tiles (B 8: 401 µs split bv 128, 893 inverse, 710 squaring).
+SPLIT_MIN_NODES, SPLIT_MIN_HEADS, SPLIT_ALWAYS_NODES = 64, 384, 128
 
 
-def auto_method(batch: int, value_heads: int) -> str:
-    """The tree-solve form `method="auto"` picks for a batch of `batch` requests with `value_heads` heads."""
-    return "split" if batch * value_heads >= SPLIT_MIN_HEADS else "inverse"
+def auto_method(batch: int, value_heads: int, nodes: int, dv: int) -> tuple[str, int]:
+    """(form, block_v) that `method="auto"` picks for `batch` trees of `nodes` (padded) nodes."""
+    if nodes >= SPLIT_ALWAYS_NODES:
+        return "split", min(128, dv)
+    if nodes >= SPLIT_MIN_NODES and batch * value_heads >= SPLIT_MIN_HEADS:
+        return "split", min(64, dv)
+    return "inverse", min(64, dv)
 
 
 def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl: Impl = "auto",
@@ -182,10 +187,12 @@ def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl
     max_depth = N if max_depth is None else int(max_depth)
     if impl == "reference":
         return _reference(S0, q, k, v, g, beta, mask, max_depth, reference_method)
+    if method == "auto":
+        n_pad = _padded_n(N)
+        method, auto_bv = auto_method(q.shape[0], v.shape[2], n_pad or N, v.shape[-1])
+        block_v = auto_bv if block_v is None else block_v
     block_v = _block_v(v.shape[-1], block_v)
     ok, why = tree_solve_supported(S0, q, k, v, g, beta, mask, block_v)
-    if method == "auto":
-        method = auto_method(q.shape[0], v.shape[2])
     if method not in ("neumann", "squaring", "inverse", "split"):
         ok, why = False, f"method {method!r}"
     interpret = _use_kernel(impl, ok, "tree_solve", why)

@@ -187,6 +187,20 @@ def test_dispatch_pads_odd_node_count():
     assert rel(fac.log_decay, fac_ref.log_decay) < 1e-6
 
 
+def test_auto_method_rule_and_split_through_dispatch():
+    """The measured rule: one launch below 64 nodes, split from 64 nodes at 384 request-heads, split with whole
+    128-wide value tiles from 128 nodes; and a split solve picked by "auto" through the dispatcher (padded)."""
+    assert dispatch.auto_method(1, 8, 32, 64) == ("inverse", 64)          # the embedded model at batch 1
+    assert dispatch.auto_method(1, 48, 64, 128) == ("inverse", 64)
+    assert dispatch.auto_method(8, 48, 64, 128) == ("split", 64)
+    assert dispatch.auto_method(1, 48, 128, 128) == ("split", 128)
+    assert dispatch.auto_method(1, 2, 128, 32) == ("split", 32)
+    par, mask, args = make_inputs(44, 2, 100, 2, 4, 16, 32, 6)            # padded to 128 nodes: split, bv 32
+    o, fac = dispatch.tree_solve(*args, mask, 6, impl="interpret")
+    o_ref, fac_ref = reference(*args, mask)
+    assert rel(o, o_ref) < 1e-5 and rel(fac.corrected, fac_ref.corrected) < 1e-5
+
+
 def test_custom_vjp_gradient_matches_reference():
     par, mask, args = make_inputs(44, 1, 16, 2, 4, 16, 16, 4)
     w = jax.random.normal(jax.random.key(5), (1, 16, 4, 16))

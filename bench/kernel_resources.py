@@ -227,9 +227,10 @@ def render(res: dict) -> list[str]:
                      f"{x.get('block_threads', '—')} | {x.get('grid_blocks', '—')} | {x.get('waves', '—')} | {us} |")
     detailed = {n: x["detail"] for n, x in res["kernels"].items() if isinstance(x.get("detail"), dict)}
     if detailed:
-        lines += ["", "Hardware counters (`--detail`): achieved occupancy, DRAM bytes, the four largest stall reasons "
-                  "(warps stalled per issued instruction):", "", "| kernel | occupancy % | DRAM read MB | DRAM write MB | "
-                  "top stalls |", "|---|---|---|---|---|"]
+        lines += ["", "Hardware counters (`--detail`): achieved occupancy, DRAM throughput and its share of peak, local-"
+                  "memory spill requests, the four largest stall reasons (warps stalled per issued instruction):", "",
+                  "| kernel | occupancy % | DRAM TB/s | DRAM % of peak | spill requests | top stalls |",
+                  "|---|---|---|---|---|---|"]
         for name, d in detailed.items():
             num = lambda key: d.get(key) if isinstance(d.get(key), (int, float)) else float("nan")  # noqa: E731
             stalls = {k.split("issue_stalled_")[1].split("_per_")[0]: v for k, v in d.items()
@@ -237,8 +238,9 @@ def render(res: dict) -> list[str]:
                       and isinstance(v, (int, float))}
             top = ", ".join(f"{k} {v:.2f}" for k, v in sorted(stalls.items(), key=lambda kv: -kv[1])[:4])
             lines.append(f"| {name} | {num('sm__warps_active.avg.pct_of_peak_sustained_active'):.1f} | "
-                         f"{num('dram__bytes_read.sum') / 1e6:.1f} | {num('dram__bytes_write.sum') / 1e6:.1f} | "
-                         f"{top or '—'} |")
+                         f"{num('dram__bytes.sum.per_second') / 1e12:.2f} | "
+                         f"{num('dram__cycles_active.avg.pct_of_peak_sustained_elapsed'):.1f} | "
+                         f"{num('derived__local_spilling_requests'):.0f} | {top or '—'} |")
     return lines + [""] + [f"- {n}" for n in res.get("notes", [])]
 
 

@@ -116,6 +116,11 @@ def device_kernel_time(run, calls: int) -> dict:
         if not files:
             raise RuntimeError("the profiler wrote no trace")
         data = ProfileData.from_file(files[0])
+    return gpu_stream_time(data, PROFILE_REPS * calls)
+
+
+def gpu_stream_time(data, calls: int) -> dict:
+    """Sum of the GPU stream events of a profile (`jax.profiler.ProfileData`) per call, and the largest kernels."""
     per_name: dict[str, float] = {}
     seen = []
     for plane in data.planes:
@@ -130,10 +135,9 @@ def device_kernel_time(run, calls: int) -> dict:
     if not per_name:
         raise RuntimeError(f"no GPU stream events in the trace (planes {[p.name for p in data.planes]}, "
                            f"GPU lines {seen[:12]})")
-    n = PROFILE_REPS * calls
     top = sorted(per_name.items(), key=lambda kv: -kv[1])[:8]
-    return {"device_us": sum(per_name.values()) / 1e3 / n,
-            "device_kernels_us": {k: v / 1e3 / n for k, v in top}}
+    return {"device_us": sum(per_name.values()) / 1e3 / calls,
+            "device_kernels_us": {k: v / 1e3 / calls for k, v in top}}
 
 
 PROFILE_REPS = 3

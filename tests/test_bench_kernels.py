@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from hyspec_jax.bench import kernels as K
 
 
@@ -134,3 +136,30 @@ def test_kernel_resources_parse_ncu_and_refuse_without_gpu(tmp_path):
     import jax
     if jax.default_backend() != "gpu":
         assert KR.main(["--json", str(tmp_path / "r.json")]) == 1
+
+
+def test_gpu_stream_time_sums_stream_events_only():
+    """device_us: the GPU planes' "Stream" lines summed per call; the "XLA Ops" line (the same time again) and
+    host planes are left out; a trace without GPU stream events is an error, not a zero."""
+    from jax.profiler import ProfileData
+    from hyspec_jax.bench.kernels import gpu_stream_time
+    text = """
+    planes { id: 1 name: "/device:GPU:0"
+      lines { id: 1 name: "Stream #13(Compute)" timestamp_ns: 0
+        events { metadata_id: 1 offset_ps: 0 duration_ps: 5000000 }
+        events { metadata_id: 2 offset_ps: 6000000 duration_ps: 1000000 }
+        events { metadata_id: 1 offset_ps: 9000000 duration_ps: 3000000 } }
+      lines { id: 2 name: "XLA Ops" timestamp_ns: 0
+        events { metadata_id: 1 offset_ps: 0 duration_ps: 5000000 } }
+      event_metadata { key: 1 value { id: 1 name: "gdn_tree_apply" } }
+      event_metadata { key: 2 value { id: 2 name: "fusion_3" } } }
+    planes { id: 2 name: "/host:CPU"
+      lines { id: 1 name: "python" timestamp_ns: 0 events { metadata_id: 1 offset_ps: 0 duration_ps: 9000000000 } }
+      event_metadata { key: 1 value { id: 1 name: "run" } } }
+    """
+    res = gpu_stream_time(ProfileData.from_text_proto(text), calls=2)
+    assert res["device_us"] == pytest.approx(4.5)                 # (5 + 1 + 3) µs over 2 calls
+    assert res["device_kernels_us"] == pytest.approx({"gdn_tree_apply": 4.0, "fusion_3": 0.5})
+    host_only = 'planes { id: 2 name: "/host:CPU" }'
+    with pytest.raises(RuntimeError, match="no GPU stream events"):
+        gpu_stream_time(ProfileData.from_text_proto(host_only), calls=1)

@@ -503,6 +503,11 @@ def summarize(results: dict) -> list[str]:
             f"{serial:9.1f} {t('xla_solve'):9.1f} {t('xla_neumann'):9.1f} {t('xla_scan_paths'):9.1f} | "
             f"{serial / t(best):8.2f} {xla / t(best):7.2f} {kern[best]['pct_of_floor']:6.1f}"
             f"   (overhead probe {t('null_overhead'):.1f})")
+        row = _tree_row(r)
+        if row and "device_us" in row:
+            lines.append(f"{'':>10}   GPU time (profiler): {row['device_best']} {row['device_us']:.1f} us, serial "
+                         f"{row['device_serial_us']:.1f} ({row['device_x_serial']:.1f}x), XLA "
+                         f"{row['device_xla_us']:.1f} ({row['device_x_xla']:.1f}x), {row['device_x_floor']:.2f}x floor")
     if results.get("commit"):
         lines += ["", f"commit over {results['commit'][0]['layers']} layers (us per call)"]
         for r in results["commit"]:

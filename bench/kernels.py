@@ -148,6 +148,11 @@ def time_multi(fn, sets, reps: int, warmup: int = 2, check=None, profile: bool =
 
     check(first_output) -> dict of errors is called on the first run's output for sets[0]. profile (GPU): also
     the device time per call from a profiler trace (`device_kernel_time`)."""
+    transient = {}
+    try:                      # XLA's scratch for one call: intermediates between its kernels, never the outputs
+        transient["transient_bytes"] = int(jax.jit(fn).lower(*sets[0]).compile().memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 — a backend without memory analysis: the timing stands without it
+        pass
     multi = jax.jit(lambda ss: [fn(*s) for s in ss])
     t0 = time.perf_counter()
     res = jax.block_until_ready(multi(sets))
@@ -162,7 +167,7 @@ def time_multi(fn, sets, reps: int, warmup: int = 2, check=None, profile: bool =
         jax.block_until_ready(multi(sets))
         ts.append(time.perf_counter() - t)
     R = len(sets)
-    rec = {**errs, "median_us": 1e6 * float(np.median(ts)) / R, "min_us": 1e6 * float(np.min(ts)) / R,
+    rec = {**errs, **transient, "median_us": 1e6 * float(np.median(ts)) / R, "min_us": 1e6 * float(np.min(ts)) / R,
            "spread_us": 1e6 * float(np.percentile(ts, 90) - np.percentile(ts, 10)) / R,
            "sets": R, "reps": reps, "compile_s": compile_s}
     if profile and jax.default_backend() == "gpu":
@@ -206,6 +211,7 @@ def bench_tree(B: int, N: int, args, bw: float, log) -> dict:
     o_ref, fac_ref = masked_solve_xla(*sets[0], mask, method="solve")
     o_ref, vc_ref = jax.block_until_ready((o_ref, fac_ref.corrected))
 
+    interpret = bool(getattr(args, "interpret", False))          # Pallas interpret mode: the CPU test
     variants = {}
     for method in ["neumann", "squaring", "inverse", "split"]:
         for bv in [16, 32, 64, 128]:
@@ -213,16 +219,18 @@ def bench_tree(B: int, N: int, args, bw: float, log) -> dict:
                 name = f"pallas_{method}_bv{bv}" + ("" if nw is None else f"_nw{nw}")
                 variants[name] = (
                     lambda *s, m=method, bv=bv, nw=nw: tree_solve_pallas(
-                        *s, mask, max_depth=depth, method=m, block_v=bv, precision="tf32", num_warps=nw), "solve")
+                        *s, mask, max_depth=depth, method=m, block_v=bv, precision="tf32", num_warps=nw,
+                        interpret=interpret), "solve")
     variants["pallas_neumann_bv64_tf32x3"] = (
         lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="neumann", block_v=64,
-                                     precision="tf32x3"), "solve")
+                                     precision="tf32x3", interpret=interpret), "solve")
     variants["pallas_squaring_bv32_tf32x3"] = (
         lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="squaring", block_v=32,
-                                     precision="tf32x3"), "solve")
+                                     precision="tf32x3", interpret=interpret), "solve")
     for bv in [32, 64]:
         variants[f"serial_pallas_bv{bv}"] = (
-            lambda *s, bv=bv: serial_tree_pallas(*s, parents, block_v=bv), "serial")
+            # o only: the per-node states are then scratch of the call, and count as its transient memory
+            lambda *s, bv=bv: serial_tree_pallas(*s, parents, block_v=bv, interpret=interpret)[0], "serial")
     variants["xla_solve"] = (lambda *s: masked_solve_xla(*s, mask, method="solve"), "xla")
     variants["xla_neumann"] = (lambda *s: masked_solve_xla(*s, mask, method="neumann", max_depth=depth), "xla")
     variants["xla_scan_paths"] = (lambda *s: serial_paths_xla(*s, path_nodes), "paths")
@@ -243,7 +251,7 @@ def bench_tree(B: int, N: int, args, bw: float, log) -> dict:
                 o, fac = res
                 return dict(err_o=_rel(o, o_ref), err_vc=_rel(fac.corrected, vc_ref), maxabs_o=_maxabs(o, o_ref))
             if kind == "serial":
-                return dict(err_o=_rel(res[0], o_ref), maxabs_o=_maxabs(res[0], o_ref))
+                return dict(err_o=_rel(res, o_ref), maxabs_o=_maxabs(res, o_ref))
             if kind == "paths":
                 return dict(err_o=_rel(res, o_ref), maxabs_o=_maxabs(res, o_ref))
             return {}
@@ -543,6 +551,10 @@ def _tree_row(r: dict) -> dict | None:
            "serial_us": serial, "xla_us": float(xla), "xla_scan_us": t("xla_scan_paths"), "floor_us": r["floor_us"],
            "x_serial": serial / t(best), "x_xla": float(xla) / t(best), "pct_floor": 100.0 * r["floor_us"] / t(best),
            "overhead_us": t("null_overhead")}
+    mib = lambda n: v.get(n, {}).get("transient_bytes", float("nan")) / 2**20  # noqa: E731
+    sname = min((n for n in v if n.startswith("serial_pallas") and "median_us" in v[n]), key=t, default=None)
+    row.update(transient_mib=mib(best), serial_transient_mib=mib(sname) if sname else float("nan"),
+               xla_transient_mib=mib("xla_solve"))
     dev = {n: x["device_us"] for n, x in kern.items() if "device_us" in x}
     m = lambda n: v.get(n, {}).get("device_us", float("nan"))  # noqa: E731
     if dev:                                    # GPU time per call from the profiler trace
@@ -590,16 +602,19 @@ def render(results: dict, json_path: str) -> None:
               + (f"; merged from {', '.join(results['merged_from'])}" if results.get("merged_from") else ""), "",
               "Geometry HK 16, HV 48, dk = dv = 128; bf16 q/k/v, fp32 state. Times: median µs per call over rotating "
               "input sets in one executable (a share of dispatch included: see the overhead column). Floor: fewest "
-              "bytes / copy bandwidth.", "",
+              "bytes / copy bandwidth. Transient: XLA's scratch allocation for one call (intermediates between "
+              "kernels, e.g. the serial kernel's per-node states; not the outputs).", "",
               "| B | N | depth | best kernel (tf32) | µs | err o | serial Pallas | XLA masked_solve | XLA scan/path "
-              "| × serial | × XLA | % of floor | overhead probe µs |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| × serial | × XLA | % of floor | overhead probe µs | transient MiB: kernel / serial / XLA |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = sorted((x for x in map(_tree_row, results.get("tree", [])) if x is not None),
                   key=lambda x: (x["B"], x["N"]))
     for x in rows:
         lines.append(f"| {x['B']} | {x['N']} | {x['depth']} | {x['best'].removeprefix('pallas_')} | {x['us']:.1f} | "
                      f"{x['err_o']:.1e} | {x['serial_us']:.1f} | {x['xla_us']:.1f} | {x['xla_scan_us']:.0f} | "
-                     f"{x['x_serial']:.1f} | {x['x_xla']:.1f} | {x['pct_floor']:.1f} | {x['overhead_us']:.1f} |")
+                     f"{x['x_serial']:.1f} | {x['x_xla']:.1f} | {x['pct_floor']:.1f} | {x['overhead_us']:.1f} | "
+                     f"{x.get('transient_mib', float('nan')):.1f} / {x.get('serial_transient_mib', float('nan')):.1f} / "
+                     f"{x.get('xla_transient_mib', float('nan')):.1f} |")
     mrows = [x for x in rows if "device_us" in x]
     if mrows:
         lines += ["", "GPU time per call (`device_us`: the kernels of one call, summed from a `jax.profiler` trace of "

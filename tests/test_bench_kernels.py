@@ -163,3 +163,27 @@ def test_gpu_stream_time_sums_stream_events_only():
     host_only = 'planes { id: 2 name: "/host:CPU" }'
     with pytest.raises(RuntimeError, match="no GPU stream events"):
         gpu_stream_time(ProfileData.from_text_proto(host_only), calls=1)
+
+
+def test_tree_bench_runs_on_cpu(tmp_path, monkeypatch):
+    """The tree-solve sweep at a small geometry with the kernels in interpret mode: every form matches the
+    reference, the serial kernel keeps its per-node states as transient memory (the kernels none), it renders."""
+    import argparse
+    for name, value in (("HK", 1), ("HV", 2), ("DK", 16), ("DV", 32)):
+        monkeypatch.setattr(K, name, value)
+    ns = argparse.Namespace(reps=1, interpret=True, profile=True,
+                            variants=r"pallas_(squaring|inverse|split)_bv16|serial_pallas_bv32|xla_solve")
+    res = K.bench_tree(1, 16, ns, 1e11, lambda s: None)
+    v = res["variants"]
+    assert set(v) == {"pallas_squaring_bv16", "pallas_inverse_bv16", "pallas_split_bv16", "serial_pallas_bv32",
+                      "xla_solve"}
+    for name, x in v.items():
+        assert x["median_us"] > 0 and x["err_o"] < 1e-4, (name, x)
+        assert "device_us" not in x                              # no profiler trace without a GPU
+    per_node_states = 16 * K.HV * K.DK * K.DV * 4                # N fp32 states of one request
+    assert v["serial_pallas_bv32"]["transient_bytes"] >= per_node_states
+    row = K._tree_row(res)
+    assert row["best"].startswith("pallas_") and row["serial_transient_mib"] >= per_node_states / 2**20
+    K.render({"device_kind": "cpu", "tree": [res], "commit": [], "attention": [], "deferred": []},
+             str(tmp_path / "t.json"))
+    assert "transient MiB" in (tmp_path / "t.md").read_text()

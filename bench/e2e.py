@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 if mode == "ar":
                     ref[(batch, d)] = toks
                 ent = {"tok_s": round(float(np.mean(tps)), 1), "tok_s_std": round(float(np.std(tps)), 1),
-                       "tokens": ntok}
+                       "tok_s_runs": [round(float(x), 1) for x in tps], "tokens": ntok}
                 if mode != "ar":
                     acc = [r.accepted for r in res]
                     committed = [c for r in res for c in r.committed]
@@ -216,6 +216,13 @@ def finish(results: dict, meta: dict, out: Path, partial: bool) -> dict:
             for d, e in row["domains"].items():
                 e["speedup"] = round(e["tok_s"] / arrow["domains"][d]["tok_s"], 3)
             row["mean_speedup"] = round(float(np.mean([e["speedup"] for e in row["domains"].values()])), 3)
+            # paired by repeat: the modes of one repeat ran back to back (round-robin), so the ratio to that
+            # repeat's ar cancels a drift of the machine between repeats; its spread is the repeat-to-repeat one
+            runs = [(e.get("tok_s_runs"), arrow["domains"][d].get("tok_s_runs")) for d, e in row["domains"].items()]
+            if runs and all(m and b and len(m) == len(b) for m, b in runs):
+                per_rep = [float(np.mean([m[i] / b[i] for m, b in runs])) for i in range(len(runs[0][0]))]
+                row["speedup_paired"] = [round(x, 3) for x in per_rep]
+                row["speedup_paired_std"] = round(float(np.std(per_rep)), 3)
     report = {"meta": {**meta, "status": "partial" if partial else "complete"}, "results": results}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
@@ -232,7 +239,8 @@ def markdown(report: dict) -> str:
     m = report["meta"]
     lines = [f"# End-to-end speculative decoding ({m['device_kind']}, {m['dtype']}, greedy)", "",
              f"`{m['command']}` — commit {m['commit'][:10]}, jax {m['jax']}; {m['prompts_per_domain']} held-out "
-             f"prompts per domain, {m['max_tokens']} new tokens, {m['repeats']} repeats (mean ± std).", ""]
+             f"prompts per domain, {m['max_tokens']} new tokens, {m['repeats']} repeats (mean ± std; a speed-up's ± is "
+             f"the spread over repeats of its ratio to ar in the same repeat).", ""]
     rows = [r for r in report["results"].values() if "domains" in r]
     domains = list(rows[0]["domains"]) if rows else []
     lines += ["| mode | batch | N | " + " | ".join(domains) + " | mean tok/s | speed-up | τ | == ar |",
@@ -244,7 +252,9 @@ def markdown(report: dict) -> str:
             cells.append(f"{e['tok_s']:.0f}±{e['tok_s_std']:.0f}" + (f" τ{e['tau']:.2f}" if "tau" in e else ""))
         eq = all(e["equal_ar"] is not False for e in r["domains"].values())
         lines.append(f"| {r['mode']} | {r['batch']} | {r['verify_nodes']} | " + " | ".join(cells) +
-                     f" | {r['mean_tok_s']:.0f} | {r.get('mean_speedup', 1.0):.2f}x | {r.get('mean_tau', 1.0):.2f} | "
+                     f" | {r['mean_tok_s']:.0f} | {r.get('mean_speedup', 1.0):.2f}x"
+                     + (f" (±{r['speedup_paired_std']:.2f} over repeats)" if r.get("speedup_paired_std") is not None else "")
+                     + f" | {r.get('mean_tau', 1.0):.2f} | "
                      f"{'yes' if eq else 'NO'} |")
     return "\n".join(lines) + "\n"
 

@@ -69,11 +69,15 @@ def test_e2e_every_mode_equals_ar(dirs):
         for d, e in row["domains"].items():
             assert e["equal_ar"] is True, (key, d)
             assert e["tok_s"] > 0 and e["tokens"] == 3 * 6
+            assert len(e["tok_s_runs"]) == 2 and abs(sum(e["tok_s_runs"]) / 2 - e["tok_s"]) < 0.2
             if row["mode"] != "ar":
                 assert 1.0 <= e["tau"] <= 1 + row["verify_nodes"]
                 assert e["speedup"] > 0 if f"ar@b{row['batch']}" in res else "speedup" not in e
                 assert len(e["prefix_survival"]) == len(e["accepted_per_position"])
-    assert res["tree-ready@b1@N3"]["verify_nodes"] == 3
+        if row["mode"] != "ar" and f"ar@b{row['batch']}" in res:        # the speed-up paired by repeat
+            assert len(row["speedup_paired"]) == 2 and min(row["speedup_paired"]) > 0
+            assert row["speedup_paired_std"] >= 0
+    assert res["tree-ready@b1@N3"]["verify_nodes"] == 3 and "speedup_paired" not in res["tree-ready@b1@N3"]
     assert rep["meta"]["commit"] and rep["meta"]["device_kind"]
     assert out.with_suffix(".md").read_text().count("|") > 20
     assert out.with_suffix(".png").stat().st_size > 0 and (out.parent / "e2e_budget.png").stat().st_size > 0

@@ -92,7 +92,7 @@ def match_kernels(launches: list[dict]) -> dict[str, dict]:
 
 JOBS = ("neumann", "squaring", "neumann_bv32", "squaring_bv32", "neumann_bv128", "squaring_bv128",
         "inverse", "inverse_bv32", "inverse_bv128", "split", "split_bv32", "split_bv128",
-        "squaring_deferred", "commit", "append", "serial", "attention")
+        "squaring_deferred", "commit", "append", "append_l4", "serial", "attention")
 # --detail: a second ncu pass per job with these sections (hardware counters: stall reasons, occupancy, memory)
 DETAIL_SECTIONS = ("SpeedOfLight", "Occupancy", "WarpStateStats", "MemoryWorkloadAnalysis", "LaunchStats")
 
@@ -114,6 +114,9 @@ def _compile_job(B: int, N: int, only: str) -> None:
     tree = (sd((B, HV, DK, DV), f32), sd((B, N, HK, DK), bf16), sd((B, N, HK, DK), bf16), sd((B, N, HV, DV), bf16),
             sd((B, N, HV), f32), sd((B, N, HV), f32), sd((B, N, N), f32))
     deferred = (sd((B, HV), f32), sd((B, HV, P), f32), sd((B, P, HK, DK), bf16), sd((B, HV, P, DV), f32), sd((B,), i32))
+    append_args = (sd((LG, B, HV), f32), sd((LG, B, HV, P), f32), sd((LG, B, P, HK, DK), bf16),
+                   sd((LG, B, HV, P, DV), f32), sd((B,), i32), sd((LG, B, HV, N), f32), sd((LG, B, N, HK, DK), bf16),
+                   sd((LG, B, HV, N, DV), f32), sd((B, depth), i32), sd((B,), i32))
     jobs = {
         "neumann": (lambda *a: tree_solve_pallas(*a, max_depth=depth, method="neumann"), tree),
         "squaring": (lambda *a: tree_solve_pallas(*a, max_depth=depth, method="squaring"), tree),
@@ -126,13 +129,10 @@ def _compile_job(B: int, N: int, only: str) -> None:
         "commit": (lambda *a: path_commit_pallas(*a), (sd((LG, B, HV, DK, DV), f32), sd((LG, B, HV, N), f32),
                                                         sd((LG, B, N, HK, DK), bf16), sd((LG, B, HV, N, DV), f32),
                                                         sd((B, N, N), f32), sd((B,), i32))),
-        # every request appends a full-depth path (zero inputs would append nothing)
-        "append": (lambda *a: deferred_append_pallas(a[:5], *a[5:8], jnp.broadcast_to(jnp.arange(depth, dtype=i32),
-                                                                                      (B, depth)),
-                                                     jnp.full((B,), depth, i32)),
-                   (sd((LG, B, HV), f32), sd((LG, B, HV, P), f32), sd((LG, B, P, HK, DK), bf16),
-                    sd((LG, B, HV, P, DV), f32), sd((B,), i32), sd((LG, B, HV, N), f32), sd((LG, B, N, HK, DK), bf16),
-                    sd((LG, B, HV, N, DV), f32), sd((B, depth), i32), sd((B,), i32))),
+        # every request appends a full-depth path (zero inputs would append nothing); 1 or 4 layers a program
+        **{f"append{sfx}": (lambda *a, lb=lb: deferred_append_pallas(
+            a[:5], *a[5:8], jnp.broadcast_to(jnp.arange(depth, dtype=i32), (B, depth)), jnp.full((B,), depth, i32),
+            layers_per_program=lb), append_args) for sfx, lb in (("", 1), ("_l4", 4))},
         "serial": (lambda *a: serial_tree_pallas(*a[:6], a[6], block_v=64), tree[:6] + (sd((B, N), i32),)),
         "attention": (lambda q, k, v, pm, tk, tv, tm: prefix_tree_attention(q, k, v, pm, tk, tv, tm, block_s=64,
                                                                               splits=8, block_rows=64),

@@ -298,6 +298,16 @@ def time_in_place(f, donated: tuple, rest: tuple, reps: int, check, floor_us: fl
         rec.update(median_us=1e6 * float(np.median(ts)), min_us=1e6 * float(np.min(ts)),
                    spread_us=1e6 * float(np.percentile(ts, 90) - np.percentile(ts, 10)), calls_per_block=K,
                    timing="K calls chained in one executable")
+        if jax.default_backend() == "gpu":               # GPU time per call from a profiler trace, as time_multi
+            box = {"s": state}
+
+            def run():
+                box["s"] = jax.block_until_ready(fk(*box["s"], *rest))
+            try:
+                rec.update(device_kernel_time(run, K))
+            except Exception as e:  # noqa: BLE001
+                rec["device_error"] = f"{type(e).__name__}: {e}"[:500]
+            state = box["s"]
         rec.update(floor_us=floor_us, pct_of_floor=100.0 * floor_us / rec["median_us"])
         del state
     except Exception as e:  # noqa: BLE001
@@ -389,10 +399,15 @@ def bench_deferred(B: int, N: int, args, bw: float, log) -> dict:
         def check_append(res, ref=ref):
             return {"err": max(_rel(a, b) for a, b in zip(res[:4], ref[:4])),
                     "count_ok": bool(jnp.all(res[4] == ref[4]))}
-        out["variants"][f"append_P{P}"] = rec = time_in_place(
-            lambda c, rc, pk, pv, *r: deferred_append_pallas((c, rc, pk, pv, r[0]), *r[1:], interpret=interpret), upd[:4],
-            (upd[4], gam, keys, vc, path, length), args.reps, check_append, 1e6 * bytes_ / bw)
-        log(f"  deferred B={B:<3d} N={N:<3d} append_P{P} ({Lg} layers) " + _us(rec))
+        for lb in (1, 4):                 # layers per program: 1, or 4 layers' rows in one gather / scatter
+            if Lg % lb:
+                continue
+            name = f"append_P{P}" + ("" if lb == 1 else f"_l{lb}")
+            out["variants"][name] = rec = time_in_place(
+                lambda c, rc, pk, pv, *r, lb=lb: deferred_append_pallas(
+                    (c, rc, pk, pv, r[0]), *r[1:], layers_per_program=lb, interpret=interpret), upd[:4],
+                (upd[4], gam, keys, vc, path, length), args.reps, check_append, 1e6 * bytes_ / bw)
+            log(f"  deferred B={B:<3d} N={N:<3d} {name} ({Lg} layers) " + _us(rec))
         del upd, ref
         one = tuple(x[0] for x in updates(1, P)[:4]) + (jnp.full((B,), P, jnp.int32),)
         S_eff = gdn.deferred_fold(sets[0][0], jax.tree.map(lambda x: x[0], deferred_to_reference(
@@ -427,7 +442,8 @@ def _us(rec: dict) -> str:
     if "median_us" not in rec:
         return f"ERROR {rec.get('error', '')[:200]}"
     errs = "  ".join(f"{k} {v:.1e}" for k, v in rec.items() if k.startswith("err") and isinstance(v, float))
-    return f"{rec['median_us']:10.1f} us  {errs}"
+    dev = f"  (GPU {rec['device_us']:.1f} us)" if "device_us" in rec else ""
+    return f"{rec['median_us']:10.1f} us{dev}  {errs}"
 
 
 ATTN_GEOMETRY = (24, 4, 256)      # Qwen3.8-27B full attention: query heads, KV heads, head_dim

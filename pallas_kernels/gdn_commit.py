@@ -99,53 +99,65 @@ def path_commit_reference(S0, log_decay, keys, corrected, mask, node):
 # Deferred commit: append the accepted paths' factor rows (gdn.deferred_append) for every layer, one launch
 # ------------------------------------------------------------------------------------------------
 def _append_kernel(path_ref, length_ref, count_ref, gamma_ref, k_ref, vc_ref, c_in, rc_in, pk_in, pv_in,
-                   c_ref, rc_ref, pk_ref, pv_ref, count_out_ref, *, ratio: int):
+                   c_ref, rc_ref, pk_ref, pv_ref, count_out_ref, *, ratio: int, layers: int):
     # The whole path at once: one gather of its rows and one masked scatter. (A loop of ≤ d guarded row copies
     # left each program waiting on 2d dependent loads: 119 vs 79 µs at B 8, bench/results/deferred_h200.md.)
+    # layers > 1: every block has a leading axis of that many layers, copied as one 3-D gather and scatter.
     n = length_ref[...]
     cnt = count_ref[...]
-    c = c_in[...]
-    P = rc_ref.shape[0]
+    P = rc_ref.shape[-1]
     dp = path_ref.shape[0]
     i = lax.broadcasted_iota(jnp.int32, (dp,), 0)
     on_path = i < n
     j = jnp.where(on_path, path_ref[...], 0)
     ok = on_path & (cnt + i < P)
     dst = jnp.where(ok, cnt + i, 0)
-    gam = gamma_ref[j]                                                               # Γ_j   [dp]
-    pltriton.store(rc_ref.at[dst], c + gam, mask=ok)
+    lead = () if layers == 1 else (layers,)
 
-    def copy_rows(src_ref, dst_ref):                     # rows j → rows dst, as [dp, width] index arrays
-        shape = (dp, dst_ref.shape[1])
-        col = lax.broadcasted_iota(jnp.int32, shape, 1)
-        rows = src_ref[jnp.broadcast_to(j[:, None], shape), col].astype(dst_ref.dtype)
-        pltriton.store(dst_ref.at[jnp.broadcast_to(dst[:, None], shape), col], rows,
-                       mask=jnp.broadcast_to(ok[:, None], shape))
+    def grid(shape):
+        """Index arrays of `shape` (lead + (dp,) + rest): the path axis → (rows j, rows dst), the others their
+        iota; and the store mask."""
+        ax = len(lead)
+        others = [a for a in range(len(shape)) if a != ax]
+        on = lambda x: jnp.broadcast_to(jnp.expand_dims(x, others), shape)  # noqa: E731
+        iota = [lax.broadcasted_iota(jnp.int32, shape, a) for a in range(len(shape))]
+        put = lambda rows: tuple(on(rows) if a == ax else iota[a] for a in range(len(shape)))  # noqa: E731
+        return put(j), put(dst), on(ok)
 
-    copy_rows(vc_ref, pv_ref)
+    def copy(src_ref, dst_ref):                          # rows j of src → rows dst of dst, every lead/column
+        src, dst_ix, m = grid(lead + (dp, dst_ref.shape[-1]))
+        pltriton.store(dst_ref.at[dst_ix], src_ref[src].astype(dst_ref.dtype), mask=m)
 
-    @pl.when(pl.program_id(2) % ratio == 0)                 # one value head per key head writes the key rows
+    src, dst_ix, m = grid(lead + (dp,))
+    gam = gamma_ref[src]                                                             # Γ_j   [lead, dp]
+    c = c_in[...]                                                                    # [lead]
+    cb = c if layers == 1 else c[:, None]
+    pltriton.store(rc_ref.at[dst_ix], cb + gam, mask=m)
+    c_ref[...] = c + jnp.sum(jnp.where(jnp.broadcast_to(i == n - 1, gam.shape), gam, 0.0), axis=-1)  # c ← c + Γ_a
+    copy(vc_ref, pv_ref)
+
+    @pl.when(pl.program_id(2) % ratio == 0)               # one value head per key head writes the key rows
     def _():
-        copy_rows(k_ref, pk_ref)
-
-    c_ref[...] = c + jnp.sum(jnp.where(i == n - 1, gam, 0.0))                      # c ← c + Γ_a (n = 0: c)
+        copy(k_ref, pk_ref)
 
     @pl.when((pl.program_id(0) == 0) & (pl.program_id(2) == 0))
     def _():
         count_out_ref[...] = jnp.minimum(cnt + n, P)
 
 
-@functools.partial(jax.jit, static_argnames=("num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_warps", "layers_per_program", "interpret"))
 def deferred_append_pallas(deferred, log_decay, keys, corrected, path, length, *, num_warps: int = 1,
-                           interpret: bool = False):
+                           layers_per_program: int = 1, interpret: bool = False):
     """Commit each request's accepted path for every GDN layer by appending its rows to the deferred updates.
 
     deferred = (c [Lg,B,HV], c_i [Lg,B,HV,P], keys [Lg,B,P,HK,dk], values [Lg,B,HV,P,dv], count [B]) — the
     kernel layout of `gdn.DeferredUpdates` stacked over layers (count shared by the layers); log_decay Γ
     [Lg,B,HV,N], keys [Lg,B,N,HK,dk], corrected V' [Lg,B,HV,N,dv] from the verify; path [B,d] / length [B]
     from `tree.path_to`. One program per (layer, request, value head) copies ≤ d rows as one gather and one
-    masked scatter (the path padded to a power of two); nothing of the state itself is read or written. The four update arrays are updated in place when donated; returns them and
-    the new count.
+    masked scatter (the path padded to a power of two); nothing of the state itself is read or written.
+    layers_per_program > 1 (a power of two dividing Lg): one program per (group of that many layers, request,
+    value head), its copies one gather and one scatter over all of them — fewer, larger programs. The four
+    update arrays are updated in place when donated; returns them and the new count.
     """
     c, rc, pk, pv, count = deferred
     Lg, B, HV, P = rc.shape
@@ -155,28 +167,32 @@ def deferred_append_pallas(deferred, log_decay, keys, corrected, path, length, *
     if not (tile_dim_ok(P) and tile_dim_ok(N) and tile_dim_ok(dk) and tile_dim_ok(dv)) or HV % HK:
         raise ValueError(f"unsupported shape P={P} N={N} dk={dk} dv={dv} HV={HV} HK={HK}")
     r = HV // HK
+    lb = layers_per_program
+    if lb < 1 or Lg % lb or lb & (lb - 1):
+        raise ValueError(f"layers_per_program {lb} must be a power of two dividing the {Lg} layers")
     dp = max(2, 1 << (d - 1).bit_length())                  # Triton tensors: a power-of-two path length
     path = jnp.pad(path, ((0, 0), (0, dp - d)))
-    kern = functools.partial(_append_kernel, ratio=r)
+    kern = functools.partial(_append_kernel, ratio=r, layers=lb)
     per_b = lambda *shape: pl.BlockSpec((None,) + shape, lambda l, b, h: (b,) + (0,) * len(shape))  # noqa: E731
+    L = None if lb == 1 else lb                             # the layer block: squeezed, or lb layers
     in_specs = [
         per_b(dp),                                                                        # path
         per_b(),                                                                          # length
         per_b(),                                                                          # count
-        pl.BlockSpec((None, None, None, N), lambda l, b, h: (l, b, h, 0)),                # Γ
-        pl.BlockSpec((None, None, N, None, dk), lambda l, b, h: (l, b, 0, h // r, 0)),    # keys
-        pl.BlockSpec((None, None, None, N, dv), lambda l, b, h: (l, b, h, 0, 0)),         # V'
+        pl.BlockSpec((L, None, None, N), lambda l, b, h: (l, b, h, 0)),                   # Γ
+        pl.BlockSpec((L, None, N, None, dk), lambda l, b, h: (l, b, 0, h // r, 0)),       # keys
+        pl.BlockSpec((L, None, None, N, dv), lambda l, b, h: (l, b, h, 0, 0)),            # V'
     ]
     upd_specs = [
-        pl.BlockSpec((None, None, None), lambda l, b, h: (l, b, h)),                      # c
-        pl.BlockSpec((None, None, None, P), lambda l, b, h: (l, b, h, 0)),                # c_i
-        pl.BlockSpec((None, None, P, None, dk), lambda l, b, h: (l, b, 0, h // r, 0)),    # key rows
-        pl.BlockSpec((None, None, None, P, dv), lambda l, b, h: (l, b, h, 0, 0)),         # value rows
+        pl.BlockSpec((L, None, None), lambda l, b, h: (l, b, h)),                         # c
+        pl.BlockSpec((L, None, None, P), lambda l, b, h: (l, b, h, 0)),                   # c_i
+        pl.BlockSpec((L, None, P, None, dk), lambda l, b, h: (l, b, 0, h // r, 0)),       # key rows
+        pl.BlockSpec((L, None, None, P, dv), lambda l, b, h: (l, b, h, 0, 0)),            # value rows
     ]
     out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (c, rc, pk, pv)]
     out_shape.append(jax.ShapeDtypeStruct((B,), jnp.int32))
     return pl.pallas_call(
-        kern, out_shape=out_shape, grid=(Lg, B, HV), in_specs=in_specs + upd_specs,
+        kern, out_shape=out_shape, grid=(Lg // lb, B, HV), in_specs=in_specs + upd_specs,
         out_specs=upd_specs + [per_b()], input_output_aliases={6: 0, 7: 1, 8: 2, 9: 3},
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name="gdn_deferred_append",

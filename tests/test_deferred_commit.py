@@ -123,10 +123,11 @@ def test_tree_solve_deferred_interpret(HK):
         tree_solve_pallas(S_base, q, k, v, g, beta, mask, max_depth=depth, write_state=True, interpret=True)
 
 
+@pytest.mark.parametrize("layers", [1, 2])
 @pytest.mark.parametrize("HK", [1, 2])
-def test_deferred_append_interpret(HK):
+def test_deferred_append_interpret(HK, layers):
     """The one-launch append over layers equals gdn.deferred_append per layer, and once folded equals the
-    eager factorized commit (path_commit_reference) of the same accepted nodes."""
+    eager factorized commit (path_commit_reference) of the same accepted nodes — one layer a program, or two."""
     Lg, B, N, HV, dk, dv, depth, P = 2, 3, 16, 2, 16, 16, 5, 32
     par = trees.random_parents(55, B, N, depth)
     mask = trees.mask_from_parents(jnp.asarray(par))
@@ -139,7 +140,7 @@ def test_deferred_append_interpret(HK):
     path, length = map(jnp.asarray, trees.paths_to(par, node, depth))
     deferred = kernel_layout_deferred(7, Lg, B, HK, HV, P, dk, dv, [3, 0, P - depth])
     want = jax.jit(deferred_append_reference)(deferred, gam, keys, vc, path, length)
-    got = deferred_append_pallas(deferred, gam, keys, vc, path, length, interpret=True)
+    got = deferred_append_pallas(deferred, gam, keys, vc, path, length, layers_per_program=layers, interpret=True)
     for name, a, b in zip(("c", "c_i", "keys", "values", "count"), got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6, err_msg=name)
     assert np.asarray(got[4]).tolist() == [3 + length[0], 0, P - depth + length[2]]
@@ -148,3 +149,5 @@ def test_deferred_append_interpret(HK):
     fold = jax.jit(lambda d: jax.vmap(gdn.deferred_fold)(S_base, deferred_to_reference(d, HV)))  # noqa: E731
     eager = jax.jit(path_commit_reference)(fold(deferred), gam, keys, vc, mask, jnp.asarray(node, jnp.int32))
     assert rel(fold(got), eager) < 1e-5
+    with pytest.raises(ValueError, match="layers_per_program"):
+        deferred_append_pallas(deferred, gam, keys, vc, path, length, layers_per_program=3, interpret=True)

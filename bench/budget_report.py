@@ -45,6 +45,7 @@ def sweep_points(e2e: dict, batch: int) -> tuple[str, dict[int, dict]]:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    from hyspec_jax.bench.report import portable_command
     from hyspec_jax.spec.budget import b_ver
 
     e2e = json.loads(Path(a.e2e).read_text())
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     best = max(curve, key=lambda c: c["tok_s"])
     out = {"meta": {"e2e": a.e2e, "table": a.table, "device_kind": device, "mode": mode, "batch": a.batch,
                     "t_dec_ms": t_dec, "table_dtype": entry.get("dtype"), "table_depth": entry.get("max_depth"),
-                    "e2e_dtype": e2e["meta"].get("dtype"), "command": "hyspec bench budget-report " + " ".join(argv or sys.argv[1:])},
+                    "e2e_dtype": e2e["meta"].get("dtype"), "command": portable_command("hyspec bench budget-report", argv or sys.argv[1:])},
            "curve": curve, "eps": rows, "best_measured_n": best["n"]}
     path = Path(a.json)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
     from tqdm.auto import tqdm
 
-    from hyspec_jax.bench.report import portable_path, run_metadata
+    from hyspec_jax.bench.report import portable_command, portable_path, run_metadata
     from hyspec_jax.io.drafter_io import load_drafter
     from hyspec_jax.io.hf import load_pretrained
     from hyspec_jax.sampling import SamplingParams
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {}
     ref: dict = {}
     out = Path(a.json)
-    meta = {**run_metadata(), "command": "hyspec bench e2e " + " ".join(argv or sys.argv[1:]),
+    meta = {**run_metadata(), "command": portable_command("hyspec bench e2e", argv or sys.argv[1:]),
             "model": portable_path(model_dir), "drafter": portable_path(drafter_dir) if needs_drafter else None,
             "dtype": a.dtype, "prompts": portable_path(a.prompts), "prompts_per_domain": a.prompts_per_domain,
             "max_tokens": a.max_tokens, "repeats": a.repeats, "repeat_order": "round-robin over modes",

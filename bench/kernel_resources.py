@@ -190,15 +190,15 @@ def run(B: int, N: int, log=print, timeout_s: float = 90.0, jobs: tuple = JOBS, 
         launches = parse_ncu_csv(text)
         out["jobs"][job] = {"rc": rc, "log": str(child_log)[-1500:],
                             "ncu_tail": text[-800:] if not launches else "", "launches": launches[:40]}
-        mine = match_kernels(launches)          # ncu profiled our kernels only: one or two (split) per job
-        for i, (kname, rec) in enumerate(mine.items()):
-            out["kernels"][job if i == 0 else f"{job}/{kname}"] = rec
+        # ncu profiled our kernels only: one per job, two for the split form (its second under "job/kernel")
+        keyed = lambda found: {(job if i == 0 else f"{job}/{k}"): rec for i, (k, rec) in enumerate(found.items())}  # noqa: E731
+        mine = match_kernels(launches)
+        out["kernels"].update(keyed(mine))
         if detail and mine:
             rc, child_log, text = _ncu_job(ncu, B, N, job, 2 * timeout_s, detail=True)
             full = match_kernels(parse_ncu_csv(text, all_columns=True))
             out["jobs"][job]["detail_rc"] = rc
-            for i, (kname, rec) in enumerate(full.items()):
-                key = job if i == 0 else f"{job}/{kname}"
+            for key, rec in keyed(full).items():
                 if key in out["kernels"]:
                     out["kernels"][key]["detail"] = rec
             if not full:
@@ -260,9 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hyspec bench kernel-resources: unknown job(s) {', '.join(unknown)}; choose from {', '.join(JOBS)}",
               file=sys.stderr)
         return 2
-    from hyspec_jax.bench.report import run_metadata
-    res = {**run(args.batch, args.nodes, jobs=jobs, detail=args.detail), "run_metadata": {**run_metadata(), "command": "hyspec bench kernel-resources "
-                                                             + " ".join(sys.argv[1:] if argv is None else argv)}}
+    from hyspec_jax.bench.report import portable_command, run_metadata
+    command = portable_command("hyspec bench kernel-resources", sys.argv[1:] if argv is None else argv)
+    res = {**run(args.batch, args.nodes, jobs=jobs, detail=args.detail),
+           "run_metadata": {**run_metadata(), "command": command}}
     if "error" in res:
         print(f"hyspec bench kernel-resources: {res['error']}", file=sys.stderr)
         return 1

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from hyspec_jax import gdn
-from hyspec_jax.bench.report import git_commit, run_metadata
+from hyspec_jax.bench.report import git_commit, portable_command, run_metadata
 from pallas_kernels import trees
 from pallas_kernels.gdn_commit import (deferred_append_pallas, deferred_append_reference, deferred_to_reference,
                                        path_commit_pallas, path_commit_reference)
@@ -259,7 +259,8 @@ def bench_tree(B: int, N: int, args, bw: float, log) -> dict:
 
     for name, (fn, kind) in variants.items():
         use = sets if not (kind == "serial" and big) else sets[:2]     # per-node states are large
-        out["variants"][name] = rec = _measure(fn, use, args.reps, checker(kind), floor_us, args.profile)
+        out["variants"][name] = rec = _measure(fn, use, args.reps, checker(kind), floor_us,
+                                               getattr(args, "profile", False))
         log(f"  B={B:<3d} N={N:<3d} {name:<28s} " + (
             f"{rec['median_us']:10.1f} us  device {rec.get('device_us', float('nan')):8.1f} us  "
             f"err_o {rec.get('err_o', float('nan')):.2e}"
@@ -267,7 +268,8 @@ def bench_tree(B: int, N: int, args, bw: float, log) -> dict:
     return out
 
 
-def time_in_place(f, donated: tuple, rest: tuple, reps: int, check, floor_us: float, K: int = 5) -> dict:
+def time_in_place(f, donated: tuple, rest: tuple, reps: int, check, floor_us: float, K: int = 5,
+                  profile: bool = False) -> dict:
     """Per-call time of f(*donated, *rest) -> (*donated', ...) with the donated buffers fed back (in-place
     updates, as the engine runs them): K calls chained inside one executable (unrolled, so the time is the
     device's and not one host dispatch per call); check(first outputs) -> errors. An exception is recorded,
@@ -298,7 +300,7 @@ def time_in_place(f, donated: tuple, rest: tuple, reps: int, check, floor_us: fl
         rec.update(median_us=1e6 * float(np.median(ts)), min_us=1e6 * float(np.min(ts)),
                    spread_us=1e6 * float(np.percentile(ts, 90) - np.percentile(ts, 10)), calls_per_block=K,
                    timing="K calls chained in one executable")
-        if jax.default_backend() == "gpu":               # GPU time per call from a profiler trace, as time_multi
+        if profile and jax.default_backend() == "gpu":   # GPU time per call from a profiler trace, as time_multi
             box = {"s": state}
 
             def run():
@@ -346,7 +348,8 @@ def bench_commit(B: int, N: int, args, bw: float, log) -> dict:
     for name, fn in variants.items():
         out["variants"][name] = rec = time_in_place(
             lambda S, *rest, fn=fn: (fn(S, *rest),), (jnp.copy(S0),), (gam, keys, vc, mask, node), args.reps,
-            lambda res: dict(err=_rel(res[0], ref), maxabs=_maxabs(res[0], ref)), out["floor_us"])
+            lambda res: dict(err=_rel(res[0], ref), maxabs=_maxabs(res[0], ref)), out["floor_us"],
+            profile=getattr(args, "profile", False))
         log(f"  commit B={B:<3d} N={N:<3d} {name:<26s} " + (
             f"{rec['median_us']:10.1f} us  err {rec.get('err', float('nan')):.2e}"
             if "median_us" in rec else f"ERROR {rec.get('error', '')[:200]}"))
@@ -381,7 +384,7 @@ def bench_deferred(B: int, N: int, args, bw: float, log) -> dict:
     eager_bytes = B * Lg * HV * DK * DV * 4 * 2 + Lg * B * HV * N * (DV * 4 + 4) + Lg * B * N * HK * DK * 2
     out["variants"]["commit_eager"] = rec = time_in_place(
         lambda S, *r: (path_commit_pallas(S, *r, block_v=min(64, DV), precision="tf32", interpret=interpret),), (S0l,), (gam, keys, vc, mask, node),
-        args.reps, lambda res: {}, 1e6 * eager_bytes / bw)
+        args.reps, lambda res: {}, 1e6 * eager_bytes / bw, profile=getattr(args, "profile", False))
     del S0l
     log(f"  deferred B={B:<3d} N={N:<3d} commit_eager ({Lg} layers) " + _us(rec))
     sets = [make_set(4099 * i + B * N, B, N) for i in range(4)]
@@ -406,7 +409,8 @@ def bench_deferred(B: int, N: int, args, bw: float, log) -> dict:
             out["variants"][name] = rec = time_in_place(
                 lambda c, rc, pk, pv, *r, lb=lb: deferred_append_pallas(
                     (c, rc, pk, pv, r[0]), *r[1:], layers_per_program=lb, interpret=interpret), upd[:4],
-                (upd[4], gam, keys, vc, path, length), args.reps, check_append, 1e6 * bytes_ / bw)
+                (upd[4], gam, keys, vc, path, length), args.reps, check_append, 1e6 * bytes_ / bw,
+                profile=getattr(args, "profile", False))
             log(f"  deferred B={B:<3d} N={N:<3d} {name} ({Lg} layers) " + _us(rec))
         del upd, ref
         one = tuple(x[0] for x in updates(1, P)[:4]) + (jnp.full((B,), P, jnp.int32),)
@@ -421,12 +425,12 @@ def bench_deferred(B: int, N: int, args, bw: float, log) -> dict:
                 continue
             chk = (lambda res: {"err_o": _rel(res[0], o_ref)}) if kind == "deferred" else (lambda res: {})
             floor = 1e6 * (solve_bytes(B, N) + (rows_bytes if kind == "deferred" else 0)) / bw
-            out["variants"][name] = rec = _measure(fn, sets, args.reps, chk, floor)
+            out["variants"][name] = rec = _measure(fn, sets, args.reps, chk, floor, getattr(args, "profile", False))
             log(f"  deferred B={B:<3d} N={N:<3d} {name} " + _us(rec))
         out["variants"][f"solve_merge_P{P}"] = rec = time_in_place(
             lambda S, *r: tree_solve_pallas(S, *r[:5], mask, one, write_state=True, **kw)[3:],
             (jnp.copy(sets[0][0]),), sets[0][1:], args.reps, lambda res: {"err_state": _rel(res[0], S_eff)},
-            1e6 * (solve_bytes(B, N) + B * HV * DK * DV * 4) / bw)
+            1e6 * (solve_bytes(B, N) + B * HV * DK * DV * 4) / bw, profile=getattr(args, "profile", False))
         log(f"  deferred B={B:<3d} N={N:<3d} solve_merge_P{P} " + _us(rec))
         t = lambda n: out["variants"].get(n, {}).get("median_us", float("nan"))  # noqa: E731
         R = max(1, P // depth)
@@ -500,7 +504,8 @@ def bench_attention(B: int, N: int, S: int, args, bw: float, log, geometry=ATTN_
                     interpret=args.attention_kernels == "interpret"))
     for name, fn in variants.items():
         out["variants"][name] = rec = _measure(
-            fn, sets, args.reps, lambda o: {"err_o": _rel(o, ref), "maxabs_o": _maxabs(o, ref)}, floor_us)
+            fn, sets, args.reps, lambda o: {"err_o": _rel(o, ref), "maxabs_o": _maxabs(o, ref)}, floor_us,
+            getattr(args, "profile", False))
         log(f"  attention B={B:<3d} N={N:<3d} S={S:<6d} {name:<20s} " + (
             f"{rec['median_us']:10.1f} us  {rec['x_floor']:.2f}x floor  err_o {rec.get('err_o', float('nan')):.1e}"
             if "median_us" in rec else f"ERROR {rec.get('error', '')[:200]}"))
@@ -512,23 +517,16 @@ def summarize(results: dict) -> list[str]:
              f"{'B':>3} {'N':>3} {'d':>2} | {'best kernel':<28} {'us':>9} {'err_o':>8} | {'serial':>9} "
              f"{'xla_solve':>9} {'xla_neu':>9} {'xla_scan':>9} | {'x serial':>8} {'x xla':>7} {'floor%':>6}"]
     for r in results["tree"]:
-        v = r["variants"]
-        t = lambda n: v.get(n, {}).get("median_us", float("nan"))
-        kern = {n: x for n, x in v.items() if n.startswith("pallas_") and "median_us" in x and "tf32x3" not in n
-                and x.get("err_o", 1.0) < 1e-2}
-        if not kern:
+        row = _tree_row(r)
+        if row is None:
             lines.append(f"{r['B']:>3} {r['N']:>3} {r['depth']:>2} | no kernel result")
             continue
-        best = min(kern, key=lambda n: kern[n]["median_us"])
-        serial = min([t(n) for n in v if n.startswith("serial_pallas")] or [float("nan")])
-        xla = min(t("xla_solve"), t("xla_neumann"))
         lines.append(
-            f"{r['B']:>3} {r['N']:>3} {r['depth']:>2} | {best:<28} {t(best):9.1f} {kern[best]['err_o']:8.1e} | "
-            f"{serial:9.1f} {t('xla_solve'):9.1f} {t('xla_neumann'):9.1f} {t('xla_scan_paths'):9.1f} | "
-            f"{serial / t(best):8.2f} {xla / t(best):7.2f} {kern[best]['pct_of_floor']:6.1f}"
-            f"   (overhead probe {t('null_overhead'):.1f})")
-        row = _tree_row(r)
-        if row and "device_us" in row:
+            f"{r['B']:>3} {r['N']:>3} {r['depth']:>2} | {row['best']:<28} {row['us']:9.1f} {row['err_o']:8.1e} | "
+            f"{row['serial_us']:9.1f} {row['xla_solve_us']:9.1f} {row['xla_neumann_us']:9.1f} "
+            f"{row['xla_scan_us']:9.1f} | {row['x_serial']:8.2f} {row['x_xla']:7.2f} {row['pct_floor']:6.1f}"
+            f"   (overhead probe {row['overhead_us']:.1f})")
+        if "device_us" in row:
             lines.append(f"{'':>10}   GPU time (profiler): {row['device_best']} {row['device_us']:.1f} us, serial "
                          f"{row['device_serial_us']:.1f} ({row['device_x_serial']:.1f}x), XLA "
                          f"{row['device_xla_us']:.1f} ({row['device_x_xla']:.1f}x), {row['device_x_floor']:.2f}x floor")
@@ -551,35 +549,40 @@ def summarize(results: dict) -> list[str]:
     return lines
 
 
+def _best_against_baselines(v: dict, kern: dict, key: str) -> tuple[str, float, float]:
+    """(best kernel by `key`, the serial kernel's and XLA's best `key`) among one entry's variants."""
+    t = lambda n: v.get(n, {}).get(key, float("nan"))  # noqa: E731
+    best = min((n for n in kern if key in kern[n]), key=t)
+    serial = min([t(n) for n in v if n.startswith("serial_pallas")] or [float("nan")])
+    xla = np.nanmin([t("xla_solve"), t("xla_neumann")]) if any(n in v for n in ("xla_solve", "xla_neumann")) \
+        else float("nan")
+    return best, serial, float(xla)
+
+
 def _tree_row(r: dict) -> dict | None:
-    """The best single-pass kernel of one (B, N) entry against its baselines; None without a kernel result."""
+    """The best single-pass kernel of one (B, N) entry against its baselines, by the host-clock median and (GPU)
+    by the profiler's device time; None without a kernel result."""
     v = r["variants"]
     t = lambda n: v.get(n, {}).get("median_us", float("nan"))  # noqa: E731
     kern = {n: x for n, x in v.items() if n.startswith("pallas_") and "median_us" in x and "tf32x3" not in n
             and x.get("err_o", 1.0) < 1e-2}
     if not kern:
         return None
-    best = min(kern, key=lambda n: kern[n]["median_us"])
-    serial = min([t(n) for n in v if n.startswith("serial_pallas")] or [float("nan")])
-    xla = np.nanmin([t("xla_solve"), t("xla_neumann")]) if any(n in v for n in ("xla_solve", "xla_neumann")) \
-        else float("nan")
+    best, serial, xla = _best_against_baselines(v, kern, "median_us")
     row = {"B": r["B"], "N": r["N"], "depth": r["depth"], "best": best, "us": t(best), "err_o": kern[best]["err_o"],
-           "serial_us": serial, "xla_us": float(xla), "xla_scan_us": t("xla_scan_paths"), "floor_us": r["floor_us"],
-           "x_serial": serial / t(best), "x_xla": float(xla) / t(best), "pct_floor": 100.0 * r["floor_us"] / t(best),
-           "overhead_us": t("null_overhead")}
+           "serial_us": serial, "xla_us": xla, "xla_solve_us": t("xla_solve"), "xla_neumann_us": t("xla_neumann"),
+           "xla_scan_us": t("xla_scan_paths"), "floor_us": r["floor_us"], "x_serial": serial / t(best),
+           "x_xla": xla / t(best), "pct_floor": 100.0 * r["floor_us"] / t(best), "overhead_us": t("null_overhead")}
     mib = lambda n: v.get(n, {}).get("transient_bytes", float("nan")) / 2**20  # noqa: E731
     sname = min((n for n in v if n.startswith("serial_pallas") and "median_us" in v[n]), key=t, default=None)
     row.update(transient_mib=mib(best), serial_transient_mib=mib(sname) if sname else float("nan"),
                xla_transient_mib=mib("xla_solve"))
-    dev = {n: x["device_us"] for n, x in kern.items() if "device_us" in x}
-    m = lambda n: v.get(n, {}).get("device_us", float("nan"))  # noqa: E731
-    if dev:                                    # GPU time per call from the profiler trace
-        dbest = min(dev, key=dev.get)
-        dserial = min([m(n) for n in v if n.startswith("serial_pallas")] or [float("nan")])
-        dxla = np.nanmin([m("xla_solve"), m("xla_neumann")])
-        row.update(device_best=dbest, device_us=dev[dbest], device_err_o=kern[dbest]["err_o"],
-                   device_serial_us=dserial, device_xla_us=float(dxla), device_x_serial=dserial / dev[dbest],
-                   device_x_xla=float(dxla) / dev[dbest], device_x_floor=dev[dbest] / r["floor_us"])
+    if any("device_us" in x for x in kern.values()):     # GPU time per call from the profiler trace
+        dbest, dserial, dxla = _best_against_baselines(v, kern, "device_us")
+        d = kern[dbest]["device_us"]
+        row.update(device_best=dbest, device_us=d, device_err_o=kern[dbest]["err_o"], device_serial_us=dserial,
+                   device_xla_us=dxla, device_x_serial=dserial / d, device_x_xla=dxla / d,
+                   device_x_floor=d / r["floor_us"])
     return row
 
 
@@ -716,8 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", default="16,32,64")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--no-profile", dest="profile", action="store_false",
-                    help="skip the profiler trace per tree-solve variant that gives its device time per call "
-                         "(device_us, GPU only)")
+                    help="skip the profiler trace per variant that gives its GPU time per call (device_us, GPU only)")
     ap.add_argument("--layers", type=int, default=LG, help="GDN layers in the commit benchmark")
     ap.add_argument("--commit-nodes", type=int, default=64)
     ap.add_argument("--no-commit", action="store_true")
@@ -767,8 +769,8 @@ def main(argv: list[str] | None = None) -> int:
                "dtypes": {"qkv": "bfloat16", "state": "float32", "o": "float32"},
                "reference": "gdn.masked_solve(method='solve'), fp32 precision HIGHEST, same bf16 inputs",
                "time_unit": "us per call", "tree": [], "commit": [], "deferred": [], "attention": [], "skipped": [],
-               "run_metadata": {**run_metadata(), "command": "hyspec bench kernels " + " ".join(
-                   sys.argv[1:] if argv is None else argv)}}
+               "run_metadata": {**run_metadata(), "command": portable_command(
+                   "hyspec bench kernels", sys.argv[1:] if argv is None else argv)}}
     if dev.platform != "gpu":
         log("warning: no GPU; Pallas kernels will fail (this benchmark is for the device machine)")
     bw = copy_bandwidth()

@@ -34,6 +34,24 @@ def portable_path(path) -> str | None:
         return str(path)
 
 
+def portable_args(argv) -> list[str]:
+    """Command-line arguments as a result records them: every absolute path (also in --opt=PATH) relative to the
+    project root when inside it, else cut to its file name (the folder was one machine's, e.g. the GPU machine's
+    output directory), so a committed JSON names no machine's directories."""
+    def arg(a: str) -> str:
+        opt, eq, val = a.partition("=") if a.startswith("--") else ("", "", a)
+        if not os.path.isabs(val):
+            return a
+        rel = portable_path(val)
+        return opt + eq + (rel if not os.path.isabs(rel) else os.path.basename(rel.rstrip("/")))
+    return [arg(str(a)) for a in argv]
+
+
+def portable_command(prog: str, argv) -> str:
+    """`prog` and its arguments (`portable_args`), as one line."""
+    return " ".join([prog, *portable_args(argv)])
+
+
 def run_metadata() -> dict:
     import jax
     import jaxlib

@@ -72,7 +72,6 @@ import dataclasses
 import functools
 import json
 import os
-import shlex
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -551,7 +550,7 @@ def sweep(args, cfg, name: str, on_progress=None) -> dict:
     once that many seconds have passed since the start (the skipped (B, N) are listed in the report)."""
     import jax
 
-    from hyspec_jax.bench.report import run_metadata
+    from hyspec_jax.bench.report import portable_args, portable_command, run_metadata
 
     t_start = time.perf_counter()
     dtype = resolve_dtype(args.dtype)
@@ -575,8 +574,8 @@ def sweep(args, cfg, name: str, on_progress=None) -> dict:
                 if "embed_tokens" in jax.tree_util.keystr(p))
     count = sum(int(x.size) for x in leaves)
     report = dict(
-        meta=run_metadata(), command=shlex.join([sys.executable, "-m", "hyspec_jax.bench.verify_scale", *args.argv]),
-        argv=list(args.argv), status="partial",
+        meta=run_metadata(), command=portable_command("hyspec bench verify-scale", args.argv),
+        argv=portable_args(args.argv), status="partial",
         model=dict(name=name, config=dataclasses.asdict(cfg), param_count=count,
                    param_bytes=sum(int(x.nbytes) for x in leaves),
                    param_bytes_per_device=sum(int(x.addressable_shards[0].data.nbytes) for x in leaves),

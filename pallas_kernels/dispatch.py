@@ -193,7 +193,7 @@ def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl
         block_v = auto_bv if block_v is None else block_v
     block_v = _block_v(v.shape[-1], block_v)
     ok, why = tree_solve_supported(S0, q, k, v, g, beta, mask, block_v)
-    if method not in ("neumann", "squaring", "inverse", "split"):
+    if method not in gdn_tree_solve.METHODS:
         ok, why = False, f"method {method!r}"
     interpret = _use_kernel(impl, ok, "tree_solve", why)
     if interpret is None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,7 @@ from pallas_kernels import tile_dim_ok
 
 F32 = jnp.float32
 Method = Literal["neumann", "squaring", "inverse", "split"]
+METHODS = get_args(Method)
 Precision = Literal["tf32", "tf32x3", "ieee"]
 
 REFERENCE = "hyspec_jax.gdn.masked_solve"
@@ -125,7 +126,7 @@ def _inverse(L, rounds: int, precision):
 
 
 def _apply_inverse(L, R, rounds: int, method: str, precision):
-    """V' = (I+L)⁻¹ R against one value tile: Neumann rounds or the squaring factors applied to R."""
+    """V' = (I+L)⁻¹ R against one value tile: Neumann rounds, or the squaring factors applied to R."""
     if rounds == 0:
         return R
     if method == "neumann":
@@ -134,14 +135,12 @@ def _apply_inverse(L, R, rounds: int, method: str, precision):
             Z = -_dot(L, Z, precision)
             U = U + Z
         return U
-    if method == "squaring":
-        U = R - _dot(L, R, precision)
-        P = L
-        for _ in range(num_squarings(rounds) - 1):
-            P = _dot(P, P, precision)
-            U = U + _dot(P, U, precision)
-        return U
-    raise ValueError(f"unknown method {method!r}")
+    U = R - _dot(L, R, precision)                       # squaring
+    P = L
+    for _ in range(num_squarings(rounds) - 1):
+        P = _dot(P, P, precision)
+        U = U + _dot(P, U, precision)
+    return U
 
 
 def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: bool, write_state: bool):
@@ -269,7 +268,7 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
         raise ValueError(f"unsupported shape N={N} dk={dk} dv={dv} block_v={block_v} HV={HV} HK={HK}")
     if write_state and deferred is None:
         raise ValueError("write_state needs deferred updates (without them the state is S0 itself)")
-    if method not in ("neumann", "squaring", "inverse", "split"):
+    if method not in METHODS:
         raise ValueError(f"unknown method {method!r}")
     r = HV // HK
     nv = dv // block_v

@@ -111,3 +111,7 @@ def test_results_record_project_paths_relative():
     assert portable_path(root / "checkpoints" / "default") == str(Path("checkpoints") / "default")
     assert portable_path("/elsewhere/prompts.npz") == "/elsewhere/prompts.npz"
     assert portable_path(None) is None
+    from hyspec_jax.bench.report import portable_command
+    cmd = portable_command("hyspec bench e2e", ["--json", "/root/out/r/e2e.json", f"--model={root / 'checkpoints'}",
+                                                "--repeats", "3", "rel/x.json"])
+    assert cmd == "hyspec bench e2e --json e2e.json --model=checkpoints --repeats 3 rel/x.json"

@@ -96,6 +96,24 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / float(np.median(ts))
 
 
+def matmul_peak(n: int | None = None) -> float:
+    """Dense bf16 matmul rate in FLOP/s (n × n × n, fp32 accumulation, median of 10): the compute ceiling a
+    compute-bound kernel is held to, as `copy_bandwidth` is the memory ceiling."""
+    n = n or (8192 if jax.default_backend() == "gpu" else 512)
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    f(a, b).block_until_ready()
+    ts = []
+    for _ in range(10):
+        t = time.perf_counter()
+        for _ in range(5):
+            out = f(a, b)
+        out.block_until_ready()
+        ts.append((time.perf_counter() - t) / 5)
+    return 2 * n ** 3 / float(np.median(ts))
+
+
 def device_kernel_time(run, calls: int) -> dict:
     """Device time per call from JAX's profiler trace: run() (one executable of `calls` calls, blocking) goes
     PROFILE_REPS times under `jax.profiler.trace`; the GPU planes' stream events (kernels, memsets, copies the
@@ -408,7 +426,8 @@ def bench_deferred(B: int, N: int, args, bw: float, log) -> dict:
             name = f"append_P{P}" + ("" if lb == 1 else f"_l{lb}")
             out["variants"][name] = rec = time_in_place(
                 lambda c, rc, pk, pv, *r, lb=lb: deferred_append_pallas(
-                    (c, rc, pk, pv, r[0]), *r[1:], layers_per_program=lb, interpret=interpret), upd[:4],
+                    (c, rc, pk, pv, r[0]), *r[1:], layers_per_program=lb, interpret=interpret),
+                tuple(jnp.copy(x) for x in upd[:4]),           # donated: each variant gets its own copies
                 (upd[4], gam, keys, vc, path, length), args.reps, check_append, 1e6 * bytes_ / bw,
                 profile=getattr(args, "profile", False))
             log(f"  deferred B={B:<3d} N={N:<3d} {name} ({Lg} layers) " + _us(rec))
@@ -451,7 +470,29 @@ def _us(rec: dict) -> str:
 
 
 ATTN_GEOMETRY = (24, 4, 256)      # Qwen3.8-27B full attention: query heads, KV heads, head_dim
-ATTN_TILINGS = ((64, 64), (128, 64), (64, 128))   # Pallas tree attention (query rows, keys) per block
+# Pallas tree attention tilings: (query rows, keys) per block, warps, pipeline stages
+ATTN_TILINGS = ((64, 64, 4, 2), (128, 64, 4, 2), (64, 128, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2),
+                (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 8, 3))
+
+
+def parse_tilings(text: str) -> tuple[tuple[int, int, int, int], ...]:
+    """'R:S[:W[:G]],..' -> ((rows, keys, warps, stages), ..): warps default 4, stages 2."""
+    out = []
+    for item in text.split(","):
+        parts = [int(x) for x in item.split(":")]
+        if not 2 <= len(parts) <= 4:
+            raise ValueError(f"tiling {item!r}: expected ROWS:KEYS[:WARPS[:STAGES]]")
+        out.append(tuple(parts + [4, 2][len(parts) - 2:]))
+    return tuple(out)
+
+
+def attention_flops(B: int, N: int, S: int, geometry=ATTN_GEOMETRY) -> int:
+    """Matmul FLOPs of a verify's tree attention: every query row (N nodes × query heads) against S + N keys,
+    scores and the weighted sum of values (2 FLOPs a multiply-add each). With N = 64 nodes × 6 query heads
+    sharing a KV head, each K/V element read serves 384 rows: above the H200's ridge point (≈ 190 FLOP/B), so
+    these shapes are bound by the tensor cores, not by HBM."""
+    nh, _, hd = geometry
+    return 4 * B * nh * N * (S + N) * hd
 
 
 def attention_bytes(B: int, N: int, S: int, geometry=ATTN_GEOMETRY) -> int:
@@ -493,19 +534,30 @@ def bench_attention(B: int, N: int, S: int, args, bw: float, log, geometry=ATTN_
     ref = jax.block_until_ready(jax.jit(concat_attend)(*sets[0]))
     floor_us = 1e6 * attention_bytes(B, N, S, geometry) / bw
     out = {"B": B, "N": N, "S": S, "depth": depth, "geometry": list(geometry), "floor_us": floor_us, "variants": {}}
+    peak = getattr(args, "matmul_flops", None)
+    if peak:     # the roofline: the larger of the memory floor and the tensor-core floor
+        out["compute_floor_us"] = 1e6 * attention_flops(B, N, S, geometry) / peak
+        out["roofline_us"] = max(floor_us, out["compute_floor_us"])
     variants = {"xla_concat_attend": concat_attend, "xla_two_part": two_part}
     if args.attention_kernels:         # Pallas split-S prefix + XLA combine; on a CPU only when asked (interpret)
         from pallas_kernels.tree_attention import default_splits, prefix_tree_attention
-        for block_rows, block_s in getattr(args, "attention_tilings", ATTN_TILINGS):
+        for tiling in getattr(args, "attention_tilings", None) or ATTN_TILINGS:
+            block_rows, block_s, warps, stages = tuple(tiling) + (4, 2)[len(tiling) - 2:]
             splits = default_splits(B, N * nh // kvh, S, kvh, block_rows, block_s)
-            variants[f"pallas_split_prefix_r{block_rows}_s{block_s}_x{splits}"] = (
-                lambda q, k, v, tk, tv, br=block_rows, bs=block_s, sp=splits: prefix_tree_attention(
-                    q, k, v, prefix_mask, tk, tv, tree_mask, block_s=bs, splits=sp, block_rows=br,
-                    interpret=args.attention_kernels == "interpret"))
+            tag = "" if (warps, stages) == (4, 2) else f"_w{warps}_g{stages}"
+            variants[f"pallas_split_prefix_r{block_rows}_s{block_s}_x{splits}{tag}"] = (
+                lambda q, k, v, tk, tv, br=block_rows, bs=block_s, sp=splits, nw=warps, ns=stages:
+                prefix_tree_attention(q, k, v, prefix_mask, tk, tv, tree_mask, block_s=bs, splits=sp,
+                                      block_rows=br, num_warps=nw, num_stages=ns,
+                                      interpret=args.attention_kernels == "interpret"))
     for name, fn in variants.items():
         out["variants"][name] = rec = _measure(
             fn, sets, args.reps, lambda o: {"err_o": _rel(o, ref), "maxabs_o": _maxabs(o, ref)}, floor_us,
             getattr(args, "profile", False))
+        if "roofline_us" in out and "median_us" in rec:
+            rec["x_roofline"] = rec["median_us"] / out["roofline_us"]
+            if "device_us" in rec:
+                rec["device_x_roofline"] = rec["device_us"] / out["roofline_us"]
         log(f"  attention B={B:<3d} N={N:<3d} S={S:<6d} {name:<20s} " + (
             f"{rec['median_us']:10.1f} us  {rec['x_floor']:.2f}x floor  err_o {rec.get('err_o', float('nan')):.1e}"
             if "median_us" in rec else f"ERROR {rec.get('error', '')[:200]}"))
@@ -655,11 +707,13 @@ def render(results: dict, json_path: str) -> None:
                                  f"{x['pct_of_floor']:.1f} |")
     if results.get("attention"):
         lines += ["", "Tree attention of one full-attention layer (Qwen3.8-27B: 24 query heads, 4 KV heads, head_dim 256, "
-                  "bf16), committed prefix of S tokens + N tree nodes; XLA; × floor = time / (fewest bytes / copy "
-                  "bandwidth), the issue's bar is 1.2:", "",
-                  "| B | N | S | floor µs | concat + attend µs (verify today) | × floor | two-part µs | × floor | "
-                  "best Pallas split-S (tiling) µs | × floor |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "bf16), committed prefix of S tokens + N tree nodes; × floor = time / (fewest bytes / copy "
+                  "bandwidth), the issue's bar is 1.2; compute floor = matmul FLOPs / measured bf16 matmul rate "
+                  f"({results.get('matmul_TFLOPs', float('nan')):.0f} TFLOP/s); × roofline = time / the larger "
+                  "of the two floors. Pallas: host-clock median (GPU time in brackets):", "",
+                  "| B | N | S | HBM floor µs | compute floor µs | concat + attend µs (verify today) | × floor | "
+                  "two-part µs | × floor | best Pallas split-S (tiling) µs | × floor | × roofline |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(results["attention"], key=lambda r: (r["B"], r["N"], r["S"])):
             c, t = r["variants"].get("xla_concat_attend", {}), r["variants"].get("xla_two_part", {})
             f = lambda x, k: f"{x[k]:.1f}" if k in x else "—"  # noqa: E731
@@ -667,10 +721,16 @@ def render(results: dict, json_path: str) -> None:
             ks = {n: x for n, x in r["variants"].items() if n.startswith("pallas_") and "median_us" in x
                   and x.get("err_o", 1.0) < 2e-2}
             best = min(ks, key=lambda n: ks[n]["median_us"]) if ks else None
-            kcol = f"{ks[best]['median_us']:.1f} ({best.removeprefix('pallas_split_prefix_')}) | {g(ks[best])}" \
-                if best else "— | —"
-            lines.append(f"| {r['B']} | {r['N']} | {r['S']} | {r['floor_us']:.1f} | {f(c, 'median_us')} | {g(c)} | "
-                         f"{f(t, 'median_us')} | {g(t)} | {kcol} |")
+            if best:
+                kb = ks[best]
+                dev = f" [{kb['device_us']:.1f}]" if "device_us" in kb else ""
+                roof = f"{kb['x_roofline']:.2f}" if "x_roofline" in kb else "—"
+                kcol = f"{kb['median_us']:.1f}{dev} ({best.removeprefix('pallas_split_prefix_')}) | {g(kb)} | {roof}"
+            else:
+                kcol = "— | — | —"
+            cf = f"{r['compute_floor_us']:.1f}" if "compute_floor_us" in r else "—"
+            lines.append(f"| {r['B']} | {r['N']} | {r['S']} | {r['floor_us']:.1f} | {cf} | {f(c, 'median_us')} | "
+                         f"{g(c)} | {f(t, 'median_us')} | {g(t)} | {kcol} |")
     if results.get("deferred"):
         lines += ["", "Deferred commit (`gdn.DeferredUpdates`): the accepted paths (full depth, every request) appended "
                   "as factor rows over all GDN layers in one launch, merged by the next verify's tree solve; against "
@@ -732,6 +792,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-kernels", choices=("on", "off", "interpret"), default=None,
                     help="with --attention: also the Pallas split-S tree attention (default: on a GPU only; "
                          "interpret: Pallas interpret mode, for a CPU check)")
+    ap.add_argument("--attention-tilings", type=parse_tilings, default=None, metavar="R:S[:W[:G]],..",
+                    help="Pallas tree attention tilings: query rows and keys per block, warps (4), pipeline stages "
+                         "(2); default: a sweep of eight")
     ap.add_argument("--deferred", default=None, metavar="B,..",
                     help="also time the deferred commit (append of the accepted paths over --layers GDN layers, "
                          "and the tree solve that merges them) against the eager commit at these batches, "
@@ -776,6 +839,10 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth()
     results["copy_bandwidth_GBps"] = bw / 1e9
     log(f"device {dev.device_kind}, jax {jax.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s")
+    if args.attention:
+        args.matmul_flops = matmul_peak()
+        results["matmul_TFLOPs"] = args.matmul_flops / 1e12
+        log(f"bf16 matmul rate {args.matmul_flops / 1e12:.0f} TFLOP/s")
 
     def save():
         if args.json:

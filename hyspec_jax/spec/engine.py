@@ -149,8 +149,9 @@ def round_draft(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, 
     samp = sampling if shape.stochastic else None
     dkeys = _fold(_slot_keys(sampling.seed, steps), 0)
 
-    block = drafter.draft(dstate, anchor, heads, state.ssm if shape.reader else None,
-                          num_slots=shape.gamma)       # the slots a chain / tree reads (no unused LM heads)
+    with jax.named_scope("drafter_forward"):
+        block = drafter.draft(dstate, anchor, heads, state.ssm if shape.reader else None,
+                              num_slots=shape.gamma)   # the slots a chain / tree reads (no unused LM heads)
     if hint is not None:
         G, V = block.logits.shape[1], block.logits.shape[2]
         h = hint[:, :G]
@@ -164,7 +165,8 @@ def round_draft(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, 
                   else confident_length(prop.confidence, shape.confidence_threshold))
         cand = chain_candidates(prop, anchor, length, samp)
     else:
-        cand = tree_candidates(drafter, block, anchor, shape.tree, samp, dkeys if samp is not None else None)
+        with jax.named_scope("tree_build"):
+            cand = tree_candidates(drafter, block, anchor, shape.tree, samp, dkeys if samp is not None else None)
     valid = cand.valid & active[:, None]
     forced = root_floor(cand.score, cand.parent, valid, active)
     sel = select_nodes(cand.score, cand.parent, cand.depth, valid, forced, N, capacity)
@@ -227,11 +229,15 @@ def spec_round(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, d
     The three phases are `round_draft` → `round_verify` → `round_commit` (composed here into one program;
     `SpecEngine.phase_times` jits and times them one by one).
     """
-    tokens, tree, child_q = round_draft(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, sampling,
-                                        steps, capacity, hint, shape=shape)
-    logits, taps, cache = round_verify(tgraph, tparams, state, tree, tokens, shape=shape)
-    return round_commit(dgraph, dparams, state, dstate, anchor, active, sampling, steps, tokens, tree, child_q,
-                        logits, taps, cache, shape=shape)
+    # named scopes: each phase's kernels carry its name in profiles and in the compiled HLO's op names
+    with jax.named_scope("draft"):
+        tokens, tree, child_q = round_draft(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active,
+                                            sampling, steps, capacity, hint, shape=shape)
+    with jax.named_scope("verify"):
+        logits, taps, cache = round_verify(tgraph, tparams, state, tree, tokens, shape=shape)
+    with jax.named_scope("commit"):
+        return round_commit(dgraph, dparams, state, dstate, anchor, active, sampling, steps, tokens, tree, child_q,
+                            logits, taps, cache, shape=shape)
 
 
 spec_round_jit = DiskCachedJit(spec_round, name="spec_round", static_argnames=("tgraph", "dgraph", "shape"),

@@ -137,18 +137,22 @@ def tree_candidates(model: Drafter, block: DraftBlock, anchor: jax.Array, spec: 
         W = tok.shape[1]
         h = jnp.broadcast_to(block.hidden[:, d, None], (B, W, block.hidden.shape[-1]))
         bias, _, s_next = model.markov_step(tok, h, s)
-        logits = block.logits[:, d, None, :] + bias                                   # [B, W, V]
-        logq = jax.nn.log_softmax(logits.astype(F32), axis=-1)
+        logits = (block.logits[:, d, None, :] + bias).astype(F32)                     # [B, W, V]
         if stochastic:
+            logq = jax.nn.log_softmax(logits, axis=-1)
             wl = warp(logits, sampling.temperature[:, None], sampling.top_p[:, None], sampling.top_k[:, None])
             logq = jnp.where(greedy, logq, wl)
             gumbel = noise[:, int(beam_rows[d]):int(beam_rows[d + 1])]
-            draw = jnp.where(greedy, logits.astype(F32), wl + gumbel)
+            draw = jnp.where(greedy, logits, wl + gumbel)
             out["q"].append(jnp.where(bvalid[..., None], jnp.exp(logq), 0.0))
+            top, child = jax.lax.top_k(draw, k)                                       # [B, W, k] draw order
+            clogq = jnp.take_along_axis(logq, child, axis=-1)
         else:
-            draw = logits.astype(F32)
-        top, child = jax.lax.top_k(draw, k)                                           # [B, W, k] draw order
-        clogq = jnp.take_along_axis(logq, child, axis=-1)
+            # greedy: only the k children's log q are needed — top logits less the row's log-sum-exp, not a
+            # [B, W, V] log-softmax and a gather (fewer kernels in a launch-bound round)
+            top, child = jax.lax.top_k(logits, k)
+            m = top[..., :1]                                                          # the row max, exactly
+            clogq = top - (m + jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1, keepdims=True)))
         cvalid = bvalid[..., None] & (top > -jnp.inf) & (clogq > -jnp.inf)
         crho = logrho[..., None] + clogq
         score = crho
@@ -159,7 +163,7 @@ def tree_candidates(model: Drafter, block: DraftBlock, anchor: jax.Array, spec: 
             score = jnp.where(greedy, crho, sigma)
         score = jnp.minimum(score, logscore[..., None])                               # monotone by construction
         score = jnp.where(cvalid, score, -jnp.inf).reshape(B, W * k)
-        order = jnp.argsort(-score, axis=1, stable=True)[:, :widths[d]]
+        order = jax.lax.top_k(score, widths[d])[1]          # stable: ties keep parent-major, draw order
         par = (order // k).astype(I32)
         take = lambda x: jnp.take_along_axis(x.reshape(B, W * k), order, axis=1)  # noqa: E731
         tok, logscore, logrho = take(child).astype(I32), take(score), take(crho)

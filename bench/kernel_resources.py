@@ -106,7 +106,7 @@ def _compile_job(B: int, N: int, only: str) -> None:
     from pallas_kernels.gdn_commit import deferred_append_pallas, path_commit_pallas
     from pallas_kernels.gdn_serial import serial_tree_pallas
     from pallas_kernels.gdn_tree_solve import tree_solve_pallas
-    from pallas_kernels.tree_attention import prefix_tree_attention
+    from pallas_kernels import dispatch
 
     f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
     sd = jax.ShapeDtypeStruct
@@ -134,8 +134,8 @@ def _compile_job(B: int, N: int, only: str) -> None:
             a[:5], *a[5:8], jnp.broadcast_to(jnp.arange(depth, dtype=i32), (B, depth)), jnp.full((B,), depth, i32),
             layers_per_program=lb), append_args) for sfx, lb in (("", 1), ("_l4", 4))},
         "serial": (lambda *a: serial_tree_pallas(*a[:6], a[6], block_v=64), tree[:6] + (sd((B, N), i32),)),
-        "attention": (lambda q, k, v, pm, tk, tv, tm: prefix_tree_attention(q, k, v, pm, tk, tv, tm, block_s=64,
-                                                                              splits=8, block_rows=64),
+        # the tiling the dispatcher picks at this batch (pallas_kernels.dispatch.attention_tiling)
+        "attention": (lambda q, k, v, pm, tk, tv, tm: dispatch.tree_attention(q, k, v, pm, tk, tv, tm, impl="pallas"),
                       (sd((B, N, 24, 256), bf16), sd((B, 4096, 4, 256), bf16), sd((B, 4096, 4, 256), bf16),
                        sd((B, 4096), jnp.bool_), sd((B, N, 4, 256), bf16), sd((B, N, 4, 256), bf16),
                        sd((B, N, N), jnp.bool_))),

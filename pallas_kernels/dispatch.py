@@ -233,18 +233,35 @@ def path_commit(S0, log_decay, keys, corrected, mask, node, *, impl: Impl = "aut
                                          precision=precision, interpret=interpret)
 
 
+# Tree attention tilings from the H200 sweep (bench/results/attention_tilings_h200.md, Qwen3.8-27B geometry,
+# N = 64): 32 keys a block and 3 pipeline stages throughout; 128 query rows and 8 warps once the row tiles alone
+# nearly fill the GPU (B 8 and 32: 250 vs 288 µs, 707 vs 1130 µs), 64 rows and 4 warps below (B 1: 83 µs, the
+# 128-row tile 106 µs).
+ATTENTION_WIDE_TILES = 64
+
+
+def attention_tiling(batch: int, rows: int, kv_heads: int) -> tuple[int, int, int, int]:
+    """(query rows, keys per block, warps, pipeline stages) of the tree-attention kernel for `batch` requests
+    of `rows` query rows (tree nodes × query heads per KV head) on each of `kv_heads` KV heads."""
+    if batch * kv_heads * -(-rows // 128) >= ATTENTION_WIDE_TILES:
+        return 128, 32, 8, 3
+    return 64, 32, 4, 3
+
+
 def tree_attention(q, keys, values, prefix_mask, tree_keys, tree_values, tree_mask, *, impl: Impl = "auto",
-                   block_s: int = 64, block_rows: int = 64):
+                   tiling: tuple[int, int, int, int] | None = None):
     """`layers.attend_prefix_tree` (q [B,T,NH,hd]; keys/values [B,S,KVH,hd]; prefix_mask [B,S]; tree_keys/values
     [B,N,KVH,hd]; tree_mask [B,T,N]) by the split-S Pallas prefix kernel + XLA combine where supported (GPU,
     head_dim a power of two ≤ 256, S a power-of-two multiple of block_s per split), else the reference.
-    Forward only on the kernel path (serving)."""
+    tiling: (query rows, keys per block, warps, stages), default `attention_tiling`. Forward only on the
+    kernel path (serving)."""
     from hyspec_jax.models.layers import attend_prefix_tree
     if impl == "reference":
         return attend_prefix_tree(q, keys, values, prefix_mask, tree_keys, tree_values, tree_mask)
     try:
         B, T, NH, hd = q.shape
         S, KVH = keys.shape[1], keys.shape[2]
+        block_rows, block_s, num_warps, num_stages = tiling or attention_tiling(B, T * NH // KVH, KVH)
         while block_s > 16 and S % block_s:          # short caches: a smaller key block
             block_s //= 2
         splits = tree_attention_kernel.default_splits(B, T * NH // KVH, S, KVH, block_rows, block_s)
@@ -258,4 +275,5 @@ def tree_attention(q, keys, values, prefix_mask, tree_keys, tree_values, tree_ma
         return attend_prefix_tree(q, keys, values, prefix_mask, tree_keys, tree_values, tree_mask)
     return tree_attention_kernel.prefix_tree_attention(q, keys, values, prefix_mask, tree_keys, tree_values, tree_mask,
                                                        block_s=block_s, splits=splits, block_rows=block_rows,
+                                                       num_warps=num_warps, num_stages=num_stages,
                                                        interpret=interpret)

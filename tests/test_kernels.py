@@ -285,3 +285,15 @@ def test_attention_dispatch_fails_closed():
             dispatch.tree_attention(*args, impl="pallas")
     short = _attention_inputs(6, 2, 5, 4, 2, 16, 32, 5, jnp.float32)      # S = 32 < the 64-key block
     assert rel(dispatch.tree_attention(*short, impl="interpret"), attend_prefix_tree(*short)) < 2e-5
+
+
+def test_attention_tiling_rule_and_explicit_tiling():
+    """The measured rule (wide row tiles once they nearly fill the GPU), and an explicit tiling through the
+    dispatcher in interpret mode equal to the reference."""
+    from hyspec_jax.models.layers import attend_prefix_tree
+    assert dispatch.attention_tiling(1, 64 * 6, 4) == (64, 32, 4, 3)        # 27B geometry, batch 1
+    assert dispatch.attention_tiling(8, 64 * 6, 4) == (128, 32, 8, 3)       # batch 8: 96 row tiles of 128
+    assert dispatch.attention_tiling(1, 32 * 4, 2) == (64, 32, 4, 3)        # the embedded model
+    args = _attention_inputs(7, 2, 5, 4, 2, 16, 64, 5, jnp.float32)
+    got = dispatch.tree_attention(*args, impl="interpret", tiling=(16, 16, 2, 1))
+    assert rel(got, attend_prefix_tree(*args)) < 2e-5

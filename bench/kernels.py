@@ -239,6 +239,14 @@ def bench_tree(B: int, N: int, args, bw: float, log) -> dict:
                     lambda *s, m=method, bv=bv, nw=nw: tree_solve_pallas(
                         *s, mask, max_depth=depth, method=m, block_v=bv, precision="tf32", num_warps=nw,
                         interpret=interpret), "solve")
+    for bv in [32, 64, 128]:            # the split form's operator pass at 2 / 8 warps (4 above)
+        for nw in [None, 2, 8]:
+            for ow in [2, 8]:
+                name = f"pallas_split_bv{bv}" + ("" if nw is None else f"_nw{nw}") + f"_ow{ow}"
+                variants[name] = (
+                    lambda *s, bv=bv, nw=nw, ow=ow: tree_solve_pallas(
+                        *s, mask, max_depth=depth, method="split", block_v=bv, precision="tf32", num_warps=nw,
+                        operator_warps=ow, interpret=interpret), "solve")
     variants["pallas_neumann_bv64_tf32x3"] = (
         lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="neumann", block_v=64,
                                      precision="tf32x3", interpret=interpret), "solve")

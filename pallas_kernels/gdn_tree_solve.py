@@ -199,7 +199,7 @@ def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, kq_ref, v_ref, s0_ref, o_ref
 
 
 def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision, out_dtype, num_warps, num_stages,
-                      interpret):
+                      operator_warps, interpret):
     """Two launches: the node-wise operators once per (request, value head) — Γ and [M; C M], 2·N² fp32 words
     per head through HBM — then the value tiles, which hold no N × N chain: two products of 2N rows each."""
     B, N, HK, dk = q.shape
@@ -218,7 +218,7 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
         ],
         out_specs=[pl.BlockSpec((None, None, N), lambda b, h: (b, h, 0)),
                    pl.BlockSpec((None, None, 2 * N, N), lambda b, h: (b, h, 0, 0))],
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=operator_warps, num_stages=1),
         interpret=interpret, name="gdn_tree_operators",
     )(mask.astype(F32), g.astype(F32), beta.astype(F32), q, k)
     kq = jnp.concatenate([k, q], axis=1)                                               # [B, 2N, HK, dk]
@@ -248,11 +248,12 @@ def supported(N: int, dk: int, dv: int, block_v: int) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("max_depth", "method", "block_v", "precision", "out_dtype",
-                                             "num_warps", "num_stages", "write_state", "interpret"))
+                                             "num_warps", "num_stages", "operator_warps", "write_state",
+                                             "interpret"))
 def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: int, method: Method = "neumann",
                       block_v: int = 64, precision: Precision = "tf32", out_dtype=F32,
-                      num_warps: int | None = None, num_stages: int = 1, write_state: bool = False,
-                      interpret: bool = False):
+                      num_warps: int | None = None, num_stages: int = 1, operator_warps: int = 4,
+                      write_state: bool = False, interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]
     (the dispatcher pads with identity nodes). Returns (o [B,N,HV,dv], Γ [B,HV,N], V' [B,HV,N,dv]).
@@ -261,6 +262,7 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     layout: c [B,HV], c_i [B,HV,P], keys [B,P,HK,dk] (key heads), values [B,HV,P,dv], count [B]; P a power
     of two ≥ 16), merged on chip after the S0 tile is loaded. write_state: also return the merged state
     (fourth output, written over S0 — donate S0 to make it in place); the caller then empties the updates.
+    num_warps / num_stages: the value-tile programs'; operator_warps: the split form's operator pass.
     """
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
@@ -279,7 +281,8 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
             raise ValueError("method 'split' takes no deferred updates (use 'inverse', its one-pass form)")
         return _tree_solve_split(S0, q, k, v, g, beta, mask, rounds=num_rounds(max_depth, N), block_v=block_v,
                                  precision=_f32_precision(precision, interpret), out_dtype=out_dtype,
-                                 num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                                 num_warps=num_warps, num_stages=num_stages, operator_warps=operator_warps,
+                                 interpret=interpret)
     kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(max_depth, N), method=method,
                              precision=_f32_precision(precision, interpret), deferred=deferred is not None,
                              write_state=write_state)

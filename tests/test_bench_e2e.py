@@ -115,3 +115,26 @@ def test_results_record_project_paths_relative():
     cmd = portable_command("hyspec bench e2e", ["--json", "/root/out/r/e2e.json", f"--model={root / 'checkpoints'}",
                                                 "--repeats", "3", "rel/x.json"])
     assert cmd == "hyspec bench e2e --json e2e.json --model=checkpoints --repeats 3 rel/x.json"
+
+
+def test_round_profile_runs_and_reduces_traces(dirs):
+    """`hyspec bench round-profile` on the tiny models (CPU: no GPU planes, wall times only), and its trace
+    reduction on hand-made GPU events: overlapping streams count once, figures are per round."""
+    from hyspec_jax.bench import round_profile as RP
+    out = dirs / "res" / "rp.json"
+    rc = RP.main(["--json", str(out), "--model", str(dirs / "target"), "--drafter", str(dirs / "drafter"),
+                  "--prompts", str(dirs / "prompts.npz"), "--modes", "ar", "tree-ready", "--max-tokens", "6",
+                  "--tree-depth", "3", "--tree-topk", "2", "--tree-beam", "2", "--verify-nodes", "5"])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    assert set(rep["modes"]) == {"ar", "tree-ready"}
+    for row in rep["modes"].values():
+        assert row["rounds"] >= 1 and row["wall_us_per_round"] > 0 and row["tokens"] == 6
+    assert rep["modes"]["ar"]["tau"] == 1.0 and rep["modes"]["tree-ready"]["tau"] >= 1.0
+    assert "| tree-ready |" in out.with_suffix(".md").read_text()
+    # kernels a (0-10 ns, 20-30) and b (5-15, on another stream): busy 25 ns over 2 rounds
+    ev = [(0, 10, "a"), (5, 10, "b"), (20, 10, "a")]
+    assert RP.busy_time_ns(ev) == 25
+    s = RP.summarize_events(ev, rounds=2, top=1)
+    assert s["gpu_ops_per_round"] == 1.5 and s["gpu_busy_us_per_round"] == 25 / 1e3 / 2
+    assert s["top_kernels"] == [{"name": "a", "per_round": 1.0, "us_per_round": 20 / 1e3 / 2}]

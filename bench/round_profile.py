@@ -1,0 +1,207 @@
+"""Where a speculative round's time goes: `hyspec bench round-profile --json out.json`.
+
+For each mode (ar and the speculative ones), one held-out prompt is generated twice to compile and warm, once
+untimed-by-the-profiler (the wall time per round, as `hyspec bench e2e` sees it) and once under `jax.profiler`.
+From the trace's GPU stream events: the GPU's busy time per round (the union of its kernels, copies and
+memsets), the number of GPU operations per round (≈ kernel launches), and the largest kernels. A round whose wall
+time is far above its GPU busy time is bound by the host (launching the executable's kernels, Python), not by the
+GPU — that is the regime of a small model at batch 1, and there the speed-up over `ar` follows the ratio of
+launches per round to launches per decoding step more than the GPU work.
+
+On a machine without a GPU the trace has no GPU planes: the wall times are reported, the GPU columns are empty.
+The profiler slows the host, so the traced wall time is reported separately from the untraced one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+MODES = ("ar", "chain", "ready", "tree", "tree-ready")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hyspec bench round-profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", required=True, metavar="OUT.json", help="results (a .md table next to it)")
+    p.add_argument("--model", default=None, help="target directory (default: the embedded model)")
+    p.add_argument("--drafter", default=None, help="drafter directory (default: MODEL/drafter)")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--prompts", default=None, help="prompt pack (.npz: tokens, domain, domains); default: the "
+                                                   "held-out prompts of `hyspec bench e2e`")
+    p.add_argument("--prompt-index", type=int, default=0, help="which prompt of the pack")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--kernels", choices=("auto", "reference"), default="auto")
+    p.add_argument("--tree-depth", type=int, default=None, help="tree levels (default: the drafter's γ)")
+    p.add_argument("--tree-topk", type=int, default=8)
+    p.add_argument("--tree-beam", type=int, default=16)
+    p.add_argument("--verify-nodes", type=int, default=32)
+    p.add_argument("--top", type=int, default=12, help="largest kernels kept per mode")
+    return p
+
+
+def gpu_events(xplane_path: str) -> list[tuple[int, int, str]]:
+    """(start ns, duration ns, name) of every GPU stream event of a trace (kernels, memcpy, memset); the
+    "XLA Ops" / "XLA Modules" lines repeat the same time and are skipped."""
+    from jax.profiler import ProfileData
+    data = ProfileData.from_file(xplane_path)
+    out = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if line.name.startswith("Stream"):
+                out += [(ev.start_ns, ev.duration_ns, ev.name) for ev in line.events]
+    return sorted(out)
+
+
+def busy_time_ns(events: list[tuple[int, int, str]]) -> int:
+    """Length of the union of the events' intervals (overlapping streams count once)."""
+    busy, end = 0, None
+    for s, d, _ in sorted(events):
+        if end is None or s >= end:
+            busy += d
+            end = s + d
+        elif s + d > end:
+            busy += s + d - end
+            end = s + d
+    return busy
+
+
+def summarize_events(events: list[tuple[int, int, str]], rounds: int, top: int) -> dict:
+    """Per-round GPU figures of a traced generation of `rounds` rounds."""
+    r = max(rounds, 1)
+    per: dict[str, list[float]] = {}
+    for _, d, n in events:
+        c = per.setdefault(n, [0, 0.0])
+        c[0] += 1
+        c[1] += d
+    biggest = sorted(per.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"gpu_ops_per_round": len(events) / r, "gpu_busy_us_per_round": busy_time_ns(events) / 1e3 / r,
+            "top_kernels": [{"name": n[:160], "per_round": c / r, "us_per_round": t / 1e3 / r}
+                            for n, (c, t) in biggest]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    from tqdm.auto import tqdm
+
+    from hyspec_jax.bench.e2e import DEFAULT_PROMPTS, _default_model
+    from hyspec_jax.bench.report import portable_command, portable_path, run_metadata
+    from hyspec_jax.io.drafter_io import load_drafter
+    from hyspec_jax.io.hf import load_pretrained
+    from hyspec_jax.sampling import SamplingParams
+    from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+    from hyspec_jax.spec.select import TreeSpec
+    from hyspec_jax.train.distill import load_prompts
+
+    if a.dtype == "float32":
+        jax.config.update("jax_default_matmul_precision", "highest")
+    dt = jnp.float32 if a.dtype == "float32" else jnp.bfloat16
+    model_dir = Path(a.model) if a.model else _default_model()
+    drafter_dir = Path(a.drafter) if a.drafter else model_dir / "drafter"
+    tokens, _, _ = load_prompts(a.prompts or str(DEFAULT_PROMPTS))
+    if not 0 <= a.prompt_index < len(tokens):
+        raise ValueError(f"--prompt-index {a.prompt_index} outside the pack's {len(tokens)} prompts")
+    prompt = [int(t) for t in tokens[a.prompt_index]]
+    _, target = load_pretrained(model_dir, dtype=dt)
+    drafters = {}
+    if any(m != "ar" for m in a.modes):
+        drafters[False] = load_drafter(drafter_dir, dtype=dt, with_reader=False)
+        if any(m in ("ready", "tree-ready") for m in a.modes):
+            drafters[True] = load_drafter(drafter_dir, dtype=dt, with_reader=True)
+    depth = a.tree_depth or (drafters[False].config.num_draft_tokens if drafters else 0)
+    params = SamplingParams(max_tokens=a.max_tokens)
+    on_gpu = jax.default_backend() == "gpu"
+
+    def engine(mode: str) -> SpecEngine:
+        if mode == "ar":
+            return SpecEngine(target, None, SpecConfig(mode="ar"), slots=1)
+        kw = dict(kernels=a.kernels)
+        if mode.startswith("tree"):
+            kw.update(tree=TreeSpec(depth, a.tree_topk, a.tree_beam), verify_nodes=a.verify_nodes)
+        return SpecEngine(target, drafters[mode in ("ready", "tree-ready")], SpecConfig(mode=mode, **kw), slots=1)
+
+    rows = {}
+    for mode in tqdm(a.modes, desc="round-profile", unit="mode"):
+        eng = engine(mode)
+        eng.generate([prompt], params)
+        eng.generate([prompt], params)                      # compiled and warm
+        t0 = time.perf_counter()
+        res = eng.generate([prompt], params)[0]
+        wall = time.perf_counter() - t0
+        rounds, tau = eng.last_stats.rounds, eng.last_stats.tau
+        with tempfile.TemporaryDirectory() as tmp:
+            jax.profiler.start_trace(tmp)
+            t0 = time.perf_counter()
+            try:
+                eng.generate([prompt], params)
+            finally:
+                traced = time.perf_counter() - t0
+                jax.profiler.stop_trace()
+            files = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
+            events = gpu_events(files[0]) if (files and on_gpu) else []
+        row = {"rounds": rounds, "tau": tau, "tokens": len(res.token_ids),
+               "wall_us_per_round": 1e6 * wall / max(rounds, 1),
+               "traced_wall_us_per_round": 1e6 * traced / max(rounds, 1),
+               "tokens_per_s": len(res.token_ids) / wall if wall > 0 else 0.0}
+        if events:
+            row.update(summarize_events(events, rounds, a.top))
+            row["gpu_busy_share"] = row["gpu_busy_us_per_round"] / row["traced_wall_us_per_round"]
+        rows[mode] = row
+
+    report = {**run_metadata(), "command": portable_command("hyspec bench round-profile", argv or sys.argv[1:]),
+              "model": portable_path(model_dir), "dtype": a.dtype, "kernels": a.kernels,
+              "max_tokens": a.max_tokens, "prompt_index": a.prompt_index,
+              "tree": {"depth": depth, "top_k": a.tree_topk, "beam": a.tree_beam, "verify_nodes": a.verify_nodes},
+              "modes": rows}
+    out = Path(a.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    md = markdown(report)
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    return 0
+
+
+def markdown(report: dict) -> str:
+    rows = report["modes"]
+    ar = rows.get("ar")
+    lines = [f"# Where a round's time goes ({report.get('device_kind', '?')}, {report['dtype']}, batch 1)", "",
+             f"`{report['command']}` — commit {report.get('commit', '?')}; one held-out prompt, "
+             f"{report['max_tokens']} new tokens. Wall: untraced, per round (ar: per decoding step). GPU busy: the "
+             "union of the round's GPU operations in a profiler trace; GPU ops: kernels, copies and memsets per "
+             "round (≈ launches). × ar: per round, against one decoding step.", "",
+             "| mode | τ | wall µs / round | × ar | GPU busy µs / round | × ar | GPU busy / traced wall | GPU ops / round "
+             "| × ar | largest kernels (µs / round) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ratio(mode: str, key: str) -> str:
+        if ar is None or key not in ar or key not in rows[mode] or not ar[key]:
+            return "—"
+        return f"{rows[mode][key] / ar[key]:.2f}"
+
+    for mode, r in rows.items():
+        busy = f"{r['gpu_busy_us_per_round']:.0f}" if "gpu_busy_us_per_round" in r else "—"
+        share = f"{100 * r['gpu_busy_share']:.0f}%" if "gpu_busy_share" in r else "—"
+        ops = f"{r['gpu_ops_per_round']:.0f}" if "gpu_ops_per_round" in r else "—"
+        top = "; ".join(f"{k['name'][:40]} {k['us_per_round']:.0f}" for k in r.get("top_kernels", [])[:3]) or "—"
+        lines.append(f"| {mode} | {r['tau']:.2f} | {r['wall_us_per_round']:.0f} | {ratio(mode, 'wall_us_per_round')} | "
+                     f"{busy} | {ratio(mode, 'gpu_busy_us_per_round')} | {share} | {ops} | "
+                     f"{ratio(mode, 'gpu_ops_per_round')} | {top} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

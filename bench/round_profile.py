@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         if events:
             row.update(summarize_events(events, rounds, a.top))
             row["gpu_busy_share"] = row["gpu_busy_us_per_round"] / row["traced_wall_us_per_round"]
+        if mode != "ar":      # the compiled round's kernels by phase (named scopes), and a decoding step's
+            row["compiled_kernels"] = eng.round_kernels([prompt], params)
         rows[mode] = row
 
     report = {**run_metadata(), "command": portable_command("hyspec bench round-profile", argv or sys.argv[1:]),
@@ -192,6 +194,18 @@ def markdown(report: dict) -> str:
             return "—"
         return f"{rows[mode][key] / ar[key]:.2f}"
 
+    kern = {m: r["compiled_kernels"] for m, r in rows.items() if "compiled_kernels" in r}
+    tail = []
+    if kern:
+        scopes = sorted({s for k in kern.values() for s in k["round"]},
+                        key=lambda s: -max(k["round"].get(s, 0) for k in kern.values()))
+        tail = ["", "Kernels of the compiled round by phase (`jax.named_scope`; `compilation.kernel_count_by_scope`), "
+                "against one decoding step of the same bucket:", "",
+                "| mode | decoding step | round | " + " | ".join(scopes) + " |",
+                "|---|---|---|" + "---|" * len(scopes)]
+        for m, k in kern.items():
+            tail.append(f"| {m} | {k['ar_step']} | {k['round_total']} | "
+                        + " | ".join(str(k["round"].get(s, 0)) for s in scopes) + " |")
     for mode, r in rows.items():
         busy = f"{r['gpu_busy_us_per_round']:.0f}" if "gpu_busy_us_per_round" in r else "—"
         share = f"{100 * r['gpu_busy_share']:.0f}%" if "gpu_busy_share" in r else "—"
@@ -200,7 +214,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {mode} | {r['tau']:.2f} | {r['wall_us_per_round']:.0f} | {ratio(mode, 'wall_us_per_round')} | "
                      f"{busy} | {ratio(mode, 'gpu_busy_us_per_round')} | {share} | {ops} | "
                      f"{ratio(mode, 'gpu_ops_per_round')} | {top} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + tail) + "\n"
 
 
 if __name__ == "__main__":

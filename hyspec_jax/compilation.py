@@ -92,6 +92,14 @@ def kernel_count(lowered) -> int:
     calls (fusions, custom calls, dots, sorts, scatters, copies, ...), not parameters, tuples or bitcasts; a
     loop's body counts once per iteration (XLA's known trip count; once where unknown), a conditional its
     smallest branch (sampling's all-greedy fast path: what greedy decoding runs). On a GPU each is about one kernel launch — what a latency-bound round scales with."""
+    return sum(kernel_count_by_scope(lowered, depth=0).values())
+
+
+def kernel_count_by_scope(lowered, depth: int = 2) -> dict[str, int]:
+    """`kernel_count` split by the `jax.named_scope` path of each kernel (its HLO op name without the jit and
+    transform prefixes, cut to `depth` scope levels; depth 0: everything under ""). Kernels outside any named scope
+    of the program (e.g. the program's own copies) count under "(other)"; a conditional's own launch counts under
+    "(control)"."""
     import re
     text = lowered.compile().as_text()
     comps: dict[str, list[str]] = {}
@@ -106,10 +114,26 @@ def kernel_count(lowered) -> int:
         elif name is not None:
             comps[name].append(line)
 
-    def count(comp: str, seen: tuple = ()) -> int:
+    def scope(line: str) -> str:
+        if depth == 0:
+            return ""
+        m = re.search(r'op_name="([^"]*)"', line)
+        if not m:
+            return "(other)"
+        # "jit(f)/jit(g)/draft/tree_build/top_k" -> the named scopes: path parts that are not jit(...) / vmap(...)
+        # transforms nor the primitive (the last part)
+        parts = [p for p in m.group(1).split("/")[:-1] if "(" not in p and p]
+        return "/".join(parts[:depth]) if parts else "(other)"
+
+    def count(comp: str, seen: tuple = ()) -> dict[str, int]:
+        out: dict[str, int] = {}
         if comp not in comps or comp in seen:
-            return 0
-        n = 0
+            return out
+
+        def add(d: dict[str, int], mult: int = 1) -> None:
+            for k, v in d.items():
+                out[k] = out.get(k, 0) + mult * v
+
         for line in comps[comp]:
             m = re.match(r"^\s*(?:ROOT )?%?\S+ = .*? ([a-z\-]+)\(", line)
             if not m:
@@ -119,17 +143,23 @@ def kernel_count(lowered) -> int:
                 body = re.search(r"body=%?([\w.\-]+)", line).group(1)
                 cond = re.search(r"condition=%?([\w.\-]+)", line).group(1)
                 trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                n += (int(trip.group(1)) if trip else 1) * (count(body, seen + (comp,)) + count(cond, seen + (comp,)))
+                mult = int(trip.group(1)) if trip else 1
+                add(count(body, seen + (comp,)), mult)
+                add(count(cond, seen + (comp,)), mult)
             elif op == "conditional":
                 branches = re.findall(r"(?:branch_computations=\{|true_computation=|false_computation=|, )%([\w.\-]+)",
                                       line)
-                n += 1 + min((count(b, seen + (comp,)) for b in branches if b in comps), default=0)
+                counted = [count(b, seen + (comp,)) for b in branches if b in comps]
+                add({"(control)" if depth else "": 1})
+                if counted:
+                    add(min(counted, key=lambda d: sum(d.values())))
             elif op == "call":
                 callee = re.search(r"to_apply=%?([\w.\-]+)", line)
-                n += count(callee.group(1), seen + (comp,)) if callee else 0
+                if callee:
+                    add(count(callee.group(1), seen + (comp,)))
             elif op in _KERNEL_OPS:
-                n += 1
-        return n
+                add({scope(line): 1})
+        return out
     return count("ENTRY")
 
 

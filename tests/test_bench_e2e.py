@@ -131,7 +131,11 @@ def test_round_profile_runs_and_reduces_traces(dirs):
     for row in rep["modes"].values():
         assert row["rounds"] >= 1 and row["wall_us_per_round"] > 0 and row["tokens"] == 6
     assert rep["modes"]["ar"]["tau"] == 1.0 and rep["modes"]["tree-ready"]["tau"] >= 1.0
-    assert "| tree-ready |" in out.with_suffix(".md").read_text()
+    kern = rep["modes"]["tree-ready"]["compiled_kernels"]
+    assert kern["round"]["verify"] > 0 and kern["round"]["draft/tree_build"] > 0 and kern["ar_step"] > 0
+    assert "compiled_kernels" not in rep["modes"]["ar"]
+    md = out.with_suffix(".md").read_text()
+    assert "| tree-ready |" in md and "draft/tree_build" in md
     # kernels a (0-10 ns, 20-30) and b (5-15, on another stream): busy 25 ns over 2 rounds
     ev = [(0, 10, "a"), (5, 10, "b"), (20, 10, "a")]
     assert RP.busy_time_ns(ev) == 25

@@ -67,6 +67,27 @@ def test_phase_times_split_round_equals_fused(models, mode, spec_kw, temperature
     assert len(eng.generate(PROMPTS, params)[0].token_ids) == 8
 
 
+def test_round_kernels_by_named_scope(models):
+    """The fused round's kernels split by the phases' named scopes add up to `kernel_count` of the same program,
+    the tree build counts apart from the drafter's forward, and ar is refused."""
+    from hyspec_jax.compilation import kernel_count
+    from hyspec_jax.spec.engine import spec_round_jit
+    target, drafter = models
+    eng = SpecEngine(target, drafter, SpecConfig(mode="tree-ready", tree=TreeSpec(depth=3, top_k=2, beam=3),
+                                                 verify_nodes=6), slots=SLOTS, kv_len=KV)
+    params = SamplingParams(max_tokens=8)
+    rk = eng.round_kernels(PROMPTS, params)
+    for scope in ("draft/drafter_forward", "draft/tree_build", "verify", "commit"):
+        assert rk["round"].get(scope, 0) > 0, rk
+    assert rk["round_total"] == sum(rk["round"].values()) and rk["ar_step"] > 0
+    inputs = eng._round_inputs(PROMPTS, params, "test")
+    B, S, N, shape = inputs[:4]
+    lowered = spec_round_jit.lower(eng.tgraph, eng.tparams, eng.dgraph, eng.dparams, *inputs[6:], shape=shape)
+    assert rk["round_total"] == kernel_count(lowered)
+    with pytest.raises(ValueError, match="speculative mode"):
+        SpecEngine(target, None, SpecConfig(mode="ar")).round_kernels(PROMPTS, params)
+
+
 def test_phase_times_rejects_ar(models):
     target, _ = models
     with pytest.raises(ValueError, match="speculative mode"):

@@ -646,28 +646,10 @@ class SpecEngine:
         (the split round's committed tokens, counts, accepted and anchors equal the fused round's),
         "state_identical" (its new target and drafter states too, bit for bit: XLA may fuse across the phase
         boundaries differently), "mode", "batch", "kv_len", "verify_nodes", "active", "repeats"}. The split pieces are extra programs: they count in `compilations_after_startup`."""
-        if self.spec.mode == "ar":
-            raise ValueError("phase times need a speculative mode (ar has no draft / verify / commit)")
-        if not prompts:
-            raise ValueError("phase_times needs at least one prompt")
         if repeats < 1 or warmup < 0:
             raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
-        plist = validate_prompts(prompts, params, self.config.vocab_size)
-        n = len(prompts)
-        B, S, N, shape = self._bucket_for(prompts, plist)
-        G = self.drafter.config.num_draft_tokens
-        k = min(n, B)
-        admit = np.arange(B) < k
-        T = bucket(max(len(p) for p in prompts[:k]))
-        toks, val = np.zeros((B, T), np.int32), np.zeros((B, T), bool)
-        for b in range(k):
-            toks[b, :len(prompts[b])], val[b, :len(prompts[b])] = prompts[b], True
-        sampling = SlotSampling.from_params(list(plist[:k]) + [SamplingParams()] * (B - k), B)
-        state, dstate, anchor = self._buffers(B, S)
-        state, dstate, anchor = self._prefill_call(state, dstate, anchor, toks, val, admit, sampling, shape)
-        active, steps = jnp.asarray(admit), jnp.asarray(admit.astype(np.int32))
-        capacity = jnp.asarray(self.spec.capacity or B * N, I32)
-        hint = jnp.full((B, G), -1, I32)
+        (B, S, N, shape, admit, k, state, dstate, anchor, active, sampling, steps, capacity,
+         hint) = self._round_inputs(prompts, params, "phase times")
         copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
 
         draft, verify, commit_ = round_draft_jit, round_verify_jit, round_commit_jit
@@ -720,6 +702,50 @@ class SpecEngine:
                     sum_over_round=round(total / t_round, 4) if t_round > 0 else float("nan"),
                     identical=identical, state_identical=state_identical, mode=self.spec.mode, batch=B, kv_len=S,
                     verify_nodes=N, active=k, repeats=repeats)
+
+    def _round_inputs(self, prompts, params, what: str):
+        """The inputs of one round after the prefill of `prompts` (the first `slots` of them, admitted at once
+        as `generate` admits them; same bucket): (B, S, N, shape, admit, k, state, dstate, anchor, active,
+        sampling, steps, capacity, hint)."""
+        if self.spec.mode == "ar":
+            raise ValueError(f"{what} need a speculative mode (ar has no draft / verify / commit)")
+        if not prompts:
+            raise ValueError(f"{what} need at least one prompt")
+        plist = validate_prompts(prompts, params, self.config.vocab_size)
+        n = len(prompts)
+        B, S, N, shape = self._bucket_for(prompts, plist)
+        G = self.drafter.config.num_draft_tokens
+        k = min(n, B)
+        admit = np.arange(B) < k
+        T = bucket(max(len(p) for p in prompts[:k]))
+        toks, val = np.zeros((B, T), np.int32), np.zeros((B, T), bool)
+        for b in range(k):
+            toks[b, :len(prompts[b])], val[b, :len(prompts[b])] = prompts[b], True
+        sampling = SlotSampling.from_params(list(plist[:k]) + [SamplingParams()] * (B - k), B)
+        state, dstate, anchor = self._buffers(B, S)
+        state, dstate, anchor = self._prefill_call(state, dstate, anchor, toks, val, admit, sampling, shape)
+        active, steps = jnp.asarray(admit), jnp.asarray(admit.astype(np.int32))
+        capacity = jnp.asarray(self.spec.capacity or B * N, I32)
+        hint = jnp.full((B, G), -1, I32)
+        return B, S, N, shape, admit, k, state, dstate, anchor, active, sampling, steps, capacity, hint
+
+    def round_kernels(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                      depth: int = 2) -> dict:
+        """Kernels of the compiled fused round (`spec_round_jit`, the program `generate` runs for these prompts'
+        bucket) by named scope (`compilation.kernel_count_by_scope`: draft/drafter_forward, draft/tree_build,
+        verify, commit, ...), and of one plain decoding step of the same bucket: {"round": {scope: n},
+        "round_total", "ar_step"}. Compiles on this backend; runs nothing but the prefill."""
+        from hyspec_jax.compilation import kernel_count, kernel_count_by_scope
+        from hyspec_jax.generate import _decode_jit
+        (B, S, N, shape, admit, k, state, dstate, anchor, active, sampling, steps, capacity,
+         hint) = self._round_inputs(prompts, params, "round kernels")
+        scopes = kernel_count_by_scope(spec_round_jit.lower(self.tgraph, self.tparams, self.dgraph, self.dparams,
+                                                            state, dstate, anchor, active, sampling, steps,
+                                                            capacity, hint, shape=shape), depth=depth)
+        ar = kernel_count(_decode_jit.lower(self.tgraph, self.tparams, state, np.zeros((B,), np.int32),
+                                            np.asarray(admit), sampling, np.asarray(0, np.int32)))
+        return {"round": dict(sorted(scopes.items(), key=lambda kv: -kv[1])), "round_total": sum(scopes.values()),
+                "ar_step": ar}
 
     def _generate_ar(self, prompts, plist, on_tokens) -> list[SpecResult]:
         t0 = time.perf_counter()

@@ -25,7 +25,7 @@ import contextlib
 import os
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CACHE_ENV = "HYSPEC_JAX_CACHE"
@@ -92,14 +92,14 @@ def kernel_count(lowered) -> int:
     calls (fusions, custom calls, dots, sorts, scatters, copies, ...), not parameters, tuples or bitcasts; a
     loop's body counts once per iteration (XLA's known trip count; once where unknown), a conditional its
     smallest branch (sampling's all-greedy fast path: what greedy decoding runs). On a GPU each is about one kernel launch — what a latency-bound round scales with."""
-    return sum(kernel_count_by_scope(lowered, depth=0).values())
+    return sum(kernel_count_by_scope(lowered, ()).values())
 
 
-def kernel_count_by_scope(lowered, depth: int = 2) -> dict[str, int]:
-    """`kernel_count` split by the `jax.named_scope` path of each kernel (its HLO op name without the jit and
-    transform prefixes, cut to `depth` scope levels; depth 0: everything under ""). Kernels outside any named scope
-    of the program (e.g. the program's own copies) count under "(other)"; a conditional's own launch counts under
-    "(control)"."""
+def kernel_count_by_scope(lowered, scopes: Sequence[str]) -> dict[str, int]:
+    """`kernel_count` split by `jax.named_scope`: each kernel counts under the longest of `scopes` (paths such as
+    "draft/tree_build") that its HLO op name, less the jit / vmap / control-flow parts, starts with; kernels under
+    none of them (or with no op name: XLA's own copies, some library calls) count under "(other)". A
+    conditional's own launch counts under "(control)". With no scopes, everything counts under ""."""
     import re
     text = lowered.compile().as_text()
     comps: dict[str, list[str]] = {}
@@ -113,17 +113,18 @@ def kernel_count_by_scope(lowered, depth: int = 2) -> dict[str, int]:
             name = None
         elif name is not None:
             comps[name].append(line)
+    wanted = sorted((tuple(sc.split("/")) for sc in scopes), key=len, reverse=True)
 
     def scope(line: str) -> str:
-        if depth == 0:
+        if not wanted:
             return ""
         m = re.search(r'op_name="([^"]*)"', line)
-        if not m:
-            return "(other)"
-        # "jit(f)/jit(g)/draft/tree_build/top_k" -> the named scopes: path parts that are not jit(...) / vmap(...)
-        # transforms nor the primitive (the last part)
-        parts = [p for p in m.group(1).split("/")[:-1] if "(" not in p and p]
-        return "/".join(parts[:depth]) if parts else "(other)"
+        if m:
+            path = tuple(p for p in m.group(1).split("/") if p and "(" not in p)
+            for w in wanted:
+                if path[:len(w)] == w:
+                    return "/".join(w)
+        return "(other)"
 
     def count(comp: str, seen: tuple = ()) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -150,7 +151,7 @@ def kernel_count_by_scope(lowered, depth: int = 2) -> dict[str, int]:
                 branches = re.findall(r"(?:branch_computations=\{|true_computation=|false_computation=|, )%([\w.\-]+)",
                                       line)
                 counted = [count(b, seen + (comp,)) for b in branches if b in comps]
-                add({"(control)" if depth else "": 1})
+                add({"(control)" if wanted else "": 1})
                 if counted:
                     add(min(counted, key=lambda d: sum(d.values())))
             elif op == "call":

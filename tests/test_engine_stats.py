@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from hyspec_jax import cli
@@ -149,3 +151,22 @@ def test_cli_stats_and_phase_times(models, tmp_path, capsys):
     assert cli.main([a for a in base if a not in ("--json", "--stats")]) == 0
     err = capsys.readouterr().err
     assert "tok/s incl. compile" in err and "round phases (chain" in err and "prefix survival" not in err
+
+
+def test_kernel_count_by_scope_longest_prefix():
+    """Each kernel counts under the longest named scope its op name starts with, unscoped ones under "(other)",
+    and the split adds up to kernel_count."""
+    from hyspec_jax.compilation import kernel_count, kernel_count_by_scope
+
+    def f(x):
+        with jax.named_scope("a"):
+            y = jnp.sin(x) @ x
+        with jax.named_scope("b"):
+            with jax.named_scope("c"):
+                z = jnp.sort(y, axis=0)
+        return z + 1
+    low = jax.jit(f).lower(jnp.ones((8, 8)))
+    split = kernel_count_by_scope(low, ("a", "b", "b/c"))
+    assert split["b/c"] >= 1 and split["a"] >= 1 and "b" not in split
+    assert sum(split.values()) == kernel_count(low) == sum(kernel_count_by_scope(low, ("b",)).values())
+    assert kernel_count_by_scope(low, ()) == {"": kernel_count(low)}

@@ -240,6 +240,9 @@ def spec_round(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, d
                             logits, taps, cache, shape=shape)
 
 
+# the named scopes of `spec_round` (`SpecEngine.round_kernels` counts kernels by them)
+ROUND_SCOPES = ("draft/drafter_forward", "draft/tree_build", "draft", "verify", "commit")
+
 spec_round_jit = DiskCachedJit(spec_round, name="spec_round", static_argnames=("tgraph", "dgraph", "shape"),
                                donate_argnames=("state", "dstate"))
 # the phases jitted alone (`SpecEngine.phase_times`); the commit donates the states as the fused round does
@@ -729,8 +732,8 @@ class SpecEngine:
         hint = jnp.full((B, G), -1, I32)
         return B, S, N, shape, admit, k, state, dstate, anchor, active, sampling, steps, capacity, hint
 
-    def round_kernels(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-                      depth: int = 2) -> dict:
+    def round_kernels(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+                      ) -> dict:
         """Kernels of the compiled fused round (`spec_round_jit`, the program `generate` runs for these prompts'
         bucket) by named scope (`compilation.kernel_count_by_scope`: draft/drafter_forward, draft/tree_build,
         verify, commit, ...), and of one plain decoding step of the same bucket: {"round": {scope: n},
@@ -741,7 +744,7 @@ class SpecEngine:
          hint) = self._round_inputs(prompts, params, "round kernels")
         scopes = kernel_count_by_scope(spec_round_jit.lower(self.tgraph, self.tparams, self.dgraph, self.dparams,
                                                             state, dstate, anchor, active, sampling, steps,
-                                                            capacity, hint, shape=shape), depth=depth)
+                                                            capacity, hint, shape=shape), ROUND_SCOPES)
         ar = kernel_count(_decode_jit.lower(self.tgraph, self.tparams, state, np.zeros((B,), np.int32),
                                             np.asarray(admit), sampling, np.asarray(0, np.int32)))
         return {"round": dict(sorted(scopes.items(), key=lambda kv: -kv[1])), "round_total": sum(scopes.values()),

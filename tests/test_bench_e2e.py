@@ -103,16 +103,17 @@ def test_budget_report_joins_sweep_and_table(tmp_path):
     assert [r["measured_n"] for r in out["eps"]] == [8, 32, 64]
 
 
-def test_results_record_project_paths_relative():
+def test_results_record_project_paths_relative(tmp_path):
     """Result JSONs name the project's own files relative to its root, never one machine's directories."""
     import hyspec_jax
     from hyspec_jax.bench.report import portable_path
     root = Path(hyspec_jax.__file__).resolve().parent.parent
     assert portable_path(root / "checkpoints" / "default") == str(Path("checkpoints") / "default")
-    assert portable_path("/elsewhere/prompts.npz") == "/elsewhere/prompts.npz"
+    outside = str(tmp_path / "prompts.npz")                    # a file outside the project keeps its path
+    assert portable_path(outside) == outside
     assert portable_path(None) is None
     from hyspec_jax.bench.report import portable_command
-    cmd = portable_command("hyspec bench e2e", ["--json", "/root/out/r/e2e.json", f"--model={root / 'checkpoints'}",
+    cmd = portable_command("hyspec bench e2e", ["--json", str(tmp_path / "r" / "e2e.json"), f"--model={root / 'checkpoints'}",
                                                 "--repeats", "3", "rel/x.json"])
     assert cmd == "hyspec bench e2e --json e2e.json --model=checkpoints --repeats 3 rel/x.json"
 

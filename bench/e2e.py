@@ -75,10 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm.auto import tqdm
 
     from hyspec_jax.bench.report import portable_command, portable_path, run_metadata
-    from hyspec_jax.io.drafter_io import load_drafter
-    from hyspec_jax.io.hf import load_pretrained
     from hyspec_jax.sampling import SamplingParams
-    from hyspec_jax.spec.engine import SpecConfig, SpecEngine
     from hyspec_jax.spec.select import TreeSpec
     from hyspec_jax.train.distill import load_prompts
 
@@ -90,29 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     tokens, domain, names = load_prompts(a.prompts)
     per = {d: [list(map(int, tokens[i])) for i in np.flatnonzero(domain == k)[:a.prompts_per_domain]]
            for k, d in enumerate(names)}
-    cfg, target = load_pretrained(model_dir, dtype=dt)
     needs_drafter = any(m != "ar" for m in a.modes) or a.sweep_nodes
-    drafters = {}
-    if needs_drafter:
-        drafters[False] = load_drafter(drafter_dir, dtype=dt, with_reader=False)
-        try:
-            drafters[True] = load_drafter(drafter_dir, dtype=dt, with_reader=True)
-        except Exception:  # noqa: BLE001 - a DSpark-only directory: skip the reader modes
-            drafters[True] = None
+    target, drafters = load_models(model_dir, drafter_dir, dt, needs_drafter)
     gamma = drafters[False].config.num_draft_tokens if needs_drafter else 0
     depth = a.tree_depth or gamma
     params = SamplingParams(max_tokens=a.max_tokens)
 
     def engine(mode: str, batch: int, nodes: int | None = None):
-        if mode == "ar":
-            return SpecEngine(target, None, SpecConfig(mode="ar"), slots=batch)
-        d = drafters[mode in ("ready", "tree-ready")]
-        if d is None:
-            return None
-        kw = dict(kernels=a.kernels)
-        if mode.startswith("tree"):
-            kw.update(tree=TreeSpec(depth, a.tree_topk, a.tree_beam), verify_nodes=nodes or a.verify_nodes)
-        return SpecEngine(target, d, SpecConfig(mode=mode, **kw), slots=batch)
+        return make_engine(target, drafters, mode, batch, kernels=a.kernels,
+                           tree=TreeSpec(depth, a.tree_topk, a.tree_beam), verify_nodes=nodes or a.verify_nodes)
 
     def run_pass(eng, batch: int, domains) -> tuple[dict, float]:
         out, secs = {}, {}
@@ -204,6 +187,37 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_plots:
         plots(report, out)
     return 0
+
+
+def load_models(model_dir: Path, drafter_dir: Path, dtype, with_drafter: bool) -> tuple:
+    """(target, {False: DSpark drafter, True: with its ReaDy reader or None for a DSpark-only directory});
+    the drafters dict is empty without `with_drafter`."""
+    from hyspec_jax.io.drafter_io import load_drafter
+    from hyspec_jax.io.hf import load_pretrained
+    _, target = load_pretrained(model_dir, dtype=dtype)
+    drafters = {}
+    if with_drafter:
+        drafters[False] = load_drafter(drafter_dir, dtype=dtype, with_reader=False)
+        try:
+            drafters[True] = load_drafter(drafter_dir, dtype=dtype, with_reader=True)
+        except Exception:  # noqa: BLE001 - a DSpark-only directory: skip the reader modes
+            drafters[True] = None
+    return target, drafters
+
+
+def make_engine(target, drafters: dict, mode: str, batch: int, *, kernels: str, tree, verify_nodes: int):
+    """The engine of one benchmarked mode (`tree` / `verify_nodes` used by the tree modes); None for a reader
+    mode when the drafter has no reader."""
+    from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+    if mode == "ar":
+        return SpecEngine(target, None, SpecConfig(mode="ar"), slots=batch)
+    d = drafters[mode in ("ready", "tree-ready")]
+    if d is None:
+        return None
+    kw = dict(kernels=kernels)
+    if mode.startswith("tree"):
+        kw.update(tree=tree, verify_nodes=verify_nodes)
+    return SpecEngine(target, d, SpecConfig(mode=mode, **kw), slots=batch)
 
 
 def finish(results: dict, meta: dict, out: Path, partial: bool) -> dict:

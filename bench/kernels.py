@@ -44,7 +44,8 @@ import jax
 import jax.numpy as jnp
 
 from hyspec_jax import gdn
-from hyspec_jax.bench.report import git_commit, portable_command, run_metadata
+from hyspec_jax.bench.report import (git_commit, gpu_stream_events, portable_command, profile_trace,
+                                     run_metadata)
 from pallas_kernels import trees
 from pallas_kernels.gdn_commit import (deferred_append_pallas, deferred_append_reference, deferred_to_reference,
                                        path_commit_pallas, path_commit_reference)
@@ -120,39 +121,21 @@ def device_kernel_time(run, calls: int) -> dict:
     executable itself issues) are summed per call. Unlike a host clock this leaves out dispatching and awaiting the
     executable and the idle gaps between launches: it is the time the GPU spends in our kernels, warm (the
     Nsight Compute table in kernel-resources times one cold, serialized launch instead)."""
-    import glob
-    import tempfile
-    from jax.profiler import ProfileData
-    with tempfile.TemporaryDirectory() as tmp:
-        jax.profiler.start_trace(tmp)
-        try:
-            for _ in range(PROFILE_REPS):
-                run()
-        finally:
-            jax.profiler.stop_trace()
-        files = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
-        if not files:
-            raise RuntimeError("the profiler wrote no trace")
-        data = ProfileData.from_file(files[0])
-    return gpu_stream_time(data, PROFILE_REPS * calls)
+    def reps():
+        for _ in range(PROFILE_REPS):
+            run()
+    return gpu_stream_time(profile_trace(reps), PROFILE_REPS * calls)
 
 
 def gpu_stream_time(data, calls: int) -> dict:
     """Sum of the GPU stream events of a profile (`jax.profiler.ProfileData`) per call, and the largest kernels."""
     per_name: dict[str, float] = {}
-    seen = []
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            seen.append(line.name)
-            if not line.name.startswith("Stream"):
-                continue                                 # "XLA Ops" / "XLA Modules" lines repeat the same time
-            for ev in line.events:
-                per_name[ev.name] = per_name.get(ev.name, 0.0) + ev.duration_ns
+    for _, duration, name in gpu_stream_events(data):
+        per_name[name] = per_name.get(name, 0.0) + duration
     if not per_name:
+        gpu_lines = [line.name for p in data.planes if p.name.startswith("/device:GPU") for line in p.lines]
         raise RuntimeError(f"no GPU stream events in the trace (planes {[p.name for p in data.planes]}, "
-                           f"GPU lines {seen[:12]})")
+                           f"GPU lines {gpu_lines[:12]})")
     top = sorted(per_name.items(), key=lambda kv: -kv[1])[:8]
     return {"device_us": sum(per_name.values()) / 1e3 / calls,
             "device_kernels_us": {k: v / 1e3 / calls for k, v in top}}

@@ -61,3 +61,35 @@ def run_metadata() -> dict:
             "device_count": jax.device_count(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
             "python": platform.python_version(), "commit": git_commit(),
             "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def profile_trace(run):
+    """Run `run()` under `jax.profiler` and return the trace (`jax.profiler.ProfileData`)."""
+    import glob
+    import tempfile
+
+    import jax
+    from jax.profiler import ProfileData
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp)
+        try:
+            run()
+        finally:
+            jax.profiler.stop_trace()
+        files = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            raise RuntimeError("the profiler wrote no trace")
+        return ProfileData.from_file(files[0])
+
+
+def gpu_stream_events(data) -> list[tuple[int, int, str]]:
+    """(start ns, duration ns, name) of every GPU stream event of a trace (kernels, memcpy, memset), in time
+    order; the "XLA Ops" / "XLA Modules" lines repeat the same time and are skipped. [] without GPU planes."""
+    out = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if line.name.startswith("Stream"):
+                out += [(ev.start_ns, ev.duration_ns, ev.name) for ev in line.events]
+    return sorted(out)

@@ -15,15 +15,11 @@ The profiler slows the host, so the traced wall time is reported separately from
 from __future__ import annotations
 
 import argparse
-import glob
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 
 MODES = ("ar", "chain", "ready", "tree", "tree-ready")
 
@@ -47,21 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify-nodes", type=int, default=32)
     p.add_argument("--top", type=int, default=12, help="largest kernels kept per mode")
     return p
-
-
-def gpu_events(xplane_path: str) -> list[tuple[int, int, str]]:
-    """(start ns, duration ns, name) of every GPU stream event of a trace (kernels, memcpy, memset); the
-    "XLA Ops" / "XLA Modules" lines repeat the same time and are skipped."""
-    from jax.profiler import ProfileData
-    data = ProfileData.from_file(xplane_path)
-    out = []
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if line.name.startswith("Stream"):
-                out += [(ev.start_ns, ev.duration_ns, ev.name) for ev in line.events]
-    return sorted(out)
 
 
 def busy_time_ns(events: list[tuple[int, int, str]]) -> int:
@@ -97,12 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
     from tqdm.auto import tqdm
 
-    from hyspec_jax.bench.e2e import DEFAULT_PROMPTS, _default_model
-    from hyspec_jax.bench.report import portable_command, portable_path, run_metadata
-    from hyspec_jax.io.drafter_io import load_drafter
-    from hyspec_jax.io.hf import load_pretrained
+    from hyspec_jax.bench.e2e import DEFAULT_PROMPTS, _default_model, load_models, make_engine
+    from hyspec_jax.bench.report import gpu_stream_events, portable_command, portable_path, profile_trace, run_metadata
     from hyspec_jax.sampling import SamplingParams
-    from hyspec_jax.spec.engine import SpecConfig, SpecEngine
     from hyspec_jax.spec.select import TreeSpec
     from hyspec_jax.train.distill import load_prompts
 
@@ -115,43 +93,30 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= a.prompt_index < len(tokens):
         raise ValueError(f"--prompt-index {a.prompt_index} outside the pack's {len(tokens)} prompts")
     prompt = [int(t) for t in tokens[a.prompt_index]]
-    _, target = load_pretrained(model_dir, dtype=dt)
-    drafters = {}
-    if any(m != "ar" for m in a.modes):
-        drafters[False] = load_drafter(drafter_dir, dtype=dt, with_reader=False)
-        if any(m in ("ready", "tree-ready") for m in a.modes):
-            drafters[True] = load_drafter(drafter_dir, dtype=dt, with_reader=True)
+    target, drafters = load_models(model_dir, drafter_dir, dt, any(m != "ar" for m in a.modes))
     depth = a.tree_depth or (drafters[False].config.num_draft_tokens if drafters else 0)
     params = SamplingParams(max_tokens=a.max_tokens)
-    on_gpu = jax.default_backend() == "gpu"
-
-    def engine(mode: str) -> SpecEngine:
-        if mode == "ar":
-            return SpecEngine(target, None, SpecConfig(mode="ar"), slots=1)
-        kw = dict(kernels=a.kernels)
-        if mode.startswith("tree"):
-            kw.update(tree=TreeSpec(depth, a.tree_topk, a.tree_beam), verify_nodes=a.verify_nodes)
-        return SpecEngine(target, drafters[mode in ("ready", "tree-ready")], SpecConfig(mode=mode, **kw), slots=1)
 
     rows = {}
     for mode in tqdm(a.modes, desc="round-profile", unit="mode"):
-        eng = engine(mode)
+        eng = make_engine(target, drafters, mode, 1, kernels=a.kernels,
+                          tree=TreeSpec(depth, a.tree_topk, a.tree_beam), verify_nodes=a.verify_nodes)
+        if eng is None:
+            raise ValueError(f"mode {mode}: the drafter in {drafter_dir} has no ReaDy reader")
         eng.generate([prompt], params)
         eng.generate([prompt], params)                      # compiled and warm
         t0 = time.perf_counter()
         res = eng.generate([prompt], params)[0]
         wall = time.perf_counter() - t0
         rounds, tau = eng.last_stats.rounds, eng.last_stats.tau
-        with tempfile.TemporaryDirectory() as tmp:
-            jax.profiler.start_trace(tmp)
+        box = {}
+
+        def traced_run():
             t0 = time.perf_counter()
-            try:
-                eng.generate([prompt], params)
-            finally:
-                traced = time.perf_counter() - t0
-                jax.profiler.stop_trace()
-            files = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
-            events = gpu_events(files[0]) if (files and on_gpu) else []
+            eng.generate([prompt], params)
+            box["s"] = time.perf_counter() - t0
+        events = gpu_stream_events(profile_trace(traced_run))       # none without a GPU
+        traced = box["s"]
         row = {"rounds": rounds, "tau": tau, "tokens": len(res.token_ids),
                "wall_us_per_round": 1e6 * wall / max(rounds, 1),
                "traced_wall_us_per_round": 1e6 * traced / max(rounds, 1),

@@ -224,14 +224,3 @@ def test_sampled_tree_scores_are_pre_draw_and_monotone(block):
             np.testing.assert_allclose(sc[b, i], min(rho[p] + np.log(mass), sc[b, p]), atol=1e-5)
             assert q[b, p, tok[b, i]] > 0
 
-
-def test_two_stage_top_k_is_exact_with_ties():
-    """select.top_k_rows in chunks equals one lax.top_k, values and indices, ties included (lower index
-    first); shapes it cannot chunk fall back to one top-k."""
-    from hyspec_jax.spec.select import top_k_rows
-    rng = np.random.default_rng(3)
-    for shape, k, chunk in [((2, 16, 1024), 8, 128), ((3, 5, 512), 4, 64), ((2, 3, 96), 4, 32), ((4, 200), 3, 64)]:
-        for x in (rng.integers(0, 20, shape).astype(np.float32), rng.normal(size=shape).astype(np.float32)):
-            want = jax.lax.top_k(jnp.asarray(x), k)
-            got = top_k_rows(jnp.asarray(x), k, chunk)
-            assert np.array_equal(want[0], got[0]) and np.array_equal(want[1], got[1]), (shape, chunk)

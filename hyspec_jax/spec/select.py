@@ -98,28 +98,6 @@ def chain_candidates(prop: ChainProposal, anchor: jax.Array, length: jax.Array |
         child_q=child_q)
 
 
-# Vocabulary rows split into chunks of this many logits for the greedy tree's top-k (None: one top-k a row).
-# Off: on the H200 (embedded model, wide tree, batch 1) 128-logit chunks cut the round's GPU busy time from
-# 1,205 to 1,039 µs but add 33 launches (336 -> 369), and the batch-1 round is bound by launches: its wall time did
-# not move beyond the ±25% spread between processes (`hyspec bench round-profile`, two runs each).
-TOPK_CHUNK: int | None = None
-
-
-def top_k_rows(x: jax.Array, k: int, chunk: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """`jax.lax.top_k` over the last axis, optionally in two stages: the top k of every `chunk` entries, then the
-    top k of those. Exact, ties included (lower index first in both stages, chunks in index order). On a GPU the
-    first stage has rows × V/chunk short rows to spread over the SMs where one top-k has only rows."""
-    V = x.shape[-1]
-    if chunk is None or V % chunk or k > chunk or V <= 2 * chunk:
-        return jax.lax.top_k(x, k)
-    n = V // chunk
-    v1, i1 = jax.lax.top_k(x.reshape(x.shape[:-1] + (n, chunk)), k)             # [..., n, k]
-    i1 = i1 + (jnp.arange(n, dtype=i1.dtype) * chunk)[:, None]
-    v1, i1 = v1.reshape(x.shape[:-1] + (n * k,)), i1.reshape(x.shape[:-1] + (n * k,))
-    v2, j = jax.lax.top_k(v1, k)
-    return v2, jnp.take_along_axis(i1, j, axis=-1)
-
-
 def tree_candidates(model: Drafter, block: DraftBlock, anchor: jax.Array, spec: TreeSpec,
                     sampling: SlotSampling | None = None, keys: jax.Array | None = None) -> Candidates:
     """Beam expansion of the draft tree from one block (see the module docstring for the scores).
@@ -172,7 +150,7 @@ def tree_candidates(model: Drafter, block: DraftBlock, anchor: jax.Array, spec: 
         else:
             # greedy: only the k children's log q are needed — top logits less the row's log-sum-exp, not a
             # [B, W, V] log-softmax and a gather (fewer kernels in a launch-bound round)
-            top, child = top_k_rows(logits, k, TOPK_CHUNK)
+            top, child = jax.lax.top_k(logits, k)
             m = top[..., :1]                                                          # the row max, exactly
             clogq = top - (m + jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1, keepdims=True)))
         cvalid = bvalid[..., None] & (top > -jnp.inf) & (clogq > -jnp.inf)

@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ax.set_xticks([], minor=True)   # no log-scale minor labels ("3×10⁰") between the swept N
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path.with_suffix(".png"), dpi=120)
+    from hyspec_jax.bench.report import save_png
+    save_png(fig, path.with_suffix(".png"))
     return 0
 
 

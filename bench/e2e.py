@@ -298,7 +298,8 @@ def plots(report: dict, out: Path) -> None:
     axes[1].set(ylabel="speed-up over ar", title=f"Tokens/s over ar, batch {b1[0]['batch'] if b1 else 1}")
     axes[1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=120)
+    from hyspec_jax.bench.report import save_png
+    save_png(fig, out.with_suffix(".png"))
     sweep = [r for r in rows if "@N" in _key(r, report)]
     if sweep:
         fig, ax = plt.subplots(figsize=(5.5, 4))
@@ -312,7 +313,8 @@ def plots(report: dict, out: Path) -> None:
         ax2.plot(ns, [r["mean_tau"] for r in sweep], marker="s", color="tab:orange", label="τ")
         ax2.set_ylabel("τ")
         fig.tight_layout()
-        fig.savefig(out.with_name(out.stem + "_budget.png"), dpi=120)
+        from hyspec_jax.bench.report import save_png
+        save_png(fig, out.with_name(out.stem + "_budget.png"))
 
 
 def _key(row: dict, report: dict) -> str:

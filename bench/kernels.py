@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from hyspec_jax import gdn
-from hyspec_jax.bench.report import (git_commit, gpu_stream_events, portable_command, profile_trace,
+from hyspec_jax.bench.report import (git_commit, gpu_stream_events, portable_command, profile_trace, save_png,
                                      run_metadata)
 from pallas_kernels import trees
 from pallas_kernels.gdn_commit import (deferred_append_pallas, deferred_append_reference, deferred_to_reference,
@@ -759,7 +759,7 @@ def render(results: dict, json_path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(base + ".png", dpi=110)
+    save_png(fig, base + ".png", dpi=110)
     plt.close(fig)
 
 

@@ -767,7 +767,8 @@ def plot(report: dict, path: Path) -> bool:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from hyspec_jax.bench.report import save_png
+    save_png(fig, path)
     plt.close(fig)
     return True
 

@@ -129,8 +129,12 @@ class Generator:
     def _decode_call(self, state, nxt, active: np.ndarray, sampling: SlotSampling, step: int):
         # host arrays go straight to the jitted call (cheaper than a jnp.asarray dispatch each); `active` is
         # copied because the caller updates it in place while the step may still be running
-        return _decode_jit(self.graphdef, self.params, state, nxt, np.array(active), sampling,
-                           np.asarray(step, np.int32))
+        nxt, state = _decode_jit(self.graphdef, self.params, state, nxt, np.array(active), sampling,
+                                 np.asarray(step, np.int32))
+        # start the token's device→host copy as soon as this step is done, so that reading it after the next
+        # step was dispatched (the pipelined loop) does not wait behind that step's work as well
+        nxt.copy_to_host_async()
+        return nxt, state
 
     def compile_buckets(self, buckets: Iterable[tuple[int, int]], prompt_lengths: Sequence[int] | None = None,
                         progress: bool = True, cache: bool = True) -> int:

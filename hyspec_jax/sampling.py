@@ -7,9 +7,11 @@ the same warping to target and draft so that rejection sampling stays lossless.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 F32 = jnp.float32
 
@@ -49,10 +51,18 @@ class SlotSampling:
     @classmethod
     def from_params(cls, params: list[SamplingParams], batch: int) -> "SlotSampling":
         pad = params + [SamplingParams()] * (batch - len(params))
-        return cls(temperature=jnp.asarray([p.temperature for p in pad], F32),
-                   top_p=jnp.asarray([p.top_p for p in pad], F32),
-                   top_k=jnp.asarray([p.top_k for p in pad], jnp.int32),
-                   seed=jnp.asarray([p.seed % (1 << 32) for p in pad], jnp.uint32))
+        return _slot_sampling(tuple((float(p.temperature), float(p.top_p), int(p.top_k), int(p.seed) % (1 << 32))
+                                    for p in pad))
+
+
+@functools.lru_cache(maxsize=256)
+def _slot_sampling(slots: tuple[tuple[float, float, int, int], ...]) -> SlotSampling:
+    """The device arrays of these per-slot (temperature, top_p, top_k, seed), made once: each generation and
+    admission asks again, and a transfer costs ~0.1 ms of host time beside a GPU (device arrays are immutable,
+    so sharing them is safe)."""
+    t, p, k, s = zip(*slots)
+    host = (np.asarray(t, np.float32), np.asarray(p, np.float32), np.asarray(k, np.int32), np.asarray(s, np.uint32))
+    return SlotSampling(*jax.device_put(host))
 
 
 def warp(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:

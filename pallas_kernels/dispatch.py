@@ -8,7 +8,8 @@ sliced back. The kernel path is a `jax.custom_vjp` whose backward is the referen
 
 `path_commit(...)` does the same for the cross-layer factorized commit (gdn.node_state per layer), and
 `tree_attention(...)` for the verify's attention over the committed prefix + the tree
-(`layers.attend_prefix_tree`; the split-S Pallas prefix kernel where S fits its blocks).
+(`layers.attend_prefix_tree`; the split-S Pallas prefix kernel where S fits its blocks), and `biased_topk(...)`
+for a greedy tree level's top-k children and log-sum-exp (`hyspec_jax.spec.select.tree_candidates`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from hyspec_jax import gdn
-from pallas_kernels import gdn_commit, gdn_tree_solve, tree_attention as tree_attention_kernel
+from pallas_kernels import gdn_commit, gdn_tree_solve, topk, tree_attention as tree_attention_kernel
 
 F32 = jnp.float32
 Impl = Literal["auto", "reference", "pallas", "interpret"]
@@ -277,3 +278,21 @@ def tree_attention(q, keys, values, prefix_mask, tree_keys, tree_values, tree_ma
                                                        block_s=block_s, splits=splits, block_rows=block_rows,
                                                        num_warps=num_warps, num_stages=num_stages,
                                                        interpret=interpret)
+
+
+def biased_topk(base: jax.Array, bias: jax.Array | None, k: int, *, impl: Impl = "auto"):
+    """Top-k and log-sum-exp of every beam row of a tree level: logits base [B, V] + bias [B, W, V] (None: W = 1)
+    → (values [B, W, k] f32, indices [B, W, k] int32, lse [B, W] f32), as `topk.biased_topk_reference`.
+    Not differentiable through the kernel path (the tree build never is)."""
+    if impl == "reference":
+        return topk.biased_topk_reference(base, bias, k)
+    try:
+        B, V = base.shape
+        ok = topk.supported(V, k) and (bias is None or (bias.ndim == 3 and bias.shape[0] == B
+                                                        and bias.shape[2] == V))
+    except Exception:  # noqa: BLE001
+        ok = False
+    interpret = _use_kernel(impl, ok, "tree-level top-k")
+    if interpret is None:
+        return topk.biased_topk_reference(base, bias, k)
+    return topk.biased_topk_pallas(base, bias, k=k, interpret=interpret)

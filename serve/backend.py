@@ -9,7 +9,7 @@ Two kinds of call, each compiled once per static shape at start-up and then reus
   `hyspec_jax.generate.Generator` does). Short prompts are packed several to a call; long prompts are cut into
   chunks so that decoding continues between their chunks.
 - `step(active)` — one decoding step for every slot: AR (one token per active slot) or one speculative round
-  (`hyspec_jax.spec.engine.spec_round_jit`: draft → verify → accept → commit, ≥ 1 token per active slot).
+  (`hyspec_jax.spec.engine.spec_round_io_jit`: draft → verify → accept → commit, ≥ 1 token per active slot).
 
 Sampling parameters are per-slot device arrays (`SlotSampling`) and the PRNG key of a slot is
 fold_in(key(seed), step) with its own step counter, so neither the parameters nor the batch composition

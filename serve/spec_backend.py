@@ -1,4 +1,4 @@
-"""Speculative backend: rounds are `hyspec_jax.spec.engine.spec_round_jit` (draft → select → verify → accept →
+"""Speculative backend: rounds are `hyspec_jax.spec.engine.spec_round_io_jit` (draft → select → verify → accept →
 commit, one jitted call per bucket); prefill is chunked here so that it can interleave with rounds.
 
 Per slot the device holds the target state, the drafter's context K/V and (host-side, `Scheduler.last`) the
@@ -19,7 +19,7 @@ from hyspec_jax.models.drafter import Drafter, DrafterState, init_drafter_state
 from hyspec_jax.models.target import TargetModel
 from hyspec_jax.serve.backend import (I32, Backend, StepResult, _gather_target, _rows, _scatter_target,
                                      sample_rows)
-from hyspec_jax.spec.engine import SpecEngine, spec_round_jit
+from hyspec_jax.spec.engine import SpecEngine, pack_round_inputs, spec_round_io_jit, unpack_round_outputs
 
 
 def _spec_prefill(tgraph, tparams, dgraph, dparams, state, dstate, slots, tokens, valid, reset, sampling, *,
@@ -57,7 +57,7 @@ class SpecBackend(Backend):
         self.dstate = init_drafter_state(eng.drafter.config, slots, self.kv_len, self.dtype)
         self.shapes_by_flag = {s: eng.round_shape(s) for s in (False, True)}
         self.tap_layers = self.shapes_by_flag[False].tap_layers
-        self.capacity = jnp.asarray(eng.spec.capacity or slots * eng.verify_nodes, I32)
+        self.capacity = int(eng.spec.capacity or slots * eng.verify_nodes)
         self.drafted = eng.verify_nodes - 1
 
     @property
@@ -72,11 +72,11 @@ class SpecBackend(Backend):
         return np.asarray(first)
 
     def step(self, active, last, sampling, steps, stochastic) -> StepResult:
-        self.state, self.dstate, _, toks, count, acc = spec_round_jit(
+        self.state, self.dstate, _, host_out = spec_round_io_jit(
             self.tgraph, self.tparams, self.dgraph, self.dparams, self.state, self.dstate, np.array(last, np.int32),
-            np.array(active, bool), sampling, np.array(steps, np.int32), self.capacity, None,
+            sampling, pack_round_inputs(np.asarray(active, bool), steps, self.capacity, None),
             shape=self.shapes_by_flag[bool(stochastic)])
-        toks, count, acc = jax.device_get((toks, count, acc))     # one transfer
+        toks, count, acc = unpack_round_outputs(np.asarray(host_out))     # one transfer each way
         return StepResult(tokens=toks, count=count, accepted=acc, drafted=self.drafted)
 
     def _warm_steps(self, progress) -> None:

@@ -20,6 +20,7 @@ The embedding and LM head are the target's, passed in (`TargetHeads`) and frozen
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import chex
@@ -222,6 +223,7 @@ class DrafterState:
         return self.keys.shape[2]
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "batch", "max_len", "dtype"))   # one dispatch (as init_state)
 def init_drafter_state(cfg: DrafterConfig, batch: int, max_len: int, dtype=F32) -> DrafterState:
     shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
     return DrafterState(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype),

@@ -35,6 +35,7 @@ censored), times. Where a round's time goes: `SpecEngine.phase_times` times the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import deque
 from typing import Callable, Sequence
@@ -166,7 +167,8 @@ def round_draft(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, 
         cand = chain_candidates(prop, anchor, length, samp)
     else:
         with jax.named_scope("tree_build"):
-            cand = tree_candidates(drafter, block, anchor, shape.tree, samp, dkeys if samp is not None else None)
+            cand = tree_candidates(drafter, block, anchor, shape.tree, samp, dkeys if samp is not None else None,
+                                   kernel_impl=shape.kernel_impl)
     valid = cand.valid & active[:, None]
     forced = root_floor(cand.score, cand.parent, valid, active)
     sel = select_nodes(cand.score, cand.parent, cand.depth, valid, forced, N, capacity)
@@ -240,11 +242,45 @@ def spec_round(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, d
                             logits, taps, cache, shape=shape)
 
 
+def spec_round_io(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
+                  state: TargetState, dstate: DrafterState, anchor: jax.Array, sampling: SlotSampling,
+                  host_in: jax.Array, *, shape: RoundShape):
+    """`spec_round` with its per-round host inputs packed in one int32 array and its host outputs in another, so
+    a round moves one array each way (each transfer costs tens of µs of host time beside a GPU: a visible part
+    of a launch-bound batch-1 round). host_in [B, 3 + g]: active (0/1), steps, capacity (read from row 0),
+    then g hint columns (g = 0: no hints). Returns (state, dstate, anchor, host_out [B, D + 3]: the committed
+    tokens [D + 1], count, accepted)."""
+    hint = host_in[:, 3:] if host_in.shape[1] > 3 else None
+    state, dstate, anchor, toks, count, acc = spec_round(
+        tgraph, tparams, dgraph, dparams, state, dstate, anchor, host_in[:, 0] > 0, sampling, host_in[:, 1],
+        host_in[0, 2], hint, shape=shape)
+    host_out = jnp.concatenate([toks.astype(I32), count.astype(I32)[:, None], acc.astype(I32)[:, None]], axis=1)
+    return state, dstate, anchor, host_out
+
+
+def pack_round_inputs(active: np.ndarray, steps: np.ndarray, capacity: int, hint: np.ndarray | None) -> np.ndarray:
+    """`spec_round_io`'s host_in [B, 3 + g] int32 (hint [B, g] or None)."""
+    B = len(active)
+    g = 0 if hint is None else hint.shape[1]
+    host = np.empty((B, 3 + g), np.int32)
+    host[:, 0], host[:, 1], host[:, 2] = active, steps, capacity
+    if g:
+        host[:, 3:] = hint
+    return host
+
+
+def unpack_round_outputs(host_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens [B, D + 1], count [B], accepted [B]) from `spec_round_io`'s host_out."""
+    return host_out[:, :-2], host_out[:, -2], host_out[:, -1]
+
+
 # the named scopes of `spec_round` (`SpecEngine.round_kernels` counts kernels by them)
 ROUND_SCOPES = ("draft/drafter_forward", "draft/tree_build", "draft", "verify", "commit")
 
 spec_round_jit = DiskCachedJit(spec_round, name="spec_round", static_argnames=("tgraph", "dgraph", "shape"),
                                donate_argnames=("state", "dstate"))
+spec_round_io_jit = DiskCachedJit(spec_round_io, name="spec_round_io", static_argnames=("tgraph", "dgraph", "shape"),
+                                  donate_argnames=("state", "dstate"))
 # the phases jitted alone (`SpecEngine.phase_times`); the commit donates the states as the fused round does
 round_draft_jit = jax.jit(round_draft, static_argnames=("tgraph", "dgraph", "shape"))
 round_verify_jit = jax.jit(round_verify, static_argnames=("tgraph", "shape"))
@@ -268,6 +304,13 @@ def prefill(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dpar
     dstate = drafter.append_context(dstate, taps, jnp.sum(valid, axis=1, dtype=I32))
     first = sample(logits[:, 0], sampling, jnp.zeros((), I32))
     return state, dstate, jnp.where(admit, first, anchor)
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "batch", "max_len", "dtype"))
+def _new_buffers(tcfg, dcfg, batch: int, max_len: int, dtype):
+    """Empty target state, drafter context and anchors of a generation: one dispatch (see `init_state`)."""
+    return (init_state(tcfg, batch, max_len, dtype), init_drafter_state(dcfg, batch, max_len, dtype),
+            jnp.zeros((batch,), I32))
 
 
 prefill_jit = DiskCachedJit(prefill, name="spec_prefill", static_argnames=("tgraph", "dgraph", "tap_layers"),
@@ -410,8 +453,7 @@ class SpecEngine:
     # --------------------------------------------------------------------------------------------
     # Device calls: `generate` and `compile_buckets` share them, so start-up compiles exactly what generate runs
     def _buffers(self, B: int, S: int):
-        return (init_state(self.config, B, S, self.dtype), init_drafter_state(self.drafter.config, B, S, self.dtype),
-                jnp.zeros((B,), I32))
+        return _new_buffers(self.config, self.drafter.config, B, S, self.dtype)
 
     def _prefill_call(self, state, dstate, anchor, toks: np.ndarray, val: np.ndarray, admit: np.ndarray,
                       sampling: SlotSampling, shape: RoundShape):
@@ -420,10 +462,12 @@ class SpecEngine:
                            tap_layers=shape.tap_layers)
 
     def _round_call(self, state, dstate, anchor, active: np.ndarray, sampling: SlotSampling, steps: np.ndarray,
-                    capacity: int, hint: np.ndarray, shape: RoundShape):
-        return spec_round_jit(self.tgraph, self.tparams, self.dgraph, self.dparams, state, dstate, anchor,
-                              np.array(active), sampling, np.array(steps), np.asarray(capacity, np.int32),
-                              np.asarray(hint, np.int32), shape=shape)
+                    capacity: int, hint: np.ndarray | None, shape: RoundShape):
+        state, dstate, anchor, host_out = spec_round_io_jit(
+            self.tgraph, self.tparams, self.dgraph, self.dparams, state, dstate, anchor, sampling,
+            pack_round_inputs(active, steps, capacity, hint), shape=shape)
+        host_out.copy_to_host_async()     # the host reads it: start its copy now (see generate.Generator)
+        return state, dstate, anchor, host_out
 
     def _bucket_for(self, prompts, plist) -> tuple[int, int, int, RoundShape]:
         """The bucket a request batch runs in: (slots B, KV length S, verified nodes N, round shape); sets
@@ -460,7 +504,6 @@ class SpecEngine:
             jobs += [(B, S, "prefill", t) for t in ts] + [(B, S, "round", bool(s)) for s in stochastic]
         watch = CompileWatch()
         bar = compile_progress(len(jobs), progress)
-        G = self.drafter.config.num_draft_tokens
         for B, S, kind, arg in jobs:
             self.verify_nodes = self.nodes_for(B, S)
             bar.set_postfix_str(f"slots {B}, kv {S}, " + (f"prefill {arg}" if kind == "prefill" else
@@ -476,8 +519,7 @@ class SpecEngine:
                                                            np.zeros((B, bucket(1)), bool), np.zeros(B, bool),
                                                            sampling, shape)
                 out = self._round_call(state, dstate, anchor, np.zeros(B, bool), sampling, np.zeros(B, np.int32),
-                                       self.spec.capacity or B * self.verify_nodes, np.full((B, G), -1, np.int32),
-                                       shape)
+                                       self.spec.capacity or B * self.verify_nodes, None, shape)
             jax.block_until_ready(out)
             bar.update(1)
         bar.close()
@@ -551,21 +593,22 @@ class SpecEngine:
         def dispatch():
             nonlocal state, dstate, anchor
             active = np.array([r >= 0 for r in slot_req])
-            hint_arr = np.full((B, G), -1, np.int32)   # always an array: one compiled round
+            # no hint columns without hints (the round then has no hint ops; hinted runs compile their own round)
+            hint_arr = None if hint is None else np.full((B, G), -1, np.int32)
             if hint is not None:
                 for b in range(B):
                     if slot_req[b] >= 0:
                         h = list(hint(slot_req[b], list(out[slot_req[b]])))[:G]
                         hint_arr[b, :len(h)] = h
             steps[active] += 1
-            state, dstate, anchor, toks_out, count, acc = self._round_call(
+            state, dstate, anchor, host_out = self._round_call(
                 state, dstate, anchor, active, sampling, steps, capacity, hint_arr, shape)
-            return (toks_out, count, acc), list(slot_req)
+            return host_out, list(slot_req)
 
         def finish_round(flight) -> None:
             nonlocal rounds, t_first_done, t_last_done
             outs, owners = flight
-            toks_out, count, acc = jax.device_get(outs)          # one transfer, waits for the round
+            toks_out, count, acc = unpack_round_outputs(np.asarray(outs))   # one transfer, waits for the round
             t_done = time.perf_counter()
             rounds += 1
             t_first_done = t_first_done or t_done
@@ -856,5 +899,6 @@ def format_phase_times(pt: dict) -> str:
 
 
 __all__ = ["MODES", "SpecConfig", "RoundShape", "SpecResult", "SpecStats", "SpecEngine", "spec_round",
-           "spec_round_jit", "round_draft", "round_verify", "round_commit", "prefill", "prefill_jit", "HINT_BIAS",
+           "spec_round_jit", "spec_round_io", "spec_round_io_jit", "pack_round_inputs", "unpack_round_outputs",
+           "round_draft", "round_verify", "round_commit", "prefill", "prefill_jit", "HINT_BIAS",
            "engine_from_args", "request_stats", "prefix_survival", "rounded", "format_phase_times"]

@@ -33,6 +33,7 @@ from flax import struct
 from hyspec_jax.models.drafter import DraftBlock, Drafter
 from hyspec_jax.sampling import SlotSampling, warp
 from hyspec_jax.spec.propose import ChainProposal
+from pallas_kernels.dispatch import biased_topk
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -99,13 +100,15 @@ def chain_candidates(prop: ChainProposal, anchor: jax.Array, length: jax.Array |
 
 
 def tree_candidates(model: Drafter, block: DraftBlock, anchor: jax.Array, spec: TreeSpec,
-                    sampling: SlotSampling | None = None, keys: jax.Array | None = None) -> Candidates:
+                    sampling: SlotSampling | None = None, keys: jax.Array | None = None,
+                    kernel_impl: str = "reference") -> Candidates:
     """Beam expansion of the draft tree from one block (see the module docstring for the scores).
 
     Level d (depth d+1) expands every kept node v of level d−1 into its top_k children under
     U_d + B(token(v)) — greedy rows by logits, sampling rows by top_k draws without replacement from the
     warped q (Gumbel-top-k, children in draw order) — and keeps the best `beam` by score (stable: ties keep
     parent-major, draw order). sampling None: all rows greedy. keys [B] per-slot PRNG keys (sampling).
+    kernel_impl: the greedy levels' top-k (`pallas_kernels.dispatch.biased_topk`: "auto" takes the kernel on a GPU).
     """
     B, G, V = block.logits.shape
     D, k = spec.depth, spec.top_k
@@ -137,8 +140,8 @@ def tree_candidates(model: Drafter, block: DraftBlock, anchor: jax.Array, spec: 
         W = tok.shape[1]
         h = jnp.broadcast_to(block.hidden[:, d, None], (B, W, block.hidden.shape[-1]))
         bias, _, s_next = model.markov_step(tok, h, s)
-        logits = (block.logits[:, d, None, :] + bias).astype(F32)                     # [B, W, V]
         if stochastic:
+            logits = (block.logits[:, d, None, :] + bias).astype(F32)                 # [B, W, V]
             logq = jax.nn.log_softmax(logits, axis=-1)
             wl = warp(logits, sampling.temperature[:, None], sampling.top_p[:, None], sampling.top_k[:, None])
             logq = jnp.where(greedy, logq, wl)
@@ -149,10 +152,10 @@ def tree_candidates(model: Drafter, block: DraftBlock, anchor: jax.Array, spec: 
             clogq = jnp.take_along_axis(logq, child, axis=-1)
         else:
             # greedy: only the k children's log q are needed — top logits less the row's log-sum-exp, not a
-            # [B, W, V] log-softmax and a gather (fewer kernels in a launch-bound round)
-            top, child = jax.lax.top_k(logits, k)
-            m = top[..., :1]                                                          # the row max, exactly
-            clogq = top - (m + jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1, keepdims=True)))
+            # [B, W, V] log-softmax and a gather; on a GPU one kernel a level (a launch-bound round)
+            top, child, lse = biased_topk(block.logits[:, d], None if jnp.ndim(bias) == 0 else bias, k,
+                                          impl=kernel_impl)
+            clogq = top - lse[..., None]
         cvalid = bvalid[..., None] & (top > -jnp.inf) & (clogq > -jnp.inf)
         crho = logrho[..., None] + clogq
         score = crho

@@ -1,0 +1,104 @@
+"""Top-k children and the log-sum-exp of every beam row of a tree level, one launch (the greedy tree build).
+
+Must equal `biased_topk_reference`: for logits x = base[b] + bias[b, w] (fp32), (values, indices) of
+`lax.top_k(x, k)` — descending, ties to the lower index — and log Σ exp(x) with the row max taken out first.
+
+Why a kernel: at batch 1 a speculative round is launch-bound (bench/results/round_profile_h200.md). Each of the
+tree's levels ran the bias add, XLA's TopK custom call and the max / exp-sum / log fusions around it as separate
+launches (and the TopK alone took 37 µs of GPU time a level for 16 rows of 8,192); here they are one.
+
+One program per beam row (b, w): the whole row sits in registers (V ≤ 16,384 fp32), the log-sum-exp is one
+max and one exp-sum over it, and the top k are k rounds of (max, lowest index at the max, take it out).
+Lowering: Pallas' Triton lowering (row reductions only, no matrix work: nothing for Mosaic GPU's wgmma to add).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+F32 = jnp.float32
+REFERENCE = "lax.top_k and the log-sum-exp of base[:, None] + bias"
+MAX_VOCAB = 16384
+
+
+def biased_topk_reference(base: jax.Array, bias: jax.Array | None, k: int):
+    """base [B, V], bias [B, W, V] or None (W = 1) → (values [B, W, k] f32, indices [B, W, k] int32,
+    lse [B, W] f32)."""
+    x = base[:, None, :].astype(F32) if bias is None else base[:, None, :].astype(F32) + bias.astype(F32)
+    top, idx = lax.top_k(x, k)
+    m = top[..., :1]                        # the row max, exactly
+    lse = (m + jnp.log(jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True)))[..., 0]
+    return top, idx.astype(jnp.int32), lse
+
+
+def _kernel(base_ref, bias_ref, val_ref, idx_ref, lse_ref, *, k: int):
+    x = base_ref[...].astype(F32)
+    if bias_ref is not None:
+        x = x + bias_ref[...].astype(F32)
+    V = x.shape[0]
+    kp = val_ref.shape[0]
+    iota = lax.broadcasted_iota(jnp.int32, (V,), 0)
+    lane = lax.broadcasted_iota(jnp.int32, (kp,), 0)
+    m0 = jnp.max(x)
+    lse = m0 + jnp.log(jnp.sum(jnp.exp(x - m0)))
+    vals = jnp.full((kp,), -jnp.inf, F32)
+    idxs = jnp.zeros((kp,), jnp.int32)
+    avail = iota >= 0
+    for i in range(k):                      # k is small (the tree's top-k): unrolled
+        xm = jnp.where(avail, x, -jnp.inf)
+        m = jnp.max(xm)
+        j = jnp.min(jnp.where(avail & (xm == m), iota, V))
+        vals = jnp.where(lane == i, m, vals)
+        idxs = jnp.where(lane == i, j, idxs)
+        avail = avail & (iota != j)
+    val_ref[...] = vals
+    idx_ref[...] = idxs
+    lse_ref[...] = jnp.full((1,), lse, F32)
+
+
+def supported(V: int, k: int) -> bool:
+    """A power-of-two vocabulary the registers of one program hold, and k ≤ V."""
+    return 16 <= V <= MAX_VOCAB and (V & (V - 1)) == 0 and 1 <= k <= min(V, 64)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "num_warps", "interpret"))
+def biased_topk_pallas(base: jax.Array, bias: jax.Array | None, *, k: int, num_warps: int | None = None,
+                       interpret: bool = False):
+    """`biased_topk_reference` in one launch (see the module docstring)."""
+    B, V = base.shape
+    W = 1 if bias is None else bias.shape[1]
+    if not supported(V, k) or (bias is not None and bias.shape != (B, W, V)):
+        raise ValueError(f"unsupported top-k shape: base {base.shape}, bias "
+                         f"{None if bias is None else bias.shape}, k {k}")
+    kp = 1
+    while kp < k:
+        kp *= 2
+    if num_warps is None:
+        num_warps = 4 if V <= 8192 else 8
+    in_specs = [pl.BlockSpec((None, V), lambda b, w: (b, 0))]
+    args = [base]
+    if bias is not None:
+        in_specs.append(pl.BlockSpec((None, None, V), lambda b, w: (b, w, 0)))
+        args.append(bias)
+        kern = functools.partial(_kernel, k=k)
+    else:
+        kern = functools.partial(lambda base_ref, *outs, k: _kernel(base_ref, None, *outs, k=k), k=k)
+    out_specs = [pl.BlockSpec((None, None, kp), lambda b, w: (b, w, 0)),
+                 pl.BlockSpec((None, None, kp), lambda b, w: (b, w, 0)),
+                 pl.BlockSpec((None, None, 1), lambda b, w: (b, w, 0))]
+    out_shape = [jax.ShapeDtypeStruct((B, W, kp), F32), jax.ShapeDtypeStruct((B, W, kp), jnp.int32),
+                 jax.ShapeDtypeStruct((B, W, 1), F32)]
+    vals, idxs, lse = pl.pallas_call(
+        kern, out_shape=out_shape, grid=(B, W), in_specs=in_specs, out_specs=out_specs,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret, name="tree_level_topk",
+    )(*args)
+    if kp != k:
+        vals, idxs = vals[..., :k], idxs[..., :k]
+    return vals, idxs, lse[..., 0]

@@ -1,0 +1,98 @@
+"""The tree-level top-k kernel (pallas_kernels.topk) against lax.top_k + log-sum-exp: interpret mode on CPU,
+the real kernel on a GPU; and the greedy tree build through it equal to the pure-JAX build."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hyspec_jax.config import FULL, LINEAR, TargetConfig
+from hyspec_jax.models import drafter as D
+from hyspec_jax.spec.select import TreeSpec, tree_candidates
+from pallas_kernels import dispatch, topk
+
+GPU = any(d.platform == "gpu" for d in jax.devices())
+needs_gpu = pytest.mark.skipif(not GPU, reason="needs an NVIDIA GPU")
+
+
+def _check(base, bias, k, interpret=True):
+    ref = topk.biased_topk_reference(base, bias, k)
+    got = topk.biased_topk_pallas(base, bias, k=k, interpret=interpret)
+    assert [g.shape for g in got] == [r.shape for r in ref]
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(ref[1]))        # same children, same order
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(ref[0]))        # the logits themselves
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(ref[2]), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("B,W,V,k,seed", [(1, 1, 64, 8, 0), (2, 4, 256, 8, 1), (3, 2, 128, 5, 2), (1, 16, 512, 3, 3)])
+def test_interpret_matches_reference(B, W, V, k, seed):
+    r = np.random.default_rng(seed)
+    base = jnp.asarray(r.standard_normal((B, V)) * 4, jnp.float32)
+    bias = jnp.asarray(r.standard_normal((B, W, V)), jnp.float32)
+    _check(base, bias, k)
+    _check(base, None, k)
+    _check(base.astype(jnp.bfloat16), bias, k)
+
+
+def test_ties_and_minus_infinity_follow_lax_top_k():
+    """Equal logits: the lower index first; fewer finite logits than k: the −inf ones by index, none twice."""
+    row = [0.0, 1.0, 1.0, -np.inf, 1.0, 0.0] + [-np.inf] * 10
+    base = jnp.asarray([row, row[::-1]], jnp.float32)
+    _check(base, None, 8)
+    _check(jnp.zeros((1, 16), jnp.float32), None, 6)            # all equal
+
+
+def test_dispatch_fails_closed():
+    base = jnp.zeros((1, 48), jnp.float32)                      # not a power of two
+    ref = topk.biased_topk_reference(base, None, 4)
+    got = dispatch.biased_topk(base, None, 4, impl="auto")
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(ref[1]))
+    with pytest.raises(ValueError, match="does not support"):
+        dispatch.biased_topk(base, None, 4, impl="interpret")
+    if not GPU:
+        with pytest.raises(ValueError, match="GPU"):
+            dispatch.biased_topk(jnp.zeros((1, 64)), None, 4, impl="pallas")
+
+
+def test_greedy_tree_build_through_the_kernel_equals_the_reference():
+    cfg_t = TargetConfig(
+        model_type="qwen3_5_text", vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, intermediate_size=64, layer_types=(LINEAR, FULL, LINEAR),
+        linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
+    cfg = D.DrafterConfig.from_target(cfg_t, num_layers=1, target_layer_ids=(0, 1), markov_rank=8, block_size=4)
+    model = D.create_drafter(cfg, seed=5)
+    w2 = model.markov_head.markov_w2.weight
+    w2.set_value(w2[...] * 20.0)                                # the Markov term decides some ranks
+    r = np.random.default_rng(4)
+    heads = D.TargetHeads(embed=jnp.asarray(r.standard_normal((64, 32)), jnp.float32),
+                          lm_head=jnp.asarray(r.standard_normal((64, 32)) * 0.3, jnp.float32))
+    graphdef, params = nnx.split(model)
+    taps = jnp.asarray(r.standard_normal((2, 2, 6, 32)), jnp.float32)
+    dstate = D.append_context_jit(graphdef, params, D.init_drafter_state(cfg, 2, 16), taps, jnp.array([6, 4]))
+    anchor = jnp.array([3, 40], jnp.int32)
+    blk = D.draft_block_jit(graphdef, params, dstate, anchor, heads)
+    spec = TreeSpec(depth=3, top_k=4, beam=8)
+    build = lambda impl: jax.jit(lambda p, b, a: tree_candidates(nnx.merge(graphdef, p), b, a, spec,  # noqa: E731
+                                                                  kernel_impl=impl))(params, blk, anchor)
+    ref, got = build("reference"), build("interpret")
+    for f in dataclasses.fields(ref):
+        a, b = getattr(ref, f.name), getattr(got, f.name)
+        if a is None:
+            assert b is None
+        elif f.name == "score":
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f.name)
+
+
+@needs_gpu
+@pytest.mark.parametrize("W,V,k", [(1, 8192, 8), (16, 8192, 8), (16, 16384, 8)])
+def test_gpu_matches_reference(W, V, k):
+    r = np.random.default_rng(W + V)
+    _check(jnp.asarray(r.standard_normal((2, V)), jnp.float32), jnp.asarray(r.standard_normal((2, W, V)),
+                                                                             jnp.float32), k, interpret=False)

@@ -8,6 +8,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from hyspec_jax import cli
@@ -73,7 +74,7 @@ def test_round_kernels_by_named_scope(models):
     """The fused round's kernels split by the phases' named scopes add up to `kernel_count` of the same program,
     the tree build counts apart from the drafter's forward, and ar is refused."""
     from hyspec_jax.compilation import kernel_count
-    from hyspec_jax.spec.engine import spec_round_jit
+    from hyspec_jax.spec.engine import pack_round_inputs, spec_round_io_jit
     target, drafter = models
     eng = SpecEngine(target, drafter, SpecConfig(mode="tree-ready", tree=TreeSpec(depth=3, top_k=2, beam=3),
                                                  verify_nodes=6), slots=SLOTS, kv_len=KV)
@@ -84,7 +85,10 @@ def test_round_kernels_by_named_scope(models):
     assert rk["round_total"] == sum(rk["round"].values()) and rk["ar_step"] > 0
     inputs = eng._round_inputs(PROMPTS, params, "test")
     B, S, N, shape = inputs[:4]
-    lowered = spec_round_jit.lower(eng.tgraph, eng.tparams, eng.dgraph, eng.dparams, *inputs[6:], shape=shape)
+    admit, state, dstate, anchor, sampling, capacity = inputs[4], *inputs[6:9], inputs[10], inputs[12]
+    host_in = pack_round_inputs(admit, admit.astype(np.int32), int(capacity), None)   # as generate runs it
+    lowered = spec_round_io_jit.lower(eng.tgraph, eng.tparams, eng.dgraph, eng.dparams, state, dstate, anchor,
+                                      sampling, host_in, shape=shape)
     assert rk["round_total"] == kernel_count(lowered)
     with pytest.raises(ValueError, match="speculative mode"):
         SpecEngine(target, None, SpecConfig(mode="ar")).round_kernels(PROMPTS, params)

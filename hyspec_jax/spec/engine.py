@@ -760,7 +760,6 @@ class SpecEngine:
         plist = validate_prompts(prompts, params, self.config.vocab_size)
         n = len(prompts)
         B, S, N, shape = self._bucket_for(prompts, plist)
-        G = self.drafter.config.num_draft_tokens
         k = min(n, B)
         admit = np.arange(B) < k
         T = bucket(max(len(p) for p in prompts[:k]))
@@ -772,12 +771,12 @@ class SpecEngine:
         state, dstate, anchor = self._prefill_call(state, dstate, anchor, toks, val, admit, sampling, shape)
         active, steps = jnp.asarray(admit), jnp.asarray(admit.astype(np.int32))
         capacity = jnp.asarray(self.spec.capacity or B * N, I32)
-        hint = jnp.full((B, G), -1, I32)
+        hint = None                      # as `generate` without hints
         return B, S, N, shape, admit, k, state, dstate, anchor, active, sampling, steps, capacity, hint
 
     def round_kernels(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
                       ) -> dict:
-        """Kernels of the compiled fused round (`spec_round_jit`, the program `generate` runs for these prompts'
+        """Kernels of the compiled fused round (`spec_round_io_jit`, the program `generate` runs for these prompts'
         bucket) by named scope (`compilation.kernel_count_by_scope`: draft/drafter_forward, draft/tree_build,
         verify, commit, ...), and of one plain decoding step of the same bucket: {"round": {scope: n},
         "round_total", "ar_step"}. Compiles on this backend; runs nothing but the prefill."""
@@ -785,9 +784,10 @@ class SpecEngine:
         from hyspec_jax.generate import _decode_jit
         (B, S, N, shape, admit, k, state, dstate, anchor, active, sampling, steps, capacity,
          hint) = self._round_inputs(prompts, params, "round kernels")
-        scopes = kernel_count_by_scope(spec_round_jit.lower(self.tgraph, self.tparams, self.dgraph, self.dparams,
-                                                            state, dstate, anchor, active, sampling, steps,
-                                                            capacity, hint, shape=shape), ROUND_SCOPES)
+        host_in = pack_round_inputs(admit, admit.astype(np.int32), int(capacity), hint)
+        scopes = kernel_count_by_scope(spec_round_io_jit.lower(self.tgraph, self.tparams, self.dgraph, self.dparams,
+                                                               state, dstate, anchor, sampling, host_in, shape=shape),
+                                       ROUND_SCOPES)
         ar = kernel_count(_decode_jit.lower(self.tgraph, self.tparams, state, np.zeros((B,), np.int32),
                                             np.asarray(admit), sampling, np.asarray(0, np.int32)))
         return {"round": dict(sorted(scopes.items(), key=lambda kv: -kv[1])), "round_total": sum(scopes.values()),

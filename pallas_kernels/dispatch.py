@@ -280,6 +280,12 @@ def tree_attention(q, keys, values, prefix_mask, tree_keys, tree_values, tree_ma
                                                        interpret=interpret)
 
 
+# Tree-level top-k tiling from the H200 sweep (`hyspec bench topk`, bench/results/topk_h200.md): a row of 8,192 logits
+# split over 8 programs of 4 warps and merged by a second launch takes ~5 µs of GPU time; one program a row
+# (one launch) 10 µs with 8 warps, 12 µs with 4; XLA's TopK and the fusions around it 41 µs in 4-5 launches.
+TOPK_CHUNKS, TOPK_WARPS = 8, 4
+
+
 def biased_topk(base: jax.Array, bias: jax.Array | None, k: int, *, impl: Impl = "auto"):
     """Top-k and log-sum-exp of every beam row of a tree level: logits base [B, V] + bias [B, W, V] (None: W = 1)
     → (values [B, W, k] f32, indices [B, W, k] int32, lse [B, W] f32), as `topk.biased_topk_reference`.
@@ -295,4 +301,6 @@ def biased_topk(base: jax.Array, bias: jax.Array | None, k: int, *, impl: Impl =
     interpret = _use_kernel(impl, ok, "tree-level top-k")
     if interpret is None:
         return topk.biased_topk_reference(base, bias, k)
-    return topk.biased_topk_pallas(base, bias, k=k, interpret=interpret)
+    chunks = TOPK_CHUNKS if base.shape[1] // TOPK_CHUNKS >= 512 else 1
+    return topk.biased_topk_pallas(base, bias, k=k, chunks=chunks, num_warps=TOPK_WARPS if chunks > 1 else None,
+                                   interpret=interpret)

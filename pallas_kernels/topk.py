@@ -37,29 +37,55 @@ def biased_topk_reference(base: jax.Array, bias: jax.Array | None, k: int):
     return top, idx.astype(jnp.int32), lse
 
 
+def _select(x, iota, avail, k: int, kp: int):
+    """The k largest of x among `avail` (ties: lowest iota first) → (values [kp], positions [kp]); unrolled."""
+    n = x.shape[0]
+    lane = lax.broadcasted_iota(jnp.int32, (kp,), 0)
+    vals = jnp.full((kp,), -jnp.inf, F32)
+    pos = jnp.zeros((kp,), jnp.int32)
+    for i in range(k):
+        xm = jnp.where(avail, x, -jnp.inf)
+        m = jnp.max(xm)
+        j = jnp.min(jnp.where(avail & (xm == m), iota, n))
+        vals = jnp.where(lane == i, m, vals)
+        pos = jnp.where(lane == i, j, pos)
+        avail = avail & (iota != j)
+    return vals, pos
+
+
 def _kernel(base_ref, bias_ref, val_ref, idx_ref, lse_ref, *, k: int):
+    """One row (or one chunk of a row: grid axis 2) → its top k (global indices) and log-sum-exp."""
     x = base_ref[...].astype(F32)
     if bias_ref is not None:
         x = x + bias_ref[...].astype(F32)
-    V = x.shape[0]
-    kp = val_ref.shape[0]
-    iota = lax.broadcasted_iota(jnp.int32, (V,), 0)
-    lane = lax.broadcasted_iota(jnp.int32, (kp,), 0)
-    m0 = jnp.max(x)
-    lse = m0 + jnp.log(jnp.sum(jnp.exp(x - m0)))
-    vals = jnp.full((kp,), -jnp.inf, F32)
-    idxs = jnp.zeros((kp,), jnp.int32)
-    avail = iota >= 0
-    for i in range(k):                      # k is small (the tree's top-k): unrolled
-        xm = jnp.where(avail, x, -jnp.inf)
-        m = jnp.max(xm)
-        j = jnp.min(jnp.where(avail & (xm == m), iota, V))
-        vals = jnp.where(lane == i, m, vals)
-        idxs = jnp.where(lane == i, j, idxs)
-        avail = avail & (iota != j)
+    n = x.shape[0]
+    iota = lax.broadcasted_iota(jnp.int32, (n,), 0)
+    vals, pos = _select(x, iota, iota >= 0, k, val_ref.shape[0])
+    m0 = jnp.max(vals)          # the row max is the first value taken
     val_ref[...] = vals
-    idx_ref[...] = idxs
-    lse_ref[...] = jnp.full((1,), lse, F32)
+    idx_ref[...] = pos + pl.program_id(2) * n
+    lse_ref[...] = jnp.full((1,), m0 + jnp.log(jnp.sum(jnp.exp(x - m0))), F32)
+
+
+def _merge_kernel(val_ref, idx_ref, lse_ref, val_out, idx_out, lse_out, *, k: int):
+    """A row's chunk results (chunk-major, so position order is index order among equal values) → its top k and
+    log-sum-exp."""
+    v = val_ref[...]
+    n = v.shape[0]
+    iota = lax.broadcasted_iota(jnp.int32, (n,), 0)
+    vals, pos = _select(v, iota, iota >= 0, k, val_out.shape[0])
+    idx = idx_ref[...]
+    kp = val_out.shape[0]
+    lane = lax.broadcasted_iota(jnp.int32, (kp,), 0)
+    out = jnp.zeros((kp,), jnp.int32)
+    for i in range(k):
+        p = jnp.sum(jnp.where(lane == i, pos, 0))
+        out = jnp.where(lane == i, jnp.sum(jnp.where(iota == p, idx, 0)), out)
+    parts = lse_ref[...]
+    m = jnp.max(parts)
+    val_out[...] = vals
+    idx_out[...] = out
+    lse_out[...] = jnp.full((1,), m + jnp.log(jnp.sum(jnp.exp(parts - m))), F32)
 
 
 def supported(V: int, k: int) -> bool:
@@ -67,38 +93,50 @@ def supported(V: int, k: int) -> bool:
     return 16 <= V <= MAX_VOCAB and (V & (V - 1)) == 0 and 1 <= k <= min(V, 64)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "num_warps", "interpret"))
-def biased_topk_pallas(base: jax.Array, bias: jax.Array | None, *, k: int, num_warps: int | None = None,
-                       interpret: bool = False):
-    """`biased_topk_reference` in one launch (see the module docstring)."""
+@functools.partial(jax.jit, static_argnames=("k", "chunks", "num_warps", "interpret"))
+def biased_topk_pallas(base: jax.Array, bias: jax.Array | None, *, k: int, chunks: int = 1,
+                       num_warps: int | None = None, interpret: bool = False):
+    """`biased_topk_reference` in one launch (see the module docstring); chunks > 1 (a power of two): each row's
+    vocabulary split over that many programs, then a second, small launch merges their top k and log-sum-exps."""
     B, V = base.shape
     W = 1 if bias is None else bias.shape[1]
-    if not supported(V, k) or (bias is not None and bias.shape != (B, W, V)):
+    if (not supported(V, k) or (bias is not None and bias.shape != (B, W, V)) or chunks < 1
+            or chunks & (chunks - 1) or V // chunks < 16):
         raise ValueError(f"unsupported top-k shape: base {base.shape}, bias "
-                         f"{None if bias is None else bias.shape}, k {k}")
+                         f"{None if bias is None else bias.shape}, k {k}, chunks {chunks}")
     kp = 1
     while kp < k:
         kp *= 2
+    Vc = V // chunks
     if num_warps is None:
-        num_warps = 4 if V <= 8192 else 8
-    in_specs = [pl.BlockSpec((None, V), lambda b, w: (b, 0))]
+        num_warps = 4 if Vc <= 4096 else 8
+    in_specs = [pl.BlockSpec((None, Vc), lambda b, w, c: (b, c))]
     args = [base]
     if bias is not None:
-        in_specs.append(pl.BlockSpec((None, None, V), lambda b, w: (b, w, 0)))
+        in_specs.append(pl.BlockSpec((None, None, Vc), lambda b, w, c: (b, w, c)))
         args.append(bias)
         kern = functools.partial(_kernel, k=k)
     else:
         kern = functools.partial(lambda base_ref, *outs, k: _kernel(base_ref, None, *outs, k=k), k=k)
-    out_specs = [pl.BlockSpec((None, None, kp), lambda b, w: (b, w, 0)),
-                 pl.BlockSpec((None, None, kp), lambda b, w: (b, w, 0)),
-                 pl.BlockSpec((None, None, 1), lambda b, w: (b, w, 0))]
-    out_shape = [jax.ShapeDtypeStruct((B, W, kp), F32), jax.ShapeDtypeStruct((B, W, kp), jnp.int32),
-                 jax.ShapeDtypeStruct((B, W, 1), F32)]
+    spec = lambda n: pl.BlockSpec((None, None, n), lambda b, w, c: (b, w, c))  # noqa: E731
+    out_shape = [jax.ShapeDtypeStruct((B, W, chunks * kp), F32), jax.ShapeDtypeStruct((B, W, chunks * kp), jnp.int32),
+                 jax.ShapeDtypeStruct((B, W, chunks), F32)]
     vals, idxs, lse = pl.pallas_call(
-        kern, out_shape=out_shape, grid=(B, W), in_specs=in_specs, out_specs=out_specs,
+        kern, out_shape=out_shape, grid=(B, W, chunks), in_specs=in_specs, out_specs=[spec(kp), spec(kp), spec(1)],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name="tree_level_topk",
     )(*args)
+    if chunks > 1:
+        whole = lambda n: pl.BlockSpec((None, None, n), lambda b, w: (b, w, 0))  # noqa: E731
+        vals, idxs, lse = pl.pallas_call(
+            functools.partial(_merge_kernel, k=k),
+            out_shape=[jax.ShapeDtypeStruct((B, W, kp), F32), jax.ShapeDtypeStruct((B, W, kp), jnp.int32),
+                       jax.ShapeDtypeStruct((B, W, 1), F32)],
+            grid=(B, W), in_specs=[whole(chunks * kp), whole(chunks * kp), whole(chunks)],
+            out_specs=[whole(kp), whole(kp), whole(1)],
+            compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
+            interpret=interpret, name="tree_level_topk_merge",
+        )(vals, idxs, lse)
     if kp != k:
         vals, idxs = vals[..., :k], idxs[..., :k]
     return vals, idxs, lse[..., 0]

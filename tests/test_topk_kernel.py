@@ -4,6 +4,7 @@ the real kernel on a GPU; and the greedy tree build through it equal to the pure
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -96,3 +97,14 @@ def test_gpu_matches_reference(W, V, k):
     r = np.random.default_rng(W + V)
     _check(jnp.asarray(r.standard_normal((2, V)), jnp.float32), jnp.asarray(r.standard_normal((2, W, V)),
                                                                              jnp.float32), k, interpret=False)
+
+
+def test_bench_topk_interpret(tmp_path):
+    """`hyspec bench topk --interpret` checks every tiling against XLA and writes its JSON and table."""
+    from hyspec_jax import cli
+    out = tmp_path / "topk.json"
+    assert cli.main(["bench", "topk", "--json", str(out), "--interpret", "--vocab", "256", "--rows", "1", "2",
+                     "--k", "4", "--tilings", "1:4", "4:2", "8:4"]) == 0
+    rep = json.loads(out.read_text())
+    assert len(rep["rows"]) == 2 * 4 and all(r["equal"] for r in rep["rows"])
+    assert "| 2 | **pallas 8x4** |" in out.with_suffix(".md").read_text()     # the dispatcher's choice

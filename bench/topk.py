@@ -1,0 +1,105 @@
+"""The greedy tree build's per-level top-k: `hyspec bench topk --json out.json`.
+
+For each beam width W (rows of one tree level) and each tiling of `pallas_kernels.topk.biased_topk_pallas`
+(vocabulary chunks per row × warps per program; chunks > 1 adds a small merge launch), and for XLA's
+lax.top_k + log-sum-exp (the reference): GPU time per call from a profiler trace (the sum of the call's GPU
+operations), GPU operations per call (≈ launches), and whether indices and values equal the reference's and
+the log-sum-exp is within 1e-5. The dispatcher's choice (`pallas_kernels.dispatch.TOPK_CHUNKS / TOPK_WARPS`)
+is marked. --interpret runs the kernels in Pallas interpret mode (CPU; checks only, no meaningful time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+TILINGS = ((1, 4), (1, 8), (1, 16), (4, 4), (8, 2), (8, 4), (16, 2), (16, 4), (32, 1), (32, 2))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hyspec bench topk", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", required=True, metavar="OUT.json", help="results (a .md table next to it)")
+    p.add_argument("--vocab", type=int, default=8192, help="logits per row (default: the embedded model's 8,192)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16], help="beam widths W (rows of one level)")
+    p.add_argument("--k", type=int, default=8, help="children per row (the tree's top-k)")
+    p.add_argument("--tilings", nargs="+", default=[f"{c}:{w}" for c, w in TILINGS], metavar="CHUNKS:WARPS")
+    p.add_argument("--reps", type=int, default=20, help="profiled calls per variant")
+    p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (no GPU needed; no timing)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from tqdm import tqdm
+
+    from hyspec_jax.bench.report import gpu_stream_events, portable_command, profile_trace, run_metadata
+    from pallas_kernels import dispatch, topk
+
+    gpu = jax.default_backend() == "gpu"
+    if not gpu and not a.interpret:
+        raise ValueError("bench topk times GPU kernels: run it on an NVIDIA GPU, or pass --interpret to check only")
+    try:
+        tilings = [tuple(int(x) for x in t.split(":")) for t in a.tilings]
+        if any(len(t) != 2 for t in tilings):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--tilings takes CHUNKS:WARPS pairs, got {a.tilings}") from None
+    rng = np.random.default_rng(0)
+    rows = []
+    bar = tqdm(total=len(a.rows) * (1 + len(tilings)), desc="bench topk", unit="variant")
+    for W in a.rows:
+        base = jnp.asarray(rng.standard_normal((1, a.vocab)) * 3, jnp.float32)
+        bias = jnp.asarray(rng.standard_normal((1, W, a.vocab)), jnp.float32)
+        ref = jax.block_until_ready(topk.biased_topk_reference(base, bias, a.k))
+        fns = {"xla": (None, None, jax.jit(lambda x, b: topk.biased_topk_reference(x, b, a.k)))}
+        for c, w in tilings:
+            fns[f"pallas {c}x{w}"] = (c, w, jax.jit(lambda x, b, c=c, w=w: topk.biased_topk_pallas(
+                x, b, k=a.k, chunks=c, num_warps=w, interpret=a.interpret)))
+        for name, (c, w, fn) in fns.items():
+            row = {"rows": W, "vocab": a.vocab, "k": a.k, "variant": name, "chunks": c, "warps": w,
+                   "dispatch_choice": (c, w) == (dispatch.TOPK_CHUNKS, dispatch.TOPK_WARPS)}
+            try:
+                out = jax.block_until_ready(fn(base, bias))
+                row["equal"] = bool(np.array_equal(np.asarray(out[1]), np.asarray(ref[1]))
+                                    and np.array_equal(np.asarray(out[0]), np.asarray(ref[0]))
+                                    and np.allclose(np.asarray(out[2]), np.asarray(ref[2]), rtol=1e-5, atol=1e-5))
+                if gpu and not a.interpret:
+                    for _ in range(3):
+                        jax.block_until_ready(fn(base, bias))
+                    ev = gpu_stream_events(profile_trace(
+                        lambda: [jax.block_until_ready(fn(base, bias)) for _ in range(a.reps)]))
+                    row["gpu_us"] = round(sum(d for _, d, _ in ev) / a.reps / 1e3, 2)
+                    row["gpu_ops"] = round(len(ev) / a.reps, 1)
+            except Exception as e:  # noqa: BLE001 - a tiling that does not compile is a row, not a crash
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            bar.update(1)
+    bar.close()
+    report = {**run_metadata(), "command": portable_command("hyspec bench topk", argv or sys.argv[1:]),
+              "interpret": a.interpret, "dispatch": {"chunks": dispatch.TOPK_CHUNKS, "warps": dispatch.TOPK_WARPS},
+              "rows": rows}
+    out = Path(a.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    md = [f"# Tree-level top-k ({report['device_kind']}, k {a.k}, vocabulary {a.vocab})", "",
+          f"`{report['command']}` — commit {report['commit']}. GPU µs: the call's GPU operations per call (profiler); "
+          "ops: GPU operations per call (≈ launches). ✓: indices and values equal XLA's, log-sum-exp within 1e-5. "
+          "**bold**: the dispatcher's choice.", "",
+          "| rows W | variant | GPU µs | ops | equal |", "|---|---|---|---|---|"]
+    for r in rows:
+        name = f"**{r['variant']}**" if r["dispatch_choice"] else r["variant"]
+        md.append(f"| {r['rows']} | {name} | {r.get('gpu_us', '—')} | {r.get('gpu_ops', '—')} | "
+                  f"{r.get('error') or ('✓' if r.get('equal') else '✗')} |")
+    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0 if all(r.get("equal") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -58,9 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify-nodes", type=int, default=32, help="tree modes: verified nodes per request (N)")
     p.add_argument("--sweep-nodes", type=int, nargs="*", default=[],
                    help="also run tree-ready (or tree) at batch 1 for each N here: the budget curve")
-    p.add_argument("--kernels", choices=("reference", "auto"), default="reference",
-                   help="GDN verify + commit of the speculative modes: pure JAX, or the Pallas kernels where "
-                        "supported (auto; GPU)")
+    p.add_argument("--kernels", choices=("reference", "auto"), default="auto",
+                   help="tree build (top-k), GDN verify and commit of the speculative modes: the Pallas kernels "
+                        "where supported on a GPU (auto, the default; pure JAX elsewhere), or pure JAX everywhere")
     p.add_argument("--no-plots", action="store_true")
     return p
 

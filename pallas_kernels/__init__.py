@@ -3,6 +3,7 @@
 - gdn_tree_solve: closed-form value-tiled tree solve (Bole Algorithm 1)
 - gdn_commit: cross-layer factorized path commit (Bole Algorithm 2, Phase C)
 - gdn_serial: baselines (SGLang-style per-node serial kernel; XLA closed form and per-path scan)
+- topk: the greedy tree build's per-level top-k + log-sum-exp (one row per program, or vocabulary chunks + a merge)
 - dispatch: fail-closed dispatcher with custom_vjp
 """
 

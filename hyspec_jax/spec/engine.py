@@ -76,7 +76,7 @@ class SpecConfig:
     capacity: int | None = None              # C: batch-wide node budget (default B·N)
     confidence_threshold: float | None = None  # chain: DSpark confidence-scheduled length
     method: str = "squaring"                 # tree-solve inverse method
-    kernels: str = "reference"           # "auto": Pallas tree solve, tree attention, commit where supported (GPU)
+    kernels: str = "auto"                # Pallas top-k, tree solve, tree attention, commit where supported (GPU)
 
     def __post_init__(self):
         if self.kernels not in KERNEL_IMPLS:
@@ -849,7 +849,7 @@ def engine_from_args(args, model: TargetModel, model_dir, dtype, batch: int | No
     spec_kw = dict(mode=mode, chain_length=opt("chain_length"), verify_nodes=opt("verify_nodes"),
                    capacity=getattr(args, "budget", None), confidence_threshold=getattr(args, "confidence_threshold",
                                                                                         None),
-                   kernels=getattr(args, "kernels", None) or "reference")
+                   kernels=getattr(args, "kernels", None) or "auto")
     if mode in ("tree", "tree-ready"):
         spec_kw["tree"] = TreeSpec(depth=opt("tree_depth", 4), top_k=opt("tree_topk", 2), beam=opt("tree_beam", 4))
     spec = SpecConfig(**spec_kw)

@@ -4,7 +4,7 @@ embedded drafter's recommended settings. No jax import here: `hyspec --help` sta
 from __future__ import annotations
 
 MODES = ("ar", "chain", "ready", "tree", "tree-ready")
-KERNEL_IMPLS = ("reference", "auto", "pallas", "interpret")   # pallas_kernels.dispatch impl of verify + commit
+KERNEL_IMPLS = ("reference", "auto", "pallas", "interpret")   # pallas_kernels.dispatch impl of tree top-k, verify, commit
 
 RECOMMENDED_FILE = "recommended_modes.json"
 
@@ -29,10 +29,11 @@ def add_spec_arguments(p, *, default_mode: str | None = None) -> None:
                    "(default: recommended, else --budget-table's B_ver, else chain length + 1 / min(tree nodes, 16))")
     p.add_argument("--budget", type=int, metavar="C", help="batch-wide node budget (default: N x batch slots)")
     p.add_argument("--budget-table", metavar="FILE", help="calibration table from `hyspec calibrate`")
-    p.add_argument("--kernels", choices=KERNEL_IMPLS[:2], default="reference",
-                   help="GDN tree verification and commit: reference = pure JAX (XLA; the default until the "
-                        "kernels are measured end to end); auto = the Pallas tree-solve and path-commit kernels on "
-                        "an NVIDIA GPU where the shape is supported, the pure-JAX path otherwise")
+    p.add_argument("--kernels", choices=KERNEL_IMPLS[:2], default="auto",
+                   help="tree build, GDN tree verification and commit: auto (default) = the Pallas top-k, "
+                        "tree-solve, tree-attention and path-commit kernels on an NVIDIA GPU where the shape is "
+                        "supported, the pure-JAX path otherwise (so on a CPU); reference = pure JAX (XLA) "
+                        "everywhere. On the H200, auto is the faster: bench/results/e2e_h200_auto.md")
 
 
 def recommended_settings(drafter_dir, backend: str) -> dict:

@@ -32,7 +32,9 @@ def biased_topk_reference(base: jax.Array, bias: jax.Array | None, k: int):
     lse [B, W] f32)."""
     x = base[:, None, :].astype(F32) if bias is None else base[:, None, :].astype(F32) + bias.astype(F32)
     top, idx = lax.top_k(x, k)
-    m = top[..., :1]                        # the row max, exactly
+    # the row max by a reduction (the same value as top[..., :1]): XLA:CPU compiled the exp-sum fused with the
+    # top-k's output ~30x slower (4 ms against 0.12 ms for 3 rows of 8,192), a 35% slower CPU round
+    m = jnp.max(x, axis=-1, keepdims=True)
     lse = (m + jnp.log(jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True)))[..., 0]
     return top, idx.astype(jnp.int32), lse
 

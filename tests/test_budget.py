@@ -13,11 +13,11 @@ from flax import nnx
 
 from hyspec_jax import tree as T
 from hyspec_jax.config import FULL, LINEAR, TargetConfig
-from hyspec_jax.models import drafter as D
 from hyspec_jax.sampling import SlotSampling
 from hyspec_jax.spec import propose as P
 from hyspec_jax.spec.budget import (BudgetTable, b_ver, confident_length, model_id, root_floor, select_nodes)
 from hyspec_jax.spec.select import TreeSpec, tree_candidates
+from tests.tiny_drafter import tiny_draft_block
 
 B, M = 6, 12
 
@@ -160,19 +160,7 @@ TCFG = TargetConfig(
 
 @pytest.fixture(scope="module")
 def block():
-    cfg = D.DrafterConfig.from_target(TCFG, num_layers=1, target_layer_ids=(0, 1), markov_rank=8, block_size=4)
-    model = D.create_drafter(cfg, seed=2)
-    w2 = model.markov_head.markov_w2.weight
-    w2.set_value(w2[...] * 20.0)          # the Markov term decides some ranks
-    r = np.random.default_rng(1)
-    heads = D.TargetHeads(embed=jnp.asarray(r.standard_normal((48, 32)), jnp.float32),
-                          lm_head=jnp.asarray(r.standard_normal((48, 32)) * 0.3, jnp.float32))
-    graphdef, params = nnx.split(model)
-    taps = jnp.asarray(np.random.default_rng(0).standard_normal((2, 2, 6, 32)), jnp.float32)
-    dstate = D.append_context_jit(graphdef, params, D.init_drafter_state(cfg, 2, 16), taps, jnp.array([6, 4]))
-    anchor = jnp.array([3, 40], jnp.int32)
-    blk = D.draft_block_jit(graphdef, params, dstate, anchor, heads)
-    return model, graphdef, params, blk, anchor
+    return tiny_draft_block(TCFG, seed=2)
 
 
 def test_greedy_tree_candidates_agree_with_propose_tree(block):

@@ -13,9 +13,9 @@ import pytest
 from flax import nnx
 
 from hyspec_jax.config import FULL, LINEAR, TargetConfig
-from hyspec_jax.models import drafter as D
 from hyspec_jax.spec.select import TreeSpec, tree_candidates
 from pallas_kernels import dispatch, topk
+from tests.tiny_drafter import tiny_draft_block
 
 GPU = any(d.platform == "gpu" for d in jax.devices())
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs an NVIDIA GPU")
@@ -65,18 +65,7 @@ def test_greedy_tree_build_through_the_kernel_equals_the_reference():
         model_type="qwen3_5_text", vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16, intermediate_size=64, layer_types=(LINEAR, FULL, LINEAR),
         linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
-    cfg = D.DrafterConfig.from_target(cfg_t, num_layers=1, target_layer_ids=(0, 1), markov_rank=8, block_size=4)
-    model = D.create_drafter(cfg, seed=5)
-    w2 = model.markov_head.markov_w2.weight
-    w2.set_value(w2[...] * 20.0)                                # the Markov term decides some ranks
-    r = np.random.default_rng(4)
-    heads = D.TargetHeads(embed=jnp.asarray(r.standard_normal((64, 32)), jnp.float32),
-                          lm_head=jnp.asarray(r.standard_normal((64, 32)) * 0.3, jnp.float32))
-    graphdef, params = nnx.split(model)
-    taps = jnp.asarray(r.standard_normal((2, 2, 6, 32)), jnp.float32)
-    dstate = D.append_context_jit(graphdef, params, D.init_drafter_state(cfg, 2, 16), taps, jnp.array([6, 4]))
-    anchor = jnp.array([3, 40], jnp.int32)
-    blk = D.draft_block_jit(graphdef, params, dstate, anchor, heads)
+    model, graphdef, params, blk, anchor = tiny_draft_block(cfg_t, seed=5, heads_seed=4, taps_seed=4)
     spec = TreeSpec(depth=3, top_k=4, beam=8)
     build = lambda impl: jax.jit(lambda p, b, a: tree_candidates(nnx.merge(graphdef, p), b, a, spec,  # noqa: E731
                                                                   kernel_impl=impl))(params, blk, anchor)

@@ -8,6 +8,7 @@ recompiles after its first step; the state buffer is donated to every step. `Gen
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 from typing import Callable, Iterable, Sequence
@@ -47,6 +48,19 @@ def compile_progress(total: int, enabled: bool):
     from tqdm import tqdm
     return tqdm(total=total, desc="compiling", unit="program", disable=not enabled, file=sys.stderr,
                 dynamic_ncols=True)
+
+
+def start_host_copy(x: jax.Array) -> None:
+    """Start `x`'s device→host copy now (GPU), so that reading it later does not also wait behind work
+    dispatched meanwhile. Not on a CPU: the result already lives in host memory, and the asynchronous copy of a
+    buffer still being computed adds a PJRT code path that buys nothing there."""
+    if _default_backend() != "cpu":
+        x.copy_to_host_async()
+
+
+@functools.cache
+def _default_backend() -> str:
+    return jax.default_backend()
 
 
 def use_compilation_cache() -> None:
@@ -133,7 +147,7 @@ class Generator:
                                  np.asarray(step, np.int32))
         # start the token's device→host copy as soon as this step is done, so that reading it after the next
         # step was dispatched (the pipelined loop) does not wait behind that step's work as well
-        nxt.copy_to_host_async()
+        start_host_copy(nxt)
         return nxt, state
 
     def compile_buckets(self, buckets: Iterable[tuple[int, int]], prompt_lengths: Sequence[int] | None = None,

@@ -47,8 +47,8 @@ from flax import nnx
 
 from hyspec_jax import tree as tree_lib
 from hyspec_jax.compilation import CompileWatch, DiskCachedJit, split_for_jit
-from hyspec_jax.generate import (Generator, bucket, compile_progress, prompt_buckets, use_compilation_cache,
-                                 validate_prompts)
+from hyspec_jax.generate import (Generator, bucket, compile_progress, prompt_buckets, start_host_copy,
+                                 use_compilation_cache, validate_prompts)
 from hyspec_jax.models.drafter import DraftBlock, Drafter, DrafterState, init_drafter_state, target_heads
 from hyspec_jax.models.target import TargetModel
 from hyspec_jax.sampling import SamplingParams, SlotSampling, sample
@@ -466,7 +466,7 @@ class SpecEngine:
         state, dstate, anchor, host_out = spec_round_io_jit(
             self.tgraph, self.tparams, self.dgraph, self.dparams, state, dstate, anchor, sampling,
             pack_round_inputs(active, steps, capacity, hint), shape=shape)
-        host_out.copy_to_host_async()     # the host reads it: start its copy now (see generate.Generator)
+        start_host_copy(host_out)     # the host reads it: start its copy now (see generate.Generator)
         return state, dstate, anchor, host_out
 
     def _bucket_for(self, prompts, plist) -> tuple[int, int, int, RoundShape]:

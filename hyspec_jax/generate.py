@@ -95,21 +95,22 @@ class GenerationResult:
     decode_steps_per_second: float = 0.0  # batch decode steps/s after the first (compiling) step
 
 
-def _prefill(graphdef, params, state, tokens, valid, sampling):
+def _prefill(graphdef, params, state, tokens, valid, sampling, stochastic: bool):
     model = nnx.merge(graphdef, params)
     logits, _, state = model.extend(state, tokens, valid, last_only=True)
-    return sample(logits[:, 0], sampling, jnp.zeros((), jnp.int32)), state
+    return sample(logits[:, 0], sampling, jnp.zeros((), jnp.int32), stochastic), state
 
 
-def _decode(graphdef, params, state, tokens, active, sampling, step):
+def _decode(graphdef, params, state, tokens, active, sampling, step, stochastic: bool):
     model = nnx.merge(graphdef, params)
     logits, _, state = model.extend(state, tokens[:, None], active[:, None])
-    return sample(logits[:, 0], sampling, step), state
+    return sample(logits[:, 0], sampling, step, stochastic), state
 
 
-_prefill_jit = DiskCachedJit(_prefill, name="generate_prefill", static_argnames=("graphdef",),
+# stochastic (static): one program for all-greedy batches and one for sampling ones (`sampling.sample`)
+_prefill_jit = DiskCachedJit(_prefill, name="generate_prefill", static_argnames=("graphdef", "stochastic"),
                              donate_argnames=("state",))
-_decode_jit = DiskCachedJit(_decode, name="generate_decode", static_argnames=("graphdef",),
+_decode_jit = DiskCachedJit(_decode, name="generate_decode", static_argnames=("graphdef", "stochastic"),
                             donate_argnames=("state",))
 
 
@@ -137,46 +138,50 @@ class Generator:
         return init_state(self.config, batch, max_len, self.dtype)
 
     # device calls: `generate` and `compile_buckets` share them, so start-up compiles exactly what generate runs
-    def _prefill_call(self, state, tokens: np.ndarray, valid: np.ndarray, sampling: SlotSampling):
-        return _prefill_jit(self.graphdef, self.params, state, np.asarray(tokens), np.asarray(valid), sampling)
+    def _prefill_call(self, state, tokens: np.ndarray, valid: np.ndarray, sampling: SlotSampling,
+                      stochastic: bool):
+        return _prefill_jit(self.graphdef, self.params, state, np.asarray(tokens), np.asarray(valid), sampling,
+                            stochastic=stochastic)
 
-    def _decode_call(self, state, nxt, active: np.ndarray, sampling: SlotSampling, step: int):
+    def _decode_call(self, state, nxt, active: np.ndarray, sampling: SlotSampling, step: int, stochastic: bool):
         # host arrays go straight to the jitted call (cheaper than a jnp.asarray dispatch each); `active` is
         # copied because the caller updates it in place while the step may still be running
         nxt, state = _decode_jit(self.graphdef, self.params, state, nxt, np.array(active), sampling,
-                                 np.asarray(step, np.int32))
+                                 np.asarray(step, np.int32), stochastic=stochastic)
         # start the token's device→host copy as soon as this step is done, so that reading it after the next
         # step was dispatched (the pipelined loop) does not wait behind that step's work as well
         start_host_copy(nxt)
         return nxt, state
 
     def compile_buckets(self, buckets: Iterable[tuple[int, int]], prompt_lengths: Sequence[int] | None = None,
-                        progress: bool = True, cache: bool = True) -> int:
+                        progress: bool = True, cache: bool = True, stochastic: Sequence[bool] = (False, True)) -> int:
         """Compile every program of the (batch slots, KV length) buckets — the prefill of each prompt bucket T < S
         (of prompt_lengths; default: all of them, `prompt_buckets`) and the decode step — then mark start-up. A request batch of n
         prompts runs in slots bucket(n, 1), prompt bucket bucket(longest prompt), KV bucket(T + max_tokens, 128).
-        cache: use JAX's persistent compilation cache. Returns the number of programs compiled."""
+        cache: use JAX's persistent compilation cache. stochastic: the sampling flavours to compile (greedy
+        batches and sampling ones run separate programs). Returns the number of programs compiled."""
         if cache:
             use_compilation_cache()
         jobs = []
         for B, S in buckets:
             ts = [t for t in (sorted({bucket(n) for n in prompt_lengths}) if prompt_lengths
                               else prompt_buckets(S - 1)) if t < S]
-            jobs += [(B, S, t) for t in ts] + [(B, S, None)]
+            jobs += [(B, S, t, bool(r)) for r in stochastic for t in [*ts, None]]
         watch = CompileWatch()
         bar = compile_progress(len(jobs), progress)
         nxt = state = None
-        for B, S, T in jobs:
-            bar.set_postfix_str(f"slots {B}, kv {S}, " + (f"prefill {T}" if T is not None else "decode"))
+        for B, S, T, r in jobs:
+            bar.set_postfix_str(f"slots {B}, kv {S}, " + (f"prefill {T}" if T is not None else "decode")
+                                + (", sampling" if r else ", greedy"))
             sampling = SlotSampling.from_params([], B)
             if T is not None:
                 nxt, state = self._prefill_call(self.new_state(B, S), np.zeros((B, T), np.int32),
-                                                np.zeros((B, T), bool), sampling)
+                                                np.zeros((B, T), bool), sampling, r)
             else:
                 if state is None:
                     nxt, state = self._prefill_call(self.new_state(B, S), np.zeros((B, 16), np.int32),
-                                                    np.zeros((B, 16), bool), sampling)
-                nxt, state = self._decode_call(state, nxt, np.zeros(B, bool), sampling, 1)
+                                                    np.zeros((B, 16), bool), sampling, r)
+                nxt, state = self._decode_call(state, nxt, np.zeros(B, bool), sampling, 1, r)
                 jax.block_until_ready(nxt)
                 nxt = state = None
             bar.update(1)
@@ -184,9 +189,11 @@ class Generator:
         self.watch.mark()
         return watch.since
 
-    def warmup(self, batch: int = 1, kv_len: int = 128, progress: bool = True, cache: bool = True) -> int:
+    def warmup(self, batch: int = 1, kv_len: int = 128, progress: bool = True, cache: bool = True,
+               stochastic: Sequence[bool] = (False, True)) -> int:
         """Start-up compile of one bucket (batch slots, KV length) with every prompt bucket; see compile_buckets."""
-        return self.compile_buckets([(bucket(batch, 1), kv_len)], progress=progress, cache=cache)
+        return self.compile_buckets([(bucket(batch, 1), kv_len)], progress=progress, cache=cache,
+                                    stochastic=stochastic)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  on_tokens: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
@@ -205,11 +212,12 @@ class Generator:
             tokens[i, :len(p)] = p
             valid[i, :len(p)] = True
         sampling = SlotSampling.from_params(plist, B)
+        stochastic = any(p.temperature > 0 for p in plist)
         stops = [set(p.stop_token_ids) for p in plist]
         out: list[list[int]] = [[] for _ in range(n)]
         finish = [""] * n
         t0 = time.perf_counter()
-        nxt, state = self._prefill_call(self.new_state(B, S), tokens, valid, sampling)
+        nxt, state = self._prefill_call(self.new_state(B, S), tokens, valid, sampling, stochastic)
         nxt_host = np.asarray(nxt)
         t_prefill = time.perf_counter() - t0
         active = np.zeros(B, bool)
@@ -237,11 +245,11 @@ class Generator:
                 break
             if inflight is None:
                 step += 1
-                inflight, state = self._decode_call(state, nxt, active, sampling, step)
+                inflight, state = self._decode_call(state, nxt, active, sampling, step, stochastic)
             nxt = inflight
             if all(not active[i] or len(out[i]) + 1 < plist[i].max_tokens for i in range(n)):
                 step += 1                 # ahead: step s+1 runs while the host reads step s
-                inflight, state = self._decode_call(state, nxt, active, sampling, step)
+                inflight, state = self._decode_call(state, nxt, active, sampling, step, stochastic)
             else:
                 inflight = None
             nxt_host = np.asarray(nxt)

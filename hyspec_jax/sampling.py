@@ -97,12 +97,15 @@ def slot_keys(seed: jax.Array, step: jax.Array) -> jax.Array:
     return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), step))(seed)
 
 
-def sample(logits: jax.Array, sampling: SlotSampling, step: jax.Array) -> jax.Array:
+def sample(logits: jax.Array, sampling: SlotSampling, step: jax.Array, stochastic: bool | None = None) -> jax.Array:
     """logits [B, V] -> tokens [B] int32.
 
-    When every slot is greedy (a runtime branch: one program either way) this is the argmax alone — what the
-    warped one-hot distribution draws — skipping the sort, softmax and Gumbel noise over the vocabulary
-    (~2 ms per decode step on a CPU, a fifth of the embedded model's step)."""
+    stochastic (static): False — every slot is greedy, the argmax alone (what the warped one-hot distribution
+    draws), skipping the sort, softmax and Gumbel noise over the vocabulary (~2 ms per decode step on a CPU, a
+    fifth of the embedded model's step); True — the warped draw for every slot (greedy slots still get their
+    argmax). None — decided at run time by a `lax.cond` on the temperatures: one program for both, but on a GPU
+    XLA reads a conditional's predicate back to the host and waits for it, so the host cannot run ahead of the
+    device; callers that know the batch's sampling parameters pass the flag."""
     def draw(_):
         logp = warp(logits, sampling.temperature, sampling.top_p, sampling.top_k)
         keys = slot_keys(sampling.seed, step)
@@ -111,4 +114,6 @@ def sample(logits: jax.Array, sampling: SlotSampling, step: jax.Array) -> jax.Ar
     def greedy(_):
         return jnp.argmax(logits.astype(F32), axis=-1).astype(jnp.int32)
 
-    return jax.lax.cond(jnp.all(sampling.temperature <= 0), greedy, draw, None)
+    if stochastic is None:
+        return jax.lax.cond(jnp.all(sampling.temperature <= 0), greedy, draw, None)
+    return draw(None) if stochastic else greedy(None)

@@ -82,14 +82,18 @@ def _ar_prefill(graphdef, params, state, slots, tokens, valid, reset, sampling):
     return first, _scatter_target(state, slots, sub)
 
 
-def _ar_decode(graphdef, params, state, tokens, active, sampling, steps):
+def _ar_decode(graphdef, params, state, tokens, active, sampling, steps, stochastic: bool):
     model: TargetModel = nnx.merge(graphdef, params)
     logits, _, state = model.extend(state, tokens[:, None], active[:, None])
+    if not stochastic:          # every active slot greedy: the argmax is what the warped one-hot draws
+        return jnp.argmax(logits[:, 0].astype(jnp.float32), axis=-1).astype(I32), state
     return sample_rows(logits[:, 0], sampling, steps), state
 
 
 _ar_prefill_jit = jax.jit(_ar_prefill, static_argnames=("graphdef",), donate_argnames=("state",))
-_ar_decode_jit = jax.jit(_ar_decode, static_argnames=("graphdef",), donate_argnames=("state",))
+# stochastic (static): a greedy and a sampling program (the scheduler knows which its active slots need), no
+# run-time branch — on a GPU XLA reads a conditional's predicate back to the host and waits for it
+_ar_decode_jit = jax.jit(_ar_decode, static_argnames=("graphdef", "stochastic"), donate_argnames=("state",))
 
 
 @dataclasses.dataclass
@@ -185,7 +189,8 @@ class ARBackend(Backend):
 
     def step(self, active, last, sampling, steps, stochastic) -> StepResult:
         nxt, self.state = _ar_decode_jit(self.graphdef, self.params, self.state, np.array(last, np.int32),
-                                         np.array(active, bool), sampling, np.array(steps, np.int32))
+                                         np.array(active, bool), sampling, np.array(steps, np.int32),
+                                         stochastic=bool(stochastic))
         nxt = np.asarray(nxt)
         return StepResult(tokens=nxt[:, None], count=active.astype(np.int32))
 
@@ -194,8 +199,9 @@ class ARBackend(Backend):
         t0 = time.perf_counter()
         samp = self.sampling(np.zeros(B, np.float32), np.ones(B, np.float32), np.zeros(B, np.int32),
                              np.zeros(B, np.uint32))
-        self.step(np.zeros(B, bool), np.zeros(B, np.int32), samp, np.zeros(B, np.int32), False)
-        progress(f"decode [{B}] {time.perf_counter() - t0:.1f}s")
+        for stochastic in (False, True):
+            self.step(np.zeros(B, bool), np.zeros(B, np.int32), samp, np.zeros(B, np.int32), stochastic)
+        progress(f"decode [{B}, greedy + sampling] {time.perf_counter() - t0:.1f}s")
 
 
 def bucket_len(n: int) -> int:

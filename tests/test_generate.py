@@ -107,14 +107,32 @@ def test_format_stats_speculative():
 
 
 def test_no_recompilation_within_bucket(checkpoint):
+    """A bucket has two programs of each kind, greedy and sampling (`sample`'s static flag); other prompts and
+    sampling parameters of the bucket reuse them."""
     _, path = checkpoint
     cfg, model = load_pretrained(path)
     gen = Generator.from_model(model)
-    p = SamplingParams(max_tokens=5)
-    gen.generate([[5, 6, 7]], p)
+    gen.generate([[5, 6, 7]], SamplingParams(max_tokens=5))
+    gen.generate([[1, 2]], SamplingParams(max_tokens=5, temperature=0.9, seed=1))
     sizes = (_prefill_jit._cache_size(), _decode_jit._cache_size())
     gen.generate([[9, 8, 7, 6, 5, 4]], SamplingParams(max_tokens=6, temperature=0.7, top_p=0.8, top_k=4, seed=3))
+    gen.generate([[4, 4, 4, 4]], SamplingParams(max_tokens=6))
     assert (_prefill_jit._cache_size(), _decode_jit._cache_size()) == sizes
+
+
+@pytest.mark.parametrize("temperature", [[0.0, 0.0, 0.0], [0.0, 0.8, 1.3]])
+def test_sample_flavours_agree(temperature):
+    """The static flavours draw what the run-time branch draws: greedy = argmax, sampling = the warped draw (its
+    greedy slots still their argmax)."""
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((3, 11)) * 2, jnp.float32)
+    sampling = SlotSampling(temperature=jnp.asarray(temperature, jnp.float32), top_p=jnp.full(3, 0.9),
+                            top_k=jnp.zeros(3, jnp.int32), seed=jnp.arange(3, dtype=jnp.uint32))
+    branch = np.asarray(sample(logits, sampling, jnp.asarray(4)))
+    drawn = np.asarray(sample(logits, sampling, jnp.asarray(4), stochastic=True))
+    np.testing.assert_array_equal(drawn, branch)
+    if max(temperature) == 0:
+        np.testing.assert_array_equal(np.asarray(sample(logits, sampling, jnp.asarray(4), stochastic=False)),
+                                      np.argmax(np.asarray(logits), axis=-1))
 
 
 def test_sampling_seeded_and_independent_of_batch(checkpoint):

@@ -289,7 +289,7 @@ round_commit_jit = jax.jit(round_commit, static_argnames=("dgraph", "shape"), do
 
 def prefill(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
             state: TargetState, dstate: DrafterState, anchor: jax.Array, tokens: jax.Array, valid: jax.Array,
-            admit: jax.Array, sampling: SlotSampling, *, tap_layers: tuple[int, ...]):
+            admit: jax.Array, sampling: SlotSampling, *, tap_layers: tuple[int, ...], stochastic: bool):
     """Admit new requests into slots `admit` [B]: reset their state, run the target over their prompts
     (tokens/valid [B, T]) tapping the drafter's layers, fill the drafter context with the prompt's features
     and sample the first token (the anchor; step 0, as `generate.Generator` does). Other slots are untouched."""
@@ -302,7 +302,7 @@ def prefill(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dpar
     valid = valid & admit[:, None]
     logits, taps, state = target.extend(state, tokens, valid, last_only=True, tap_layers=tap_layers)
     dstate = drafter.append_context(dstate, taps, jnp.sum(valid, axis=1, dtype=I32))
-    first = sample(logits[:, 0], sampling, jnp.zeros((), I32))
+    first = sample(logits[:, 0], sampling, jnp.zeros((), I32), stochastic)
     return state, dstate, jnp.where(admit, first, anchor)
 
 
@@ -313,7 +313,8 @@ def _new_buffers(tcfg, dcfg, batch: int, max_len: int, dtype):
             jnp.zeros((batch,), I32))
 
 
-prefill_jit = DiskCachedJit(prefill, name="spec_prefill", static_argnames=("tgraph", "dgraph", "tap_layers"),
+prefill_jit = DiskCachedJit(prefill, name="spec_prefill",
+                            static_argnames=("tgraph", "dgraph", "tap_layers", "stochastic"),
                             donate_argnames=("state", "dstate"))
 
 
@@ -459,7 +460,7 @@ class SpecEngine:
                       sampling: SlotSampling, shape: RoundShape):
         return prefill_jit(self.tgraph, self.tparams, self.dgraph, self.dparams, state, dstate, anchor,
                            np.asarray(toks), np.asarray(val), np.array(admit), sampling,
-                           tap_layers=shape.tap_layers)
+                           tap_layers=shape.tap_layers, stochastic=shape.stochastic)
 
     def _round_call(self, state, dstate, anchor, active: np.ndarray, sampling: SlotSampling, steps: np.ndarray,
                     capacity: int, hint: np.ndarray | None, shape: RoundShape):
@@ -494,7 +495,8 @@ class SpecEngine:
         if cache:
             use_compilation_cache()
         if self.spec.mode == "ar":
-            n = self._ar.compile_buckets(buckets, prompt_lengths, progress=progress, cache=False)
+            n = self._ar.compile_buckets(buckets, prompt_lengths, progress=progress, cache=False,
+                                         stochastic=stochastic)
             self.watch.mark()
             return n
         jobs = []
@@ -741,7 +743,7 @@ class SpecEngine:
             round=kernel_count(spec_round_jit.lower(tg, tp, dg, dp, state, dstate, anchor, active, sampling, steps,
                                                     capacity, hint, shape=shape)),
             ar_step=kernel_count(_decode_jit.lower(tg, tp, state, np.zeros((B,), np.int32), np.asarray(admit),
-                                                   sampling, np.asarray(0, np.int32))))
+                                                   sampling, np.asarray(0, np.int32), stochastic=shape.stochastic)))
         return dict(draft_ms=round(t_draft, 4), verify_ms=round(t_verify, 4), commit_ms=round(t_commit, 4),
                     kernels=kernels,
                     sum_ms=round(total, 4), round_ms=round(t_round, 4),
@@ -789,7 +791,8 @@ class SpecEngine:
                                                                state, dstate, anchor, sampling, host_in, shape=shape),
                                        ROUND_SCOPES)
         ar = kernel_count(_decode_jit.lower(self.tgraph, self.tparams, state, np.zeros((B,), np.int32),
-                                            np.asarray(admit), sampling, np.asarray(0, np.int32)))
+                                            np.asarray(admit), sampling, np.asarray(0, np.int32),
+                                            stochastic=shape.stochastic))
         return {"round": dict(sorted(scopes.items(), key=lambda kv: -kv[1])), "round_total": sum(scopes.values()),
                 "ar_step": ar}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +91,8 @@ def test_round_kernels_by_named_scope(models):
     lowered = spec_round_io_jit.lower(eng.tgraph, eng.tparams, eng.dgraph, eng.dparams, state, dstate, anchor,
                                       sampling, host_in, shape=shape)
     assert rk["round_total"] == kernel_count(lowered)
+    # no run-time branch in the greedy round (a GPU would read its predicate back to the host every round)
+    assert not re.search(r"\bconditional\(", lowered.compile().as_text())
     with pytest.raises(ValueError, match="speculative mode"):
         SpecEngine(target, None, SpecConfig(mode="ar")).round_kernels(PROMPTS, params)
 

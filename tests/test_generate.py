@@ -212,3 +212,20 @@ def test_cli_error_for_directory_without_config(tmp_path, capsys):
         cli.main(["generate", "--model", str(tmp_path), "x"])
     err = capsys.readouterr().err
     assert "config.json" in err and "Traceback" not in err
+
+
+def test_greedy_decode_step_has_no_run_time_branch(checkpoint):
+    """A greedy batch's decode program holds no conditional: on a GPU, XLA copies a conditional's predicate to
+    the host and blocks until it is there, once per token. The run-time-branch flavour does hold one."""
+    _, path = checkpoint
+    cfg, model = load_pretrained(path)
+    gen = Generator.from_model(model)
+    state = gen.new_state(2, 32)
+    sampling = SlotSampling.from_params([SamplingParams()], 2)
+
+    def conditionals(stochastic):       # in the compiled HLO (the platform switch of a kernel is folded there)
+        hlo = _decode_jit.lower(gen.graphdef, gen.params, state, np.zeros(2, np.int32), np.ones(2, bool), sampling,
+                                np.asarray(1, np.int32), stochastic=stochastic).compile().as_text()
+        return len(re.findall(r"\bconditional\(", hlo))
+    assert conditionals(False) == 0
+    assert conditionals(None) == 1

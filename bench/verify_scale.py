@@ -354,9 +354,12 @@ def progress_bar(total: int, enabled: bool):
 
 def compile_all(jobs: list, workers: int, bar, deadline: float | None = None) -> dict:
     """jobs: [(key, jitted_fn, args)] -> {key: (compiled, lower_s, compile_s)}. Lowering (Python tracing)
-    runs here one job at a time; XLA compiles run in `workers` threads (the compiler releases the GIL). Once
-    `deadline` (time.perf_counter) has passed, the remaining jobs are neither lowered nor compiled (absent
-    from the result); compiles already started are waited for."""
+    runs here one job at a time, all of it before any compile; then XLA compiles run in `workers` threads (the
+    compiler releases the GIL). Lowering does not overlap the compiles because JAX lowers into an MLIR context
+    it keeps per thread and reuses for several programs: a compile in a worker would read the module of one
+    lowering while this thread adds the next one's operations to the same context. Once `deadline`
+    (time.perf_counter) has passed, the remaining jobs are neither lowered nor compiled (absent from the
+    result)."""
     out = {}
 
     def comp(lowered):
@@ -364,15 +367,16 @@ def compile_all(jobs: list, workers: int, bar, deadline: float | None = None) ->
         c = lowered.compile()
         return c, time.perf_counter() - t0
 
+    lowered_jobs = []
+    for key, fn, args in jobs:
+        if deadline is not None and time.perf_counter() >= deadline:
+            break
+        bar.set_postfix_str(f"lower {key}")
+        t0 = time.perf_counter()
+        lowered = fn.lower(*args)
+        lowered_jobs.append((key, time.perf_counter() - t0, lowered))
     with ThreadPoolExecutor(max_workers=max(1, workers)) as ex:
-        futs = []
-        for key, fn, args in jobs:
-            if deadline is not None and time.perf_counter() >= deadline:
-                break
-            bar.set_postfix_str(f"lower {key}")
-            t0 = time.perf_counter()
-            lowered = fn.lower(*args)
-            futs.append((key, time.perf_counter() - t0, ex.submit(comp, lowered)))
+        futs = [(key, lower_s, ex.submit(comp, lowered)) for key, lower_s, lowered in lowered_jobs]
         for key, lower_s, fut in futs:
             compiled, compile_s = fut.result()
             out[key] = (compiled, lower_s, compile_s)

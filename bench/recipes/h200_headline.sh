@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The headline H200 measurements in one device call (about 8 minutes; nothing else on the machine):
+#   1. all five modes side by side at batch 1 on the GPU default (wide) tree, modes alternated in every repeat,
+#      against the branch-free greedy `ar` (commit c562d9e6: ar's decoding step no longer blocks the host);
+#   2. where a round's time goes (round-profile: wall vs GPU busy, operations per round, largest kernels).
+# Results land in OUT (default: $OUT on the device machine, else ./out). Usage, from the repository root:
+#   bench/recipes/h200_headline.sh            # PROMPTS=8 REPEATS=3 MAX_TOKENS=96 by default
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+PROMPTS=${PROMPTS:-8}; REPEATS=${REPEATS:-3}; MAX_TOKENS=${MAX_TOKENS:-96}
+export PYTHONUNBUFFERED=1
+# the GPU machine has no network and the package need not be installed: map the application folders
+# under hyspec_jax as the wheel does (pyproject.toml package-dir) and run from the tree
+if ! python3 -c "import hyspec_jax.bench" 2>/dev/null; then
+  for d in train serve bench; do [ -e "hyspec_jax/$d" ] || ln -s "$PWD/$d" "hyspec_jax/$d"; done
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+H=(python3 -m hyspec_jax.cli)
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
+"${H[@]}" bench e2e --json "$OUT/e2e_h200_headline.json" --drafter checkpoints/default/drafter --batch 1 \
+  --prompts-per-domain "$PROMPTS" --repeats "$REPEATS" --max-tokens "$MAX_TOKENS" \
+  --tree-depth 7 --tree-topk 8 --tree-beam 16 --verify-nodes 32 --kernels auto 2>&1 | tail -n 25
+"${H[@]}" bench round-profile --json "$OUT/round_profile_h200_headline.json" --max-tokens "$MAX_TOKENS" \
+  --tree-depth 7 --tree-topk 8 --tree-beam 16 --verify-nodes 32 2>&1 | tail -n 20

@@ -143,6 +143,10 @@ def single_thread_lapack() -> bool:
 
 
 def _tune_once() -> None:
+    """Pin LAPACK's threads once per process. OpenBLAS must not change its thread count while another thread is
+    inside it: the first call comes from the first eligibility check (a trace, before the process has run any
+    program with these kernels); a process that may have run LAPACK work before that calls this first
+    (tests/conftest.py)."""
     with _lock:
         if "tuned" in _status:
             return

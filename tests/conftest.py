@@ -13,6 +13,14 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# Pin scipy's OpenBLAS to one thread now, before any test computes (cpu_kernels does it at its first eligibility
+# check, i.e. while tracing, which in a library process precedes its first LAPACK call; in a test worker
+# earlier tests may still be running XLA's LAPACK kernels asynchronously then, and OpenBLAS must not change
+# its thread count while a call is in flight).
+from hyspec_jax import cpu_kernels  # noqa: E402
+
+cpu_kernels._tune_once()
+
 settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

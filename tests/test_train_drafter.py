@@ -4,6 +4,7 @@ stage 2 (reader + LoRA) updating only what they train, and exported drafters rep
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -121,6 +122,29 @@ def test_dspark_loss_decreases_and_export_reproduces(dspark):
     theirs = common.to_host(nnx.state(loaded, nnx.Param))
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_evaluation_counts_every_window_once_whatever_the_batching(dspark):
+    """Validation metrics do not depend on the evaluation batch: every window counts once (none repeated to fill
+    a batch), and batches pool by their loss weights and block counts."""
+    tr, _, _ = dspark
+    sizes = {d: len(w) for d, w in tr.val.items()}
+    assert sizes and max(sizes.values()) >= 3, sizes
+    cfg = tr.cfg
+    try:
+        results = []
+        for eb in (1, 2, 3):
+            tr.cfg = dataclasses.replace(cfg, eval_batch=eb)
+            results.append(tr.evaluate())
+    finally:
+        tr.cfg = cfg
+    assert set(results[0]) == set(sizes)
+    for d, ref in results[0].items():
+        assert ref["windows"] == sizes[d]
+        for r in results[1:]:
+            assert r[d]["windows"] == sizes[d]
+            for k in ("loss", "ce", "l1", "conf", "tau", "acc0"):
+                assert r[d][k] == pytest.approx(ref[k], rel=1e-4, abs=2e-5), (d, k)
 
 
 def test_ready_stages_train_only_reader_and_lora(setup, dspark):

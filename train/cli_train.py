@@ -55,7 +55,8 @@ def cmd_train_drafter(args) -> int:
         anchors=args.anchors, steps=args.steps, lr=args.lr, seed=args.seed, dtype=args.dtype, devices=args.devices,
         source_layers=tuple(args.source_layers) if args.source_layers else None, no_state=args.no_state,
         lora_rank=args.lora_rank, ce_weight=args.ce_weight, l1_weight=args.l1_weight,
-        conf_weight=args.conf_weight, decay=args.decay, eval_every=args.eval_every, ckpt_every=args.ckpt_every,
+        conf_weight=args.conf_weight, decay=args.decay, eval_every=args.eval_every, eval_windows=args.eval_windows,
+        eval_batch=args.eval_batch, ckpt_every=args.ckpt_every,
         time_budget_s=args.time_budget)
     summary = train_drafter(cfg)
     print(json.dumps(summary, indent=1))
@@ -176,6 +177,8 @@ def add_train_commands(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--conf-weight", type=float, default=None)
     d.add_argument("--decay", type=float, default=4.0, help="position weights exp(-k/decay)")
     d.add_argument("--eval-every", type=int, default=200)
+    d.add_argument("--eval-windows", type=int, default=64, help="validation windows per domain, each once")
+    d.add_argument("--eval-batch", type=int, default=32, help="validation windows per batch")
     d.add_argument("--ckpt-every", type=int, default=200)
     d.add_argument("--time-budget", type=float, default=0.0, metavar="S")
     d.set_defaults(func=cmd_train_drafter)

@@ -94,7 +94,8 @@ class DrafterTrainConfig:
     decay: float = 4.0
     log_every: int = 10
     eval_every: int = 200
-    eval_windows: int = 4
+    eval_windows: int = 64                      # validation windows per domain (all of them evaluated, once each)
+    eval_batch: int = 32                        # windows per evaluation batch (rounded down to the devices)
     ckpt_every: int = 200
     keep: int = 2
     time_budget_s: float = 0.0
@@ -163,8 +164,9 @@ def drafter_loss(out, target_logits: jax.Array, anchors: jax.Array, *, ce: float
     match = (jnp.argmax(out.logits, -1) == jnp.argmax(t_logits, -1)).astype(F32) * valid
     run = jnp.cumprod(match, axis=-1)                                              # accepted-prefix indicator
     blocks = jnp.maximum(jnp.sum(valid[..., 0]), 1.0)
+    # weight / blocks: the denominators, so that batches pool exactly (`DrafterTrainer.evaluate`)
     metrics = {"loss": loss, **terms, "tau": 1.0 + jnp.sum(run) / blocks,
-               "acc0": jnp.sum(match[..., 0]) / blocks}
+               "acc0": jnp.sum(match[..., 0]) / blocks, "weight": denom, "blocks": blocks}
     return loss, metrics
 
 
@@ -370,22 +372,36 @@ class DrafterTrainer:
         return metrics
 
     def evaluate(self) -> dict[str, dict[str, float]]:
-        """Per domain: loss terms and τ̂ on fixed validation windows with stride-aligned anchors (the same
-        positions for every stage, so DSpark and ReaDy compare)."""
+        """Per domain: loss terms and τ̂ over its fixed validation windows with stride-aligned anchors (the same
+        positions for every stage, so DSpark and ReaDy compare). Every window counts once: batches of
+        `eval_batch` windows (a multiple of the devices; a last remainder under one per device is left out —
+        no window is repeated to fill a batch), pooled by their denominators (loss weights, blocks), so the
+        result does not depend on the batching. A window's anchors depend on its index alone."""
         out = {}
-        B = self.cfg.batch_size
+        n_dev = self.mesh.devices.size
+        eb = max(n_dev, self.cfg.eval_batch - self.cfg.eval_batch % n_dev)
         for d, w in self.val.items():
-            rows = np.concatenate([w, np.repeat(w[:1], (-len(w)) % B, 0)])   # pad to whole batches
-            acc: dict[str, float] = {}
-            nb = 0
-            for i in range(0, len(rows) - B + 1, B):
-                anchors = self.anchors_for(i, B, aligned=True, stream=11)   # fixed validation anchors
-                m = self._eval_fn(self.state["train"], self.frozen, jax.device_put(rows[i:i + B], self.batch_sh),
-                                  jax.device_put(anchors, self.batch_sh))
-                for k, v in m.items():
-                    acc[k] = acc.get(k, 0.0) + float(v)
-                nb += 1
-            out[d] = {k: round(v / max(nb, 1), 5) for k, v in acc.items()}
+            num = {"loss": 0.0, "ce": 0.0, "l1": 0.0, "conf": 0.0, "tau": 0.0, "acc0": 0.0}
+            weight = blocks = 0.0
+            i = 0
+            while len(w) - i >= n_dev:
+                n = min(eb, len(w) - i)
+                n -= n % n_dev
+                anchors = np.concatenate([self.anchors_for(i + j, 1, aligned=True, stream=11) for j in range(n)])
+                m = {k: float(v) for k, v in self._eval_fn(self.state["train"], self.frozen,
+                                                           jax.device_put(w[i:i + n], self.batch_sh),
+                                                           jax.device_put(anchors, self.batch_sh)).items()}
+                for k in ("loss", "ce", "l1", "conf"):
+                    num[k] += m[k] * m["weight"]
+                num["tau"] += (m["tau"] - 1.0) * m["blocks"]
+                num["acc0"] += m["acc0"] * m["blocks"]
+                weight, blocks = weight + m["weight"], blocks + m["blocks"]
+                i += n
+            if blocks == 0:
+                continue
+            res = {k: num[k] / max(weight, 1e-6) for k in ("loss", "ce", "l1", "conf")}
+            res.update(tau=1.0 + num["tau"] / blocks, acc0=num["acc0"] / blocks, windows=i)
+            out[d] = {k: round(v, 5) if isinstance(v, float) else v for k, v in res.items()}
         return out
 
     # --- checkpoints ----------------------------------------------------------------------------------

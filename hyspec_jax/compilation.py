@@ -91,7 +91,7 @@ def kernel_count(lowered) -> int:
     """Launch-level work items of a lowered program once compiled: the instructions that run as kernels or library
     calls (fusions, custom calls, dots, sorts, scatters, copies, ...), not parameters, tuples or bitcasts; a
     loop's body counts once per iteration (XLA's known trip count; once where unknown), a conditional its
-    smallest branch (sampling's all-greedy fast path: what greedy decoding runs). On a GPU each is about one kernel launch — what a latency-bound round scales with."""
+    smallest branch. On a GPU each is about one kernel launch — what a latency-bound round scales with."""
     return sum(kernel_count_by_scope(lowered, ()).values())
 
 

@@ -97,6 +97,11 @@ def slot_keys(seed: jax.Array, step: jax.Array) -> jax.Array:
     return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), step))(seed)
 
 
+def greedy_tokens(logits: jax.Array) -> jax.Array:
+    """logits [B, V] -> the argmax tokens [B] int32: what the warped one-hot distribution of a greedy slot draws."""
+    return jnp.argmax(logits.astype(F32), axis=-1).astype(jnp.int32)
+
+
 def sample(logits: jax.Array, sampling: SlotSampling, step: jax.Array, stochastic: bool | None = None) -> jax.Array:
     """logits [B, V] -> tokens [B] int32.
 
@@ -111,9 +116,6 @@ def sample(logits: jax.Array, sampling: SlotSampling, step: jax.Array, stochasti
         keys = slot_keys(sampling.seed, step)
         return jax.vmap(lambda key, lp: jax.random.categorical(key, lp))(keys, logp).astype(jnp.int32)
 
-    def greedy(_):
-        return jnp.argmax(logits.astype(F32), axis=-1).astype(jnp.int32)
-
     if stochastic is None:
-        return jax.lax.cond(jnp.all(sampling.temperature <= 0), greedy, draw, None)
-    return draw(None) if stochastic else greedy(None)
+        return jax.lax.cond(jnp.all(sampling.temperature <= 0), lambda _: greedy_tokens(logits), draw, None)
+    return draw(None) if stochastic else greedy_tokens(logits)

@@ -32,7 +32,7 @@ from flax import nnx
 from hyspec_jax.compilation import split_for_jit
 from hyspec_jax.generate import bucket
 from hyspec_jax.models.target import TargetModel
-from hyspec_jax.sampling import SlotSampling, warp
+from hyspec_jax.sampling import SlotSampling, greedy_tokens, warp
 from hyspec_jax.state import TargetState, init_state
 
 log = logging.getLogger("hyspec.serve")
@@ -85,8 +85,8 @@ def _ar_prefill(graphdef, params, state, slots, tokens, valid, reset, sampling):
 def _ar_decode(graphdef, params, state, tokens, active, sampling, steps, stochastic: bool):
     model: TargetModel = nnx.merge(graphdef, params)
     logits, _, state = model.extend(state, tokens[:, None], active[:, None])
-    if not stochastic:          # every active slot greedy: the argmax is what the warped one-hot draws
-        return jnp.argmax(logits[:, 0].astype(jnp.float32), axis=-1).astype(I32), state
+    if not stochastic:          # every active slot greedy
+        return greedy_tokens(logits[:, 0]), state
     return sample_rows(logits[:, 0], sampling, steps), state
 
 

@@ -388,16 +388,17 @@ class DrafterTrainer:
                 n = min(eb, len(w) - i)
                 n -= n % n_dev
                 anchors = np.concatenate([self.anchors_for(i + j, 1, aligned=True, stream=11) for j in range(n)])
-                m = {k: float(v) for k, v in self._eval_fn(self.state["train"], self.frozen,
-                                                           jax.device_put(w[i:i + n], self.batch_sh),
-                                                           jax.device_put(anchors, self.batch_sh)).items()}
+                m = jax.device_get(self._eval_fn(self.state["train"], self.frozen,
+                                                 jax.device_put(w[i:i + n], self.batch_sh),
+                                                 jax.device_put(anchors, self.batch_sh)))       # one transfer
+                m = {k: float(v) for k, v in m.items()}
                 for k in ("loss", "ce", "l1", "conf"):
                     num[k] += m[k] * m["weight"]
                 num["tau"] += (m["tau"] - 1.0) * m["blocks"]
                 num["acc0"] += m["acc0"] * m["blocks"]
                 weight, blocks = weight + m["weight"], blocks + m["blocks"]
                 i += n
-            if blocks == 0:
+            if i == 0:                   # fewer windows than devices
                 continue
             res = {k: num[k] / max(weight, 1e-6) for k in ("loss", "ce", "l1", "conf")}
             res.update(tau=1.0 + num["tau"] / blocks, acc0=num["acc0"] / blocks, windows=i)

@@ -92,7 +92,7 @@ def _ar_decode(graphdef, params, state, tokens, active, sampling, steps, stochas
 
 _ar_prefill_jit = jax.jit(_ar_prefill, static_argnames=("graphdef",), donate_argnames=("state",))
 # stochastic (static): a greedy and a sampling program (the scheduler knows which its active slots need), no
-# run-time branch — on a GPU XLA reads a conditional's predicate back to the host and waits for it
+# run-time branch: greedy steps skip the vocabulary-wide warp (twice the CPU's greedy throughput)
 _ar_decode_jit = jax.jit(_ar_decode, static_argnames=("graphdef", "stochastic"), donate_argnames=("state",))
 
 

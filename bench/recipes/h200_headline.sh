@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The headline H200 measurements in one device call (about 8 minutes; nothing else on the machine):
 #   1. all five modes side by side at batch 1 on the GPU default (wide) tree, modes alternated in every repeat,
-#      against the branch-free greedy `ar` (commit c562d9e6: ar's decoding step no longer blocks the host);
+#      against the branch-free greedy `ar` (commit c562d9e6; the branch it replaced cost nothing measurable here);
 #   2. where a round's time goes (round-profile: wall vs GPU busy, operations per round, largest kernels);
 #   3. what the old run-time greedy/sampling branch cost a decoding step (bench/recipes/decode_branch_cost.py).
 # Results land in OUT (default: $OUT on the device machine, else ./out). Usage, from the repository root:

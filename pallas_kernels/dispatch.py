@@ -71,7 +71,14 @@ def _reference(S0, q, k, v, g, beta, mask, max_depth, method="solve"):
                             max_depth=max_depth)
 
 
-def tree_solve_supported(S0, q, k, v, g, beta, mask, block_v: int = 64) -> tuple[bool, str]:
+# The kernel's N × N fp32 products at 128 nodes with fp32-accurate (3-pass or IEEE) dots need more shared memory
+# than the H200 has: the embedded fp32 model's 128-node verify failed to launch there ("requested 262144,
+# available: 232448"), so those shapes take the reference path. One-pass tf32 (bf16/f16 inputs) fits.
+FP32_ACCURATE_MAX_NODES = 64
+
+
+def tree_solve_supported(S0, q, k, v, g, beta, mask, block_v: int = 64,
+                         precision: str | None = None) -> tuple[bool, str]:
     """(ok, reason) for the kernel path on this shape/dtype (platform checked separately)."""
     try:
         B, N, HK, dk = q.shape
@@ -95,6 +102,8 @@ def tree_solve_supported(S0, q, k, v, g, beta, mask, block_v: int = 64) -> tuple
             return False, "N > 128"
         if not gdn_tree_solve.supported(n_pad, dk, dv, block_v):
             return False, "dk/dv/block_v"
+        if n_pad > FP32_ACCURATE_MAX_NODES and (precision or _default_precision(q.dtype)) != "tf32":
+            return False, f"{n_pad} nodes with fp32-accurate products exceed the GPU's shared memory"
         return True, ""
     except Exception as e:  # noqa: BLE001
         return False, f"shape check failed: {e}"
@@ -193,7 +202,7 @@ def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl
         method, auto_bv = auto_method(q.shape[0], v.shape[2], n_pad or N, v.shape[-1])
         block_v = auto_bv if block_v is None else block_v
     block_v = _block_v(v.shape[-1], block_v)
-    ok, why = tree_solve_supported(S0, q, k, v, g, beta, mask, block_v)
+    ok, why = tree_solve_supported(S0, q, k, v, g, beta, mask, block_v, precision)
     if method not in gdn_tree_solve.METHODS:
         ok, why = False, f"method {method!r}"
     interpret = _use_kernel(impl, ok, "tree_solve", why)

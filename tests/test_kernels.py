@@ -197,9 +197,27 @@ def test_auto_method_rule_and_split_through_dispatch():
     assert dispatch.auto_method(1, 48, 128, 128) == ("split", 128)
     assert dispatch.auto_method(1, 2, 128, 32) == ("split", 32)
     par, mask, args = make_inputs(44, 2, 100, 2, 4, 16, 32, 6)            # padded to 128 nodes: split, bv 32
-    o, fac = dispatch.tree_solve(*args, mask, 6, impl="interpret")
+    # one-pass tf32 (what bf16 inputs get; interpret mode computes in fp32 anyway): fp32-accurate products at
+    # 128 nodes do not fit the H200's shared memory and are refused (next test)
+    o, fac = dispatch.tree_solve(*args, mask, 6, impl="interpret", precision="tf32")
     o_ref, fac_ref = reference(*args, mask)
     assert rel(o, o_ref) < 1e-5 and rel(fac.corrected, fac_ref.corrected) < 1e-5
+
+
+def test_fp32_accurate_products_beyond_64_nodes_take_the_reference():
+    """fp32 inputs default to 3-pass tf32 products; at 128 (padded) nodes those overflow the H200's shared
+    memory (measured: the embedded model's 128-node verify failed to launch), so the shape is unsupported: "auto"
+    takes the reference, "interpret"/"pallas" refuse; 64 nodes and one-pass tf32 at 128 stay supported."""
+    par, mask, args = make_inputs(45, 1, 100, 2, 4, 16, 32, 6)            # fp32, padded to 128 nodes
+    ok, why = dispatch.tree_solve_supported(*args, mask, 32)
+    assert not ok and "shared memory" in why
+    assert dispatch.tree_solve_supported(*args, mask, 32, "tf32")[0]
+    with pytest.raises(ValueError, match="shared memory"):
+        dispatch.tree_solve(*args, mask, 6, impl="interpret")
+    o, _ = dispatch.tree_solve(*args, mask, 6)                            # auto: the reference (any platform)
+    assert rel(o, reference(*args, mask)[0]) < 1e-6
+    par, mask, args = make_inputs(46, 1, 60, 2, 4, 16, 32, 6)             # padded to 64 nodes
+    assert dispatch.tree_solve_supported(*args, mask, 32)[0]
 
 
 def test_custom_vjp_gradient_matches_reference():

@@ -250,9 +250,10 @@ def _default_model() -> Path:
 
 
 def markdown(report: dict) -> str:
+    from hyspec_jax.bench.report import short_commit
     m = report["meta"]
     lines = [f"# End-to-end speculative decoding ({m['device_kind']}, {m['dtype']}, greedy)", "",
-             f"`{m['command']}` — commit {m['commit'][:10]}, jax {m['jax']}; {m['prompts_per_domain']} held-out "
+             f"`{m['command']}` — commit {short_commit(m['commit'])}, jax {m['jax']}; {m['prompts_per_domain']} held-out "
              f"prompts per domain, {m['max_tokens']} new tokens, {m['repeats']} repeats (mean ± std; a speed-up's ± is "
              f"the spread over repeats of its ratio to ar in the same repeat).", ""]
     rows = [r for r in report["results"].values() if "domains" in r]

@@ -14,11 +14,23 @@ def git_commit() -> str:
     if env:
         return env
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
-        return out.stdout.strip() or "unknown"
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=here)
+        commit = out.stdout.strip()
+        if not commit:
+            return "unknown"
+        # a tree that differs from its HEAD (local edits, or a copied tree over an older .git) says so
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True, timeout=10, cwd=here)
+        return commit + ("-dirty" if status.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def short_commit(commit: str) -> str:
+    """10 hex digits, keeping a "-dirty" mark."""
+    base, dirty, _ = commit.partition("-dirty")
+    return base[:10] + ("-dirty" if dirty else "")
 
 
 def portable_path(path) -> str | None:

@@ -32,19 +32,8 @@ COMMON=(--target "$TARGET" --corpus "$CORPUS" --data "$RUN/distill" --seq-len "$
 
 . "$(dirname "$0")/lib.sh"
 
-# 1. distillation data: variants split over the GPUs, then joined
-per=$(( (VARIANTS + NGPU - 1) / NGPU )); parts=(); pids=()
-for ((g = 0; g < NGPU; g++)); do
-  first=$((g * per)); n=$(( VARIANTS - first < per ? VARIANTS - first : per ))
-  [ "$n" -gt 0 ] || continue
-  on "$g" "${H[@]}" build-distill --target "$TARGET" --prompts "$PROMPTS" --out "$RUN/distill_$g" \
-      --gen-len "$GEN_LEN" --batch-size "$GEN_BATCH" --variants "$n" --first-variant "$first" \
-      > "$RUN/distill_$g.log" 2>&1 &
-  pids+=($!); parts+=("$RUN/distill_$g")
-done
-for p in "${pids[@]}"; do wait "$p"; done
-"${H[@]}" merge-distill "${parts[@]}" --out "$RUN/distill"
-rm -f "$RUN"/distill_*/sequences.npy
+# 1. distillation data: variants split over the GPUs, then joined (RUN/distill)
+build_distill_data
 
 # 2. DSpark, one run per choice
 IFS='|' read -r -a DSPARK_CHOICES <<< "$DSPARK"

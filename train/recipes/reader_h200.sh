@@ -31,19 +31,8 @@ COMMON=(--target "$TARGET" --corpus "$CORPUS" --data "$RUN/distill" --seq-len "$
         --anchors "$ANCHORS" --steps 1000000 --dtype "$DTYPE" --ckpt-every 1000000 --eval-windows "$EVAL_WINDOWS")
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 
-# 1. distillation data: variants split over the GPUs, then joined
-per=$(( (VARIANTS + NGPU - 1) / NGPU )); parts=(); pids=()
-for ((g = 0; g < NGPU; g++)); do
-  first=$((g * per)); n=$(( VARIANTS - first < per ? VARIANTS - first : per ))
-  [ "$n" -gt 0 ] || continue
-  on "$g" "${H[@]}" build-distill --target "$TARGET" --prompts "$PROMPTS" --out "$RUN/distill_$g" \
-      --gen-len "$GEN_LEN" --batch-size "$GEN_BATCH" --variants "$n" --first-variant "$first" \
-      > "$RUN/distill_$g.log" 2>&1 &
-  pids+=($!); parts+=("$RUN/distill_$g")
-done
-for p in "${pids[@]}"; do wait "$p"; done
-"${H[@]}" merge-distill "${parts[@]}" --out "$RUN/distill"
-rm -f "$RUN"/distill_*/sequences.npy
+# 1. distillation data: variants split over the GPUs, then joined (RUN/distill)
+build_distill_data
 stamp "distillation data"
 
 # 2. stage 1: the reader alone on the frozen DSpark, one run per choice

@@ -21,21 +21,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from hyspec_jax.config import ConfigError
-from hyspec_jax.io.hf import CheckpointError, flat_params
+from hyspec_jax.io.hf import CheckpointError, fill_params, flat_params
 from hyspec_jax.models.drafter import Drafter, DrafterConfig, TargetHeads, abstract_drafter
 from hyspec_jax.models.reader import ReaderConfig
-
-log = logging.getLogger(__name__)
 
 _FROZEN_COPIES = ("embed_tokens.weight", "lm_head.weight")  # DeepSpec saves them; the target's are used
 READER_DIR = "reader"
@@ -45,19 +41,6 @@ LORA_FILE = "lora.safetensors"
 def _read(path: Path) -> dict[str, np.ndarray]:
     with safe_open(str(path), framework="flax") as f:
         return {k: np.asarray(f.get_tensor(k)) for k in f.keys()}
-
-
-def _fill(expected: dict[str, nnx.Variable], tensors: dict[str, np.ndarray], where: Path, dtype) -> None:
-    for name, var in expected.items():
-        if name not in tensors:
-            raise CheckpointError(f"missing tensor {name!r} (expected shape {tuple(var.shape)}) in {where}")
-        arr = tensors.pop(name)
-        if tuple(arr.shape) != tuple(var.shape):
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(arr.shape)} in {where}, "
-                                  f"expected {tuple(var.shape)} from the config")
-        var.set_value(jnp.asarray(arr, dtype=dtype))
-    if tensors:
-        log.warning("%s: ignoring %d unexpected tensors, e.g. %s", where, len(tensors), sorted(tensors)[:3])
 
 
 def _sha256(path: Path) -> str:
@@ -135,12 +118,12 @@ def load_drafter(model_dir: str | Path, *, dtype=jnp.float32, with_reader: bool 
     for key in _FROZEN_COPIES:
         tensors.pop(key, None)
     params = flat_params(model)
-    _fill({k: v for k, v in params.items() if not k.startswith("reader.")}, tensors, weights, dtype)
+    fill_params({k: v for k, v in params.items() if not k.startswith("reader.")}, tensors, weights, dtype)
     if model.reader is not None:
         rweights = model_dir / READER_DIR / "reader.safetensors"
         if not rweights.is_file():
             raise CheckpointError(f"{model_dir}: reader_config.json without reader.safetensors")
-        _fill(flat_params(model.reader), _read(rweights), rweights, dtype)
+        fill_params(flat_params(model.reader), _read(rweights), rweights, dtype)
         _merge_lora(model, model_dir / READER_DIR / LORA_FILE, dtype)
     return model
 

@@ -112,6 +112,21 @@ def flat_params(module: nnx.Module) -> dict[str, nnx.Variable]:
     return {".".join(map(str, path)): var for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param))}
 
 
+def fill_params(expected: dict[str, nnx.Variable], tensors: dict[str, np.ndarray], where: str | Path, dtype) -> None:
+    """Set each expected variable from its tensor (consumed from `tensors`), checking presence and shape;
+    leftover tensors are logged, not loaded."""
+    for name, var in expected.items():
+        if name not in tensors:
+            raise CheckpointError(f"missing tensor {name!r} (expected shape {tuple(var.shape)}) in {where}")
+        arr = tensors.pop(name)
+        if tuple(arr.shape) != tuple(var.shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(arr.shape)} in {where}, "
+                                  f"expected {tuple(var.shape)} from the config")
+        var.set_value(jnp.asarray(arr, dtype=dtype))
+    if tensors:
+        log.warning("%s: ignoring %d unexpected tensors, e.g. %s", where, len(tensors), sorted(tensors)[:3])
+
+
 def load_pretrained(model_dir: str | Path, dtype=jnp.float32) -> tuple[TargetConfig, TargetModel]:
     """Read a HF model directory into a `TargetModel` with parameters in `dtype`."""
     model_dir = Path(model_dir)
@@ -132,16 +147,7 @@ def load_pretrained(model_dir: str | Path, dtype=jnp.float32) -> tuple[TargetCon
             raise CheckpointError(f"{prefix}: both fused and per-expert expert tensors in the checkpoint")
         tensors[gate_up], tensors[down] = _fuse_experts(prefix, per, tuple(expected[gate_up].shape),
                                                         tuple(expected[down].shape))
-    for name, var in expected.items():
-        if name not in tensors:
-            raise CheckpointError(f"missing tensor {name!r} (expected shape {tuple(var.shape)}) in {model_dir}")
-        arr = tensors.pop(name)
-        if tuple(arr.shape) != tuple(var.shape):
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(arr.shape)} in the checkpoint, "
-                                  f"expected {tuple(var.shape)} from config.json")
-        var.set_value(jnp.asarray(arr, dtype=dtype))
-    if tensors:
-        log.warning("ignoring %d unexpected tensors, e.g. %s", len(tensors), sorted(tensors)[:3])
+    fill_params(expected, tensors, model_dir, dtype)
     return cfg, model
 
 

@@ -220,3 +220,38 @@ def test_export_loads_in_transformers_with_same_logits(runs, tmp_path):
     val = tr.evaluate()
     assert sorted(val) == ["code", "prose", "verse"]
     assert all(np.isfinite(v["loss"]) and v["tokens"] > 0 for v in val.values())
+
+
+def test_step_clock_fixes_total_steps_once_from_the_measured_rate_and_stops_past_the_budget(tmp_path, monkeypatch):
+    """The time budget every recipe uses: the first flush (compilation) only marks the time; the first flush at least
+    `calibrate_after` steps later fixes total steps from the measured s/step; 5% past the budget the run stops."""
+    now = [100.0]
+    monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
+    log = common.MetricsLog(tmp_path / "m.jsonl", total=1000, progress=False)
+    clock = common.StepClock(10.0, tokens_per_step=64, resumed=False, calibrate_after=10)
+    now[0] = 105.0                                            # step 1 after 5 s of compilation
+    assert clock.flush(1, 1000, 1000, log) == 1000 and clock.throughput is None
+    now[0] = 106.0                                            # 10 more steps in 1 s: 0.1 s a step, 4 s left
+    assert clock.flush(11, 1000, 1000, log) == 11 + 40
+    assert clock.throughput == pytest.approx(640.0) and not clock.budget_hit
+    now[0] = 108.0
+    assert clock.flush(31, 51, 1000, log) == 51                # fixed once
+    now[0] = 110.4
+    clock.flush(51, 51, 1000, log)
+    assert not clock.budget_hit                               # within the 5% grace
+    now[0] = 110.6
+    clock.flush(52, 51, 1000, log)
+    assert clock.budget_hit
+    log.close()
+    events = [r for r in common.read_metrics(tmp_path / "m.jsonl") if r.get("event") == "total_steps"]
+    assert [(e["step"], e["total_steps"]) for e in events] == [(11, 51)]
+    now[0] = 200.0
+    capped = common.StepClock(10.0, 64, resumed=False, calibrate_after=10)      # capped by --steps
+    capped.flush(1, 30, 30, log := common.MetricsLog(tmp_path / "n.jsonl", total=30, progress=False))
+    now[0] = 201.0
+    assert capped.flush(11, 30, 30, log) == 30
+    resumed = common.StepClock(10.0, 64, resumed=True)        # a resumed run keeps its total
+    resumed.flush(1, 77, 1000, log)
+    now[0] = 202.0
+    assert resumed.flush(20, 77, 1000, log) == 77
+    log.close()

@@ -171,6 +171,45 @@ class MetricsLog:
         self.f.close()
 
 
+class StepClock:
+    """A training run's clock: throughput from the first metrics flush on (that flush includes compilation), and
+    the time budget — the total steps fixed once from the measured seconds per step, and the budget spent 5%
+    past it (the caller then checkpoints and stops)."""
+
+    def __init__(self, time_budget_s: float, tokens_per_step: int, resumed: bool, calibrate_after: int = 10):
+        self.budget_s = time_budget_s
+        self.tokens_per_step = tokens_per_step
+        self.calibrate_after = calibrate_after
+        self.t_start = time.perf_counter()
+        self.t_mark, self.mark, self.warm = 0.0, 0, False
+        self.calibrated = resumed          # a resumed run keeps the total it was given
+        self.throughput: float | None = None
+        self.budget_hit = False
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t_start
+
+    def flush(self, step: int, total_steps: int, max_steps: int, log: MetricsLog) -> int:
+        """After the metrics flush at `step`: throughput, budget; returns the total steps (fixed once)."""
+        now = time.perf_counter()
+        if not self.warm:
+            self.warm, self.t_mark, self.mark = True, now, step
+        elif step > self.mark:
+            self.throughput = (step - self.mark) * self.tokens_per_step / (now - self.t_mark)
+            log.write({"step": step, "tokens_per_s": round(self.throughput, 1)})
+            if self.budget_s and not self.calibrated and step - self.mark >= self.calibrate_after:
+                self.calibrated = True
+                per_step = (now - self.t_mark) / (step - self.mark)
+                total_steps = max(step + 1, min(max_steps, step + int((self.budget_s - (now - self.t_start)) / per_step)))
+                log.write({"event": "total_steps", "step": step, "total_steps": total_steps,
+                           "seconds_per_step": round(per_step, 5)})
+                if log.bar is not None:
+                    log.bar.total = total_steps
+        if self.budget_s and now - self.t_start >= self.budget_s * 1.05:
+            self.budget_hit = True
+        return total_steps
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 

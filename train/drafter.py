@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import time
 from pathlib import Path
 from typing import Any
 
@@ -435,11 +434,11 @@ class DrafterTrainer:
                    "reader_config": None if self.rcfg is None else self.rcfg.to_dict()})
         if self.start_step == 0 and cfg.eval_every:
             log.write({"step": 0, "val": self.evaluate()})
-        t_start = time.perf_counter()
+        clock = common.StepClock(cfg.time_budget_s, cfg.batch_size * cfg.seq_len, resumed=self.start_step > 0,
+                                 calibrate_after=5)
         losses: dict[int, float] = {}
         step = self.start_step
         val: dict = {}
-        t_mark, tok_mark, warm, calibrated, throughput = 0.0, 0, False, step > 0, None
         budget_hit = False
         pending = []
         while step < min(self.total_steps, stop):
@@ -453,19 +452,8 @@ class DrafterTrainer:
                     log.write({"step": s + 1, "lr": lr, **{k: round(v, 5) for k, v in m.items()}})
                 log.progress(len(pending), {"loss": f"{losses[step - 1]:.3f}"})
                 pending = []
-                now = time.perf_counter()
-                if not warm:
-                    warm, t_mark, tok_mark = True, now, step
-                elif step > tok_mark:
-                    throughput = (step - tok_mark) * cfg.batch_size * cfg.seq_len / (now - t_mark)
-                    if cfg.time_budget_s and not calibrated and step - tok_mark >= 5:
-                        calibrated = True
-                        per = (now - t_mark) / (step - tok_mark)
-                        self.total_steps = max(step + 1, min(cfg.steps, step + int(
-                            (cfg.time_budget_s - (now - t_start)) / per)))
-                        log.write({"event": "total_steps", "total_steps": self.total_steps})
-                if cfg.time_budget_s and now - t_start >= cfg.time_budget_s * 1.05:
-                    budget_hit = True
+                self.total_steps = clock.flush(step, self.total_steps, cfg.steps, log)
+            budget_hit = clock.budget_hit
             end = min(self.total_steps, stop)
             if step % cfg.ckpt_every == 0 or step == end or budget_hit:
                 self.save(step)
@@ -479,7 +467,7 @@ class DrafterTrainer:
             log.write({"step": step, "val": val})
         self.start_step = step
         log.close()
-        return {"losses": losses, "val": val, "step": step, "tokens_per_s": throughput,
+        return {"losses": losses, "val": val, "step": step, "tokens_per_s": clock.throughput,
                 "trainable_params": self.num_trainable}
 
     # --- export ---------------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ import functools
 import json
 import math
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -348,11 +347,8 @@ class TargetTrainer:
             log.write({"event": "resume", "step": self.start_step})
         losses: dict[int, float] = {}
         val: dict = {}
-        t_start = time.perf_counter()
-        t_mark, tok_mark, warm, calibrated = 0.0, 0, False, self.start_step > 0
-        tokens_per_step = cfg.batch_size * cfg.seq_len
+        clock = common.StepClock(cfg.time_budget_s, cfg.batch_size * cfg.seq_len, resumed=self.start_step > 0)
         step = self.start_step
-        throughput = None
         pending: list[tuple[int, float, dict]] = []
         budget_hit = False
         while step < min(self.total_steps, stop):
@@ -369,23 +365,8 @@ class TargetTrainer:
                                "lr": lr_s})
                 log.progress(len(pending), {"loss": f"{losses[step - 1]:.3f}"})
                 pending = []
-                now = time.perf_counter()
-                if not warm:  # the first flush includes compilation
-                    warm, t_mark, tok_mark = True, now, step
-                elif step > tok_mark:
-                    throughput = (step - tok_mark) * tokens_per_step / (now - t_mark)
-                    log.write({"step": step, "tokens_per_s": round(throughput, 1)})
-                    if cfg.time_budget_s and not calibrated and step - tok_mark >= 10:
-                        calibrated = True
-                        per_step = (now - t_mark) / (step - tok_mark)
-                        left = cfg.time_budget_s - (now - t_start)
-                        self.total_steps = max(step + 1, min(cfg.steps, step + int(left / per_step)))
-                        log.write({"event": "total_steps", "step": step, "total_steps": self.total_steps,
-                                   "seconds_per_step": round(per_step, 5)})
-                        if log.bar is not None:
-                            log.bar.total = self.total_steps
-                if cfg.time_budget_s and now - t_start >= cfg.time_budget_s * 1.05:
-                    budget_hit = True
+                self.total_steps = clock.flush(step, self.total_steps, cfg.steps, log)
+            budget_hit = clock.budget_hit
             end = min(self.total_steps, stop)
             if step % cfg.ckpt_every == 0 or step == end or budget_hit:
                 self.save(step)
@@ -393,7 +374,7 @@ class TargetTrainer:
                 val = self.evaluate()
                 log.write({"step": step, "val": val})
             if budget_hit:
-                log.write({"event": "time_budget", "step": step, "seconds": round(time.perf_counter() - t_start, 1)})
+                log.write({"event": "time_budget", "step": step, "seconds": round(clock.elapsed(), 1)})
                 break
         if step == self.total_steps or budget_hit:
             val = self.evaluate()
@@ -401,7 +382,7 @@ class TargetTrainer:
         self.start_step = step
         log.close()
         return {"losses": losses, "val": val, "step": step, "total_steps": self.total_steps,
-                "tokens_per_s": throughput, "train_seconds": time.perf_counter() - t_start,
+                "tokens_per_s": clock.throughput, "train_seconds": clock.elapsed(),
                 "num_params": self.num_params}
 
     # --- export ---------------------------------------------------------------------------------

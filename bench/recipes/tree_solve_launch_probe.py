@@ -3,13 +3,13 @@ bf16 inputs; each form × precision × value tile), as JSON rows with the first 
 GPU machine from the repository root (PYTHONPATH=$PWD): python3 bench/recipes/tree_solve_launch_probe.py OUT.json.
 Found at commit 608c10e: one-pass tf32 at 128 nodes launches (25 s to compile); the 3-pass forms were not reached
 within that call's time (dispatch.FP32_ACCURATE_MAX_NODES sends them to the reference)."""
-import json, sys, time, traceback
+import json, sys, time
 import jax, jax.numpy as jnp, numpy as np
 from pallas_kernels import gdn_tree_solve as ts
 from pallas_kernels import trees
 from pallas_kernels.trees import mask_from_parents
 rows = []
-for N in (64, 128):
+for N in (128, 64):                     # 128 first: the shape in question
     for dtype in (jnp.float32, jnp.bfloat16):
         B, HK, HV, dk, dv = 1, 4, 8, 64, 64
         par = trees.random_parents(0, B, N, 8, single_root=True)

@@ -71,12 +71,6 @@ def _reference(S0, q, k, v, g, beta, mask, max_depth, method="solve"):
                             max_depth=max_depth)
 
 
-# The kernel's N × N fp32 products at 128 nodes with fp32-accurate (3-pass or IEEE) dots need more shared memory
-# than the H200 has: the embedded fp32 model's 128-node verify failed to launch there ("requested 262144,
-# available: 232448"), so those shapes take the reference path. One-pass tf32 (bf16/f16 inputs) fits.
-FP32_ACCURATE_MAX_NODES = 64
-
-
 def tree_solve_supported(S0, q, k, v, g, beta, mask, block_v: int = 64,
                          precision: str | None = None) -> tuple[bool, str]:
     """(ok, reason) for the kernel path on this shape/dtype (platform checked separately)."""
@@ -102,7 +96,7 @@ def tree_solve_supported(S0, q, k, v, g, beta, mask, block_v: int = 64,
             return False, "N > 128"
         if not gdn_tree_solve.supported(n_pad, dk, dv, block_v):
             return False, "dk/dv/block_v"
-        if n_pad > FP32_ACCURATE_MAX_NODES and (precision or _default_precision(q.dtype)) != "tf32":
+        if not gdn_tree_solve.supported(n_pad, dk, dv, block_v, precision or _default_precision(q.dtype)):
             return False, f"{n_pad} nodes with fp32-accurate products exceed the GPU's shared memory"
         return True, ""
     except Exception as e:  # noqa: BLE001

@@ -242,9 +242,16 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
     return o, gamma, vc
 
 
-def supported(N: int, dk: int, dv: int, block_v: int) -> bool:
+# The N × N fp32 products at 128 nodes with fp32-accurate (3-pass or IEEE) dots need more shared memory than the
+# H200 has: the embedded fp32 model's 128-node verify failed to launch there ("requested 262144, available:
+# 232448"). One-pass tf32 (what bf16/f16 inputs get) launches at 128 nodes
+# (bench/recipes/tree_solve_launch_probe.py).
+FP32_ACCURATE_MAX_NODES = 64
+
+
+def supported(N: int, dk: int, dv: int, block_v: int, precision: Precision = "tf32") -> bool:
     return (tile_dim_ok(N) and N <= 128 and tile_dim_ok(dk) and dk <= 256 and tile_dim_ok(block_v)
-            and dv % block_v == 0)
+            and dv % block_v == 0 and (precision == "tf32" or N <= FP32_ACCURATE_MAX_NODES))
 
 
 @functools.partial(jax.jit, static_argnames=("max_depth", "method", "block_v", "precision", "out_dtype",
@@ -266,8 +273,9 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     """
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
-    if not supported(N, dk, dv, block_v) or HV % HK:
-        raise ValueError(f"unsupported shape N={N} dk={dk} dv={dv} block_v={block_v} HV={HV} HK={HK}")
+    if not supported(N, dk, dv, block_v, precision) or HV % HK:
+        raise ValueError(f"unsupported shape N={N} dk={dk} dv={dv} block_v={block_v} HV={HV} HK={HK} "
+                         f"precision={precision}")
     if write_state and deferred is None:
         raise ValueError("write_state needs deferred updates (without them the state is S0 itself)")
     if method not in METHODS:

@@ -8,10 +8,7 @@ set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 PROMPTS=${PROMPTS:-8}; REPEATS=${REPEATS:-3}; MAX_TOKENS=${MAX_TOKENS:-96}
 export PYTHONUNBUFFERED=1
-if ! (cd / && python3 -c "import hyspec_jax.bench") 2>/dev/null; then   # not installed (checked outside the tree)       # run from the tree, as h200_headline.sh
-  for d in train serve bench; do [ -e "hyspec_jax/$d" ] || ln -s "$PWD/$d" "hyspec_jax/$d"; done
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
+. "$(dirname "$0")/from_tree.sh"
 H=(python3 -m hyspec_jax.cli)
 TREE=(--tree-depth 7 --tree-topk 8 --tree-beam 16 --verify-nodes 32 --kernels auto)
 "${H[@]}" bench e2e --json "$OUT/e2e_h200_batch8.json" --drafter checkpoints/default/drafter --batch 8 \

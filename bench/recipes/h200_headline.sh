@@ -10,12 +10,7 @@ set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 PROMPTS=${PROMPTS:-8}; REPEATS=${REPEATS:-3}; MAX_TOKENS=${MAX_TOKENS:-96}
 export PYTHONUNBUFFERED=1
-# the GPU machine has no network and the package need not be installed: map the application folders
-# under hyspec_jax as the wheel does (pyproject.toml package-dir) and run from the tree
-if ! (cd / && python3 -c "import hyspec_jax.bench") 2>/dev/null; then   # not installed (checked outside the tree)
-  for d in train serve bench; do [ -e "hyspec_jax/$d" ] || ln -s "$PWD/$d" "hyspec_jax/$d"; done
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
+. "$(dirname "$0")/from_tree.sh"
 H=(python3 -m hyspec_jax.cli)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
 "${H[@]}" bench e2e --json "$OUT/e2e_h200_headline.json" --drafter checkpoints/default/drafter --batch 1 \

@@ -2,7 +2,7 @@
 bf16 inputs; each form × precision × value tile), as JSON rows with the first line of any launch error. Run on the
 GPU machine from the repository root (PYTHONPATH=$PWD): python3 bench/recipes/tree_solve_launch_probe.py OUT.json.
 Found at commit 608c10e: one-pass tf32 at 128 nodes launches (25 s to compile); the 3-pass forms were not reached
-within that call's time (dispatch.FP32_ACCURATE_MAX_NODES sends them to the reference)."""
+within that call's time (gdn_tree_solve.FP32_ACCURATE_MAX_NODES refuses them; the dispatcher takes the reference)."""
 import json, sys, time
 import jax, jax.numpy as jnp, numpy as np
 from pallas_kernels import gdn_tree_solve as ts

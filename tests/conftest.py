@@ -41,3 +41,68 @@ def quick_compiles():
     jax.config.update("jax_disable_most_optimizations", True)
     yield
     jax.config.update("jax_disable_most_optimizations", prev)
+
+
+# ------------------------------------------------------------------------------------------------
+# Native crashes in xdist workers: where and why, at the end of the report
+# ------------------------------------------------------------------------------------------------
+# A worker killed by a fatal signal (a segfault or abort in native code) only shows up as "worker gwN crashed";
+# faulthandler's dump goes to the inherited stderr, interleaved with the progress output and far above the
+# summary. Each worker writes its dump to its own file instead, and the controller prints the head of it
+# (the signal and the crashing thread's innermost frames) in the terminal summary.
+import faulthandler  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+_FAULT_KEY = "hyspec_fault_dir"
+_crash_reports: list[tuple[str, str]] = []
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's faulthandler plugin pointed it at stderr
+def pytest_configure(config):
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput and workerinput.get(_FAULT_KEY):
+        f = open(Path(workerinput[_FAULT_KEY]) / f"{workerinput['workerid']}.log", "w")  # noqa: SIM115
+        faulthandler.enable(file=f, all_threads=True)
+        config._hyspec_fault_file = f  # keep the file object alive for the worker's lifetime
+    elif workerinput is None:
+        config._hyspec_fault_dir = tempfile.mkdtemp(prefix="hyspec-faults-")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    node.workerinput[_FAULT_KEY] = node.config._hyspec_fault_dir
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    if not error:
+        return
+    wid = node.workerinput["workerid"]
+    try:
+        text = (Path(node.config._hyspec_fault_dir) / f"{wid}.log").read_text(errors="replace")
+    except OSError:
+        text = ""
+    _crash_reports.append((wid, _crash_head(text) or "(no faulthandler dump: the worker was killed without a "
+                                                       "fatal-signal handler running, e.g. by the OOM killer)"))
+
+
+def _crash_head(text: str, frames: int = 16) -> str:
+    """The signal line and the crashing ("Current") thread's innermost frames of a faulthandler dump."""
+    lines = text.splitlines()
+    head = [ln for ln in lines[:2] if ln.strip()]
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("Current thread")), None)
+    if start is None:
+        return "\n".join(ln for ln in lines[:frames] if not ln.startswith("Extension modules"))
+    block = []
+    for ln in lines[start:]:
+        if not ln.strip():
+            break
+        block.append(ln)
+    return "\n".join(head + block[:frames])
+
+
+def pytest_terminal_summary(terminalreporter):
+    for wid, text in _crash_reports:
+        terminalreporter.section(f"native crash in worker {wid} (faulthandler)")
+        terminalreporter.write_line(text)

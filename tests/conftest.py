@@ -106,3 +106,48 @@ def pytest_terminal_summary(terminalreporter):
     for wid, text in _crash_reports:
         terminalreporter.section(f"native crash in worker {wid} (faulthandler)")
         terminalreporter.write_line(text)
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory maps of a long-lived worker
+# ------------------------------------------------------------------------------------------------
+# Every XLA:CPU executable keeps its JIT-compiled code in its own memory mappings (a small program ~10, a model
+# round hundreds), and the jit caches keep every executable a test module compiled alive. One xdist worker
+# runs a few dozen modules, and crossed Linux's per-process limit (vm.max_map_count, 65,530 by default): the
+# next mmap failed and the worker died with a segfault inside a compile or a compilation-cache read (measured:
+# a worker at 65,418 maps, then "Fatal Python error: Segmentation fault" in compilation_cache.py). After a
+# module whose worker holds more than a quarter of the limit, the caches are dropped; the persistent
+# compilation cache makes the recompiles of later modules cheap. Measured (HYSPEC_TEST_MAPS_LOG, 2-core host):
+# the largest module adds ~12,000 maps, the peak is ~25,000, and the suite takes as long as before (7 min).
+import gc  # noqa: E402
+
+
+def _map_count() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def _max_map_count() -> int:
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return 65530
+
+
+_MAP_BUDGET = _max_map_count() // 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_memory_maps(request):
+    yield
+    before = _map_count()
+    if before > _MAP_BUDGET:
+        jax.clear_caches()
+        gc.collect()
+    log = os.environ.get("HYSPEC_TEST_MAPS_LOG")   # "pid module maps-before maps-after" per module, to size this
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {request.module.__name__} {before} {_map_count()}\n")

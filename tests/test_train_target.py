@@ -255,3 +255,57 @@ def test_step_clock_fixes_total_steps_once_from_the_measured_rate_and_stops_past
     now[0] = 202.0
     assert resumed.flush(20, 77, 1000, log) == 77
     log.close()
+
+
+def test_train_steps_logs_checkpoints_evaluates_and_stops_at_the_budget(tmp_path, monkeypatch):
+    """The step loop both trainers share (common.train_steps), with a fake trainer and a fake clock: metrics read
+    back at the flushes only (first step, every log_every, the last), checkpoints every ckpt_every and where it
+    stops, evaluation every eval_every and once at the end; past the budget it checkpoints, evaluates once,
+    logs the event and stops."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Cfg:
+        steps: int = 12
+        log_every: int = 4
+        ckpt_every: int = 5
+        eval_every: int = 6
+
+    class Fake:
+        def __init__(self, total):
+            self.start_step, self.total_steps, self.saved, self.evals = 0, total, [], 0
+
+        def save(self, step):
+            self.saved.append(step)
+
+        def evaluate(self):
+            self.evals += 1
+            return {"loss": float(self.evals)}
+
+    now = [0.0]
+    monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
+
+    def step_fn(step):
+        now[0] += 1.0
+        return 0.1 * step, {"loss": jnp.float32(10 - step)}
+
+    def run(total, budget, stop=1 << 62):
+        fake, cfg = Fake(total), Cfg(steps=total)
+        log = common.MetricsLog(tmp_path / f"{budget}.jsonl", total=total, progress=False)
+        clock = common.StepClock(budget, tokens_per_step=8, resumed=False, calibrate_after=100)
+        losses, val, step = common.train_steps(fake, cfg, log, clock, stop, step_fn, lambda lr, m: {"lr": lr, **m})
+        log.close()
+        return fake, losses, val, step, common.read_metrics(tmp_path / f"{budget}.jsonl")
+
+    fake, losses, val, step, rows = run(12, budget=0.0)
+    assert step == 12 == fake.start_step and losses == {s: 10.0 - s for s in range(12)}
+    assert fake.saved == [5, 10, 12] and fake.evals == 2 and val == {"loss": 2.0}      # eval at 6, then the end
+    assert [r["step"] for r in rows if "lr" in r] == list(range(1, 13))
+    assert [r["step"] for r in rows if "val" in r] == [6, 12]
+    now[0] = 0.0
+    fake, losses, val, step, rows = run(100, budget=7.0)         # 5% past 7 s: stops at the flush of step 8
+    assert step == 8 and fake.saved == [5, 8] and fake.evals == 2 and max(losses) == 7
+    assert [(r["step"], r["seconds"]) for r in rows if r.get("event") == "time_budget"] == [(8, 8.0)]
+    now[0] = 0.0
+    fake, losses, val, step, rows = run(12, budget=0.0, stop=3)  # stop_after: checkpoint there, no final eval
+    assert step == 3 and fake.saved == [3] and fake.evals == 0

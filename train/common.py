@@ -8,7 +8,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -208,6 +208,63 @@ class StepClock:
         if self.budget_s and now - self.t_start >= self.budget_s * 1.05:
             self.budget_hit = True
         return total_steps
+
+
+class Trainer(Protocol):
+    """What `train_steps` needs of a trainer (train.target.TargetTrainer, train.drafter.DrafterTrainer)."""
+    start_step: int
+    total_steps: int
+
+    def save(self, step: int) -> None: ...
+
+    def evaluate(self) -> dict: ...
+
+
+def train_steps(trainer: Trainer, cfg: Any, log: MetricsLog, clock: StepClock, stop: int,
+                step_fn: Callable[[int], tuple[float, dict]],
+                record: Callable[[float, dict[str, float]], dict]) -> tuple[dict[int, float], dict, int]:
+    """The step loop of every trainer: from trainer.start_step to min(trainer.total_steps, stop).
+
+    step_fn(step) runs one optimiser step and returns (its learning rate, its metrics as device arrays, with
+    a "loss"); those are read back only at a log flush (every cfg.log_every steps, the first step and the last),
+    so the host never waits on a step it has just launched; record(lr, metrics) -> the fields of its metrics
+    line. After a flush the clock may fix the total steps (time budget) or end the run. Checkpoints every
+    cfg.ckpt_every steps and where it stops; evaluates every cfg.eval_every steps and once at the end (a run
+    cut by the budget evaluates once, at the end). Returns (loss per step, the last validation, the step
+    reached) and advances trainer.start_step to it."""
+    losses: dict[int, float] = {}
+    val: dict = {}
+    step = trainer.start_step
+    pending: list[tuple[int, float, dict]] = []
+    budget_hit = False
+    while step < min(trainer.total_steps, stop):
+        lr, metrics = step_fn(step)
+        pending.append((step, lr, metrics))
+        step += 1
+        end = min(trainer.total_steps, stop)
+        if step % cfg.log_every == 0 or step == end or step == trainer.start_step + 1:
+            for s, lr_s, m in pending:
+                m = {k: float(v) for k, v in m.items()}
+                losses[s] = m["loss"]
+                log.write({"step": s + 1, **record(lr_s, m)})
+            log.progress(len(pending), {"loss": f"{losses[step - 1]:.3f}"})
+            pending = []
+            trainer.total_steps = clock.flush(step, trainer.total_steps, cfg.steps, log)
+        budget_hit = clock.budget_hit
+        end = min(trainer.total_steps, stop)
+        if step % cfg.ckpt_every == 0 or step == end or budget_hit:
+            trainer.save(step)
+        if cfg.eval_every and step % cfg.eval_every == 0 and step != end and not budget_hit:
+            val = trainer.evaluate()
+            log.write({"step": step, "val": val})
+        if budget_hit:
+            log.write({"event": "time_budget", "step": step, "seconds": round(clock.elapsed(), 1)})
+            break
+    if step == trainer.total_steps or budget_hit:
+        val = trainer.evaluate()
+        log.write({"step": step, "val": val})
+    trainer.start_step = step
+    return losses, val, step
 
 
 def read_metrics(path: str | Path) -> list[dict]:

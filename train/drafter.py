@@ -436,36 +436,9 @@ class DrafterTrainer:
             log.write({"step": 0, "val": self.evaluate()})
         clock = common.StepClock(cfg.time_budget_s, cfg.batch_size * cfg.seq_len, resumed=self.start_step > 0,
                                  calibrate_after=5)
-        losses: dict[int, float] = {}
-        step = self.start_step
-        val: dict = {}
-        budget_hit = False
-        pending = []
-        while step < min(self.total_steps, stop):
-            pending.append((step, self.lr_at(step), self.train_step(step)))
-            step += 1
-            end = min(self.total_steps, stop)
-            if step % cfg.log_every == 0 or step == end or step == self.start_step + 1:
-                for s, lr, m in pending:
-                    m = {k: float(v) for k, v in m.items()}
-                    losses[s] = m["loss"]
-                    log.write({"step": s + 1, "lr": lr, **{k: round(v, 5) for k, v in m.items()}})
-                log.progress(len(pending), {"loss": f"{losses[step - 1]:.3f}"})
-                pending = []
-                self.total_steps = clock.flush(step, self.total_steps, cfg.steps, log)
-            budget_hit = clock.budget_hit
-            end = min(self.total_steps, stop)
-            if step % cfg.ckpt_every == 0 or step == end or budget_hit:
-                self.save(step)
-            if cfg.eval_every and step % cfg.eval_every == 0 and step != end:
-                val = self.evaluate()
-                log.write({"step": step, "val": val})
-            if budget_hit:
-                break
-        if step == self.total_steps or budget_hit:
-            val = self.evaluate()
-            log.write({"step": step, "val": val})
-        self.start_step = step
+        losses, val, step = common.train_steps(
+            self, cfg, log, clock, stop, lambda step: (self.lr_at(step), self.train_step(step)),
+            lambda lr, m: {"lr": lr, **{k: round(v, 5) for k, v in m.items()}})
         log.close()
         return {"losses": losses, "val": val, "step": step, "tokens_per_s": clock.throughput,
                 "trainable_params": self.num_trainable}

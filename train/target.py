@@ -345,41 +345,16 @@ class TargetTrainer:
                        "model_config": self.model_cfg.to_hf_dict(), "train_config": cfg.to_dict()})
         else:
             log.write({"event": "resume", "step": self.start_step})
-        losses: dict[int, float] = {}
-        val: dict = {}
         clock = common.StepClock(cfg.time_budget_s, cfg.batch_size * cfg.seq_len, resumed=self.start_step > 0)
-        step = self.start_step
-        pending: list[tuple[int, float, dict]] = []
-        budget_hit = False
-        while step < min(self.total_steps, stop):
+
+        def step_fn(step: int) -> tuple[float, dict]:
             lr = self.lr_at(step)
             self.state, metrics = self._train_fn(self.state, self.batch(step), jnp.float32(lr))
-            pending.append((step, lr, metrics))
-            step += 1
-            end = min(self.total_steps, stop)
-            if step % cfg.log_every == 0 or step == end or step == self.start_step + 1:
-                for s, lr_s, m in pending:
-                    m = {k: float(v) for k, v in m.items()}
-                    losses[s] = m["loss"]
-                    log.write({"step": s + 1, "loss": round(m["loss"], 5), "grad_norm": round(m["grad_norm"], 4),
-                               "lr": lr_s})
-                log.progress(len(pending), {"loss": f"{losses[step - 1]:.3f}"})
-                pending = []
-                self.total_steps = clock.flush(step, self.total_steps, cfg.steps, log)
-            budget_hit = clock.budget_hit
-            end = min(self.total_steps, stop)
-            if step % cfg.ckpt_every == 0 or step == end or budget_hit:
-                self.save(step)
-            if cfg.eval_every and step % cfg.eval_every == 0 and step != end and not budget_hit:
-                val = self.evaluate()
-                log.write({"step": step, "val": val})
-            if budget_hit:
-                log.write({"event": "time_budget", "step": step, "seconds": round(clock.elapsed(), 1)})
-                break
-        if step == self.total_steps or budget_hit:
-            val = self.evaluate()
-            log.write({"step": step, "val": val})
-        self.start_step = step
+            return lr, metrics
+
+        losses, val, step = common.train_steps(
+            self, cfg, log, clock, stop, step_fn,
+            lambda lr, m: {"loss": round(m["loss"], 5), "grad_norm": round(m["grad_norm"], 4), "lr": lr})
         log.close()
         return {"losses": losses, "val": val, "step": step, "total_steps": self.total_steps,
                 "tokens_per_s": clock.throughput, "train_seconds": clock.elapsed(),

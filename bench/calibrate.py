@@ -201,14 +201,12 @@ def run(args) -> int:
     model_dir, label = _resolve_model_dir(args.model)
     if label:
         print(f"[hyspec] using a {label}", file=sys.stderr)
-    import jax
-    import jax.numpy as jnp
 
     from hyspec_jax.io.hf import load_pretrained
     from hyspec_jax.spec.budget import BudgetTable, model_id
 
-    dtype = {"auto": jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32,
-             "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    from hyspec_jax.config import resolve_dtype
+    dtype = resolve_dtype(args.dtype)
     cfg, model = load_pretrained(model_dir, dtype=dtype)
     out = Path(args.out) if args.out else Path(model_dir) / "budget.json"
     table = BudgetTable.load(out) if out.is_file() else BudgetTable()

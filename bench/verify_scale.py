@@ -118,15 +118,6 @@ def resolve_config(tiny: bool = False, config: str | None = None):
     return qwen38_27b(), "Qwen3.8-27B geometry"
 
 
-def resolve_dtype(name: str):
-    import jax
-    import jax.numpy as jnp
-
-    if name == "auto":
-        return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-    return {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[name]
-
-
 # ------------------------------------------------------------------------------------------------
 # Model, state and inputs on the device(s)
 # ------------------------------------------------------------------------------------------------
@@ -557,6 +548,7 @@ def sweep(args, cfg, name: str, on_progress=None) -> dict:
     from hyspec_jax.bench.report import portable_args, portable_command, run_metadata
 
     t_start = time.perf_counter()
+    from hyspec_jax.config import resolve_dtype
     dtype = resolve_dtype(args.dtype)
     nodes, batches = sorted(set(args.nodes)), sorted(set(args.batch))
     max_len = args.max_len or args.prefix + max(nodes)

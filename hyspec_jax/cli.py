@@ -153,8 +153,6 @@ def _generate(args) -> int:
     if label:
         print(f"[hyspec] using a {label}", file=sys.stderr)
 
-    import jax
-    import jax.numpy as jnp
 
     enable_compilation_cache()
     from hyspec_jax.generate import Generator
@@ -164,8 +162,8 @@ def _generate(args) -> int:
     from hyspec_jax.config import TargetConfig
     TargetConfig.from_pretrained(model_dir)  # config errors first: they say what the directory is missing
     tokenizer = load_tokenizer(model_dir)
-    dtype = {"auto": jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32,
-             "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    from hyspec_jax.config import resolve_dtype
+    dtype = resolve_dtype(args.dtype)
     cfg, model = load_pretrained(model_dir, dtype=dtype)
     stops = tuple(sorted(set(cfg.eos_token_id) | set(special_token_ids(model_dir))))
     gen = Generator.from_model(model)

@@ -24,6 +24,23 @@ _FAMILIES = {
 }
 
 
+DTYPES = ("auto", "float32", "bfloat16")   # --dtype of every command that loads or builds a model
+
+
+def resolve_dtype(name: str):
+    """A --dtype name -> the jnp dtype: "auto" is bfloat16 on a GPU (tensor cores), float32 on a CPU (no fast
+    bf16 path there, and the CPU tests compare in fp32)."""
+    import jax  # here, not at module level: configs are read by commands that never start JAX
+    import jax.numpy as jnp
+
+    if name == "auto":
+        return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    try:
+        return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}: one of {', '.join(DTYPES)}") from None
+
+
 class ConfigError(ValueError):
     """A config.json that this library cannot serve."""
 

@@ -98,8 +98,6 @@ def run(args) -> int:
     if label:
         _progress(f"using a {label}")
 
-    import jax
-    import jax.numpy as jnp
 
     if not args.no_compilation_cache:
         enable_compilation_cache()
@@ -113,8 +111,8 @@ def run(args) -> int:
 
     TargetConfig.from_pretrained(model_dir)
     tokenizer = load_tokenizer(model_dir)
-    dtype = {"auto": jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32,
-             "float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    from hyspec_jax.config import resolve_dtype
+    dtype = resolve_dtype(args.dtype)
     counter = CompileCounter()
     t0 = time.perf_counter()
     cfg, target = load_pretrained(model_dir, dtype=dtype)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 
 import jax
 import jax.numpy as jnp

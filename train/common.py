@@ -16,6 +16,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from hyspec_jax.config import resolve_dtype  # noqa: F401 - the trainers' dtype rule is the CLI's
+
 F32 = jnp.float32
 DATA = "data"
 
@@ -55,12 +57,6 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
-
-
-def resolve_dtype(name: str):
-    if name == "auto":
-        return jnp.bfloat16 if jax.default_backend() == "gpu" else F32
-    return {"float32": F32, "bfloat16": jnp.bfloat16}[name]
 
 
 def cast_compute(params: Any, dtype) -> Any:

@@ -41,7 +41,7 @@ from flax import nnx
 
 from hyspec_jax.io.drafter_io import load_drafter, save_drafter
 from hyspec_jax.io.hf import load_pretrained
-from hyspec_jax.models.drafter import DrafterConfig, TargetHeads, create_drafter, forward_train, target_heads
+from hyspec_jax.models.drafter import DrafterConfig, create_drafter, forward_train, target_heads
 from hyspec_jax.models.reader import ReaderConfig
 from hyspec_jax.train import common
 from hyspec_jax.train.distill import DistillSampler

@@ -108,6 +108,13 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(text)
 
 
+def pytest_unconfigure(config):
+    fault_dir = getattr(config, "_hyspec_fault_dir", None)
+    if fault_dir:
+        import shutil
+        shutil.rmtree(fault_dir, ignore_errors=True)
+
+
 # ------------------------------------------------------------------------------------------------
 # Memory maps of a long-lived worker
 # ------------------------------------------------------------------------------------------------

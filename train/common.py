@@ -16,8 +16,6 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from hyspec_jax.config import resolve_dtype  # noqa: F401 - the trainers' dtype rule is the CLI's
-
 F32 = jnp.float32
 DATA = "data"
 

@@ -39,6 +39,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from hyspec_jax.config import resolve_dtype
 from hyspec_jax.io.drafter_io import load_drafter, save_drafter
 from hyspec_jax.io.hf import load_pretrained
 from hyspec_jax.models.drafter import DrafterConfig, create_drafter, forward_train, target_heads
@@ -226,7 +227,7 @@ class DrafterTrainer:
             raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the {n} devices")
         if cfg.seq_len % cfg.state_stride:
             raise ValueError(f"seq_len {cfg.seq_len} must be a multiple of state_stride {cfg.state_stride}")
-        self.dt = common.resolve_dtype(cfg.dtype)
+        self.dt = resolve_dtype(cfg.dtype)
         tcfg, target = load_pretrained(cfg.target, dtype=F32)
         self.tcfg = tcfg
         self.t_graphdef, t_params = nnx.split(target)

@@ -33,7 +33,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from hyspec_jax.config import FULL, LINEAR, TargetConfig
+from hyspec_jax.config import FULL, LINEAR, TargetConfig, resolve_dtype
 from hyspec_jax.models.target import abstract_model, create_model
 from hyspec_jax.train import common
 from hyspec_jax.train.corpus import load_shard, shard_domains
@@ -244,7 +244,7 @@ class TargetTrainer:
         if cfg.batch_size % n or cfg.eval_batch % n:
             raise ValueError(f"batch_size {cfg.batch_size} and eval_batch {cfg.eval_batch} must be divisible "
                              f"by the {n} devices")
-        self.compute_dtype = common.resolve_dtype(cfg.dtype)
+        self.compute_dtype = resolve_dtype(cfg.dtype)
         self.sampler = WindowSampler(cfg.corpus, cfg.seq_len, cfg.seed)
         self.val = validation_windows(cfg.corpus, cfg.seq_len, cfg.eval_windows)
 

@@ -5,12 +5,8 @@
 # Results land in OUT (default: $OUT on the device machine, else ./out). From the repository root:
 #   bench/recipes/h200_batch8_nodes.sh        # PROMPTS=8 REPEATS=3 MAX_TOKENS=96 by default
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-PROMPTS=${PROMPTS:-8}; REPEATS=${REPEATS:-3}; MAX_TOKENS=${MAX_TOKENS:-96}
-export PYTHONUNBUFFERED=1
-. "$(dirname "$0")/from_tree.sh"
-H=(python3 -m hyspec_jax.cli)
-TREE=(--tree-depth 7 --tree-topk 8 --tree-beam 16 --verify-nodes 32 --kernels auto)
+. "$(dirname "$0")/lib.sh"
+TREE=("${WIDE_TREE[@]}" --kernels auto)
 "${H[@]}" bench e2e --json "$OUT/e2e_h200_batch8.json" --drafter checkpoints/default/drafter --batch 8 \
   --prompts-per-domain "$PROMPTS" --repeats "$REPEATS" --max-tokens "$MAX_TOKENS" "${TREE[@]}" 2>&1 | tail -n 12
 "${H[@]}" bench e2e --json "$OUT/e2e_h200_nodes.json" --drafter checkpoints/default/drafter --batch 1 \

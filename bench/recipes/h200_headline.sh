@@ -7,15 +7,11 @@
 # Results land in OUT (default: $OUT on the device machine, else ./out). Usage, from the repository root:
 #   bench/recipes/h200_headline.sh            # PROMPTS=8 REPEATS=3 MAX_TOKENS=96 by default
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-PROMPTS=${PROMPTS:-8}; REPEATS=${REPEATS:-3}; MAX_TOKENS=${MAX_TOKENS:-96}
-export PYTHONUNBUFFERED=1
-. "$(dirname "$0")/from_tree.sh"
-H=(python3 -m hyspec_jax.cli)
+. "$(dirname "$0")/lib.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader || true
 "${H[@]}" bench e2e --json "$OUT/e2e_h200_headline.json" --drafter checkpoints/default/drafter --batch 1 \
   --prompts-per-domain "$PROMPTS" --repeats "$REPEATS" --max-tokens "$MAX_TOKENS" \
-  --tree-depth 7 --tree-topk 8 --tree-beam 16 --verify-nodes 32 --kernels auto 2>&1 | tail -n 25
+  "${WIDE_TREE[@]}" --kernels auto 2>&1 | tail -n 25
 "${H[@]}" bench round-profile --json "$OUT/round_profile_h200_headline.json" --max-tokens "$MAX_TOKENS" \
-  --tree-depth 7 --tree-topk 8 --tree-beam 16 --verify-nodes 32 2>&1 | tail -n 20
+  "${WIDE_TREE[@]}" 2>&1 | tail -n 20
 python3 bench/recipes/decode_branch_cost.py "$OUT/decode_branch_cost_h200.json" 2>&1 | tail -n 2

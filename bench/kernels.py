@@ -8,6 +8,8 @@ For the Qwen3.8-27B GDN geometry (HK 16, HV 48, dk = dv = 128; bf16 q/k/v, fp32 
   pallas_{neumann,squaring}_bv{16..128}[_nwW]  our value-tiled closed-form kernel (tf32 tensor cores)
   pallas_inverse_bv*                       the same with (I+L)⁻¹ and C(I+L)⁻¹ built before the state tile
   pallas_split_bv*                         those node-wise operators in a first launch, the value tiles in a second
+  pallas_split_bv*_{sep,grp,grpf}[_par][_s2]  its value-pass forms: q/k not concatenated, a program per key head
+                                           (its r value heads unrolled / in a device loop), C M beside M, 2 stages
   pallas_*_tf32x3                          the same with 3-pass tf32 (≈ fp32 accuracy)
   null_overhead                            a trivial op on the same inputs: the harness per-call cost
   serial_pallas_bv{32,64}                  SGLang-style per-node serial kernel (parent state from HBM)
@@ -230,6 +232,19 @@ def bench_tree(B: int, N: int, args, bw: float, log) -> dict:
                     lambda *s, bv=bv, nw=nw, ow=ow: tree_solve_pallas(
                         *s, mask, max_depth=depth, method="split", block_v=bv, precision="tf32", num_warps=nw,
                         operator_warps=ow, interpret=interpret), "solve")
+    forms = {"sep": "separate", "grp": "group", "grpf": "group_fori"}
+    for bv in [32, 64, 128]:            # the split form's value-pass forms and its C M readout (gdn_tree_solve)
+        for tag, form in [("", "stacked"), *forms.items()]:
+            for readout in ["chain", "parallel"]:
+                for stages in [1, 2]:
+                    name = (f"pallas_split_bv{bv}" + (f"_{tag}" if tag else "") + ("_par" if readout == "parallel" else "")
+                            + (f"_s{stages}" if stages > 1 else ""))
+                    if name in variants:
+                        continue
+                    variants[name] = (
+                        lambda *s, bv=bv, form=form, ro=readout, ns=stages: tree_solve_pallas(
+                            *s, mask, max_depth=depth, method="split", block_v=bv, precision="tf32", apply_form=form,
+                            readout=ro, num_stages=ns, interpret=interpret), "solve")
     variants["pallas_neumann_bv64_tf32x3"] = (
         lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="neumann", block_v=64,
                                      precision="tf32x3", interpret=interpret), "solve")

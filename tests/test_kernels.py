@@ -90,6 +90,29 @@ def test_tree_solve_interpret(case, method):
     assert rel(vc, fac.corrected) < 1e-5
 
 
+@pytest.mark.parametrize("apply_form,readout", [("separate", "chain"), ("group", "parallel"), ("group_fori", "chain"),
+                                                 ("stacked", "parallel")])
+def test_split_forms_interpret(apply_form, readout):
+    """The split form's value-pass forms (per value head / per key head, unrolled or a device loop) and its
+    parallel C M readout equal the reference; GVA with three value heads per key head, two value tiles."""
+    B, N, HK, HV, dk, dv, depth, bv = 2, 32, 2, 6, 16, 32, 6, 16
+    par, mask, (S0, q, k, v, g, beta) = make_inputs(17, B, N, HK, HV, dk, dv, depth)
+    o_ref, fac = reference(S0, q, k, v, g, beta, mask)
+    o, gamma, vc = tree_solve_pallas(S0, q, k, v, g, beta, mask, max_depth=depth, method="split", block_v=bv,
+                                     apply_form=apply_form, readout=readout, interpret=True)
+    assert rel(o, o_ref) < 1e-5
+    assert rel(gamma, fac.log_decay) < 1e-6
+    assert rel(vc, fac.corrected) < 1e-5
+
+
+def test_split_forms_reject_unknown_names():
+    par, mask, args = make_inputs(3, 1, 16, 1, 2, 16, 16, 4)
+    with pytest.raises(ValueError, match="apply_form"):
+        tree_solve_pallas(*args, mask, max_depth=4, method="split", block_v=16, apply_form="bogus", interpret=True)
+    with pytest.raises(ValueError, match="readout"):
+        tree_solve_pallas(*args, mask, max_depth=4, method="split", block_v=16, readout="bogus", interpret=True)
+
+
 def test_tree_solve_interpret_forest_and_bf16():
     par, mask, args = make_inputs(7, 2, 16, 2, 4, 32, 32, 4, dtype=jnp.bfloat16, single_root=False)
     o_ref, fac = reference(*args, mask)

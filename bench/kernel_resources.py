@@ -92,7 +92,7 @@ def match_kernels(launches: list[dict]) -> dict[str, dict]:
 
 JOBS = ("neumann", "squaring", "neumann_bv32", "squaring_bv32", "neumann_bv128", "squaring_bv128",
         "inverse", "inverse_bv32", "inverse_bv128", "split", "split_bv32", "split_bv128",
-        "split_sep", "split_grp", "split_grpf", "split_par", "squaring_deferred", "commit", "append", "append_l4", "serial", "attention")
+        "squaring_deferred", "commit", "append", "append_l4", "serial", "attention")
 # --detail: a second ncu pass per job with these sections (hardware counters: stall reasons, occupancy, memory)
 DETAIL_SECTIONS = ("SpeedOfLight", "Occupancy", "WarpStateStats", "MemoryWorkloadAnalysis", "LaunchStats")
 
@@ -124,10 +124,6 @@ def _compile_job(B: int, N: int, only: str) -> None:
            for m in ("neumann", "squaring", "inverse", "split") for bv in (32, 128)},
         "inverse": (lambda *a: tree_solve_pallas(*a, max_depth=depth, method="inverse"), tree),
         "split": (lambda *a: tree_solve_pallas(*a, max_depth=depth, method="split"), tree),
-        # the split form's value-pass forms and C M readout (gdn_tree_solve._tree_solve_split)
-        **{f"split_{tag}": (lambda *a, kw=kw: tree_solve_pallas(*a, max_depth=depth, method="split", **kw), tree)
-           for tag, kw in (("sep", dict(apply_form="separate")), ("grp", dict(apply_form="group")),
-                           ("grpf", dict(apply_form="group_fori")), ("par", dict(readout="parallel")))},
         "squaring_deferred": (lambda *a: tree_solve_pallas(*a[:7], a[7:], max_depth=depth, method="squaring",
                                                             write_state=True), tree + deferred),
         "commit": (lambda *a: path_commit_pallas(*a), (sd((LG, B, HV, DK, DV), f32), sd((LG, B, HV, N), f32),

@@ -8,8 +8,6 @@ For the Qwen3.8-27B GDN geometry (HK 16, HV 48, dk = dv = 128; bf16 q/k/v, fp32 
   pallas_{neumann,squaring}_bv{16..128}[_nwW]  our value-tiled closed-form kernel (tf32 tensor cores)
   pallas_inverse_bv*                       the same with (I+L)⁻¹ and C(I+L)⁻¹ built before the state tile
   pallas_split_bv*                         those node-wise operators in a first launch, the value tiles in a second
-  pallas_split_bv*_{sep,grp,grpf}[_par][_s2]  its value-pass forms: q/k not concatenated, a program per key head
-                                           (its r value heads unrolled / in a device loop), C M beside M, 2 stages
   pallas_*_tf32x3                          the same with 3-pass tf32 (≈ fp32 accuracy)
   null_overhead                            a trivial op on the same inputs: the harness per-call cost
   serial_pallas_bv{32,64}                  SGLang-style per-node serial kernel (parent state from HBM)
@@ -202,8 +200,10 @@ def solve_bytes(B, N) -> int:
             + B * N * N * 4 + 2 * B * N * HV * DV * 4 + B * HV * N * 4)
 
 
-def bench_tree(B: int, N: int, args, bw: float, log) -> dict:
-    depth = DEPTH_FOR_N[N]
+def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -> dict:
+    """One tree-solve configuration: B random trees of N nodes, depth (nodes on the longest path) DEPTH_FOR_N[N]
+    unless given; depth = N is a chain."""
+    depth = DEPTH_FOR_N[N] if depth is None else min(int(depth), N)
     parents_np = trees.random_parents(1000 * B + N, B, N, depth)
     parents = jnp.asarray(parents_np)
     mask = trees.mask_from_parents(parents)
@@ -232,19 +232,6 @@ def bench_tree(B: int, N: int, args, bw: float, log) -> dict:
                     lambda *s, bv=bv, nw=nw, ow=ow: tree_solve_pallas(
                         *s, mask, max_depth=depth, method="split", block_v=bv, precision="tf32", num_warps=nw,
                         operator_warps=ow, interpret=interpret), "solve")
-    forms = {"sep": "separate", "grp": "group", "grpf": "group_fori"}
-    for bv in [32, 64, 128]:            # the split form's value-pass forms and its C M readout (gdn_tree_solve)
-        for tag, form in [("", "stacked"), *forms.items()]:
-            for readout in ["chain", "parallel"]:
-                for stages in [1, 2]:
-                    name = (f"pallas_split_bv{bv}" + (f"_{tag}" if tag else "") + ("_par" if readout == "parallel" else "")
-                            + (f"_s{stages}" if stages > 1 else ""))
-                    if name in variants:
-                        continue
-                    variants[name] = (
-                        lambda *s, bv=bv, form=form, ro=readout, ns=stages: tree_solve_pallas(
-                            *s, mask, max_depth=depth, method="split", block_v=bv, precision="tf32", apply_form=form,
-                            readout=ro, num_stages=ns, interpret=interpret), "solve")
     variants["pallas_neumann_bv64_tf32x3"] = (
         lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="neumann", block_v=64,
                                      precision="tf32x3", interpret=interpret), "solve")
@@ -481,6 +468,20 @@ ATTN_TILINGS = ((64, 64, 4, 2), (128, 64, 4, 2), (64, 128, 4, 2), (64, 64, 8, 2)
                 (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 8, 3))
 
 
+def parse_configs(text: str) -> list[tuple[int, int, int | None]]:
+    """'B:N[:D],..' -> [(batch, nodes, depth or None)]; depth counts nodes on the longest path (D = N: a chain)."""
+    out = []
+    for item in text.split(","):
+        try:
+            parts = [int(x) for x in item.split(":")]
+        except ValueError:
+            parts = []
+        if not 2 <= len(parts) <= 3 or min(parts) < 1 or parts[1] not in DEPTH_FOR_N:
+            raise argparse.ArgumentTypeError(f"config {item!r}: expected B:N[:D] with N in {sorted(DEPTH_FOR_N)}")
+        out.append((parts[0], parts[1], parts[2] if len(parts) == 3 else None))
+    return out
+
+
 def parse_tilings(text: str) -> tuple[tuple[int, int, int, int], ...]:
     """'R:S[:W[:G]],..' -> ((rows, keys, warps, stages), ..): warps default 4, stages 2."""
     out = []
@@ -645,7 +646,7 @@ def _tree_row(r: dict) -> dict | None:
 
 
 def merge(paths: list[str]) -> dict:
-    """Several result files as one: later files win per (B, N) variant and per commit (B, N) variant."""
+    """Several result files as one: later files win per variant of each (B, N, depth) tree entry and each commit entry."""
     out: dict = {}
     tree: dict = {}
     commit: dict = {}
@@ -658,7 +659,7 @@ def merge(paths: list[str]) -> dict:
         out.update({k: v for k, v in r.items() if k not in dict(sections)})
         for key, dest in sections:
             for e in r.get(key, []):
-                cur = dest.setdefault((e["B"], e["N"], e.get("S")), {**e, "variants": {}})
+                cur = dest.setdefault((e["B"], e["N"], e.get("S"), e.get("depth")), {**e, "variants": {}})
                 cur["variants"].update(e["variants"])
                 cur.get("per_round_layer_us", {}).update(e.get("per_round_layer_us", {}))
     for key, dest in sections:
@@ -790,7 +791,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit-nodes", type=int, default=64)
     ap.add_argument("--no-commit", action="store_true")
     ap.add_argument("--variants", default=DEFAULT_VARIANTS, help="regex (fullmatch) over variant names")
-    ap.add_argument("--configs", default=None, help="B:N pairs, e.g. 1:64,32:64 (overrides the grid)")
+    ap.add_argument("--configs", type=parse_configs, default=None, metavar="B:N[:D],..",
+                    help="tree-solve configurations, e.g. 1:64,32:64 (depth: DEPTH_FOR_N), 8:16:16 (a 16-node "
+                         "chain); overrides the grid")
     ap.add_argument("--commit-batches", default=None, help="default: --batches")
     ap.add_argument("--attention", default=None, metavar="B:N:S,..",
                     help="also time the verify's tree attention (Qwen3.8-27B full-attention geometry) at these "
@@ -856,17 +859,17 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(results, f, indent=1)
 
     if args.configs:
-        configs = [tuple(map(int, c.split(":"))) for c in args.configs.split(",")]
+        configs = args.configs
     else:
-        configs = [(B, N) for B in map(int, args.batches.split(",")) for N in map(int, args.nodes.split(","))]
+        configs = [(B, N, None) for B in map(int, args.batches.split(",")) for N in map(int, args.nodes.split(","))]
     def out_of_time() -> bool:
         return args.max_seconds is not None and time.perf_counter() - t_start > args.max_seconds
 
-    for B, N in ([] if args.no_tree else configs):
+    for B, N, D in ([] if args.no_tree else configs):
         if out_of_time():
-            results["skipped"].append(f"tree {B}:{N}")
+            results["skipped"].append(f"tree {B}:{N}" + (f":{D}" if D else ""))
             continue
-        results["tree"].append(bench_tree(B, N, args, bw, log))
+        results["tree"].append(bench_tree(B, N, args, bw, log, depth=D))
         save()
     if not args.no_commit:
         for B in map(int, (args.commit_batches or args.batches).split(",")):

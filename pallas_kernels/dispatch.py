@@ -158,18 +158,19 @@ def _block_v(dv: int, block_v: int | None) -> int:
     return block_v if block_v is not None else min(64, dv)
 
 
-# "auto" kernel form, from the H200 device times of each form (bench/results/kernels_h200_final.md, profiler trace,
-# 27B geometry): below 64 nodes the one-launch inverse form wins (N 16: 18.1 vs 22.7 µs split at B 8; B 1, N 64:
-# 17.7 vs 18.9); from 64 nodes and 384 request-heads the split form does (B 8, N 64: 59.2 vs 61.4), and at 128
-# nodes by far, with whole-width value tiles (B 8: 401 µs split bv 128, 893 inverse, 710 squaring).
-SPLIT_MIN_NODES, SPLIT_MIN_HEADS, SPLIT_ALWAYS_NODES = 64, 384, 128
+# "auto" kernel form, from the H200 device times of each form (27B geometry, profiler trace): below 64 nodes the
+# one-launch inverse form wins (B 8, N 16: 18.0 vs 20.3 µs split); from 64 nodes the split form does, at every
+# batch measured (B 1: 16.7 vs 17.4; B 8: 51.3 vs 60.9; B 32: 196 vs 220 — bench/results/kernels_split_forms_h200.md),
+# and at 128 nodes by far, with whole-width value tiles (B 8: 401 µs split bv 128, 893 inverse, 710 squaring —
+# bench/results/kernels_h200_final.md).
+SPLIT_MIN_NODES, SPLIT_ALWAYS_NODES = 64, 128
 
 
-def auto_method(batch: int, value_heads: int, nodes: int, dv: int) -> tuple[str, int]:
-    """(form, block_v) that `method="auto"` picks for `batch` trees of `nodes` (padded) nodes."""
+def auto_method(nodes: int, dv: int) -> tuple[str, int]:
+    """(form, block_v) that `method="auto"` picks for trees of `nodes` (padded) nodes and value heads of width dv."""
     if nodes >= SPLIT_ALWAYS_NODES:
         return "split", min(128, dv)
-    if nodes >= SPLIT_MIN_NODES and batch * value_heads >= SPLIT_MIN_HEADS:
+    if nodes >= SPLIT_MIN_NODES:
         return "split", min(64, dv)
     return "inverse", min(64, dv)
 
@@ -193,7 +194,7 @@ def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl
         return _reference(S0, q, k, v, g, beta, mask, max_depth, reference_method)
     if method == "auto":
         n_pad = _padded_n(N)
-        method, auto_bv = auto_method(q.shape[0], v.shape[2], n_pad or N, v.shape[-1])
+        method, auto_bv = auto_method(n_pad or N, v.shape[-1])
         block_v = auto_bv if block_v is None else block_v
     block_v = _block_v(v.shape[-1], block_v)
     ok, why = tree_solve_supported(S0, q, k, v, g, beta, mask, block_v, precision)

@@ -176,82 +176,43 @@ def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: boo
     gamma_ref[...] = gamma                              # every value tile writes the same Γ
 
 
-def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, mc_ref, *, rounds: int, precision,
-                          readout: str):
-    """Split form, pass 1 (one program per request and value head): Γ and [M; C M] (M = (I+L)⁻¹) to HBM.
-    readout "chain": C M after M (one product more on the critical path). "parallel": the squaring factors are
-    polynomials in L, so they commute with M, and C M = C (I−L)(I+L²)… is built factor by factor beside M,
-    (C M) ← (C M) + (C M) L^{2^j}: one dependent product shorter, two products more."""
+def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, mc_ref, *, rounds: int, precision):
+    """Split form, pass 1 (one program per request and value head): Γ and [M; C M] (M = (I+L)⁻¹) to HBM."""
     n = mask_ref.shape[0]
     gamma, _, L, C = _node_operators(mask_ref, g_ref, beta_ref, q_ref[...], k_ref[...], precision)
-    if readout == "parallel" and rounds > 0:
-        eye = (lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1)).astype(F32)
-        M, CM, P = eye - L, C - _dot(C, L, precision), L
-        for _ in range(num_squarings(rounds) - 1):
-            P = _dot(P, P, precision)
-            M, CM = M + _dot(P, M, precision), CM + _dot(CM, P, precision)
-    else:
-        M = _inverse(L, rounds, precision)
-        CM = _dot(C, M, precision)
+    M = _inverse(L, rounds, precision)
     gamma_ref[...] = gamma
     mc_ref[pl.ds(0, n), :] = M
-    mc_ref[pl.ds(n, n), :] = CM
+    mc_ref[pl.ds(n, n), :] = _dot(C, M, precision)
 
 
-def _apply_one_head(j, gamma_ref, beta_ref, mc_ref, k, q, kq, v_ref, s0_ref, o_ref, vc_ref, precision):
-    """Value tile of head j of the program's group: [K; Q] S0, R = β(v − e^Γ K S0), [M; C M] R."""
-    n = gamma_ref.shape[-1]
-    s0 = s0_ref[j]                                                                     # [dk, bv] f32
-    if kq is not None:                                                                 # one product of 2N rows
-        ks, qs = lax.split(_dot(kq, s0, precision), (n, n), axis=0)
-    else:
-        ks, qs = _dot(k, s0, precision), _dot(q, s0, precision)
-    eg = jnp.exp(gamma_ref[j])
-    R = beta_ref[:, j][:, None] * (v_ref[:, j, :].astype(F32) - eg[:, None] * ks)
-    U, CU = lax.split(_dot(mc_ref[j], R, precision), (n, n), axis=0)
-    vc_ref[j] = U
-    o_ref[:, j, :] = (eg[:, None] * qs + CU).astype(o_ref.dtype)
+def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref, o_ref, vc_ref, *, precision):
+    """Split form, pass 2 (one program per request, value head and value tile): K S0 and Q S0 from the key
+    head's own q/k, R = β(v − e^Γ K S0), then one product of 2N rows, [M; C M] R.
 
-
-def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref, o_ref, vc_ref, *, precision,
-                       heads: int, stacked_kq: bool, loop: str):
-    """Split form, pass 2 (one program per request, group of `heads` value heads of one key head, value tile):
-    per head two products with 2N rows — [K; Q] S0, then [M; C M] R — so a tile's tensor-core work is two MMAs
-    deep. A group of the r value heads that share a key head loads q/k once; loop "fori" runs the heads as a
-    device loop (Triton can prefetch the next head's tiles with num_stages > 1), "unrolled" as straight code."""
-    if stacked_kq:                                     # k_ref holds [k; q] (2N rows), q_ref is unused
-        kq, k, q = k_ref[...], None, None
-    else:
-        kq, k, q = None, k_ref[...], q_ref[...]
-    body = functools.partial(_apply_one_head, gamma_ref=gamma_ref, beta_ref=beta_ref, mc_ref=mc_ref, k=k, q=q,
-                             kq=kq, v_ref=v_ref, s0_ref=s0_ref, o_ref=o_ref, vc_ref=vc_ref, precision=precision)
-    if loop == "fori" and heads > 1:
-        lax.fori_loop(0, heads, lambda j, c: (body(j), c)[1], 0)
-    else:
-        for j in range(heads):
-            body(j)
-
-
-APPLY_FORMS = ("stacked", "separate", "group", "group_fori")
-READOUTS = ("chain", "parallel")
+    Measured on the H200 (bench/results/kernels_split_forms_h200.md, B 8, N 64): this beats a [k; q]
+    concatenated first for one 2N-row product (51.3 vs 58.8 µs: the concatenation was a 3.4 µs launch and its
+    copy), a program per key head over its r value heads (unrolled 57.7, a device loop 50.9 but slower at
+    B 1 and N 16), and two pipeline stages (61.8)."""
+    n = gamma_ref.shape[0]
+    s0 = s0_ref[...]                                                                   # [dk, bv] f32
+    ks, qs = _dot(k_ref[...], s0, precision), _dot(q_ref[...], s0, precision)
+    eg = jnp.exp(gamma_ref[...])
+    R = beta_ref[...][:, None] * (v_ref[...].astype(F32) - eg[:, None] * ks)
+    U, CU = lax.split(_dot(mc_ref[...], R, precision), (n, n), axis=0)
+    vc_ref[...] = U
+    o_ref[...] = (eg[:, None] * qs + CU).astype(o_ref.dtype)
 
 
 def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision, out_dtype, num_warps, num_stages,
-                      operator_warps, apply_form, readout, interpret):
+                      operator_warps, interpret):
     """Two launches: the node-wise operators once per (request, value head) — Γ and [M; C M], 2·N² fp32 words
-    per head through HBM — then the value tiles, which hold no N × N chain: two products of 2N rows each.
-    apply_form: "stacked" — one program per value head and tile, [k; q] concatenated first (one 2N-row product);
-    "separate" — the same without the concatenation (two N-row products from the key head's q and k);
-    "group" / "group_fori" — one program per key head and tile, looping over its r value heads (q/k loaded once)."""
+    per head through HBM — then the value tiles, which hold no N × N chain: three products, K S0, Q S0, [M; C M] R."""
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
     r = HV // HK
-    if apply_form not in APPLY_FORMS:
-        raise ValueError(f"unknown apply_form {apply_form!r} (one of {APPLY_FORMS})")
-    if readout not in READOUTS:
-        raise ValueError(f"unknown readout {readout!r} (one of {READOUTS})")
     gamma, MC = pl.pallas_call(
-        functools.partial(_tree_operator_kernel, rounds=rounds, precision=precision, readout=readout),
+        functools.partial(_tree_operator_kernel, rounds=rounds, precision=precision),
         out_shape=[jax.ShapeDtypeStruct((B, HV, N), F32), jax.ShapeDtypeStruct((B, HV, 2 * N, N), F32)],
         grid=(B, HV),
         in_specs=[
@@ -266,33 +227,24 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
         compiler_params=pltriton.CompilerParams(num_warps=operator_warps, num_stages=1),
         interpret=interpret, name="gdn_tree_operators",
     )(mask.astype(F32), g.astype(F32), beta.astype(F32), q, k)
-    heads = r if apply_form.startswith("group") else 1
-    kq_rows = 2 * N if apply_form == "stacked" else N
-    if heads == 1:       # grid axis 1 = value head h; its key head h // r
-        kv_map = lambda b, h, t: (b, 0, h // r, 0)                                      # noqa: E731
-    else:                # grid axis 1 = key head; its value heads are the block of r starting at r·h
-        kv_map = lambda b, h, t: (b, 0, h, 0)                                           # noqa: E731
-    kq_spec = pl.BlockSpec((None, kq_rows, None, dk), kv_map)
-    operands_kq = (jnp.concatenate([k, q], axis=1), q) if apply_form == "stacked" else (k, q)
     o, vc = pl.pallas_call(
-        functools.partial(_tree_apply_kernel, precision=precision, heads=heads, stacked_kq=apply_form == "stacked",
-                          loop="fori" if apply_form == "group_fori" else "unrolled"),
+        functools.partial(_tree_apply_kernel, precision=precision),
         out_shape=[jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype), jax.ShapeDtypeStruct((B, HV, N, dv), F32)],
-        grid=(B, HV // heads, dv // block_v),
+        grid=(B, HV, dv // block_v),
         in_specs=[
-            pl.BlockSpec((None, heads, N), lambda b, h, t: (b, h, 0)),                   # Γ
-            pl.BlockSpec((None, N, heads), lambda b, h, t: (b, 0, h)),                   # beta
-            pl.BlockSpec((None, heads, 2 * N, N), lambda b, h, t: (b, h, 0, 0)),         # [M; C M]
-            kq_spec,                                                                     # k (or [k; q])
-            pl.BlockSpec((None, N, None, dk), kv_map),                                   # q
-            pl.BlockSpec((None, N, heads, block_v), lambda b, h, t: (b, 0, h, t)),       # v
-            pl.BlockSpec((None, heads, dk, block_v), lambda b, h, t: (b, h, 0, t)),      # S0
+            pl.BlockSpec((None, None, N), lambda b, h, t: (b, h, 0)),                   # Γ
+            pl.BlockSpec((None, N, None), lambda b, h, t: (b, 0, h)),                   # beta
+            pl.BlockSpec((None, None, 2 * N, N), lambda b, h, t: (b, h, 0, 0)),         # [M; C M]
+            pl.BlockSpec((None, N, None, dk), lambda b, h, t: (b, 0, h // r, 0)),       # k (key head)
+            pl.BlockSpec((None, N, None, dk), lambda b, h, t: (b, 0, h // r, 0)),       # q (key head)
+            pl.BlockSpec((None, N, None, block_v), lambda b, h, t: (b, 0, h, t)),       # v
+            pl.BlockSpec((None, None, dk, block_v), lambda b, h, t: (b, h, 0, t)),      # S0
         ],
-        out_specs=[pl.BlockSpec((None, N, heads, block_v), lambda b, h, t: (b, 0, h, t)),
-                   pl.BlockSpec((None, heads, N, block_v), lambda b, h, t: (b, h, 0, t))],
+        out_specs=[pl.BlockSpec((None, N, None, block_v), lambda b, h, t: (b, 0, h, t)),
+                   pl.BlockSpec((None, None, N, block_v), lambda b, h, t: (b, h, 0, t))],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="gdn_tree_apply",
-    )(gamma, beta.astype(F32), MC, *operands_kq, v, S0.astype(F32))
+    )(gamma, beta.astype(F32), MC, k, q, v, S0.astype(F32))
     return o, gamma, vc
 
 
@@ -309,13 +261,12 @@ def supported(N: int, dk: int, dv: int, block_v: int, precision: Precision = "tf
 
 
 @functools.partial(jax.jit, static_argnames=("max_depth", "method", "block_v", "precision", "out_dtype",
-                                             "num_warps", "num_stages", "operator_warps", "apply_form",
-                                             "readout", "write_state", "interpret"))
+                                             "num_warps", "num_stages", "operator_warps", "write_state",
+                                             "interpret"))
 def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: int, method: Method = "neumann",
                       block_v: int = 64, precision: Precision = "tf32", out_dtype=F32,
                       num_warps: int | None = None, num_stages: int = 1, operator_warps: int = 4,
-                      apply_form: str = "stacked", readout: str = "chain", write_state: bool = False,
-                      interpret: bool = False):
+                      write_state: bool = False, interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]
     (the dispatcher pads with identity nodes). Returns (o [B,N,HV,dv], Γ [B,HV,N], V' [B,HV,N,dv]).
@@ -324,8 +275,7 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     layout: c [B,HV], c_i [B,HV,P], keys [B,P,HK,dk] (key heads), values [B,HV,P,dv], count [B]; P a power
     of two ≥ 16), merged on chip after the S0 tile is loaded. write_state: also return the merged state
     (fourth output, written over S0 — donate S0 to make it in place); the caller then empties the updates.
-    num_warps / num_stages: the value-tile programs'; operator_warps: the split form's operator pass;
-    apply_form / readout: the split form's value pass and C M product (`_tree_solve_split`, `_tree_operator_kernel`).
+    num_warps / num_stages: the value-tile programs'; operator_warps: the split form's operator pass.
     """
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
@@ -346,7 +296,7 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
         return _tree_solve_split(S0, q, k, v, g, beta, mask, rounds=num_rounds(max_depth, N), block_v=block_v,
                                  precision=_f32_precision(precision, interpret), out_dtype=out_dtype,
                                  num_warps=num_warps, num_stages=num_stages, operator_warps=operator_warps,
-                                 apply_form=apply_form, readout=readout, interpret=interpret)
+                                 interpret=interpret)
     kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(max_depth, N), method=method,
                              precision=_f32_precision(precision, interpret), deferred=deferred is not None,
                              write_state=write_state)

@@ -90,27 +90,17 @@ def test_tree_solve_interpret(case, method):
     assert rel(vc, fac.corrected) < 1e-5
 
 
-@pytest.mark.parametrize("apply_form,readout", [("separate", "chain"), ("group", "parallel"), ("group_fori", "chain"),
-                                                 ("stacked", "parallel")])
-def test_split_forms_interpret(apply_form, readout):
-    """The split form's value-pass forms (per value head / per key head, unrolled or a device loop) and its
-    parallel C M readout equal the reference; GVA with three value heads per key head, two value tiles."""
+def test_split_interpret_three_value_heads_per_key_head():
+    """The split form with GVA r = 3 (the 27B geometry's ratio) and two value tiles per head: each value tile
+    reads its key head's q and k, its own head's [M; C M]."""
     B, N, HK, HV, dk, dv, depth, bv = 2, 32, 2, 6, 16, 32, 6, 16
     par, mask, (S0, q, k, v, g, beta) = make_inputs(17, B, N, HK, HV, dk, dv, depth)
     o_ref, fac = reference(S0, q, k, v, g, beta, mask)
     o, gamma, vc = tree_solve_pallas(S0, q, k, v, g, beta, mask, max_depth=depth, method="split", block_v=bv,
-                                     apply_form=apply_form, readout=readout, interpret=True)
+                                     interpret=True)
     assert rel(o, o_ref) < 1e-5
     assert rel(gamma, fac.log_decay) < 1e-6
     assert rel(vc, fac.corrected) < 1e-5
-
-
-def test_split_forms_reject_unknown_names():
-    par, mask, args = make_inputs(3, 1, 16, 1, 2, 16, 16, 4)
-    with pytest.raises(ValueError, match="apply_form"):
-        tree_solve_pallas(*args, mask, max_depth=4, method="split", block_v=16, apply_form="bogus", interpret=True)
-    with pytest.raises(ValueError, match="readout"):
-        tree_solve_pallas(*args, mask, max_depth=4, method="split", block_v=16, readout="bogus", interpret=True)
 
 
 def test_tree_solve_interpret_forest_and_bf16():
@@ -212,13 +202,13 @@ def test_dispatch_pads_odd_node_count():
 
 
 def test_auto_method_rule_and_split_through_dispatch():
-    """The measured rule: one launch below 64 nodes, split from 64 nodes at 384 request-heads, split with whole
-    128-wide value tiles from 128 nodes; and a split solve picked by "auto" through the dispatcher (padded)."""
-    assert dispatch.auto_method(1, 8, 32, 64) == ("inverse", 64)          # the embedded model at batch 1
-    assert dispatch.auto_method(1, 48, 64, 128) == ("inverse", 64)
-    assert dispatch.auto_method(8, 48, 64, 128) == ("split", 64)
-    assert dispatch.auto_method(1, 48, 128, 128) == ("split", 128)
-    assert dispatch.auto_method(1, 2, 128, 32) == ("split", 32)
+    """The measured rule: one launch below 64 nodes, split from 64 nodes, split with whole 128-wide value tiles
+    from 128 nodes; and a split solve picked by "auto" through the dispatcher (padded)."""
+    assert dispatch.auto_method(32, 64) == ("inverse", 64)          # the embedded model's default tree
+    assert dispatch.auto_method(16, 128) == ("inverse", 64)
+    assert dispatch.auto_method(64, 128) == ("split", 64)
+    assert dispatch.auto_method(128, 128) == ("split", 128)
+    assert dispatch.auto_method(128, 32) == ("split", 32)
     par, mask, args = make_inputs(44, 2, 100, 2, 4, 16, 32, 6)            # padded to 128 nodes: split, bv 32
     # one-pass tf32 (what bf16 inputs get; interpret mode computes in fp32 anyway): fp32-accurate products at
     # 128 nodes do not fit the H200's shared memory and are refused (next test)

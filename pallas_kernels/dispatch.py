@@ -162,7 +162,7 @@ def _block_v(dv: int, block_v: int | None) -> int:
 # one-launch inverse form wins (B 8, N 16: 18.0 vs 20.3 µs split); from 64 nodes the split form does, at every
 # batch measured (B 1: 16.7 vs 17.4; B 8: 51.3 vs 60.9; B 32: 196 vs 220 — bench/results/kernels_split_forms_h200.md),
 # and at 128 nodes by far, with whole-width value tiles (B 8: 401 µs split bv 128, 893 inverse, 710 squaring —
-# bench/results/kernels_h200_final.md).
+# bench/results/kernels_h200_final.md; 346 µs with the current value pass, kernels_h200_split_final.md).
 SPLIT_MIN_NODES, SPLIT_ALWAYS_NODES = 64, 128
 
 

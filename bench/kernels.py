@@ -232,10 +232,6 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
                     lambda *s, bv=bv, nw=nw, ow=ow: tree_solve_pallas(
                         *s, mask, max_depth=depth, method="split", block_v=bv, precision="tf32", num_warps=nw,
                         operator_warps=ow, interpret=interpret), "solve")
-    for bv in [64, 128]:                # the split form's value pass loading its state tile twice (fewer registers)
-        variants[f"pallas_split_bv{bv}_reload"] = (
-            lambda *s, bv=bv: tree_solve_pallas(*s, mask, max_depth=depth, method="split", block_v=bv, precision="tf32",
-                                                reload_state=True, interpret=interpret), "solve")
     variants["pallas_neumann_bv64_tf32x3"] = (
         lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="neumann", block_v=64,
                                      precision="tf32x3", interpret=interpret), "solve")

@@ -186,8 +186,7 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, mc
     mc_ref[pl.ds(n, n), :] = _dot(C, M, precision)
 
 
-def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref, o_ref, vc_ref, *, precision,
-                       reload_state: bool):
+def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref, o_ref, vc_ref, *, precision):
     """Split form, pass 2 (one program per request, value head and value tile): K S0 and Q S0 from the key
     head's own q/k, R = β(v − e^Γ K S0), then one product of 2N rows, [M; C M] R.
 
@@ -197,20 +196,16 @@ def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref,
     B 1 and N 16), and two pipeline stages (61.8)."""
     n = gamma_ref.shape[0]
     s0 = s0_ref[...]                                                                   # [dk, bv] f32
-    ks = _dot(k_ref[...], s0, precision)
-    if not reload_state:
-        qs = _dot(q_ref[...], s0, precision)
+    ks, qs = _dot(k_ref[...], s0, precision), _dot(q_ref[...], s0, precision)
     eg = jnp.exp(gamma_ref[...])
     R = beta_ref[...][:, None] * (v_ref[...].astype(F32) - eg[:, None] * ks)
     U, CU = lax.split(_dot(mc_ref[...], R, precision), (n, n), axis=0)
     vc_ref[...] = U
-    if reload_state:     # the tile again (L1/L2): it is not live across the [M; C M] product
-        qs = _dot(q_ref[...], s0_ref[...], precision)
     o_ref[...] = (eg[:, None] * qs + CU).astype(o_ref.dtype)
 
 
 def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision, out_dtype, num_warps, num_stages,
-                      operator_warps, reload_state, interpret):
+                      operator_warps, interpret):
     """Two launches: the node-wise operators once per (request, value head) — Γ and [M; C M], 2·N² fp32 words
     per head through HBM — then the value tiles, which hold no N × N chain: three products, K S0, Q S0, [M; C M] R."""
     B, N, HK, dk = q.shape
@@ -233,7 +228,7 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
         interpret=interpret, name="gdn_tree_operators",
     )(mask.astype(F32), g.astype(F32), beta.astype(F32), q, k)
     o, vc = pl.pallas_call(
-        functools.partial(_tree_apply_kernel, precision=precision, reload_state=reload_state),
+        functools.partial(_tree_apply_kernel, precision=precision),
         out_shape=[jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype), jax.ShapeDtypeStruct((B, HV, N, dv), F32)],
         grid=(B, HV, dv // block_v),
         in_specs=[
@@ -266,12 +261,12 @@ def supported(N: int, dk: int, dv: int, block_v: int, precision: Precision = "tf
 
 
 @functools.partial(jax.jit, static_argnames=("max_depth", "method", "block_v", "precision", "out_dtype",
-                                             "num_warps", "num_stages", "operator_warps", "reload_state",
-                                             "write_state", "interpret"))
+                                             "num_warps", "num_stages", "operator_warps", "write_state",
+                                             "interpret"))
 def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: int, method: Method = "neumann",
                       block_v: int = 64, precision: Precision = "tf32", out_dtype=F32,
                       num_warps: int | None = None, num_stages: int = 1, operator_warps: int = 4,
-                      reload_state: bool = False, write_state: bool = False, interpret: bool = False):
+                      write_state: bool = False, interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]
     (the dispatcher pads with identity nodes). Returns (o [B,N,HV,dv], Γ [B,HV,N], V' [B,HV,N,dv]).
@@ -301,7 +296,7 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
         return _tree_solve_split(S0, q, k, v, g, beta, mask, rounds=num_rounds(max_depth, N), block_v=block_v,
                                  precision=_f32_precision(precision, interpret), out_dtype=out_dtype,
                                  num_warps=num_warps, num_stages=num_stages, operator_warps=operator_warps,
-                                 reload_state=reload_state, interpret=interpret)
+                                 interpret=interpret)
     kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(max_depth, N), method=method,
                              precision=_f32_precision(precision, interpret), deferred=deferred is not None,
                              write_state=write_state)

@@ -203,7 +203,7 @@ def solve_bytes(B, N) -> int:
 def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -> dict:
     """One tree-solve configuration: B random trees of N nodes, depth (nodes on the longest path) DEPTH_FOR_N[N]
     unless given; depth = N is a chain."""
-    depth = DEPTH_FOR_N[N] if depth is None else min(int(depth), N)
+    depth = DEPTH_FOR_N[N] if depth is None else min(depth, N)     # the depth the trees really have
     parents_np = trees.random_parents(1000 * B + N, B, N, depth)
     parents = jnp.asarray(parents_np)
     mask = trees.mask_from_parents(parents)

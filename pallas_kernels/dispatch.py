@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from hyspec_jax import gdn
-from pallas_kernels import gdn_commit, gdn_tree_solve, topk, tree_attention as tree_attention_kernel
+from pallas_kernels import gdn_commit, gdn_tree_apply_mgpu, gdn_tree_solve, topk, tree_attention as tree_attention_kernel
 
 F32 = jnp.float32
 Impl = Literal["auto", "reference", "pallas", "interpret"]
@@ -36,6 +36,15 @@ def gpu_kernels_available() -> bool:
         dev = jax.devices()[0]
         cc = getattr(dev, "compute_capability", None)
         return cc is not None and float(cc) >= 8.0
+    except Exception:   # noqa: BLE001 — any doubt means no kernel
+        return False
+
+
+def hopper_available() -> bool:
+    """True on a compute capability 9.x GPU: wgmma, which the Mosaic GPU value pass (split_mgpu) is built on."""
+    try:
+        cc = getattr(jax.devices()[0], "compute_capability", None)
+        return gpu_kernels_available() and cc is not None and int(float(cc)) == 9
     except Exception:   # noqa: BLE001 — any doubt means no kernel
         return False
 
@@ -182,7 +191,7 @@ def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl
 
     q, k: [B,N,HK,dk] or already expanded [B,N,HV,dk]. impl: "auto" (kernel iff GPU and supported),
     "reference", "pallas" (kernel or ValueError), "interpret" (kernel in Pallas interpret mode, CPU tests).
-    method: the kernel's form, "neumann" | "squaring" | "inverse" | "split" (gdn_tree_solve says what each
+    method: the kernel's form, "neumann" | "squaring" | "inverse" | "split" | "split_mgpu" (gdn_tree_solve says what each
     does; bench/results/kernels_h200.md has them timed), or "auto" (`auto_method`); reference_method for the
     reference path.
     precision (kernel): "tf32" (default for bf16/f16 inputs, ~3e-4 relative error), "tf32x3"
@@ -200,6 +209,15 @@ def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl
     ok, why = tree_solve_supported(S0, q, k, v, g, beta, mask, block_v, precision)
     if method not in gdn_tree_solve.METHODS:
         ok, why = False, f"method {method!r}"
+    elif method == "split_mgpu" and ok:
+        n_pad = _padded_n(N)
+        if not gdn_tree_apply_mgpu.supported(n_pad, q.shape[-1], v.shape[-1], block_v, q.dtype):
+            ok, why = False, (f"split_mgpu takes {gdn_tree_apply_mgpu.NODES} (padded) nodes, bf16 q/k, "
+                              f"block_v in {gdn_tree_apply_mgpu.BLOCK_VS}")
+        elif (precision or _default_precision(q.dtype)) != "tf32":
+            ok, why = False, "split_mgpu's bf16-pair products are not fp32-accurate (precision must be tf32)"
+        elif impl != "interpret" and not hopper_available():
+            ok, why = False, "split_mgpu needs a compute capability 9.x GPU (wgmma)"
     interpret = _use_kernel(impl, ok, "tree_solve", why)
     if interpret is None:
         return _reference(S0, q, k, v, g, beta, mask, max_depth, reference_method)

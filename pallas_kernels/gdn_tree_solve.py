@@ -42,10 +42,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import tile_dim_ok
+from pallas_kernels import gdn_tree_apply_mgpu, tile_dim_ok
 
 F32 = jnp.float32
-Method = Literal["neumann", "squaring", "inverse", "split"]
+Method = Literal["neumann", "squaring", "inverse", "split", "split_mgpu"]
 METHODS = get_args(Method)
 Precision = Literal["tf32", "tf32x3", "ieee"]
 
@@ -176,14 +176,24 @@ def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: boo
     gamma_ref[...] = gamma                              # every value tile writes the same Γ
 
 
-def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, mc_ref, *, rounds: int, precision):
-    """Split form, pass 1 (one program per request and value head): Γ and [M; C M] (M = (I+L)⁻¹) to HBM."""
+def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *mc_refs, rounds: int, precision):
+    """Split form, pass 1 (one program per request and value head): Γ and [M; C M] (M = (I+L)⁻¹) to HBM —
+    fp32 (one output), or for the Mosaic GPU value pass as a bf16 pair hi + lo with β in head-major layout
+    (three more: hi, lo, β [HV, N]; gdn_tree_apply_mgpu says why)."""
     n = mask_ref.shape[0]
-    gamma, _, L, C = _node_operators(mask_ref, g_ref, beta_ref, q_ref[...], k_ref[...], precision)
+    gamma, beta, L, C = _node_operators(mask_ref, g_ref, beta_ref, q_ref[...], k_ref[...], precision)
     M = _inverse(L, rounds, precision)
     gamma_ref[...] = gamma
-    mc_ref[pl.ds(0, n), :] = M
-    mc_ref[pl.ds(n, n), :] = _dot(C, M, precision)
+    if len(mc_refs) == 1:
+        mc_refs[0][pl.ds(0, n), :] = M
+        mc_refs[0][pl.ds(n, n), :] = _dot(C, M, precision)
+        return
+    hi_ref, lo_ref, beta_hn_ref = mc_refs
+    for rows, X in ((pl.ds(0, n), M), (pl.ds(n, n), _dot(C, M, precision))):
+        hi = X.astype(jnp.bfloat16)
+        hi_ref[rows, :] = hi
+        lo_ref[rows, :] = (X - hi.astype(F32)).astype(jnp.bfloat16)
+    beta_hn_ref[...] = beta
 
 
 def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref, o_ref, vc_ref, *, precision):
@@ -205,15 +215,22 @@ def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref,
 
 
 def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision, out_dtype, num_warps, num_stages,
-                      operator_warps, interpret):
+                      operator_warps, interpret, value_pass="triton", share_state_smem=True):
     """Two launches: the node-wise operators once per (request, value head) — Γ and [M; C M], 2·N² fp32 words
-    per head through HBM — then the value tiles, which hold no N × N chain: three products, K S0, Q S0, [M; C M] R."""
+    per head through HBM — then the value tiles, which hold no N × N chain: three products, K S0, Q S0, [M; C M] R.
+    value_pass "mgpu": the second launch is the Mosaic GPU kernel (gdn_tree_apply_mgpu), fed the bf16 pair."""
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
     r = HV // HK
-    gamma, MC = pl.pallas_call(
+    pair = value_pass == "mgpu"
+    mc_shapes = ([jax.ShapeDtypeStruct((B, HV, 2 * N, N), jnp.bfloat16)] * 2 + [jax.ShapeDtypeStruct((B, HV, N), F32)]
+                 if pair else [jax.ShapeDtypeStruct((B, HV, 2 * N, N), F32)])
+    mc_specs = ([pl.BlockSpec((None, None, 2 * N, N), lambda b, h: (b, h, 0, 0))] * 2
+                + [pl.BlockSpec((None, None, N), lambda b, h: (b, h, 0))]
+                if pair else [pl.BlockSpec((None, None, 2 * N, N), lambda b, h: (b, h, 0, 0))])
+    gamma, *MC = pl.pallas_call(
         functools.partial(_tree_operator_kernel, rounds=rounds, precision=precision),
-        out_shape=[jax.ShapeDtypeStruct((B, HV, N), F32), jax.ShapeDtypeStruct((B, HV, 2 * N, N), F32)],
+        out_shape=[jax.ShapeDtypeStruct((B, HV, N), F32), *mc_shapes],
         grid=(B, HV),
         in_specs=[
             pl.BlockSpec((None, N, N), lambda b, h: (b, 0, 0)),                    # mask
@@ -222,11 +239,17 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
             pl.BlockSpec((None, N, None, dk), lambda b, h: (b, 0, h // r, 0)),     # q (key head)
             pl.BlockSpec((None, N, None, dk), lambda b, h: (b, 0, h // r, 0)),     # k (key head)
         ],
-        out_specs=[pl.BlockSpec((None, None, N), lambda b, h: (b, h, 0)),
-                   pl.BlockSpec((None, None, 2 * N, N), lambda b, h: (b, h, 0, 0))],
+        out_specs=[pl.BlockSpec((None, None, N), lambda b, h: (b, h, 0)), *mc_specs],
         compiler_params=pltriton.CompilerParams(num_warps=operator_warps, num_stages=1),
         interpret=interpret, name="gdn_tree_operators",
     )(mask.astype(F32), g.astype(F32), beta.astype(F32), q, k)
+    if pair:
+        mc_hi, mc_lo, beta_hn = MC
+        o, vc = gdn_tree_apply_mgpu.tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0.astype(F32),
+                                                    block_v=block_v, share_state_smem=share_state_smem,
+                                                    out_dtype=out_dtype, interpret=interpret)
+        return o, gamma, vc
+    MC = MC[0]
     o, vc = pl.pallas_call(
         functools.partial(_tree_apply_kernel, precision=precision),
         out_shape=[jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype), jax.ShapeDtypeStruct((B, HV, N, dv), F32)],
@@ -262,11 +285,11 @@ def supported(N: int, dk: int, dv: int, block_v: int, precision: Precision = "tf
 
 @functools.partial(jax.jit, static_argnames=("max_depth", "method", "block_v", "precision", "out_dtype",
                                              "num_warps", "num_stages", "operator_warps", "write_state",
-                                             "interpret"))
+                                             "share_state_smem", "interpret"))
 def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: int, method: Method = "neumann",
                       block_v: int = 64, precision: Precision = "tf32", out_dtype=F32,
                       num_warps: int | None = None, num_stages: int = 1, operator_warps: int = 4,
-                      write_state: bool = False, interpret: bool = False):
+                      write_state: bool = False, share_state_smem: bool = True, interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]
     (the dispatcher pads with identity nodes). Returns (o [B,N,HV,dv], Γ [B,HV,N], V' [B,HV,N,dv]).
@@ -276,6 +299,8 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     of two ≥ 16), merged on chip after the S0 tile is loaded. write_state: also return the merged state
     (fourth output, written over S0 — donate S0 to make it in place); the caller then empties the updates.
     num_warps / num_stages: the value-tile programs'; operator_warps: the split form's operator pass.
+    method "split_mgpu": the split form with its value pass in Mosaic GPU (gdn_tree_apply_mgpu: N = 64, bf16
+    q/k, compute capability 9.0); share_state_smem is that kernel's shared-memory option.
     """
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
@@ -290,13 +315,19 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     nv = dv // block_v
     if num_warps is None:
         num_warps = 4 if block_v * dk <= 128 * 64 else 8     # keep the fp32 state tile in registers
-    if method == "split":
+    if method in ("split", "split_mgpu"):
         if deferred is not None:
-            raise ValueError("method 'split' takes no deferred updates (use 'inverse', its one-pass form)")
+            raise ValueError(f"method {method!r} takes no deferred updates (use 'inverse', its one-pass form)")
+        if method == "split_mgpu" and not (precision == "tf32"
+                                           and gdn_tree_apply_mgpu.supported(N, dk, dv, block_v, q.dtype)):
+            raise ValueError(f"method 'split_mgpu' needs N={gdn_tree_apply_mgpu.NODES}, bf16 q/k, block_v in "
+                             f"{gdn_tree_apply_mgpu.BLOCK_VS} and precision 'tf32' (its bf16-pair products are "
+                             f"~2^-16 accurate, not fp32); got N={N} {q.dtype} block_v={block_v} {precision}")
         return _tree_solve_split(S0, q, k, v, g, beta, mask, rounds=num_rounds(max_depth, N), block_v=block_v,
                                  precision=_f32_precision(precision, interpret), out_dtype=out_dtype,
                                  num_warps=num_warps, num_stages=num_stages, operator_warps=operator_warps,
-                                 interpret=interpret)
+                                 interpret=interpret, value_pass="mgpu" if method == "split_mgpu" else "triton",
+                                 share_state_smem=share_state_smem)
     kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(max_depth, N), method=method,
                              precision=_f32_precision(precision, interpret), deferred=deferred is not None,
                              write_state=write_state)

@@ -91,6 +91,39 @@ def test_tree_solve_interpret(case, method):
     assert rel(vc, fac.corrected) < 1e-5
 
 
+@pytest.mark.parametrize("share_state_smem", [True, False])
+def test_split_mgpu_interpret(share_state_smem):
+    """The split form with its Mosaic GPU value pass (bf16-pair wgmma products; gdn_tree_apply_mgpu) in Mosaic GPU
+    interpret mode: a forest of 64 nodes, 3 value heads per key head, two value tiles each, bf16 q/k/v. Its
+    products carry ~16 significand bits (vs one-pass tf32's 11), so the bar is the fp32 one of the other forms."""
+    par, mask, args = make_inputs(91, 2, 64, 1, 3, 64, 128, 8, dtype=jnp.bfloat16, single_root=False)
+    o_ref, fac = reference(*args, mask)
+    o, gamma, vc = tree_solve_pallas(*args, mask, max_depth=8, method="split_mgpu", block_v=64, interpret=True,
+                                     share_state_smem=share_state_smem)
+    assert rel(o, o_ref) < 1e-4 and rel(vc, fac.corrected) < 1e-4
+    assert rel(gamma, fac.log_decay) < 1e-6
+
+
+def test_split_mgpu_dispatch_pads_and_refuses():
+    """Through the dispatcher: 50 nodes padded to 64; shapes it cannot take are refused in one line (explicit impl)
+    and left to the reference under "auto" (here: no GPU at all)."""
+    par, mask, args = make_inputs(92, 1, 50, 1, 3, 64, 64, 6, dtype=jnp.bfloat16)
+    o, fac = dispatch.tree_solve(*args, mask, 6, impl="interpret", method="split_mgpu")
+    o_ref, fac_ref = reference(*args, mask)
+    assert rel(o, o_ref) < 1e-4 and rel(fac.corrected, fac_ref.corrected) < 1e-4
+    _, small_mask, small = make_inputs(93, 1, 30, 1, 3, 64, 64, 6, dtype=jnp.bfloat16)    # padded to 32 nodes
+    with pytest.raises(ValueError, match="split_mgpu takes 64"):
+        dispatch.tree_solve(*small, small_mask, 6, impl="interpret", method="split_mgpu")
+    f32_args = tuple(a.astype(jnp.float32) for a in args)
+    with pytest.raises(ValueError, match="bf16 q/k"):
+        dispatch.tree_solve(*f32_args, mask, 6, impl="interpret", method="split_mgpu")
+    with pytest.raises(ValueError, match="not fp32-accurate"):
+        dispatch.tree_solve(*args, mask, 6, impl="interpret", method="split_mgpu", precision="tf32x3")
+    if not GPU:
+        o_auto, _ = dispatch.tree_solve(*args, mask, 6, impl="auto", method="split_mgpu")
+        assert rel(o_auto, o_ref) < 1e-6                                              # the reference itself
+
+
 def test_tree_solve_interpret_forest_and_bf16():
     par, mask, args = make_inputs(7, 2, 16, 2, 4, 32, 32, 4, dtype=jnp.bfloat16, single_root=False)
     o_ref, fac = reference(*args, mask)
@@ -242,9 +275,11 @@ def test_custom_vjp_gradient_matches_reference():
 
 # ---------------------------------------------------------------- real GPU
 @needs_gpu
-@pytest.mark.parametrize("method", ["neumann", "squaring", "inverse", "split"])
+@pytest.mark.parametrize("method", ["neumann", "squaring", "inverse", "split", "split_mgpu"])
 @pytest.mark.parametrize("N,depth", [(16, 4), (64, 8)])
 def test_tree_solve_gpu_bf16(method, N, depth):
+    if method == "split_mgpu" and (N != 64 or not dispatch.hopper_available()):
+        pytest.skip("split_mgpu: 64 nodes on a compute capability 9.x GPU")
     par, mask, args = make_inputs(N + depth, 2, N, 16, 48, 128, 128, depth, dtype=jnp.bfloat16)
     o_ref, fac = reference(*args, mask)
     o, fac_k = dispatch.tree_solve(*args, mask, depth, impl="pallas", method=method)

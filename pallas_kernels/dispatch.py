@@ -172,13 +172,19 @@ def _block_v(dv: int, block_v: int | None) -> int:
 # batch measured (B 1: 16.7 vs 17.4; B 8: 51.3 vs 60.9; B 32: 196 vs 220 — bench/results/kernels_split_forms_h200.md),
 # and at 128 nodes by far, with whole-width value tiles (B 8: 401 µs split bv 128, 893 inverse, 710 squaring —
 # bench/results/kernels_h200_final.md; 346 µs with the current value pass, kernels_h200_split_final.md).
+# At 64 nodes on a Hopper GPU the split form with its Mosaic GPU value pass wins at every batch measured (B 1 / 8 /
+# 16 / 32: 14.3 / 42.4 / 74.2 / 134.5 µs vs 16.6 / 52.3 / 102.7 / 195.8 for the Triton value pass —
+# bench/results/kernels_split_mgpu_h200.md), where its shape limits allow (bf16 q/k, one-pass precision).
 SPLIT_MIN_NODES, SPLIT_ALWAYS_NODES = 64, 128
 
 
-def auto_method(nodes: int, dv: int) -> tuple[str, int]:
-    """(form, block_v) that `method="auto"` picks for trees of `nodes` (padded) nodes and value heads of width dv."""
+def auto_method(nodes: int, dv: int, mgpu_ok: bool = False) -> tuple[str, int]:
+    """(form, block_v) that `method="auto"` picks for trees of `nodes` (padded) nodes and value heads of width dv;
+    mgpu_ok: the Mosaic GPU value pass can run here (Hopper GPU, bf16 q/k, tf32 precision, its shapes)."""
     if nodes >= SPLIT_ALWAYS_NODES:
         return "split", min(128, dv)
+    if nodes == gdn_tree_apply_mgpu.NODES and mgpu_ok:
+        return "split_mgpu", 64
     if nodes >= SPLIT_MIN_NODES:
         return "split", min(64, dv)
     return "inverse", min(64, dv)
@@ -203,7 +209,10 @@ def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl
         return _reference(S0, q, k, v, g, beta, mask, max_depth, reference_method)
     if method == "auto":
         n_pad = _padded_n(N)
-        method, auto_bv = auto_method(n_pad or N, v.shape[-1])
+        mgpu_ok = (n_pad is not None and impl != "interpret" and hopper_available()
+                   and (precision or _default_precision(q.dtype)) == "tf32"
+                   and gdn_tree_apply_mgpu.supported(n_pad, q.shape[-1], v.shape[-1], 64, q.dtype))
+        method, auto_bv = auto_method(n_pad or N, v.shape[-1], mgpu_ok)
         block_v = auto_bv if block_v is None else block_v
     block_v = _block_v(v.shape[-1], block_v)
     ok, why = tree_solve_supported(S0, q, k, v, g, beta, mask, block_v, precision)

@@ -230,6 +230,8 @@ def test_auto_method_rule_and_split_through_dispatch():
     assert dispatch.auto_method(64, 128) == ("split", 64)
     assert dispatch.auto_method(128, 128) == ("split", 128)
     assert dispatch.auto_method(128, 32) == ("split", 32)
+    assert dispatch.auto_method(64, 128, mgpu_ok=True) == ("split_mgpu", 64)   # Hopper, bf16 q/k
+    assert dispatch.auto_method(32, 128, mgpu_ok=True) == ("inverse", 64)
     par, mask, args = make_inputs(44, 2, 100, 2, 4, 16, 32, 6)            # padded to 128 nodes: split, bv 32
     # one-pass tf32 (what bf16 inputs get; interpret mode computes in fp32 anyway): fp32-accurate products at
     # 128 nodes do not fit the H200's shared memory and are refused (next test)

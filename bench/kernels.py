@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from hyspec_jax import gdn
 from hyspec_jax.bench.report import (git_commit, gpu_stream_events, portable_command, profile_trace, save_png,
                                      run_metadata)
-from pallas_kernels import gdn_tree_apply_mgpu, trees
+from pallas_kernels import gdn_tree_split_mgpu, trees
 from pallas_kernels.gdn_commit import (deferred_append_pallas, deferred_append_reference, deferred_to_reference,
                                        path_commit_pallas, path_commit_reference)
 from pallas_kernels.gdn_serial import masked_solve_xla, serial_paths_xla, serial_tree_pallas
@@ -232,12 +232,15 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
                     lambda *s, bv=bv, nw=nw, ow=ow: tree_solve_pallas(
                         *s, mask, max_depth=depth, method="split", block_v=bv, precision="tf32", num_warps=nw,
                         operator_warps=ow, interpret=interpret), "solve")
-    if gdn_tree_apply_mgpu.supported(N, DK, DV, 64, jnp.bfloat16):   # the Mosaic GPU value pass (64 nodes)
-        for share in [True, False]:
-            variants["pallas_split_mgpu_bv64" + ("" if share else "_noshare")] = (
-                lambda *s, share=share: tree_solve_pallas(
+    if gdn_tree_split_mgpu.supported(N, DK, DV, 64, jnp.bfloat16):   # the Mosaic GPU value pass (64 nodes)
+        # mgpu: Triton operator pass; mgpu2: both passes in Mosaic GPU; _kq: the value pass's k/q and [M; C M]
+        # share shared memory; _noshare: its state tile and bf16 pair do not
+        for op, sfx, share, kq in [("triton", "", True, False), ("triton", "_noshare", False, False),
+                                   ("triton", "_kq", True, True), ("mgpu", "", True, False), ("mgpu", "_kq", True, True)]:
+            variants[f"pallas_split_{'mgpu' if op == 'triton' else 'mgpu2'}_bv64{sfx}"] = (
+                lambda *s, op=op, share=share, kq=kq: tree_solve_pallas(
                     *s, mask, max_depth=depth, method="split_mgpu", block_v=64, precision="tf32",
-                    share_state_smem=share, interpret=interpret), "solve")
+                    operator_pass=op, share_state_smem=share, share_kq_smem=kq, interpret=interpret), "solve")
     variants["pallas_neumann_bv64_tf32x3"] = (
         lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="neumann", block_v=64,
                                      precision="tf32x3", interpret=interpret), "solve")

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from hyspec_jax import gdn
-from pallas_kernels import gdn_commit, gdn_tree_apply_mgpu, gdn_tree_solve, topk, tree_attention as tree_attention_kernel
+from pallas_kernels import gdn_commit, gdn_tree_split_mgpu, gdn_tree_solve, topk, tree_attention as tree_attention_kernel
 
 F32 = jnp.float32
 Impl = Literal["auto", "reference", "pallas", "interpret"]
@@ -183,7 +183,7 @@ def auto_method(nodes: int, dv: int, mgpu_ok: bool = False) -> tuple[str, int]:
     mgpu_ok: the Mosaic GPU value pass can run here (Hopper GPU, bf16 q/k, tf32 precision, its shapes)."""
     if nodes >= SPLIT_ALWAYS_NODES:
         return "split", min(128, dv)
-    if nodes == gdn_tree_apply_mgpu.NODES and mgpu_ok:
+    if nodes == gdn_tree_split_mgpu.NODES and mgpu_ok:
         return "split_mgpu", 64
     if nodes >= SPLIT_MIN_NODES:
         return "split", min(64, dv)
@@ -211,7 +211,7 @@ def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl
         n_pad = _padded_n(N)
         mgpu_ok = (n_pad is not None and impl != "interpret" and hopper_available()
                    and (precision or _default_precision(q.dtype)) == "tf32"
-                   and gdn_tree_apply_mgpu.supported(n_pad, q.shape[-1], v.shape[-1], 64, q.dtype))
+                   and gdn_tree_split_mgpu.supported(n_pad, q.shape[-1], v.shape[-1], 64, q.dtype))
         method, auto_bv = auto_method(n_pad or N, v.shape[-1], mgpu_ok)
         block_v = auto_bv if block_v is None else block_v
     block_v = _block_v(v.shape[-1], block_v)
@@ -220,9 +220,9 @@ def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl
         ok, why = False, f"method {method!r}"
     elif method == "split_mgpu" and ok:
         n_pad = _padded_n(N)
-        if not gdn_tree_apply_mgpu.supported(n_pad, q.shape[-1], v.shape[-1], block_v, q.dtype):
-            ok, why = False, (f"split_mgpu takes {gdn_tree_apply_mgpu.NODES} (padded) nodes, bf16 q/k, "
-                              f"block_v in {gdn_tree_apply_mgpu.BLOCK_VS}")
+        if not gdn_tree_split_mgpu.supported(n_pad, q.shape[-1], v.shape[-1], block_v, q.dtype):
+            ok, why = False, (f"split_mgpu takes {gdn_tree_split_mgpu.NODES} (padded) nodes, bf16 q/k, "
+                              f"block_v in {gdn_tree_split_mgpu.BLOCK_VS}")
         elif (precision or _default_precision(q.dtype)) != "tf32":
             ok, why = False, "split_mgpu's bf16-pair products are not fp32-accurate (precision must be tf32)"
         elif impl != "interpret" and not hopper_available():

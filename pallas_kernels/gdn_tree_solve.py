@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import gdn_tree_apply_mgpu, tile_dim_ok
+from pallas_kernels import gdn_tree_split_mgpu, tile_dim_ok
 
 F32 = jnp.float32
 Method = Literal["neumann", "squaring", "inverse", "split", "split_mgpu"]
@@ -179,7 +179,7 @@ def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: boo
 def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *mc_refs, rounds: int, precision):
     """Split form, pass 1 (one program per request and value head): Γ and [M; C M] (M = (I+L)⁻¹) to HBM —
     fp32 (one output), or for the Mosaic GPU value pass as a bf16 pair hi + lo with β in head-major layout
-    (three more: hi, lo, β [HV, N]; gdn_tree_apply_mgpu says why)."""
+    (three more: hi, lo, β [HV, N]; gdn_tree_split_mgpu says why)."""
     n = mask_ref.shape[0]
     gamma, beta, L, C = _node_operators(mask_ref, g_ref, beta_ref, q_ref[...], k_ref[...], precision)
     M = _inverse(L, rounds, precision)
@@ -215,14 +215,24 @@ def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref,
 
 
 def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision, out_dtype, num_warps, num_stages,
-                      operator_warps, interpret, value_pass="triton", share_state_smem=True):
+                      operator_warps, interpret, value_pass="triton", operator_pass="triton",
+                      share_state_smem=True, share_kq_smem=False):
     """Two launches: the node-wise operators once per (request, value head) — Γ and [M; C M], 2·N² fp32 words
     per head through HBM — then the value tiles, which hold no N × N chain: three products, K S0, Q S0, [M; C M] R.
-    value_pass "mgpu": the second launch is the Mosaic GPU kernel (gdn_tree_apply_mgpu), fed the bf16 pair."""
+    value_pass "mgpu": the second launch is the Mosaic GPU kernel (gdn_tree_split_mgpu), fed the bf16 pair."""
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
     r = HV // HK
     pair = value_pass == "mgpu"
+    if pair and operator_pass == "mgpu":                 # both passes in Mosaic GPU
+        gamma, beta_hn = gdn_tree_split_mgpu.head_major_rows(mask, g, beta)
+        mc_hi, mc_lo = gdn_tree_split_mgpu.tree_operators_mgpu(mask, gamma, beta_hn, q, k,
+                                                               squarings=num_squarings(rounds), interpret=interpret)
+        o, vc = gdn_tree_split_mgpu.tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0.astype(F32),
+                                                    block_v=block_v, share_state_smem=share_state_smem,
+                                                    share_kq_smem=share_kq_smem, out_dtype=out_dtype,
+                                                    interpret=interpret)
+        return o, gamma, vc
     mc_shapes = ([jax.ShapeDtypeStruct((B, HV, 2 * N, N), jnp.bfloat16)] * 2 + [jax.ShapeDtypeStruct((B, HV, N), F32)]
                  if pair else [jax.ShapeDtypeStruct((B, HV, 2 * N, N), F32)])
     mc_specs = ([pl.BlockSpec((None, None, 2 * N, N), lambda b, h: (b, h, 0, 0))] * 2
@@ -245,9 +255,10 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
     )(mask.astype(F32), g.astype(F32), beta.astype(F32), q, k)
     if pair:
         mc_hi, mc_lo, beta_hn = MC
-        o, vc = gdn_tree_apply_mgpu.tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0.astype(F32),
+        o, vc = gdn_tree_split_mgpu.tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0.astype(F32),
                                                     block_v=block_v, share_state_smem=share_state_smem,
-                                                    out_dtype=out_dtype, interpret=interpret)
+                                                    share_kq_smem=share_kq_smem, out_dtype=out_dtype,
+                                                    interpret=interpret)
         return o, gamma, vc
     MC = MC[0]
     o, vc = pl.pallas_call(
@@ -285,11 +296,12 @@ def supported(N: int, dk: int, dv: int, block_v: int, precision: Precision = "tf
 
 @functools.partial(jax.jit, static_argnames=("max_depth", "method", "block_v", "precision", "out_dtype",
                                              "num_warps", "num_stages", "operator_warps", "write_state",
-                                             "share_state_smem", "interpret"))
+                                             "share_state_smem", "share_kq_smem", "operator_pass", "interpret"))
 def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: int, method: Method = "neumann",
                       block_v: int = 64, precision: Precision = "tf32", out_dtype=F32,
                       num_warps: int | None = None, num_stages: int = 1, operator_warps: int = 4,
-                      write_state: bool = False, share_state_smem: bool = True, interpret: bool = False):
+                      write_state: bool = False, share_state_smem: bool = True, share_kq_smem: bool = False,
+                      operator_pass: Literal["triton", "mgpu"] = "triton", interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]
     (the dispatcher pads with identity nodes). Returns (o [B,N,HV,dv], Γ [B,HV,N], V' [B,HV,N,dv]).
@@ -299,8 +311,9 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     of two ≥ 16), merged on chip after the S0 tile is loaded. write_state: also return the merged state
     (fourth output, written over S0 — donate S0 to make it in place); the caller then empties the updates.
     num_warps / num_stages: the value-tile programs'; operator_warps: the split form's operator pass.
-    method "split_mgpu": the split form with its value pass in Mosaic GPU (gdn_tree_apply_mgpu: N = 64, bf16
-    q/k, compute capability 9.0); share_state_smem is that kernel's shared-memory option.
+    method "split_mgpu": the split form with its value pass in Mosaic GPU (gdn_tree_split_mgpu: N = 64, bf16
+    q/k, compute capability 9.0); share_state_smem / share_kq_smem are that kernel's shared-memory options, and
+    operator_pass "mgpu" runs the operator pass in Mosaic GPU too (gdn_tree_split_mgpu.tree_operators_mgpu).
     """
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
@@ -319,15 +332,16 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
         if deferred is not None:
             raise ValueError(f"method {method!r} takes no deferred updates (use 'inverse', its one-pass form)")
         if method == "split_mgpu" and not (precision == "tf32"
-                                           and gdn_tree_apply_mgpu.supported(N, dk, dv, block_v, q.dtype)):
-            raise ValueError(f"method 'split_mgpu' needs N={gdn_tree_apply_mgpu.NODES}, bf16 q/k, block_v in "
-                             f"{gdn_tree_apply_mgpu.BLOCK_VS} and precision 'tf32' (its bf16-pair products are "
+                                           and gdn_tree_split_mgpu.supported(N, dk, dv, block_v, q.dtype)):
+            raise ValueError(f"method 'split_mgpu' needs N={gdn_tree_split_mgpu.NODES}, bf16 q/k, block_v in "
+                             f"{gdn_tree_split_mgpu.BLOCK_VS} and precision 'tf32' (its bf16-pair products are "
                              f"~2^-16 accurate, not fp32); got N={N} {q.dtype} block_v={block_v} {precision}")
         return _tree_solve_split(S0, q, k, v, g, beta, mask, rounds=num_rounds(max_depth, N), block_v=block_v,
                                  precision=_f32_precision(precision, interpret), out_dtype=out_dtype,
                                  num_warps=num_warps, num_stages=num_stages, operator_warps=operator_warps,
                                  interpret=interpret, value_pass="mgpu" if method == "split_mgpu" else "triton",
-                                 share_state_smem=share_state_smem)
+                                 operator_pass=operator_pass, share_state_smem=share_state_smem,
+                                 share_kq_smem=share_kq_smem)
     kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(max_depth, N), method=method,
                              precision=_f32_precision(precision, interpret), deferred=deferred is not None,
                              write_state=write_state)

@@ -91,15 +91,22 @@ def test_tree_solve_interpret(case, method):
     assert rel(vc, fac.corrected) < 1e-5
 
 
-@pytest.mark.parametrize("share_state_smem", [True, False])
-def test_split_mgpu_interpret(share_state_smem):
-    """The split form with its Mosaic GPU value pass (bf16-pair wgmma products; gdn_tree_apply_mgpu) in Mosaic GPU
-    interpret mode: a forest of 64 nodes, 3 value heads per key head, two value tiles each, bf16 q/k/v. Its
-    products carry ~16 significand bits (vs one-pass tf32's 11), so the bar is the fp32 one of the other forms."""
-    par, mask, args = make_inputs(91, 2, 64, 1, 3, 64, 128, 8, dtype=jnp.bfloat16, single_root=False)
+@pytest.mark.parametrize("operator_pass,share_state_smem,share_kq_smem,depth",
+                         [("triton", True, False, 8), ("triton", False, True, 8), ("mgpu", True, False, 8),
+                          ("mgpu", True, True, 8), ("mgpu", True, False, 1), ("mgpu", True, True, 64)])
+def test_split_mgpu_interpret(operator_pass, share_state_smem, share_kq_smem, depth):
+    """The split form with its Mosaic GPU value pass (bf16-pair wgmma products; gdn_tree_split_mgpu), its operator
+    pass in Triton or Mosaic GPU too, in interpret mode: a forest of 64 nodes (a chain at depth 64; no squaring at
+    depth 1), 3 value heads per key head, two value tiles each, bf16 q/k/v. The pair products carry ~16
+    significand bits (vs one-pass tf32's 11), so the bar is near the fp32 one of the other forms."""
+    par, mask, args = make_inputs(91 + depth, 2, 64, 1, 3, 64, 128, depth, dtype=jnp.bfloat16,
+                                  single_root=depth == 64)
+    if depth == 64:
+        mask = gdn.chain_mask(2, 64)
     o_ref, fac = reference(*args, mask)
-    o, gamma, vc = tree_solve_pallas(*args, mask, max_depth=8, method="split_mgpu", block_v=64, interpret=True,
-                                     share_state_smem=share_state_smem)
+    o, gamma, vc = tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=64, interpret=True,
+                                     operator_pass=operator_pass, share_state_smem=share_state_smem,
+                                     share_kq_smem=share_kq_smem)
     assert rel(o, o_ref) < 1e-4 and rel(vc, fac.corrected) < 1e-4
     assert rel(gamma, fac.log_decay) < 1e-6
 
@@ -286,6 +293,18 @@ def test_tree_solve_gpu_bf16(method, N, depth):
     o_ref, fac = reference(*args, mask)
     o, fac_k = dispatch.tree_solve(*args, mask, depth, impl="pallas", method=method)
     assert rel(o, o_ref) < 1e-2 and rel(fac_k.corrected, fac.corrected) < 1e-2
+
+
+@needs_gpu
+@pytest.mark.parametrize("operator_pass,share_kq_smem", [("triton", True), ("mgpu", False), ("mgpu", True)])
+def test_split_mgpu_gpu(operator_pass, share_kq_smem):
+    if not dispatch.hopper_available():
+        pytest.skip("split_mgpu needs a compute capability 9.x GPU")
+    par, mask, args = make_inputs(71, 2, 64, 16, 48, 128, 128, 8, dtype=jnp.bfloat16)
+    o_ref, fac = reference(*args, mask)
+    o, gamma, vc = tree_solve_pallas(*args, mask, max_depth=8, method="split_mgpu", block_v=64,
+                                     operator_pass=operator_pass, share_kq_smem=share_kq_smem)
+    assert rel(o, o_ref) < 1e-3 and rel(vc, fac.corrected) < 1e-3 and rel(gamma, fac.log_decay) < 1e-5
 
 
 @needs_gpu

@@ -1,0 +1,287 @@
+"""The split tree solve's two passes as Mosaic GPU kernels (TMA loads, Hopper wgmma): the node-wise operator pass
+(`tree_operators_mgpu`: [M; C M] per request and value head) and the value pass (`tree_apply_mgpu`).
+
+Operator pass, per (request b, value head h), the same math as `gdn_tree_solve._node_operators` + `_inverse`:
+D = A ⊙ e^{Γ_i − Γ_j}, L = strict(A) ⊙ β kkᵀ ⊙ D, C = qkᵀ ⊙ D, M = (I+L)⁻¹ = (I−L)(I+L²)(I+L⁴)… and C M, written as
+a bf16 pair. Γ = A g and β come in head-major [B, HV, N] (a small XLA fusion before it: a TMA load needs the
+node axis contiguous, and g/β arrive node-major). kkᵀ and qkᵀ are plain bf16 products (k, q are bf16); each
+N × N product of the chain is a pair product X Y ≈ X_hi Y_hi + X_lo Y_hi + X_hi Y_lo, both pairs stored to
+shared memory (wgmma's operands).
+
+Same contract as `gdn_tree_solve._tree_apply_kernel` (what it must equal: `hyspec_jax.gdn.masked_solve`, through
+`gdn_tree_solve.tree_solve_pallas(method="split_mgpu")`): per (request b, value head h, value tile t of width bv)
+
+    K S0, Q S0                      (S0 = S0[b,h,:,t], [dk, bv] fp32; k, q the key head's [N, dk])
+    R  = β ⊙ (v − e^Γ ⊙ K S0)       (row scalings)
+    [V'; C V'] = [M; C M] R         (M = (I+L)⁻¹ and C M from the operator pass)
+    o  = e^Γ ⊙ Q S0 + C V'
+
+Why the operands are split into bf16 pairs: wgmma takes fp32 (tf32) operands only K-major ("only f16 WGMMA
+supports transposes"), and the state tile S0 [dk, bv] and R [N, bv] are B operands stored N-major. bf16 operands
+may be either. So S0 = S0_hi + S0_lo and R = R_hi + R_lo (each half bf16, the pair holding 16 of fp32's 24
+significand bits), and the operator pass writes [M; C M] as such a pair too. k and q are bf16 already, so
+K S0 = k S0_hi + k S0_lo is two bf16 products (the same tensor-core time as one tf32 product), and
+[M; C M] R = MC_hi R_hi + MC_lo R_hi + MC_hi R_lo is three (the lo·lo term is below fp32 rounding of the sum's
+scale: ~2⁻¹⁶ relative). Both are more accurate than the Triton pass's one-pass tf32 (~2⁻¹¹ per operand).
+
+Shape limits: N = 64 (wgmma's M is a multiple of 64; 128 nodes would need [256, bv] accumulators and 128 KiB of
+[M; C M] pair in shared memory), bf16 q/k, dk a multiple of 64, bv = 64. `supported` says so; the dispatcher
+fails closed to the Triton form elsewhere. Needs compute capability 9.0 (wgmma).
+
+Shared memory per program (N 64, dk 128, bv 64): k, q 32 KiB, v 8 KiB, the [M; C M] pair 32 KiB, the fp32 state
+tile 32 KiB and its bf16 pair 32 KiB. With `share_state_smem` the fp32 tile and its pair share one region (a
+warpgroup barrier between reading the one and writing the other), and R's pair reuses the state pair's first N
+rows: 104 KiB, two programs per SM instead of one.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+NODES = 64
+BLOCK_VS = (64,)
+
+
+def supported(N: int, dk: int, dv: int, block_v: int, qk_dtype) -> bool:
+    return (N == NODES and dk % 64 == 0 and dk <= 256 and block_v in BLOCK_VS and dv % block_v == 0
+            and jnp.dtype(qk_dtype) == jnp.dtype(BF16))
+
+
+def split_bf16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x ≈ hi + lo with hi = bf16(x), lo = bf16(x − hi): 16 significand bits in two bf16 halves."""
+    hi = x.astype(BF16)
+    return hi, (x - hi.astype(F32)).astype(BF16)
+
+
+def _smem_transforms(dtype, cols: int):
+    """Tiling + swizzle for a row-major [rows, cols] shared-memory tile (the widest swizzle one row fills)."""
+    size = jnp.dtype(dtype).itemsize
+    swizzle = min(128, cols * size)
+    return plgpu.TilingTransform((8, swizzle // size)), plgpu.SwizzleTransform(swizzle)
+
+
+def _eye_like(shape):
+    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+    cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+    return rows, cols
+
+
+def _operator_kernel(mask_g, gamma_g, beta_g, q_g, k_g, mchi_g, mclo_g,
+                     k_s, q_s, mask_s, gam_s, gam_col_s, bet_s, xhi_s, xlo_s, yhi_s, ylo_s, bar, *, r: int,
+                     squarings: int):
+    N = k_s.shape[0]
+    b, h = lax.axis_index("b"), lax.axis_index("h")
+    key_head = lax.div(h, jnp.int32(r))
+    plgpu.copy_gmem_to_smem(k_g.at[b, :, key_head, :], k_s, bar)
+    plgpu.copy_gmem_to_smem(q_g.at[b, :, key_head, :], q_s, bar)
+    plgpu.copy_gmem_to_smem(mask_g.at[b], mask_s, bar)
+    plgpu.copy_gmem_to_smem(gamma_g.at[b, h], gam_s, bar)
+    plgpu.copy_gmem_to_smem(gamma_g.at[b, h], gam_col_s, bar)   # one ref is loaded in one layout only (row / column)
+    plgpu.copy_gmem_to_smem(beta_g.at[b, h], bet_s, bar)
+    plgpu.barrier_wait(bar)
+
+    def gram(acc_kk, acc_qk):
+        plgpu.wgmma(acc_kk, k_s, k_s.transpose((1, 0)))
+        plgpu.wgmma(acc_qk, q_s, k_s.transpose((1, 0)))
+        plgpu.wgmma_wait(0)
+        return acc_kk[...], acc_qk[...]
+
+    kk, qk = pl.run_scoped(gram, plgpu.ACC((N, N), F32), plgpu.ACC((N, N), F32))
+    A = plgpu.load(mask_s, layout=plgpu.Layout.WGMMA)
+    on = A > 0
+    gamma_i = lax.broadcast_in_dim(plgpu.load(gam_s, layout=plgpu.Layout.WGMMA.reduce(1)), (N, N), [0])
+    gamma_j = lax.broadcast_in_dim(plgpu.load(gam_col_s, layout=plgpu.Layout.WGMMA.reduce(0)), (N, N), [1])
+    beta_i = lax.broadcast_in_dim(plgpu.load(bet_s, layout=plgpu.Layout.WGMMA.reduce(1)), (N, N), [0])
+    D = jnp.where(on, jnp.exp(jnp.where(on, gamma_i - gamma_j, 0.0)), 0.0)
+    rows, cols = _eye_like((N, N))
+    L = jnp.where(on & (rows != cols), beta_i * kk * D, 0.0)
+    C = qk * D
+
+    def pair_product(X, Y):
+        """X Y ≈ X_hi Y_hi + X_lo Y_hi + X_hi Y_lo, both pairs through shared memory (P P too: one wgmma's two
+        operands must be distinct refs). wgmma could take X from registers; Mosaic GPU's interpret mode cannot,
+        and the CPU test must run the same code."""
+        y_hi, y_lo = split_bf16(Y)
+        x_hi, x_lo = (y_hi, y_lo) if X is Y else split_bf16(X)
+        yhi_s[...] = y_hi
+        ylo_s[...] = y_lo
+        xhi_s[...] = x_hi
+        xlo_s[...] = x_lo
+        plgpu.commit_smem()
+
+        def products(acc):
+            plgpu.wgmma(acc, xhi_s, yhi_s)
+            plgpu.wgmma(acc, xlo_s, yhi_s)
+            plgpu.wgmma(acc, xhi_s, ylo_s)
+            plgpu.wgmma_wait(0)
+            return acc[...]
+
+        return pl.run_scoped(products, plgpu.ACC((N, N), F32))
+
+    eye = (rows == cols).astype(F32)
+    if squarings == 0:
+        M = eye
+    else:
+        M, P = eye - L, L
+        for _ in range(squarings - 1):
+            P = pair_product(P, P)
+            M = M + pair_product(P, M)
+    for row0, X in ((0, M), (N, pair_product(C, M))):
+        x_hi, x_lo = split_bf16(X)
+        mchi_g.at[b, h, pl.ds(row0, N)][...] = x_hi
+        mclo_g.at[b, h, pl.ds(row0, N)][...] = x_lo
+
+
+@functools.partial(jax.jit, static_argnames=("squarings", "interpret"))
+def tree_operators_mgpu(mask, gamma, beta_hn, q, k, *, squarings: int, interpret: bool = False):
+    """mask [B,N,N] fp32 0/1; gamma = A g, beta_hn [B,HV,N] fp32; q, k [B,N,HK,dk] bf16. Returns the [M; C M] bf16
+    pair [B,HV,2N,N] ×2. squarings: the factors (I−L)(I+L²)… (`gdn_tree_solve.num_squarings(rounds)`)."""
+    B, N, HK, dk = q.shape
+    HV = gamma.shape[1]
+    if N != NODES or dk % 64 or jnp.dtype(q.dtype) != jnp.dtype(BF16) or k.dtype != q.dtype or HV % HK:
+        raise ValueError(f"tree_operators_mgpu: unsupported N={N} dk={dk} q/k {q.dtype}/{k.dtype} HV={HV} HK={HK}")
+    pair = jax.ShapeDtypeStruct((B, HV, 2 * N, N), BF16)
+    kernel = plgpu.kernel(
+        functools.partial(_operator_kernel, r=HV // HK, squarings=squarings),
+        out_type=[pair, pair],
+        grid=(B, HV), grid_names=("b", "h"),
+        scratch_types=[
+            plgpu.SMEM((N, dk), BF16, transforms=_smem_transforms(BF16, dk)),          # k
+            plgpu.SMEM((N, dk), BF16, transforms=_smem_transforms(BF16, dk)),          # q
+            plgpu.SMEM((N, N), F32),                                                   # mask
+            plgpu.SMEM((N,), F32), plgpu.SMEM((N,), F32), plgpu.SMEM((N,), F32),     # Γ (row, column), β
+            *[plgpu.SMEM((N, N), BF16, transforms=_smem_transforms(BF16, N))           # A and B operand pairs
+              for _ in range(4)],
+            plgpu.Barrier(num_arrivals=6),
+        ],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name="gdn_tree_operators_mgpu",
+    )
+    return kernel(mask.astype(F32), gamma, beta_hn, q, k)
+
+
+def head_major_rows(mask, g, beta):
+    """Γ = A g and β in head-major layout [B, HV, N] (what both passes load by TMA): one small XLA fusion."""
+    g_hn = jnp.swapaxes(g.astype(F32), 1, 2)                                   # [B, HV, N]
+    gamma = jnp.sum(mask.astype(F32)[:, None, :, :] * g_hn[:, :, None, :], axis=-1)
+    return gamma, jnp.swapaxes(beta.astype(F32), 1, 2)
+
+
+def _apply_kernel(gamma_g, beta_g, mchi_g, mclo_g, k_g, q_g, v_g, s0_g, o_g, vc_g,
+                  kq_s, v_s, state_s, gam_s, bet_s, bar_state, bar_rows, bar_mc,
+                  *, r: int, bv: int, share_state_smem: bool, share_kq_smem: bool):
+    b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
+    cols = pl.ds(t * bv, bv)
+    key_head = lax.div(h, jnp.int32(r))                 # GVA is indexed, never expanded
+    if share_state_smem:
+        s0f_s, (s0hi_s, s0lo_s) = state_s
+    else:
+        s0f_s, s0hi_s, s0lo_s = state_s
+    (k_s, q_s), (mchi_s, mclo_s) = kq_s if share_kq_smem else (kq_s[:2], kq_s[2:])
+    N = k_s.shape[0]
+    # Issued at once, on three barriers, so each product starts when its own operands have landed (with
+    # share_kq_smem the [M; C M] pair lands where k and q were, so it is loaded once they are read).
+    plgpu.copy_gmem_to_smem(s0_g.at[b, h, :, cols], s0f_s, bar_state)
+    plgpu.copy_gmem_to_smem(k_g.at[b, :, key_head, :], k_s, bar_state)
+    plgpu.copy_gmem_to_smem(q_g.at[b, :, key_head, :], q_s, bar_state)
+    plgpu.copy_gmem_to_smem(v_g.at[b, :, h, cols], v_s, bar_rows)
+    plgpu.copy_gmem_to_smem(gamma_g.at[b, h], gam_s, bar_rows)
+    plgpu.copy_gmem_to_smem(beta_g.at[b, h], bet_s, bar_rows)
+
+    def load_mc():
+        plgpu.copy_gmem_to_smem(mchi_g.at[b, h], mchi_s, bar_mc)
+        plgpu.copy_gmem_to_smem(mclo_g.at[b, h], mclo_s, bar_mc)
+
+    if not share_kq_smem:
+        load_mc()
+
+    plgpu.barrier_wait(bar_state)
+    s0 = s0f_s[...]
+    if share_state_smem:
+        plgpu.commit_smem()                             # every thread has read the fp32 tile before it is overwritten
+    s0_hi, s0_lo = split_bf16(s0)
+    s0hi_s[...] = s0_hi
+    s0lo_s[...] = s0_lo
+    plgpu.commit_smem()                                 # visible to the async proxy (wgmma)
+
+    def state_products(acc_k, acc_q):
+        plgpu.wgmma(acc_k, k_s, s0hi_s)
+        plgpu.wgmma(acc_k, k_s, s0lo_s)
+        plgpu.wgmma(acc_q, q_s, s0hi_s)
+        plgpu.wgmma(acc_q, q_s, s0lo_s)
+        plgpu.wgmma_wait(0)
+        return acc_k[...], acc_q[...]
+
+    ks, qs = pl.run_scoped(state_products, plgpu.ACC((N, bv), F32), plgpu.ACC((N, bv), F32))
+    if share_kq_smem:
+        load_mc()                                       # k and q are read (wgmma_wait above)
+
+    plgpu.barrier_wait(bar_rows)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    rows = lambda x: lax.broadcast_in_dim(x, (N, bv), [0])
+    decay = rows(jnp.exp(plgpu.load(gam_s, layout=row_layout)))
+    beta = rows(plgpu.load(bet_s, layout=row_layout))
+    v = plgpu.load(v_s, layout=plgpu.Layout.WGMMA).astype(F32)
+    R_hi, R_lo = split_bf16(beta * (v - decay * ks))
+    rhi_s, rlo_s = s0hi_s.at[pl.ds(0, N)], s0lo_s.at[pl.ds(0, N)]   # the state pair is no longer read
+    rhi_s[...] = R_hi
+    rlo_s[...] = R_lo
+    plgpu.commit_smem()
+
+    plgpu.barrier_wait(bar_mc)
+
+    def node_product(acc):
+        plgpu.wgmma(acc, mchi_s, rhi_s)
+        plgpu.wgmma(acc, mclo_s, rhi_s)
+        plgpu.wgmma(acc, mchi_s, rlo_s)
+        plgpu.wgmma_wait(0)
+        return acc[...]
+
+    out = pl.run_scoped(node_product, plgpu.ACC((2 * N, bv), F32))
+    vc_g.at[b, h, :, cols][...] = out[:N]
+    o_g.at[b, :, h, cols][...] = (decay * qs + out[N:]).astype(o_g.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_v", "share_state_smem", "share_kq_smem", "out_dtype",
+                                             "interpret"))
+def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int = 64, share_state_smem: bool = True,
+                    share_kq_smem: bool = False, out_dtype=F32, interpret: bool = False):
+    """gamma, beta_hn [B,HV,N] fp32 (β in head-major layout); mc_hi, mc_lo [B,HV,2N,N] bf16 (the [M; C M] pair);
+    k, q [B,N,HK,dk] bf16; v [B,N,HV,dv]; S0 [B,HV,dk,dv] fp32. Returns o [B,N,HV,dv] (out_dtype), V' [B,HV,N,dv]."""
+    B, N, HK, dk = q.shape
+    HV, dv = v.shape[2], v.shape[3]
+    if not supported(N, dk, dv, block_v, q.dtype) or HV % HK or k.dtype != q.dtype:
+        raise ValueError(f"tree_apply_mgpu: unsupported N={N} dk={dk} dv={dv} block_v={block_v} HV={HV} HK={HK} "
+                         f"q/k {q.dtype}/{k.dtype} (needs N={NODES}, bf16 q/k, dk % 64 == 0, block_v in {BLOCK_VS})")
+    bv = block_v
+    state_f32 = plgpu.SMEM((dk, bv), F32)
+    state_pair = [plgpu.SMEM((dk, bv), BF16, transforms=_smem_transforms(BF16, bv)) for _ in range(2)]
+    state = plgpu.RefUnion(state_f32, tuple(state_pair)) if share_state_smem else [state_f32, *state_pair]
+    kq = [plgpu.SMEM((N, dk), BF16, transforms=_smem_transforms(BF16, dk)) for _ in range(2)]
+    mc = [plgpu.SMEM((2 * N, N), BF16, transforms=_smem_transforms(BF16, N)) for _ in range(2)]
+    kq_mc = plgpu.RefUnion(tuple(kq), tuple(mc)) if share_kq_smem else [*kq, *mc]
+    kernel = plgpu.kernel(
+        functools.partial(_apply_kernel, r=HV // HK, bv=bv, share_state_smem=share_state_smem,
+                          share_kq_smem=share_kq_smem),
+        out_type=[jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype), jax.ShapeDtypeStruct((B, HV, N, dv), F32)],
+        grid=(B, HV, dv // bv), grid_names=("b", "h", "t"),
+        scratch_types=[
+            kq_mc,                                                                     # k, q | [M; C M] pair
+            plgpu.SMEM((N, bv), v.dtype, transforms=_smem_transforms(v.dtype, bv)),    # v
+            state,
+            plgpu.SMEM((N,), F32), plgpu.SMEM((N,), F32),                             # Γ, β
+            plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=2),
+        ],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name="gdn_tree_split_mgpu",
+    )
+    return kernel(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0)

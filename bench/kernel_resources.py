@@ -24,7 +24,8 @@ import sys
 import tempfile
 
 KERNELS = ("gdn_tree_solve_neumann", "gdn_tree_solve_squaring", "gdn_tree_solve_squaring_deferred",
-           "gdn_tree_solve_inverse", "gdn_tree_operators", "gdn_tree_apply",
+           "gdn_tree_solve_inverse", "gdn_tree_operators_mgpu", "gdn_tree_apply_mgpu", "gdn_tree_operators",
+           "gdn_tree_apply",
            "gdn_path_commit", "gdn_deferred_append", "gdn_serial_tree", "tree_attention_prefix")
 
 _SHORT = {"launch__registers_per_thread": "registers", "launch__shared_mem_per_block_static": "smem_static_bytes",
@@ -92,7 +93,8 @@ def match_kernels(launches: list[dict]) -> dict[str, dict]:
 
 JOBS = ("neumann", "squaring", "neumann_bv32", "squaring_bv32", "neumann_bv128", "squaring_bv128",
         "inverse", "inverse_bv32", "inverse_bv128", "split", "split_bv32", "split_bv128",
-        "split_mgpu", "split_mgpu_noshare", "split_mgpu_kq", "split_mgpu2", "split_mgpu2_kq", "squaring_deferred", "commit", "append", "append_l4", "serial", "attention")
+        "split_mgpu", "split_mgpu_noshare", "split_mgpu_nokq", "split_mgpu2", "split_mgpu2_nokq",
+        "squaring_deferred", "commit", "append", "append_l4", "serial", "attention")
 # --detail: a second ncu pass per job with these sections (hardware counters: stall reasons, occupancy, memory)
 DETAIL_SECTIONS = ("SpeedOfLight", "Occupancy", "WarpStateStats", "MemoryWorkloadAnalysis", "LaunchStats")
 
@@ -126,9 +128,9 @@ def _compile_job(B: int, N: int, only: str) -> None:
         "split": (lambda *a: tree_solve_pallas(*a, max_depth=depth, method="split"), tree),
         **{f"split_mgpu{sfx}": (lambda *a, op=op, sh=sh, kq=kq: tree_solve_pallas(
             *a, max_depth=depth, method="split_mgpu", operator_pass=op, share_state_smem=sh, share_kq_smem=kq), tree)
-           for sfx, op, sh, kq in (("", "triton", True, False), ("_noshare", "triton", False, False),
-                                   ("_kq", "triton", True, True), ("2", "mgpu", True, False),
-                                   ("2_kq", "mgpu", True, True))},
+           for sfx, op, sh, kq in (("", "triton", True, True), ("_noshare", "triton", False, False),
+                                   ("_nokq", "triton", True, False), ("2", "mgpu", True, True),
+                                   ("2_nokq", "mgpu", True, False))},
         "squaring_deferred": (lambda *a: tree_solve_pallas(*a[:7], a[7:], max_depth=depth, method="squaring",
                                                             write_state=True), tree + deferred),
         "commit": (lambda *a: path_commit_pallas(*a), (sd((LG, B, HV, DK, DV), f32), sd((LG, B, HV, N), f32),

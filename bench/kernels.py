@@ -233,10 +233,10 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
                         *s, mask, max_depth=depth, method="split", block_v=bv, precision="tf32", num_warps=nw,
                         operator_warps=ow, interpret=interpret), "solve")
     if gdn_tree_split_mgpu.supported(N, DK, DV, 64, jnp.bfloat16):   # the Mosaic GPU value pass (64 nodes)
-        # mgpu: Triton operator pass; mgpu2: both passes in Mosaic GPU; _kq: the value pass's k/q and [M; C M]
-        # share shared memory; _noshare: its state tile and bf16 pair do not
-        for op, sfx, share, kq in [("triton", "", True, False), ("triton", "_noshare", False, False),
-                                   ("triton", "_kq", True, True), ("mgpu", "", True, False), ("mgpu", "_kq", True, True)]:
+        # mgpu: Triton operator pass; mgpu2: both passes in Mosaic GPU; _nokq: the value pass's k/q and [M; C M]
+        # do not share shared memory; _noshare: neither do its state tile and bf16 pair
+        for op, sfx, share, kq in [("triton", "_nokq", True, False), ("triton", "_noshare", False, False),
+                                   ("triton", "", True, True), ("mgpu", "_nokq", True, False), ("mgpu", "", True, True)]:
             variants[f"pallas_split_{'mgpu' if op == 'triton' else 'mgpu2'}_bv64{sfx}"] = (
                 lambda *s, op=op, share=share, kq=kq: tree_solve_pallas(
                     *s, mask, max_depth=depth, method="split_mgpu", block_v=64, precision="tf32",

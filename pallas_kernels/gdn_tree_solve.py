@@ -216,7 +216,7 @@ def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref,
 
 def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision, out_dtype, num_warps, num_stages,
                       operator_warps, interpret, value_pass="triton", operator_pass="triton",
-                      share_state_smem=True, share_kq_smem=False):
+                      share_state_smem=True, share_kq_smem=True):
     """Two launches: the node-wise operators once per (request, value head) — Γ and [M; C M], 2·N² fp32 words
     per head through HBM — then the value tiles, which hold no N × N chain: three products, K S0, Q S0, [M; C M] R.
     value_pass "mgpu": the second launch is the Mosaic GPU kernel (gdn_tree_split_mgpu), fed the bf16 pair."""
@@ -300,7 +300,7 @@ def supported(N: int, dk: int, dv: int, block_v: int, precision: Precision = "tf
 def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: int, method: Method = "neumann",
                       block_v: int = 64, precision: Precision = "tf32", out_dtype=F32,
                       num_warps: int | None = None, num_stages: int = 1, operator_warps: int = 4,
-                      write_state: bool = False, share_state_smem: bool = True, share_kq_smem: bool = False,
+                      write_state: bool = False, share_state_smem: bool = True, share_kq_smem: bool = True,
                       operator_pass: Literal["triton", "mgpu"] = "triton", interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]

@@ -253,7 +253,7 @@ def _apply_kernel(gamma_g, beta_g, mchi_g, mclo_g, k_g, q_g, v_g, s0_g, o_g, vc_
 @functools.partial(jax.jit, static_argnames=("block_v", "share_state_smem", "share_kq_smem", "out_dtype",
                                              "interpret"))
 def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int = 64, share_state_smem: bool = True,
-                    share_kq_smem: bool = False, out_dtype=F32, interpret: bool = False):
+                    share_kq_smem: bool = True, out_dtype=F32, interpret: bool = False):
     """gamma, beta_hn [B,HV,N] fp32 (β in head-major layout); mc_hi, mc_lo [B,HV,2N,N] bf16 (the [M; C M] pair);
     k, q [B,N,HK,dk] bf16; v [B,N,HV,dv]; S0 [B,HV,dk,dv] fp32. Returns o [B,N,HV,dv] (out_dtype), V' [B,HV,N,dv]."""
     B, N, HK, dk = q.shape
@@ -282,6 +282,6 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name="gdn_tree_split_mgpu",
+        kernel_name="gdn_tree_apply_mgpu",
     )
     return kernel(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0)

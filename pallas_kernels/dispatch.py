@@ -173,8 +173,10 @@ def _block_v(dv: int, block_v: int | None) -> int:
 # and at 128 nodes by far, with whole-width value tiles (B 8: 401 µs split bv 128, 893 inverse, 710 squaring —
 # bench/results/kernels_h200_final.md; 346 µs with the current value pass, kernels_h200_split_final.md).
 # At 64 nodes on a Hopper GPU the split form with its Mosaic GPU value pass wins at every batch measured (B 1 / 8 /
-# 16 / 32: 14.3 / 42.4 / 74.2 / 134.5 µs vs 16.6 / 52.3 / 102.7 / 195.8 for the Triton value pass —
-# bench/results/kernels_split_mgpu_h200.md), where its shape limits allow (bf16 q/k, one-pass precision).
+# 16 / 32: 14.4 / 40.0 / 72.3 / 132.0 µs vs 16.6 / 52.3 / 102.7 / 195.8 for the Triton value pass —
+# bench/results/kernels_h200_mgpu_table.md, kernels_split_mgpu_h200.md), where its shape limits allow (bf16 q/k,
+# one-pass precision). Its Mosaic GPU operator pass (operator_pass="mgpu", ~40x more accurate) is slower: 25.5 µs +
+# 3.9 µs of XLA vs 15.3 µs for the Triton one at B 8 (kernels_split_mgpu_forms_h200.md), so it is not the default.
 SPLIT_MIN_NODES, SPLIT_ALWAYS_NODES = 64, 128
 
 

@@ -28,10 +28,19 @@ Shape limits: N = 64 (wgmma's M is a multiple of 64; 128 nodes would need [256, 
 [M; C M] pair in shared memory), bf16 q/k, dk a multiple of 64, bv = 64. `supported` says so; the dispatcher
 fails closed to the Triton form elsewhere. Needs compute capability 9.0 (wgmma).
 
-Shared memory per program (N 64, dk 128, bv 64): k, q 32 KiB, v 8 KiB, the [M; C M] pair 32 KiB, the fp32 state
-tile 32 KiB and its bf16 pair 32 KiB. With `share_state_smem` the fp32 tile and its pair share one region (a
+Shared memory per value-pass program (N 64, dk 128, bv 64): k, q 32 KiB, v 8 KiB, the [M; C M] pair 32 KiB, the
+fp32 state tile 32 KiB and its bf16 pair 32 KiB. `share_state_smem`: the fp32 tile and its pair share one region (a
 warpgroup barrier between reading the one and writing the other), and R's pair reuses the state pair's first N
-rows: 104 KiB, two programs per SM instead of one.
+rows. `share_kq_smem`: the [M; C M] pair lands where k and q were, its load issued once the state products have
+read them. Both (the default): 74 KiB, 150 registers, three programs per SM (ncu on the H200,
+bench/results/kernel_resources_mgpu_h200.md); B 8, N 64: 24.6 µs, vs 27.1 without k/q sharing and 33.7 without
+either (kernels_split_mgpu_forms_h200.md, kernels_split_mgpu_h200.md).
+
+The Mosaic GPU operator pass (85 KiB, 230 registers, two programs per SM) is ~40x more accurate than the Triton
+one (o error 4.6e-6 vs 2.0e-4 against the fp32 reference) but slower on the H200 (B 8: 25.5 µs + 3.9 µs of XLA
+for Γ and β, vs 15.3 µs): each of its chained N × N products is a round trip through shared memory and a
+barrier, and its 384 programs at B 8 take 1.45 waves. So `tree_solve_pallas` uses the Triton operator pass with
+this value pass unless told otherwise (operator_pass="mgpu").
 """
 
 from __future__ import annotations

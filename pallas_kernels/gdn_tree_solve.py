@@ -189,9 +189,7 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *m
         return
     hi_ref, lo_ref, beta_hn_ref = mc_refs
     for rows, X in ((pl.ds(0, n), M), (pl.ds(n, n), _dot(C, M, precision))):
-        hi = X.astype(jnp.bfloat16)
-        hi_ref[rows, :] = hi
-        lo_ref[rows, :] = (X - hi.astype(F32)).astype(jnp.bfloat16)
+        hi_ref[rows, :], lo_ref[rows, :] = gdn_tree_split_mgpu.split_bf16(X)
     beta_hn_ref[...] = beta
 
 

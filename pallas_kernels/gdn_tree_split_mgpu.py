@@ -76,6 +76,21 @@ def _smem_transforms(dtype, cols: int):
     return plgpu.TilingTransform((8, swizzle // size)), plgpu.SwizzleTransform(swizzle)
 
 
+def _pair_wgmma(a_pair, b_pair, shape):
+    """A B ≈ A_hi B_hi + A_lo B_hi + A_hi B_lo from two bf16 pairs in shared memory (the lo·lo term is below the
+    sum's fp32 rounding), accumulated in fp32 registers."""
+    (a_hi, a_lo), (b_hi, b_lo) = a_pair, b_pair
+
+    def products(acc):
+        plgpu.wgmma(acc, a_hi, b_hi)
+        plgpu.wgmma(acc, a_lo, b_hi)
+        plgpu.wgmma(acc, a_hi, b_lo)
+        plgpu.wgmma_wait(0)
+        return acc[...]
+
+    return pl.run_scoped(products, plgpu.ACC(shape, F32))
+
+
 def _eye_like(shape):
     rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
     cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
@@ -124,15 +139,7 @@ def _operator_kernel(mask_g, gamma_g, beta_g, q_g, k_g, mchi_g, mclo_g,
         xhi_s[...] = x_hi
         xlo_s[...] = x_lo
         plgpu.commit_smem()
-
-        def products(acc):
-            plgpu.wgmma(acc, xhi_s, yhi_s)
-            plgpu.wgmma(acc, xlo_s, yhi_s)
-            plgpu.wgmma(acc, xhi_s, ylo_s)
-            plgpu.wgmma_wait(0)
-            return acc[...]
-
-        return pl.run_scoped(products, plgpu.ACC((N, N), F32))
+        return _pair_wgmma((xhi_s, xlo_s), (yhi_s, ylo_s), (N, N))
 
     eye = (rows == cols).astype(F32)
     if squarings == 0:
@@ -246,15 +253,7 @@ def _apply_kernel(gamma_g, beta_g, mchi_g, mclo_g, k_g, q_g, v_g, s0_g, o_g, vc_
     plgpu.commit_smem()
 
     plgpu.barrier_wait(bar_mc)
-
-    def node_product(acc):
-        plgpu.wgmma(acc, mchi_s, rhi_s)
-        plgpu.wgmma(acc, mclo_s, rhi_s)
-        plgpu.wgmma(acc, mchi_s, rlo_s)
-        plgpu.wgmma_wait(0)
-        return acc[...]
-
-    out = pl.run_scoped(node_product, plgpu.ACC((2 * N, bv), F32))
+    out = _pair_wgmma((mchi_s, mclo_s), (rhi_s, rlo_s), (2 * N, bv))
     vc_g.at[b, h, :, cols][...] = out[:N]
     o_g.at[b, :, h, cols][...] = (decay * qs + out[N:]).astype(o_g.dtype)
 

@@ -143,7 +143,7 @@ def masked_solve(S0: jax.Array, q, k, v, g, beta, mask: jax.Array, *, method: In
     """
     q, k, v, g, beta = _heads_first(q, k, v, g, beta)
     A = mask.astype(F32)[:, None]                                  # [B,1,N,N]
-    log_decay = _ein("bij,bhj->bhi", mask.astype(F32), g)          # Γ [B,H,N]
+    log_decay = tree_log_decay(mask, g)                            # Γ [B,H,N]
     D = path_decay(A, log_decay, log_decay)                        # [B,H,N,N]
     eye = jnp.eye(A.shape[-1], dtype=F32)
     L = (A - eye) * beta[..., :, None] * _ein("bhid,bhjd->bhij", k, k) * D
@@ -154,6 +154,12 @@ def masked_solve(S0: jax.Array, q, k, v, g, beta, mask: jax.Array, *, method: In
     o = (jnp.exp(log_decay)[..., None] * _ein("bhid,bhdv->bhiv", q, S0)
          + _ein("bhij,bhjv->bhiv", _ein("bhid,bhjd->bhij", q, k) * D, corrected))
     return jnp.moveaxis(o, 1, 2), SolveFactors(log_decay, k, corrected)
+
+
+def tree_log_decay(mask: jax.Array, g: jax.Array) -> jax.Array:
+    """Γ = A g: each node's summed log decay from its root through itself; mask [B,N,N] ancestor-or-self,
+    g [B,H,N] (heads first) → [B,H,N]."""
+    return _ein("bij,bhj->bhi", mask.astype(F32), g.astype(F32))
 
 
 def path_decay(A_rows: jax.Array, log_decay_rows: jax.Array, log_decay_cols: jax.Array) -> jax.Array:

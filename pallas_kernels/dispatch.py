@@ -192,6 +192,19 @@ def auto_method(nodes: int, dv: int, mgpu_ok: bool = False) -> tuple[str, int]:
     return "inverse", min(64, dv)
 
 
+def _split_mgpu_refusal(q, v, block_v: int, precision: str | None, impl: Impl) -> str:
+    """Why method "split_mgpu" cannot run on these inputs ("" when it can); the other checks are
+    tree_solve_supported's."""
+    if not gdn_tree_split_mgpu.supported(_padded_n(q.shape[1]), q.shape[-1], v.shape[-1], block_v, q.dtype):
+        return (f"split_mgpu takes {gdn_tree_split_mgpu.NODES} (padded) nodes, bf16 q/k, "
+                f"block_v in {gdn_tree_split_mgpu.BLOCK_VS}")
+    if (precision or _default_precision(q.dtype)) != "tf32":
+        return "split_mgpu's bf16-pair products are not fp32-accurate (precision must be tf32)"
+    if impl != "interpret" and not hopper_available():
+        return "split_mgpu needs a compute capability 9.x GPU (wgmma)"
+    return ""
+
+
 def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl: Impl = "auto",
                method: str = "auto", block_v: int | None = None, precision: str | None = None,
                reference_method: str = "solve"):
@@ -211,24 +224,15 @@ def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl
         return _reference(S0, q, k, v, g, beta, mask, max_depth, reference_method)
     if method == "auto":
         n_pad = _padded_n(N)
-        mgpu_ok = (n_pad is not None and impl != "interpret" and hopper_available()
-                   and (precision or _default_precision(q.dtype)) == "tf32"
-                   and gdn_tree_split_mgpu.supported(n_pad, q.shape[-1], v.shape[-1], 64, q.dtype))
+        mgpu_ok = impl != "interpret" and not _split_mgpu_refusal(q, v, 64, precision, impl)
         method, auto_bv = auto_method(n_pad or N, v.shape[-1], mgpu_ok)
         block_v = auto_bv if block_v is None else block_v
     block_v = _block_v(v.shape[-1], block_v)
     ok, why = tree_solve_supported(S0, q, k, v, g, beta, mask, block_v, precision)
     if method not in gdn_tree_solve.METHODS:
         ok, why = False, f"method {method!r}"
-    elif method == "split_mgpu" and ok:
-        n_pad = _padded_n(N)
-        if not gdn_tree_split_mgpu.supported(n_pad, q.shape[-1], v.shape[-1], block_v, q.dtype):
-            ok, why = False, (f"split_mgpu takes {gdn_tree_split_mgpu.NODES} (padded) nodes, bf16 q/k, "
-                              f"block_v in {gdn_tree_split_mgpu.BLOCK_VS}")
-        elif (precision or _default_precision(q.dtype)) != "tf32":
-            ok, why = False, "split_mgpu's bf16-pair products are not fp32-accurate (precision must be tf32)"
-        elif impl != "interpret" and not hopper_available():
-            ok, why = False, "split_mgpu needs a compute capability 9.x GPU (wgmma)"
+    elif method == "split_mgpu" and ok and (refusal := _split_mgpu_refusal(q, v, block_v, precision, impl)):
+        ok, why = False, refusal
     interpret = _use_kernel(impl, ok, "tree_solve", why)
     if interpret is None:
         return _reference(S0, q, k, v, g, beta, mask, max_depth, reference_method)

@@ -211,31 +211,18 @@ def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref,
     o_ref[...] = (eg[:, None] * qs + CU).astype(o_ref.dtype)
 
 
-def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision, out_dtype, num_warps, num_stages,
-                      operator_warps, interpret, value_pass="triton", operator_pass="triton",
-                      share_state_smem=True, share_kq_smem=True):
-    """Two launches: the node-wise operators once per (request, value head) — Γ and [M; C M], 2·N² fp32 words
-    per head through HBM — then the value tiles, which hold no N × N chain: three products, K S0, Q S0, [M; C M] R.
-    value_pass "mgpu": the second launch is the Mosaic GPU kernel (gdn_tree_split_mgpu), fed the bf16 pair."""
+def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, pair, operator_warps, interpret):
+    """The split form's Triton operator pass: Γ and [M; C M] fp32, or (pair) Γ, the [M; C M] bf16 pair and β
+    head-major for the Mosaic GPU value pass."""
     B, N, HK, dk = q.shape
-    HV, dv = v.shape[2], v.shape[3]
+    HV = g.shape[2]
     r = HV // HK
-    pair = value_pass == "mgpu"
-    if pair and operator_pass == "mgpu":                 # both passes in Mosaic GPU
-        gamma, beta_hn = gdn_tree_split_mgpu.head_major_rows(mask, g, beta)
-        mc_hi, mc_lo = gdn_tree_split_mgpu.tree_operators_mgpu(mask, gamma, beta_hn, q, k,
-                                                               squarings=num_squarings(rounds), interpret=interpret)
-        o, vc = gdn_tree_split_mgpu.tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0.astype(F32),
-                                                    block_v=block_v, share_state_smem=share_state_smem,
-                                                    share_kq_smem=share_kq_smem, out_dtype=out_dtype,
-                                                    interpret=interpret)
-        return o, gamma, vc
     mc_shapes = ([jax.ShapeDtypeStruct((B, HV, 2 * N, N), jnp.bfloat16)] * 2 + [jax.ShapeDtypeStruct((B, HV, N), F32)]
                  if pair else [jax.ShapeDtypeStruct((B, HV, 2 * N, N), F32)])
     mc_specs = ([pl.BlockSpec((None, None, 2 * N, N), lambda b, h: (b, h, 0, 0))] * 2
                 + [pl.BlockSpec((None, None, N), lambda b, h: (b, h, 0))]
                 if pair else [pl.BlockSpec((None, None, 2 * N, N), lambda b, h: (b, h, 0, 0))])
-    gamma, *MC = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_tree_operator_kernel, rounds=rounds, precision=precision),
         out_shape=[jax.ShapeDtypeStruct((B, HV, N), F32), *mc_shapes],
         grid=(B, HV),
@@ -250,14 +237,33 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
         compiler_params=pltriton.CompilerParams(num_warps=operator_warps, num_stages=1),
         interpret=interpret, name="gdn_tree_operators",
     )(mask.astype(F32), g.astype(F32), beta.astype(F32), q, k)
-    if pair:
-        mc_hi, mc_lo, beta_hn = MC
+
+
+def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision, out_dtype, num_warps, num_stages,
+                      operator_warps, interpret, value_pass="triton", operator_pass="triton",
+                      share_state_smem=True, share_kq_smem=True):
+    """Two launches: the node-wise operators once per (request, value head) — Γ and [M; C M], 2·N² fp32 words
+    per head through HBM — then the value tiles, which hold no N × N chain: three products, K S0, Q S0, [M; C M] R.
+    value_pass "mgpu": the second launch is the Mosaic GPU kernel (gdn_tree_split_mgpu), fed the bf16 pair."""
+    B, N, HK, dk = q.shape
+    HV, dv = v.shape[2], v.shape[3]
+    r = HV // HK
+    if value_pass == "mgpu":
+        if operator_pass == "mgpu":                  # both passes in Mosaic GPU
+            gamma, beta_hn = gdn_tree_split_mgpu.head_major_rows(mask, g, beta)
+            mc_hi, mc_lo = gdn_tree_split_mgpu.tree_operators_mgpu(
+                mask, gamma, beta_hn, q, k, squarings=num_squarings(rounds), interpret=interpret)
+        else:
+            gamma, mc_hi, mc_lo, beta_hn = _tree_operators_triton(
+                q, k, g, beta, mask, rounds=rounds, precision=precision, pair=True, operator_warps=operator_warps,
+                interpret=interpret)
         o, vc = gdn_tree_split_mgpu.tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0.astype(F32),
                                                     block_v=block_v, share_state_smem=share_state_smem,
                                                     share_kq_smem=share_kq_smem, out_dtype=out_dtype,
                                                     interpret=interpret)
         return o, gamma, vc
-    MC = MC[0]
+    gamma, MC = _tree_operators_triton(q, k, g, beta, mask, rounds=rounds, precision=precision, pair=False,
+                                       operator_warps=operator_warps, interpret=interpret)
     o, vc = pl.pallas_call(
         functools.partial(_tree_apply_kernel, precision=precision),
         out_shape=[jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype), jax.ShapeDtypeStruct((B, HV, N, dv), F32)],

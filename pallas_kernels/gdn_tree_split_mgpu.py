@@ -3,8 +3,8 @@
 
 Operator pass, per (request b, value head h), the same math as `gdn_tree_solve._node_operators` + `_inverse`:
 D = A ⊙ e^{Γ_i − Γ_j}, L = strict(A) ⊙ β kkᵀ ⊙ D, C = qkᵀ ⊙ D, M = (I+L)⁻¹ = (I−L)(I+L²)(I+L⁴)… and C M, written as
-a bf16 pair. Γ = A g and β come in head-major [B, HV, N] (a small XLA fusion before it: a TMA load needs the
-node axis contiguous, and g/β arrive node-major). kkᵀ and qkᵀ are plain bf16 products (k, q are bf16); each
+a bf16 pair. Γ = A g and β come in head-major [B, HV, N] (XLA work before it, `head_major_rows`: a TMA load
+needs the node axis contiguous, and g/β arrive node-major). kkᵀ and qkᵀ are plain bf16 products (k, q are bf16); each
 N × N product of the chain is a pair product X Y ≈ X_hi Y_hi + X_lo Y_hi + X_hi Y_lo, both pairs stored to
 shared memory (wgmma's operands).
 
@@ -53,6 +53,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from hyspec_jax import gdn
+
 F32, BF16 = jnp.float32, jnp.bfloat16
 NODES = 64
 BLOCK_VS = (64,)
@@ -91,7 +93,7 @@ def _pair_wgmma(a_pair, b_pair, shape):
     return pl.run_scoped(products, plgpu.ACC(shape, F32))
 
 
-def _eye_like(shape):
+def _iotas(shape):
     rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
     cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
     return rows, cols
@@ -124,7 +126,7 @@ def _operator_kernel(mask_g, gamma_g, beta_g, q_g, k_g, mchi_g, mclo_g,
     gamma_j = lax.broadcast_in_dim(plgpu.load(gam_col_s, layout=plgpu.Layout.WGMMA.reduce(0)), (N, N), [1])
     beta_i = lax.broadcast_in_dim(plgpu.load(bet_s, layout=plgpu.Layout.WGMMA.reduce(1)), (N, N), [0])
     D = jnp.where(on, jnp.exp(jnp.where(on, gamma_i - gamma_j, 0.0)), 0.0)
-    rows, cols = _eye_like((N, N))
+    rows, cols = _iotas((N, N))
     L = jnp.where(on & (rows != cols), beta_i * kk * D, 0.0)
     C = qk * D
 
@@ -185,10 +187,8 @@ def tree_operators_mgpu(mask, gamma, beta_hn, q, k, *, squarings: int, interpret
 
 
 def head_major_rows(mask, g, beta):
-    """Γ = A g and β in head-major layout [B, HV, N] (what both passes load by TMA): one small XLA fusion."""
-    g_hn = jnp.swapaxes(g.astype(F32), 1, 2)                                   # [B, HV, N]
-    gamma = jnp.sum(mask.astype(F32)[:, None, :, :] * g_hn[:, :, None, :], axis=-1)
-    return gamma, jnp.swapaxes(beta.astype(F32), 1, 2)
+    """Γ = A g (gdn.tree_log_decay) and β in head-major layout [B, HV, N], what both passes load by TMA."""
+    return gdn.tree_log_decay(mask, jnp.swapaxes(g, 1, 2)), jnp.swapaxes(beta.astype(F32), 1, 2)
 
 
 def _apply_kernel(gamma_g, beta_g, mchi_g, mclo_g, k_g, q_g, v_g, s0_g, o_g, vc_g,

@@ -106,9 +106,10 @@ def _node_operators(mask_ref, g_ref, beta_ref, q, k, precision):
     row = lax.broadcasted_iota(jnp.int32, (n, n), 0)
     col = lax.broadcasted_iota(jnp.int32, (n, n), 1)
     kk = _dot(k, k, precision, trans_b=True)            # [N, N]
-    qk = _dot(q, k, precision, trans_b=True)
     L = jnp.where(on & (row != col), beta[:, None] * kk * D, 0.0)
-    return gamma, beta, L, qk * D
+    if q is None:                                       # C not wanted (built by the value pass)
+        return gamma, beta, L, None
+    return gamma, beta, L, _dot(q, k, precision, trans_b=True) * D
 
 
 def _inverse(L, rounds: int, precision):
@@ -175,22 +176,31 @@ def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: boo
     gamma_ref[...] = gamma                              # every value tile writes the same Γ
 
 
-def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *mc_refs, rounds: int, precision):
-    """Split form, pass 1 (one program per request and value head): Γ and [M; C M] (M = (I+L)⁻¹) to HBM —
-    fp32 (one output), or for the Mosaic GPU value pass as a bf16 pair hi + lo with β in head-major layout
-    (three more: hi, lo, β [HV, N]; gdn_tree_split_mgpu says why)."""
+def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *out_refs, rounds: int, precision,
+                          form: str):
+    """Split form, pass 1 (one program per request and value head): Γ and the node-wise operators to HBM, as
+    `_tree_operators_triton`'s form says: "fp32" [M; C M] (one output); "pair" the same as a bf16 pair hi + lo with β
+    head-major for the Mosaic GPU value pass (three outputs: hi, lo, β [HV, N]; gdn_tree_split_mgpu says why);
+    "m_pair" only M's pair, β and the ancestor bits (four: hi, lo, β, bits [2, N]) for the value pass that builds
+    C itself."""
     n = mask_ref.shape[0]
-    gamma, beta, L, C = _node_operators(mask_ref, g_ref, beta_ref, q_ref[...], k_ref[...], precision)
+    q = None if form == "m_pair" else q_ref[...]
+    gamma, beta, L, C = _node_operators(mask_ref, g_ref, beta_ref, q, k_ref[...], precision)
     M = _inverse(L, rounds, precision)
     gamma_ref[...] = gamma
-    if len(mc_refs) == 1:
-        mc_refs[0][pl.ds(0, n), :] = M
-        mc_refs[0][pl.ds(n, n), :] = _dot(C, M, precision)
+    if form == "fp32":
+        out_refs[0][pl.ds(0, n), :] = M
+        out_refs[0][pl.ds(n, n), :] = _dot(C, M, precision)
         return
-    hi_ref, lo_ref, beta_hn_ref = mc_refs
+    hi_ref, lo_ref, beta_hn_ref = out_refs[:3]
+    beta_hn_ref[...] = beta
+    if form == "m_pair":
+        hi_ref[...], lo_ref[...] = gdn_tree_split_mgpu.split_bf16(M)
+        bits_ref = out_refs[3]
+        bits_ref[0, :], bits_ref[1, :] = gdn_tree_split_mgpu.ancestor_bits(mask_ref[...])
+        return
     for rows, X in ((pl.ds(0, n), M), (pl.ds(n, n), _dot(C, M, precision))):
         hi_ref[rows, :], lo_ref[rows, :] = gdn_tree_split_mgpu.split_bf16(X)
-    beta_hn_ref[...] = beta
 
 
 def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref, o_ref, vc_ref, *, precision):
@@ -211,20 +221,27 @@ def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref,
     o_ref[...] = (eg[:, None] * qs + CU).astype(o_ref.dtype)
 
 
-def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, pair, operator_warps, interpret):
-    """The split form's Triton operator pass: Γ and [M; C M] fp32, or (pair) Γ, the [M; C M] bf16 pair and β
-    head-major for the Mosaic GPU value pass."""
+def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, operator_warps, interpret):
+    """The split form's Triton operator pass (`_tree_operator_kernel` says what each form writes): form "fp32"
+    returns Γ, [M; C M] fp32; "pair" Γ, the [M; C M] bf16 pair, β head-major; "m_pair" Γ, M's bf16 pair, β
+    head-major and the ancestor bits."""
     B, N, HK, dk = q.shape
     HV = g.shape[2]
     r = HV // HK
-    mc_shapes = ([jax.ShapeDtypeStruct((B, HV, 2 * N, N), jnp.bfloat16)] * 2 + [jax.ShapeDtypeStruct((B, HV, N), F32)]
-                 if pair else [jax.ShapeDtypeStruct((B, HV, 2 * N, N), F32)])
-    mc_specs = ([pl.BlockSpec((None, None, 2 * N, N), lambda b, h: (b, h, 0, 0))] * 2
-                + [pl.BlockSpec((None, None, N), lambda b, h: (b, h, 0))]
-                if pair else [pl.BlockSpec((None, None, 2 * N, N), lambda b, h: (b, h, 0, 0))])
+    rows = N if form == "m_pair" else 2 * N
+    mats = 1 if form == "fp32" else 2
+    mat_dtype = F32 if form == "fp32" else jnp.bfloat16
+    shapes = [jax.ShapeDtypeStruct((B, HV, rows, N), mat_dtype)] * mats
+    specs = [pl.BlockSpec((None, None, rows, N), lambda b, h: (b, h, 0, 0))] * mats
+    if form != "fp32":                                                              # β head-major
+        shapes.append(jax.ShapeDtypeStruct((B, HV, N), F32))
+        specs.append(pl.BlockSpec((None, None, N), lambda b, h: (b, h, 0)))
+    if form == "m_pair":                                                            # ancestor bits
+        shapes.append(jax.ShapeDtypeStruct((B, HV, 2, N), jnp.int32))
+        specs.append(pl.BlockSpec((None, None, 2, N), lambda b, h: (b, h, 0, 0)))
     return pl.pallas_call(
-        functools.partial(_tree_operator_kernel, rounds=rounds, precision=precision),
-        out_shape=[jax.ShapeDtypeStruct((B, HV, N), F32), *mc_shapes],
+        functools.partial(_tree_operator_kernel, rounds=rounds, precision=precision, form=form),
+        out_shape=[jax.ShapeDtypeStruct((B, HV, N), F32), *shapes],
         grid=(B, HV),
         in_specs=[
             pl.BlockSpec((None, N, N), lambda b, h: (b, 0, 0)),                    # mask
@@ -233,7 +250,7 @@ def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, pair, oper
             pl.BlockSpec((None, N, None, dk), lambda b, h: (b, 0, h // r, 0)),     # q (key head)
             pl.BlockSpec((None, N, None, dk), lambda b, h: (b, 0, h // r, 0)),     # k (key head)
         ],
-        out_specs=[pl.BlockSpec((None, None, N), lambda b, h: (b, h, 0)), *mc_specs],
+        out_specs=[pl.BlockSpec((None, None, N), lambda b, h: (b, h, 0)), *specs],
         compiler_params=pltriton.CompilerParams(num_warps=operator_warps, num_stages=1),
         interpret=interpret, name="gdn_tree_operators",
     )(mask.astype(F32), g.astype(F32), beta.astype(F32), q, k)
@@ -241,13 +258,21 @@ def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, pair, oper
 
 def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision, out_dtype, num_warps, num_stages,
                       operator_warps, interpret, value_pass="triton", operator_pass="triton",
-                      share_state_smem=True, share_kq_smem=True):
+                      share_state_smem=True, share_kq_smem=True, build_c=False, late_gram=False):
     """Two launches: the node-wise operators once per (request, value head) — Γ and [M; C M], 2·N² fp32 words
     per head through HBM — then the value tiles, which hold no N × N chain: three products, K S0, Q S0, [M; C M] R.
     value_pass "mgpu": the second launch is the Mosaic GPU kernel (gdn_tree_split_mgpu), fed the bf16 pair."""
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
     r = HV // HK
+    if value_pass == "mgpu" and build_c:             # the operator pass sends M only; the value pass builds C
+        gamma, m_hi, m_lo, beta_hn, bits = _tree_operators_triton(
+            q, k, g, beta, mask, rounds=rounds, precision=precision, form="m_pair", operator_warps=operator_warps,
+            interpret=interpret)
+        o, vc = gdn_tree_split_mgpu.tree_apply_cv_mgpu(gamma, beta_hn, bits, m_hi, m_lo, k, q, v, S0.astype(F32),
+                                                       block_v=block_v, late_gram=late_gram, out_dtype=out_dtype,
+                                                       interpret=interpret)
+        return o, gamma, vc
     if value_pass == "mgpu":
         if operator_pass == "mgpu":                  # both passes in Mosaic GPU
             gamma, beta_hn = gdn_tree_split_mgpu.head_major_rows(mask, g, beta)
@@ -255,14 +280,14 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
                 mask, gamma, beta_hn, q, k, squarings=num_squarings(rounds), interpret=interpret)
         else:
             gamma, mc_hi, mc_lo, beta_hn = _tree_operators_triton(
-                q, k, g, beta, mask, rounds=rounds, precision=precision, pair=True, operator_warps=operator_warps,
+                q, k, g, beta, mask, rounds=rounds, precision=precision, form="pair", operator_warps=operator_warps,
                 interpret=interpret)
         o, vc = gdn_tree_split_mgpu.tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0.astype(F32),
                                                     block_v=block_v, share_state_smem=share_state_smem,
                                                     share_kq_smem=share_kq_smem, out_dtype=out_dtype,
                                                     interpret=interpret)
         return o, gamma, vc
-    gamma, MC = _tree_operators_triton(q, k, g, beta, mask, rounds=rounds, precision=precision, pair=False,
+    gamma, MC = _tree_operators_triton(q, k, g, beta, mask, rounds=rounds, precision=precision, form="fp32",
                                        operator_warps=operator_warps, interpret=interpret)
     o, vc = pl.pallas_call(
         functools.partial(_tree_apply_kernel, precision=precision),
@@ -299,12 +324,14 @@ def supported(N: int, dk: int, dv: int, block_v: int, precision: Precision = "tf
 
 @functools.partial(jax.jit, static_argnames=("max_depth", "method", "block_v", "precision", "out_dtype",
                                              "num_warps", "num_stages", "operator_warps", "write_state",
-                                             "share_state_smem", "share_kq_smem", "operator_pass", "interpret"))
+                                             "share_state_smem", "share_kq_smem", "operator_pass", "build_c", "late_gram",
+                                             "interpret"))
 def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: int, method: Method = "neumann",
                       block_v: int = 64, precision: Precision = "tf32", out_dtype=F32,
                       num_warps: int | None = None, num_stages: int = 1, operator_warps: int = 4,
                       write_state: bool = False, share_state_smem: bool = True, share_kq_smem: bool = True,
-                      operator_pass: Literal["triton", "mgpu"] = "triton", interpret: bool = False):
+                      operator_pass: Literal["triton", "mgpu"] = "triton", build_c: bool = False,
+                      late_gram: bool = False, interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]
     (the dispatcher pads with identity nodes). Returns (o [B,N,HV,dv], Γ [B,HV,N], V' [B,HV,N,dv]).
@@ -316,7 +343,9 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     num_warps / num_stages: the value-tile programs'; operator_warps: the split form's operator pass.
     method "split_mgpu": the split form with its value pass in Mosaic GPU (gdn_tree_split_mgpu: N = 64, bf16
     q/k, compute capability 9.0); share_state_smem / share_kq_smem are that kernel's shared-memory options, and
-    operator_pass "mgpu" runs the operator pass in Mosaic GPU too (gdn_tree_split_mgpu.tree_operators_mgpu).
+    operator_pass "mgpu" runs the operator pass in Mosaic GPU too (gdn_tree_split_mgpu.tree_operators_mgpu);
+    build_c: the operator pass sends M alone and the value pass builds C from q kᵀ (gdn_tree_split_mgpu.
+    tree_apply_cv_mgpu), with the Triton operator pass; late_gram is that kernel's option.
     """
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
@@ -344,7 +373,7 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
                                  num_warps=num_warps, num_stages=num_stages, operator_warps=operator_warps,
                                  interpret=interpret, value_pass="mgpu" if method == "split_mgpu" else "triton",
                                  operator_pass=operator_pass, share_state_smem=share_state_smem,
-                                 share_kq_smem=share_kq_smem)
+                                 share_kq_smem=share_kq_smem, build_c=build_c, late_gram=late_gram)
     kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(max_depth, N), method=method,
                              precision=_f32_precision(precision, interpret), deferred=deferred is not None,
                              write_state=write_state)

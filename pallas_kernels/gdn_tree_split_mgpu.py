@@ -71,6 +71,21 @@ def split_bf16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return hi, (x - hi.astype(F32)).astype(BF16)
 
 
+def ancestor_bits(A: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The ancestor mask A [..., N, N] (0/1, N ≤ 64) as two int32 bit sets per row (lo, hi [..., N]): bit j of lo is
+    A[i, j], of hi A[i, 32 + j]. Written by the operator pass (plain jnp: any lowering), so the value pass rebuilds A
+    (`ancestors_from_bits`) from 512 bytes instead of holding the 16 KiB fp32 mask in its shared memory."""
+    cols = lax.broadcasted_iota(jnp.int32, A.shape, A.ndim - 1)
+    bit = jnp.where(A > 0, lax.shift_left(jnp.ones_like(cols), cols & 31), 0)    # 1 << 31 wraps: the sign bit
+    return jnp.sum(jnp.where(cols < 32, bit, 0), axis=-1), jnp.sum(jnp.where(cols >= 32, bit, 0), axis=-1)
+
+
+def ancestors_from_bits(lo: jax.Array, hi: jax.Array, cols: jax.Array) -> jax.Array:
+    """A[i, j] > 0 from `ancestor_bits`' two words of row i (lo, hi broadcast along the rows) and the column index."""
+    word = jnp.where(cols < 32, lo, hi)
+    return (lax.shift_right_logical(word, cols & 31) & 1) != 0
+
+
 def _smem_transforms(dtype, cols: int):
     """Tiling + swizzle for a row-major [rows, cols] shared-memory tile (the widest swizzle one row fills)."""
     size = jnp.dtype(dtype).itemsize
@@ -256,6 +271,129 @@ def _apply_kernel(gamma_g, beta_g, mchi_g, mclo_g, k_g, q_g, v_g, s0_g, o_g, vc_
     out = _pair_wgmma((mchi_s, mclo_s), (rhi_s, rlo_s), (2 * N, bv))
     vc_g.at[b, h, :, cols][...] = out[:N]
     o_g.at[b, :, h, cols][...] = (decay * qs + out[N:]).astype(o_g.dtype)
+
+
+def _apply_cv_kernel(gamma_g, beta_g, bits_g, mhi_g, mlo_g, k_g, q_g, v_g, s0_g, o_g, vc_g,
+                     kq_s, v_s, state_s, gam_s, gam_col_s, bet_s, lo_s, hi_s, bar_state, bar_rows, bar_m,
+                     *, r: int, bv: int, late_gram: bool):
+    """The value pass that builds C itself (`build_c`): the operator pass sends only M's pair, and
+    o = e^Γ Q S0 + C V' with C = q kᵀ ⊙ D from the q and k this program loads anyway (one more bf16 product) and
+    the ancestor bits. Shared memory as the default form's: [C; M] pairs land where k and q were, R's pair (then
+    V''s) on the state pair's first N rows. late_gram: q kᵀ after R (fewer live accumulators, M's load later)."""
+    b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
+    cols = pl.ds(t * bv, bv)
+    key_head = lax.div(h, jnp.int32(r))
+    s0f_s, (s0hi_s, s0lo_s) = state_s
+    (k_s, q_s), (chi_s, clo_s, mhi_s, mlo_s) = kq_s
+    N = k_s.shape[0]
+    plgpu.copy_gmem_to_smem(s0_g.at[b, h, :, cols], s0f_s, bar_state)
+    plgpu.copy_gmem_to_smem(k_g.at[b, :, key_head, :], k_s, bar_state)
+    plgpu.copy_gmem_to_smem(q_g.at[b, :, key_head, :], q_s, bar_state)
+    plgpu.copy_gmem_to_smem(v_g.at[b, :, h, cols], v_s, bar_rows)
+    plgpu.copy_gmem_to_smem(gamma_g.at[b, h], gam_s, bar_rows)
+    plgpu.copy_gmem_to_smem(gamma_g.at[b, h], gam_col_s, bar_rows)  # one ref is loaded in one layout only
+    plgpu.copy_gmem_to_smem(beta_g.at[b, h], bet_s, bar_rows)
+    plgpu.copy_gmem_to_smem(bits_g.at[b, h, 0], lo_s, bar_rows)
+    plgpu.copy_gmem_to_smem(bits_g.at[b, h, 1], hi_s, bar_rows)
+
+    plgpu.barrier_wait(bar_state)
+    s0 = s0f_s[...]
+    plgpu.commit_smem()                                 # every thread has read the fp32 tile before it is overwritten
+    s0_hi, s0_lo = split_bf16(s0)
+    s0hi_s[...] = s0_hi
+    s0lo_s[...] = s0_lo
+    plgpu.commit_smem()
+
+    def gram(acc_qk):
+        plgpu.wgmma(acc_qk, q_s, k_s.transpose((1, 0)))
+        plgpu.wgmma_wait(0)
+        return acc_qk[...]
+
+    def load_m():                                       # k and q are read: M's pair lands there
+        plgpu.copy_gmem_to_smem(mhi_g.at[b, h], mhi_s, bar_m)
+        plgpu.copy_gmem_to_smem(mlo_g.at[b, h], mlo_s, bar_m)
+
+    def first_products(acc_k, acc_q, *acc_qk):
+        plgpu.wgmma(acc_k, k_s, s0hi_s)
+        plgpu.wgmma(acc_k, k_s, s0lo_s)
+        plgpu.wgmma(acc_q, q_s, s0hi_s)
+        plgpu.wgmma(acc_q, q_s, s0lo_s)
+        if acc_qk:
+            return acc_k[...], acc_q[...], gram(*acc_qk)      # its wait covers all five
+        plgpu.wgmma_wait(0)
+        return acc_k[...], acc_q[...]
+
+    ks, qs, *qk = pl.run_scoped(first_products, plgpu.ACC((N, bv), F32), plgpu.ACC((N, bv), F32),
+                                *([] if late_gram else [plgpu.ACC((N, N), F32)]))
+    if not late_gram:
+        load_m()
+
+    plgpu.barrier_wait(bar_rows)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    rows = lambda x, n: lax.broadcast_in_dim(x, (N, n), [0])
+    decay = rows(jnp.exp(plgpu.load(gam_s, layout=row_layout)), bv)
+    beta = rows(plgpu.load(bet_s, layout=row_layout), bv)
+    v = plgpu.load(v_s, layout=plgpu.Layout.WGMMA).astype(F32)
+    R_hi, R_lo = split_bf16(beta * (v - decay * ks))
+    rhi_s, rlo_s = s0hi_s.at[pl.ds(0, N)], s0lo_s.at[pl.ds(0, N)]   # the state pair is no longer read
+    rhi_s[...] = R_hi
+    rlo_s[...] = R_lo
+    if late_gram:
+        qk = [pl.run_scoped(gram, plgpu.ACC((N, N), F32))]
+        load_m()
+    _, node_cols = _iotas((N, N))
+    on = ancestors_from_bits(rows(plgpu.load(lo_s, layout=row_layout), N),
+                             rows(plgpu.load(hi_s, layout=row_layout), N), node_cols)
+    gamma_i = rows(plgpu.load(gam_s, layout=row_layout), N)
+    gamma_j = lax.broadcast_in_dim(plgpu.load(gam_col_s, layout=plgpu.Layout.WGMMA.reduce(0)), (N, N), [1])
+    C_hi, C_lo = split_bf16(qk[0] * jnp.where(on, jnp.exp(jnp.where(on, gamma_i - gamma_j, 0.0)), 0.0))
+    chi_s[...] = C_hi
+    clo_s[...] = C_lo
+    plgpu.commit_smem()
+
+    plgpu.barrier_wait(bar_m)
+    U = _pair_wgmma((mhi_s, mlo_s), (rhi_s, rlo_s), (N, bv))       # V' = M R
+    vc_g.at[b, h, :, cols][...] = U
+    U_hi, U_lo = split_bf16(U)
+    rhi_s[...] = U_hi                                   # R is read (the wgmma above has completed)
+    rlo_s[...] = U_lo
+    plgpu.commit_smem()
+    CU = _pair_wgmma((chi_s, clo_s), (rhi_s, rlo_s), (N, bv))
+    o_g.at[b, :, h, cols][...] = (decay * qs + CU).astype(o_g.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("block_v", "late_gram", "out_dtype", "interpret"))
+def tree_apply_cv_mgpu(gamma, beta_hn, bits, m_hi, m_lo, k, q, v, S0, *, block_v: int = 64, late_gram: bool = False,
+                       out_dtype=F32, interpret: bool = False):
+    """The value pass that builds C itself (`_apply_cv_kernel`). gamma, beta_hn [B,HV,N] fp32; bits [B,HV,2,N] int32
+    (`ancestor_bits`); m_hi, m_lo [B,HV,N,N] bf16 (M's pair); the rest as `tree_apply_mgpu`."""
+    B, N, HK, dk = q.shape
+    HV, dv = v.shape[2], v.shape[3]
+    if not supported(N, dk, dv, block_v, q.dtype) or HV % HK or k.dtype != q.dtype:
+        raise ValueError(f"tree_apply_cv_mgpu: unsupported N={N} dk={dk} dv={dv} block_v={block_v} HV={HV} HK={HK} "
+                         f"q/k {q.dtype}/{k.dtype} (needs N={NODES}, bf16 q/k, dk % 64 == 0, block_v in {BLOCK_VS})")
+    bv = block_v
+    state = plgpu.RefUnion(plgpu.SMEM((dk, bv), F32),
+                           tuple(plgpu.SMEM((dk, bv), BF16, transforms=_smem_transforms(BF16, bv)) for _ in range(2)))
+    kq = tuple(plgpu.SMEM((N, dk), BF16, transforms=_smem_transforms(BF16, dk)) for _ in range(2))
+    cm = tuple(plgpu.SMEM((N, N), BF16, transforms=_smem_transforms(BF16, N)) for _ in range(4))
+    kernel = plgpu.kernel(
+        functools.partial(_apply_cv_kernel, r=HV // HK, bv=bv, late_gram=late_gram),
+        out_type=[jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype), jax.ShapeDtypeStruct((B, HV, N, dv), F32)],
+        grid=(B, HV, dv // bv), grid_names=("b", "h", "t"),
+        scratch_types=[
+            plgpu.RefUnion(kq, cm),                                                    # k, q | C and M pairs
+            plgpu.SMEM((N, bv), v.dtype, transforms=_smem_transforms(v.dtype, bv)),    # v
+            state,
+            *[plgpu.SMEM((N,), F32) for _ in range(3)],                                # Γ (row, column), β
+            *[plgpu.SMEM((N,), jnp.int32) for _ in range(2)],                          # ancestor bits
+            plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=6), plgpu.Barrier(num_arrivals=2),
+        ],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name="gdn_tree_apply_cv_mgpu",
+    )
+    return kernel(gamma, beta_hn, bits, m_hi, m_lo, k, q, v, S0)
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "share_state_smem", "share_kq_smem", "out_dtype",

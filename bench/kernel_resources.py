@@ -24,7 +24,8 @@ import sys
 import tempfile
 
 KERNELS = ("gdn_tree_solve_neumann", "gdn_tree_solve_squaring", "gdn_tree_solve_squaring_deferred",
-           "gdn_tree_solve_inverse", "gdn_tree_operators_mgpu", "gdn_tree_apply_mgpu", "gdn_tree_operators",
+           "gdn_tree_solve_inverse", "gdn_tree_operators_mgpu", "gdn_tree_apply_mgpu", "gdn_tree_apply_cv_mgpu",
+           "gdn_tree_operators",
            "gdn_tree_apply",
            "gdn_path_commit", "gdn_deferred_append", "gdn_serial_tree", "tree_attention_prefix")
 
@@ -94,6 +95,7 @@ def match_kernels(launches: list[dict]) -> dict[str, dict]:
 JOBS = ("neumann", "squaring", "neumann_bv32", "squaring_bv32", "neumann_bv128", "squaring_bv128",
         "inverse", "inverse_bv32", "inverse_bv128", "split", "split_bv32", "split_bv128",
         "split_mgpu", "split_mgpu_noshare", "split_mgpu_nokq", "split_mgpu2", "split_mgpu2_nokq",
+        "split_mgpu_cv", "split_mgpu_cvlate",
         "squaring_deferred", "commit", "append", "append_l4", "serial", "attention")
 # --detail: a second ncu pass per job with these sections (hardware counters: stall reasons, occupancy, memory)
 DETAIL_SECTIONS = ("SpeedOfLight", "Occupancy", "WarpStateStats", "MemoryWorkloadAnalysis", "LaunchStats")
@@ -131,6 +133,9 @@ def _compile_job(B: int, N: int, only: str) -> None:
            for sfx, op, sh, kq in (("", "triton", True, True), ("_noshare", "triton", False, False),
                                    ("_nokq", "triton", True, False), ("2", "mgpu", True, True),
                                    ("2_nokq", "mgpu", True, False))},
+        **{f"split_mgpu_cv{sfx}": (lambda *a, late=late: tree_solve_pallas(
+            *a, max_depth=depth, method="split_mgpu", build_c=True, late_gram=late), tree)
+           for sfx, late in (("", False), ("late", True))},
         "squaring_deferred": (lambda *a: tree_solve_pallas(*a[:7], a[7:], max_depth=depth, method="squaring",
                                                             write_state=True), tree + deferred),
         "commit": (lambda *a: path_commit_pallas(*a), (sd((LG, B, HV, DK, DV), f32), sd((LG, B, HV, N), f32),

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from hyspec_jax import gdn
-from pallas_kernels import dispatch, trees
+from pallas_kernels import dispatch, gdn_tree_split_mgpu, trees
 from pallas_kernels.gdn_commit import path_commit_pallas, path_commit_reference
 from pallas_kernels.gdn_serial import masked_solve_xla, serial_paths_xla, serial_tree_pallas
 from pallas_kernels.gdn_tree_solve import tree_solve_pallas
@@ -93,7 +93,8 @@ def test_tree_solve_interpret(case, method):
 
 @pytest.mark.parametrize("operator_pass,share_state_smem,share_kq_smem,depth",
                          [("triton", True, False, 8), ("triton", False, True, 8), ("mgpu", True, False, 8),
-                          ("mgpu", True, True, 8), ("mgpu", True, False, 1), ("mgpu", True, True, 64)])
+                          ("mgpu", True, True, 8), ("mgpu", True, False, 1), ("mgpu", True, True, 64),
+                          ("build_c", True, True, 8), ("build_c_late", True, True, 64), ("build_c", True, True, 1)])
 def test_split_mgpu_interpret(operator_pass, share_state_smem, share_kq_smem, depth):
     """The split form with its Mosaic GPU value pass (bf16-pair wgmma products; gdn_tree_split_mgpu), its operator
     pass in Triton or Mosaic GPU too, in interpret mode: a forest of 64 nodes (a chain at depth 64; no squaring at
@@ -104,11 +105,28 @@ def test_split_mgpu_interpret(operator_pass, share_state_smem, share_kq_smem, de
     if depth == 64:
         mask = gdn.chain_mask(2, 64)
     o_ref, fac = reference(*args, mask)
+    build_c = operator_pass.startswith("build_c")       # the Triton operator pass sends M alone; the value pass builds C
     o, gamma, vc = tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=64, interpret=True,
-                                     operator_pass=operator_pass, share_state_smem=share_state_smem,
+                                     operator_pass="triton" if build_c else operator_pass, build_c=build_c,
+                                     late_gram=operator_pass == "build_c_late", share_state_smem=share_state_smem,
                                      share_kq_smem=share_kq_smem)
     assert rel(o, o_ref) < 1e-4 and rel(vc, fac.corrected) < 1e-4
     assert rel(gamma, fac.log_decay) < 1e-6
+
+
+def test_ancestor_bits_round_trip():
+    """The value pass's ancestor mask from 64 bits per node (two int32 words; bit 31 is the sign bit) equals the mask,
+    on random 0/1 matrices and a real 64-node tree."""
+    rng = np.random.default_rng(5)
+    A = (rng.random((3, 64, 64)) < 0.4).astype(np.float32)
+    A[:, :, 31] = A[:, :, 63] = 1.0                                 # the sign bits set
+    _, tree_mask, _ = make_inputs(6, 2, 64, 1, 1, 16, 16, 8)
+    for mask in (jnp.asarray(A), tree_mask):
+        lo, hi = gdn_tree_split_mgpu.ancestor_bits(mask)
+        assert lo.dtype == jnp.int32 and lo.shape == mask.shape[:-1]
+        cols = jnp.broadcast_to(jnp.arange(64), mask.shape)
+        back = gdn_tree_split_mgpu.ancestors_from_bits(lo[..., None], hi[..., None], cols)
+        np.testing.assert_array_equal(np.asarray(back), np.asarray(mask) > 0)
 
 
 def test_split_mgpu_dispatch_pads_and_refuses():
@@ -296,14 +314,17 @@ def test_tree_solve_gpu_bf16(method, N, depth):
 
 
 @needs_gpu
-@pytest.mark.parametrize("operator_pass,share_kq_smem", [("triton", True), ("mgpu", False), ("mgpu", True)])
-def test_split_mgpu_gpu(operator_pass, share_kq_smem):
+@pytest.mark.parametrize("operator_pass,share_kq_smem,build_c,late_gram",
+                         [("triton", True, False, False), ("mgpu", False, False, False), ("mgpu", True, False, False),
+                          ("triton", True, True, False), ("triton", True, True, True)])
+def test_split_mgpu_gpu(operator_pass, share_kq_smem, build_c, late_gram):
     if not dispatch.hopper_available():
         pytest.skip("split_mgpu needs a compute capability 9.x GPU")
     par, mask, args = make_inputs(71, 2, 64, 16, 48, 128, 128, 8, dtype=jnp.bfloat16)
     o_ref, fac = reference(*args, mask)
     o, gamma, vc = tree_solve_pallas(*args, mask, max_depth=8, method="split_mgpu", block_v=64,
-                                     operator_pass=operator_pass, share_kq_smem=share_kq_smem)
+                                     operator_pass=operator_pass, share_kq_smem=share_kq_smem, build_c=build_c,
+                                     late_gram=late_gram)
     assert rel(o, o_ref) < 1e-3 and rel(vc, fac.corrected) < 1e-3 and rel(gamma, fac.log_decay) < 1e-5
 
 

@@ -241,15 +241,18 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
                 lambda *s, op=op, share=share, kq=kq: tree_solve_pallas(
                     *s, mask, max_depth=depth, method="split_mgpu", block_v=64, precision="tf32",
                     operator_pass=op, share_state_smem=share, share_kq_smem=kq, interpret=interpret), "solve")
-        # _cv: the operator pass sends M alone and the value pass builds C (build_c); _cvlate: its q kᵀ after R;
-        # _ow8: the Triton operator pass at 8 warps (4 otherwise)
-        for sfx, build_c, late, ow in [("_cv", True, False, 4), ("_cvlate", True, True, 4), ("_cv_ow8", True, False, 8),
-                                       ("_ow8", False, False, 8)]:
+        # _cv: the operator pass sends M alone and the value pass builds C (build_c); _cvp / _cvp1: that value pass
+        # persistent, two / one program(s) per SM looping over the items (double-buffered state tile); _ow8: the
+        # Triton operator pass at 8 warps (4 otherwise)
+        items = B * HV * (DV // 64)
+        per_sm = lambda n: gdn_tree_split_mgpu.value_programs(items, n) if not interpret else 2 * n   # noqa: E731
+        for sfx, build_c, programs, ow in [("_cv", True, None, 4), ("_cvp", True, per_sm(2), 4),
+                                           ("_cvp1", True, per_sm(1), 4), ("_ow8", False, None, 8)]:
             name = "pallas_split_mgpu" + sfx.replace("_ow8", "") + "_bv64" + ("_ow8" if ow == 8 else "")
             variants[name] = (
-                lambda *s, build_c=build_c, late=late, ow=ow: tree_solve_pallas(
+                lambda *s, build_c=build_c, programs=programs, ow=ow: tree_solve_pallas(
                     *s, mask, max_depth=depth, method="split_mgpu", block_v=64, precision="tf32", build_c=build_c,
-                    late_gram=late, operator_warps=ow, interpret=interpret), "solve")
+                    value_programs=programs, operator_warps=ow, interpret=interpret), "solve")
     variants["pallas_neumann_bv64_tf32x3"] = (
         lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="neumann", block_v=64,
                                      precision="tf32x3", interpret=interpret), "solve")

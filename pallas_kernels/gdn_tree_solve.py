@@ -181,8 +181,8 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
     """Split form, pass 1 (one program per request and value head): Γ and the node-wise operators to HBM, as
     `_tree_operators_triton`'s form says: "fp32" [M; C M] (one output); "pair" the same as a bf16 pair hi + lo with β
     head-major for the Mosaic GPU value pass (three outputs: hi, lo, β [HV, N]; gdn_tree_split_mgpu says why);
-    "m_pair" only M's pair, β and the ancestor bits (four: hi, lo, β, bits [2, N]) for the value pass that builds
-    C itself."""
+    "m_pair" only M's pair and Γ, β and the ancestor bits as one block (three: hi, lo, node rows [4, N];
+    gdn_tree_split_mgpu.node_rows) for the value pass that builds C itself."""
     n = mask_ref.shape[0]
     q = None if form == "m_pair" else q_ref[...]
     gamma, beta, L, C = _node_operators(mask_ref, g_ref, beta_ref, q, k_ref[...], precision)
@@ -192,13 +192,13 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
         out_refs[0][pl.ds(0, n), :] = M
         out_refs[0][pl.ds(n, n), :] = _dot(C, M, precision)
         return
-    hi_ref, lo_ref, beta_hn_ref = out_refs[:3]
-    beta_hn_ref[...] = beta
+    hi_ref, lo_ref, rows_ref = out_refs
     if form == "m_pair":
         hi_ref[...], lo_ref[...] = gdn_tree_split_mgpu.split_bf16(M)
-        bits_ref = out_refs[3]
-        bits_ref[0, :], bits_ref[1, :] = gdn_tree_split_mgpu.ancestor_bits(mask_ref[...])
+        for i, row in enumerate(gdn_tree_split_mgpu.node_rows(gamma, beta, mask_ref[...])):
+            rows_ref[i, :] = row
         return
+    rows_ref[...] = beta                                # β head-major
     for rows, X in ((pl.ds(0, n), M), (pl.ds(n, n), _dot(C, M, precision))):
         hi_ref[rows, :], lo_ref[rows, :] = gdn_tree_split_mgpu.split_bf16(X)
 
@@ -223,8 +223,8 @@ def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref,
 
 def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, operator_warps, interpret):
     """The split form's Triton operator pass (`_tree_operator_kernel` says what each form writes): form "fp32"
-    returns Γ, [M; C M] fp32; "pair" Γ, the [M; C M] bf16 pair, β head-major; "m_pair" Γ, M's bf16 pair, β
-    head-major and the ancestor bits."""
+    returns Γ, [M; C M] fp32; "pair" Γ, the [M; C M] bf16 pair, β head-major; "m_pair" Γ, M's bf16 pair and the node
+    rows [B, HV, 4, N] (Γ, β, ancestor bits)."""
     B, N, HK, dk = q.shape
     HV = g.shape[2]
     r = HV // HK
@@ -233,12 +233,12 @@ def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, oper
     mat_dtype = F32 if form == "fp32" else jnp.bfloat16
     shapes = [jax.ShapeDtypeStruct((B, HV, rows, N), mat_dtype)] * mats
     specs = [pl.BlockSpec((None, None, rows, N), lambda b, h: (b, h, 0, 0))] * mats
-    if form != "fp32":                                                              # β head-major
+    if form == "pair":                                                              # β head-major
         shapes.append(jax.ShapeDtypeStruct((B, HV, N), F32))
         specs.append(pl.BlockSpec((None, None, N), lambda b, h: (b, h, 0)))
-    if form == "m_pair":                                                            # ancestor bits
-        shapes.append(jax.ShapeDtypeStruct((B, HV, 2, N), jnp.int32))
-        specs.append(pl.BlockSpec((None, None, 2, N), lambda b, h: (b, h, 0, 0)))
+    if form == "m_pair":                                                            # node rows
+        shapes.append(jax.ShapeDtypeStruct((B, HV, 4, N), F32))
+        specs.append(pl.BlockSpec((None, None, 4, N), lambda b, h: (b, h, 0, 0)))
     return pl.pallas_call(
         functools.partial(_tree_operator_kernel, rounds=rounds, precision=precision, form=form),
         out_shape=[jax.ShapeDtypeStruct((B, HV, N), F32), *shapes],
@@ -258,7 +258,7 @@ def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, oper
 
 def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision, out_dtype, num_warps, num_stages,
                       operator_warps, interpret, value_pass="triton", operator_pass="triton",
-                      share_state_smem=True, share_kq_smem=True, build_c=False, late_gram=False):
+                      share_state_smem=True, share_kq_smem=True, build_c=False, value_programs=None):
     """Two launches: the node-wise operators once per (request, value head) — Γ and [M; C M], 2·N² fp32 words
     per head through HBM — then the value tiles, which hold no N × N chain: three products, K S0, Q S0, [M; C M] R.
     value_pass "mgpu": the second launch is the Mosaic GPU kernel (gdn_tree_split_mgpu), fed the bf16 pair."""
@@ -266,11 +266,11 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
     HV, dv = v.shape[2], v.shape[3]
     r = HV // HK
     if value_pass == "mgpu" and build_c:             # the operator pass sends M only; the value pass builds C
-        gamma, m_hi, m_lo, beta_hn, bits = _tree_operators_triton(
+        gamma, m_hi, m_lo, rows = _tree_operators_triton(
             q, k, g, beta, mask, rounds=rounds, precision=precision, form="m_pair", operator_warps=operator_warps,
             interpret=interpret)
-        o, vc = gdn_tree_split_mgpu.tree_apply_cv_mgpu(gamma, beta_hn, bits, m_hi, m_lo, k, q, v, S0.astype(F32),
-                                                       block_v=block_v, late_gram=late_gram, out_dtype=out_dtype,
+        o, vc = gdn_tree_split_mgpu.tree_apply_cv_mgpu(gamma, rows, m_hi, m_lo, k, q, v, S0.astype(F32),
+                                                       block_v=block_v, programs=value_programs, out_dtype=out_dtype,
                                                        interpret=interpret)
         return o, gamma, vc
     if value_pass == "mgpu":
@@ -324,14 +324,14 @@ def supported(N: int, dk: int, dv: int, block_v: int, precision: Precision = "tf
 
 @functools.partial(jax.jit, static_argnames=("max_depth", "method", "block_v", "precision", "out_dtype",
                                              "num_warps", "num_stages", "operator_warps", "write_state",
-                                             "share_state_smem", "share_kq_smem", "operator_pass", "build_c", "late_gram",
-                                             "interpret"))
+                                             "share_state_smem", "share_kq_smem", "operator_pass", "build_c",
+                                             "value_programs", "interpret"))
 def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: int, method: Method = "neumann",
                       block_v: int = 64, precision: Precision = "tf32", out_dtype=F32,
                       num_warps: int | None = None, num_stages: int = 1, operator_warps: int = 4,
                       write_state: bool = False, share_state_smem: bool = True, share_kq_smem: bool = True,
                       operator_pass: Literal["triton", "mgpu"] = "triton", build_c: bool = False,
-                      late_gram: bool = False, interpret: bool = False):
+                      value_programs: int | None = None, interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]
     (the dispatcher pads with identity nodes). Returns (o [B,N,HV,dv], Γ [B,HV,N], V' [B,HV,N,dv]).
@@ -345,7 +345,8 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     q/k, compute capability 9.0); share_state_smem / share_kq_smem are that kernel's shared-memory options, and
     operator_pass "mgpu" runs the operator pass in Mosaic GPU too (gdn_tree_split_mgpu.tree_operators_mgpu);
     build_c: the operator pass sends M alone and the value pass builds C from q kᵀ (gdn_tree_split_mgpu.
-    tree_apply_cv_mgpu), with the Triton operator pass; late_gram is that kernel's option.
+    tree_apply_cv_mgpu), with the Triton operator pass; value_programs: that kernel's program count (None: one
+    per item; fewer loop over the items with a double-buffered state tile).
     """
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
@@ -373,7 +374,7 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
                                  num_warps=num_warps, num_stages=num_stages, operator_warps=operator_warps,
                                  interpret=interpret, value_pass="mgpu" if method == "split_mgpu" else "triton",
                                  operator_pass=operator_pass, share_state_smem=share_state_smem,
-                                 share_kq_smem=share_kq_smem, build_c=build_c, late_gram=late_gram)
+                                 share_kq_smem=share_kq_smem, build_c=build_c, value_programs=value_programs)
     kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(max_depth, N), method=method,
                              precision=_f32_precision(precision, interpret), deferred=deferred is not None,
                              write_state=write_state)

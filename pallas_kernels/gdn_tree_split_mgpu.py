@@ -80,6 +80,14 @@ def ancestor_bits(A: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.sum(jnp.where(cols < 32, bit, 0), axis=-1), jnp.sum(jnp.where(cols >= 32, bit, 0), axis=-1)
 
 
+def node_rows(gamma: jax.Array, beta: jax.Array, A: jax.Array) -> tuple[jax.Array, ...]:
+    """The four rows Γ, β, ancestor bits lo, hi (the bits bitcast to fp32) of the [4, N] block `tree_apply_cv_mgpu`
+    loads per (request, value head): Γ, β [N]; A [N, N]. Rows, not one stacked array: the Triton operator pass
+    writes them one by one."""
+    lo, hi = ancestor_bits(A)
+    return gamma, beta, lax.bitcast_convert_type(lo, F32), lax.bitcast_convert_type(hi, F32)
+
+
 def ancestors_from_bits(lo: jax.Array, hi: jax.Array, cols: jax.Array) -> jax.Array:
     """A[i, j] > 0 from `ancestor_bits`' two words of row i (lo, hi broadcast along the rows) and the column index."""
     word = jnp.where(cols < 32, lo, hi)
@@ -273,127 +281,170 @@ def _apply_kernel(gamma_g, beta_g, mchi_g, mclo_g, k_g, q_g, v_g, s0_g, o_g, vc_
     o_g.at[b, :, h, cols][...] = (decay * qs + out[N:]).astype(o_g.dtype)
 
 
-def _apply_cv_kernel(gamma_g, beta_g, bits_g, mhi_g, mlo_g, k_g, q_g, v_g, s0_g, o_g, vc_g,
-                     kq_s, v_s, state_s, gam_s, gam_col_s, bet_s, lo_s, hi_s, bar_state, bar_rows, bar_m,
-                     *, r: int, bv: int, late_gram: bool):
+def _apply_cv_kernel(gamma_g, rows_g, mhi_g, mlo_g, k_g, q_g, v_g, s0_g, o_g, vc_g,
+                     kq_s, v_s, state_s, rows_s, gam_col_s, bar_state, bar_in, bar_m, *, r: int, bv: int,
+                     programs: int):
     """The value pass that builds C itself (`build_c`): the operator pass sends only M's pair, and
     o = e^Γ Q S0 + C V' with C = q kᵀ ⊙ D from the q and k this program loads anyway (one more bf16 product) and
     the ancestor bits. Shared memory as the default form's: [C; M] pairs land where k and q were, R's pair (then
-    V''s) on the state pair's first N rows. late_gram: q kᵀ after R (fewer live accumulators, M's load later)."""
-    b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
-    cols = pl.ds(t * bv, bv)
-    key_head = lax.div(h, jnp.int32(r))
-    s0f_s, (s0hi_s, s0lo_s) = state_s
+    V''s) on the state pair's first N rows; Γ, β and the bits come as one [4, N] block (`node_rows`: every shared
+    memory allocation is rounded up to 1 KiB, and one more would leave room for only two programs per SM).
+
+    Work items are (request, value head, value tile) triples; program p takes items p, p + P, p + 2P, … (P =
+    programs). With more items than programs the state tile has two slots: the next item's tile streams in while
+    this one is computed (its k, q, v and rows load when this item is done: their buffers are reused within it)."""
+    HV, nt = gamma_g.shape[1], o_g.shape[3] // bv
+    items = gamma_g.shape[0] * HV * nt
+    pid = lax.axis_index("p")
+    s0f_s, s0p_s = state_s
+    slots = s0f_s.shape[0]
     (k_s, q_s), (chi_s, clo_s, mhi_s, mlo_s) = kq_s
     N = k_s.shape[0]
-    plgpu.copy_gmem_to_smem(s0_g.at[b, h, :, cols], s0f_s, bar_state)
-    plgpu.copy_gmem_to_smem(k_g.at[b, :, key_head, :], k_s, bar_state)
-    plgpu.copy_gmem_to_smem(q_g.at[b, :, key_head, :], q_s, bar_state)
-    plgpu.copy_gmem_to_smem(v_g.at[b, :, h, cols], v_s, bar_rows)
-    plgpu.copy_gmem_to_smem(gamma_g.at[b, h], gam_s, bar_rows)
-    plgpu.copy_gmem_to_smem(gamma_g.at[b, h], gam_col_s, bar_rows)  # one ref is loaded in one layout only
-    plgpu.copy_gmem_to_smem(beta_g.at[b, h], bet_s, bar_rows)
-    plgpu.copy_gmem_to_smem(bits_g.at[b, h, 0], lo_s, bar_rows)
-    plgpu.copy_gmem_to_smem(bits_g.at[b, h, 1], hi_s, bar_rows)
 
-    plgpu.barrier_wait(bar_state)
-    s0 = s0f_s[...]
-    plgpu.commit_smem()                                 # every thread has read the fp32 tile before it is overwritten
-    s0_hi, s0_lo = split_bf16(s0)
-    s0hi_s[...] = s0_hi
-    s0lo_s[...] = s0_lo
-    plgpu.commit_smem()
+    def coords(i):
+        item = pid + i * programs
+        return lax.div(item, HV * nt), lax.rem(lax.div(item, nt), HV), lax.rem(item, nt)
 
-    def gram(acc_qk):
-        plgpu.wgmma(acc_qk, q_s, k_s.transpose((1, 0)))
-        plgpu.wgmma_wait(0)
-        return acc_qk[...]
+    def load_state(i, slot):
+        b, h, t = coords(i)
+        plgpu.copy_gmem_to_smem(s0_g.at[b, h, :, pl.ds(t * bv, bv)], s0f_s.at[slot], bar_state.at[slot])
 
-    def load_m():                                       # k and q are read: M's pair lands there
-        plgpu.copy_gmem_to_smem(mhi_g.at[b, h], mhi_s, bar_m)
+    def load_inputs(i):
+        b, h, t = coords(i)
+        key_head = lax.div(h, jnp.int32(r))             # GVA is indexed, never expanded
+        plgpu.copy_gmem_to_smem(k_g.at[b, :, key_head, :], k_s, bar_in)
+        plgpu.copy_gmem_to_smem(q_g.at[b, :, key_head, :], q_s, bar_in)
+        plgpu.copy_gmem_to_smem(v_g.at[b, :, h, pl.ds(t * bv, bv)], v_s, bar_in)
+        plgpu.copy_gmem_to_smem(rows_g.at[b, h], rows_s, bar_in)
+        plgpu.copy_gmem_to_smem(gamma_g.at[b, h], gam_col_s, bar_in)   # one ref is loaded in one layout only
+
+    def item(i, slot, last):
+        b, h, t = coords(i)
+        cols = pl.ds(t * bv, bv)
+        if slots == 2:
+            @pl.when(jnp.logical_not(last))
+            def _():
+                load_state(i + 1, 1 - slot)             # its slot was freed by the item before this one
+        s0f, s0hi_s, s0lo_s = s0f_s.at[slot], s0p_s.at[slot, 0], s0p_s.at[slot, 1]
+        plgpu.barrier_wait(bar_state.at[slot])
+        plgpu.barrier_wait(bar_in)
+        s0 = s0f[...]
+        plgpu.commit_smem()                             # every thread has read the fp32 tile before it is overwritten
+        s0_hi, s0_lo = split_bf16(s0)
+        s0hi_s[...] = s0_hi
+        s0lo_s[...] = s0_lo
+        plgpu.commit_smem()
+
+        def first_products(acc_k, acc_q, acc_qk):
+            plgpu.wgmma(acc_k, k_s, s0hi_s)
+            plgpu.wgmma(acc_k, k_s, s0lo_s)
+            plgpu.wgmma(acc_q, q_s, s0hi_s)
+            plgpu.wgmma(acc_q, q_s, s0lo_s)
+            plgpu.wgmma(acc_qk, q_s, k_s.transpose((1, 0)))
+            plgpu.wgmma_wait(0)
+            return acc_k[...], acc_q[...], acc_qk[...]
+
+        ks, qs, qk = pl.run_scoped(first_products, plgpu.ACC((N, bv), F32), plgpu.ACC((N, bv), F32),
+                                   plgpu.ACC((N, N), F32))
+        plgpu.copy_gmem_to_smem(mhi_g.at[b, h], mhi_s, bar_m)      # k and q are read: M's pair lands there
         plgpu.copy_gmem_to_smem(mlo_g.at[b, h], mlo_s, bar_m)
 
-    def first_products(acc_k, acc_q, *acc_qk):
-        plgpu.wgmma(acc_k, k_s, s0hi_s)
-        plgpu.wgmma(acc_k, k_s, s0lo_s)
-        plgpu.wgmma(acc_q, q_s, s0hi_s)
-        plgpu.wgmma(acc_q, q_s, s0lo_s)
-        if acc_qk:
-            return acc_k[...], acc_q[...], gram(*acc_qk)      # its wait covers all five
-        plgpu.wgmma_wait(0)
-        return acc_k[...], acc_q[...]
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        rows = lambda x, n: lax.broadcast_in_dim(x, (N, n), [0])                    # noqa: E731
+        node_row = lambda i: plgpu.load(rows_s.at[i], layout=row_layout)            # noqa: E731
+        decay = rows(jnp.exp(node_row(0)), bv)
+        beta = rows(node_row(1), bv)
+        v = plgpu.load(v_s, layout=plgpu.Layout.WGMMA).astype(F32)
+        R_hi, R_lo = split_bf16(beta * (v - decay * ks))
+        rhi_s, rlo_s = s0hi_s.at[pl.ds(0, N)], s0lo_s.at[pl.ds(0, N)]   # the state pair is no longer read
+        rhi_s[...] = R_hi
+        rlo_s[...] = R_lo
+        _, node_cols = _iotas((N, N))
+        bits = lambda i: rows(lax.bitcast_convert_type(node_row(i), jnp.int32), N)   # noqa: E731
+        on = ancestors_from_bits(bits(2), bits(3), node_cols)
+        gamma_i = rows(node_row(0), N)
+        gamma_j = lax.broadcast_in_dim(plgpu.load(gam_col_s, layout=plgpu.Layout.WGMMA.reduce(0)), (N, N), [1])
+        C_hi, C_lo = split_bf16(qk * jnp.where(on, jnp.exp(jnp.where(on, gamma_i - gamma_j, 0.0)), 0.0))
+        chi_s[...] = C_hi
+        clo_s[...] = C_lo
+        plgpu.commit_smem()
 
-    ks, qs, *qk = pl.run_scoped(first_products, plgpu.ACC((N, bv), F32), plgpu.ACC((N, bv), F32),
-                                *([] if late_gram else [plgpu.ACC((N, N), F32)]))
-    if not late_gram:
-        load_m()
+        plgpu.barrier_wait(bar_m)
+        U = _pair_wgmma((mhi_s, mlo_s), (rhi_s, rlo_s), (N, bv))       # V' = M R
+        vc_g.at[b, h, :, cols][...] = U
+        U_hi, U_lo = split_bf16(U)
+        rhi_s[...] = U_hi                               # R is read (the wgmma above has completed)
+        rlo_s[...] = U_lo
+        plgpu.commit_smem()
+        CU = _pair_wgmma((chi_s, clo_s), (rhi_s, rlo_s), (N, bv))
+        if slots == 2:
+            @pl.when(jnp.logical_not(last))
+            def _():
+                load_inputs(i + 1)                      # every buffer of this item's is read
+        o_g.at[b, :, h, cols][...] = (decay * qs + CU).astype(o_g.dtype)
 
-    plgpu.barrier_wait(bar_rows)
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    rows = lambda x, n: lax.broadcast_in_dim(x, (N, n), [0])
-    decay = rows(jnp.exp(plgpu.load(gam_s, layout=row_layout)), bv)
-    beta = rows(plgpu.load(bet_s, layout=row_layout), bv)
-    v = plgpu.load(v_s, layout=plgpu.Layout.WGMMA).astype(F32)
-    R_hi, R_lo = split_bf16(beta * (v - decay * ks))
-    rhi_s, rlo_s = s0hi_s.at[pl.ds(0, N)], s0lo_s.at[pl.ds(0, N)]   # the state pair is no longer read
-    rhi_s[...] = R_hi
-    rlo_s[...] = R_lo
-    if late_gram:
-        qk = [pl.run_scoped(gram, plgpu.ACC((N, N), F32))]
-        load_m()
-    _, node_cols = _iotas((N, N))
-    on = ancestors_from_bits(rows(plgpu.load(lo_s, layout=row_layout), N),
-                             rows(plgpu.load(hi_s, layout=row_layout), N), node_cols)
-    gamma_i = rows(plgpu.load(gam_s, layout=row_layout), N)
-    gamma_j = lax.broadcast_in_dim(plgpu.load(gam_col_s, layout=plgpu.Layout.WGMMA.reduce(0)), (N, N), [1])
-    C_hi, C_lo = split_bf16(qk[0] * jnp.where(on, jnp.exp(jnp.where(on, gamma_i - gamma_j, 0.0)), 0.0))
-    chi_s[...] = C_hi
-    clo_s[...] = C_lo
-    plgpu.commit_smem()
+    load_state(0, 0)
+    load_inputs(0)
+    if slots == 1:                                      # one item per program
+        item(0, 0, True)
+        return
+    n_items = lax.div(items - pid + programs - 1, programs)
 
-    plgpu.barrier_wait(bar_m)
-    U = _pair_wgmma((mhi_s, mlo_s), (rhi_s, rlo_s), (N, bv))       # V' = M R
-    vc_g.at[b, h, :, cols][...] = U
-    U_hi, U_lo = split_bf16(U)
-    rhi_s[...] = U_hi                                   # R is read (the wgmma above has completed)
-    rlo_s[...] = U_lo
-    plgpu.commit_smem()
-    CU = _pair_wgmma((chi_s, clo_s), (rhi_s, rlo_s), (N, bv))
-    o_g.at[b, :, h, cols][...] = (decay * qs + CU).astype(o_g.dtype)
+    def body(i, carry):
+        item(i, lax.rem(i, 2), i + 1 >= n_items)
+        return carry
+
+    lax.fori_loop(0, n_items, body, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("block_v", "late_gram", "out_dtype", "interpret"))
-def tree_apply_cv_mgpu(gamma, beta_hn, bits, m_hi, m_lo, k, q, v, S0, *, block_v: int = 64, late_gram: bool = False,
+def sm_count() -> int | None:
+    """Streaming multiprocessors of the first device (None off a GPU)."""
+    return getattr(jax.devices()[0], "core_count", None) or None
+
+
+def value_programs(items: int, per_sm: int = 2) -> int:
+    """Programs of the persistent value pass: per_sm per SM (the double-buffered state tile leaves room for two),
+    looping over the items; one per item off a GPU or where there are fewer items than that."""
+    sms = sm_count()
+    return min(items, per_sm * sms) if sms else items
+
+
+@functools.partial(jax.jit, static_argnames=("block_v", "programs", "out_dtype", "interpret"))
+def tree_apply_cv_mgpu(gamma, rows, m_hi, m_lo, k, q, v, S0, *, block_v: int = 64, programs: int | None = None,
                        out_dtype=F32, interpret: bool = False):
-    """The value pass that builds C itself (`_apply_cv_kernel`). gamma, beta_hn [B,HV,N] fp32; bits [B,HV,2,N] int32
-    (`ancestor_bits`); m_hi, m_lo [B,HV,N,N] bf16 (M's pair); the rest as `tree_apply_mgpu`."""
+    """The value pass that builds C itself (`_apply_cv_kernel`). gamma [B,HV,N] fp32; rows [B,HV,4,N] fp32
+    (`node_rows`); m_hi, m_lo [B,HV,N,N] bf16 (M's pair); the rest as `tree_apply_mgpu`. programs: how many
+    programs loop over the B·HV·(dv/bv) items (None: one per item; fewer double-buffer the state tile)."""
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
     if not supported(N, dk, dv, block_v, q.dtype) or HV % HK or k.dtype != q.dtype:
         raise ValueError(f"tree_apply_cv_mgpu: unsupported N={N} dk={dk} dv={dv} block_v={block_v} HV={HV} HK={HK} "
                          f"q/k {q.dtype}/{k.dtype} (needs N={NODES}, bf16 q/k, dk % 64 == 0, block_v in {BLOCK_VS})")
     bv = block_v
-    state = plgpu.RefUnion(plgpu.SMEM((dk, bv), F32),
-                           tuple(plgpu.SMEM((dk, bv), BF16, transforms=_smem_transforms(BF16, bv)) for _ in range(2)))
+    items = B * HV * (dv // bv)
+    programs = items if programs is None else max(1, min(programs, items))
+    slots = 1 if programs == items else 2
+    state = plgpu.RefUnion(plgpu.SMEM((slots, dk, bv), F32),          # slot s: the same bytes in both views
+                           plgpu.SMEM((slots, 2, dk, bv), BF16, transforms=_smem_transforms(BF16, bv)))
     kq = tuple(plgpu.SMEM((N, dk), BF16, transforms=_smem_transforms(BF16, dk)) for _ in range(2))
     cm = tuple(plgpu.SMEM((N, N), BF16, transforms=_smem_transforms(BF16, N)) for _ in range(4))
     kernel = plgpu.kernel(
-        functools.partial(_apply_cv_kernel, r=HV // HK, bv=bv, late_gram=late_gram),
+        functools.partial(_apply_cv_kernel, r=HV // HK, bv=bv, programs=programs),
         out_type=[jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype), jax.ShapeDtypeStruct((B, HV, N, dv), F32)],
-        grid=(B, HV, dv // bv), grid_names=("b", "h", "t"),
+        grid=(programs,), grid_names=("p",),
         scratch_types=[
             plgpu.RefUnion(kq, cm),                                                    # k, q | C and M pairs
             plgpu.SMEM((N, bv), v.dtype, transforms=_smem_transforms(v.dtype, bv)),    # v
             state,
-            *[plgpu.SMEM((N,), F32) for _ in range(3)],                                # Γ (row, column), β
-            *[plgpu.SMEM((N,), jnp.int32) for _ in range(2)],                          # ancestor bits
-            plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=6), plgpu.Barrier(num_arrivals=2),
+            plgpu.SMEM((4, N), F32), plgpu.SMEM((N,), F32),                           # node rows, Γ (column)
+            plgpu.Barrier(num_arrivals=1, num_barriers=slots), plgpu.Barrier(num_arrivals=5),
+            plgpu.Barrier(num_arrivals=2),
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="gdn_tree_apply_cv_mgpu",
     )
-    return kernel(gamma, beta_hn, bits, m_hi, m_lo, k, q, v, S0)
+    return kernel(gamma, rows, m_hi, m_lo, k, q, v, S0)
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "share_state_smem", "share_kq_smem", "out_dtype",

@@ -41,6 +41,19 @@ one (o error 4.6e-6 vs 2.0e-4 against the fp32 reference) but slower on the H200
 for Γ and β, vs 15.3 µs): each of its chained N × N products is a round trip through shared memory and a
 barrier, and its 384 programs at B 8 take 1.45 waves. So `tree_solve_pallas` uses the Triton operator pass with
 this value pass unless told otherwise (operator_pass="mgpu").
+
+The value pass that builds C (`tree_apply_cv_mgpu`, `build_c=True` in `gdn_tree_solve.tree_solve_pallas`): the
+Triton operator pass sends M's pair alone (half the bytes, no C M product: 12.7 vs 15.3 µs at B 8), and each value
+program forms C = q kᵀ ⊙ D from the q and k it loads anyway (one bf16 product, exact) and 64 ancestor bits per node,
+then o = e^Γ Q S0 + C V' (V' as a bf16 pair). That is 40x more accurate than the default (o error 4.9e-6 vs 1.9e-4:
+no tf32 product is left on o's path) but not faster: its value pass does a product more and a second round trip
+through shared memory, 30.7 vs 24.7 µs at B 8, so 43.4 vs 40.2 µs in all (B 32: 130.7 vs 131.7; B 16: 73.8 vs 72.5;
+bench/results/kernels_cv_confirm_h200.md, kernels_cvp_h200.md). 167 registers and 75800 B, three programs per SM
+(kernel_resources_cv_h200.md). Every Mosaic GPU shared-memory allocation is rounded up to 1 KiB: with Γ, β and the bits
+as five small refs the kernel took 78.9 KB, two programs per SM, 30.5 µs (kernels_split_mgpu_cv_2sm_h200.md), hence
+`node_rows`. Its persistent option (`programs`: two per SM loop over the items, the next state tile streaming in
+during this one) measured no better — 42.1 µs at B 8, 134.0 at B 32 — with 255 registers and k, q, v still loaded
+after each item (kernel_resources_cvp_h200.md). Both stay options; the default is unchanged.
 """
 
 from __future__ import annotations

@@ -107,6 +107,25 @@ def ancestors_from_bits(lo: jax.Array, hi: jax.Array, cols: jax.Array) -> jax.Ar
     return (lax.shift_right_logical(word, cols & 31) & 1) != 0
 
 
+def _check_value_pass(name: str, q, k, v, block_v: int) -> None:
+    B, N, HK, dk = q.shape
+    HV, dv = v.shape[2], v.shape[3]
+    if not supported(N, dk, dv, block_v, q.dtype) or HV % HK or k.dtype != q.dtype:
+        raise ValueError(f"{name}: unsupported N={N} dk={dk} dv={dv} block_v={block_v} HV={HV} HK={HK} "
+                         f"q/k {q.dtype}/{k.dtype} (needs N={NODES}, bf16 q/k, dk % 64 == 0, block_v in {BLOCK_VS})")
+
+
+def _split_state(s0f_s, s0hi_s, s0lo_s, shared: bool) -> None:
+    """The fp32 state tile into its bf16 pair in shared memory (shared: over the tile itself), visible to wgmma."""
+    s0 = s0f_s[...]
+    if shared:
+        plgpu.commit_smem()                             # every thread has read the fp32 tile before it is overwritten
+    s0_hi, s0_lo = split_bf16(s0)
+    s0hi_s[...] = s0_hi
+    s0lo_s[...] = s0_lo
+    plgpu.commit_smem()                                 # visible to the async proxy (wgmma)
+
+
 def _smem_transforms(dtype, cols: int):
     """Tiling + swizzle for a row-major [rows, cols] shared-memory tile (the widest swizzle one row fills)."""
     size = jnp.dtype(dtype).itemsize
@@ -256,13 +275,7 @@ def _apply_kernel(gamma_g, beta_g, mchi_g, mclo_g, k_g, q_g, v_g, s0_g, o_g, vc_
         load_mc()
 
     plgpu.barrier_wait(bar_state)
-    s0 = s0f_s[...]
-    if share_state_smem:
-        plgpu.commit_smem()                             # every thread has read the fp32 tile before it is overwritten
-    s0_hi, s0_lo = split_bf16(s0)
-    s0hi_s[...] = s0_hi
-    s0lo_s[...] = s0_lo
-    plgpu.commit_smem()                                 # visible to the async proxy (wgmma)
+    _split_state(s0f_s, s0hi_s, s0lo_s, share_state_smem)
 
     def state_products(acc_k, acc_q):
         plgpu.wgmma(acc_k, k_s, s0hi_s)
@@ -341,12 +354,7 @@ def _apply_cv_kernel(gamma_g, rows_g, mhi_g, mlo_g, k_g, q_g, v_g, s0_g, o_g, vc
         s0f, s0hi_s, s0lo_s = s0f_s.at[slot], s0p_s.at[slot, 0], s0p_s.at[slot, 1]
         plgpu.barrier_wait(bar_state.at[slot])
         plgpu.barrier_wait(bar_in)
-        s0 = s0f[...]
-        plgpu.commit_smem()                             # every thread has read the fp32 tile before it is overwritten
-        s0_hi, s0_lo = split_bf16(s0)
-        s0hi_s[...] = s0_hi
-        s0lo_s[...] = s0_lo
-        plgpu.commit_smem()
+        _split_state(s0f, s0hi_s, s0lo_s, True)
 
         def first_products(acc_k, acc_q, acc_qk):
             plgpu.wgmma(acc_k, k_s, s0hi_s)
@@ -430,9 +438,7 @@ def tree_apply_cv_mgpu(gamma, rows, m_hi, m_lo, k, q, v, S0, *, block_v: int = 6
     programs loop over the B·HV·(dv/bv) items (None: one per item; fewer double-buffer the state tile)."""
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
-    if not supported(N, dk, dv, block_v, q.dtype) or HV % HK or k.dtype != q.dtype:
-        raise ValueError(f"tree_apply_cv_mgpu: unsupported N={N} dk={dk} dv={dv} block_v={block_v} HV={HV} HK={HK} "
-                         f"q/k {q.dtype}/{k.dtype} (needs N={NODES}, bf16 q/k, dk % 64 == 0, block_v in {BLOCK_VS})")
+    _check_value_pass("tree_apply_cv_mgpu", q, k, v, block_v)
     bv = block_v
     items = B * HV * (dv // bv)
     programs = items if programs is None else max(1, min(programs, items))
@@ -468,9 +474,7 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
     k, q [B,N,HK,dk] bf16; v [B,N,HV,dv]; S0 [B,HV,dk,dv] fp32. Returns o [B,N,HV,dv] (out_dtype), V' [B,HV,N,dv]."""
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
-    if not supported(N, dk, dv, block_v, q.dtype) or HV % HK or k.dtype != q.dtype:
-        raise ValueError(f"tree_apply_mgpu: unsupported N={N} dk={dk} dv={dv} block_v={block_v} HV={HV} HK={HK} "
-                         f"q/k {q.dtype}/{k.dtype} (needs N={NODES}, bf16 q/k, dk % 64 == 0, block_v in {BLOCK_VS})")
+    _check_value_pass("tree_apply_mgpu", q, k, v, block_v)
     bv = block_v
     state_f32 = plgpu.SMEM((dk, bv), F32)
     state_pair = [plgpu.SMEM((dk, bv), BF16, transforms=_smem_transforms(BF16, bv)) for _ in range(2)]

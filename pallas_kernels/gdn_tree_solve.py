@@ -357,6 +357,11 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
         raise ValueError("write_state needs deferred updates (without them the state is S0 itself)")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}")
+    if (build_c or value_programs is not None) and not (method == "split_mgpu" and operator_pass == "triton"):
+        raise ValueError("build_c / value_programs are options of method 'split_mgpu' with its Triton operator pass; "
+                         f"got method={method!r} operator_pass={operator_pass!r}")
+    if value_programs is not None and not build_c:
+        raise ValueError("value_programs sets the build_c value pass's program count (build_c=True)")
     r = HV // HK
     nv = dv // block_v
     if num_warps is None:

@@ -132,6 +132,17 @@ def test_ancestor_bits_round_trip():
         np.testing.assert_array_equal(np.asarray(back), np.asarray(mask) > 0)
 
 
+def test_split_mgpu_options_refused_elsewhere():
+    """build_c and value_programs belong to split_mgpu with the Triton operator pass: anywhere else, one clear error
+    (no option silently ignored)."""
+    _, mask, args = make_inputs(94, 1, 64, 1, 3, 64, 64, 6, dtype=jnp.bfloat16)
+    for kw, match in [(dict(method="split", build_c=True), "options of method 'split_mgpu'"),
+                      (dict(method="split_mgpu", operator_pass="mgpu", build_c=True), "operator_pass='mgpu'"),
+                      (dict(method="split_mgpu", value_programs=4), "build_c=True")]:
+        with pytest.raises(ValueError, match=match):
+            tree_solve_pallas(*args, mask, max_depth=6, block_v=64, interpret=True, **kw)
+
+
 def test_split_mgpu_dispatch_pads_and_refuses():
     """Through the dispatcher: 50 nodes padded to 64; shapes it cannot take are refused in one line (explicit impl)
     and left to the reference under "auto" (here: no GPU at all)."""

@@ -246,9 +246,10 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
         # Triton operator pass at 8 warps (4 otherwise)
         items = B * HV * (DV // 64)
         per_sm = lambda n: gdn_tree_split_mgpu.value_programs(items, n) if not interpret else 2 * n   # noqa: E731
-        for sfx, build_c, programs, ow in [("_cv", True, None, 4), ("_cvp", True, per_sm(2), 4),
-                                           ("_cvp1", True, per_sm(1), 4), ("_ow8", False, None, 8)]:
-            name = "pallas_split_mgpu" + sfx.replace("_ow8", "") + "_bv64" + ("_ow8" if ow == 8 else "")
+        for name, build_c, programs, ow in [("pallas_split_mgpu_cv_bv64", True, None, 4),
+                                            ("pallas_split_mgpu_cvp_bv64", True, per_sm(2), 4),
+                                            ("pallas_split_mgpu_cvp1_bv64", True, per_sm(1), 4),
+                                            ("pallas_split_mgpu_bv64_ow8", False, None, 8)]:
             variants[name] = (
                 lambda *s, build_c=build_c, programs=programs, ow=ow: tree_solve_pallas(
                     *s, mask, max_depth=depth, method="split_mgpu", block_v=64, precision="tf32", build_c=build_c,

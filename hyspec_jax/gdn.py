@@ -162,14 +162,18 @@ def tree_log_decay(mask: jax.Array, g: jax.Array) -> jax.Array:
     return _ein("bij,bhj->bhi", mask.astype(F32), g.astype(F32))
 
 
+def masked_exp(on: jax.Array, exponent: jax.Array) -> jax.Array:
+    """exp(exponent) where `on`, 0 elsewhere; masked before the exp so an unused exponent never overflows. Plain
+    elementwise jnp: the kernels call it on their own tiles (any lowering, any register layout)."""
+    return jnp.where(on, jnp.exp(jnp.where(on, exponent, 0.0)), 0.0)
+
+
 def path_decay(A_rows: jax.Array, log_decay_rows: jax.Array, log_decay_cols: jax.Array) -> jax.Array:
     """D = A ⊙ exp(Γ_row − Γ_col), masked before the exp so the exponent is ≤ 0 wherever it is used.
 
     A_rows [B,1|H,M,N] (0/1), Γ rows [B,H,M], Γ cols [B,H,N] -> [B,H,M,N].
     """
-    diff = log_decay_rows[..., :, None] - log_decay_cols[..., None, :]
-    on = A_rows > 0
-    return jnp.where(on, jnp.exp(jnp.where(on, diff, 0.0)), 0.0)
+    return masked_exp(A_rows > 0, log_decay_rows[..., :, None] - log_decay_cols[..., None, :])
 
 
 def node_state(S0: jax.Array, factors: SolveFactors, mask: jax.Array, node: jax.Array) -> jax.Array:
@@ -212,7 +216,7 @@ def deferred_empty(batch: int, heads: int, rows: int, dk: int, dv: int) -> Defer
 def deferred_row_weights(pend: DeferredUpdates) -> jax.Array:
     """e^{c − c_i} for rows in use, 0 beyond `count`: [B, HV, P]."""
     used = jnp.arange(pend.row_decay.shape[-1])[None, None, :] < pend.count[:, None, None]
-    return jnp.where(used, jnp.exp(jnp.where(used, pend.log_decay[..., None] - pend.row_decay, 0.0)), 0.0)
+    return masked_exp(used, pend.log_decay[..., None] - pend.row_decay)
 
 
 def deferred_fold(S_base: jax.Array, pend: DeferredUpdates) -> jax.Array:

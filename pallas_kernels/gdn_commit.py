@@ -24,6 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from hyspec_jax import gdn
 from pallas_kernels import tile_dim_ok
 from pallas_kernels.gdn_tree_solve import Precision, _dot, _f32_precision
 
@@ -40,7 +41,7 @@ def _commit_kernel(node_ref, mask_ref, gamma_ref, k_ref, vc_ref, s0_ref, out_ref
         gam = gamma_ref[...]                                # [N]
         ga = gamma_ref[a]                                   # Γ_a
         on = arow > 0
-        w = jnp.where(on, jnp.exp(jnp.where(on, ga - gam, 0.0)), 0.0)   # D_a·
+        w = gdn.masked_exp(on, ga - gam)                    # D_a·
         kw = k_ref[...].astype(F32) * w[:, None]            # [N, dk]
         upd = _dot(kw, vc_ref[...], precision, trans_a=True)   # [dk, bv]
         out_ref[...] = jnp.exp(ga) * s0_ref[...] + upd

@@ -41,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from hyspec_jax import gdn
 from pallas_kernels import gdn_tree_split_mgpu, tile_dim_ok
 
 F32 = jnp.float32
@@ -88,7 +89,7 @@ def _fold_deferred(s0, c_ref, rc_ref, pk_ref, pv_ref, count_ref, precision):
     c = c_ref[...]
     rows = lax.broadcasted_iota(jnp.int32, rc_ref.shape, 0)
     used = rows < count_ref[...]
-    w = jnp.where(used, jnp.exp(jnp.where(used, c - rc_ref[...], 0.0)), 0.0)            # [P]
+    w = gdn.masked_exp(used, c - rc_ref[...])                                           # [P]
     kw = pk_ref[...].astype(F32) * w[:, None]                                           # [P, dk]
     return jnp.exp(c) * s0 + _dot(kw, pv_ref[...], precision, trans_a=True)
 
@@ -101,8 +102,7 @@ def _node_operators(mask_ref, g_ref, beta_ref, q, k, precision):
     beta = beta_ref[...]                                # [N]
     on = A > 0
     gamma = jnp.sum(A * g[None, :], axis=1)             # Γ = A g            [N]
-    diff = gamma[:, None] - gamma[None, :]
-    D = jnp.where(on, jnp.exp(jnp.where(on, diff, 0.0)), 0.0)
+    D = gdn.masked_exp(on, gamma[:, None] - gamma[None, :])
     row = lax.broadcasted_iota(jnp.int32, (n, n), 0)
     col = lax.broadcasted_iota(jnp.int32, (n, n), 1)
     kk = _dot(k, k, precision, trans_b=True)            # [N, N]

@@ -126,6 +126,18 @@ def _split_state(s0f_s, s0hi_s, s0lo_s, shared: bool) -> None:
     plgpu.commit_smem()                                 # visible to the async proxy (wgmma)
 
 
+def _store_r_pair(beta, v_s, decay, ks, s0hi_s, s0lo_s):
+    """R = β ⊙ (v − e^Γ ⊙ K S0) as a bf16 pair on the state pair's first N rows (the state pair is read by then);
+    returns those two refs, wgmma's B operand for the products with R."""
+    N = ks.shape[0]
+    v = plgpu.load(v_s, layout=plgpu.Layout.WGMMA).astype(F32)
+    R_hi, R_lo = split_bf16(beta * (v - decay * ks))
+    rhi_s, rlo_s = s0hi_s.at[pl.ds(0, N)], s0lo_s.at[pl.ds(0, N)]
+    rhi_s[...] = R_hi
+    rlo_s[...] = R_lo
+    return rhi_s, rlo_s
+
+
 def _smem_transforms(dtype, cols: int):
     """Tiling + swizzle for a row-major [rows, cols] shared-memory tile (the widest swizzle one row fills)."""
     size = jnp.dtype(dtype).itemsize
@@ -180,7 +192,7 @@ def _operator_kernel(mask_g, gamma_g, beta_g, q_g, k_g, mchi_g, mclo_g,
     gamma_i = lax.broadcast_in_dim(plgpu.load(gam_s, layout=plgpu.Layout.WGMMA.reduce(1)), (N, N), [0])
     gamma_j = lax.broadcast_in_dim(plgpu.load(gam_col_s, layout=plgpu.Layout.WGMMA.reduce(0)), (N, N), [1])
     beta_i = lax.broadcast_in_dim(plgpu.load(bet_s, layout=plgpu.Layout.WGMMA.reduce(1)), (N, N), [0])
-    D = jnp.where(on, jnp.exp(jnp.where(on, gamma_i - gamma_j, 0.0)), 0.0)
+    D = gdn.masked_exp(on, gamma_i - gamma_j)
     rows, cols = _iotas((N, N))
     L = jnp.where(on & (rows != cols), beta_i * kk * D, 0.0)
     C = qk * D
@@ -294,11 +306,7 @@ def _apply_kernel(gamma_g, beta_g, mchi_g, mclo_g, k_g, q_g, v_g, s0_g, o_g, vc_
     rows = lambda x: lax.broadcast_in_dim(x, (N, bv), [0])
     decay = rows(jnp.exp(plgpu.load(gam_s, layout=row_layout)))
     beta = rows(plgpu.load(bet_s, layout=row_layout))
-    v = plgpu.load(v_s, layout=plgpu.Layout.WGMMA).astype(F32)
-    R_hi, R_lo = split_bf16(beta * (v - decay * ks))
-    rhi_s, rlo_s = s0hi_s.at[pl.ds(0, N)], s0lo_s.at[pl.ds(0, N)]   # the state pair is no longer read
-    rhi_s[...] = R_hi
-    rlo_s[...] = R_lo
+    rhi_s, rlo_s = _store_r_pair(beta, v_s, decay, ks, s0hi_s, s0lo_s)
     plgpu.commit_smem()
 
     plgpu.barrier_wait(bar_mc)
@@ -375,17 +383,13 @@ def _apply_cv_kernel(gamma_g, rows_g, mhi_g, mlo_g, k_g, q_g, v_g, s0_g, o_g, vc
         node_row = lambda i: plgpu.load(rows_s.at[i], layout=row_layout)            # noqa: E731
         decay = rows(jnp.exp(node_row(0)), bv)
         beta = rows(node_row(1), bv)
-        v = plgpu.load(v_s, layout=plgpu.Layout.WGMMA).astype(F32)
-        R_hi, R_lo = split_bf16(beta * (v - decay * ks))
-        rhi_s, rlo_s = s0hi_s.at[pl.ds(0, N)], s0lo_s.at[pl.ds(0, N)]   # the state pair is no longer read
-        rhi_s[...] = R_hi
-        rlo_s[...] = R_lo
+        rhi_s, rlo_s = _store_r_pair(beta, v_s, decay, ks, s0hi_s, s0lo_s)
         _, node_cols = _iotas((N, N))
         bits = lambda i: rows(lax.bitcast_convert_type(node_row(i), jnp.int32), N)   # noqa: E731
         on = ancestors_from_bits(bits(2), bits(3), node_cols)
         gamma_i = rows(node_row(0), N)
         gamma_j = lax.broadcast_in_dim(plgpu.load(gam_col_s, layout=plgpu.Layout.WGMMA.reduce(0)), (N, N), [1])
-        C_hi, C_lo = split_bf16(qk * jnp.where(on, jnp.exp(jnp.where(on, gamma_i - gamma_j, 0.0)), 0.0))
+        C_hi, C_lo = split_bf16(qk * gdn.masked_exp(on, gamma_i - gamma_j))
         chi_s[...] = C_hi
         clo_s[...] = C_lo
         plgpu.commit_smem()

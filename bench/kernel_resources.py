@@ -94,7 +94,7 @@ def match_kernels(launches: list[dict]) -> dict[str, dict]:
 
 JOBS = ("neumann", "squaring", "neumann_bv32", "squaring_bv32", "neumann_bv128", "squaring_bv128",
         "inverse", "inverse_bv32", "inverse_bv128", "split", "split_bv32", "split_bv128",
-        "split_mgpu", "split_mgpu_noshare", "split_mgpu_nokq", "split_mgpu2", "split_mgpu2_nokq",
+        "split_mgpu", "split_mgpu_noshare", "split_mgpu_nokq", "split_mgpu_regst", "split_mgpu2", "split_mgpu2_nokq",
         "split_mgpu_cv", "split_mgpu_cvp", "split_mgpu_cvp1",
         "squaring_deferred", "commit", "append", "append_l4", "serial", "attention")
 # --detail: a second ncu pass per job with these sections (hardware counters: stall reasons, occupancy, memory)
@@ -128,11 +128,13 @@ def _compile_job(B: int, N: int, only: str) -> None:
            for m in ("neumann", "squaring", "inverse", "split") for bv in (32, 128)},
         "inverse": (lambda *a: tree_solve_pallas(*a, max_depth=depth, method="inverse"), tree),
         "split": (lambda *a: tree_solve_pallas(*a, max_depth=depth, method="split"), tree),
-        **{f"split_mgpu{sfx}": (lambda *a, op=op, sh=sh, kq=kq: tree_solve_pallas(
-            *a, max_depth=depth, method="split_mgpu", operator_pass=op, share_state_smem=sh, share_kq_smem=kq), tree)
-           for sfx, op, sh, kq in (("", "triton", True, True), ("_noshare", "triton", False, False),
-                                   ("_nokq", "triton", True, False), ("2", "mgpu", True, True),
-                                   ("2_nokq", "mgpu", True, False))},
+        **{f"split_mgpu{sfx}": (lambda *a, op=op, sh=sh, kq=kq, tma=tma: tree_solve_pallas(
+            *a, max_depth=depth, method="split_mgpu", operator_pass=op, share_state_smem=sh, share_kq_smem=kq,
+            tma_store=tma), tree)
+           for sfx, op, sh, kq, tma in (("", "triton", True, True, True), ("_noshare", "triton", False, False, False),
+                                        ("_nokq", "triton", True, False, False),
+                                        ("_regst", "triton", True, True, False), ("2", "mgpu", True, True, True),
+                                        ("2_nokq", "mgpu", True, False, False))},
         **{f"split_mgpu_cv{sfx}": (lambda *a, per_sm=per_sm: tree_solve_pallas(
             *a, max_depth=depth, method="split_mgpu", build_c=True,
             value_programs=per_sm and gdn_tree_split_mgpu.value_programs(B * HV * DV // 64, per_sm)), tree)

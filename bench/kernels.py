@@ -44,8 +44,8 @@ import jax
 import jax.numpy as jnp
 
 from hyspec_jax import gdn
-from hyspec_jax.bench.report import (git_commit, gpu_stream_events, portable_command, profile_trace, save_png,
-                                     run_metadata)
+from hyspec_jax.bench.report import (busy_time_ns, git_commit, gpu_stream_events, portable_command, profile_trace,
+                                     run_metadata, save_png)
 from pallas_kernels import gdn_tree_split_mgpu, trees
 from pallas_kernels.gdn_commit import (deferred_append_pallas, deferred_append_reference, deferred_to_reference,
                                        path_commit_pallas, path_commit_reference)
@@ -128,16 +128,18 @@ def device_kernel_time(run, calls: int) -> dict:
 
 
 def gpu_stream_time(data, calls: int) -> dict:
-    """Sum of the GPU stream events of a profile (`jax.profiler.ProfileData`) per call, and the largest kernels."""
+    """Sum of the GPU stream events of a profile (`jax.profiler.ProfileData`) per call, the time the GPU is busy
+    with them (device_busy_us: below the sum only where launches overlap), and the largest kernels."""
     per_name: dict[str, float] = {}
-    for _, duration, name in gpu_stream_events(data):
+    events = gpu_stream_events(data)
+    for _, duration, name in events:
         per_name[name] = per_name.get(name, 0.0) + duration
     if not per_name:
         gpu_lines = [line.name for p in data.planes if p.name.startswith("/device:GPU") for line in p.lines]
         raise RuntimeError(f"no GPU stream events in the trace (planes {[p.name for p in data.planes]}, "
                            f"GPU lines {gpu_lines[:12]})")
     top = sorted(per_name.items(), key=lambda kv: -kv[1])[:8]
-    return {"device_us": sum(per_name.values()) / 1e3 / calls,
+    return {"device_us": sum(per_name.values()) / 1e3 / calls, "device_busy_us": busy_time_ns(events) / 1e3 / calls,
             "device_kernels_us": {k: v / 1e3 / calls for k, v in top}}
 
 
@@ -234,13 +236,17 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
                         operator_warps=ow, interpret=interpret), "solve")
     if gdn_tree_split_mgpu.supported(N, DK, DV, 64, jnp.bfloat16):   # the Mosaic GPU value pass (64 nodes)
         # mgpu: Triton operator pass; mgpu2: both passes in Mosaic GPU; _nokq: the value pass's k/q and [M; C M]
-        # do not share shared memory; _noshare: neither do its state tile and bf16 pair
-        for op, sfx, share, kq in [("triton", "_nokq", True, False), ("triton", "_noshare", False, False),
-                                   ("triton", "", True, True), ("mgpu", "_nokq", True, False), ("mgpu", "", True, True)]:
+        # do not share shared memory; _noshare: neither do its state tile and bf16 pair; _regst: o and V' stored from
+        # registers (8-byte stores of the WGMMA layout), not by TMA through shared memory
+        for op, sfx, share, kq, tma in [("triton", "_nokq", True, False, False),
+                                        ("triton", "_noshare", False, False, False), ("triton", "", True, True, True),
+                                        ("triton", "_regst", True, True, False), ("mgpu", "_nokq", True, False, False),
+                                        ("mgpu", "", True, True, True)]:
             variants[f"pallas_split_{'mgpu' if op == 'triton' else 'mgpu2'}_bv64{sfx}"] = (
-                lambda *s, op=op, share=share, kq=kq: tree_solve_pallas(
+                lambda *s, op=op, share=share, kq=kq, tma=tma: tree_solve_pallas(
                     *s, mask, max_depth=depth, method="split_mgpu", block_v=64, precision="tf32",
-                    operator_pass=op, share_state_smem=share, share_kq_smem=kq, interpret=interpret), "solve")
+                    operator_pass=op, share_state_smem=share, share_kq_smem=kq, tma_store=tma,
+                    interpret=interpret), "solve")
         # _cv: the operator pass sends M alone and the value pass builds C (build_c); _cvp / _cvp1: that value pass
         # persistent, two / one program(s) per SM looping over the items (double-buffered state tile); _ow8: the
         # Triton operator pass at 8 warps (4 otherwise)

@@ -107,6 +107,20 @@ def gpu_stream_events(data) -> list[tuple[int, int, str]]:
     return sorted(out)
 
 
+def busy_time_ns(events: list[tuple[int, int, str]]) -> int:
+    """Length of the union of the events' intervals: overlapping events (other streams, or a kernel launched
+    before the one it depends on has ended) count once."""
+    busy, end = 0, None
+    for s, d, _ in sorted(events):
+        if end is None or s >= end:
+            busy += d
+            end = s + d
+        elif s + d > end:
+            busy += s + d - end
+            end = s + d
+    return busy
+
+
 def save_png(fig, path, dpi: int = 120) -> None:
     """Save a matplotlib figure as a 128-colour palette PNG: plots are flat colours, so this looks the same at a
     third of the size (the whole repository travels to the GPU machine under a size limit)."""

@@ -45,21 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def busy_time_ns(events: list[tuple[int, int, str]]) -> int:
-    """Length of the union of the events' intervals (overlapping streams count once)."""
-    busy, end = 0, None
-    for s, d, _ in sorted(events):
-        if end is None or s >= end:
-            busy += d
-            end = s + d
-        elif s + d > end:
-            busy += s + d - end
-            end = s + d
-    return busy
-
-
 def summarize_events(events: list[tuple[int, int, str]], rounds: int, top: int) -> dict:
     """Per-round GPU figures of a traced generation of `rounds` rounds."""
+    from hyspec_jax.bench.report import busy_time_ns
     r = max(rounds, 1)
     per: dict[str, list[float]] = {}
     for _, d, n in events:

@@ -258,7 +258,8 @@ def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, oper
 
 def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision, out_dtype, num_warps, num_stages,
                       operator_warps, interpret, value_pass="triton", operator_pass="triton",
-                      share_state_smem=True, share_kq_smem=True, build_c=False, value_programs=None):
+                      share_state_smem=True, share_kq_smem=True, tma_store=True, build_c=False,
+                      value_programs=None):
     """Two launches: the node-wise operators once per (request, value head) — Γ and [M; C M], 2·N² fp32 words
     per head through HBM — then the value tiles, which hold no N × N chain: three products, K S0, Q S0, [M; C M] R.
     value_pass "mgpu": the second launch is the Mosaic GPU kernel (gdn_tree_split_mgpu), fed the bf16 pair."""
@@ -284,7 +285,8 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
                 interpret=interpret)
         o, vc = gdn_tree_split_mgpu.tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0.astype(F32),
                                                     block_v=block_v, share_state_smem=share_state_smem,
-                                                    share_kq_smem=share_kq_smem, out_dtype=out_dtype,
+                                                    share_kq_smem=share_kq_smem, tma_store=tma_store,
+                                                    out_dtype=out_dtype,
                                                     interpret=interpret)
         return o, gamma, vc
     gamma, MC = _tree_operators_triton(q, k, g, beta, mask, rounds=rounds, precision=precision, form="fp32",
@@ -324,14 +326,14 @@ def supported(N: int, dk: int, dv: int, block_v: int, precision: Precision = "tf
 
 @functools.partial(jax.jit, static_argnames=("max_depth", "method", "block_v", "precision", "out_dtype",
                                              "num_warps", "num_stages", "operator_warps", "write_state",
-                                             "share_state_smem", "share_kq_smem", "operator_pass", "build_c",
-                                             "value_programs", "interpret"))
+                                             "share_state_smem", "share_kq_smem", "tma_store", "operator_pass",
+                                             "build_c", "value_programs", "interpret"))
 def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: int, method: Method = "neumann",
                       block_v: int = 64, precision: Precision = "tf32", out_dtype=F32,
                       num_warps: int | None = None, num_stages: int = 1, operator_warps: int = 4,
                       write_state: bool = False, share_state_smem: bool = True, share_kq_smem: bool = True,
-                      operator_pass: Literal["triton", "mgpu"] = "triton", build_c: bool = False,
-                      value_programs: int | None = None, interpret: bool = False):
+                      tma_store: bool = True, operator_pass: Literal["triton", "mgpu"] = "triton",
+                      build_c: bool = False, value_programs: int | None = None, interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]
     (the dispatcher pads with identity nodes). Returns (o [B,N,HV,dv], Γ [B,HV,N], V' [B,HV,N,dv]).
@@ -342,7 +344,8 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     (fourth output, written over S0 — donate S0 to make it in place); the caller then empties the updates.
     num_warps / num_stages: the value-tile programs'; operator_warps: the split form's operator pass.
     method "split_mgpu": the split form with its value pass in Mosaic GPU (gdn_tree_split_mgpu: N = 64, bf16
-    q/k, compute capability 9.0); share_state_smem / share_kq_smem are that kernel's shared-memory options, and
+    q/k, compute capability 9.0); share_state_smem / share_kq_smem / tma_store are that kernel's options
+    (gdn_tree_split_mgpu.tree_apply_mgpu), and
     operator_pass "mgpu" runs the operator pass in Mosaic GPU too (gdn_tree_split_mgpu.tree_operators_mgpu);
     build_c: the operator pass sends M alone and the value pass builds C from q kᵀ (gdn_tree_split_mgpu.
     tree_apply_cv_mgpu), with the Triton operator pass; value_programs: that kernel's program count (None: one
@@ -379,7 +382,8 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
                                  num_warps=num_warps, num_stages=num_stages, operator_warps=operator_warps,
                                  interpret=interpret, value_pass="mgpu" if method == "split_mgpu" else "triton",
                                  operator_pass=operator_pass, share_state_smem=share_state_smem,
-                                 share_kq_smem=share_kq_smem, build_c=build_c, value_programs=value_programs)
+                                 share_kq_smem=share_kq_smem, tma_store=tma_store, build_c=build_c,
+                                 value_programs=value_programs)
     kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(max_depth, N), method=method,
                              precision=_f32_precision(precision, interpret), deferred=deferred is not None,
                              write_state=write_state)

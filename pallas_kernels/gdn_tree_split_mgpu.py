@@ -34,7 +34,12 @@ warpgroup barrier between reading the one and writing the other), and R's pair r
 rows. `share_kq_smem`: the [M; C M] pair lands where k and q were, its load issued once the state products have
 read them. Both (the default): 74 KiB, 150 registers, three programs per SM (ncu on the H200,
 bench/results/kernel_resources_mgpu_h200.md); B 8, N 64: 24.6 µs, vs 27.1 without k/q sharing and 33.7 without
-either (kernels_split_mgpu_forms_h200.md, kernels_split_mgpu_h200.md).
+either (kernels_split_mgpu_forms_h200.md, kernels_split_mgpu_h200.md). `tma_store` (the default): o and V' are staged
+where [M; C M] was and leave by TMA, whole 128-byte lines instead of the WGMMA layout's 8-byte stores from registers
+(the value pass ran at 62% of L2 throughput, 46% of its tag requests): 23.4 vs 24.7 µs at B 8, 79.3 vs 80.7 at
+B 32, 6.2 vs 6.1 at B 1 (kernels_value_store_h200.md). Measured with it and dropped, no gain: programmatic dependent
+launch of the value pass (the trace showed no overlap with the operator pass) and Pallas' automatic shared-memory
+barriers left out (−0.2 µs at B 8).
 
 The Mosaic GPU operator pass (85 KiB, 230 registers, two programs per SM) is ~40x more accurate than the Triton
 one (o error 4.6e-6 vs 2.0e-4 against the fp32 reference) but slower on the H200 (B 8: 25.5 µs + 3.9 µs of XLA
@@ -260,7 +265,7 @@ def head_major_rows(mask, g, beta):
 
 def _apply_kernel(gamma_g, beta_g, mchi_g, mclo_g, k_g, q_g, v_g, s0_g, o_g, vc_g,
                   kq_s, v_s, state_s, gam_s, bet_s, bar_state, bar_rows, bar_mc,
-                  *, r: int, bv: int, share_state_smem: bool, share_kq_smem: bool):
+                  *, r: int, bv: int, share_state_smem: bool, share_kq_smem: bool, tma_store: bool):
     b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
     cols = pl.ds(t * bv, bv)
     key_head = lax.div(h, jnp.int32(r))                 # GVA is indexed, never expanded
@@ -268,7 +273,7 @@ def _apply_kernel(gamma_g, beta_g, mchi_g, mclo_g, k_g, q_g, v_g, s0_g, o_g, vc_
         s0f_s, (s0hi_s, s0lo_s) = state_s
     else:
         s0f_s, s0hi_s, s0lo_s = state_s
-    (k_s, q_s), (mchi_s, mclo_s) = kq_s if share_kq_smem else (kq_s[:2], kq_s[2:])
+    (k_s, q_s), (mchi_s, mclo_s), *staging = kq_s if share_kq_smem else (kq_s[:2], kq_s[2:])
     N = k_s.shape[0]
     # Issued at once, on three barriers, so each product starts when its own operands have landed (with
     # share_kq_smem the [M; C M] pair lands where k and q were, so it is loaded once they are read).
@@ -311,8 +316,21 @@ def _apply_kernel(gamma_g, beta_g, mchi_g, mclo_g, k_g, q_g, v_g, s0_g, o_g, vc_
 
     plgpu.barrier_wait(bar_mc)
     out = _pair_wgmma((mchi_s, mclo_s), (rhi_s, rlo_s), (2 * N, bv))
-    vc_g.at[b, h, :, cols][...] = out[:N]
-    o_g.at[b, :, h, cols][...] = (decay * qs + out[N:]).astype(o_g.dtype)
+    o = (decay * qs + out[N:]).astype(o_g.dtype)
+    if not tma_store:
+        vc_g.at[b, h, :, cols][...] = out[:N]
+        o_g.at[b, :, h, cols][...] = o
+        return
+    # Both tiles through shared memory (where [M; C M] was) and out by TMA: whole 128-byte lines, not the
+    # 8-byte stores of the WGMMA layout. The barrier: every warp's part of the product has read [M; C M].
+    (vc_s, o_s), = staging
+    plgpu.commit_smem()
+    vc_s[...] = out[:N]
+    o_s[...] = o
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(vc_s, vc_g.at[b, h, :, cols])
+    plgpu.copy_smem_to_gmem(o_s, o_g.at[b, :, h, cols])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _apply_cv_kernel(gamma_g, rows_g, mhi_g, mlo_g, k_g, q_g, v_g, s0_g, o_g, vc_g,
@@ -470,12 +488,14 @@ def tree_apply_cv_mgpu(gamma, rows, m_hi, m_lo, k, q, v, S0, *, block_v: int = 6
     return kernel(gamma, rows, m_hi, m_lo, k, q, v, S0)
 
 
-@functools.partial(jax.jit, static_argnames=("block_v", "share_state_smem", "share_kq_smem", "out_dtype",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_v", "share_state_smem", "share_kq_smem", "tma_store",
+                                             "out_dtype", "interpret"))
 def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int = 64, share_state_smem: bool = True,
-                    share_kq_smem: bool = True, out_dtype=F32, interpret: bool = False):
+                    share_kq_smem: bool = True, tma_store: bool = True, out_dtype=F32, interpret: bool = False):
     """gamma, beta_hn [B,HV,N] fp32 (β in head-major layout); mc_hi, mc_lo [B,HV,2N,N] bf16 (the [M; C M] pair);
-    k, q [B,N,HK,dk] bf16; v [B,N,HV,dv]; S0 [B,HV,dk,dv] fp32. Returns o [B,N,HV,dv] (out_dtype), V' [B,HV,N,dv]."""
+    k, q [B,N,HK,dk] bf16; v [B,N,HV,dv]; S0 [B,HV,dk,dv] fp32. Returns o [B,N,HV,dv] (out_dtype), V' [B,HV,N,dv].
+    tma_store: o and V' leave through shared memory by TMA (needs share_kq_smem: they are staged where k, q and
+    [M; C M] were; share_kq_smem=False stores them from registers)."""
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
     _check_value_pass("tree_apply_mgpu", q, k, v, block_v)
@@ -485,10 +505,13 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
     state = plgpu.RefUnion(state_f32, tuple(state_pair)) if share_state_smem else [state_f32, *state_pair]
     kq = [plgpu.SMEM((N, dk), BF16, transforms=_smem_transforms(BF16, dk)) for _ in range(2)]
     mc = [plgpu.SMEM((2 * N, N), BF16, transforms=_smem_transforms(BF16, N)) for _ in range(2)]
-    kq_mc = plgpu.RefUnion(tuple(kq), tuple(mc)) if share_kq_smem else [*kq, *mc]
+    tma_store = tma_store and share_kq_smem
+    staging = [(plgpu.SMEM((N, bv), F32, transforms=_smem_transforms(F32, bv)),                # V', o tiles
+                plgpu.SMEM((N, bv), out_dtype, transforms=_smem_transforms(out_dtype, bv)))] if tma_store else []
+    kq_mc = plgpu.RefUnion(tuple(kq), tuple(mc), *staging) if share_kq_smem else [*kq, *mc]
     kernel = plgpu.kernel(
         functools.partial(_apply_kernel, r=HV // HK, bv=bv, share_state_smem=share_state_smem,
-                          share_kq_smem=share_kq_smem),
+                          share_kq_smem=share_kq_smem, tma_store=tma_store),
         out_type=[jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype), jax.ShapeDtypeStruct((B, HV, N, dv), F32)],
         grid=(B, HV, dv // bv), grid_names=("b", "h", "t"),
         scratch_types=[

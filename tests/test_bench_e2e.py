@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from hyspec_jax.bench.e2e import main as e2e_main, prefix_survival
+from hyspec_jax.bench.report import busy_time_ns
 from hyspec_jax.io.drafter_io import save_drafter
 from hyspec_jax.io.hf import save_pretrained
 from hyspec_jax.models import drafter as D
@@ -139,7 +140,7 @@ def test_round_profile_runs_and_reduces_traces(dirs):
     assert "| tree-ready |" in md and "draft/tree_build" in md
     # kernels a (0-10 ns, 20-30) and b (5-15, on another stream): busy 25 ns over 2 rounds
     ev = [(0, 10, "a"), (5, 10, "b"), (20, 10, "a")]
-    assert RP.busy_time_ns(ev) == 25
+    assert busy_time_ns(ev) == 25
     s = RP.summarize_events(ev, rounds=2, top=1)
     assert s["gpu_ops_per_round"] == 1.5 and s["gpu_busy_us_per_round"] == 25 / 1e3 / 2
     assert s["top_kernels"] == [{"name": "a", "per_round": 1.0, "us_per_round": 20 / 1e3 / 2}]

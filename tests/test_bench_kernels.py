@@ -173,6 +173,10 @@ def test_gpu_stream_time_sums_stream_events_only():
     """
     res = gpu_stream_time(ProfileData.from_text_proto(text), calls=2)
     assert res["device_us"] == pytest.approx(4.5)                 # (5 + 1 + 3) µs over 2 calls
+    assert res["device_busy_us"] == pytest.approx(4.5)            # no overlap: the union is the sum
+    overlapping = text.replace("offset_ps: 6000000 duration_ps: 1000000", "offset_ps: 4000000 duration_ps: 3000000")
+    over = gpu_stream_time(ProfileData.from_text_proto(overlapping), calls=2)
+    assert over["device_us"] == pytest.approx(5.5) and over["device_busy_us"] == pytest.approx(5.0)  # 0-7, 9-12 µs
     assert res["device_kernels_us"] == pytest.approx({"gdn_tree_apply": 4.0, "fusion_3": 0.5})
     host_only = 'planes { id: 2 name: "/host:CPU" }'
     with pytest.raises(RuntimeError, match="no GPU stream events"):

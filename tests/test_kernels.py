@@ -92,13 +92,15 @@ def test_tree_solve_interpret(case, method):
 
 
 @pytest.mark.parametrize("operator_pass,share_state_smem,share_kq_smem,depth",
-                         [("triton", True, False, 8), ("triton", False, True, 8), ("mgpu", True, False, 8),
+                         [("triton", True, False, 8), ("triton", False, True, 8), ("triton_regst", True, True, 8),
+                          ("mgpu", True, False, 8),
                           ("mgpu", True, True, 8), ("mgpu", True, False, 1), ("mgpu", True, True, 64),
                           ("build_c", True, True, 8), ("build_c", True, True, 1), ("build_c_looped", True, True, 8),
                           ("build_c_looped", True, True, 64)])
 def test_split_mgpu_interpret(operator_pass, share_state_smem, share_kq_smem, depth):
     """The split form with its Mosaic GPU value pass (bf16-pair wgmma products; gdn_tree_split_mgpu), its operator
-    pass in Triton or Mosaic GPU too (build_c: the value pass builds C; looped: 5 programs loop over its 12 items,
+    pass in Triton or Mosaic GPU too (regst: o and V' stored from registers, not by TMA; build_c: the value pass
+    builds C; looped: 5 programs loop over its 12 items,
     double-buffering the state tile), in interpret mode: a forest of 64 nodes (a chain at depth 64; no squaring at
     depth 1), 3 value heads per key head, two value tiles each, bf16 q/k/v. The pair products carry ~16
     significand bits (vs one-pass tf32's 11), so the bar is near the fp32 one of the other forms."""
@@ -109,7 +111,8 @@ def test_split_mgpu_interpret(operator_pass, share_state_smem, share_kq_smem, de
     o_ref, fac = reference(*args, mask)
     build_c = operator_pass.startswith("build_c")       # the Triton operator pass sends M alone; the value pass builds C
     o, gamma, vc = tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=64, interpret=True,
-                                     operator_pass="triton" if build_c else operator_pass, build_c=build_c,
+                                     operator_pass=operator_pass.split("_")[0] if not build_c else "triton",
+                                     build_c=build_c, tma_store="_regst" not in operator_pass,
                                      value_programs=5 if operator_pass == "build_c_looped" else None,
                                      share_state_smem=share_state_smem,
                                      share_kq_smem=share_kq_smem)
@@ -329,7 +332,8 @@ def test_tree_solve_gpu_bf16(method, N, depth):
 
 @needs_gpu
 @pytest.mark.parametrize("operator_pass,share_kq_smem,build_c,programs",
-                         [("triton", True, False, None), ("mgpu", False, False, None), ("mgpu", True, False, None),
+                         [("triton", True, False, None), ("triton_regst", True, False, None),
+                          ("mgpu", False, False, None), ("mgpu", True, False, None),
                           ("triton", True, True, None), ("triton", True, True, 2), ("triton", True, True, 77)])
 def test_split_mgpu_gpu(operator_pass, share_kq_smem, build_c, programs):
     if not dispatch.hopper_available():
@@ -337,8 +341,8 @@ def test_split_mgpu_gpu(operator_pass, share_kq_smem, build_c, programs):
     par, mask, args = make_inputs(71, 2, 64, 16, 48, 128, 128, 8, dtype=jnp.bfloat16)
     o_ref, fac = reference(*args, mask)
     o, gamma, vc = tree_solve_pallas(*args, mask, max_depth=8, method="split_mgpu", block_v=64,
-                                     operator_pass=operator_pass, share_kq_smem=share_kq_smem, build_c=build_c,
-                                     value_programs=programs)
+                                     operator_pass=operator_pass.split("_")[0], share_kq_smem=share_kq_smem,
+                                     tma_store="_regst" not in operator_pass, build_c=build_c, value_programs=programs)
     assert rel(o, o_ref) < 1e-3 and rel(vc, fac.corrected) < 1e-3 and rel(gamma, fac.log_decay) < 1e-5
 
 

@@ -93,16 +93,16 @@ def test_tree_solve_interpret(case, method):
 
 @pytest.mark.parametrize("operator_pass,share_state_smem,share_kq_smem,depth",
                          [("triton", True, False, 8), ("triton", False, True, 8), ("triton_regst", True, True, 8),
-                          ("mgpu", True, False, 8),
-                          ("mgpu", True, True, 8), ("mgpu", True, False, 1), ("mgpu", True, True, 64),
+                          ("mgpu", True, False, 8), ("mgpu", True, True, 8), ("mgpu", True, False, 1),
+                          ("mgpu", True, True, 64),
                           ("build_c", True, True, 8), ("build_c", True, True, 1), ("build_c_looped", True, True, 8),
                           ("build_c_looped", True, True, 64)])
 def test_split_mgpu_interpret(operator_pass, share_state_smem, share_kq_smem, depth):
     """The split form with its Mosaic GPU value pass (bf16-pair wgmma products; gdn_tree_split_mgpu), its operator
     pass in Triton or Mosaic GPU too (regst: o and V' stored from registers, not by TMA; build_c: the value pass
-    builds C; looped: 5 programs loop over its 12 items,
-    double-buffering the state tile), in interpret mode: a forest of 64 nodes (a chain at depth 64; no squaring at
-    depth 1), 3 value heads per key head, two value tiles each, bf16 q/k/v. The pair products carry ~16
+    builds C; looped: 5 programs loop over its 12 items, double-buffering the state tile), in interpret mode: a
+    forest of 64 nodes (a chain at depth 64; no squaring at depth 1), 3 value heads per key head, two value tiles
+    each, bf16 q/k/v. The pair products carry ~16
     significand bits (vs one-pass tf32's 11), so the bar is near the fp32 one of the other forms."""
     par, mask, args = make_inputs(91 + depth, 2, 64, 1, 3, 64, 128, depth, dtype=jnp.bfloat16,
                                   single_root=depth == 64)

@@ -48,6 +48,9 @@ F32 = jnp.float32
 Method = Literal["neumann", "squaring", "inverse", "split", "split_mgpu"]
 METHODS = get_args(Method)
 Precision = Literal["tf32", "tf32x3", "ieee"]
+# How the Triton operator pass forms M = (I+L)⁻¹ and C M (`_tree_operator_kernel`): one-pass tf32 products, or
+# bf16-pair products (~40x more accurate, slower: their registers leave room for two programs per SM, not three).
+OperatorChain = Literal["tf32", "pair"]
 
 REFERENCE = "hyspec_jax.gdn.masked_solve"
 
@@ -94,8 +97,15 @@ def _fold_deferred(s0, c_ref, rc_ref, pk_ref, pv_ref, count_ref, precision):
     return jnp.exp(c) * s0 + _dot(kw, pv_ref[...], precision, trans_a=True)
 
 
+def _query_operator(mask_ref, gamma, q, k, precision):
+    """C = qkᵀ ⊙ D with D = A ⊙ e^{Γ_i−Γ_j} (the mask read again: the caller need not keep A or D live)."""
+    D = gdn.masked_exp(mask_ref[...] > 0, gamma[:, None] - gamma[None, :])
+    return _dot(q, k, precision, trans_b=True) * D
+
+
 def _node_operators(mask_ref, g_ref, beta_ref, q, k, precision):
-    """Γ = A g, the ancestor-masked L = strict(A) ⊙ β kkᵀ ⊙ D and C = qkᵀ ⊙ D (node by node, no value tile)."""
+    """Γ = A g, the ancestor-masked L = strict(A) ⊙ β kkᵀ ⊙ D and C = qkᵀ ⊙ D (node by node, no value tile; q None:
+    no C)."""
     n = mask_ref.shape[0]
     A = mask_ref[...]                                   # [N, N] f32 0/1
     g = g_ref[...]                                      # [N]
@@ -107,22 +117,35 @@ def _node_operators(mask_ref, g_ref, beta_ref, q, k, precision):
     col = lax.broadcasted_iota(jnp.int32, (n, n), 1)
     kk = _dot(k, k, precision, trans_b=True)            # [N, N]
     L = jnp.where(on & (row != col), beta[:, None] * kk * D, 0.0)
-    if q is None:                                       # C not wanted (built by the value pass)
+    if q is None:                                       # C not wanted (built by the value pass, or later)
         return gamma, beta, L, None
     return gamma, beta, L, _dot(q, k, precision, trans_b=True) * D
 
 
-def _inverse(L, rounds: int, precision):
-    """(I+L)⁻¹ = (I−L)(I+L²)(I+L⁴)… as an explicit N × N matrix (L is nilpotent: L^{d+1} = 0)."""
-    n = L.shape[0]
-    eye = (lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1)).astype(F32)
+def _eye(n: int):
+    return (lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1)).astype(F32)
+
+
+def _inverse(L, rounds: int, precision, dot=None):
+    """(I+L)⁻¹ = (I−L)(I+L²)(I+L⁴)… as an explicit N × N matrix (L is nilpotent: L^{d+1} = 0). dot: the N × N
+    product (default: `_dot` at `precision`)."""
+    dot = dot or functools.partial(_dot, precision=precision)
+    eye = _eye(L.shape[0])
     if rounds == 0:
         return eye
     M, P = eye - L, L
     for _ in range(num_squarings(rounds) - 1):
-        P = _dot(P, P, precision)
-        M = M + _dot(P, M, precision)
+        P = dot(P, P)
+        M = M + dot(P, M)
     return M
+
+
+def _pair_dot(a, b):
+    """a b ≈ a_hi b_hi + a_lo b_hi + a_hi b_lo from bf16 pairs (gdn_tree_split_mgpu.split_bf16; ~2⁻¹⁶ relative,
+    vs one-pass tf32's ~2⁻¹¹): three bf16 tensor-core products. Triton feeds a 16-bit A operand from registers in
+    the accumulator's own layout, where an fp32 (tf32) A is rounded element by element on its way in."""
+    (a_hi, a_lo), (b_hi, b_lo) = gdn_tree_split_mgpu.split_bf16(a), gdn_tree_split_mgpu.split_bf16(b)
+    return _dot(a_hi, b_hi, None) + _dot(a_lo, b_hi, None) + _dot(a_hi, b_lo, None)
 
 
 def _apply_inverse(L, R, rounds: int, method: str, precision):
@@ -177,20 +200,29 @@ def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: boo
 
 
 def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *out_refs, rounds: int, precision,
-                          form: str):
+                          form: str, chain: str = "tf32"):
     """Split form, pass 1 (one program per request and value head): Γ and the node-wise operators to HBM, as
     `_tree_operators_triton`'s form says: "fp32" [M; C M] (one output); "pair" the same as a bf16 pair hi + lo with β
     head-major for the Mosaic GPU value pass (three outputs: hi, lo, β [HV, N]; gdn_tree_split_mgpu says why);
     "m_pair" only M's pair and Γ, β and the ancestor bits as one block (three: hi, lo, node rows [4, N];
-    gdn_tree_split_mgpu.node_rows) for the value pass that builds C itself."""
+    gdn_tree_split_mgpu.node_rows) for the value pass that builds C itself. chain (`OperatorChain`): how M and
+    C M are formed — one-pass tf32 or bf16-pair products (`_pair_dot`). With tf32, C is built after M's chain
+    (not live through it; the mask is read again): 14.8 vs 15.5 µs at B 8, N 64, 0.7–0.9 µs less at B 16 and 32
+    too, with the same 163–165 registers (bench/results/kernels_operator_chain_h200.md). The pair chain is
+    faster with C first (18.8 vs 21.1 µs)."""
     n = mask_ref.shape[0]
-    q = None if form == "m_pair" else q_ref[...]
+    c_first = chain == "pair"
+    q = None if form == "m_pair" or not c_first else q_ref[...]
     gamma, beta, L, C = _node_operators(mask_ref, g_ref, beta_ref, q, k_ref[...], precision)
-    M = _inverse(L, rounds, precision)
+    dot = _pair_dot if chain.startswith("pair") else functools.partial(_dot, precision=precision)
+    M = _inverse(L, rounds, precision, dot)
+    if form != "m_pair" and not c_first:
+        C = _query_operator(mask_ref, gamma, q_ref[...], k_ref[...], precision)
+    CM = None if C is None else dot(C, M)
     gamma_ref[...] = gamma
     if form == "fp32":
         out_refs[0][pl.ds(0, n), :] = M
-        out_refs[0][pl.ds(n, n), :] = _dot(C, M, precision)
+        out_refs[0][pl.ds(n, n), :] = CM
         return
     hi_ref, lo_ref, rows_ref = out_refs
     if form == "m_pair":
@@ -199,7 +231,7 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
             rows_ref[i, :] = row
         return
     rows_ref[...] = beta                                # β head-major
-    for rows, X in ((pl.ds(0, n), M), (pl.ds(n, n), _dot(C, M, precision))):
+    for rows, X in ((pl.ds(0, n), M), (pl.ds(n, n), CM)):
         hi_ref[rows, :], lo_ref[rows, :] = gdn_tree_split_mgpu.split_bf16(X)
 
 
@@ -221,7 +253,7 @@ def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref,
     o_ref[...] = (eg[:, None] * qs + CU).astype(o_ref.dtype)
 
 
-def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, operator_warps, interpret):
+def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, operator_warps, interpret, chain="tf32"):
     """The split form's Triton operator pass (`_tree_operator_kernel` says what each form writes): form "fp32"
     returns Γ, [M; C M] fp32; "pair" Γ, the [M; C M] bf16 pair, β head-major; "m_pair" Γ, M's bf16 pair and the node
     rows [B, HV, 4, N] (Γ, β, ancestor bits)."""
@@ -240,7 +272,7 @@ def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, oper
         shapes.append(jax.ShapeDtypeStruct((B, HV, 4, N), F32))
         specs.append(pl.BlockSpec((None, None, 4, N), lambda b, h: (b, h, 0, 0)))
     return pl.pallas_call(
-        functools.partial(_tree_operator_kernel, rounds=rounds, precision=precision, form=form),
+        functools.partial(_tree_operator_kernel, rounds=rounds, precision=precision, form=form, chain=chain),
         out_shape=[jax.ShapeDtypeStruct((B, HV, N), F32), *shapes],
         grid=(B, HV),
         in_specs=[
@@ -259,7 +291,7 @@ def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, oper
 def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision, out_dtype, num_warps, num_stages,
                       operator_warps, interpret, value_pass="triton", operator_pass="triton",
                       share_state_smem=True, share_kq_smem=True, tma_store=True, build_c=False,
-                      value_programs=None):
+                      value_programs=None, operator_chain="tf32"):
     """Two launches: the node-wise operators once per (request, value head) — Γ and [M; C M], 2·N² fp32 words
     per head through HBM — then the value tiles, which hold no N × N chain: three products, K S0, Q S0, [M; C M] R.
     value_pass "mgpu": the second launch is the Mosaic GPU kernel (gdn_tree_split_mgpu), fed the bf16 pair."""
@@ -269,7 +301,7 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
     if value_pass == "mgpu" and build_c:             # the operator pass sends M only; the value pass builds C
         gamma, m_hi, m_lo, rows = _tree_operators_triton(
             q, k, g, beta, mask, rounds=rounds, precision=precision, form="m_pair", operator_warps=operator_warps,
-            interpret=interpret)
+            interpret=interpret, chain=operator_chain)
         o, vc = gdn_tree_split_mgpu.tree_apply_cv_mgpu(gamma, rows, m_hi, m_lo, k, q, v, S0.astype(F32),
                                                        block_v=block_v, programs=value_programs, out_dtype=out_dtype,
                                                        interpret=interpret)
@@ -282,7 +314,7 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
         else:
             gamma, mc_hi, mc_lo, beta_hn = _tree_operators_triton(
                 q, k, g, beta, mask, rounds=rounds, precision=precision, form="pair", operator_warps=operator_warps,
-                interpret=interpret)
+                interpret=interpret, chain=operator_chain)
         o, vc = gdn_tree_split_mgpu.tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0.astype(F32),
                                                     block_v=block_v, share_state_smem=share_state_smem,
                                                     share_kq_smem=share_kq_smem, tma_store=tma_store,
@@ -327,13 +359,14 @@ def supported(N: int, dk: int, dv: int, block_v: int, precision: Precision = "tf
 @functools.partial(jax.jit, static_argnames=("max_depth", "method", "block_v", "precision", "out_dtype",
                                              "num_warps", "num_stages", "operator_warps", "write_state",
                                              "share_state_smem", "share_kq_smem", "tma_store", "operator_pass",
-                                             "build_c", "value_programs", "interpret"))
+                                             "build_c", "value_programs", "operator_chain", "interpret"))
 def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: int, method: Method = "neumann",
                       block_v: int = 64, precision: Precision = "tf32", out_dtype=F32,
                       num_warps: int | None = None, num_stages: int = 1, operator_warps: int = 4,
                       write_state: bool = False, share_state_smem: bool = True, share_kq_smem: bool = True,
                       tma_store: bool = True, operator_pass: Literal["triton", "mgpu"] = "triton",
-                      build_c: bool = False, value_programs: int | None = None, interpret: bool = False):
+                      build_c: bool = False, value_programs: int | None = None, operator_chain: OperatorChain = "tf32",
+                      interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]
     (the dispatcher pads with identity nodes). Returns (o [B,N,HV,dv], Γ [B,HV,N], V' [B,HV,N,dv]).
@@ -349,7 +382,8 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     operator_pass "mgpu" runs the operator pass in Mosaic GPU too (gdn_tree_split_mgpu.tree_operators_mgpu);
     build_c: the operator pass sends M alone and the value pass builds C from q kᵀ (gdn_tree_split_mgpu.
     tree_apply_cv_mgpu), with the Triton operator pass; value_programs: that kernel's program count (None: one
-    per item; fewer loop over the items with a double-buffered state tile).
+    per item; fewer loop over the items with a double-buffered state tile). operator_chain: how that Triton
+    operator pass forms M and C M (`OperatorChain`; "tf32": one-pass tf32 products, M then C M).
     """
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
@@ -363,6 +397,11 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     if (build_c or value_programs is not None) and not (method == "split_mgpu" and operator_pass == "triton"):
         raise ValueError("build_c / value_programs are options of method 'split_mgpu' with its Triton operator pass; "
                          f"got method={method!r} operator_pass={operator_pass!r}")
+    if operator_chain not in get_args(OperatorChain):
+        raise ValueError(f"unknown operator_chain {operator_chain!r}")
+    if operator_chain != "tf32" and not (method == "split_mgpu" and operator_pass == "triton"):
+        raise ValueError("operator_chain is an option of method 'split_mgpu' with its Triton operator pass; got "
+                         f"method={method!r} operator_pass={operator_pass!r}")
     if value_programs is not None and not build_c:
         raise ValueError("value_programs sets the build_c value pass's program count (build_c=True)")
     r = HV // HK
@@ -383,7 +422,7 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
                                  interpret=interpret, value_pass="mgpu" if method == "split_mgpu" else "triton",
                                  operator_pass=operator_pass, share_state_smem=share_state_smem,
                                  share_kq_smem=share_kq_smem, tma_store=tma_store, build_c=build_c,
-                                 value_programs=value_programs)
+                                 value_programs=value_programs, operator_chain=operator_chain)
     kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(max_depth, N), method=method,
                              precision=_f32_precision(precision, interpret), deferred=deferred is not None,
                              write_state=write_state)

@@ -45,7 +45,9 @@ The Mosaic GPU operator pass (85 KiB, 230 registers, two programs per SM) is ~40
 one (o error 4.6e-6 vs 2.0e-4 against the fp32 reference) but slower on the H200 (B 8: 25.5 µs + 3.9 µs of XLA
 for Γ and β, vs 15.3 µs): each of its chained N × N products is a round trip through shared memory and a
 barrier, and its 384 programs at B 8 take 1.45 waves. So `tree_solve_pallas` uses the Triton operator pass with
-this value pass unless told otherwise (operator_pass="mgpu").
+this value pass unless told otherwise (operator_pass="mgpu"). The Triton pass can form M and C M by bf16-pair
+products too (`operator_chain="pair"`: o error 4.6e-6, 18.8 vs 14.8 µs at B 8, its 183 registers leave room for two
+programs per SM; bench/results/kernels_operator_chain_h200.md).
 
 The value pass that builds C (`tree_apply_cv_mgpu`, `build_c=True` in `gdn_tree_solve.tree_solve_pallas`): the
 Triton operator pass sends M's pair alone (half the bytes, no C M product: 12.7 vs 15.3 µs at B 8), and each value

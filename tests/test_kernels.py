@@ -120,6 +120,21 @@ def test_split_mgpu_interpret(operator_pass, share_state_smem, share_kq_smem, de
     assert rel(gamma, fac.log_decay) < 1e-6
 
 
+@pytest.mark.parametrize("depth", [8, 64, 1])
+def test_split_mgpu_pair_chain_interpret(depth):
+    """The Triton operator pass with bf16-pair products for M and C M (operator_chain="pair") equals the reference
+    in interpret mode, on a forest of 64 nodes, a chain of 64 and depth 1 (no squaring)."""
+    par, mask, args = make_inputs(57 + depth, 2, 64, 1, 3, 64, 128, depth, dtype=jnp.bfloat16,
+                                  single_root=depth == 64)
+    if depth == 64:
+        mask = gdn.chain_mask(2, 64)
+    o_ref, fac = reference(*args, mask)
+    o, gamma, vc = tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=64, interpret=True,
+                                     operator_chain="pair")
+    assert rel(o, o_ref) < 1e-4 and rel(vc, fac.corrected) < 1e-4
+    assert rel(gamma, fac.log_decay) < 1e-6
+
+
 def test_ancestor_bits_round_trip():
     """The value pass's ancestor mask from 64 bits per node (two int32 words; bit 31 is the sign bit) equals the mask,
     on random 0/1 matrices and a real 64-node tree."""
@@ -136,12 +151,14 @@ def test_ancestor_bits_round_trip():
 
 
 def test_split_mgpu_options_refused_elsewhere():
-    """build_c and value_programs belong to split_mgpu with the Triton operator pass: anywhere else, one clear error
-    (no option silently ignored)."""
+    """build_c, value_programs and operator_chain belong to split_mgpu with the Triton operator pass: anywhere else,
+    one clear error (no option silently ignored)."""
     _, mask, args = make_inputs(94, 1, 64, 1, 3, 64, 64, 6, dtype=jnp.bfloat16)
     for kw, match in [(dict(method="split", build_c=True), "options of method 'split_mgpu'"),
                       (dict(method="split_mgpu", operator_pass="mgpu", build_c=True), "operator_pass='mgpu'"),
-                      (dict(method="split_mgpu", value_programs=4), "build_c=True")]:
+                      (dict(method="split_mgpu", value_programs=4), "build_c=True"),
+                      (dict(method="split", operator_chain="pair"), "option of method 'split_mgpu'"),
+                      (dict(method="split_mgpu", operator_chain="fp64"), "unknown operator_chain")]:
         with pytest.raises(ValueError, match=match):
             tree_solve_pallas(*args, mask, max_depth=6, block_v=64, interpret=True, **kw)
 
@@ -344,6 +361,17 @@ def test_split_mgpu_gpu(operator_pass, share_kq_smem, build_c, programs):
                                      operator_pass=operator_pass.split("_")[0], share_kq_smem=share_kq_smem,
                                      tma_store="_regst" not in operator_pass, build_c=build_c, value_programs=programs)
     assert rel(o, o_ref) < 1e-3 and rel(vc, fac.corrected) < 1e-3 and rel(gamma, fac.log_decay) < 1e-5
+
+
+@needs_gpu
+def test_split_mgpu_pair_chain_gpu():
+    if not dispatch.hopper_available():
+        pytest.skip("split_mgpu needs a compute capability 9.x GPU")
+    par, mask, args = make_inputs(73, 2, 64, 16, 48, 128, 128, 8, dtype=jnp.bfloat16)
+    o_ref, fac = reference(*args, mask)
+    o, gamma, vc = tree_solve_pallas(*args, mask, max_depth=8, method="split_mgpu", block_v=64, operator_chain="pair")
+    # ~16 significand bits in every product: the bar is the bf16-pair value pass's own, not one-pass tf32's 1e-3
+    assert rel(o, o_ref) < 1e-4 and rel(vc, fac.corrected) < 1e-4 and rel(gamma, fac.log_decay) < 1e-5
 
 
 @needs_gpu

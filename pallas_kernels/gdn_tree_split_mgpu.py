@@ -39,7 +39,10 @@ where [M; C M] was and leave by TMA, whole 128-byte lines instead of the WGMMA l
 (the value pass ran at 62% of L2 throughput, 46% of its tag requests): 23.4 vs 24.7 µs at B 8, 79.3 vs 80.7 at
 B 32, 6.2 vs 6.1 at B 1 (kernels_value_store_h200.md). Measured with it and dropped, no gain: programmatic dependent
 launch of the value pass (the trace showed no overlap with the operator pass) and Pallas' automatic shared-memory
-barriers left out (−0.2 µs at B 8).
+barriers left out (−0.2 µs at B 8). Also measured and dropped: one program of two warpgroups per (request, value
+head), one per value tile, sharing k, q and [M; C M] (half the L2 reads). It needed ≤ 128 registers a thread for two
+programs per SM; ptxas gave it 152 and Mosaic GPU has no register cap, so one program per SM ran: 29.1 vs 23.5 µs at
+B 8 (kernels_value_two_warpgroups_h200.md).
 
 The Mosaic GPU operator pass (85 KiB, 230 registers, two programs per SM) is ~40x more accurate than the Triton
 one (o error 4.6e-6 vs 2.0e-4 against the fp32 reference) but slower on the H200 (B 8: 25.5 µs + 3.9 µs of XLA

@@ -206,24 +206,28 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
     head-major for the Mosaic GPU value pass (three outputs: hi, lo, β [HV, N]; gdn_tree_split_mgpu says why);
     "m_pair" only M's pair and Γ, β and the ancestor bits as one block (three: hi, lo, node rows [4, N];
     gdn_tree_split_mgpu.node_rows) for the value pass that builds C itself. chain (`OperatorChain`): how M and
-    C M are formed — one-pass tf32 or bf16-pair products (`_pair_dot`). With tf32, C is built after M's chain
-    (not live through it; the mask is read again): 14.8 vs 15.5 µs at B 8, N 64, 0.7–0.9 µs less at B 16 and 32
-    too, with the same 163–165 registers (bench/results/kernels_operator_chain_h200.md). The pair chain is
-    faster with C first (18.8 vs 21.1 µs)."""
+    C M are formed — one-pass tf32 or bf16-pair products (`_pair_dot`). In form "pair" with tf32, C is built
+    after M's chain (not live through it; the mask is read again): 14.8 vs 15.5 µs at B 8, N 64, 0.7–0.9 µs less
+    at B 16 and 32 too, with the same 163–165 registers (bench/results/kernels_operator_chain_h200.md). The pair
+    chain is faster with C first (18.8 vs 21.1 µs); so is form "fp32" kept (its measured order)."""
     n = mask_ref.shape[0]
-    c_first = chain == "pair"
+    c_first = chain == "pair" or form == "fp32"
     q = None if form == "m_pair" or not c_first else q_ref[...]
     gamma, beta, L, C = _node_operators(mask_ref, g_ref, beta_ref, q, k_ref[...], precision)
     dot = _pair_dot if chain.startswith("pair") else functools.partial(_dot, precision=precision)
     M = _inverse(L, rounds, precision, dot)
+    if form == "fp32":
+        # The Triton split form's rows of the kernel table were measured with this order; ptxas' register count
+        # moves with such orders (the "pair" form reached 224 registers with Γ stored before C instead of after C M,
+        # kernels_operator_chain_h200.md run 3), so it is kept as measured.
+        gamma_ref[...] = gamma
+        out_refs[0][pl.ds(0, n), :] = M
+        out_refs[0][pl.ds(n, n), :] = dot(C, M)
+        return
     if form != "m_pair" and not c_first:
         C = _query_operator(mask_ref, gamma, q_ref[...], k_ref[...], precision)
     CM = None if C is None else dot(C, M)
-    gamma_ref[...] = gamma
-    if form == "fp32":
-        out_refs[0][pl.ds(0, n), :] = M
-        out_refs[0][pl.ds(n, n), :] = CM
-        return
+    gamma_ref[...] = gamma                              # after C M: 165 registers (before it: 224)
     hi_ref, lo_ref, rows_ref = out_refs
     if form == "m_pair":
         hi_ref[...], lo_ref[...] = gdn_tree_split_mgpu.split_bf16(M)

@@ -217,9 +217,9 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
     dot = _pair_dot if chain.startswith("pair") else functools.partial(_dot, precision=precision)
     M = _inverse(L, rounds, precision, dot)
     if form == "fp32":
-        # The Triton split form's rows of the kernel table were measured with this order; ptxas' register count
-        # moves with such orders (the "pair" form reached 224 registers with Γ stored before C instead of after C M,
-        # kernels_operator_chain_h200.md run 3), so it is kept as measured.
+        # The Triton split form's rows of the kernel table were measured with this order (168 registers); ptxas'
+        # register count moves with such orders: with C after M's chain and Γ stored before C M this form took 214,
+        # and the "pair" form 224 (kernels_operator_chain_h200.md, run 3). So it is kept as measured.
         gamma_ref[...] = gamma
         out_refs[0][pl.ds(0, n), :] = M
         out_refs[0][pl.ds(n, n), :] = dot(C, M)

@@ -97,9 +97,13 @@ def _fold_deferred(s0, c_ref, rc_ref, pk_ref, pv_ref, count_ref, precision):
     return jnp.exp(c) * s0 + _dot(kw, pv_ref[...], precision, trans_a=True)
 
 
-def _query_operator(mask_ref, gamma, q, k, precision):
-    """C = qkᵀ ⊙ D with D = A ⊙ e^{Γ_i−Γ_j} (the mask read again: the caller need not keep A or D live)."""
-    D = gdn.masked_exp(mask_ref[...] > 0, gamma[:, None] - gamma[None, :])
+def _decays(on, gamma):
+    """D = A ⊙ e^{Γ_i−Γ_j} (on: A > 0)."""
+    return gdn.masked_exp(on, gamma[:, None] - gamma[None, :])
+
+
+def _query_operator(q, k, D, precision):
+    """C = qkᵀ ⊙ D."""
     return _dot(q, k, precision, trans_b=True) * D
 
 
@@ -112,25 +116,22 @@ def _node_operators(mask_ref, g_ref, beta_ref, q, k, precision):
     beta = beta_ref[...]                                # [N]
     on = A > 0
     gamma = jnp.sum(A * g[None, :], axis=1)             # Γ = A g            [N]
-    D = gdn.masked_exp(on, gamma[:, None] - gamma[None, :])
+    D = _decays(on, gamma)
     row = lax.broadcasted_iota(jnp.int32, (n, n), 0)
     col = lax.broadcasted_iota(jnp.int32, (n, n), 1)
     kk = _dot(k, k, precision, trans_b=True)            # [N, N]
     L = jnp.where(on & (row != col), beta[:, None] * kk * D, 0.0)
     if q is None:                                       # C not wanted (built by the value pass, or later)
         return gamma, beta, L, None
-    return gamma, beta, L, _dot(q, k, precision, trans_b=True) * D
-
-
-def _eye(n: int):
-    return (lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1)).astype(F32)
+    return gamma, beta, L, _query_operator(q, k, D, precision)
 
 
 def _inverse(L, rounds: int, precision, dot=None):
     """(I+L)⁻¹ = (I−L)(I+L²)(I+L⁴)… as an explicit N × N matrix (L is nilpotent: L^{d+1} = 0). dot: the N × N
     product (default: `_dot` at `precision`)."""
     dot = dot or functools.partial(_dot, precision=precision)
-    eye = _eye(L.shape[0])
+    n = L.shape[0]
+    eye = (lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1)).astype(F32)
     if rounds == 0:
         return eye
     M, P = eye - L, L
@@ -214,7 +215,7 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
     c_first = chain == "pair" or form == "fp32"
     q = None if form == "m_pair" or not c_first else q_ref[...]
     gamma, beta, L, C = _node_operators(mask_ref, g_ref, beta_ref, q, k_ref[...], precision)
-    dot = _pair_dot if chain.startswith("pair") else functools.partial(_dot, precision=precision)
+    dot = _pair_dot if chain == "pair" else functools.partial(_dot, precision=precision)
     M = _inverse(L, rounds, precision, dot)
     if form == "fp32":
         # The Triton split form's rows of the kernel table were measured with this order (168 registers); ptxas'
@@ -225,7 +226,7 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
         out_refs[0][pl.ds(n, n), :] = dot(C, M)
         return
     if form != "m_pair" and not c_first:
-        C = _query_operator(mask_ref, gamma, q_ref[...], k_ref[...], precision)
+        C = _query_operator(q_ref[...], k_ref[...], _decays(mask_ref[...] > 0, gamma), precision)   # mask read again
     CM = None if C is None else dot(C, M)
     gamma_ref[...] = gamma                              # after C M: 165 registers (before it: 224)
     hi_ref, lo_ref, rows_ref = out_refs

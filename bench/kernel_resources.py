@@ -95,7 +95,7 @@ def match_kernels(launches: list[dict]) -> dict[str, dict]:
 JOBS = ("neumann", "squaring", "neumann_bv32", "squaring_bv32", "neumann_bv128", "squaring_bv128",
         "inverse", "inverse_bv32", "inverse_bv128", "split", "split_bv32", "split_bv128",
         "split_mgpu", "split_mgpu_noshare", "split_mgpu_nokq", "split_mgpu_regst", "split_mgpu2", "split_mgpu2_nokq",
-        "split_mgpu_cv", "split_mgpu_cvp", "split_mgpu_cvp1", "split_mgpu_chpair",
+        "split_mgpu_cv", "split_mgpu_cvp", "split_mgpu_cvp1", "split_mgpu_chpair", "split_mgpu_chtf32",
         "squaring_deferred", "commit", "append", "append_l4", "serial", "attention")
 # --detail: a second ncu pass per job with these sections (hardware counters: stall reasons, occupancy, memory)
 DETAIL_SECTIONS = ("SpeedOfLight", "Occupancy", "WarpStateStats", "MemoryWorkloadAnalysis", "LaunchStats")
@@ -139,8 +139,8 @@ def _compile_job(B: int, N: int, only: str) -> None:
             *a, max_depth=depth, method="split_mgpu", build_c=True,
             value_programs=per_sm and gdn_tree_split_mgpu.value_programs(B * HV * DV // 64, per_sm)), tree)
            for sfx, per_sm in (("", None), ("p", 2), ("p1", 1))},
-        "split_mgpu_chpair": (lambda *a: tree_solve_pallas(*a, max_depth=depth, method="split_mgpu",
-                                                            operator_chain="pair"), tree),
+        **{f"split_mgpu_ch{chain}": (lambda *a, chain=chain: tree_solve_pallas(
+            *a, max_depth=depth, method="split_mgpu", operator_chain=chain), tree) for chain in ("pair", "tf32")},
         "squaring_deferred": (lambda *a: tree_solve_pallas(*a[:7], a[7:], max_depth=depth, method="squaring",
                                                             write_state=True), tree + deferred),
         "commit": (lambda *a: path_commit_pallas(*a), (sd((LG, B, HV, DK, DV), f32), sd((LG, B, HV, N), f32),
@@ -190,7 +190,81 @@ def _ncu_job(ncu: str, B: int, N: int, job: str, timeout_s: float, detail: bool)
     return rc, child_log, text
 
 
-def run(B: int, N: int, log=print, timeout_s: float = 90.0, jobs: tuple = JOBS, detail: bool = False) -> dict:
+def parse_sass_csv(text: str) -> dict[str, list[dict]]:
+    """`ncu --import R --page source --csv --print-source sass` output -> per kernel name, one dict per SASS
+    instruction: opcode (the mnemonic without predicate or modifiers), warp-level instructions executed, stall
+    samples and the samples per stall reason."""
+    import csv
+    out: dict[str, list[dict]] = {}
+    kernel, cols = None, None
+    for row in csv.reader(line for line in text.splitlines() if line.startswith('"')):
+        if row and row[0] == "Kernel Name":
+            kernel, cols = row[1], None
+            continue
+        if kernel is None:
+            continue
+        if cols is None:
+            cols = row
+            src, execd = cols.index("Source"), cols.index("Instructions Executed")
+            samples = cols.index("Warp Stall Sampling (All Samples)")
+            stalls = {i: c[len("stall_"):] for i, c in enumerate(cols) if c.startswith("stall_") and "(" not in c}
+            continue
+        if len(row) != len(cols):
+            continue
+        words = row[src].split()
+        if not words:
+            continue
+        mnemonic = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+        num = lambda x: _number(x) if isinstance(_number(x), (int, float)) else 0      # noqa: E731 ("-": none)
+        out.setdefault(kernel, []).append({
+            "opcode": mnemonic.split(".")[0], "executed": num(row[execd]), "samples": num(row[samples]),
+            "stalls": {name: num(row[i]) for i, name in stalls.items() if num(row[i])}})
+    return out
+
+
+def opcode_mix(instructions: list[dict], top: int = 16) -> dict:
+    """Instructions executed and stall samples per opcode, as shares of the kernel's, largest sample share first;
+    each with its three largest stall reasons (share of all samples)."""
+    executed = sum(x["executed"] for x in instructions) or 1
+    samples = sum(x["samples"] for x in instructions) or 1
+    by: dict[str, dict] = {}
+    for x in instructions:
+        rec = by.setdefault(x["opcode"], {"executed": 0, "samples": 0, "stalls": {}})
+        rec["executed"] += x["executed"]
+        rec["samples"] += x["samples"]
+        for k, v in x["stalls"].items():
+            rec["stalls"][k] = rec["stalls"].get(k, 0) + v
+    rows = sorted(by.items(), key=lambda kv: -kv[1]["samples"])[:top]
+    return {"executed": executed, "samples": samples, "static_instructions": len(instructions),
+            "opcodes": [{"opcode": op, "executed_pct": 100 * r["executed"] / executed,
+                         "samples_pct": 100 * r["samples"] / samples,
+                         "stalls_pct": {k: 100 * v / samples
+                                        for k, v in sorted(r["stalls"].items(), key=lambda kv: -kv[1])[:3]}}
+                        for op, r in rows]}
+
+
+def _ncu_sass_job(ncu: str, B: int, N: int, job: str, timeout_s: float) -> tuple:
+    """One child under ncu's SourceCounters (per-instruction counts and stall sampling), exported as the SASS
+    source page: (rc, log, csv text)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "sass")
+        cmd = [ncu, "--section", "SourceCounters", "--target-processes", "all", "-f", "-o", report,
+               "--kernel-name", "regex:" + "|".join(KERNELS), sys.executable, "-c",
+               f"from hyspec_jax.bench.kernel_resources import _compile_job; _compile_job({B}, {N}, {job!r})"]
+        try:
+            child = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            rc, child_log = child.returncode, child.stdout + child.stderr
+            export = subprocess.run([ncu, "--import", report + ".ncu-rep", "--page", "source", "--csv",
+                                     "--print-source", "sass"], capture_output=True, text=True, timeout=120)
+            text = export.stdout if export.returncode == 0 else ""
+            child_log += export.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, child_log, text = "timeout", f"timed out: {e.stdout or ''}{e.stderr or ''}", ""
+    return rc, child_log, text
+
+
+def run(B: int, N: int, log=print, timeout_s: float = 90.0, jobs: tuple = JOBS, detail: bool = False,
+        sass: bool = False) -> dict:
     import jax
     out: dict = {"batch": B, "nodes": N, "kernels": {}, "notes": []}
     if jax.default_backend() != "gpu":
@@ -220,9 +294,21 @@ def run(B: int, N: int, log=print, timeout_s: float = 90.0, jobs: tuple = JOBS, 
                     out["kernels"][key]["detail"] = rec
             if not full:
                 out["jobs"][job]["detail_log"] = (str(child_log) + text)[-1500:]
+        if sass and mine:
+            rc, child_log, text = _ncu_sass_job(ncu, B, N, job, 3 * timeout_s)
+            per_kernel = match_kernels([{"name": k, "sass": v} for k, v in parse_sass_csv(text).items()])
+            out["jobs"][job]["sass_rc"] = rc
+            for key, rec in keyed(per_kernel).items():
+                if key in out["kernels"]:
+                    out["kernels"][key]["sass"] = opcode_mix(rec["sass"])
+            if not per_kernel:
+                out["jobs"][job]["sass_log"] = str(child_log)[-1500:]
         log(f"{job}: {len(launches)} launches, ours: {', '.join(x['name'] for x in mine.values()) or 'none'}")
     out["notes"].append("one run on zero inputs per kernel under ncu --clock-control none; duration is that one "
                         "launch's (ncu serializes launches), not a benchmark")
+    if sass:
+        out["notes"].append("sass: a further run per kernel under ncu's SourceCounters (instruction counts are "
+                            "exact; stall samples are a statistical sample of warp states)")
     if detail:
         out["notes"].append("detail: a second run per kernel with the ncu sections " + ", ".join(DETAIL_SECTIONS)
                             + " (hardware counters; ncu replays the kernel, so its duration there is not used)")
@@ -258,6 +344,18 @@ def render(res: dict) -> list[str]:
                          f"{num('dram__bytes.sum.per_second') / 1e12:.2f} | "
                          f"{num('dram__cycles_active.avg.pct_of_peak_sustained_elapsed'):.1f} | "
                          f"{num('derived__local_spilling_requests'):.0f} | {top or '—'} |")
+    mixed = {n: x["sass"] for n, x in res["kernels"].items() if isinstance(x.get("sass"), dict)}
+    for name, m in mixed.items():
+        per_warp = m["executed"] / max(1, res["kernels"][name].get("grid_blocks", 1) or 1) / max(
+            1, (res["kernels"][name].get("block_threads", 32) or 32) // 32)
+        lines += ["", f"Instruction mix of {name} (`--sass`: ncu SourceCounters; {m['executed']:,.0f} warp "
+                  f"instructions, {per_warp:,.0f} per warp, {m['static_instructions']:,} in the code; stall samples "
+                  f"{m['samples']:,.0f}), the opcodes with the most stall samples:", "",
+                  "| opcode | % of instructions | % of samples | largest stall reasons (% of samples) |",
+                  "|---|---|---|---|"]
+        for r in m["opcodes"]:
+            stalls = ", ".join(f"{k} {v:.1f}" for k, v in r["stalls_pct"].items())
+            lines.append(f"| {r['opcode']} | {r['executed_pct']:.1f} | {r['samples_pct']:.1f} | {stalls or '—'} |")
     return lines + [""] + [f"- {n}" for n in res.get("notes", [])]
 
 
@@ -270,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", default=None, help="comma-separated subset of: " + ", ".join(JOBS))
     ap.add_argument("--detail", action="store_true",
                     help="also collect stall reasons, occupancy and memory traffic (ncu sections, a second run each)")
+    ap.add_argument("--sass", action="store_true",
+                    help="also the instruction mix: instructions executed and stall samples per SASS opcode (ncu "
+                         "SourceCounters, a further run each)")
     args = ap.parse_args(argv)
     jobs = JOBS if args.jobs is None else tuple(j.strip() for j in args.jobs.split(",") if j.strip())
     unknown = [j for j in jobs if j not in JOBS]
@@ -279,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from hyspec_jax.bench.report import portable_command, run_metadata
     command = portable_command("hyspec bench kernel-resources", sys.argv[1:] if argv is None else argv)
-    res = {**run(args.batch, args.nodes, jobs=jobs, detail=args.detail),
+    res = {**run(args.batch, args.nodes, jobs=jobs, detail=args.detail, sass=args.sass),
            "run_metadata": {**run_metadata(), "command": command}}
     if "error" in res:
         print(f"hyspec bench kernel-resources: {res['error']}", file=sys.stderr)

@@ -260,10 +260,13 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
                 lambda *s, build_c=build_c, programs=programs, ow=ow: tree_solve_pallas(
                     *s, mask, max_depth=depth, method="split_mgpu", block_v=64, precision="tf32", build_c=build_c,
                     value_programs=programs, operator_warps=ow, interpret=interpret), "solve")
-        # _chpair: the Triton operator pass forms M and C M by bf16-pair products (operator_chain="pair")
-        variants["pallas_split_mgpu_bv64_chpair"] = (
-            lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64, precision="tf32",
-                                         operator_chain="pair", interpret=interpret), "solve")
+        # _chpair / _chtf32: the Triton operator pass forms M and C M by bf16-pair / one-pass tf32 products
+        # (operator_chain; the default: fp16)
+        for chain in ("pair", "tf32"):
+            variants[f"pallas_split_mgpu_bv64_ch{chain}"] = (
+                lambda *s, chain=chain: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
+                                                          precision="tf32", operator_chain=chain,
+                                                          interpret=interpret), "solve")
     variants["pallas_neumann_bv64_tf32x3"] = (
         lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="neumann", block_v=64,
                                      precision="tf32x3", interpret=interpret), "solve")

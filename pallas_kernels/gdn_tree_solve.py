@@ -50,7 +50,7 @@ METHODS = get_args(Method)
 Precision = Literal["tf32", "tf32x3", "ieee"]
 # How the Triton operator pass forms M = (I+L)⁻¹ and C M (`_tree_operator_kernel`): one-pass tf32 products, or
 # bf16-pair products (~40x more accurate, slower: their registers leave room for two programs per SM, not three).
-OperatorChain = Literal["tf32", "pair"]
+OperatorChain = Literal["tf32", "pair", "f16"]
 
 REFERENCE = "hyspec_jax.gdn.masked_solve"
 
@@ -149,6 +149,16 @@ def _pair_dot(a, b):
     return _dot(a_hi, b_hi, None) + _dot(a_lo, b_hi, None) + _dot(a_hi, b_lo, None)
 
 
+def _f16_dot(a, b):
+    """a b from fp16 operands, fp32 accumulation: the same 11 significand bits as one-pass tf32 (both round to
+    nearest), but Triton converts to fp16 in one instruction per two elements and feeds a 16-bit A operand from
+    registers in the accumulator's own layout, where tf32 rounding is emulated per element (add, mask, a NaN test
+    and a select) and the A operand is permuted through warp shuffles. fp16's range (6e-8 … 65504) holds the
+    operator chain's values under the GDN's own preconditions: l2-normalized keys, β ≤ 2 and decays ≤ 1 give
+    |L_ij| ≤ 2, and along a path of 8 nodes every entry of L², L⁴ and M = (I+L)⁻¹ is at most 2·3⁶ = 1458."""
+    return _dot(a.astype(jnp.float16), b.astype(jnp.float16), None)
+
+
 def _apply_inverse(L, R, rounds: int, method: str, precision):
     """V' = (I+L)⁻¹ R against one value tile: Neumann rounds, or the squaring factors applied to R."""
     if rounds == 0:
@@ -207,7 +217,8 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
     head-major for the Mosaic GPU value pass (three outputs: hi, lo, β [HV, N]; gdn_tree_split_mgpu says why);
     "m_pair" only M's pair and Γ, β and the ancestor bits as one block (three: hi, lo, node rows [4, N];
     gdn_tree_split_mgpu.node_rows) for the value pass that builds C itself. chain (`OperatorChain`): how M and
-    C M are formed — one-pass tf32 or bf16-pair products (`_pair_dot`). In form "pair" with tf32, C is built
+    C M are formed — one-pass tf32, bf16-pair (`_pair_dot`) or one-pass fp16 products (`_f16_dot`). In form "pair"
+    with tf32 or fp16, C is built
     after M's chain (not live through it; the mask is read again): 14.8 vs 15.5 µs at B 8, N 64, 0.7–0.9 µs less
     at B 16 and 32 too, with the same 163–165 registers (bench/results/kernels_operator_chain_h200.md). The pair
     chain is faster with C first (18.8 vs 21.1 µs); so is form "fp32" kept (its measured order)."""
@@ -215,7 +226,7 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
     c_first = chain == "pair" or form == "fp32"
     q = None if form == "m_pair" or not c_first else q_ref[...]
     gamma, beta, L, C = _node_operators(mask_ref, g_ref, beta_ref, q, k_ref[...], precision)
-    dot = _pair_dot if chain == "pair" else functools.partial(_dot, precision=precision)
+    dot = {"pair": _pair_dot, "f16": _f16_dot}.get(chain) or functools.partial(_dot, precision=precision)
     M = _inverse(L, rounds, precision, dot)
     if form == "fp32":
         # The Triton split form's rows of the kernel table were measured with this order (168 registers); ptxas'
@@ -370,7 +381,8 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
                       num_warps: int | None = None, num_stages: int = 1, operator_warps: int = 4,
                       write_state: bool = False, share_state_smem: bool = True, share_kq_smem: bool = True,
                       tma_store: bool = True, operator_pass: Literal["triton", "mgpu"] = "triton",
-                      build_c: bool = False, value_programs: int | None = None, operator_chain: OperatorChain = "tf32",
+                      build_c: bool = False, value_programs: int | None = None,
+                      operator_chain: OperatorChain | None = None,
                       interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]
@@ -388,7 +400,9 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     build_c: the operator pass sends M alone and the value pass builds C from q kᵀ (gdn_tree_split_mgpu.
     tree_apply_cv_mgpu), with the Triton operator pass; value_programs: that kernel's program count (None: one
     per item; fewer loop over the items with a double-buffered state tile). operator_chain: how that Triton
-    operator pass forms M and C M (`OperatorChain`; "tf32": one-pass tf32 products, M then C M).
+    operator pass forms M and C M (`OperatorChain`; "f16", the default with the default value pass: one-pass fp16
+    products, `_f16_dot`; "tf32": one-pass tf32, the same roundings with more instructions, the default with
+    build_c, whose rows were measured so; "pair": bf16 pairs, ~2⁻¹⁶).
     """
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
@@ -402,6 +416,8 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     if (build_c or value_programs is not None) and not (method == "split_mgpu" and operator_pass == "triton"):
         raise ValueError("build_c / value_programs are options of method 'split_mgpu' with its Triton operator pass; "
                          f"got method={method!r} operator_pass={operator_pass!r}")
+    if operator_chain is None:
+        operator_chain = "f16" if method == "split_mgpu" and operator_pass == "triton" and not build_c else "tf32"
     if operator_chain not in get_args(OperatorChain):
         raise ValueError(f"unknown operator_chain {operator_chain!r}")
     if operator_chain != "tf32" and not (method == "split_mgpu" and operator_pass == "triton"):

@@ -152,6 +152,33 @@ def test_kernel_resources_parse_ncu_and_refuse_without_gpu(tmp_path):
         assert KR.main(["--json", str(tmp_path / "r.json")]) == 1
 
 
+def test_kernel_resources_sass_opcode_mix():
+    """ncu's SASS source page (CSV, one block per kernel; rows as the H200's ncu 2025.3 writes them, cut to the
+    columns read) becomes an opcode mix: predicates and modifiers dropped, counts and stall samples summed."""
+    from hyspec_jax.bench import kernel_resources as KR
+    head = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+            '"Instructions Executed","stall_long_sb","stall_wait","stall_long_sb (Not Issued)"')
+    text = "\n".join([
+        '"Kernel Name","gdn_tree_operators",', head,
+        '"0x10","      LOP3.LUT R44, R25, 0xffffe000, RZ, 0xc0, !PT","3","1","1536","0","3","0"',
+        '"0x20","      LOP3.LUT R54, R29, 0xffffe000, RZ, 0xc0, !PT","1","1","1536","0","1","0"',
+        '"0x30","  @!P0 STS [R140+UR60+0x4000], R41","6","6","768","6","-","6"',
+        '"Kernel Name","gdn_tree_apply_mgpu_mosaic_gpu_kernel",', head,
+        '"0x40","      HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24","2","0","3072","0","2","0"'])
+    per = KR.parse_sass_csv(text)
+    assert [x["opcode"] for x in per["gdn_tree_operators"]] == ["LOP3", "LOP3", "STS"]
+    ours = KR.match_kernels([{"name": k, "sass": v} for k, v in per.items()])
+    assert set(ours) == {"gdn_tree_operators", "gdn_tree_apply_mgpu"}
+    mix = KR.opcode_mix(ours["gdn_tree_operators"]["sass"])
+    assert mix["executed"] == 3840 and mix["samples"] == 10 and mix["static_instructions"] == 3
+    assert [r["opcode"] for r in mix["opcodes"]] == ["STS", "LOP3"]            # most stall samples first
+    assert mix["opcodes"][1]["executed_pct"] == pytest.approx(80.0) and mix["opcodes"][0]["stalls_pct"] == {
+        "long_sb": pytest.approx(60.0)}
+    md = "\n".join(KR.render({"batch": 8, "nodes": 64, "notes": [], "kernels": {
+        "split_mgpu": {"name": "gdn_tree_operators", "grid_blocks": 2, "block_threads": 128, "sass": mix}}}))
+    assert "3,840 warp instructions, 480 per warp, 3 in the code" in md and "| LOP3 | 80.0 | 40.0 | wait 40.0 |" in md
+
+
 def test_gpu_stream_time_sums_stream_events_only():
     """device_us: the GPU planes' "Stream" lines summed per call; the "XLA Ops" line (the same time again) and
     host planes are left out; a trace without GPU stream events is an error, not a zero."""

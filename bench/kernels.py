@@ -681,7 +681,9 @@ def _tree_row(r: dict) -> dict | None:
 
 
 def merge(paths: list[str]) -> dict:
-    """Several result files as one: later files win per variant of each (B, N, depth) tree entry and each commit entry."""
+    """Several result files as one: later files win per variant of each (B, N, depth) tree entry and each commit entry,
+    and a later run of an entry brings its own fields too (its floor, from that run's copy bandwidth); an entry that
+    measured no variant (all filtered out by --variants) adds nothing."""
     out: dict = {}
     tree: dict = {}
     commit: dict = {}
@@ -694,9 +696,13 @@ def merge(paths: list[str]) -> dict:
         out.update({k: v for k, v in r.items() if k not in dict(sections)})
         for key, dest in sections:
             for e in r.get(key, []):
-                cur = dest.setdefault((e["B"], e["N"], e.get("S"), e.get("depth")), {**e, "variants": {}})
+                if not e["variants"]:
+                    continue
+                cur = dest.setdefault((e["B"], e["N"], e.get("S"), e.get("depth")), {"variants": {}})
+                cur.update({k: v for k, v in e.items() if k not in ("variants", "per_round_layer_us")})
                 cur["variants"].update(e["variants"])
-                cur.get("per_round_layer_us", {}).update(e.get("per_round_layer_us", {}))
+                if "per_round_layer_us" in e:
+                    cur.setdefault("per_round_layer_us", {}).update(e["per_round_layer_us"])
     for key, dest in sections:
         out[key] = list(dest.values())
     out["merged_from"] = [str(p) for p in paths]

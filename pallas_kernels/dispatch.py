@@ -174,7 +174,8 @@ def _block_v(dv: int, block_v: int | None) -> int:
 # bench/results/kernels_h200_final.md; 346 µs with the current value pass, kernels_h200_split_final.md).
 # At 64 nodes on a Hopper GPU the split form with its Mosaic GPU value pass wins at every batch measured (B 1 / 8 /
 # 16 / 32: 14.4 / 40.0 / 72.3 / 132.0 µs vs 16.6 / 52.3 / 102.7 / 195.8 for the Triton value pass —
-# bench/results/kernels_h200_mgpu_table.md, kernels_split_mgpu_h200.md), where its shape limits allow (bf16 q/k,
+# kernels_split_mgpu_h200.md; 12.5 / 35.0 / 65.0 / 118.5 µs with the fp16 operator chain now,
+# bench/results/kernels_h200_mgpu_table.md), where its shape limits allow (bf16 q/k,
 # one-pass precision). Its Mosaic GPU operator pass (operator_pass="mgpu", ~40x more accurate) is slower: 25.5 µs +
 # 3.9 µs of XLA vs 15.3 µs for the Triton one at B 8 (kernels_split_mgpu_forms_h200.md), so it is not the default;
 # nor is the value pass that builds C itself (build_c: 40x more accurate too, 43.4 vs 40.2 µs at B 8 —

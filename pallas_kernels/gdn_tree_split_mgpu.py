@@ -50,7 +50,9 @@ for Γ and β, vs 15.3 µs): each of its chained N × N products is a round trip
 barrier, and its 384 programs at B 8 take 1.45 waves. So `tree_solve_pallas` uses the Triton operator pass with
 this value pass unless told otherwise (operator_pass="mgpu"). The Triton pass can form M and C M by bf16-pair
 products too (`operator_chain="pair"`: o error 4.6e-6, 18.8 vs 14.8 µs at B 8, its 183 registers leave room for two
-programs per SM; bench/results/kernels_operator_chain_h200.md).
+programs per SM; bench/results/kernels_operator_chain_h200.md). Those were against its chain in one-pass tf32;
+its default chain is now fp16 (`gdn_tree_solve._f16_dot`: the same roundings, 11.7 vs 14.9 µs at B 8, 158 registers
+and 32 KiB; kernels_operator_f16_h200.md).
 
 The value pass that builds C (`tree_apply_cv_mgpu`, `build_c=True` in `gdn_tree_solve.tree_solve_pallas`): the
 Triton operator pass sends M's pair alone (half the bytes, no C M product: 12.7 vs 15.3 µs at B 8), and each value

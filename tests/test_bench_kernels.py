@@ -18,6 +18,8 @@ def test_merge_later_files_win_and_render(tmp_path):
                         "serial_pallas_bv64": {"median_us": 1000.0, "err_o": 1e-7},
                         "xla_solve": {"median_us": 400.0, "err_o": 0.0}})
     b = _result(8, 64, {"pallas_neumann_bv64": {"median_us": 100.0, "err_o": 3e-4}}, commit="c2")
+    b["tree"][0]["floor_us"] = 20.0                          # the later run's own floor comes with it
+    b["commit"].append({"B": 8, "N": 64, "layers": 48, "floor_us": 1.0, "variants": {}})    # measured nothing
     b["tree"].append({"B": 1, "N": 16, "depth": 4, "paths": 2, "floor_us": 1.0,
                       "variants": {"pallas_squaring_bv32": {"median_us": 30.0, "err_o": 2e-4},
                                    "pallas_squaring_bv64": {"median_us": 25.0, "err_o": 0.5}}})   # wrong: not best
@@ -29,7 +31,8 @@ def test_merge_later_files_win_and_render(tmp_path):
     assert m["git_commit"] == "c2" and m["merged_from"] == [str(pa), str(pb)]
     row = K._tree_row(next(e for e in m["tree"] if (e["B"], e["N"]) == (8, 64)))
     assert row["best"] == "pallas_neumann_bv64" and row["us"] == 100.0
-    assert row["x_serial"] == 10.0 and row["x_xla"] == 4.0 and row["pct_floor"] == 10.0
+    assert row["x_serial"] == 10.0 and row["x_xla"] == 4.0 and row["pct_floor"] == 20.0
+    assert m["commit"] == []
     small = K._tree_row(next(e for e in m["tree"] if (e["B"], e["N"]) == (1, 16)))
     assert small["best"] == "pallas_squaring_bv32"          # the inaccurate faster variant is not picked
     md = (tmp_path / "m.md").read_text()

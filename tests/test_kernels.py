@@ -171,7 +171,10 @@ def test_split_mgpu_dispatch_pads_and_refuses():
     """Through the dispatcher: 50 nodes padded to 64; shapes it cannot take are refused in one line (explicit impl)
     and left to the reference under "auto" (here: no GPU at all)."""
     par, mask, args = make_inputs(92, 1, 50, 1, 3, 64, 64, 6, dtype=jnp.bfloat16)
-    o, fac = dispatch.tree_solve(*args, mask, 6, impl="interpret", method="split_mgpu")
+    # On a Hopper GPU the kernel itself: interpret mode on a GPU backend is less accurate (o error 2.2e-3 there with
+    # every operator chain, V' 1.6e-3, vs 2.1e-4 and 2.5e-6 for the kernels; measured on the H200, cause not traced)
+    impl = "pallas" if dispatch.hopper_available() else "interpret"
+    o, fac = dispatch.tree_solve(*args, mask, 6, impl=impl, method="split_mgpu")
     o_ref, fac_ref = reference(*args, mask)
     # the default operator chain rounds its products' operands to fp16 (tf32's 11 significand bits): tf32's bar
     assert rel(o, o_ref) < 1e-3 and rel(fac.corrected, fac_ref.corrected) < 1e-3

@@ -168,16 +168,20 @@ def _compile_job(B: int, N: int, only: str) -> None:
             print(f"FAILED {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
+def _child(B: int, N: int, job: str) -> list[str]:
+    """ncu's target: only our kernels (XLA's own are not profiled), in a child that compiles and runs one job."""
+    return ["--target-processes", "all", "--kernel-name", "regex:" + "|".join(KERNELS), sys.executable, "-c",
+            f"from hyspec_jax.bench.kernel_resources import _compile_job; _compile_job({B}, {N}, {job!r})"]
+
+
 def _ncu_job(ncu: str, B: int, N: int, job: str, timeout_s: float, detail: bool) -> tuple:
     """One child under ncu: (rc, log, csv text)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "ncu.csv")
         what = [a for sec in DETAIL_SECTIONS for a in ("--section", sec)] if detail else \
             ["--clock-control", "none", "--metrics", ",".join(NCU_METRICS)]
-        cmd = [ncu, *what, "--target-processes", "all", "--csv", "--page", "raw", "--print-units", "base",
-               "--log-file", report, "--kernel-name", "regex:" + "|".join(KERNELS),   # XLA's own kernels are not profiled
-               sys.executable, "-c", "from hyspec_jax.bench.kernel_resources import "
-               f"_compile_job; _compile_job({B}, {N}, {job!r})"]
+        cmd = [ncu, *what, "--csv", "--page", "raw", "--print-units", "base", "--log-file", report,
+               *_child(B, N, job)]
         try:
             child = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
             rc, child_log = child.returncode, child.stdout + child.stderr
@@ -195,6 +199,10 @@ def parse_sass_csv(text: str) -> dict[str, list[dict]]:
     instruction: opcode (the mnemonic without predicate or modifiers), warp-level instructions executed, stall
     samples and the samples per stall reason."""
     import csv
+
+    def num(x: str):
+        v = _number(x)
+        return v if isinstance(v, (int, float)) else 0                  # "-": none
     out: dict[str, list[dict]] = {}
     kernel, cols = None, None
     for row in csv.reader(line for line in text.splitlines() if line.startswith('"')):
@@ -215,7 +223,6 @@ def parse_sass_csv(text: str) -> dict[str, list[dict]]:
         if not words:
             continue
         mnemonic = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
-        num = lambda x: _number(x) if isinstance(_number(x), (int, float)) else 0      # noqa: E731 ("-": none)
         out.setdefault(kernel, []).append({
             "opcode": mnemonic.split(".")[0], "executed": num(row[execd]), "samples": num(row[samples]),
             "stalls": {name: num(row[i]) for i, name in stalls.items() if num(row[i])}})
@@ -248,9 +255,7 @@ def _ncu_sass_job(ncu: str, B: int, N: int, job: str, timeout_s: float) -> tuple
     source page: (rc, log, csv text)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "sass")
-        cmd = [ncu, "--section", "SourceCounters", "--target-processes", "all", "-f", "-o", report,
-               "--kernel-name", "regex:" + "|".join(KERNELS), sys.executable, "-c",
-               f"from hyspec_jax.bench.kernel_resources import _compile_job; _compile_job({B}, {N}, {job!r})"]
+        cmd = [ncu, "--section", "SourceCounters", "-f", "-o", report, *_child(B, N, job)]
         try:
             child = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
             rc, child_log = child.returncode, child.stdout + child.stderr
@@ -346,8 +351,9 @@ def render(res: dict) -> list[str]:
                          f"{num('derived__local_spilling_requests'):.0f} | {top or '—'} |")
     mixed = {n: x["sass"] for n, x in res["kernels"].items() if isinstance(x.get("sass"), dict)}
     for name, m in mixed.items():
-        per_warp = m["executed"] / max(1, res["kernels"][name].get("grid_blocks", 1) or 1) / max(
-            1, (res["kernels"][name].get("block_threads", 32) or 32) // 32)
+        launch = res["kernels"][name]
+        warps = (launch.get("grid_blocks") or 1) * max(1, (launch.get("block_threads") or 32) // 32)
+        per_warp = m["executed"] / warps
         lines += ["", f"Instruction mix of {name} (`--sass`: ncu SourceCounters; {m['executed']:,.0f} warp "
                   f"instructions, {per_warp:,.0f} per warp, {m['static_instructions']:,} in the code; stall samples "
                   f"{m['samples']:,.0f}), the opcodes with the most stall samples:", "",

@@ -128,6 +128,20 @@ def unit_lower_inverse(L: jax.Array, method: InverseMethod = "solve", max_depth:
     raise ValueError(f"unknown inverse method {method!r}")
 
 
+def squaring_factors(L, eye, squarings: int, dot):
+    """(I + L)⁻¹ = (I−L)(I+L²)(I+L⁴)… for nilpotent L as the kernels form it: M ← M + L^{2^i} M, so each factor is
+    one product of its own and a square; `dot` is the kernel's N × N product (a tensor-core form of the caller's
+    choosing) and `eye` its identity in the kernel's layout. `unit_lower_inverse` keeps the factors as products
+    T (I + P), an independent order for the reference the kernels are checked against."""
+    if squarings == 0:
+        return eye
+    M, P = eye - L, L
+    for _ in range(squarings - 1):
+        P = dot(P, P)
+        M = M + dot(P, M)
+    return M
+
+
 def _heads_first(q, k, v, g, beta):
     return (jnp.moveaxis(q, 2, 1).astype(F32), jnp.moveaxis(k, 2, 1).astype(F32),
             jnp.moveaxis(v, 2, 1).astype(F32), jnp.moveaxis(g, 2, 1).astype(F32),

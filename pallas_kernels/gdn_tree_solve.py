@@ -48,8 +48,9 @@ F32 = jnp.float32
 Method = Literal["neumann", "squaring", "inverse", "split", "split_mgpu"]
 METHODS = get_args(Method)
 Precision = Literal["tf32", "tf32x3", "ieee"]
-# How the Triton operator pass forms M = (I+L)⁻¹ and C M (`_tree_operator_kernel`): one-pass tf32 products, or
-# bf16-pair products (~40x more accurate, slower: their registers leave room for two programs per SM, not three).
+# How the Triton operator pass forms M = (I+L)⁻¹ and C M (`_tree_operator_kernel`): one-pass fp16 products (the
+# default of split_mgpu, `_f16_dot`), one-pass tf32 (the same roundings, more instructions), or bf16-pair products
+# (~40x more accurate, slower: their registers leave room for two programs per SM, not three).
 OperatorChain = Literal["tf32", "pair", "f16"]
 
 REFERENCE = "hyspec_jax.gdn.masked_solve"
@@ -129,16 +130,9 @@ def _node_operators(mask_ref, g_ref, beta_ref, q, k, precision):
 def _inverse(L, rounds: int, precision, dot=None):
     """(I+L)⁻¹ = (I−L)(I+L²)(I+L⁴)… as an explicit N × N matrix (L is nilpotent: L^{d+1} = 0). dot: the N × N
     product (default: `_dot` at `precision`)."""
-    dot = dot or functools.partial(_dot, precision=precision)
     n = L.shape[0]
     eye = (lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1)).astype(F32)
-    if rounds == 0:
-        return eye
-    M, P = eye - L, L
-    for _ in range(num_squarings(rounds) - 1):
-        P = dot(P, P)
-        M = M + dot(P, M)
-    return M
+    return gdn.squaring_factors(L, eye, num_squarings(rounds), dot or functools.partial(_dot, precision=precision))
 
 
 def _pair_dot(a, b):
@@ -218,10 +212,10 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
     "m_pair" only M's pair and Γ, β and the ancestor bits as one block (three: hi, lo, node rows [4, N];
     gdn_tree_split_mgpu.node_rows) for the value pass that builds C itself. chain (`OperatorChain`): how M and
     C M are formed — one-pass tf32, bf16-pair (`_pair_dot`) or one-pass fp16 products (`_f16_dot`). In form "pair"
-    with tf32 or fp16, C is built
-    after M's chain (not live through it; the mask is read again): 14.8 vs 15.5 µs at B 8, N 64, 0.7–0.9 µs less
-    at B 16 and 32 too, with the same 163–165 registers (bench/results/kernels_operator_chain_h200.md). The pair
-    chain is faster with C first (18.8 vs 21.1 µs); so is form "fp32" kept (its measured order)."""
+    with tf32 or fp16, C is built after M's chain (not live through it; the mask is read again): with tf32 14.8 vs
+    15.5 µs at B 8, N 64, 0.7–0.9 µs less at B 16 and 32 too, with the same 163–165 registers
+    (bench/results/kernels_operator_chain_h200.md). The pair chain is faster with C first (18.8 vs 21.1 µs); so is
+    form "fp32" kept (its measured order)."""
     n = mask_ref.shape[0]
     c_first = chain == "pair" or form == "fp32"
     q = None if form == "m_pair" or not c_first else q_ref[...]

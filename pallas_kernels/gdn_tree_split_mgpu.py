@@ -222,14 +222,7 @@ def _operator_kernel(mask_g, gamma_g, beta_g, q_g, k_g, mchi_g, mclo_g,
         plgpu.commit_smem()
         return _pair_wgmma((xhi_s, xlo_s), (yhi_s, ylo_s), (N, N))
 
-    eye = (rows == cols).astype(F32)
-    if squarings == 0:
-        M = eye
-    else:
-        M, P = eye - L, L
-        for _ in range(squarings - 1):
-            P = pair_product(P, P)
-            M = M + pair_product(P, M)
+    M = gdn.squaring_factors(L, (rows == cols).astype(F32), squarings, pair_product)
     for row0, X in ((0, M), (N, pair_product(C, M))):
         x_hi, x_lo = split_bf16(X)
         mchi_g.at[b, h, pl.ds(row0, N)][...] = x_hi

@@ -25,10 +25,8 @@ without writing the merged state back), summed per round and layer with a merge 
 Timing (METHOD.md): each variant is jitted over R distinct input sets (rotating buffers, so repeated
 calls do not hit a cache and cannot be merged), warmed up, then timed `reps` times with
 block_until_ready; per-call time = median / R. device_us (GPU, unless --no-profile): the time the GPU spends in
-the call's kernels, summed from a `jax.profiler` trace of 3 more runs (no dispatch, no idle gaps); device_busy_us
-the union of their intervals (the tables' GPU time: below the sum where a launch overlaps the one before it).
-Commit: S is donated and fed back (in place), K calls per timed block. Writes JSON with device kind, jax version,
-git commit, medians and errors.
+the call's kernels, summed from a `jax.profiler` trace of 3 more runs (no dispatch, no idle gaps). Commit: S is donated and fed back (in place), K calls per
+timed block. Writes JSON with device kind, jax version, git commit, medians and errors.
 """
 
 from __future__ import annotations
@@ -191,7 +189,7 @@ def _measure(fn, sets, reps: int, check, floor_us: float, profile: bool = False)
         rec["pct_of_floor"] = 100.0 * floor_us / rec["median_us"]
         rec["x_floor"] = rec["median_us"] / floor_us
         if "device_us" in rec:
-            rec["device_x_floor"] = _gpu_time(rec)["gpu_us"] / floor_us
+            rec["device_x_floor"] = rec["device_us"] / floor_us
     except Exception as e:  # noqa: BLE001 — record and go on
         rec["error"] = f"{type(e).__name__}: {e}"[:2000]
         traceback.print_exc()
@@ -263,14 +261,12 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
                     *s, mask, max_depth=depth, method="split_mgpu", block_v=64, precision="tf32", build_c=build_c,
                     value_programs=programs, operator_warps=ow, interpret=interpret), "solve")
         # _chpair / _chtf32: the Triton operator pass forms M and C M by bf16-pair / one-pass tf32 products
-        # (operator_chain; the default: fp16); _pdl: the value pass as a programmatic dependent launch (pdl); _mc:
-        # a head's value tiles as one cluster, k, q and [M; C M] multicast (multicast)
-        for sfx, kw in [("_chpair", dict(operator_chain="pair")), ("_chtf32", dict(operator_chain="tf32")),
-                        ("_pdl", dict(pdl=True)), ("_mc", dict(multicast=True)),
-                        ("_pdl_mc", dict(pdl=True, multicast=True))]:
-            variants[f"pallas_split_mgpu_bv64{sfx}"] = (
-                lambda *s, kw=kw: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
-                                                    precision="tf32", interpret=interpret, **kw), "solve")
+        # (operator_chain; the default: fp16)
+        for chain in ("pair", "tf32"):
+            variants[f"pallas_split_mgpu_bv64_ch{chain}"] = (
+                lambda *s, chain=chain: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
+                                                          precision="tf32", operator_chain=chain,
+                                                          interpret=interpret), "solve")
     variants["pallas_neumann_bv64_tf32x3"] = (
         lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="neumann", block_v=64,
                                      precision="tf32x3", interpret=interpret), "solve")
@@ -313,7 +309,6 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
                                                getattr(args, "profile", False))
         log(f"  B={B:<3d} N={N:<3d} {name:<28s} " + (
             f"{rec['median_us']:10.1f} us  device {rec.get('device_us', float('nan')):8.1f} us  "
-            f"busy {rec.get('device_busy_us', float('nan')):8.1f} us  "
             f"err_o {rec.get('err_o', float('nan')):.2e}"
             if "median_us" in rec else f"ERROR {rec.get('error', '')[:200]}"))
     return out
@@ -658,17 +653,10 @@ def _best_against_baselines(v: dict, kern: dict, key: str) -> tuple[str, float, 
     return best, serial, float(xla)
 
 
-def _gpu_time(x: dict) -> dict:
-    """A variant's record with gpu_us, its GPU time per call: device_busy_us, the union of its kernels' intervals
-    (below their sum where a launch overlaps the one before it, as the pdl value pass does); device_us, the sum, for
-    a run that did not record the union (runs before f79e204, whose launches never overlapped)."""
-    return {**x, "gpu_us": x.get("device_busy_us", x["device_us"])} if "device_us" in x else x
-
-
 def _tree_row(r: dict) -> dict | None:
     """The best single-pass kernel of one (B, N) entry against its baselines, by the host-clock median and (GPU)
-    by the profiler's GPU time (`_gpu_time`); None without a kernel result."""
-    v = {n: _gpu_time(x) for n, x in r["variants"].items()}
+    by the profiler's device time; None without a kernel result."""
+    v = r["variants"]
     t = lambda n: v.get(n, {}).get("median_us", float("nan"))  # noqa: E731
     kern = {n: x for n, x in v.items() if n.startswith("pallas_") and "median_us" in x and "tf32x3" not in n
             and x.get("err_o", 1.0) < 1e-2}
@@ -683,9 +671,9 @@ def _tree_row(r: dict) -> dict | None:
     sname = min((n for n in v if n.startswith("serial_pallas") and "median_us" in v[n]), key=t, default=None)
     row.update(transient_mib=mib(best), serial_transient_mib=mib(sname) if sname else float("nan"),
                xla_transient_mib=mib("xla_solve"))
-    if any("gpu_us" in x for x in kern.values()):        # GPU time per call from the profiler trace
-        dbest, dserial, dxla = _best_against_baselines(v, kern, "gpu_us")
-        d = kern[dbest]["gpu_us"]
+    if any("device_us" in x for x in kern.values()):     # GPU time per call from the profiler trace
+        dbest, dserial, dxla = _best_against_baselines(v, kern, "device_us")
+        d = kern[dbest]["device_us"]
         row.update(device_best=dbest, device_us=d, device_err_o=kern[dbest]["err_o"], device_serial_us=dserial,
                    device_xla_us=dxla, device_x_serial=dserial / d, device_x_xla=dxla / d,
                    device_x_floor=d / r["floor_us"])
@@ -748,9 +736,8 @@ def render(results: dict, json_path: str) -> None:
                      f"{x.get('xla_transient_mib', float('nan')):.1f} |")
     mrows = [x for x in rows if "device_us" in x]
     if mrows:
-        lines += ["", "GPU time per call (the kernels of one call from a `jax.profiler` trace of 3 more runs of the "
-                  "same executable — no dispatch, no idle gaps between launches; the union of their intervals, "
-                  "`device_busy_us`, which is their sum `device_us` unless a launch overlaps the one before it):", "",
+        lines += ["", "GPU time per call (`device_us`: the kernels of one call, summed from a `jax.profiler` trace of "
+                  "3 more runs of the same executable — no dispatch, no idle gaps between launches):", "",
                   "| B | N | depth | best kernel (tf32) | µs | err o | serial Pallas µs | XLA masked_solve µs | × serial "
                   "| × XLA | × floor |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for x in mrows:

@@ -108,15 +108,13 @@ def _query_operator(q, k, D, precision):
     return _dot(q, k, precision, trans_b=True) * D
 
 
-def _node_operators(mask_ref, g_ref, beta_ref, q, k, precision, beta_hook=None):
+def _node_operators(mask_ref, g_ref, beta_ref, q, k, precision):
     """Γ = A g, the ancestor-masked L = strict(A) ⊙ β kkᵀ ⊙ D and C = qkᵀ ⊙ D (node by node, no value tile; q None:
-    no C). beta_hook: applied to β as it is loaded (`_launch_dependents`)."""
+    no C)."""
     n = mask_ref.shape[0]
     A = mask_ref[...]                                   # [N, N] f32 0/1
     g = g_ref[...]                                      # [N]
     beta = beta_ref[...]                                # [N]
-    if beta_hook is not None:
-        beta = beta_hook(beta)
     on = A > 0
     gamma = jnp.sum(A * g[None, :], axis=1)             # Γ = A g            [N]
     D = _decays(on, gamma)
@@ -206,19 +204,8 @@ def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: boo
     gamma_ref[...] = gamma                              # every value tile writes the same Γ
 
 
-def _launch_dependents(x):
-    """x, after `griddepcontrol.launch_dependents`: a kernel launched next as this one's programmatic dependent
-    (the value pass with `pdl`, gdn_tree_split_mgpu.tree_apply_mgpu) may start once every program here has run it,
-    and waits (griddepcontrol.wait) before it reads what this one writes. Inline asm is kept only for its result, so
-    x passes through it (mov)."""
-    [y] = pltriton.elementwise_inline_asm("griddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;", args=[x],
-                                          constraints="=f,f", pack=1,
-                                          result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])
-    return y
-
-
-def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, *refs, rounds: int, precision, form: str,
-                          chain: str = "tf32", unread: int = 0, trigger: bool = False):
+def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *out_refs, rounds: int, precision,
+                          form: str, chain: str = "tf32"):
     """Split form, pass 1 (one program per request and value head): Γ and the node-wise operators to HBM, as
     `_tree_operators_triton`'s form says: "fp32" [M; C M] (one output); "pair" the same as a bf16 pair hi + lo with β
     head-major for the Mosaic GPU value pass (three outputs: hi, lo, β [HV, N]; gdn_tree_split_mgpu says why);
@@ -228,14 +215,11 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, *refs, rounds
     with tf32 or fp16, C is built after M's chain (not live through it; the mask is read again): with tf32 14.8 vs
     15.5 µs at B 8, N 64, 0.7–0.9 µs less at B 16 and 32 too, with the same 163–165 registers
     (bench/results/kernels_operator_chain_h200.md). The pair chain is faster with C first (18.8 vs 21.1 µs); so is
-    form "fp32" kept (its measured order). unread: operands after k that the kernel never reads (they only order
-    their producers before this launch). trigger: let a programmatic dependent launch start (`_launch_dependents`)."""
-    gamma_ref, *out_refs = refs[unread:]
+    form "fp32" kept (its measured order)."""
     n = mask_ref.shape[0]
     c_first = chain == "pair" or form == "fp32"
     q = None if form == "m_pair" or not c_first else q_ref[...]
-    gamma, beta, L, C = _node_operators(mask_ref, g_ref, beta_ref, q, k_ref[...], precision,
-                                        beta_hook=_launch_dependents if trigger else None)
+    gamma, beta, L, C = _node_operators(mask_ref, g_ref, beta_ref, q, k_ref[...], precision)
     dot = {"pair": _pair_dot, "f16": _f16_dot}.get(chain) or functools.partial(_dot, precision=precision)
     M = _inverse(L, rounds, precision, dot)
     if form == "fp32":
@@ -279,16 +263,10 @@ def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref,
     o_ref[...] = (eg[:, None] * qs + CU).astype(o_ref.dtype)
 
 
-def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, operator_warps, interpret, chain="tf32",
-                           dependent_reads=None):
+def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, operator_warps, interpret, chain="tf32"):
     """The split form's Triton operator pass (`_tree_operator_kernel` says what each form writes): form "fp32"
     returns Γ, [M; C M] fp32; "pair" Γ, the [M; C M] bf16 pair, β head-major; "m_pair" Γ, M's bf16 pair and the node
-    rows [B, HV, 4, N] (Γ, β, ancestor bits).
-
-    dependent_reads (v, S0), for a value pass launched as this pass' programmatic dependent: it reads them (and q,
-    k) before its griddepcontrol.wait, so they are operands here, never read — XLA then produces them before this
-    launch, and the dependent may start early (the kernel triggers it; on a GPU only, interpret mode has no
-    launches to order)."""
+    rows [B, HV, 4, N] (Γ, β, ancestor bits)."""
     B, N, HK, dk = q.shape
     HV = g.shape[2]
     r = HV // HK
@@ -303,11 +281,8 @@ def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, oper
     if form == "m_pair":                                                            # node rows
         shapes.append(jax.ShapeDtypeStruct((B, HV, 4, N), F32))
         specs.append(pl.BlockSpec((None, None, 4, N), lambda b, h: (b, h, 0, 0)))
-    unread = () if dependent_reads is None or interpret else tuple(dependent_reads)
-    unread_specs = [pl.BlockSpec(x.shape, lambda b, h, n=x.ndim: (0,) * n) for x in unread]   # never loaded
     return pl.pallas_call(
-        functools.partial(_tree_operator_kernel, rounds=rounds, precision=precision, form=form, chain=chain,
-                          unread=len(unread), trigger=bool(unread)),
+        functools.partial(_tree_operator_kernel, rounds=rounds, precision=precision, form=form, chain=chain),
         out_shape=[jax.ShapeDtypeStruct((B, HV, N), F32), *shapes],
         grid=(B, HV),
         in_specs=[
@@ -316,22 +291,20 @@ def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, oper
             pl.BlockSpec((None, N, None), lambda b, h: (b, 0, h)),                 # beta
             pl.BlockSpec((None, N, None, dk), lambda b, h: (b, 0, h // r, 0)),     # q (key head)
             pl.BlockSpec((None, N, None, dk), lambda b, h: (b, 0, h // r, 0)),     # k (key head)
-            *unread_specs,
         ],
         out_specs=[pl.BlockSpec((None, None, N), lambda b, h: (b, h, 0)), *specs],
         compiler_params=pltriton.CompilerParams(num_warps=operator_warps, num_stages=1),
         interpret=interpret, name="gdn_tree_operators",
-    )(mask.astype(F32), g.astype(F32), beta.astype(F32), q, k, *unread)
+    )(mask.astype(F32), g.astype(F32), beta.astype(F32), q, k)
 
 
 def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision, out_dtype, num_warps, num_stages,
                       operator_warps, interpret, value_pass="triton", operator_pass="triton",
                       share_state_smem=True, share_kq_smem=True, tma_store=True, build_c=False,
-                      value_programs=None, operator_chain="tf32", pdl=False, multicast=False):
+                      value_programs=None, operator_chain="tf32"):
     """Two launches: the node-wise operators once per (request, value head) — Γ and [M; C M], 2·N² fp32 words
     per head through HBM — then the value tiles, which hold no N × N chain: three products, K S0, Q S0, [M; C M] R.
     value_pass "mgpu": the second launch is the Mosaic GPU kernel (gdn_tree_split_mgpu), fed the bf16 pair."""
-    S0 = S0.astype(F32)                              # one conversion, before either launch (pdl reads it early)
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
     r = HV // HK
@@ -339,7 +312,7 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
         gamma, m_hi, m_lo, rows = _tree_operators_triton(
             q, k, g, beta, mask, rounds=rounds, precision=precision, form="m_pair", operator_warps=operator_warps,
             interpret=interpret, chain=operator_chain)
-        o, vc = gdn_tree_split_mgpu.tree_apply_cv_mgpu(gamma, rows, m_hi, m_lo, k, q, v, S0,
+        o, vc = gdn_tree_split_mgpu.tree_apply_cv_mgpu(gamma, rows, m_hi, m_lo, k, q, v, S0.astype(F32),
                                                        block_v=block_v, programs=value_programs, out_dtype=out_dtype,
                                                        interpret=interpret)
         return o, gamma, vc
@@ -351,11 +324,12 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
         else:
             gamma, mc_hi, mc_lo, beta_hn = _tree_operators_triton(
                 q, k, g, beta, mask, rounds=rounds, precision=precision, form="pair", operator_warps=operator_warps,
-                interpret=interpret, chain=operator_chain, dependent_reads=(v, S0) if pdl else None)
-        o, vc = gdn_tree_split_mgpu.tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0,
+                interpret=interpret, chain=operator_chain)
+        o, vc = gdn_tree_split_mgpu.tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0.astype(F32),
                                                     block_v=block_v, share_state_smem=share_state_smem,
-                                                    share_kq_smem=share_kq_smem, tma_store=tma_store, pdl=pdl,
-                                                    multicast=multicast, out_dtype=out_dtype, interpret=interpret)
+                                                    share_kq_smem=share_kq_smem, tma_store=tma_store,
+                                                    out_dtype=out_dtype,
+                                                    interpret=interpret)
         return o, gamma, vc
     gamma, MC = _tree_operators_triton(q, k, g, beta, mask, rounds=rounds, precision=precision, form="fp32",
                                        operator_warps=operator_warps, interpret=interpret)
@@ -376,7 +350,7 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
                    pl.BlockSpec((None, None, N, block_v), lambda b, h, t: (b, h, 0, t))],
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="gdn_tree_apply",
-    )(gamma, beta.astype(F32), MC, k, q, v, S0)
+    )(gamma, beta.astype(F32), MC, k, q, v, S0.astype(F32))
     return o, gamma, vc
 
 
@@ -395,15 +369,14 @@ def supported(N: int, dk: int, dv: int, block_v: int, precision: Precision = "tf
 @functools.partial(jax.jit, static_argnames=("max_depth", "method", "block_v", "precision", "out_dtype",
                                              "num_warps", "num_stages", "operator_warps", "write_state",
                                              "share_state_smem", "share_kq_smem", "tma_store", "operator_pass",
-                                             "build_c", "value_programs", "operator_chain", "pdl", "multicast",
-                                             "interpret"))
+                                             "build_c", "value_programs", "operator_chain", "interpret"))
 def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: int, method: Method = "neumann",
                       block_v: int = 64, precision: Precision = "tf32", out_dtype=F32,
                       num_warps: int | None = None, num_stages: int = 1, operator_warps: int = 4,
                       write_state: bool = False, share_state_smem: bool = True, share_kq_smem: bool = True,
                       tma_store: bool = True, operator_pass: Literal["triton", "mgpu"] = "triton",
                       build_c: bool = False, value_programs: int | None = None,
-                      operator_chain: OperatorChain | None = None, pdl: bool = False, multicast: bool = False,
+                      operator_chain: OperatorChain | None = None,
                       interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]
@@ -423,11 +396,7 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     per item; fewer loop over the items with a double-buffered state tile). operator_chain: how that Triton
     operator pass forms M and C M (`OperatorChain`; "f16", the default with the default value pass: one-pass fp16
     products, `_f16_dot`; "tf32": one-pass tf32, the same roundings with more instructions, the default with
-    build_c, whose rows were measured so; "pair": bf16 pairs, ~2⁻¹⁶). pdl: that value pass is launched as a
-    programmatic dependent of the Triton operator pass, which lets it start at once (`_launch_dependents`): it
-    loads its state tile and forms K S0, Q S0 while operator programs still run, and waits for them before it reads
-    their output. multicast: that value pass runs the value tiles of a head as one cluster that loads k, q and
-    [M; C M] once (gdn_tree_split_mgpu.tree_apply_mgpu).
+    build_c, whose rows were measured so; "pair": bf16 pairs, ~2⁻¹⁶).
     """
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
@@ -448,12 +417,6 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     if operator_chain != "tf32" and not (method == "split_mgpu" and operator_pass == "triton"):
         raise ValueError("operator_chain is an option of method 'split_mgpu' with its Triton operator pass; got "
                          f"method={method!r} operator_pass={operator_pass!r}")
-    if pdl and not (method == "split_mgpu" and operator_pass == "triton" and not build_c):
-        raise ValueError("pdl is an option of method 'split_mgpu' with its Triton operator pass and default value "
-                         f"pass; got method={method!r} operator_pass={operator_pass!r} build_c={build_c}")
-    if multicast and not (method == "split_mgpu" and not build_c):
-        raise ValueError("multicast is an option of method 'split_mgpu' and its default value pass; got "
-                         f"method={method!r} build_c={build_c}")
     if value_programs is not None and not build_c:
         raise ValueError("value_programs sets the build_c value pass's program count (build_c=True)")
     r = HV // HK
@@ -474,8 +437,7 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
                                  interpret=interpret, value_pass="mgpu" if method == "split_mgpu" else "triton",
                                  operator_pass=operator_pass, share_state_smem=share_state_smem,
                                  share_kq_smem=share_kq_smem, tma_store=tma_store, build_c=build_c,
-                                 value_programs=value_programs, operator_chain=operator_chain, pdl=pdl,
-                                 multicast=multicast)
+                                 value_programs=value_programs, operator_chain=operator_chain)
     kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(max_depth, N), method=method,
                              precision=_f32_precision(precision, interpret), deferred=deferred is not None,
                              write_state=write_state)

@@ -38,8 +38,11 @@ either (kernels_split_mgpu_forms_h200.md, kernels_split_mgpu_h200.md). `tma_stor
 where [M; C M] was and leave by TMA, whole 128-byte lines instead of the WGMMA layout's 8-byte stores from registers
 (the value pass ran at 62% of L2 throughput, 46% of its tag requests): 23.4 vs 24.7 µs at B 8, 79.3 vs 80.7 at
 B 32, 6.2 vs 6.1 at B 1 (kernels_value_store_h200.md). Measured with it and dropped, no gain: programmatic dependent
-launch of the value pass (the trace showed no overlap with the operator pass) and Pallas' automatic shared-memory
-barriers left out (−0.2 µs at B 8). Also measured and dropped: one program of two warpgroups per (request, value
+launch of the value pass (no overlap with the operator pass in the trace, also with the operator pass triggering it
+as it starts, under XLA's command buffers; without them the launches overlapped but saved nothing, as three
+operator programs per SM leave no room for a value program) and Pallas' automatic shared-memory barriers left out (−0.2 µs at B 8).
+Also a head's two value tiles as one cluster multicasting k, q and [M; C M]: half their L2 reads, but 25.6 vs 23.4
+µs at B 8, slower at every batch (kernels_value_pdl_multicast_h200.md). Also measured and dropped: one program of two warpgroups per (request, value
 head), one per value tile, sharing k, q and [M; C M] (half the L2 reads). It needed ≤ 128 registers a thread for two
 programs per SM; ptxas gave it 152 and Mosaic GPU has no register cap, so one program per SM ran: 29.1 vs 23.5 µs at
 B 8 (kernels_value_two_warpgroups_h200.md).
@@ -264,9 +267,8 @@ def head_major_rows(mask, g, beta):
 
 
 def _apply_kernel(gamma_g, beta_g, mchi_g, mclo_g, k_g, q_g, v_g, s0_g, o_g, vc_g,
-                  kq_s, v_s, state_s, gam_s, bet_s, bar_state, bar_rows, bar_mc, *kq_read,
-                  r: int, bv: int, share_state_smem: bool, share_kq_smem: bool, tma_store: bool, pdl: bool,
-                  interpret: bool):
+                  kq_s, v_s, state_s, gam_s, bet_s, bar_state, bar_rows, bar_mc,
+                  *, r: int, bv: int, share_state_smem: bool, share_kq_smem: bool, tma_store: bool):
     b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
     cols = pl.ds(t * bv, bv)
     key_head = lax.div(h, jnp.int32(r))                 # GVA is indexed, never expanded
@@ -277,32 +279,20 @@ def _apply_kernel(gamma_g, beta_g, mchi_g, mclo_g, k_g, q_g, v_g, s0_g, o_g, vc_
     (k_s, q_s), (mchi_s, mclo_s), *staging = kq_s if share_kq_smem else (kq_s[:2], kq_s[2:])
     N = k_s.shape[0]
     # Issued at once, on three barriers, so each product starts when its own operands have landed (with
-    # share_kq_smem the [M; C M] pair lands where k and q were, so it is loaded once they are read). pdl: what the
-    # operator pass writes (Γ, β, [M; C M]) is loaded after griddepcontrol.wait, the state products before it.
-    # multicast (kq_read given): the value tiles of one head are one cluster ("t"); k, q and [M; C M] are the same
-    # for all of them, so each is loaded once and multicast into every program's shared memory.
-    shared = dict(collective_axes="t") if kq_read else {}
+    # share_kq_smem the [M; C M] pair lands where k and q were, so it is loaded once they are read).
     plgpu.copy_gmem_to_smem(s0_g.at[b, h, :, cols], s0f_s, bar_state)
-    plgpu.copy_gmem_to_smem(k_g.at[b, :, key_head, :], k_s, bar_state, **shared)
-    plgpu.copy_gmem_to_smem(q_g.at[b, :, key_head, :], q_s, bar_state, **shared)
+    plgpu.copy_gmem_to_smem(k_g.at[b, :, key_head, :], k_s, bar_state)
+    plgpu.copy_gmem_to_smem(q_g.at[b, :, key_head, :], q_s, bar_state)
     plgpu.copy_gmem_to_smem(v_g.at[b, :, h, cols], v_s, bar_rows)
-
-    def load_rows():
-        plgpu.copy_gmem_to_smem(gamma_g.at[b, h], gam_s, bar_rows)
-        plgpu.copy_gmem_to_smem(beta_g.at[b, h], bet_s, bar_rows)
+    plgpu.copy_gmem_to_smem(gamma_g.at[b, h], gam_s, bar_rows)
+    plgpu.copy_gmem_to_smem(beta_g.at[b, h], bet_s, bar_rows)
 
     def load_mc():
-        if kq_read:                                     # every program of the cluster has read its k and q
-            plgpu.commit_smem()                         # (all four warps: only one arrives for the warpgroup)
-            plgpu.barrier_arrive(kq_read[0])
-            plgpu.barrier_wait(kq_read[0])
-        plgpu.copy_gmem_to_smem(mchi_g.at[b, h], mchi_s, bar_mc, **shared)
-        plgpu.copy_gmem_to_smem(mclo_g.at[b, h], mclo_s, bar_mc, **shared)
+        plgpu.copy_gmem_to_smem(mchi_g.at[b, h], mchi_s, bar_mc)
+        plgpu.copy_gmem_to_smem(mclo_g.at[b, h], mclo_s, bar_mc)
 
-    if not pdl:
-        load_rows()
-        if not share_kq_smem:
-            load_mc()
+    if not share_kq_smem:
+        load_mc()
 
     plgpu.barrier_wait(bar_state)
     _split_state(s0f_s, s0hi_s, s0lo_s, share_state_smem)
@@ -316,11 +306,7 @@ def _apply_kernel(gamma_g, beta_g, mchi_g, mclo_g, k_g, q_g, v_g, s0_g, o_g, vc_
         return acc_k[...], acc_q[...]
 
     ks, qs = pl.run_scoped(state_products, plgpu.ACC((N, bv), F32), plgpu.ACC((N, bv), F32))
-    if pdl:
-        if not interpret:                               # the interpreter runs the operator pass to its end first
-            plgpu.griddepcontrol_wait()
-        load_rows()
-    if share_kq_smem or pdl:
+    if share_kq_smem:
         load_mc()                                       # k and q are read (wgmma_wait above)
 
     plgpu.barrier_wait(bar_rows)
@@ -505,29 +491,18 @@ def tree_apply_cv_mgpu(gamma, rows, m_hi, m_lo, k, q, v, S0, *, block_v: int = 6
     return kernel(gamma, rows, m_hi, m_lo, k, q, v, S0)
 
 
-@functools.partial(jax.jit, static_argnames=("block_v", "share_state_smem", "share_kq_smem", "tma_store", "pdl",
-                                             "multicast", "out_dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_v", "share_state_smem", "share_kq_smem", "tma_store",
+                                             "out_dtype", "interpret"))
 def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int = 64, share_state_smem: bool = True,
-                    share_kq_smem: bool = True, tma_store: bool = True, pdl: bool = False, multicast: bool = False,
-                    out_dtype=F32, interpret: bool = False):
+                    share_kq_smem: bool = True, tma_store: bool = True, out_dtype=F32, interpret: bool = False):
     """gamma, beta_hn [B,HV,N] fp32 (β in head-major layout); mc_hi, mc_lo [B,HV,2N,N] bf16 (the [M; C M] pair);
     k, q [B,N,HK,dk] bf16; v [B,N,HV,dv]; S0 [B,HV,dk,dv] fp32. Returns o [B,N,HV,dv] (out_dtype), V' [B,HV,N,dv].
     tma_store: o and V' leave through shared memory by TMA (needs share_kq_smem: they are staged where k, q and
-    [M; C M] were; share_kq_smem=False stores them from registers). pdl: launched as a programmatic dependent
-    launch of the kernel before it, which writes gamma, beta_hn and the pair: those are read after
-    griddepcontrol.wait, k, q, v and S0 before it — the caller must have them produced before that kernel's launch
-    (`gdn_tree_solve._tree_operators_triton`'s dependent_reads). multicast: the dv / block_v programs of one
-    (request, value head) run as one cluster and share their loads of k, q and [M; C M] (TMA multicast: each of
-    those leaves L2 once per head instead of once per value tile); needs share_kq_smem, and at most 8 value tiles
-    (a cluster's portable size)."""
+    [M; C M] were; share_kq_smem=False stores them from registers)."""
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
     _check_value_pass("tree_apply_mgpu", q, k, v, block_v)
     bv = block_v
-    nt = dv // bv
-    if multicast and not (share_kq_smem and nt <= 8):
-        raise ValueError(f"tree_apply_mgpu: multicast needs share_kq_smem and at most 8 value tiles (dv / block_v = "
-                         f"{nt}); got share_kq_smem={share_kq_smem}")
     state_f32 = plgpu.SMEM((dk, bv), F32)
     state_pair = [plgpu.SMEM((dk, bv), BF16, transforms=_smem_transforms(BF16, bv)) for _ in range(2)]
     state = plgpu.RefUnion(state_f32, tuple(state_pair)) if share_state_smem else [state_f32, *state_pair]
@@ -539,17 +514,15 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
     kq_mc = plgpu.RefUnion(tuple(kq), tuple(mc), *staging) if share_kq_smem else [*kq, *mc]
     kernel = plgpu.kernel(
         functools.partial(_apply_kernel, r=HV // HK, bv=bv, share_state_smem=share_state_smem,
-                          share_kq_smem=share_kq_smem, tma_store=tma_store, pdl=pdl, interpret=interpret),
+                          share_kq_smem=share_kq_smem, tma_store=tma_store),
         out_type=[jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype), jax.ShapeDtypeStruct((B, HV, N, dv), F32)],
-        **(dict(grid=(B, HV), grid_names=("b", "h"), cluster=(nt,), cluster_names=("t",)) if multicast else
-           dict(grid=(B, HV, nt), grid_names=("b", "h", "t"))),
+        grid=(B, HV, dv // bv), grid_names=("b", "h", "t"),
         scratch_types=[
             kq_mc,                                                                     # k, q | [M; C M] pair
             plgpu.SMEM((N, bv), v.dtype, transforms=_smem_transforms(v.dtype, bv)),    # v
             state,
             plgpu.SMEM((N,), F32), plgpu.SMEM((N,), F32),                             # Γ, β
             plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=2),
-            *([plgpu.ClusterBarrier(collective_axes=("t",))] if multicast else []),   # k, q read in the cluster
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,

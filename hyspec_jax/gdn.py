@@ -104,7 +104,10 @@ def unit_lower_inverse(L: jax.Array, method: InverseMethod = "solve", max_depth:
     """(I + L)⁻¹ for strictly-lower L [..., N, N] whose nonzeros follow ancestor chains of depth ≤ max_depth.
 
     neumann: Σ_{n=0}^{d} (−L)ⁿ by Horner, d products.  squaring: (I−L)(I+L²)(I+L⁴)…, ⌈log₂(d+1)⌉ factors
-    (exact because L^{d+1} = 0).  solve: triangular solve (any depth).
+    (exact because L^{d+1} = 0), on diagonal blocks joined by doublings from SERIES_BLOCK nodes per path on
+    (`block_inverse`: the series alone loses its digits there).  solve: triangular solve (any depth).
+    The Neumann series has the series' limit: past ~8 nodes per path, with keys alike along it and decays near 1,
+    use solve or squaring.
     """
     n = L.shape[-1]
     eye = jnp.eye(n, dtype=L.dtype)
@@ -119,13 +122,51 @@ def unit_lower_inverse(L: jax.Array, method: InverseMethod = "solve", max_depth:
         for _ in range(d - 1):
             T = eye - _ein("...ij,...jk->...ik", L, T)
         return T
+    if method == "squaring" and d >= SERIES_BLOCK and n > SERIES_BLOCK:
+        rows, cols = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0), jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+        return block_inverse(L, rows, cols, d, lambda a, b: _ein("...ij,...jk->...ik", a, b))
     if method == "squaring":
         T, P = eye - L, L
-        for _ in range(math.ceil(math.log2(d + 1)) - 1):
+        for _ in range(num_squarings(d) - 1):
             P = _ein("...ij,...jk->...ik", P, P)
             T = _ein("...ij,...jk->...ik", T, eye + P)
         return T
     raise ValueError(f"unknown inverse method {method!r}")
+
+
+SERIES_BLOCK = 8     # nodes per diagonal block where the kernels' power series stays accurate (see block_inverse)
+
+
+def num_squarings(d: int) -> int:
+    """Factors (I−L)(I+L²)…: ⌈log₂(d+1)⌉ in all, for d edges on the longest path (L^{d+1} = 0)."""
+    return 0 if d == 0 else math.ceil(math.log2(d + 1))
+
+
+def block_inverse(L, rows, cols, d: int, dot, block: int = SERIES_BLOCK):
+    """(I + L)⁻¹ as the kernels form it, for strictly lower-triangular L [N, N] (nodes in topological order) with d
+    edges on its longest path; rows, cols: int32 index tiles in the kernel's layout; `dot` its N × N product.
+
+    d < block: `squaring_factors` alone. Deeper, the series is not used across blocks: it sums terms as large as
+    C(d, d/2)·max|L|^{d/2} into entries of size ~1, so with keys alike along a path and decays near 1 a chain of
+    16 loses all of fp16's (and tf32's) digits, one of 64 all of fp32's. Instead the factors invert the diagonal
+    blocks of `block` nodes (no path inside one is longer), and log₂(N / block) doublings M ← M − M C M join
+    neighbouring blocks into ones twice as large ([A 0; C B]⁻¹ = [A⁻¹ 0; −B⁻¹CA⁻¹ B⁻¹], C: the entries of L
+    between the two): every term of a doubling is an entry of the inverse or of L, nothing cancels. Same product
+    count as the series at d = 63 for N = 64 (10)."""
+    eye = (rows == cols).astype(L.dtype)
+    n = L.shape[-1]
+    if d < block or n <= block:
+        return squaring_factors(L, eye, num_squarings(d), dot)
+    shift = block.bit_length() - 1
+    block_of = lambda x, s: jnp.right_shift(x, s)            # noqa: E731 — index of x's 2^s-node block
+    M = squaring_factors(jnp.where(block_of(rows, shift) == block_of(cols, shift), L, 0.0), eye,
+                         num_squarings(block - 1), dot)
+    while (1 << shift) < n:
+        pair = block_of(rows, shift + 1) == block_of(cols, shift + 1)
+        C = jnp.where(pair & (block_of(rows, shift) != block_of(cols, shift)), L, 0.0)   # joins the pair's blocks
+        M = M - dot(dot(M, C), M)
+        shift += 1
+    return M
 
 
 def squaring_factors(L, eye, squarings: int, dot):

@@ -234,6 +234,8 @@ def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl
     ok, why = tree_solve_supported(S0, q, k, v, g, beta, mask, block_v, precision)
     if method not in gdn_tree_solve.METHODS:
         ok, why = False, f"method {method!r}"
+    elif method == "squaring" and not gdn_tree_solve.series_ok(min(max_depth, N), _padded_n(N) or N):
+        ok, why = False, f"method 'squaring' past {gdn.SERIES_BLOCK} nodes per path (its series loses its digits)"
     elif method == "split_mgpu" and ok and (refusal := _split_mgpu_refusal(q, v, block_v, precision, impl)):
         ok, why = False, refusal
     interpret = _use_kernel(impl, ok, "tree_solve", why)

@@ -32,7 +32,6 @@ one-launch forms stay in Triton, where tl.dot takes any 2-D operand ≥ 16 and h
 from __future__ import annotations
 
 import functools
-import math
 from typing import Literal, get_args
 
 import jax
@@ -54,6 +53,11 @@ Precision = Literal["tf32", "tf32x3", "ieee"]
 OperatorChain = Literal["tf32", "pair", "f16"]
 
 REFERENCE = "hyspec_jax.gdn.masked_solve"
+
+
+def series_ok(max_depth: int, n: int) -> bool:
+    """Whether method "squaring" may run: at most gdn.SERIES_BLOCK nodes on a path (`gdn.block_inverse`)."""
+    return num_rounds(max_depth, n) < gdn.SERIES_BLOCK
 
 
 def _f32_precision(precision: Precision, interpret: bool):
@@ -81,11 +85,6 @@ def _dot(a, b, precision, *, trans_a=False, trans_b=False):
 def num_rounds(max_depth: int, n: int) -> int:
     """d = edges on the longest path: the Neumann series has d nonzero terms after the identity."""
     return max(0, min(max_depth, n) - 1)
-
-
-def num_squarings(d: int) -> int:
-    """Factors (I−L)(I+L²)…: ⌈log₂(d+1)⌉ in all."""
-    return 0 if d == 0 else math.ceil(math.log2(d + 1))
 
 
 def _fold_deferred(s0, c_ref, rc_ref, pk_ref, pv_ref, count_ref, precision):
@@ -128,11 +127,12 @@ def _node_operators(mask_ref, g_ref, beta_ref, q, k, precision):
 
 
 def _inverse(L, rounds: int, precision, dot=None):
-    """(I+L)⁻¹ = (I−L)(I+L²)(I+L⁴)… as an explicit N × N matrix (L is nilpotent: L^{d+1} = 0). dot: the N × N
-    product (default: `_dot` at `precision`)."""
+    """(I+L)⁻¹ as an explicit N × N matrix: (I−L)(I+L²)(I+L⁴)… (L is nilpotent: L^{d+1} = 0), on diagonal blocks
+    joined by doublings past 8 nodes per path (`gdn.block_inverse`, where the series loses its digits). dot: the
+    N × N product (default: `_dot` at `precision`)."""
     n = L.shape[0]
-    eye = (lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1)).astype(F32)
-    return gdn.squaring_factors(L, eye, num_squarings(rounds), dot or functools.partial(_dot, precision=precision))
+    rows, cols = lax.broadcasted_iota(jnp.int32, (n, n), 0), lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    return gdn.block_inverse(L, rows, cols, rounds, dot or functools.partial(_dot, precision=precision))
 
 
 def _pair_dot(a, b):
@@ -157,15 +157,14 @@ def _apply_inverse(L, R, rounds: int, method: str, precision):
     """V' = (I+L)⁻¹ R against one value tile: Neumann rounds, or the squaring factors applied to R."""
     if rounds == 0:
         return R
-    if method == "neumann":
-        U, Z = R, R
+    if method == "neumann":      # Horner, U ← R − L U: the sum of the terms (−L)ⁿR themselves loses its digits
+        U = R                    # past ~8 nodes per path (gdn.block_inverse says why); these iterates stay bounded
         for _ in range(rounds):
-            Z = -_dot(L, Z, precision)
-            U = U + Z
+            U = R - _dot(L, U, precision)
         return U
     U = R - _dot(L, R, precision)                       # squaring
     P = L
-    for _ in range(num_squarings(rounds) - 1):
+    for _ in range(gdn.num_squarings(rounds) - 1):
         P = _dot(P, P, precision)
         U = U + _dot(P, U, precision)
     return U
@@ -320,7 +319,7 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
         if operator_pass == "mgpu":                  # both passes in Mosaic GPU
             gamma, beta_hn = gdn_tree_split_mgpu.head_major_rows(mask, g, beta)
             mc_hi, mc_lo = gdn_tree_split_mgpu.tree_operators_mgpu(
-                mask, gamma, beta_hn, q, k, squarings=num_squarings(rounds), interpret=interpret)
+                mask, gamma, beta_hn, q, k, rounds=rounds, interpret=interpret)
         else:
             gamma, mc_hi, mc_lo, beta_hn = _tree_operators_triton(
                 q, k, g, beta, mask, rounds=rounds, precision=precision, form="pair", operator_warps=operator_warps,
@@ -407,6 +406,10 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
         raise ValueError("write_state needs deferred updates (without them the state is S0 itself)")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}")
+    if method == "squaring" and not series_ok(max_depth, N):
+        raise ValueError(f"method 'squaring' applies the series (I−L)(I+L²)… to the value tile, which loses its digits "
+                         f"past {gdn.SERIES_BLOCK} nodes per path (max_depth={max_depth}): use 'inverse', 'split' or "
+                         "'neumann'")
     if (build_c or value_programs is not None) and not (method == "split_mgpu" and operator_pass == "triton"):
         raise ValueError("build_c / value_programs are options of method 'split_mgpu' with its Triton operator pass; "
                          f"got method={method!r} operator_pass={operator_pass!r}")

@@ -183,7 +183,7 @@ def _iotas(shape):
 
 def _operator_kernel(mask_g, gamma_g, beta_g, q_g, k_g, mchi_g, mclo_g,
                      k_s, q_s, mask_s, gam_s, gam_col_s, bet_s, xhi_s, xlo_s, yhi_s, ylo_s, bar, *, r: int,
-                     squarings: int):
+                     rounds: int):
     N = k_s.shape[0]
     b, h = lax.axis_index("b"), lax.axis_index("h")
     key_head = lax.div(h, jnp.int32(r))
@@ -225,24 +225,24 @@ def _operator_kernel(mask_g, gamma_g, beta_g, q_g, k_g, mchi_g, mclo_g,
         plgpu.commit_smem()
         return _pair_wgmma((xhi_s, xlo_s), (yhi_s, ylo_s), (N, N))
 
-    M = gdn.squaring_factors(L, (rows == cols).astype(F32), squarings, pair_product)
+    M = gdn.block_inverse(L, rows, cols, rounds, pair_product)
     for row0, X in ((0, M), (N, pair_product(C, M))):
         x_hi, x_lo = split_bf16(X)
         mchi_g.at[b, h, pl.ds(row0, N)][...] = x_hi
         mclo_g.at[b, h, pl.ds(row0, N)][...] = x_lo
 
 
-@functools.partial(jax.jit, static_argnames=("squarings", "interpret"))
-def tree_operators_mgpu(mask, gamma, beta_hn, q, k, *, squarings: int, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("rounds", "interpret"))
+def tree_operators_mgpu(mask, gamma, beta_hn, q, k, *, rounds: int, interpret: bool = False):
     """mask [B,N,N] fp32 0/1; gamma = A g, beta_hn [B,HV,N] fp32; q, k [B,N,HK,dk] bf16. Returns the [M; C M] bf16
-    pair [B,HV,2N,N] ×2. squarings: the factors (I−L)(I+L²)… (`gdn_tree_solve.num_squarings(rounds)`)."""
+    pair [B,HV,2N,N] ×2. rounds: edges on the longest path (M as `gdn.block_inverse` forms it)."""
     B, N, HK, dk = q.shape
     HV = gamma.shape[1]
     if N != NODES or dk % 64 or jnp.dtype(q.dtype) != jnp.dtype(BF16) or k.dtype != q.dtype or HV % HK:
         raise ValueError(f"tree_operators_mgpu: unsupported N={N} dk={dk} q/k {q.dtype}/{k.dtype} HV={HV} HK={HK}")
     pair = jax.ShapeDtypeStruct((B, HV, 2 * N, N), BF16)
     kernel = plgpu.kernel(
-        functools.partial(_operator_kernel, r=HV // HK, squarings=squarings),
+        functools.partial(_operator_kernel, r=HV // HK, rounds=rounds),
         out_type=[pair, pair],
         grid=(B, HV), grid_names=("b", "h"),
         scratch_types=[

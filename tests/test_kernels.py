@@ -84,8 +84,13 @@ def test_tree_solve_interpret(case, method):
         mask = gdn.chain_mask(B, N)
     o_ref, fac = reference(S0, q, k, v, g, beta, mask)
     extra = dict(operator_warps=2) if method == "split" else {}   # compile-time knob: same results
-    o, gamma, vc = tree_solve_pallas(S0, q, k, v, g, beta, mask, max_depth=depth, method=method,
-                                     block_v=bv, interpret=True, **extra)
+    run = lambda: tree_solve_pallas(S0, q, k, v, g, beta, mask, max_depth=depth, method=method,  # noqa: E731
+                                    block_v=bv, interpret=True, **extra)
+    if method == "squaring" and depth > gdn.SERIES_BLOCK:           # the series on the value tile: refused
+        with pytest.raises(ValueError, match="loses its digits"):
+            run()
+        return
+    o, gamma, vc = run()
     assert rel(o, o_ref) < 1e-5
     assert rel(gamma, fac.log_decay) < 1e-6
     assert rel(vc, fac.corrected) < 1e-5
@@ -137,6 +142,36 @@ def test_split_mgpu_operator_chain_interpret(chain, depth):
     assert rel(o, o_ref) < bar and rel(vc, fac.corrected) < bar
     assert rel(o, o_ref) > 1e-6 or chain == "pair" or depth == 1     # the fp16 rounding is real, not skipped
     assert rel(gamma, fac.log_decay) < 1e-6
+
+
+DEEP = [("inverse", {}), ("split", {}), ("neumann", {}),
+        ("split_mgpu", dict(operator_chain="f16")), ("split_mgpu", dict(operator_chain="tf32")),
+        ("split_mgpu", dict(operator_chain="pair")), ("split_mgpu", dict(operator_pass="mgpu"))]
+
+
+@pytest.mark.parametrize("depth", [16, 64])
+@pytest.mark.parametrize("method,kw", DEEP)
+def test_tree_solve_deep_correlated_chain_interpret(method, kw, depth):
+    """A path of 16 or 64 nodes with keys nearly alike, β and decays near 1 (long-memory heads on repetitive text):
+    the power series (I−L)(I+L²)… alone lost every digit there (fp16 chain 1.8e-2 and NaN, fp32 ~1e7 relative
+    error at 64 nodes); with the diagonal blocks joined by doublings (gdn.block_inverse) and Horner's Neumann form
+    the fp32 and pair forms meet their usual bar, the 11-bit chain bf16's."""
+    N = 64 if method == "split_mgpu" else 32
+    dtype = jnp.bfloat16 if method == "split_mgpu" else jnp.float32
+    _, _, (S0, q, k, v, g, beta) = make_inputs(41 + depth, 1, N, 1, 1, 64, 64, 8, dtype=dtype)
+    rng = np.random.default_rng(depth)
+    k = jnp.asarray(_unit(rng.normal(size=(1, 1, 1, 64)) + 0.05 * rng.normal(size=(1, N, 1, 64))), dtype)
+    beta, g = jnp.full_like(beta, 0.97), jnp.full_like(g, -1e-3)
+    depth = min(depth, N)
+    parents = np.zeros((1, N), np.int32)          # a chain of `depth` nodes; the other nodes hang off the root
+    parents[0, 0], parents[0, 1:depth] = -1, np.arange(depth - 1)
+    mask = mask_from_parents(jnp.asarray(parents))
+    o_ref, fac = reference(S0, q, k, v, g, beta, mask)
+    o, gamma, vc = tree_solve_pallas(S0, q, k, v, g, beta, mask, max_depth=depth, method=method, block_v=64,
+                                     precision="tf32" if method == "split_mgpu" else "tf32x3", interpret=True, **kw)
+    # 11 significand bits (the fp16 chain; tf32 on a GPU): o 1.1e-3, V' 4.1e-3 at 64 nodes, bf16's own rounding
+    bar = 1e-2 if kw.get("operator_chain") == "f16" else 1e-4
+    assert rel(o, o_ref) < bar and rel(vc, fac.corrected) < bar
 
 
 def test_ancestor_bits_round_trip():
@@ -382,6 +417,23 @@ def test_split_mgpu_operator_chain_gpu(chain):
     # pair: ~16 significand bits in every product, the bar of the bf16-pair value pass itself; fp16: one-pass tf32's
     bar = 1e-4 if chain == "pair" else 1e-3
     assert rel(o, o_ref) < bar and rel(vc, fac.corrected) < bar and rel(gamma, fac.log_decay) < 1e-5
+
+
+@needs_gpu
+@pytest.mark.parametrize("method", ["split_mgpu", "split", "inverse"])
+def test_tree_solve_deep_correlated_chain_gpu(method):
+    """The 64-node chain with keys nearly alike, β and decays near 1 on the GPU (tf32 / fp16 products, 11
+    significand bits): the auto form's bar for bf16 inputs (before gdn.block_inverse: NaN or ~1e7 off)."""
+    if method == "split_mgpu" and not dispatch.hopper_available():
+        pytest.skip("split_mgpu needs a compute capability 9.x GPU")
+    _, _, (S0, q, k, v, g, beta) = make_inputs(45, 2, 64, 16, 48, 128, 128, 8, dtype=jnp.bfloat16)
+    rng = np.random.default_rng(9)
+    k = jnp.asarray(_unit(rng.normal(size=(2, 1, 16, 128)) + 0.05 * rng.normal(size=(2, 64, 16, 128))), jnp.bfloat16)
+    beta, g = jnp.full_like(beta, 0.97), jnp.full_like(g, -1e-3)
+    mask = gdn.chain_mask(2, 64)
+    o_ref, fac = reference(S0, q, k, v, g, beta, mask)
+    o, gamma, vc = tree_solve_pallas(S0, q, k, v, g, beta, mask, max_depth=64, method=method, block_v=64)
+    assert rel(o, o_ref) < 1e-2 and rel(vc, fac.corrected) < 1e-2
 
 
 @needs_gpu

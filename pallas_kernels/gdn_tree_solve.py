@@ -149,7 +149,8 @@ def _f16_dot(a, b):
     registers in the accumulator's own layout, where tf32 rounding is emulated per element (add, mask, a NaN test
     and a select) and the A operand is permuted through warp shuffles. fp16's range (6e-8 … 65504) holds the
     operator chain's values under the GDN's own preconditions: l2-normalized keys, β ≤ 2 and decays ≤ 1 give
-    |L_ij| ≤ 2, and along a path of 8 nodes every entry of L², L⁴ and M = (I+L)⁻¹ is at most 2·3⁶ = 1458."""
+    |L_ij| ≤ 2, and along a path of 8 nodes every entry of L², L⁴ and M = (I+L)⁻¹ is at most 2·3⁶ = 1458. Longer
+    paths are not summed by the series (gdn.block_inverse): its doublings multiply entries of M and L."""
     return _dot(a.astype(jnp.float16), b.astype(jnp.float16), None)
 
 

@@ -40,12 +40,12 @@ where [M; C M] was and leave by TMA, whole 128-byte lines instead of the WGMMA l
 B 32, 6.2 vs 6.1 at B 1 (kernels_value_store_h200.md). Measured with it and dropped, no gain: programmatic dependent
 launch of the value pass (no overlap with the operator pass in the trace, also with the operator pass triggering it
 as it starts, under XLA's command buffers; without them the launches overlapped but saved nothing, as three
-operator programs per SM leave no room for a value program) and Pallas' automatic shared-memory barriers left out (−0.2 µs at B 8).
-Also a head's two value tiles as one cluster multicasting k, q and [M; C M]: half their L2 reads, but 25.6 vs 23.4
-µs at B 8, slower at every batch (kernels_value_pdl_multicast_h200.md). Also measured and dropped: one program of two warpgroups per (request, value
-head), one per value tile, sharing k, q and [M; C M] (half the L2 reads). It needed ≤ 128 registers a thread for two
-programs per SM; ptxas gave it 152 and Mosaic GPU has no register cap, so one program per SM ran: 29.1 vs 23.5 µs at
-B 8 (kernels_value_two_warpgroups_h200.md).
+operator programs per SM leave no room for a value program) and Pallas' automatic shared-memory barriers left out
+(−0.2 µs at B 8). Also a head's two value tiles as one cluster multicasting k, q and [M; C M]: half their L2 reads,
+but 25.6 vs 23.4 µs at B 8, slower at every batch (kernels_value_pdl_multicast_h200.md). Also measured and dropped:
+one program of two warpgroups per (request, value head), one per value tile, sharing k, q and [M; C M] (half the
+L2 reads). It needed ≤ 128 registers a thread for two programs per SM; ptxas gave it 152 and Mosaic GPU has no
+register cap, so one program per SM ran: 29.1 vs 23.5 µs at B 8 (kernels_value_two_warpgroups_h200.md).
 
 The Mosaic GPU operator pass (85 KiB, 230 registers, two programs per SM) is ~40x more accurate than the Triton
 one (o error 4.6e-6 vs 2.0e-4 against the fp32 reference) but slower on the H200 (B 8: 25.5 µs + 3.9 µs of XLA

@@ -103,11 +103,10 @@ class SolveFactors(NamedTuple):
 def unit_lower_inverse(L: jax.Array, method: InverseMethod = "solve", max_depth: int | None = None) -> jax.Array:
     """(I + L)⁻¹ for strictly-lower L [..., N, N] whose nonzeros follow ancestor chains of depth ≤ max_depth.
 
-    neumann: Σ_{n=0}^{d} (−L)ⁿ by Horner, d products.  squaring: (I−L)(I+L²)(I+L⁴)…, ⌈log₂(d+1)⌉ factors
-    (exact because L^{d+1} = 0), on diagonal blocks joined by doublings from SERIES_BLOCK nodes per path on
-    (`block_inverse`: the series alone loses its digits there).  solve: triangular solve (any depth).
-    The Neumann series has the series' limit: past ~8 nodes per path, with keys alike along it and decays near 1,
-    use solve or squaring.
+    neumann: Σ_{n=0}^{d} (−L)ⁿ by Horner, d products (its iterates stay bounded: accurate at any depth).
+    squaring: (I−L)(I+L²)(I+L⁴)…, ⌈log₂(d+1)⌉ factors (exact because L^{d+1} = 0); past SERIES_BLOCK nodes per
+    path on diagonal blocks joined by doublings (`block_inverse`: the series alone loses its digits there).
+    solve: triangular solve (any depth).
     """
     n = L.shape[-1]
     eye = jnp.eye(n, dtype=L.dtype)

@@ -174,6 +174,22 @@ def test_tree_solve_deep_correlated_chain_interpret(method, kw, depth):
     assert rel(o, o_ref) < bar and rel(vc, fac.corrected) < bar
 
 
+def test_dispatch_refuses_the_series_on_deep_paths():
+    """method "squaring" (the series on the value tile) past 8 nodes per path: "interpret" refuses with the reason,
+    "auto" takes the reference (fail closed); at 8 nodes the kernel runs."""
+    _, tree_mask, args = make_inputs(47, 1, 16, 1, 1, 16, 16, 8)
+    mask = gdn.chain_mask(1, 16)
+    with pytest.raises(ValueError, match="past 8 nodes per path"):
+        dispatch.tree_solve(*args, mask, 16, impl="interpret", method="squaring")
+    o_ref, _ = reference(*args, mask)
+    if not GPU:
+        o_auto, _ = dispatch.tree_solve(*args, mask, 16, impl="auto", method="squaring")
+        assert rel(o_auto, o_ref) < 1e-6
+    o8, _ = dispatch.tree_solve(*args, tree_mask, 8, impl="interpret", method="squaring")   # 8 nodes: the kernel
+    o8_ref, _ = reference(*args, tree_mask)
+    assert rel(o8, o8_ref) < 1e-5
+
+
 def test_ancestor_bits_round_trip():
     """The value pass's ancestor mask from 64 bits per node (two int32 words; bit 31 is the sign bit) equals the mask,
     on random 0/1 matrices and a real 64-node tree."""

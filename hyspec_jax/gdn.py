@@ -121,7 +121,7 @@ def unit_lower_inverse(L: jax.Array, method: InverseMethod = "solve", max_depth:
         for _ in range(d - 1):
             T = eye - _ein("...ij,...jk->...ik", L, T)
         return T
-    if method == "squaring" and d >= SERIES_BLOCK and n > SERIES_BLOCK:
+    if method == "squaring" and d >= SERIES_BLOCK:
         rows, cols = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0), jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
         return block_inverse(L, rows, cols, d, lambda a, b: _ein("...ij,...jk->...ik", a, b))
     if method == "squaring":
@@ -154,7 +154,7 @@ def block_inverse(L, rows, cols, d: int, dot, block: int = SERIES_BLOCK):
     count as the series at d = 63 for N = 64 (10)."""
     eye = (rows == cols).astype(L.dtype)
     n = L.shape[-1]
-    if d < block or n <= block:
+    if d < block:                                           # d ≤ N − 1: also every N ≤ block
         return squaring_factors(L, eye, num_squarings(d), dot)
     shift = block.bit_length() - 1
     block_of = lambda x, s: jnp.right_shift(x, s)            # noqa: E731 — index of x's 2^s-node block

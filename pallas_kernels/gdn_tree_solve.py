@@ -51,6 +51,9 @@ Precision = Literal["tf32", "tf32x3", "ieee"]
 # default of split_mgpu, `_f16_dot`), one-pass tf32 (the same roundings, more instructions), or bf16-pair products
 # (~40x more accurate, slower: their registers leave room for two programs per SM, not three).
 OperatorChain = Literal["tf32", "pair", "f16"]
+# The ancestor mask as the Triton operator pass reads it: fp32 (16 KiB per program at N 64) or int8 (4 KiB; every
+# program of a request reads the same mask, so it is L2 traffic at the start of each wave, not HBM).
+OperatorMask = Literal["f32", "i8"]
 
 REFERENCE = "hyspec_jax.gdn.masked_solve"
 
@@ -111,7 +114,8 @@ def _node_operators(mask_ref, g_ref, beta_ref, q, k, precision):
     """Γ = A g, the ancestor-masked L = strict(A) ⊙ β kkᵀ ⊙ D and C = qkᵀ ⊙ D (node by node, no value tile; q None:
     no C)."""
     n = mask_ref.shape[0]
-    A = mask_ref[...]                                   # [N, N] f32 0/1
+    A = mask_ref[...]                                   # [N, N] 0/1, f32 or int8 (`operator_mask`)
+    A = A if A.dtype == F32 else A.astype(F32)
     g = g_ref[...]                                      # [N]
     beta = beta_ref[...]                                # [N]
     on = A > 0
@@ -263,7 +267,8 @@ def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref,
     o_ref[...] = (eg[:, None] * qs + CU).astype(o_ref.dtype)
 
 
-def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, operator_warps, interpret, chain="tf32"):
+def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, operator_warps, interpret, chain="tf32",
+                           mask_dtype=F32):
     """The split form's Triton operator pass (`_tree_operator_kernel` says what each form writes): form "fp32"
     returns Γ, [M; C M] fp32; "pair" Γ, the [M; C M] bf16 pair, β head-major; "m_pair" Γ, M's bf16 pair and the node
     rows [B, HV, 4, N] (Γ, β, ancestor bits)."""
@@ -295,13 +300,13 @@ def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, oper
         out_specs=[pl.BlockSpec((None, None, N), lambda b, h: (b, h, 0)), *specs],
         compiler_params=pltriton.CompilerParams(num_warps=operator_warps, num_stages=1),
         interpret=interpret, name="gdn_tree_operators",
-    )(mask.astype(F32), g.astype(F32), beta.astype(F32), q, k)
+    )(mask.astype(mask_dtype), g.astype(F32), beta.astype(F32), q, k)
 
 
 def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision, out_dtype, num_warps, num_stages,
                       operator_warps, interpret, value_pass="triton", operator_pass="triton",
                       share_state_smem=True, share_kq_smem=True, tma_store=True, build_c=False,
-                      value_programs=None, operator_chain="tf32"):
+                      value_programs=None, operator_chain="tf32", operator_mask="f32"):
     """Two launches: the node-wise operators once per (request, value head) — Γ and [M; C M], 2·N² fp32 words
     per head through HBM — then the value tiles, which hold no N × N chain: three products, K S0, Q S0, [M; C M] R.
     value_pass "mgpu": the second launch is the Mosaic GPU kernel (gdn_tree_split_mgpu), fed the bf16 pair."""
@@ -324,7 +329,7 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
         else:
             gamma, mc_hi, mc_lo, beta_hn = _tree_operators_triton(
                 q, k, g, beta, mask, rounds=rounds, precision=precision, form="pair", operator_warps=operator_warps,
-                interpret=interpret, chain=operator_chain)
+                interpret=interpret, chain=operator_chain, mask_dtype={"f32": F32, "i8": jnp.int8}[operator_mask])
         o, vc = gdn_tree_split_mgpu.tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0.astype(F32),
                                                     block_v=block_v, share_state_smem=share_state_smem,
                                                     share_kq_smem=share_kq_smem, tma_store=tma_store,
@@ -369,14 +374,15 @@ def supported(N: int, dk: int, dv: int, block_v: int, precision: Precision = "tf
 @functools.partial(jax.jit, static_argnames=("max_depth", "method", "block_v", "precision", "out_dtype",
                                              "num_warps", "num_stages", "operator_warps", "write_state",
                                              "share_state_smem", "share_kq_smem", "tma_store", "operator_pass",
-                                             "build_c", "value_programs", "operator_chain", "interpret"))
+                                             "build_c", "value_programs", "operator_chain", "operator_mask",
+                                             "interpret"))
 def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: int, method: Method = "neumann",
                       block_v: int = 64, precision: Precision = "tf32", out_dtype=F32,
                       num_warps: int | None = None, num_stages: int = 1, operator_warps: int = 4,
                       write_state: bool = False, share_state_smem: bool = True, share_kq_smem: bool = True,
                       tma_store: bool = True, operator_pass: Literal["triton", "mgpu"] = "triton",
                       build_c: bool = False, value_programs: int | None = None,
-                      operator_chain: OperatorChain | None = None,
+                      operator_chain: OperatorChain | None = None, operator_mask: OperatorMask = "f32",
                       interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]
@@ -396,7 +402,8 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     per item; fewer loop over the items with a double-buffered state tile). operator_chain: how that Triton
     operator pass forms M and C M (`OperatorChain`; "f16", the default with the default value pass: one-pass fp16
     products, `_f16_dot`; "tf32": one-pass tf32, the same roundings with more instructions, the default with
-    build_c, whose rows were measured so; "pair": bf16 pairs, ~2⁻¹⁶).
+    build_c, whose rows were measured so; "pair": bf16 pairs, ~2⁻¹⁶). operator_mask (`OperatorMask`): the dtype in
+    which that operator pass (with the default value pass) reads the ancestor mask.
     """
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
@@ -421,6 +428,11 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     if operator_chain != "tf32" and not (method == "split_mgpu" and operator_pass == "triton"):
         raise ValueError("operator_chain is an option of method 'split_mgpu' with its Triton operator pass; got "
                          f"method={method!r} operator_pass={operator_pass!r}")
+    if operator_mask not in get_args(OperatorMask):
+        raise ValueError(f"unknown operator_mask {operator_mask!r}")
+    if operator_mask != "f32" and not (method == "split_mgpu" and operator_pass == "triton" and not build_c):
+        raise ValueError("operator_mask is an option of method 'split_mgpu' with its Triton operator pass and its "
+                         f"default value pass; got method={method!r} operator_pass={operator_pass!r} build_c={build_c}")
     if value_programs is not None and not build_c:
         raise ValueError("value_programs sets the build_c value pass's program count (build_c=True)")
     r = HV // HK
@@ -441,7 +453,8 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
                                  interpret=interpret, value_pass="mgpu" if method == "split_mgpu" else "triton",
                                  operator_pass=operator_pass, share_state_smem=share_state_smem,
                                  share_kq_smem=share_kq_smem, tma_store=tma_store, build_c=build_c,
-                                 value_programs=value_programs, operator_chain=operator_chain)
+                                 value_programs=value_programs, operator_chain=operator_chain,
+                                 operator_mask=operator_mask)
     kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(max_depth, N), method=method,
                              precision=_f32_precision(precision, interpret), deferred=deferred is not None,
                              write_state=write_state)

@@ -144,6 +144,23 @@ def test_split_mgpu_operator_chain_interpret(chain, depth):
     assert rel(gamma, fac.log_decay) < 1e-6
 
 
+@pytest.mark.parametrize("depth", [8, 64])
+def test_split_mgpu_operator_mask_int8_interpret(depth):
+    """The Triton operator pass reading the ancestor mask as int8 (operator_mask="i8") gives bit for bit the outputs
+    of the fp32 mask (0/1 either way), and the reference's within the fp16 chain's bar."""
+    par, mask, args = make_inputs(63 + depth, 2, 64, 1, 3, 64, 128, depth, dtype=jnp.bfloat16,
+                                  single_root=depth == 64)
+    if depth == 64:
+        mask = gdn.chain_mask(2, 64)
+    o_ref, fac = reference(*args, mask)
+    outs = {m: tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=64, interpret=True,
+                                 operator_mask=m) for m in ("f32", "i8")}
+    for a, b in zip(outs["f32"], outs["i8"]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    o, gamma, vc = outs["i8"]
+    assert rel(o, o_ref) < 1e-3 and rel(vc, fac.corrected) < 1e-3 and rel(gamma, fac.log_decay) < 1e-6
+
+
 DEEP = [("inverse", {}), ("split", {}), ("neumann", {}),
         ("split_mgpu", dict(operator_chain="f16")), ("split_mgpu", dict(operator_chain="tf32")),
         ("split_mgpu", dict(operator_chain="pair")), ("split_mgpu", dict(operator_pass="mgpu"))]
@@ -213,7 +230,10 @@ def test_split_mgpu_options_refused_elsewhere():
                       (dict(method="split_mgpu", operator_pass="mgpu", build_c=True), "operator_pass='mgpu'"),
                       (dict(method="split_mgpu", value_programs=4), "build_c=True"),
                       (dict(method="split", operator_chain="pair"), "option of method 'split_mgpu'"),
-                      (dict(method="split_mgpu", operator_chain="fp64"), "unknown operator_chain")]:
+                      (dict(method="split_mgpu", operator_chain="fp64"), "unknown operator_chain"),
+                      (dict(method="split", operator_mask="i8"), "option of method 'split_mgpu'"),
+                      (dict(method="split_mgpu", build_c=True, operator_mask="i8"), "build_c=True"),
+                      (dict(method="split_mgpu", operator_mask="bool"), "unknown operator_mask")]:
         with pytest.raises(ValueError, match=match):
             tree_solve_pallas(*args, mask, max_depth=6, block_v=64, interpret=True, **kw)
 
@@ -423,13 +443,14 @@ def test_split_mgpu_gpu(operator_pass, share_kq_smem, build_c, programs):
 
 
 @needs_gpu
-@pytest.mark.parametrize("chain", ["pair", "f16"])
-def test_split_mgpu_operator_chain_gpu(chain):
+@pytest.mark.parametrize("chain,operator_mask", [("pair", "f32"), ("f16", "f32"), ("f16", "i8")])
+def test_split_mgpu_operator_chain_gpu(chain, operator_mask):
     if not dispatch.hopper_available():
         pytest.skip("split_mgpu needs a compute capability 9.x GPU")
     par, mask, args = make_inputs(73, 2, 64, 16, 48, 128, 128, 8, dtype=jnp.bfloat16)
     o_ref, fac = reference(*args, mask)
-    o, gamma, vc = tree_solve_pallas(*args, mask, max_depth=8, method="split_mgpu", block_v=64, operator_chain=chain)
+    o, gamma, vc = tree_solve_pallas(*args, mask, max_depth=8, method="split_mgpu", block_v=64, operator_chain=chain,
+                                     operator_mask=operator_mask)
     # pair: ~16 significand bits in every product, the bar of the bf16-pair value pass itself; fp16: one-pass tf32's
     bar = 1e-4 if chain == "pair" else 1e-3
     assert rel(o, o_ref) < bar and rel(vc, fac.corrected) < bar and rel(gamma, fac.log_decay) < 1e-5

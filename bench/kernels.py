@@ -267,10 +267,10 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
                 lambda *s, chain=chain: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
                                                           precision="tf32", operator_chain=chain,
                                                           interpret=interpret), "solve")
-        # _mi8: the Triton operator pass reads the ancestor mask as int8 (operator_mask; the default: fp32)
-        variants["pallas_split_mgpu_bv64_mi8"] = (
+        # _mf32: the Triton operator pass reads the ancestor mask as fp32 (operator_mask; the default: int8)
+        variants["pallas_split_mgpu_bv64_mf32"] = (
             lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
-                                         precision="tf32", operator_mask="i8", interpret=interpret), "solve")
+                                         precision="tf32", operator_mask="f32", interpret=interpret), "solve")
     variants["pallas_neumann_bv64_tf32x3"] = (
         lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="neumann", block_v=64,
                                      precision="tf32x3", interpret=interpret), "solve")

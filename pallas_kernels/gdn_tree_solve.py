@@ -51,8 +51,10 @@ Precision = Literal["tf32", "tf32x3", "ieee"]
 # default of split_mgpu, `_f16_dot`), one-pass tf32 (the same roundings, more instructions), or bf16-pair products
 # (~40x more accurate, slower: their registers leave room for two programs per SM, not three).
 OperatorChain = Literal["tf32", "pair", "f16"]
-# The ancestor mask as the Triton operator pass reads it: fp32 (16 KiB per program at N 64) or int8 (4 KiB; every
-# program of a request reads the same mask, so it is L2 traffic at the start of each wave, not HBM).
+# The ancestor mask as the Triton operator pass reads it: fp32 (16 KiB per program at N 64) or int8 (4 KiB, the
+# default of split_mgpu). Every program of a request reads the same mask, so it is L2 traffic, not HBM, but at the
+# start of one wave of three programs per SM: int8 took split_mgpu's operator pass from 11.7 to 10.9 µs at B 8,
+# N 64 (21.3 → 20.6 at B 16, 39.5 → 37.9 at B 32, 6.2 both at B 1; bench/results/kernels_mask_i8_h200.md).
 OperatorMask = Literal["f32", "i8"]
 
 REFERENCE = "hyspec_jax.gdn.masked_solve"
@@ -382,7 +384,7 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
                       write_state: bool = False, share_state_smem: bool = True, share_kq_smem: bool = True,
                       tma_store: bool = True, operator_pass: Literal["triton", "mgpu"] = "triton",
                       build_c: bool = False, value_programs: int | None = None,
-                      operator_chain: OperatorChain | None = None, operator_mask: OperatorMask = "f32",
+                      operator_chain: OperatorChain | None = None, operator_mask: OperatorMask | None = None,
                       interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]
@@ -403,7 +405,8 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     operator pass forms M and C M (`OperatorChain`; "f16", the default with the default value pass: one-pass fp16
     products, `_f16_dot`; "tf32": one-pass tf32, the same roundings with more instructions, the default with
     build_c, whose rows were measured so; "pair": bf16 pairs, ~2⁻¹⁶). operator_mask (`OperatorMask`): the dtype in
-    which that operator pass (with the default value pass) reads the ancestor mask.
+    which that operator pass (with the default value pass) reads the ancestor mask ("i8" there by default, the
+    same outputs bit for bit as "f32"; "f32" elsewhere).
     """
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
@@ -428,6 +431,8 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     if operator_chain != "tf32" and not (method == "split_mgpu" and operator_pass == "triton"):
         raise ValueError("operator_chain is an option of method 'split_mgpu' with its Triton operator pass; got "
                          f"method={method!r} operator_pass={operator_pass!r}")
+    if operator_mask is None:
+        operator_mask = "i8" if method == "split_mgpu" and operator_pass == "triton" and not build_c else "f32"
     if operator_mask not in get_args(OperatorMask):
         raise ValueError(f"unknown operator_mask {operator_mask!r}")
     if operator_mask != "f32" and not (method == "split_mgpu" and operator_pass == "triton" and not build_c):

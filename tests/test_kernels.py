@@ -146,17 +146,18 @@ def test_split_mgpu_operator_chain_interpret(chain, depth):
 
 @pytest.mark.parametrize("depth", [8, 64])
 def test_split_mgpu_operator_mask_int8_interpret(depth):
-    """The Triton operator pass reading the ancestor mask as int8 (operator_mask="i8") gives bit for bit the outputs
-    of the fp32 mask (0/1 either way), and the reference's within the fp16 chain's bar."""
+    """The Triton operator pass reading the ancestor mask as int8 (operator_mask="i8", split_mgpu's default) gives bit
+    for bit the outputs of the fp32 mask (0/1 either way), and the reference's within the fp16 chain's bar."""
     par, mask, args = make_inputs(63 + depth, 2, 64, 1, 3, 64, 128, depth, dtype=jnp.bfloat16,
                                   single_root=depth == 64)
     if depth == 64:
         mask = gdn.chain_mask(2, 64)
     o_ref, fac = reference(*args, mask)
     outs = {m: tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=64, interpret=True,
-                                 operator_mask=m) for m in ("f32", "i8")}
-    for a, b in zip(outs["f32"], outs["i8"]):
+                                 operator_mask=m) for m in ("f32", "i8", None)}
+    for a, b, c in zip(outs["f32"], outs["i8"], outs[None]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(c))
     o, gamma, vc = outs["i8"]
     assert rel(o, o_ref) < 1e-3 and rel(vc, fac.corrected) < 1e-3 and rel(gamma, fac.log_decay) < 1e-6
 

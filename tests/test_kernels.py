@@ -20,6 +20,19 @@ GPU = any(d.platform == "gpu" for d in jax.devices())
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs an NVIDIA GPU")
 
 
+@pytest.fixture(autouse=True)
+def _interpret_mode_on_the_cpu(request):
+    """Interpret-mode tests run on the CPU also where a GPU is present. On a GPU backend interpret mode is less
+    accurate than the kernels themselves (o error 2.2e-3 with every operator chain, measured on the H200), and the
+    deep-chain tests' bar for the pair chain and the Mosaic GPU operator pass (1e-4) failed there; their GPU twins
+    (`*_gpu`) check the kernels on the GPU."""
+    if GPU and "interpret" in request.node.name:
+        with jax.default_device(jax.devices("cpu")[0]):
+            yield
+    else:
+        yield
+
+
 def rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert np.isfinite(a).all()

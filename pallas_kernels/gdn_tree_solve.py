@@ -421,21 +421,25 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
         raise ValueError(f"method 'squaring' applies the series (I−L)(I+L²)… to the value tile, which loses its digits "
                          f"past {gdn.SERIES_BLOCK} nodes per path (max_depth={max_depth}): use 'inverse', 'split' or "
                          "'neumann'")
-    if (build_c or value_programs is not None) and not (method == "split_mgpu" and operator_pass == "triton"):
+    # The forms that own an option: split_mgpu with its Triton operator pass (build_c, value_programs,
+    # operator_chain) and, of those, the one with the default value pass (operator_mask; f16 chain by default).
+    triton_operators = method == "split_mgpu" and operator_pass == "triton"
+    default_value_pass = triton_operators and not build_c
+    if (build_c or value_programs is not None) and not triton_operators:
         raise ValueError("build_c / value_programs are options of method 'split_mgpu' with its Triton operator pass; "
                          f"got method={method!r} operator_pass={operator_pass!r}")
     if operator_chain is None:
-        operator_chain = "f16" if method == "split_mgpu" and operator_pass == "triton" and not build_c else "tf32"
+        operator_chain = "f16" if default_value_pass else "tf32"
     if operator_chain not in get_args(OperatorChain):
         raise ValueError(f"unknown operator_chain {operator_chain!r}")
-    if operator_chain != "tf32" and not (method == "split_mgpu" and operator_pass == "triton"):
+    if operator_chain != "tf32" and not triton_operators:
         raise ValueError("operator_chain is an option of method 'split_mgpu' with its Triton operator pass; got "
                          f"method={method!r} operator_pass={operator_pass!r}")
     if operator_mask is None:
-        operator_mask = "i8" if method == "split_mgpu" and operator_pass == "triton" and not build_c else "f32"
+        operator_mask = "i8" if default_value_pass else "f32"
     if operator_mask not in get_args(OperatorMask):
         raise ValueError(f"unknown operator_mask {operator_mask!r}")
-    if operator_mask != "f32" and not (method == "split_mgpu" and operator_pass == "triton" and not build_c):
+    if operator_mask != "f32" and not default_value_pass:
         raise ValueError("operator_mask is an option of method 'split_mgpu' with its Triton operator pass and its "
                          f"default value pass; got method={method!r} operator_pass={operator_pass!r} build_c={build_c}")
     if value_programs is not None and not build_c:

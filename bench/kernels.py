@@ -260,6 +260,12 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
                 lambda *s, build_c=build_c, programs=programs, ow=ow: tree_solve_pallas(
                     *s, mask, max_depth=depth, method="split_mgpu", block_v=64, precision="tf32", build_c=build_c,
                     value_programs=programs, operator_warps=ow, interpret=interpret), "solve")
+        # bv16 / bv32: narrower value tiles (more, smaller value programs: fewer registers and less shared memory
+        # each, so more of them per SM; k, q and [M; C M] are read once per tile)
+        for bv in (16, 32):
+            variants[f"pallas_split_mgpu_bv{bv}"] = (
+                lambda *s, bv=bv: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=bv,
+                                                    precision="tf32", interpret=interpret), "solve")
         # _chpair / _chtf32: the Triton operator pass forms M and C M by bf16-pair / one-pass tf32 products
         # (operator_chain; the default: fp16)
         for chain in ("pair", "tf32"):

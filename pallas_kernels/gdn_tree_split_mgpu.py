@@ -25,8 +25,13 @@ K S0 = k S0_hi + k S0_lo is two bf16 products (the same tensor-core time as one 
 scale: ~2⁻¹⁶ relative). Both are more accurate than the Triton pass's one-pass tf32 (~2⁻¹¹ per operand).
 
 Shape limits: N = 64 (wgmma's M is a multiple of 64; 128 nodes would need [256, bv] accumulators and 128 KiB of
-[M; C M] pair in shared memory), bf16 q/k, dk a multiple of 64, bv = 64. `supported` says so; the dispatcher
-fails closed to the Triton form elsewhere. Needs compute capability 9.0 (wgmma).
+[M; C M] pair in shared memory), bf16 q/k, dk a multiple of 64, bv in 16, 32, 64. `supported` says so; the
+dispatcher fails closed to the Triton form elsewhere. Needs compute capability 9.0 (wgmma). For bv < 64 the state
+pair and R have rows of fewer than 128 bytes, so a narrower swizzle, and wgmma's A operands (k, q, [M; C M]) take
+the same one (Mosaic GPU's layout inference refuses mismatched ones). Narrow tiles measured slower, so the default
+and `method="auto"` stay at 64: at B 8 the value pass took 27.6 µs at bv 32 (86 registers, 55,320 B, four
+programs per SM, 1536 programs) and 56.9 µs at bv 16, vs 22.2 µs at bv 64: each program still loads k, q and the
+[M; C M] pair whole for a fraction of the work (kernels_value_bv_h200.md, kernel_resources_value_bv_h200.md).
 
 Shared memory per value-pass program (N 64, dk 128, bv 64): k, q 32 KiB, v 8 KiB, the [M; C M] pair 32 KiB, the
 fp32 state tile 32 KiB and its bf16 pair 32 KiB. `share_state_smem`: the fp32 tile and its pair share one region (a
@@ -85,7 +90,7 @@ from hyspec_jax import gdn
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 NODES = 64
-BLOCK_VS = (64,)
+BLOCK_VS = (16, 32, 64)
 
 
 def supported(N: int, dk: int, dv: int, block_v: int, qk_dtype) -> bool:
@@ -153,10 +158,11 @@ def _store_r_pair(beta, v_s, decay, ks, s0hi_s, s0lo_s):
     return rhi_s, rlo_s
 
 
-def _smem_transforms(dtype, cols: int):
-    """Tiling + swizzle for a row-major [rows, cols] shared-memory tile (the widest swizzle one row fills)."""
+def _smem_transforms(dtype, cols: int, max_swizzle: int = 128):
+    """Tiling + swizzle for a row-major [rows, cols] shared-memory tile (the widest swizzle one row fills, at most
+    max_swizzle bytes)."""
     size = jnp.dtype(dtype).itemsize
-    swizzle = min(128, cols * size)
+    swizzle = min(max_swizzle, cols * size)
     return plgpu.TilingTransform((8, swizzle // size)), plgpu.SwizzleTransform(swizzle)
 
 
@@ -470,8 +476,9 @@ def tree_apply_cv_mgpu(gamma, rows, m_hi, m_lo, k, q, v, S0, *, block_v: int = 6
     slots = 1 if programs == items else 2
     state = plgpu.RefUnion(plgpu.SMEM((slots, dk, bv), F32),          # slot s: the same bytes in both views
                            plgpu.SMEM((slots, 2, dk, bv), BF16, transforms=_smem_transforms(BF16, bv)))
-    kq = tuple(plgpu.SMEM((N, dk), BF16, transforms=_smem_transforms(BF16, dk)) for _ in range(2))
-    cm = tuple(plgpu.SMEM((N, N), BF16, transforms=_smem_transforms(BF16, N)) for _ in range(4))
+    a_swizzle = min(128, bv * 2)                        # wgmma's A operands take its B operands' swizzle
+    kq = tuple(plgpu.SMEM((N, dk), BF16, transforms=_smem_transforms(BF16, dk, a_swizzle)) for _ in range(2))
+    cm = tuple(plgpu.SMEM((N, N), BF16, transforms=_smem_transforms(BF16, N, a_swizzle)) for _ in range(4))
     kernel = plgpu.kernel(
         functools.partial(_apply_cv_kernel, r=HV // HK, bv=bv, programs=programs),
         out_type=[jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype), jax.ShapeDtypeStruct((B, HV, N, dv), F32)],
@@ -506,8 +513,10 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
     state_f32 = plgpu.SMEM((dk, bv), F32)
     state_pair = [plgpu.SMEM((dk, bv), BF16, transforms=_smem_transforms(BF16, bv)) for _ in range(2)]
     state = plgpu.RefUnion(state_f32, tuple(state_pair)) if share_state_smem else [state_f32, *state_pair]
-    kq = [plgpu.SMEM((N, dk), BF16, transforms=_smem_transforms(BF16, dk)) for _ in range(2)]
-    mc = [plgpu.SMEM((2 * N, N), BF16, transforms=_smem_transforms(BF16, N)) for _ in range(2)]
+    # wgmma's A operands (k, q, [M; C M]) take the swizzle of its B operands (the state pair, R: bv columns)
+    a_swizzle = min(128, bv * 2)
+    kq = [plgpu.SMEM((N, dk), BF16, transforms=_smem_transforms(BF16, dk, a_swizzle)) for _ in range(2)]
+    mc = [plgpu.SMEM((2 * N, N), BF16, transforms=_smem_transforms(BF16, N, a_swizzle)) for _ in range(2)]
     tma_store = tma_store and share_kq_smem
     staging = [(plgpu.SMEM((N, bv), F32, transforms=_smem_transforms(F32, bv)),                # V', o tiles
                 plgpu.SMEM((N, bv), out_dtype, transforms=_smem_transforms(out_dtype, bv)))] if tma_store else []

@@ -139,6 +139,21 @@ def test_split_mgpu_interpret(operator_pass, share_state_smem, share_kq_smem, de
     assert rel(gamma, fac.log_decay) < 1e-6
 
 
+@pytest.mark.parametrize("block_v,depth", [(16, 8), (32, 8), (32, 64)])
+def test_split_mgpu_narrow_value_tiles_interpret(block_v, depth):
+    """The Mosaic GPU value pass at value tiles of 16 and 32 columns (8 / 4 tiles of a 128-wide value head, each
+    its own program with its own swizzle widths) equals the reference in interpret mode, as the 64-wide one does."""
+    par, mask, args = make_inputs(23 + block_v + depth, 2, 64, 1, 3, 64, 128, depth, dtype=jnp.bfloat16,
+                                  single_root=depth == 64)
+    if depth == 64:
+        mask = gdn.chain_mask(2, 64)
+    o_ref, fac = reference(*args, mask)
+    o, gamma, vc = tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=block_v,
+                                     interpret=True, operator_chain="tf32")
+    assert rel(o, o_ref) < 1e-4 and rel(vc, fac.corrected) < 1e-4
+    assert rel(gamma, fac.log_decay) < 1e-6
+
+
 @pytest.mark.parametrize("chain,depth", [("pair", 8), ("pair", 64), ("pair", 1), (None, 8), ("f16", 64), ("f16", 1)])
 def test_split_mgpu_operator_chain_interpret(chain, depth):
     """The Triton operator pass with bf16-pair or fp16 products for M and C M (operator_chain; None: the default,

@@ -266,6 +266,10 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
             variants[f"pallas_split_mgpu_bv{bv}"] = (
                 lambda *s, bv=bv: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=bv,
                                                     precision="tf32", interpret=interpret), "solve")
+        # _of16: the operator pass hands [M; C M] over as one fp16 matrix, not a bf16 pair (operator_out)
+        variants["pallas_split_mgpu_bv64_of16"] = (
+            lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
+                                         precision="tf32", operator_out="f16", interpret=interpret), "solve")
         # _chpair / _chtf32: the Triton operator pass forms M and C M by bf16-pair / one-pass tf32 products
         # (operator_chain; the default: fp16)
         for chain in ("pair", "tf32"):

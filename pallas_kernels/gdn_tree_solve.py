@@ -56,6 +56,10 @@ OperatorChain = Literal["tf32", "pair", "f16"]
 # start of one wave of three programs per SM: int8 took split_mgpu's operator pass from 11.7 to 10.9 µs at B 8,
 # N 64 (21.3 → 20.6 at B 16, 39.5 → 37.9 at B 32, 6.2 both at B 1; bench/results/kernels_mask_i8_h200.md).
 OperatorMask = Literal["f32", "i8"]
+# How the Triton operator pass hands [M; C M] to the Mosaic GPU value pass: a bf16 pair (16 significand bits, 32 KiB
+# per head at N 64, three products against R's bf16 pair) or one fp16 matrix (11 bits, as the fp16 chain that formed
+# it; 16 KiB, two products against R's fp16 pair).
+OperatorOut = Literal["pair", "f16"]
 
 REFERENCE = "hyspec_jax.gdn.masked_solve"
 
@@ -215,6 +219,7 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
     """Split form, pass 1 (one program per request and value head): Γ and the node-wise operators to HBM, as
     `_tree_operators_triton`'s form says: "fp32" [M; C M] (one output); "pair" the same as a bf16 pair hi + lo with β
     head-major for the Mosaic GPU value pass (three outputs: hi, lo, β [HV, N]; gdn_tree_split_mgpu says why);
+    "f16" [M; C M] as one fp16 matrix with β head-major (two outputs; `OperatorOut`);
     "m_pair" only M's pair and Γ, β and the ancestor bits as one block (three: hi, lo, node rows [4, N];
     gdn_tree_split_mgpu.node_rows) for the value pass that builds C itself. chain (`OperatorChain`): how M and
     C M are formed — one-pass tf32, bf16-pair (`_pair_dot`) or one-pass fp16 products (`_f16_dot`). In form "pair"
@@ -240,6 +245,12 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
         C = _query_operator(q_ref[...], k_ref[...], _decays(mask_ref[...] > 0, gamma), precision)   # mask read again
     CM = None if C is None else dot(C, M)
     gamma_ref[...] = gamma                              # after C M: 165 registers (before it: 224)
+    if form == "f16":
+        mc_ref, rows_ref = out_refs
+        rows_ref[...] = beta                            # β head-major
+        mc_ref[pl.ds(0, n), :] = M.astype(jnp.float16)
+        mc_ref[pl.ds(n, n), :] = CM.astype(jnp.float16)
+        return
     hi_ref, lo_ref, rows_ref = out_refs
     if form == "m_pair":
         hi_ref[...], lo_ref[...] = gdn_tree_split_mgpu.split_bf16(M)
@@ -272,17 +283,17 @@ def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref,
 def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, operator_warps, interpret, chain="tf32",
                            mask_dtype=F32):
     """The split form's Triton operator pass (`_tree_operator_kernel` says what each form writes): form "fp32"
-    returns Γ, [M; C M] fp32; "pair" Γ, the [M; C M] bf16 pair, β head-major; "m_pair" Γ, M's bf16 pair and the node
-    rows [B, HV, 4, N] (Γ, β, ancestor bits)."""
+    returns Γ, [M; C M] fp32; "pair" Γ, the [M; C M] bf16 pair, β head-major; "f16" Γ, [M; C M] fp16, β head-major;
+    "m_pair" Γ, M's bf16 pair and the node rows [B, HV, 4, N] (Γ, β, ancestor bits)."""
     B, N, HK, dk = q.shape
     HV = g.shape[2]
     r = HV // HK
     rows = N if form == "m_pair" else 2 * N
-    mats = 1 if form == "fp32" else 2
-    mat_dtype = F32 if form == "fp32" else jnp.bfloat16
+    mats = 1 if form in ("fp32", "f16") else 2
+    mat_dtype = {"fp32": F32, "f16": jnp.float16}.get(form, jnp.bfloat16)
     shapes = [jax.ShapeDtypeStruct((B, HV, rows, N), mat_dtype)] * mats
     specs = [pl.BlockSpec((None, None, rows, N), lambda b, h: (b, h, 0, 0))] * mats
-    if form == "pair":                                                              # β head-major
+    if form in ("pair", "f16"):                                                     # β head-major
         shapes.append(jax.ShapeDtypeStruct((B, HV, N), F32))
         specs.append(pl.BlockSpec((None, None, N), lambda b, h: (b, h, 0)))
     if form == "m_pair":                                                            # node rows
@@ -308,7 +319,7 @@ def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, oper
 def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision, out_dtype, num_warps, num_stages,
                       operator_warps, interpret, value_pass="triton", operator_pass="triton",
                       share_state_smem=True, share_kq_smem=True, tma_store=True, build_c=False,
-                      value_programs=None, operator_chain="tf32", operator_mask="f32"):
+                      value_programs=None, operator_chain="tf32", operator_mask="f32", operator_out="pair"):
     """Two launches: the node-wise operators once per (request, value head) — Γ and [M; C M], 2·N² fp32 words
     per head through HBM — then the value tiles, which hold no N × N chain: three products, K S0, Q S0, [M; C M] R.
     value_pass "mgpu": the second launch is the Mosaic GPU kernel (gdn_tree_split_mgpu), fed the bf16 pair."""
@@ -329,9 +340,11 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
             mc_hi, mc_lo = gdn_tree_split_mgpu.tree_operators_mgpu(
                 mask, gamma, beta_hn, q, k, rounds=rounds, interpret=interpret)
         else:
-            gamma, mc_hi, mc_lo, beta_hn = _tree_operators_triton(
-                q, k, g, beta, mask, rounds=rounds, precision=precision, form="pair", operator_warps=operator_warps,
-                interpret=interpret, chain=operator_chain, mask_dtype={"f32": F32, "i8": jnp.int8}[operator_mask])
+            outs = _tree_operators_triton(
+                q, k, g, beta, mask, rounds=rounds, precision=precision, form=operator_out,
+                operator_warps=operator_warps, interpret=interpret, chain=operator_chain,
+                mask_dtype={"f32": F32, "i8": jnp.int8}[operator_mask])
+            gamma, mc_hi, mc_lo, beta_hn = outs if operator_out == "pair" else (outs[0], outs[1], None, outs[2])
         o, vc = gdn_tree_split_mgpu.tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0.astype(F32),
                                                     block_v=block_v, share_state_smem=share_state_smem,
                                                     share_kq_smem=share_kq_smem, tma_store=tma_store,
@@ -377,7 +390,7 @@ def supported(N: int, dk: int, dv: int, block_v: int, precision: Precision = "tf
                                              "num_warps", "num_stages", "operator_warps", "write_state",
                                              "share_state_smem", "share_kq_smem", "tma_store", "operator_pass",
                                              "build_c", "value_programs", "operator_chain", "operator_mask",
-                                             "interpret"))
+                                             "operator_out", "interpret"))
 def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: int, method: Method = "neumann",
                       block_v: int = 64, precision: Precision = "tf32", out_dtype=F32,
                       num_warps: int | None = None, num_stages: int = 1, operator_warps: int = 4,
@@ -385,7 +398,7 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
                       tma_store: bool = True, operator_pass: Literal["triton", "mgpu"] = "triton",
                       build_c: bool = False, value_programs: int | None = None,
                       operator_chain: OperatorChain | None = None, operator_mask: OperatorMask | None = None,
-                      interpret: bool = False):
+                      operator_out: OperatorOut | None = None, interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]
     (the dispatcher pads with identity nodes). Returns (o [B,N,HV,dv], Γ [B,HV,N], V' [B,HV,N,dv]).
@@ -406,7 +419,8 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     products, `_f16_dot`; "tf32": one-pass tf32, the same roundings with more instructions, the default with
     build_c, whose rows were measured so; "pair": bf16 pairs, ~2⁻¹⁶). operator_mask (`OperatorMask`): the dtype in
     which that operator pass (with the default value pass) reads the ancestor mask ("i8" there by default, the
-    same outputs bit for bit as "f32"; "f32" elsewhere).
+    same outputs bit for bit as "f32"; "f32" elsewhere). operator_out (`OperatorOut`, with the default value pass):
+    [M; C M] as a bf16 pair ("pair", the default) or one fp16 matrix ("f16").
     """
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
@@ -442,6 +456,13 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     if operator_mask != "f32" and not default_value_pass:
         raise ValueError("operator_mask is an option of method 'split_mgpu' with its Triton operator pass and its "
                          f"default value pass; got method={method!r} operator_pass={operator_pass!r} build_c={build_c}")
+    if operator_out is None:
+        operator_out = "pair"
+    if operator_out not in get_args(OperatorOut):
+        raise ValueError(f"unknown operator_out {operator_out!r}")
+    if operator_out != "pair" and not default_value_pass:
+        raise ValueError("operator_out is an option of method 'split_mgpu' with its Triton operator pass and its "
+                         f"default value pass; got method={method!r} operator_pass={operator_pass!r} build_c={build_c}")
     if value_programs is not None and not build_c:
         raise ValueError("value_programs sets the build_c value pass's program count (build_c=True)")
     r = HV // HK
@@ -463,7 +484,7 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
                                  operator_pass=operator_pass, share_state_smem=share_state_smem,
                                  share_kq_smem=share_kq_smem, tma_store=tma_store, build_c=build_c,
                                  value_programs=value_programs, operator_chain=operator_chain,
-                                 operator_mask=operator_mask)
+                                 operator_mask=operator_mask, operator_out=operator_out)
     kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(max_depth, N), method=method,
                              precision=_f32_precision(precision, interpret), deferred=deferred is not None,
                              write_state=write_state)

@@ -88,7 +88,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from hyspec_jax import gdn
 
-F32, BF16 = jnp.float32, jnp.bfloat16
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 NODES = 64
 BLOCK_VS = (16, 32, 64)
 
@@ -98,10 +98,11 @@ def supported(N: int, dk: int, dv: int, block_v: int, qk_dtype) -> bool:
             and jnp.dtype(qk_dtype) == jnp.dtype(BF16))
 
 
-def split_bf16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x ≈ hi + lo with hi = bf16(x), lo = bf16(x − hi): 16 significand bits in two bf16 halves."""
-    hi = x.astype(BF16)
-    return hi, (x - hi.astype(F32)).astype(BF16)
+def split_bf16(x: jax.Array, dtype=BF16) -> tuple[jax.Array, jax.Array]:
+    """x ≈ hi + lo with hi = bf16(x), lo = bf16(x − hi): 16 significand bits in two bf16 halves (dtype fp16: 22
+    bits over fp16's narrower range)."""
+    hi = x.astype(dtype)
+    return hi, (x - hi.astype(F32)).astype(dtype)
 
 
 def ancestor_bits(A: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -147,11 +148,12 @@ def _split_state(s0f_s, s0hi_s, s0lo_s, shared: bool) -> None:
 
 
 def _store_r_pair(beta, v_s, decay, ks, s0hi_s, s0lo_s):
-    """R = β ⊙ (v − e^Γ ⊙ K S0) as a bf16 pair on the state pair's first N rows (the state pair is read by then);
-    returns those two refs, wgmma's B operand for the products with R."""
+    """R = β ⊙ (v − e^Γ ⊙ K S0) as a pair of the refs' dtype (bf16, or fp16 against an fp16 [M; C M]) on the state
+    pair's first N rows (the state pair is read by then); returns those two refs, wgmma's B operand for the products
+    with R."""
     N = ks.shape[0]
     v = plgpu.load(v_s, layout=plgpu.Layout.WGMMA).astype(F32)
-    R_hi, R_lo = split_bf16(beta * (v - decay * ks))
+    R_hi, R_lo = split_bf16(beta * (v - decay * ks), s0hi_s.dtype)
     rhi_s, rlo_s = s0hi_s.at[pl.ds(0, N)], s0lo_s.at[pl.ds(0, N)]
     rhi_s[...] = R_hi
     rlo_s[...] = R_lo
@@ -168,12 +170,13 @@ def _smem_transforms(dtype, cols: int, max_swizzle: int = 128):
 
 def _pair_wgmma(a_pair, b_pair, shape):
     """A B ≈ A_hi B_hi + A_lo B_hi + A_hi B_lo from two bf16 pairs in shared memory (the lo·lo term is below the
-    sum's fp32 rounding), accumulated in fp32 registers."""
+    sum's fp32 rounding), accumulated in fp32 registers; A_lo None: A is one matrix, A B_hi + A B_lo."""
     (a_hi, a_lo), (b_hi, b_lo) = a_pair, b_pair
 
     def products(acc):
         plgpu.wgmma(acc, a_hi, b_hi)
-        plgpu.wgmma(acc, a_lo, b_hi)
+        if a_lo is not None:
+            plgpu.wgmma(acc, a_lo, b_hi)
         plgpu.wgmma(acc, a_hi, b_lo)
         plgpu.wgmma_wait(0)
         return acc[...]
@@ -272,17 +275,19 @@ def head_major_rows(mask, g, beta):
     return gdn.tree_log_decay(mask, jnp.swapaxes(g, 1, 2)), jnp.swapaxes(beta.astype(F32), 1, 2)
 
 
-def _apply_kernel(gamma_g, beta_g, mchi_g, mclo_g, k_g, q_g, v_g, s0_g, o_g, vc_g,
-                  kq_s, v_s, state_s, gam_s, bet_s, bar_state, bar_rows, bar_mc,
-                  *, r: int, bv: int, share_state_smem: bool, share_kq_smem: bool, tma_store: bool):
+def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: bool, share_kq_smem: bool,
+                  tma_store: bool, mc_pair: bool):
+    mc_g = refs[:2] if mc_pair else refs[:1]            # [M; C M]: a bf16 pair, or one fp16 matrix
+    k_g, q_g, v_g, s0_g, o_g, vc_g, kq_s, v_s, state_s, gam_s, bet_s, bar_state, bar_rows, bar_mc = refs[len(mc_g):]
     b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
     cols = pl.ds(t * bv, bv)
     key_head = lax.div(h, jnp.int32(r))                 # GVA is indexed, never expanded
+    r_pair = None                                       # R's fp16 view of the state pair (fp16 [M; C M])
     if share_state_smem:
-        s0f_s, (s0hi_s, s0lo_s) = state_s
+        s0f_s, (s0hi_s, s0lo_s), *r_pair = state_s
     else:
         s0f_s, s0hi_s, s0lo_s = state_s
-    (k_s, q_s), (mchi_s, mclo_s), *staging = kq_s if share_kq_smem else (kq_s[:2], kq_s[2:])
+    (k_s, q_s), mc_s, *staging = kq_s if share_kq_smem else (kq_s[:2], kq_s[2:2 + len(mc_g)])
     N = k_s.shape[0]
     # Issued at once, on three barriers, so each product starts when its own operands have landed (with
     # share_kq_smem the [M; C M] pair lands where k and q were, so it is loaded once they are read).
@@ -294,8 +299,8 @@ def _apply_kernel(gamma_g, beta_g, mchi_g, mclo_g, k_g, q_g, v_g, s0_g, o_g, vc_
     plgpu.copy_gmem_to_smem(beta_g.at[b, h], bet_s, bar_rows)
 
     def load_mc():
-        plgpu.copy_gmem_to_smem(mchi_g.at[b, h], mchi_s, bar_mc)
-        plgpu.copy_gmem_to_smem(mclo_g.at[b, h], mclo_s, bar_mc)
+        for src, dst in zip(mc_g, mc_s):
+            plgpu.copy_gmem_to_smem(src.at[b, h], dst, bar_mc)
 
     if not share_kq_smem:
         load_mc()
@@ -320,11 +325,11 @@ def _apply_kernel(gamma_g, beta_g, mchi_g, mclo_g, k_g, q_g, v_g, s0_g, o_g, vc_
     rows = lambda x: lax.broadcast_in_dim(x, (N, bv), [0])
     decay = rows(jnp.exp(plgpu.load(gam_s, layout=row_layout)))
     beta = rows(plgpu.load(bet_s, layout=row_layout))
-    rhi_s, rlo_s = _store_r_pair(beta, v_s, decay, ks, s0hi_s, s0lo_s)
+    rhi_s, rlo_s = _store_r_pair(beta, v_s, decay, ks, *(r_pair[0] if r_pair else (s0hi_s, s0lo_s)))
     plgpu.commit_smem()
 
     plgpu.barrier_wait(bar_mc)
-    out = _pair_wgmma((mchi_s, mclo_s), (rhi_s, rlo_s), (2 * N, bv))
+    out = _pair_wgmma((mc_s[0], mc_s[1] if mc_pair else None), (rhi_s, rlo_s), (2 * N, bv))
     o = (decay * qs + out[N:]).astype(o_g.dtype)
     if not tma_store:
         vc_g.at[b, h, :, cols][...] = out[:N]
@@ -449,6 +454,11 @@ def _apply_cv_kernel(gamma_g, rows_g, mhi_g, mlo_g, k_g, q_g, v_g, s0_g, o_g, vc
     lax.fori_loop(0, n_items, body, 0)
 
 
+def mc_hi_lo(mc_hi, mc_lo) -> tuple:
+    """The [M; C M] inputs of the value pass: the pair, or the fp16 matrix alone."""
+    return (mc_hi,) if mc_lo is None else (mc_hi, mc_lo)
+
+
 def sm_count() -> int | None:
     """Streaming multiprocessors of the first device (None off a GPU)."""
     return getattr(jax.devices()[0], "core_count", None) or None
@@ -502,7 +512,8 @@ def tree_apply_cv_mgpu(gamma, rows, m_hi, m_lo, k, q, v, S0, *, block_v: int = 6
                                              "out_dtype", "interpret"))
 def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int = 64, share_state_smem: bool = True,
                     share_kq_smem: bool = True, tma_store: bool = True, out_dtype=F32, interpret: bool = False):
-    """gamma, beta_hn [B,HV,N] fp32 (β in head-major layout); mc_hi, mc_lo [B,HV,2N,N] bf16 (the [M; C M] pair);
+    """gamma, beta_hn [B,HV,N] fp32 (β in head-major layout); mc_hi, mc_lo [B,HV,2N,N] bf16 (the [M; C M] pair; or
+    mc_hi fp16 [M; C M] and mc_lo None: then R is an fp16 pair, two products instead of three, half the bytes);
     k, q [B,N,HK,dk] bf16; v [B,N,HV,dv]; S0 [B,HV,dk,dv] fp32. Returns o [B,N,HV,dv] (out_dtype), V' [B,HV,N,dv].
     tma_store: o and V' leave through shared memory by TMA (needs share_kq_smem: they are staged where k, q and
     [M; C M] were; share_kq_smem=False stores them from registers)."""
@@ -512,18 +523,26 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
     bv = block_v
     state_f32 = plgpu.SMEM((dk, bv), F32)
     state_pair = [plgpu.SMEM((dk, bv), BF16, transforms=_smem_transforms(BF16, bv)) for _ in range(2)]
-    state = plgpu.RefUnion(state_f32, tuple(state_pair)) if share_state_smem else [state_f32, *state_pair]
+    mc_pair = mc_lo is not None
+    if not mc_pair and not (share_state_smem and mc_hi.dtype == F16):
+        raise ValueError("tree_apply_mgpu: an fp16 [M; C M] (mc_lo None) needs share_state_smem (R's fp16 pair is a "
+                         f"view of the state pair) and dtype float16; got {mc_hi.dtype}")
+    r_view = [] if mc_pair else [tuple(plgpu.SMEM((dk, bv), F16, transforms=_smem_transforms(F16, bv))
+                                       for _ in range(2))]
+    state = (plgpu.RefUnion(state_f32, tuple(state_pair), *r_view) if share_state_smem
+             else [state_f32, *state_pair])
     # wgmma's A operands (k, q, [M; C M]) take the swizzle of its B operands (the state pair, R: bv columns)
     a_swizzle = min(128, bv * 2)
     kq = [plgpu.SMEM((N, dk), BF16, transforms=_smem_transforms(BF16, dk, a_swizzle)) for _ in range(2)]
-    mc = [plgpu.SMEM((2 * N, N), BF16, transforms=_smem_transforms(BF16, N, a_swizzle)) for _ in range(2)]
+    mc = [plgpu.SMEM((2 * N, N), mc_hi.dtype, transforms=_smem_transforms(mc_hi.dtype, N, a_swizzle))
+          for _ in range(2 if mc_pair else 1)]
     tma_store = tma_store and share_kq_smem
     staging = [(plgpu.SMEM((N, bv), F32, transforms=_smem_transforms(F32, bv)),                # V', o tiles
                 plgpu.SMEM((N, bv), out_dtype, transforms=_smem_transforms(out_dtype, bv)))] if tma_store else []
     kq_mc = plgpu.RefUnion(tuple(kq), tuple(mc), *staging) if share_kq_smem else [*kq, *mc]
     kernel = plgpu.kernel(
         functools.partial(_apply_kernel, r=HV // HK, bv=bv, share_state_smem=share_state_smem,
-                          share_kq_smem=share_kq_smem, tma_store=tma_store),
+                          share_kq_smem=share_kq_smem, tma_store=tma_store, mc_pair=mc_pair),
         out_type=[jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype), jax.ShapeDtypeStruct((B, HV, N, dv), F32)],
         grid=(B, HV, dv // bv), grid_names=("b", "h", "t"),
         scratch_types=[
@@ -531,10 +550,10 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
             plgpu.SMEM((N, bv), v.dtype, transforms=_smem_transforms(v.dtype, bv)),    # v
             state,
             plgpu.SMEM((N,), F32), plgpu.SMEM((N,), F32),                             # Γ, β
-            plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=2),
+            plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=len(mc)),
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="gdn_tree_apply_mgpu",
     )
-    return kernel(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0)
+    return kernel(gamma, beta_hn, *mc_hi_lo(mc_hi, mc_lo), k, q, v, S0)

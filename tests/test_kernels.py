@@ -139,6 +139,28 @@ def test_split_mgpu_interpret(operator_pass, share_state_smem, share_kq_smem, de
     assert rel(gamma, fac.log_decay) < 1e-6
 
 
+@pytest.mark.parametrize("chain,depth", [("tf32", 8), (None, 8), (None, 64), (None, 1)])
+def test_split_mgpu_operator_out_f16_interpret(chain, depth):
+    """The Triton operator pass handing [M; C M] over as one fp16 matrix (operator_out="f16"; the value pass then
+    forms R as an fp16 pair: two products, not three) equals the reference in interpret mode, and rounds: with the
+    exact (tf32 in interpret mode) chain its error is fp16's, not the bf16 pair's, and with the default fp16 chain
+    it is within a few percent of the pair's."""
+    par, mask, args = make_inputs(31 + depth, 2, 64, 1, 3, 64, 128, depth, dtype=jnp.bfloat16,
+                                  single_root=depth == 64)
+    if depth == 64:
+        mask = gdn.chain_mask(2, 64)
+    o_ref, fac = reference(*args, mask)
+    run = lambda out: tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=64,  # noqa: E731
+                                        interpret=True, operator_chain=chain, operator_out=out)
+    (o, gamma, vc), (o_pair, _, _) = run("f16"), run("pair")
+    assert rel(o, o_ref) < 1e-3 and rel(vc, fac.corrected) < 1e-4
+    assert rel(gamma, fac.log_decay) < 1e-6
+    if chain == "tf32" and depth > 1:
+        assert rel(o, o_ref) > 10 * rel(o_pair, o_ref)          # the fp16 rounding is real
+    else:
+        assert rel(o, o_ref) < 1.2 * rel(o_pair, o_ref) + 1e-5
+
+
 @pytest.mark.parametrize("block_v,depth", [(16, 8), (32, 8), (32, 64)])
 def test_split_mgpu_narrow_value_tiles_interpret(block_v, depth):
     """The Mosaic GPU value pass at value tiles of 16 and 32 columns (8 / 4 tiles of a 128-wide value head, each
@@ -262,7 +284,10 @@ def test_split_mgpu_options_refused_elsewhere():
                       (dict(method="split_mgpu", operator_chain="fp64"), "unknown operator_chain"),
                       (dict(method="split", operator_mask="i8"), "option of method 'split_mgpu'"),
                       (dict(method="split_mgpu", build_c=True, operator_mask="i8"), "build_c=True"),
-                      (dict(method="split_mgpu", operator_mask="bool"), "unknown operator_mask")]:
+                      (dict(method="split_mgpu", operator_mask="bool"), "unknown operator_mask"),
+                      (dict(method="split", operator_out="f16"), "option of method 'split_mgpu'"),
+                      (dict(method="split_mgpu", build_c=True, operator_out="f16"), "build_c=True"),
+                      (dict(method="split_mgpu", operator_out="fp8"), "unknown operator_out")]:
         with pytest.raises(ValueError, match=match):
             tree_solve_pallas(*args, mask, max_depth=6, block_v=64, interpret=True, **kw)
 

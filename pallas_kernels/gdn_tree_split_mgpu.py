@@ -62,6 +62,14 @@ programs per SM; bench/results/kernels_operator_chain_h200.md). Those were again
 its default chain is now fp16 (`gdn_tree_solve._f16_dot`: the same roundings, 11.7 vs 14.9 µs at B 8, 158 registers
 and 32 KiB; kernels_operator_f16_h200.md).
 
+`operator_out="f16"` (`gdn_tree_solve.tree_solve_pallas`): the Triton operator pass writes [M; C M] as one fp16
+matrix (11 significand bits, those of the fp16 chain that formed it) instead of the bf16 pair, and this value pass
+forms R as an fp16 pair: half the bytes of [M; C M] and two products instead of three. Faster at every batch
+measured — B 8: 33.0 vs 34.3 µs; B 16: 57.6 vs 63.7; B 32: 105.1 vs 117.5; chain of 64: 39.3 vs 41.2 — with o error
+2.3e-4 vs 1.9e-4 (bench/results/kernels_operator_out_f16_h200.md). Not yet the default: B 1 is unmeasured, and R's
+fp16 pair overflows where |R| passes 65504 (bf16's range is fp32's), which bounded GDN states do not reach but
+nothing here checks.
+
 The value pass that builds C (`tree_apply_cv_mgpu`, `build_c=True` in `gdn_tree_solve.tree_solve_pallas`): the
 Triton operator pass sends M's pair alone (half the bytes, no C M product: 12.7 vs 15.3 µs at B 8), and each value
 program forms C = q kᵀ ⊙ D from the q and k it loads anyway (one bf16 product, exact) and 64 ancestor bits per node,

@@ -290,11 +290,10 @@ def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: boo
     b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
     cols = pl.ds(t * bv, bv)
     key_head = lax.div(h, jnp.int32(r))                 # GVA is indexed, never expanded
-    r_pair = None                                       # R's fp16 view of the state pair (fp16 [M; C M])
-    if share_state_smem:
-        s0f_s, (s0hi_s, s0lo_s), *r_pair = state_s
+    if share_state_smem:                                # r_view: R's fp16 view of the state pair (fp16 [M; C M])
+        s0f_s, (s0hi_s, s0lo_s), *r_view = state_s
     else:
-        s0f_s, s0hi_s, s0lo_s = state_s
+        (s0f_s, s0hi_s, s0lo_s), r_view = state_s, []
     (k_s, q_s), mc_s, *staging = kq_s if share_kq_smem else (kq_s[:2], kq_s[2:2 + len(mc_g)])
     N = k_s.shape[0]
     # Issued at once, on three barriers, so each product starts when its own operands have landed (with
@@ -333,7 +332,7 @@ def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: boo
     rows = lambda x: lax.broadcast_in_dim(x, (N, bv), [0])
     decay = rows(jnp.exp(plgpu.load(gam_s, layout=row_layout)))
     beta = rows(plgpu.load(bet_s, layout=row_layout))
-    rhi_s, rlo_s = _store_r_pair(beta, v_s, decay, ks, *(r_pair[0] if r_pair else (s0hi_s, s0lo_s)))
+    rhi_s, rlo_s = _store_r_pair(beta, v_s, decay, ks, *(r_view[0] if r_view else (s0hi_s, s0lo_s)))
     plgpu.commit_smem()
 
     plgpu.barrier_wait(bar_mc)
@@ -462,11 +461,6 @@ def _apply_cv_kernel(gamma_g, rows_g, mhi_g, mlo_g, k_g, q_g, v_g, s0_g, o_g, vc
     lax.fori_loop(0, n_items, body, 0)
 
 
-def mc_hi_lo(mc_hi, mc_lo) -> tuple:
-    """The [M; C M] inputs of the value pass: the pair, or the fp16 matrix alone."""
-    return (mc_hi,) if mc_lo is None else (mc_hi, mc_lo)
-
-
 def sm_count() -> int | None:
     """Streaming multiprocessors of the first device (None off a GPU)."""
     return getattr(jax.devices()[0], "core_count", None) or None
@@ -564,4 +558,4 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="gdn_tree_apply_mgpu",
     )
-    return kernel(gamma, beta_hn, *mc_hi_lo(mc_hi, mc_lo), k, q, v, S0)
+    return kernel(gamma, beta_hn, *([mc_hi] if mc_lo is None else [mc_hi, mc_lo]), k, q, v, S0)

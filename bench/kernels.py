@@ -270,6 +270,11 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
         variants["pallas_split_mgpu_bv64_of16"] = (
             lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
                                          precision="tf32", operator_out="f16", interpret=interpret), "solve")
+        # _of16_vs16: and the value pass multiplies the state tile as one fp16 matrix against fp16 q, k (value_state)
+        variants["pallas_split_mgpu_bv64_of16_vs16"] = (
+            lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
+                                         precision="tf32", operator_out="f16", value_state="f16",
+                                         interpret=interpret), "solve")
         # _chpair / _chtf32: the Triton operator pass forms M and C M by bf16-pair / one-pass tf32 products
         # (operator_chain; the default: fp16)
         for chain in ("pair", "tf32"):

@@ -60,6 +60,10 @@ OperatorMask = Literal["f32", "i8"]
 # per head at N 64, three products against R's bf16 pair) or one fp16 matrix (11 bits, as the fp16 chain that formed
 # it; 16 KiB, two products against R's fp16 pair).
 OperatorOut = Literal["pair", "f16"]
+# How the Mosaic GPU value pass multiplies the fp32 state tile (with operator_out "f16"): as a bf16 pair against the
+# bf16 q, k (16 significand bits, two products each for K S0 and Q S0) or as one fp16 matrix against q, k in fp16,
+# which the operator pass writes beside [M; C M] (11 bits, as one-pass tf32; one product each).
+ValueState = Literal["pair", "f16"]
 
 REFERENCE = "hyspec_jax.gdn.masked_solve"
 
@@ -215,11 +219,12 @@ def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: boo
 
 
 def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *out_refs, rounds: int, precision,
-                          form: str, chain: str = "tf32"):
+                          form: str, chain: str = "tf32", r: int = 1):
     """Split form, pass 1 (one program per request and value head): Γ and the node-wise operators to HBM, as
     `_tree_operators_triton`'s form says: "fp32" [M; C M] (one output); "pair" the same as a bf16 pair hi + lo with β
     head-major for the Mosaic GPU value pass (three outputs: hi, lo, β [HV, N]; gdn_tree_split_mgpu says why);
-    "f16" [M; C M] as one fp16 matrix with β head-major (two outputs; `OperatorOut`);
+    "f16" [M; C M] as one fp16 matrix with β head-major (two outputs; `OperatorOut`), and with two more output refs
+    q and k in fp16 (`ValueState` "f16"; written by the first of each key head's r programs);
     "m_pair" only M's pair and Γ, β and the ancestor bits as one block (three: hi, lo, node rows [4, N];
     gdn_tree_split_mgpu.node_rows) for the value pass that builds C itself. chain (`OperatorChain`): how M and
     C M are formed — one-pass tf32, bf16-pair (`_pair_dot`) or one-pass fp16 products (`_f16_dot`). In form "pair"
@@ -246,10 +251,15 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
     CM = None if C is None else dot(C, M)
     gamma_ref[...] = gamma                              # after C M: 165 registers (before it: 224)
     if form == "f16":
-        mc_ref, rows_ref = out_refs
+        mc_ref, rows_ref, *qk16_refs = out_refs
         rows_ref[...] = beta                            # β head-major
         mc_ref[pl.ds(0, n), :] = M.astype(jnp.float16)
         mc_ref[pl.ds(n, n), :] = CM.astype(jnp.float16)
+        if qk16_refs:                                   # value_state "f16": q, k in fp16, once per key head
+            @pl.when(lax.rem(pl.program_id(1), r) == 0)
+            def _():
+                for dst, src in zip(qk16_refs, (q_ref, k_ref)):
+                    dst[...] = src[...].astype(jnp.float16)
         return
     hi_ref, lo_ref, rows_ref = out_refs
     if form == "m_pair":
@@ -281,10 +291,11 @@ def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref,
 
 
 def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, operator_warps, interpret, chain="tf32",
-                           mask_dtype=F32):
+                           mask_dtype=F32, qk16=False):
     """The split form's Triton operator pass (`_tree_operator_kernel` says what each form writes): form "fp32"
-    returns Γ, [M; C M] fp32; "pair" Γ, the [M; C M] bf16 pair, β head-major; "f16" Γ, [M; C M] fp16, β head-major;
-    "m_pair" Γ, M's bf16 pair and the node rows [B, HV, 4, N] (Γ, β, ancestor bits)."""
+    returns Γ, [M; C M] fp32; "pair" Γ, the [M; C M] bf16 pair, β head-major; "f16" Γ, [M; C M] fp16, β head-major
+    (qk16: and q, k in fp16, [B, N, HK, dk]); "m_pair" Γ, M's bf16 pair and the node rows [B, HV, 4, N] (Γ, β,
+    ancestor bits)."""
     B, N, HK, dk = q.shape
     HV = g.shape[2]
     r = HV // HK
@@ -299,8 +310,13 @@ def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, oper
     if form == "m_pair":                                                            # node rows
         shapes.append(jax.ShapeDtypeStruct((B, HV, 4, N), F32))
         specs.append(pl.BlockSpec((None, None, 4, N), lambda b, h: (b, h, 0, 0)))
+    if qk16:                                                                        # q, k in fp16 (key heads)
+        if form != "f16":
+            raise ValueError(f"fp16 q/k come with the operator pass's form 'f16', not {form!r}")
+        shapes += [jax.ShapeDtypeStruct(q.shape, jnp.float16)] * 2
+        specs += [pl.BlockSpec((None, N, None, dk), lambda b, h: (b, 0, h // r, 0))] * 2
     return pl.pallas_call(
-        functools.partial(_tree_operator_kernel, rounds=rounds, precision=precision, form=form, chain=chain),
+        functools.partial(_tree_operator_kernel, rounds=rounds, precision=precision, form=form, chain=chain, r=r),
         out_shape=[jax.ShapeDtypeStruct((B, HV, N), F32), *shapes],
         grid=(B, HV),
         in_specs=[
@@ -319,7 +335,8 @@ def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, oper
 def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision, out_dtype, num_warps, num_stages,
                       operator_warps, interpret, value_pass="triton", operator_pass="triton",
                       share_state_smem=True, share_kq_smem=True, tma_store=True, build_c=False,
-                      value_programs=None, operator_chain="tf32", operator_mask="f32", operator_out="pair"):
+                      value_programs=None, operator_chain="tf32", operator_mask="f32", operator_out="pair",
+                      value_state="pair"):
     """Two launches: the node-wise operators once per (request, value head) — Γ and [M; C M], 2·N² fp32 words
     per head through HBM — then the value tiles, which hold no N × N chain: three products, K S0, Q S0, [M; C M] R.
     value_pass "mgpu": the second launch is the Mosaic GPU kernel (gdn_tree_split_mgpu), fed the bf16 pair."""
@@ -343,8 +360,10 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
             outs = _tree_operators_triton(
                 q, k, g, beta, mask, rounds=rounds, precision=precision, form=operator_out,
                 operator_warps=operator_warps, interpret=interpret, chain=operator_chain,
-                mask_dtype={"f32": F32, "i8": jnp.int8}[operator_mask])
-            gamma, mc_hi, mc_lo, beta_hn = outs if operator_out == "pair" else (outs[0], outs[1], None, outs[2])
+                mask_dtype={"f32": F32, "i8": jnp.int8}[operator_mask], qk16=value_state == "f16")
+            gamma, mc_hi, mc_lo, beta_hn = outs[:4] if operator_out == "pair" else (outs[0], outs[1], None, outs[2])
+            if value_state == "f16":
+                q, k = outs[3:5]
         o, vc = gdn_tree_split_mgpu.tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0.astype(F32),
                                                     block_v=block_v, share_state_smem=share_state_smem,
                                                     share_kq_smem=share_kq_smem, tma_store=tma_store,
@@ -390,7 +409,7 @@ def supported(N: int, dk: int, dv: int, block_v: int, precision: Precision = "tf
                                              "num_warps", "num_stages", "operator_warps", "write_state",
                                              "share_state_smem", "share_kq_smem", "tma_store", "operator_pass",
                                              "build_c", "value_programs", "operator_chain", "operator_mask",
-                                             "operator_out", "interpret"))
+                                             "operator_out", "value_state", "interpret"))
 def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: int, method: Method = "neumann",
                       block_v: int = 64, precision: Precision = "tf32", out_dtype=F32,
                       num_warps: int | None = None, num_stages: int = 1, operator_warps: int = 4,
@@ -398,7 +417,8 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
                       tma_store: bool = True, operator_pass: Literal["triton", "mgpu"] = "triton",
                       build_c: bool = False, value_programs: int | None = None,
                       operator_chain: OperatorChain | None = None, operator_mask: OperatorMask | None = None,
-                      operator_out: OperatorOut | None = None, interpret: bool = False):
+                      operator_out: OperatorOut | None = None, value_state: ValueState | None = None,
+                      interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]
     (the dispatcher pads with identity nodes). Returns (o [B,N,HV,dv], Γ [B,HV,N], V' [B,HV,N,dv]).
@@ -420,7 +440,9 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     build_c, whose rows were measured so; "pair": bf16 pairs, ~2⁻¹⁶). operator_mask (`OperatorMask`): the dtype in
     which that operator pass (with the default value pass) reads the ancestor mask ("i8" there by default, the
     same outputs bit for bit as "f32"; "f32" elsewhere). operator_out (`OperatorOut`, with the default value pass):
-    [M; C M] as a bf16 pair ("pair", the default) or one fp16 matrix ("f16").
+    [M; C M] as a bf16 pair ("pair", the default) or one fp16 matrix ("f16"). value_state (`ValueState`, with
+    operator_out "f16"): the state tile as a bf16 pair ("pair", the default) or one fp16 matrix against fp16 q, k
+    ("f16").
     """
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
@@ -463,6 +485,13 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     if operator_out != "pair" and not default_value_pass:
         raise ValueError("operator_out is an option of method 'split_mgpu' with its Triton operator pass and its "
                          f"default value pass; got method={method!r} operator_pass={operator_pass!r} build_c={build_c}")
+    if value_state is None:
+        value_state = "pair"
+    if value_state not in get_args(ValueState):
+        raise ValueError(f"unknown value_state {value_state!r}")
+    if value_state != "pair" and operator_out != "f16":
+        raise ValueError("value_state 'f16' needs operator_out 'f16' (the state's fp16 matrix shares R's fp16 pair's "
+                         f"bytes); got operator_out={operator_out!r}")
     if value_programs is not None and not build_c:
         raise ValueError("value_programs sets the build_c value pass's program count (build_c=True)")
     r = HV // HK
@@ -484,7 +513,7 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
                                  operator_pass=operator_pass, share_state_smem=share_state_smem,
                                  share_kq_smem=share_kq_smem, tma_store=tma_store, build_c=build_c,
                                  value_programs=value_programs, operator_chain=operator_chain,
-                                 operator_mask=operator_mask, operator_out=operator_out)
+                                 operator_mask=operator_mask, operator_out=operator_out, value_state=value_state)
     kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(max_depth, N), method=method,
                              precision=_f32_precision(precision, interpret), deferred=deferred is not None,
                              write_state=write_state)

@@ -136,22 +136,27 @@ def ancestors_from_bits(lo: jax.Array, hi: jax.Array, cols: jax.Array) -> jax.Ar
     return (lax.shift_right_logical(word, cols & 31) & 1) != 0
 
 
-def _check_value_pass(name: str, q, k, v, block_v: int) -> None:
+def _check_value_pass(name: str, q, k, v, block_v: int, allow_f16: bool = False) -> None:
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
-    if not supported(N, dk, dv, block_v, q.dtype) or HV % HK or k.dtype != q.dtype:
+    qk_dtype = BF16 if allow_f16 and q.dtype == F16 else q.dtype      # fp16 q/k: written by the operator pass
+    if not supported(N, dk, dv, block_v, qk_dtype) or HV % HK or k.dtype != q.dtype:
         raise ValueError(f"{name}: unsupported N={N} dk={dk} dv={dv} block_v={block_v} HV={HV} HK={HK} "
                          f"q/k {q.dtype}/{k.dtype} (needs N={NODES}, bf16 q/k, dk % 64 == 0, block_v in {BLOCK_VS})")
 
 
 def _split_state(s0f_s, s0hi_s, s0lo_s, shared: bool) -> None:
-    """The fp32 state tile into its bf16 pair in shared memory (shared: over the tile itself), visible to wgmma."""
+    """The fp32 state tile into its bf16 pair in shared memory (shared: over the tile itself), visible to wgmma;
+    s0lo_s None: into one matrix of s0hi_s's dtype (fp16: `value_state="f16"`)."""
     s0 = s0f_s[...]
     if shared:
         plgpu.commit_smem()                             # every thread has read the fp32 tile before it is overwritten
-    s0_hi, s0_lo = split_bf16(s0)
-    s0hi_s[...] = s0_hi
-    s0lo_s[...] = s0_lo
+    if s0lo_s is None:
+        s0hi_s[...] = s0.astype(s0hi_s.dtype)
+    else:
+        s0_hi, s0_lo = split_bf16(s0)
+        s0hi_s[...] = s0_hi
+        s0lo_s[...] = s0_lo
     plgpu.commit_smem()                                 # visible to the async proxy (wgmma)
 
 
@@ -284,7 +289,7 @@ def head_major_rows(mask, g, beta):
 
 
 def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: bool, share_kq_smem: bool,
-                  tma_store: bool, mc_pair: bool):
+                  tma_store: bool, mc_pair: bool, state_f16: bool):
     mc_g = refs[:2] if mc_pair else refs[:1]            # [M; C M]: a bf16 pair, or one fp16 matrix
     k_g, q_g, v_g, s0_g, o_g, vc_g, kq_s, v_s, state_s, gam_s, bet_s, bar_state, bar_rows, bar_mc = refs[len(mc_g):]
     b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
@@ -313,13 +318,15 @@ def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: boo
         load_mc()
 
     plgpu.barrier_wait(bar_state)
-    _split_state(s0f_s, s0hi_s, s0lo_s, share_state_smem)
+    # state_f16: S0 as one fp16 matrix (R's fp16 view of the same bytes) against fp16 k, q: one product each
+    state_refs = (r_view[0][0], None) if state_f16 else (s0hi_s, s0lo_s)
+    _split_state(s0f_s, *state_refs, share_state_smem)
 
     def state_products(acc_k, acc_q):
-        plgpu.wgmma(acc_k, k_s, s0hi_s)
-        plgpu.wgmma(acc_k, k_s, s0lo_s)
-        plgpu.wgmma(acc_q, q_s, s0hi_s)
-        plgpu.wgmma(acc_q, q_s, s0lo_s)
+        for acc, x_s in ((acc_k, k_s), (acc_q, q_s)):
+            for s_s in state_refs:
+                if s_s is not None:
+                    plgpu.wgmma(acc, x_s, s_s)
         plgpu.wgmma_wait(0)
         return acc_k[...], acc_q[...]
 
@@ -521,7 +528,7 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
     [M; C M] were; share_kq_smem=False stores them from registers)."""
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
-    _check_value_pass("tree_apply_mgpu", q, k, v, block_v)
+    _check_value_pass("tree_apply_mgpu", q, k, v, block_v, allow_f16=True)
     bv = block_v
     state_f32 = plgpu.SMEM((dk, bv), F32)
     state_pair = [plgpu.SMEM((dk, bv), BF16, transforms=_smem_transforms(BF16, bv)) for _ in range(2)]
@@ -529,13 +536,17 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
     if not mc_pair and not (share_state_smem and mc_hi.dtype == F16):
         raise ValueError("tree_apply_mgpu: an fp16 [M; C M] (mc_lo None) needs share_state_smem (R's fp16 pair is a "
                          f"view of the state pair) and dtype float16; got {mc_hi.dtype}")
+    state_f16 = q.dtype == F16
+    if state_f16 and mc_pair:
+        raise ValueError("tree_apply_mgpu: fp16 q/k (the state tile as one fp16 matrix) need the fp16 [M; C M] "
+                         "(mc_lo None): S0's fp16 matrix is a view of the bytes R's fp16 pair uses")
     r_view = [] if mc_pair else [tuple(plgpu.SMEM((dk, bv), F16, transforms=_smem_transforms(F16, bv))
                                        for _ in range(2))]
     state = (plgpu.RefUnion(state_f32, tuple(state_pair), *r_view) if share_state_smem
              else [state_f32, *state_pair])
     # wgmma's A operands (k, q, [M; C M]) take the swizzle of its B operands (the state pair, R: bv columns)
     a_swizzle = min(128, bv * 2)
-    kq = [plgpu.SMEM((N, dk), BF16, transforms=_smem_transforms(BF16, dk, a_swizzle)) for _ in range(2)]
+    kq = [plgpu.SMEM((N, dk), q.dtype, transforms=_smem_transforms(q.dtype, dk, a_swizzle)) for _ in range(2)]
     mc = [plgpu.SMEM((2 * N, N), mc_hi.dtype, transforms=_smem_transforms(mc_hi.dtype, N, a_swizzle))
           for _ in range(2 if mc_pair else 1)]
     tma_store = tma_store and share_kq_smem
@@ -544,7 +555,8 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
     kq_mc = plgpu.RefUnion(tuple(kq), tuple(mc), *staging) if share_kq_smem else [*kq, *mc]
     kernel = plgpu.kernel(
         functools.partial(_apply_kernel, r=HV // HK, bv=bv, share_state_smem=share_state_smem,
-                          share_kq_smem=share_kq_smem, tma_store=tma_store, mc_pair=mc_pair),
+                          share_kq_smem=share_kq_smem, tma_store=tma_store, mc_pair=mc_pair,
+                          state_f16=state_f16),
         out_type=[jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype), jax.ShapeDtypeStruct((B, HV, N, dv), F32)],
         grid=(B, HV, dv // bv), grid_names=("b", "h", "t"),
         scratch_types=[

@@ -161,6 +161,25 @@ def test_split_mgpu_operator_out_f16_interpret(chain, depth):
         assert rel(o, o_ref) < 1.2 * rel(o_pair, o_ref) + 1e-5
 
 
+@pytest.mark.parametrize("depth", [8, 64])
+def test_split_mgpu_value_state_f16_interpret(depth):
+    """The value pass multiplying the state tile as one fp16 matrix against the operator pass's fp16 q, k
+    (value_state="f16", with operator_out="f16") equals the reference in interpret mode at one-pass tf32's
+    accuracy: its o error within 2x of the fp16 hand-over's alone, V' within one-pass tf32's rounding (2⁻¹¹), and
+    the rounding is real (V' less accurate than with the state's bf16 pair)."""
+    par, mask, args = make_inputs(31 + depth, 2, 64, 1, 3, 64, 128, depth, dtype=jnp.bfloat16,
+                                  single_root=depth == 64)
+    if depth == 64:
+        mask = gdn.chain_mask(2, 64)
+    o_ref, fac = reference(*args, mask)
+    run = lambda vs: tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=64,  # noqa: E731
+                                       interpret=True, operator_out="f16", value_state=vs)
+    (o, gamma, vc), (o_pair, _, vc_pair) = run("f16"), run("pair")
+    assert rel(o, o_ref) < 2 * rel(o_pair, o_ref) and rel(vc, fac.corrected) < 2.0 ** -11
+    assert rel(gamma, fac.log_decay) < 1e-6
+    assert rel(vc, fac.corrected) > rel(vc_pair, fac.corrected)
+
+
 @pytest.mark.parametrize("block_v,depth", [(16, 8), (32, 8), (32, 64)])
 def test_split_mgpu_narrow_value_tiles_interpret(block_v, depth):
     """The Mosaic GPU value pass at value tiles of 16 and 32 columns (8 / 4 tiles of a 128-wide value head, each
@@ -287,7 +306,9 @@ def test_split_mgpu_options_refused_elsewhere():
                       (dict(method="split_mgpu", operator_mask="bool"), "unknown operator_mask"),
                       (dict(method="split", operator_out="f16"), "option of method 'split_mgpu'"),
                       (dict(method="split_mgpu", build_c=True, operator_out="f16"), "build_c=True"),
-                      (dict(method="split_mgpu", operator_out="fp8"), "unknown operator_out")]:
+                      (dict(method="split_mgpu", operator_out="fp8"), "unknown operator_out"),
+                      (dict(method="split_mgpu", value_state="f16"), "needs operator_out 'f16'"),
+                      (dict(method="split_mgpu", operator_out="f16", value_state="fp8"), "unknown value_state")]:
         with pytest.raises(ValueError, match=match):
             tree_solve_pallas(*args, mask, max_depth=6, block_v=64, interpret=True, **kw)
 

@@ -68,7 +68,13 @@ forms R as an fp16 pair: half the bytes of [M; C M] and two products instead of 
 measured — B 8: 33.0 vs 34.3 µs; B 16: 57.6 vs 63.7; B 32: 105.1 vs 117.5; chain of 64: 39.3 vs 41.2 — with o error
 2.3e-4 vs 1.9e-4 (bench/results/kernels_operator_out_f16_h200.md). Not yet the default: B 1 is unmeasured, and R's
 fp16 pair overflows where |R| passes 65504 (bf16's range is fp32's), which bounded GDN states do not reach but
-nothing here checks.
+nothing here checks. At B 1 it is faster too: 11.6 vs 12.5 µs (kernels_value_state_h200.md).
+
+`value_state="f16"` (with operator_out "f16"): the state tile becomes one fp16 matrix (R's fp16 view of its bytes)
+against fp16 q, k that the Triton operator pass writes once per key head: one product each for K S0 and Q S0, 122
+registers instead of 152. Measured slower in all (B 8: 34.5 vs 33.2 µs): the value pass gains only 0.7 µs (it is
+bound by its loads and stores, not its products), the operator pass's q, k copies cost 2.0 µs
+(kernels_value_state_h200.md). An option.
 
 The value pass that builds C (`tree_apply_cv_mgpu`, `build_c=True` in `gdn_tree_solve.tree_solve_pallas`): the
 Triton operator pass sends M's pair alone (half the bytes, no C M product: 12.7 vs 15.3 µs at B 8), and each value

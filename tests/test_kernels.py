@@ -109,6 +109,15 @@ def test_tree_solve_interpret(case, method):
     assert rel(vc, fac.corrected) < 1e-5
 
 
+def _mgpu_case(seed: int, depth: int):
+    """A forest of 64 nodes at this depth (a chain at depth 64) for the split_mgpu tests: 2 requests, 3 value heads
+    per key head, dk 64, dv 128 (two value tiles), bf16 q/k/v; returns (args, mask, o_ref, factors)."""
+    par, mask, args = make_inputs(seed, 2, 64, 1, 3, 64, 128, depth, dtype=jnp.bfloat16, single_root=depth == 64)
+    if depth == 64:
+        mask = gdn.chain_mask(2, 64)
+    return (args, mask, *reference(*args, mask))
+
+
 @pytest.mark.parametrize("operator_pass,share_state_smem,share_kq_smem,depth",
                          [("triton", True, False, 8), ("triton", False, True, 8), ("triton_regst", True, True, 8),
                           ("mgpu", True, False, 8), ("mgpu", True, True, 8), ("mgpu", True, False, 1),
@@ -123,11 +132,7 @@ def test_split_mgpu_interpret(operator_pass, share_state_smem, share_kq_smem, de
     each, bf16 q/k/v. The pair products carry ~16
     significand bits (vs one-pass tf32's 11), so the bar is near the fp32 one of the other forms (the operator
     chain in tf32, exact fp32 in interpret mode; the default fp16 chain rounds as tf32 does on a GPU)."""
-    par, mask, args = make_inputs(91 + depth, 2, 64, 1, 3, 64, 128, depth, dtype=jnp.bfloat16,
-                                  single_root=depth == 64)
-    if depth == 64:
-        mask = gdn.chain_mask(2, 64)
-    o_ref, fac = reference(*args, mask)
+    args, mask, o_ref, fac = _mgpu_case(91 + depth, depth)
     build_c = operator_pass.startswith("build_c")       # the Triton operator pass sends M alone; the value pass builds C
     o, gamma, vc = tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=64, interpret=True,
                                      operator_pass=operator_pass.split("_")[0] if not build_c else "triton",
@@ -145,11 +150,7 @@ def test_split_mgpu_operator_out_f16_interpret(chain, depth):
     forms R as an fp16 pair: two products, not three) equals the reference in interpret mode, and rounds: with the
     exact (tf32 in interpret mode) chain its error is fp16's, not the bf16 pair's, and with the default fp16 chain
     it is within a few percent of the pair's."""
-    par, mask, args = make_inputs(31 + depth, 2, 64, 1, 3, 64, 128, depth, dtype=jnp.bfloat16,
-                                  single_root=depth == 64)
-    if depth == 64:
-        mask = gdn.chain_mask(2, 64)
-    o_ref, fac = reference(*args, mask)
+    args, mask, o_ref, fac = _mgpu_case(31 + depth, depth)
     run = lambda out: tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=64,  # noqa: E731
                                         interpret=True, operator_chain=chain, operator_out=out)
     (o, gamma, vc), (o_pair, _, _) = run("f16"), run("pair")
@@ -167,11 +168,7 @@ def test_split_mgpu_value_state_f16_interpret(depth):
     (value_state="f16", with operator_out="f16") equals the reference in interpret mode at one-pass tf32's
     accuracy: its o error within 2x of the fp16 hand-over's alone, V' within one-pass tf32's rounding (2⁻¹¹), and
     the rounding is real (V' less accurate than with the state's bf16 pair)."""
-    par, mask, args = make_inputs(31 + depth, 2, 64, 1, 3, 64, 128, depth, dtype=jnp.bfloat16,
-                                  single_root=depth == 64)
-    if depth == 64:
-        mask = gdn.chain_mask(2, 64)
-    o_ref, fac = reference(*args, mask)
+    args, mask, o_ref, fac = _mgpu_case(31 + depth, depth)
     run = lambda vs: tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=64,  # noqa: E731
                                        interpret=True, operator_out="f16", value_state=vs)
     (o, gamma, vc), (o_pair, _, vc_pair) = run("f16"), run("pair")
@@ -184,11 +181,7 @@ def test_split_mgpu_value_state_f16_interpret(depth):
 def test_split_mgpu_narrow_value_tiles_interpret(block_v, depth):
     """The Mosaic GPU value pass at value tiles of 16 and 32 columns (8 / 4 tiles of a 128-wide value head, each
     its own program with its own swizzle widths) equals the reference in interpret mode, as the 64-wide one does."""
-    par, mask, args = make_inputs(23 + block_v + depth, 2, 64, 1, 3, 64, 128, depth, dtype=jnp.bfloat16,
-                                  single_root=depth == 64)
-    if depth == 64:
-        mask = gdn.chain_mask(2, 64)
-    o_ref, fac = reference(*args, mask)
+    args, mask, o_ref, fac = _mgpu_case(23 + block_v + depth, depth)
     o, gamma, vc = tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=block_v,
                                      interpret=True, operator_chain="tf32")
     assert rel(o, o_ref) < 1e-4 and rel(vc, fac.corrected) < 1e-4
@@ -200,11 +193,7 @@ def test_split_mgpu_operator_chain_interpret(chain, depth):
     """The Triton operator pass with bf16-pair or fp16 products for M and C M (operator_chain; None: the default,
     fp16) equals the reference in interpret mode, on a forest of 64 nodes, a chain of 64 and depth 1 (no squaring).
     The fp16 chain rounds its operands to 11 significand bits, as one-pass tf32 does: its bar is tf32's."""
-    par, mask, args = make_inputs(57 + depth, 2, 64, 1, 3, 64, 128, depth, dtype=jnp.bfloat16,
-                                  single_root=depth == 64)
-    if depth == 64:
-        mask = gdn.chain_mask(2, 64)
-    o_ref, fac = reference(*args, mask)
+    args, mask, o_ref, fac = _mgpu_case(57 + depth, depth)
     o, gamma, vc = tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=64, interpret=True,
                                      operator_chain=chain)
     bar = 1e-4 if chain == "pair" else 1e-3
@@ -217,11 +206,7 @@ def test_split_mgpu_operator_chain_interpret(chain, depth):
 def test_split_mgpu_operator_mask_int8_interpret(depth):
     """The Triton operator pass reading the ancestor mask as int8 (operator_mask="i8", split_mgpu's default) gives bit
     for bit the outputs of the fp32 mask (0/1 either way), and the reference's within the fp16 chain's bar."""
-    par, mask, args = make_inputs(63 + depth, 2, 64, 1, 3, 64, 128, depth, dtype=jnp.bfloat16,
-                                  single_root=depth == 64)
-    if depth == 64:
-        mask = gdn.chain_mask(2, 64)
-    o_ref, fac = reference(*args, mask)
+    args, mask, o_ref, fac = _mgpu_case(63 + depth, depth)
     outs = {m: tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=64, interpret=True,
                                  operator_mask=m) for m in ("f32", "i8", None)}
     for a, b, c in zip(outs["f32"], outs["i8"], outs[None]):

@@ -275,6 +275,14 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
             lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
                                          precision="tf32", operator_out="f16", value_state="f16",
                                          interpret=interpret), "solve")
+        # _pf: each value program prefetches into L2 the state and v tiles of the program one wave on (value_prefetch
+        # = the programs resident at once, three per SM); _pf2: two waves on. _of16_pf*: with operator_out "f16"
+        wave = gdn_tree_split_mgpu.resident_value_programs() if not interpret else 5
+        for out, ahead, sfx in [("pair", wave, "_pf"), ("f16", wave, "_of16_pf"), ("f16", 2 * wave, "_of16_pf2")]:
+            variants[f"pallas_split_mgpu_bv64{sfx}"] = (
+                lambda *s, out=out, ahead=ahead: tree_solve_pallas(
+                    *s, mask, max_depth=depth, method="split_mgpu", block_v=64, precision="tf32", operator_out=out,
+                    value_prefetch=ahead, interpret=interpret), "solve")
         # _chpair / _chtf32: the Triton operator pass forms M and C M by bf16-pair / one-pass tf32 products
         # (operator_chain; the default: fp16)
         for chain in ("pair", "tf32"):

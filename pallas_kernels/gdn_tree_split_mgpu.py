@@ -294,8 +294,29 @@ def head_major_rows(mask, g, beta):
     return gdn.tree_log_decay(mask, jnp.swapaxes(g, 1, 2)), jnp.swapaxes(beta.astype(F32), 1, 2)
 
 
+def _prefetch_ahead(s0_g, v_g, b, h, t, ahead: int, bv: int) -> None:
+    """Start the L2 fetch of the state and v tiles of the value program `ahead` programs on in launch order
+    ((b, h, t), t fastest: Mosaic GPU maps the last grid axis to blockIdx.x), if there is one. With ahead = the
+    programs resident at once, the first wave fetches the second wave's tiles while it computes (a TMA prefetch
+    holds no register and no shared memory, and nothing waits on it)."""
+    B, HV, nt = s0_g.shape[0], s0_g.shape[1], s0_g.shape[3] // bv
+    total = B * HV * nt
+    j = (b * HV + h) * nt + t + ahead
+    jj = jnp.minimum(j, total - 1)
+    b2, h2, t2 = lax.div(jj, HV * nt), lax.rem(lax.div(jj, nt), HV), lax.rem(jj, nt)
+    cols = pl.ds(t2 * bv, bv)
+    plgpu.async_prefetch(s0_g.at[b2, h2, :, cols], predicate=j < total)
+    plgpu.async_prefetch(v_g.at[b2, :, h2, cols], predicate=j < total)
+
+
+def resident_value_programs(per_sm: int = 3) -> int:
+    """Value programs of `tree_apply_mgpu` resident at once on the first device: three per SM (74 KiB of shared
+    memory each) by default; 0 off a GPU."""
+    return per_sm * (sm_count() or 0)
+
+
 def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: bool, share_kq_smem: bool,
-                  tma_store: bool, mc_pair: bool, state_f16: bool):
+                  tma_store: bool, mc_pair: bool, state_f16: bool, prefetch_ahead: int):
     mc_g = refs[:2] if mc_pair else refs[:1]            # [M; C M]: a bf16 pair, or one fp16 matrix
     k_g, q_g, v_g, s0_g, o_g, vc_g, kq_s, v_s, state_s, gam_s, bet_s, bar_state, bar_rows, bar_mc = refs[len(mc_g):]
     b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
@@ -315,6 +336,8 @@ def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: boo
     plgpu.copy_gmem_to_smem(v_g.at[b, :, h, cols], v_s, bar_rows)
     plgpu.copy_gmem_to_smem(gamma_g.at[b, h], gam_s, bar_rows)
     plgpu.copy_gmem_to_smem(beta_g.at[b, h], bet_s, bar_rows)
+    if prefetch_ahead:
+        _prefetch_ahead(s0_g, v_g, b, h, t, prefetch_ahead, bv)
 
     def load_mc():
         for src, dst in zip(mc_g, mc_s):
@@ -524,15 +547,20 @@ def tree_apply_cv_mgpu(gamma, rows, m_hi, m_lo, k, q, v, S0, *, block_v: int = 6
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "share_state_smem", "share_kq_smem", "tma_store",
-                                             "out_dtype", "interpret"))
+                                             "prefetch_ahead", "out_dtype", "interpret"))
 def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int = 64, share_state_smem: bool = True,
-                    share_kq_smem: bool = True, tma_store: bool = True, out_dtype=F32, interpret: bool = False):
+                    share_kq_smem: bool = True, tma_store: bool = True, prefetch_ahead: int = 0, out_dtype=F32,
+                    interpret: bool = False):
     """gamma, beta_hn [B,HV,N] fp32 (β in head-major layout); mc_hi, mc_lo [B,HV,2N,N] bf16 (the [M; C M] pair; or
     mc_hi fp16 [M; C M] and mc_lo None: then R is an fp16 pair, two products instead of three, half the bytes);
     k, q [B,N,HK,dk] bf16; v [B,N,HV,dv]; S0 [B,HV,dk,dv] fp32. Returns o [B,N,HV,dv] (out_dtype), V' [B,HV,N,dv].
     tma_store: o and V' leave through shared memory by TMA (needs share_kq_smem: they are staged where k, q and
-    [M; C M] were; share_kq_smem=False stores them from registers)."""
+    [M; C M] were; share_kq_smem=False stores them from registers). prefetch_ahead (≥ 0): each program starts the
+    L2 fetch of the state and v tiles of the program that many on (`_prefetch_ahead`; 0: none;
+    `resident_value_programs()`: the next wave's)."""
     B, N, HK, dk = q.shape
+    if prefetch_ahead < 0:
+        raise ValueError(f"tree_apply_mgpu: prefetch_ahead must be >= 0, got {prefetch_ahead}")
     HV, dv = v.shape[2], v.shape[3]
     _check_value_pass("tree_apply_mgpu", q, k, v, block_v, allow_f16=True)
     bv = block_v
@@ -562,7 +590,7 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
     kernel = plgpu.kernel(
         functools.partial(_apply_kernel, r=HV // HK, bv=bv, share_state_smem=share_state_smem,
                           share_kq_smem=share_kq_smem, tma_store=tma_store, mc_pair=mc_pair,
-                          state_f16=state_f16),
+                          state_f16=state_f16, prefetch_ahead=prefetch_ahead),
         out_type=[jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype), jax.ShapeDtypeStruct((B, HV, N, dv), F32)],
         grid=(B, HV, dv // bv), grid_names=("b", "h", "t"),
         scratch_types=[

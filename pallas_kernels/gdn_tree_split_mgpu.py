@@ -105,6 +105,7 @@ from hyspec_jax import gdn
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 NODES = 64
 BLOCK_VS = (16, 32, 64)
+PREFETCH_AT = ("start", "state", "products")           # where the value pass issues its prefetch (tree_apply_mgpu)
 
 
 def supported(N: int, dk: int, dv: int, block_v: int, qk_dtype) -> bool:
@@ -316,7 +317,7 @@ def resident_value_programs(per_sm: int = 3) -> int:
 
 
 def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: bool, share_kq_smem: bool,
-                  tma_store: bool, mc_pair: bool, state_f16: bool, prefetch_ahead: int):
+                  tma_store: bool, mc_pair: bool, state_f16: bool, prefetch_ahead: int, prefetch_at: str):
     mc_g = refs[:2] if mc_pair else refs[:1]            # [M; C M]: a bf16 pair, or one fp16 matrix
     k_g, q_g, v_g, s0_g, o_g, vc_g, kq_s, v_s, state_s, gam_s, bet_s, bar_state, bar_rows, bar_mc = refs[len(mc_g):]
     b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
@@ -336,8 +337,9 @@ def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: boo
     plgpu.copy_gmem_to_smem(v_g.at[b, :, h, cols], v_s, bar_rows)
     plgpu.copy_gmem_to_smem(gamma_g.at[b, h], gam_s, bar_rows)
     plgpu.copy_gmem_to_smem(beta_g.at[b, h], bet_s, bar_rows)
-    if prefetch_ahead:
-        _prefetch_ahead(s0_g, v_g, b, h, t, prefetch_ahead, bv)
+    prefetch = functools.partial(_prefetch_ahead, s0_g, v_g, b, h, t, prefetch_ahead, bv)
+    if prefetch_ahead and prefetch_at == "start":
+        prefetch()
 
     def load_mc():
         for src, dst in zip(mc_g, mc_s):
@@ -347,6 +349,8 @@ def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: boo
         load_mc()
 
     plgpu.barrier_wait(bar_state)
+    if prefetch_ahead and prefetch_at == "state":        # this program's own tiles have landed
+        prefetch()
     # state_f16: S0 as one fp16 matrix (R's fp16 view of the same bytes) against fp16 k, q: one product each
     state_refs = (r_view[0][0], None) if state_f16 else (s0hi_s, s0lo_s)
     _split_state(s0f_s, *state_refs, share_state_smem)
@@ -362,6 +366,8 @@ def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: boo
     ks, qs = pl.run_scoped(state_products, plgpu.ACC((N, bv), F32), plgpu.ACC((N, bv), F32))
     if share_kq_smem:
         load_mc()                                       # k and q are read (wgmma_wait above)
+    if prefetch_ahead and prefetch_at == "products":     # after the state products
+        prefetch()
 
     plgpu.barrier_wait(bar_rows)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -547,20 +553,22 @@ def tree_apply_cv_mgpu(gamma, rows, m_hi, m_lo, k, q, v, S0, *, block_v: int = 6
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "share_state_smem", "share_kq_smem", "tma_store",
-                                             "prefetch_ahead", "out_dtype", "interpret"))
+                                             "prefetch_ahead", "prefetch_at", "out_dtype", "interpret"))
 def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int = 64, share_state_smem: bool = True,
-                    share_kq_smem: bool = True, tma_store: bool = True, prefetch_ahead: int = 0, out_dtype=F32,
-                    interpret: bool = False):
+                    share_kq_smem: bool = True, tma_store: bool = True, prefetch_ahead: int = 0,
+                    prefetch_at: str = "start", out_dtype=F32, interpret: bool = False):
     """gamma, beta_hn [B,HV,N] fp32 (β in head-major layout); mc_hi, mc_lo [B,HV,2N,N] bf16 (the [M; C M] pair; or
     mc_hi fp16 [M; C M] and mc_lo None: then R is an fp16 pair, two products instead of three, half the bytes);
     k, q [B,N,HK,dk] bf16; v [B,N,HV,dv]; S0 [B,HV,dk,dv] fp32. Returns o [B,N,HV,dv] (out_dtype), V' [B,HV,N,dv].
     tma_store: o and V' leave through shared memory by TMA (needs share_kq_smem: they are staged where k, q and
     [M; C M] were; share_kq_smem=False stores them from registers). prefetch_ahead (≥ 0): each program starts the
     L2 fetch of the state and v tiles of the program that many on (`_prefetch_ahead`; 0: none;
-    `resident_value_programs()`: the next wave's)."""
+    `resident_value_programs()`: the next wave's), at prefetch_at: "start" (after its own loads are issued), "state"
+    (once its state tile has landed) or "products" (after its state products)."""
     B, N, HK, dk = q.shape
-    if prefetch_ahead < 0:
-        raise ValueError(f"tree_apply_mgpu: prefetch_ahead must be >= 0, got {prefetch_ahead}")
+    if prefetch_ahead < 0 or prefetch_at not in PREFETCH_AT:
+        raise ValueError(f"tree_apply_mgpu: prefetch_ahead must be >= 0 and prefetch_at in {PREFETCH_AT}, got "
+                         f"{prefetch_ahead}, {prefetch_at!r}")
     HV, dv = v.shape[2], v.shape[3]
     _check_value_pass("tree_apply_mgpu", q, k, v, block_v, allow_f16=True)
     bv = block_v
@@ -590,7 +598,7 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
     kernel = plgpu.kernel(
         functools.partial(_apply_kernel, r=HV // HK, bv=bv, share_state_smem=share_state_smem,
                           share_kq_smem=share_kq_smem, tma_store=tma_store, mc_pair=mc_pair,
-                          state_f16=state_f16, prefetch_ahead=prefetch_ahead),
+                          state_f16=state_f16, prefetch_ahead=prefetch_ahead, prefetch_at=prefetch_at),
         out_type=[jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype), jax.ShapeDtypeStruct((B, HV, N, dv), F32)],
         grid=(B, HV, dv // bv), grid_names=("b", "h", "t"),
         scratch_types=[

@@ -184,11 +184,14 @@ def test_split_mgpu_value_prefetch_interpret(operator_out):
     a prefetch moves data into L2 and changes nothing else. In interpret mode it is a no-op, so this checks the
     index arithmetic traces and stays in bounds; the CUDA lowering is checked too."""
     args, mask, o_ref, fac = _mgpu_case(77, 8)
-    run = lambda pf: tree_solve_pallas(*args, mask, max_depth=8, method="split_mgpu", block_v=64,  # noqa: E731
-                                       interpret=True, operator_out=operator_out, value_prefetch=pf)
-    for a, b in zip(run(5), run(0)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    o, gamma, vc = run(5)
+    run = lambda pf, at="start": tree_solve_pallas(  # noqa: E731
+        *args, mask, max_depth=8, method="split_mgpu", block_v=64, interpret=True, operator_out=operator_out,
+        value_prefetch=pf, value_prefetch_at=at)
+    base = run(0)
+    for at in gdn_tree_split_mgpu.PREFETCH_AT:
+        for a, b in zip(run(5, at), base):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    o, gamma, vc = base
     assert rel(o, o_ref) < 1e-3 and rel(vc, fac.corrected) < 1e-4
     S = jax.ShapeDtypeStruct                            # the prefetches lower for the GPU (no GPU needed)
     shapes = [S((2, 3, 64), jnp.float32)] * 2 + [S((2, 3, 128, 64), jnp.float16)] + [
@@ -317,7 +320,8 @@ def test_split_mgpu_options_refused_elsewhere():
                       (dict(method="split_mgpu", operator_out="f16", value_state="fp8"), "unknown value_state"),
                       (dict(method="split", value_prefetch=4), "option of method 'split_mgpu'"),
                       (dict(method="split_mgpu", build_c=True, value_prefetch=4), "build_c=True"),
-                      (dict(method="split_mgpu", value_prefetch=-1), "must be >= 0")]:
+                      (dict(method="split_mgpu", value_prefetch=-1), "must be >= 0"),
+                      (dict(method="split_mgpu", value_prefetch=4, value_prefetch_at="end"), "prefetch_at in")]:
         with pytest.raises(ValueError, match=match):
             tree_solve_pallas(*args, mask, max_depth=6, block_v=64, interpret=True, **kw)
 

@@ -275,23 +275,6 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
             lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
                                          precision="tf32", operator_out="f16", value_state="f16",
                                          interpret=interpret), "solve")
-        # _pf: each value program prefetches into L2 the state and v tiles of the program one wave on (value_prefetch
-        # = the programs resident at once, three per SM); _pf2: two waves on. _of16_pf*: with operator_out "f16"
-        wave = gdn_tree_split_mgpu.resident_value_programs() if not interpret else 5
-        # (_pfs / _pfp: issued once the program's own state tile has landed / after its state products, not at its
-        # start)
-        for out, ahead, at, sfx in [("pair", wave, "start", "_pf"), ("f16", wave, "start", "_of16_pf"),
-                                    ("f16", 2 * wave, "start", "_of16_pf2"), ("f16", wave, "state", "_of16_pfs"),
-                                    ("f16", wave, "products", "_of16_pfp")]:
-            variants[f"pallas_split_mgpu_bv64{sfx}"] = (
-                lambda *s, out=out, ahead=ahead, at=at: tree_solve_pallas(
-                    *s, mask, max_depth=depth, method="split_mgpu", block_v=64, precision="tf32", operator_out=out,
-                    value_prefetch=ahead, value_prefetch_at=at, interpret=interpret), "solve")
-        # _of16_ow8: operator_out "f16" with the Triton operator pass at 8 warps
-        variants["pallas_split_mgpu_bv64_of16_ow8"] = (
-            lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
-                                         precision="tf32", operator_out="f16", operator_warps=8,
-                                         interpret=interpret), "solve")
         # _chpair / _chtf32: the Triton operator pass forms M and C M by bf16-pair / one-pass tf32 products
         # (operator_chain; the default: fp16)
         for chain in ("pair", "tf32"):

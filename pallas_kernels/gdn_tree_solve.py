@@ -336,7 +336,7 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
                       operator_warps, interpret, value_pass="triton", operator_pass="triton",
                       share_state_smem=True, share_kq_smem=True, tma_store=True, build_c=False,
                       value_programs=None, operator_chain="tf32", operator_mask="f32", operator_out="pair",
-                      value_state="pair", value_prefetch=0, value_prefetch_at="start"):
+                      value_state="pair"):
     """Two launches: the node-wise operators once per (request, value head) — Γ and [M; C M], 2·N² fp32 words
     per head through HBM — then the value tiles, which hold no N × N chain: three products, K S0, Q S0, [M; C M] R.
     value_pass "mgpu": the second launch is the Mosaic GPU kernel (gdn_tree_split_mgpu), fed the bf16 pair."""
@@ -367,7 +367,6 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
         o, vc = gdn_tree_split_mgpu.tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0.astype(F32),
                                                     block_v=block_v, share_state_smem=share_state_smem,
                                                     share_kq_smem=share_kq_smem, tma_store=tma_store,
-                                                    prefetch_ahead=value_prefetch, prefetch_at=value_prefetch_at,
                                                     out_dtype=out_dtype,
                                                     interpret=interpret)
         return o, gamma, vc
@@ -410,8 +409,7 @@ def supported(N: int, dk: int, dv: int, block_v: int, precision: Precision = "tf
                                              "num_warps", "num_stages", "operator_warps", "write_state",
                                              "share_state_smem", "share_kq_smem", "tma_store", "operator_pass",
                                              "build_c", "value_programs", "operator_chain", "operator_mask",
-                                             "operator_out", "value_state", "value_prefetch", "value_prefetch_at",
-                                             "interpret"))
+                                             "operator_out", "value_state", "interpret"))
 def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: int, method: Method = "neumann",
                       block_v: int = 64, precision: Precision = "tf32", out_dtype=F32,
                       num_warps: int | None = None, num_stages: int = 1, operator_warps: int = 4,
@@ -420,7 +418,7 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
                       build_c: bool = False, value_programs: int | None = None,
                       operator_chain: OperatorChain | None = None, operator_mask: OperatorMask | None = None,
                       operator_out: OperatorOut | None = None, value_state: ValueState | None = None,
-                      value_prefetch: int = 0, value_prefetch_at: str = "start", interpret: bool = False):
+                      interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]
     (the dispatcher pads with identity nodes). Returns (o [B,N,HV,dv], Γ [B,HV,N], V' [B,HV,N,dv]).
@@ -444,9 +442,7 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     same outputs bit for bit as "f32"; "f32" elsewhere). operator_out (`OperatorOut`, with the default value pass):
     [M; C M] as a bf16 pair ("pair", the default) or one fp16 matrix ("f16"). value_state (`ValueState`, with
     operator_out "f16"): the state tile as a bf16 pair ("pair", the default) or one fp16 matrix against fp16 q, k
-    ("f16"). value_prefetch (that value pass, ≥ 0): each value program starts the L2 fetch of the state and v tiles
-    of the program that many on in launch order (0: none; `gdn_tree_split_mgpu.resident_value_programs()`: the next
-    wave's), issued where value_prefetch_at says (gdn_tree_split_mgpu.tree_apply_mgpu).
+    ("f16").
     """
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
@@ -496,11 +492,6 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     if value_state != "pair" and operator_out != "f16":
         raise ValueError("value_state 'f16' needs operator_out 'f16' (the state's fp16 matrix shares R's fp16 pair's "
                          f"bytes); got operator_out={operator_out!r}")
-    if value_prefetch and not default_value_pass:
-        raise ValueError("value_prefetch is an option of method 'split_mgpu' with its Triton operator pass and its "
-                         f"default value pass; got method={method!r} operator_pass={operator_pass!r} build_c={build_c}")
-    if value_prefetch < 0:
-        raise ValueError(f"value_prefetch must be >= 0 (value programs ahead), got {value_prefetch}")
     if value_programs is not None and not build_c:
         raise ValueError("value_programs sets the build_c value pass's program count (build_c=True)")
     r = HV // HK
@@ -522,8 +513,7 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
                                  operator_pass=operator_pass, share_state_smem=share_state_smem,
                                  share_kq_smem=share_kq_smem, tma_store=tma_store, build_c=build_c,
                                  value_programs=value_programs, operator_chain=operator_chain,
-                                 operator_mask=operator_mask, operator_out=operator_out, value_state=value_state,
-                                 value_prefetch=value_prefetch, value_prefetch_at=value_prefetch_at)
+                                 operator_mask=operator_mask, operator_out=operator_out, value_state=value_state)
     kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(max_depth, N), method=method,
                              precision=_f32_precision(precision, interpret), deferred=deferred is not None,
                              write_state=write_state)

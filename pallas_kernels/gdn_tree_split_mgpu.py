@@ -50,7 +50,12 @@ operator programs per SM leave no room for a value program) and Pallas' automati
 but 25.6 vs 23.4 µs at B 8, slower at every batch (kernels_value_pdl_multicast_h200.md). Also measured and dropped:
 one program of two warpgroups per (request, value head), one per value tile, sharing k, q and [M; C M] (half the
 L2 reads). It needed ≤ 128 registers a thread for two programs per SM; ptxas gave it 152 and Mosaic GPU has no
-register cap, so one program per SM ran: 29.1 vs 23.5 µs at B 8 (kernels_value_two_warpgroups_h200.md).
+register cap, so one program per SM ran: 29.1 vs 23.5 µs at B 8 (kernels_value_two_warpgroups_h200.md). Also
+measured and dropped: each program prefetching into L2 (`plgpu.async_prefetch`, one thread, nothing waits on it) the
+state and v tiles of the program one wave on, so the second wave's state would come from L2: issued at the start it
+delayed the first wave's own loads (value pass 25.4 vs 23.0 µs at B 8 with operator_out "f16"), issued after the
+state products it was within noise at B 8 (22.9 vs 23.2) and slower at B 16 and 32
+(kernels_value_prefetch_h200.md).
 
 The Mosaic GPU operator pass (85 KiB, 230 registers, two programs per SM) is ~40x more accurate than the Triton
 one (o error 4.6e-6 vs 2.0e-4 against the fp32 reference) but slower on the H200 (B 8: 25.5 µs + 3.9 µs of XLA
@@ -105,7 +110,6 @@ from hyspec_jax import gdn
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 NODES = 64
 BLOCK_VS = (16, 32, 64)
-PREFETCH_AT = ("start", "state", "products")           # where the value pass issues its prefetch (tree_apply_mgpu)
 
 
 def supported(N: int, dk: int, dv: int, block_v: int, qk_dtype) -> bool:
@@ -295,29 +299,8 @@ def head_major_rows(mask, g, beta):
     return gdn.tree_log_decay(mask, jnp.swapaxes(g, 1, 2)), jnp.swapaxes(beta.astype(F32), 1, 2)
 
 
-def _prefetch_ahead(s0_g, v_g, b, h, t, ahead: int, bv: int) -> None:
-    """Start the L2 fetch of the state and v tiles of the value program `ahead` programs on in launch order
-    ((b, h, t), t fastest: Mosaic GPU maps the last grid axis to blockIdx.x), if there is one. With ahead = the
-    programs resident at once, the first wave fetches the second wave's tiles while it computes (a TMA prefetch
-    holds no register and no shared memory, and nothing waits on it)."""
-    B, HV, nt = s0_g.shape[0], s0_g.shape[1], s0_g.shape[3] // bv
-    total = B * HV * nt
-    j = (b * HV + h) * nt + t + ahead
-    jj = jnp.minimum(j, total - 1)
-    b2, h2, t2 = lax.div(jj, HV * nt), lax.rem(lax.div(jj, nt), HV), lax.rem(jj, nt)
-    cols = pl.ds(t2 * bv, bv)
-    plgpu.async_prefetch(s0_g.at[b2, h2, :, cols], predicate=j < total)
-    plgpu.async_prefetch(v_g.at[b2, :, h2, cols], predicate=j < total)
-
-
-def resident_value_programs(per_sm: int = 3) -> int:
-    """Value programs of `tree_apply_mgpu` resident at once on the first device: three per SM (74 KiB of shared
-    memory each) by default; 0 off a GPU."""
-    return per_sm * (sm_count() or 0)
-
-
 def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: bool, share_kq_smem: bool,
-                  tma_store: bool, mc_pair: bool, state_f16: bool, prefetch_ahead: int, prefetch_at: str):
+                  tma_store: bool, mc_pair: bool, state_f16: bool):
     mc_g = refs[:2] if mc_pair else refs[:1]            # [M; C M]: a bf16 pair, or one fp16 matrix
     k_g, q_g, v_g, s0_g, o_g, vc_g, kq_s, v_s, state_s, gam_s, bet_s, bar_state, bar_rows, bar_mc = refs[len(mc_g):]
     b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
@@ -337,9 +320,6 @@ def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: boo
     plgpu.copy_gmem_to_smem(v_g.at[b, :, h, cols], v_s, bar_rows)
     plgpu.copy_gmem_to_smem(gamma_g.at[b, h], gam_s, bar_rows)
     plgpu.copy_gmem_to_smem(beta_g.at[b, h], bet_s, bar_rows)
-    prefetch = functools.partial(_prefetch_ahead, s0_g, v_g, b, h, t, prefetch_ahead, bv)
-    if prefetch_ahead and prefetch_at == "start":
-        prefetch()
 
     def load_mc():
         for src, dst in zip(mc_g, mc_s):
@@ -349,8 +329,6 @@ def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: boo
         load_mc()
 
     plgpu.barrier_wait(bar_state)
-    if prefetch_ahead and prefetch_at == "state":        # this program's own tiles have landed
-        prefetch()
     # state_f16: S0 as one fp16 matrix (R's fp16 view of the same bytes) against fp16 k, q: one product each
     state_refs = (r_view[0][0], None) if state_f16 else (s0hi_s, s0lo_s)
     _split_state(s0f_s, *state_refs, share_state_smem)
@@ -366,8 +344,6 @@ def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: boo
     ks, qs = pl.run_scoped(state_products, plgpu.ACC((N, bv), F32), plgpu.ACC((N, bv), F32))
     if share_kq_smem:
         load_mc()                                       # k and q are read (wgmma_wait above)
-    if prefetch_ahead and prefetch_at == "products":     # after the state products
-        prefetch()
 
     plgpu.barrier_wait(bar_rows)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -553,22 +529,15 @@ def tree_apply_cv_mgpu(gamma, rows, m_hi, m_lo, k, q, v, S0, *, block_v: int = 6
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "share_state_smem", "share_kq_smem", "tma_store",
-                                             "prefetch_ahead", "prefetch_at", "out_dtype", "interpret"))
+                                             "out_dtype", "interpret"))
 def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int = 64, share_state_smem: bool = True,
-                    share_kq_smem: bool = True, tma_store: bool = True, prefetch_ahead: int = 0,
-                    prefetch_at: str = "start", out_dtype=F32, interpret: bool = False):
+                    share_kq_smem: bool = True, tma_store: bool = True, out_dtype=F32, interpret: bool = False):
     """gamma, beta_hn [B,HV,N] fp32 (β in head-major layout); mc_hi, mc_lo [B,HV,2N,N] bf16 (the [M; C M] pair; or
     mc_hi fp16 [M; C M] and mc_lo None: then R is an fp16 pair, two products instead of three, half the bytes);
     k, q [B,N,HK,dk] bf16; v [B,N,HV,dv]; S0 [B,HV,dk,dv] fp32. Returns o [B,N,HV,dv] (out_dtype), V' [B,HV,N,dv].
     tma_store: o and V' leave through shared memory by TMA (needs share_kq_smem: they are staged where k, q and
-    [M; C M] were; share_kq_smem=False stores them from registers). prefetch_ahead (≥ 0): each program starts the
-    L2 fetch of the state and v tiles of the program that many on (`_prefetch_ahead`; 0: none;
-    `resident_value_programs()`: the next wave's), at prefetch_at: "start" (after its own loads are issued), "state"
-    (once its state tile has landed) or "products" (after its state products)."""
+    [M; C M] were; share_kq_smem=False stores them from registers)."""
     B, N, HK, dk = q.shape
-    if prefetch_ahead < 0 or prefetch_at not in PREFETCH_AT:
-        raise ValueError(f"tree_apply_mgpu: prefetch_ahead must be >= 0 and prefetch_at in {PREFETCH_AT}, got "
-                         f"{prefetch_ahead}, {prefetch_at!r}")
     HV, dv = v.shape[2], v.shape[3]
     _check_value_pass("tree_apply_mgpu", q, k, v, block_v, allow_f16=True)
     bv = block_v
@@ -598,7 +567,7 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
     kernel = plgpu.kernel(
         functools.partial(_apply_kernel, r=HV // HK, bv=bv, share_state_smem=share_state_smem,
                           share_kq_smem=share_kq_smem, tma_store=tma_store, mc_pair=mc_pair,
-                          state_f16=state_f16, prefetch_ahead=prefetch_ahead, prefetch_at=prefetch_at),
+                          state_f16=state_f16),
         out_type=[jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype), jax.ShapeDtypeStruct((B, HV, N, dv), F32)],
         grid=(B, HV, dv // bv), grid_names=("b", "h", "t"),
         scratch_types=[

@@ -177,30 +177,6 @@ def test_split_mgpu_value_state_f16_interpret(depth):
     assert rel(vc, fac.corrected) > rel(vc_pair, fac.corrected)
 
 
-@pytest.mark.parametrize("operator_out", ["pair", "f16"])
-def test_split_mgpu_value_prefetch_interpret(operator_out):
-    """The value pass prefetching the state and v tiles of the program 5 on (value_prefetch: of its 12 programs the
-    first 7 do, the address of each a decoded (request, head, tile) triple) gives bit for bit the outputs without it:
-    a prefetch moves data into L2 and changes nothing else. In interpret mode it is a no-op, so this checks the
-    index arithmetic traces and stays in bounds; the CUDA lowering is checked too."""
-    args, mask, o_ref, fac = _mgpu_case(77, 8)
-    run = lambda pf, at="start": tree_solve_pallas(  # noqa: E731
-        *args, mask, max_depth=8, method="split_mgpu", block_v=64, interpret=True, operator_out=operator_out,
-        value_prefetch=pf, value_prefetch_at=at)
-    base = run(0)
-    for at in gdn_tree_split_mgpu.PREFETCH_AT:
-        for a, b in zip(run(5, at), base):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    o, gamma, vc = base
-    assert rel(o, o_ref) < 1e-3 and rel(vc, fac.corrected) < 1e-4
-    S = jax.ShapeDtypeStruct                            # the prefetches lower for the GPU (no GPU needed)
-    shapes = [S((2, 3, 64), jnp.float32)] * 2 + [S((2, 3, 128, 64), jnp.float16)] + [
-        S((2, 64, 1, 64), jnp.bfloat16)] * 2 + [S((2, 64, 3, 128), jnp.bfloat16), S((2, 3, 64, 128), jnp.float32)]
-    text = jax.jit(lambda g, b, mc, k, q, v, s0: gdn_tree_split_mgpu.tree_apply_mgpu(
-        g, b, mc, None, k, q, v, s0, prefetch_ahead=5)).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("async_prefetch") == 2
-
-
 @pytest.mark.parametrize("block_v,depth", [(16, 8), (32, 8), (32, 64)])
 def test_split_mgpu_narrow_value_tiles_interpret(block_v, depth):
     """The Mosaic GPU value pass at value tiles of 16 and 32 columns (8 / 4 tiles of a 128-wide value head, each
@@ -317,11 +293,7 @@ def test_split_mgpu_options_refused_elsewhere():
                       (dict(method="split_mgpu", build_c=True, operator_out="f16"), "build_c=True"),
                       (dict(method="split_mgpu", operator_out="fp8"), "unknown operator_out"),
                       (dict(method="split_mgpu", value_state="f16"), "needs operator_out 'f16'"),
-                      (dict(method="split_mgpu", operator_out="f16", value_state="fp8"), "unknown value_state"),
-                      (dict(method="split", value_prefetch=4), "option of method 'split_mgpu'"),
-                      (dict(method="split_mgpu", build_c=True, value_prefetch=4), "build_c=True"),
-                      (dict(method="split_mgpu", value_prefetch=-1), "must be >= 0"),
-                      (dict(method="split_mgpu", value_prefetch=4, value_prefetch_at="end"), "prefetch_at in")]:
+                      (dict(method="split_mgpu", operator_out="f16", value_state="fp8"), "unknown value_state")]:
         with pytest.raises(ValueError, match=match):
             tree_solve_pallas(*args, mask, max_depth=6, block_v=64, interpret=True, **kw)
 

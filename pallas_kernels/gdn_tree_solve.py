@@ -68,6 +68,18 @@ ValueState = Literal["pair", "f16"]
 REFERENCE = "hyspec_jax.gdn.masked_solve"
 
 
+def _form_option(name: str, value, choices, default, plain, owned: bool, owner: str):
+    """One option of a kernel form: None takes `default`; a value outside the Literal `choices` is refused, and so is
+    any value but `plain` (what the other forms do) where the chosen form does not own the option (`owner` says
+    which form does)."""
+    value = default if value is None else value
+    if value not in get_args(choices):
+        raise ValueError(f"unknown {name} {value!r}")
+    if value != plain and not owned:
+        raise ValueError(f"{name} is an option of {owner}")
+    return value
+
+
 def series_ok(max_depth: int, n: int) -> bool:
     """Whether method "squaring" may run: at most gdn.SERIES_BLOCK nodes on a path (`gdn.block_inverse`)."""
     return num_rounds(max_depth, n) < gdn.SERIES_BLOCK
@@ -464,27 +476,16 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     if (build_c or value_programs is not None) and not triton_operators:
         raise ValueError("build_c / value_programs are options of method 'split_mgpu' with its Triton operator pass; "
                          f"got method={method!r} operator_pass={operator_pass!r}")
-    if operator_chain is None:
-        operator_chain = "f16" if default_value_pass else "tf32"
-    if operator_chain not in get_args(OperatorChain):
-        raise ValueError(f"unknown operator_chain {operator_chain!r}")
-    if operator_chain != "tf32" and not triton_operators:
-        raise ValueError("operator_chain is an option of method 'split_mgpu' with its Triton operator pass; got "
-                         f"method={method!r} operator_pass={operator_pass!r}")
-    if operator_mask is None:
-        operator_mask = "i8" if default_value_pass else "f32"
-    if operator_mask not in get_args(OperatorMask):
-        raise ValueError(f"unknown operator_mask {operator_mask!r}")
-    if operator_mask != "f32" and not default_value_pass:
-        raise ValueError("operator_mask is an option of method 'split_mgpu' with its Triton operator pass and its "
-                         f"default value pass; got method={method!r} operator_pass={operator_pass!r} build_c={build_c}")
-    if operator_out is None:
-        operator_out = "pair"
-    if operator_out not in get_args(OperatorOut):
-        raise ValueError(f"unknown operator_out {operator_out!r}")
-    if operator_out != "pair" and not default_value_pass:
-        raise ValueError("operator_out is an option of method 'split_mgpu' with its Triton operator pass and its "
-                         f"default value pass; got method={method!r} operator_pass={operator_pass!r} build_c={build_c}")
+    triton_owner = (f"method 'split_mgpu' with its Triton operator pass; got method={method!r} "
+                    f"operator_pass={operator_pass!r}")
+    default_owner = (f"method 'split_mgpu' with its Triton operator pass and its default value pass; got "
+                     f"method={method!r} operator_pass={operator_pass!r} build_c={build_c}")
+    operator_chain = _form_option("operator_chain", operator_chain, OperatorChain,
+                                  "f16" if default_value_pass else "tf32", "tf32", triton_operators, triton_owner)
+    operator_mask = _form_option("operator_mask", operator_mask, OperatorMask, "i8" if default_value_pass else "f32",
+                                 "f32", default_value_pass, default_owner)
+    operator_out = _form_option("operator_out", operator_out, OperatorOut, "pair", "pair", default_value_pass,
+                                default_owner)
     if value_state is None:
         value_state = "pair"
     if value_state not in get_args(ValueState):

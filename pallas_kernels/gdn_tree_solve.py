@@ -68,15 +68,15 @@ ValueState = Literal["pair", "f16"]
 REFERENCE = "hyspec_jax.gdn.masked_solve"
 
 
-def _form_option(name: str, value, choices, default, plain, owned: bool, owner: str):
+def _form_option(name: str, value, choices, default, plain, allowed: bool, refusal: str):
     """One option of a kernel form: None takes `default`; a value outside the Literal `choices` is refused, and so is
-    any value but `plain` (what the other forms do) where the chosen form does not own the option (`owner` says
-    which form does)."""
+    any value but `plain` (what the other forms do) where it is not `allowed` (`refusal`: the error, which says
+    what the option needs)."""
     value = default if value is None else value
     if value not in get_args(choices):
         raise ValueError(f"unknown {name} {value!r}")
-    if value != plain and not owned:
-        raise ValueError(f"{name} is an option of {owner}")
+    if value != plain and not allowed:
+        raise ValueError(refusal)
     return value
 
 
@@ -481,18 +481,15 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     default_owner = (f"method 'split_mgpu' with its Triton operator pass and its default value pass; got "
                      f"method={method!r} operator_pass={operator_pass!r} build_c={build_c}")
     operator_chain = _form_option("operator_chain", operator_chain, OperatorChain,
-                                  "f16" if default_value_pass else "tf32", "tf32", triton_operators, triton_owner)
+                                  "f16" if default_value_pass else "tf32", "tf32", triton_operators,
+                                  f"operator_chain is an option of {triton_owner}")
     operator_mask = _form_option("operator_mask", operator_mask, OperatorMask, "i8" if default_value_pass else "f32",
-                                 "f32", default_value_pass, default_owner)
+                                 "f32", default_value_pass, f"operator_mask is an option of {default_owner}")
     operator_out = _form_option("operator_out", operator_out, OperatorOut, "pair", "pair", default_value_pass,
-                                default_owner)
-    if value_state is None:
-        value_state = "pair"
-    if value_state not in get_args(ValueState):
-        raise ValueError(f"unknown value_state {value_state!r}")
-    if value_state != "pair" and operator_out != "f16":
-        raise ValueError("value_state 'f16' needs operator_out 'f16' (the state's fp16 matrix shares R's fp16 pair's "
-                         f"bytes); got operator_out={operator_out!r}")
+                                f"operator_out is an option of {default_owner}")
+    value_state = _form_option("value_state", value_state, ValueState, "pair", "pair", operator_out == "f16",
+                               "value_state 'f16' needs operator_out 'f16' (the state's fp16 matrix shares R's fp16 "
+                               f"pair's bytes); got operator_out={operator_out!r}")
     if value_programs is not None and not build_c:
         raise ValueError("value_programs sets the build_c value pass's program count (build_c=True)")
     r = HV // HK

@@ -71,9 +71,9 @@ and 32 KiB; kernels_operator_f16_h200.md).
 matrix (11 significand bits, those of the fp16 chain that formed it) instead of the bf16 pair, and this value pass
 forms R as an fp16 pair: half the bytes of [M; C M] and two products instead of three. Faster at every batch
 measured — B 8: 33.0 vs 34.3 µs; B 16: 57.6 vs 63.7; B 32: 105.1 vs 117.5; chain of 64: 39.3 vs 41.2 — with o error
-2.3e-4 vs 1.9e-4 (bench/results/kernels_operator_out_f16_h200.md). Not yet the default: B 1 is unmeasured, and R's
-fp16 pair overflows where |R| passes 65504 (bf16's range is fp32's), which bounded GDN states do not reach but
-nothing here checks. At B 1 it is faster too: 11.6 vs 12.5 µs (kernels_value_state_h200.md).
+2.3e-4 vs 1.9e-4 (bench/results/kernels_operator_out_f16_h200.md), and at B 1 too: 11.6 vs 12.5 µs
+(kernels_value_state_h200.md). Not the default: R's fp16 pair overflows where |R| passes 65504 (bf16's range is
+fp32's), which bounded GDN states do not reach but nothing here checks.
 
 `value_state="f16"` (with operator_out "f16"): the state tile becomes one fp16 matrix (R's fp16 view of its bytes)
 against fp16 q, k that the Triton operator pass writes once per key head: one product each for K S0 and Q S0, 122

@@ -112,7 +112,7 @@ def test_tree_solve_interpret(case, method):
 def _mgpu_case(seed: int, depth: int):
     """A forest of 64 nodes at this depth (a chain at depth 64) for the split_mgpu tests: 2 requests, 3 value heads
     per key head, dk 64, dv 128 (two value tiles), bf16 q/k/v; returns (args, mask, o_ref, factors)."""
-    par, mask, args = make_inputs(seed, 2, 64, 1, 3, 64, 128, depth, dtype=jnp.bfloat16, single_root=depth == 64)
+    _, mask, args = make_inputs(seed, 2, 64, 1, 3, 64, 128, depth, dtype=jnp.bfloat16, single_root=depth == 64)
     if depth == 64:
         mask = gdn.chain_mask(2, 64)
     return (args, mask, *reference(*args, mask))

@@ -55,7 +55,10 @@ measured and dropped: each program prefetching into L2 (`plgpu.async_prefetch`, 
 state and v tiles of the program one wave on, so the second wave's state would come from L2: issued at the start it
 delayed the first wave's own loads (value pass 25.4 vs 23.0 µs at B 8 with operator_out "f16"), issued after the
 state products it was within noise at B 8 (22.9 vs 23.2) and slower at B 16 and 32
-(kernels_value_prefetch_h200.md).
+(kernels_value_prefetch_h200.md). Also measured and dropped: a short launch before the operator pass that starts the L2
+fetch of every state tile (and v) while the operator pass, bound by its chain rather than HBM, runs: the value pass
+was no faster at any batch (B 8: 23.3 vs 23.0 µs with operator_out "f16") and the launch cost 4.2 µs at B 8, 11.5 at
+B 32 (kernels_l2_prefetch_h200.md).
 
 The Mosaic GPU operator pass (85 KiB, 230 registers, two programs per SM) is ~40x more accurate than the Triton
 one (o error 4.6e-6 vs 2.0e-4 against the fp32 reference) but slower on the H200 (B 8: 25.5 µs + 3.9 µs of XLA

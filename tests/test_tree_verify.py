@@ -132,10 +132,12 @@ def test_commit_equals_autoregressive_decoding(target, seed):
         assert int(new.lengths[b]) == L
         np.testing.assert_allclose(np.asarray(new.ssm[:, b]), np.asarray(ref.ssm[:, 0]), atol=2e-5, rtol=1e-4)
         # the verify forward and plain decoding multiply the same rows in differently shaped products (other
-        # summation orders): fp32 rounding, ~1e-5 relative, after the RMS norms of q/k
+        # summation orders): fp32 rounding, ~1e-5 relative, after the RMS norms of q/k. The attention layer's K/V
+        # come after three GDN + MoE layers whose rounding they carry: 1.7e-5 seen on one element of keys whose
+        # rows have scale ~1, so their bound is 3e-5 of that scale
         np.testing.assert_allclose(np.asarray(new.conv[:, b]), np.asarray(ref.conv[:, 0]), atol=1e-5, rtol=1e-4)
-        np.testing.assert_allclose(np.asarray(new.keys[:, b, :L]), np.asarray(ref.keys[:, 0, :L]), atol=1e-5, rtol=1e-4)
-        np.testing.assert_allclose(np.asarray(new.values[:, b, :L]), np.asarray(ref.values[:, 0, :L]), atol=1e-5, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(new.keys[:, b, :L]), np.asarray(ref.keys[:, 0, :L]), atol=3e-5, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(new.values[:, b, :L]), np.asarray(ref.values[:, 0, :L]), atol=3e-5, rtol=1e-4)
         if accepted[b] < 0:  # nothing accepted: bit-identical state
             for a, r in ((new.ssm, state.ssm), (new.conv, state.conv), (new.keys, state.keys)):
                 np.testing.assert_array_equal(np.asarray(a[:, b]), np.asarray(r[:, b]))

@@ -182,6 +182,20 @@ def squaring_factors(L, eye, squarings: int, dot):
     return M
 
 
+def squaring_factors_with_query(L, C, eye, squarings: int, dot):
+    """M = (I + L)⁻¹ and C M together (`squaring_factors`' factors, applied from the right): M ← M + M P and
+    C M ← C M + (C M) P share each square P. The factors are polynomials in L, so they commute and the order is
+    free. After L: ⌈log₂(d+1)⌉ levels of dependent products, where `squaring_factors` then C M take one more; at
+    the cost of more products (C L, and (C M) P beside each M P)."""
+    if squarings == 0:
+        return eye, C
+    M, CM, P = eye - L, C - dot(C, L), L
+    for _ in range(squarings - 1):
+        P = dot(P, P)
+        M, CM = M + dot(M, P), CM + dot(CM, P)
+    return M, CM
+
+
 def _heads_first(q, k, v, g, beta):
     return (jnp.moveaxis(q, 2, 1).astype(F32), jnp.moveaxis(k, 2, 1).astype(F32),
             jnp.moveaxis(v, 2, 1).astype(F32), jnp.moveaxis(g, 2, 1).astype(F32),

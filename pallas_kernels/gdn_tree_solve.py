@@ -50,7 +50,12 @@ Precision = Literal["tf32", "tf32x3", "ieee"]
 # How the Triton operator pass forms M = (I+L)⁻¹ and C M (`_tree_operator_kernel`): one-pass fp16 products (the
 # default of split_mgpu, `_f16_dot`), one-pass tf32 (the same roundings, more instructions), or bf16-pair products
 # (~40x more accurate, slower: their registers leave room for two programs per SM, not three).
-OperatorChain = Literal["tf32", "pair", "f16"]
+# "f16_parallel": the fp16 products with C M's chain beside M's (`gdn.squaring_factors_with_query`: one level of
+# dependent products fewer, two products more), for paths within `gdn.SERIES_BLOCK` nodes (deeper: "f16"'s order).
+# 15x more accurate with the pair output (o 1.3e-5 vs 1.9e-4: M and C M keep their leading terms I − L and C in
+# fp32) but slower at B ≥ 8 (34.4 → 37.2 µs at B 8), where three operator programs per SM are bound by their work,
+# not their chain's depth (bench/results/kernels_chain_parallel_h200.md). An option.
+OperatorChain = Literal["tf32", "pair", "f16", "f16_parallel"]
 # The ancestor mask as the Triton operator pass reads it: fp32 (16 KiB per program at N 64) or int8 (4 KiB, the
 # default of split_mgpu). Every program of a request reads the same mask, so it is L2 traffic, not HBM, but at the
 # start of one wave of three programs per SM: int8 took split_mgpu's operator pass from 11.7 to 10.9 µs at B 8,
@@ -245,22 +250,30 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
     (bench/results/kernels_operator_chain_h200.md). The pair chain is faster with C first (18.8 vs 21.1 µs); so is
     form "fp32" kept (its measured order)."""
     n = mask_ref.shape[0]
-    c_first = chain == "pair" or form == "fp32"
+    parallel = chain == "f16_parallel" and form != "m_pair" and rounds < gdn.SERIES_BLOCK
+    c_first = chain == "pair" or form == "fp32" or parallel
     q = None if form == "m_pair" or not c_first else q_ref[...]
     gamma, beta, L, C = _node_operators(mask_ref, g_ref, beta_ref, q, k_ref[...], precision)
-    dot = {"pair": _pair_dot, "f16": _f16_dot}.get(chain) or functools.partial(_dot, precision=precision)
-    M = _inverse(L, rounds, precision, dot)
+    dot = ({"pair": _pair_dot, "f16": _f16_dot, "f16_parallel": _f16_dot}.get(chain)
+           or functools.partial(_dot, precision=precision))
+    CM = None
+    if parallel:                                        # C M's chain beside M's, not after it
+        eye = (lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1))
+        M, CM = gdn.squaring_factors_with_query(L, C, eye.astype(L.dtype), gdn.num_squarings(rounds), dot)
+    else:
+        M = _inverse(L, rounds, precision, dot)
     if form == "fp32":
         # The Triton split form's rows of the kernel table were measured with this order (168 registers); ptxas'
         # register count moves with such orders: with C after M's chain and Γ stored before C M this form took 214,
         # and the "pair" form 224 (kernels_operator_chain_h200.md, run 3). So it is kept as measured.
         gamma_ref[...] = gamma
         out_refs[0][pl.ds(0, n), :] = M
-        out_refs[0][pl.ds(n, n), :] = dot(C, M)
+        out_refs[0][pl.ds(n, n), :] = dot(C, M) if CM is None else CM
         return
     if form != "m_pair" and not c_first:
         C = _query_operator(q_ref[...], k_ref[...], _decays(mask_ref[...] > 0, gamma), precision)   # mask read again
-    CM = None if C is None else dot(C, M)
+    if CM is None and C is not None:
+        CM = dot(C, M)
     gamma_ref[...] = gamma                              # after C M: 165 registers (before it: 224)
     if form == "f16":
         mc_ref, rows_ref, *qk16_refs = out_refs
@@ -449,7 +462,8 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     per item; fewer loop over the items with a double-buffered state tile). operator_chain: how that Triton
     operator pass forms M and C M (`OperatorChain`; "f16", the default with the default value pass: one-pass fp16
     products, `_f16_dot`; "tf32": one-pass tf32, the same roundings with more instructions, the default with
-    build_c, whose rows were measured so; "pair": bf16 pairs, ~2⁻¹⁶). operator_mask (`OperatorMask`): the dtype in
+    build_c, whose rows were measured so; "pair": bf16 pairs, ~2⁻¹⁶; "f16_parallel": fp16 products with C M's
+    chain beside M's). operator_mask (`OperatorMask`): the dtype in
     which that operator pass (with the default value pass) reads the ancestor mask ("i8" there by default, the
     same outputs bit for bit as "f32"; "f32" elsewhere). operator_out (`OperatorOut`, with the default value pass):
     [M; C M] as a bf16 pair ("pair", the default) or one fp16 matrix ("f16"). value_state (`ValueState`, with

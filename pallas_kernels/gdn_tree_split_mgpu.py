@@ -118,6 +118,7 @@ from hyspec_jax import gdn
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 NODES = 64
 BLOCK_VS = (16, 32, 64)
+PROFILE_RANGES = 16      # named-scope ranges per program `tree_apply_mgpu(profile_dir=...)` has room for (it uses 10)
 
 
 def supported(N: int, dk: int, dv: int, block_v: int, qk_dtype) -> bool:
@@ -321,13 +322,15 @@ def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: boo
     (k_s, q_s), mc_s, *staging = kq_s if share_kq_smem else (kq_s[:2], kq_s[2:2 + len(mc_g)])
     N = k_s.shape[0]
     # Issued at once, on three barriers, so each product starts when its own operands have landed (with
-    # share_kq_smem the [M; C M] pair lands where k and q were, so it is loaded once they are read).
-    plgpu.copy_gmem_to_smem(s0_g.at[b, h, :, cols], s0f_s, bar_state)
-    plgpu.copy_gmem_to_smem(k_g.at[b, :, key_head, :], k_s, bar_state)
-    plgpu.copy_gmem_to_smem(q_g.at[b, :, key_head, :], q_s, bar_state)
-    plgpu.copy_gmem_to_smem(v_g.at[b, :, h, cols], v_s, bar_rows)
-    plgpu.copy_gmem_to_smem(gamma_g.at[b, h], gam_s, bar_rows)
-    plgpu.copy_gmem_to_smem(beta_g.at[b, h], bet_s, bar_rows)
+    # share_kq_smem the [M; C M] pair lands where k and q were, so it is loaded once they are read). The named
+    # scopes are the phases `profile_dir` records (bench/recipes/value_pass_phases.py); without it they are names.
+    with jax.named_scope("issue_loads"):
+        plgpu.copy_gmem_to_smem(s0_g.at[b, h, :, cols], s0f_s, bar_state)
+        plgpu.copy_gmem_to_smem(k_g.at[b, :, key_head, :], k_s, bar_state)
+        plgpu.copy_gmem_to_smem(q_g.at[b, :, key_head, :], q_s, bar_state)
+        plgpu.copy_gmem_to_smem(v_g.at[b, :, h, cols], v_s, bar_rows)
+        plgpu.copy_gmem_to_smem(gamma_g.at[b, h], gam_s, bar_rows)
+        plgpu.copy_gmem_to_smem(beta_g.at[b, h], bet_s, bar_rows)
 
     def load_mc():
         for src, dst in zip(mc_g, mc_s):
@@ -336,10 +339,12 @@ def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: boo
     if not share_kq_smem:
         load_mc()
 
-    plgpu.barrier_wait(bar_state)
+    with jax.named_scope("wait_state"):
+        plgpu.barrier_wait(bar_state)
     # state_f16: S0 as one fp16 matrix (R's fp16 view of the same bytes) against fp16 k, q: one product each
     state_refs = (r_view[0][0], None) if state_f16 else (s0hi_s, s0lo_s)
-    _split_state(s0f_s, *state_refs, share_state_smem)
+    with jax.named_scope("split_state"):
+        _split_state(s0f_s, *state_refs, share_state_smem)
 
     def state_products(acc_k, acc_q):
         for acc, x_s in ((acc_k, k_s), (acc_q, q_s)):
@@ -349,21 +354,26 @@ def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: boo
         plgpu.wgmma_wait(0)
         return acc_k[...], acc_q[...]
 
-    ks, qs = pl.run_scoped(state_products, plgpu.ACC((N, bv), F32), plgpu.ACC((N, bv), F32))
+    with jax.named_scope("state_products"):
+        ks, qs = pl.run_scoped(state_products, plgpu.ACC((N, bv), F32), plgpu.ACC((N, bv), F32))
     if share_kq_smem:
         load_mc()                                       # k and q are read (wgmma_wait above)
 
-    plgpu.barrier_wait(bar_rows)
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    rows = lambda x: lax.broadcast_in_dim(x, (N, bv), [0])
-    decay = rows(jnp.exp(plgpu.load(gam_s, layout=row_layout)))
-    beta = rows(plgpu.load(bet_s, layout=row_layout))
-    rhi_s, rlo_s = _store_r_pair(beta, v_s, decay, ks, *(r_view[0] if r_view else (s0hi_s, s0lo_s)))
-    plgpu.commit_smem()
+    with jax.named_scope("wait_rows"):
+        plgpu.barrier_wait(bar_rows)
+    with jax.named_scope("r_pair"):
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        rows = lambda x: lax.broadcast_in_dim(x, (N, bv), [0])
+        decay = rows(jnp.exp(plgpu.load(gam_s, layout=row_layout)))
+        beta = rows(plgpu.load(bet_s, layout=row_layout))
+        rhi_s, rlo_s = _store_r_pair(beta, v_s, decay, ks, *(r_view[0] if r_view else (s0hi_s, s0lo_s)))
+        plgpu.commit_smem()
 
-    plgpu.barrier_wait(bar_mc)
-    out = _pair_wgmma((mc_s[0], mc_s[1] if mc_pair else None), (rhi_s, rlo_s), (2 * N, bv))
-    o = (decay * qs + out[N:]).astype(o_g.dtype)
+    with jax.named_scope("wait_mc"):
+        plgpu.barrier_wait(bar_mc)
+    with jax.named_scope("mc_products"):
+        out = _pair_wgmma((mc_s[0], mc_s[1] if mc_pair else None), (rhi_s, rlo_s), (2 * N, bv))
+        o = (decay * qs + out[N:]).astype(o_g.dtype)
     if not tma_store:
         vc_g.at[b, h, :, cols][...] = out[:N]
         o_g.at[b, :, h, cols][...] = o
@@ -371,13 +381,15 @@ def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: boo
     # Both tiles through shared memory (where [M; C M] was) and out by TMA: whole 128-byte lines, not the
     # 8-byte stores of the WGMMA layout. The barrier: every warp's part of the product has read [M; C M].
     (vc_s, o_s), = staging
-    plgpu.commit_smem()
-    vc_s[...] = out[:N]
-    o_s[...] = o
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(vc_s, vc_g.at[b, h, :, cols])
-    plgpu.copy_smem_to_gmem(o_s, o_g.at[b, :, h, cols])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    with jax.named_scope("stage_outputs"):
+        plgpu.commit_smem()
+        vc_s[...] = out[:N]
+        o_s[...] = o
+        plgpu.commit_smem()
+    with jax.named_scope("store_outputs"):
+        plgpu.copy_smem_to_gmem(vc_s, vc_g.at[b, h, :, cols])
+        plgpu.copy_smem_to_gmem(o_s, o_g.at[b, :, h, cols])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _apply_cv_kernel(gamma_g, rows_g, mhi_g, mlo_g, k_g, q_g, v_g, s0_g, o_g, vc_g,
@@ -537,14 +549,17 @@ def tree_apply_cv_mgpu(gamma, rows, m_hi, m_lo, k, q, v, S0, *, block_v: int = 6
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "share_state_smem", "share_kq_smem", "tma_store",
-                                             "out_dtype", "interpret"))
+                                             "out_dtype", "profile_dir", "interpret"))
 def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int = 64, share_state_smem: bool = True,
-                    share_kq_smem: bool = True, tma_store: bool = True, out_dtype=F32, interpret: bool = False):
+                    share_kq_smem: bool = True, tma_store: bool = True, out_dtype=F32, profile_dir: str = "",
+                    interpret: bool = False):
     """gamma, beta_hn [B,HV,N] fp32 (β in head-major layout); mc_hi, mc_lo [B,HV,2N,N] bf16 (the [M; C M] pair; or
     mc_hi fp16 [M; C M] and mc_lo None: then R is an fp16 pair, two products instead of three, half the bytes);
     k, q [B,N,HK,dk] bf16; v [B,N,HV,dv]; S0 [B,HV,dk,dv] fp32. Returns o [B,N,HV,dv] (out_dtype), V' [B,HV,N,dv].
     tma_store: o and V' leave through shared memory by TMA (needs share_kq_smem: they are staged where k, q and
-    [M; C M] were; share_kq_smem=False stores them from registers)."""
+    [M; C M] were; share_kq_smem=False stores them from registers). profile_dir: Mosaic GPU's profiler writes
+    each call's per-program phase times (the kernel's named scopes) there as a trace (a diagnostic: on a GPU only,
+    it adds a timer write at each phase edge)."""
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
     _check_value_pass("tree_apply_mgpu", q, k, v, block_v, allow_f16=True)
@@ -585,7 +600,9 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
             plgpu.SMEM((N,), F32), plgpu.SMEM((N,), F32),                             # Γ, β
             plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=len(mc)),
         ],
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+                                             **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir)
+                                                if profile_dir else {})),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="gdn_tree_apply_mgpu",
     )

@@ -393,3 +393,23 @@ def test_unit_lower_inverse_equals_numpy_inverse(method):
     T = gdn.unit_lower_inverse(jnp.asarray(f32(L)[None]), method, max_depth=depth_of(parent))
     ref = np.linalg.inv(np.eye(len(parent)) + L)
     assert rel_err(T[0], ref) < 1e-5
+
+
+@pytest.mark.parametrize("depth_cap", [1, 2, 5])
+def test_squaring_factors_with_query_equals_numpy(depth_cap):
+    """M = (I+L)⁻¹ and C M from the right-multiplied factors that share their squares (the kernels' "f16_parallel"
+    operator chain) equal numpy's inverse and its product with C, on a forest whose paths are at most depth_cap
+    edges long (L^{d+1} = 0: the factors are exact)."""
+    rng = np.random.default_rng(17 + depth_cap)
+    n = 12
+    parent = [i - 1 if i % (depth_cap + 1) else -1 for i in range(n)]     # chains of depth_cap edges, restarted
+    A = np_ancestor_mask(parent).astype(np.float64)
+    d = depth_of(parent) - 1                                                # edges on the longest path
+    assert d == depth_cap
+    L = (A - np.eye(n)) * rng.normal(size=A.shape) * 0.7
+    C = A * rng.normal(size=A.shape)
+    dot = lambda a, b: jnp.matmul(a, b, precision="highest")      # noqa: E731
+    M, CM = gdn.squaring_factors_with_query(jnp.asarray(f32(L)), jnp.asarray(f32(C)), jnp.eye(n, dtype=jnp.float32),
+                                            gdn.num_squarings(d), dot)
+    ref = np.linalg.inv(np.eye(n) + L)
+    assert rel_err(M, ref) < 1e-5 and rel_err(CM, C @ ref) < 1e-5

@@ -188,11 +188,13 @@ def test_split_mgpu_narrow_value_tiles_interpret(block_v, depth):
     assert rel(gamma, fac.log_decay) < 1e-6
 
 
-@pytest.mark.parametrize("chain,depth", [("pair", 8), ("pair", 64), ("pair", 1), (None, 8), ("f16", 64), ("f16", 1)])
+@pytest.mark.parametrize("chain,depth", [("pair", 8), ("pair", 64), ("pair", 1), (None, 8), ("f16", 64), ("f16", 1),
+                                         ("f16_parallel", 8), ("f16_parallel", 1), ("f16_parallel", 64)])
 def test_split_mgpu_operator_chain_interpret(chain, depth):
     """The Triton operator pass with bf16-pair or fp16 products for M and C M (operator_chain; None: the default,
-    fp16) equals the reference in interpret mode, on a forest of 64 nodes, a chain of 64 and depth 1 (no squaring).
-    The fp16 chain rounds its operands to 11 significand bits, as one-pass tf32 does: its bar is tf32's."""
+    fp16; "f16_parallel": C M's chain beside M's, and at 64 "f16"'s order) equals the reference in interpret mode,
+    on a forest of 64 nodes, a chain of 64 and depth 1 (no squaring). The fp16 chain rounds its operands to 11
+    significand bits, as one-pass tf32 does: its bar is tf32's."""
     args, mask, o_ref, fac = _mgpu_case(57 + depth, depth)
     o, gamma, vc = tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=64, interpret=True,
                                      operator_chain=chain)
@@ -503,7 +505,8 @@ def test_split_mgpu_gpu(operator_pass, share_kq_smem, build_c, programs):
 
 
 @needs_gpu
-@pytest.mark.parametrize("chain,operator_mask", [("pair", "f32"), ("f16", "f32"), ("f16", "i8")])
+@pytest.mark.parametrize("chain,operator_mask",
+                         [("pair", "f32"), ("f16", "f32"), ("f16", "i8"), ("f16_parallel", "i8")])
 def test_split_mgpu_operator_chain_gpu(chain, operator_mask):
     if not dispatch.hopper_available():
         pytest.skip("split_mgpu needs a compute capability 9.x GPU")

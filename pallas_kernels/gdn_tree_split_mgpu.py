@@ -63,7 +63,16 @@ B 32 (kernels_l2_prefetch_h200.md); with its state already in L2 the value pass 
 [M; C M] load issued once the K S0 products have read k (it lands where k was), within noise (B 8: 32.8 / 33.1 vs
 32.9 / 33.0 µs in all; kernels_early_mc_h200.md). Under Nsight Compute no unit is near its peak at B 8 (DRAM 39%,
 L2 61%, shared memory 44%, tensor pipe 31%, issue 23%; kernel_resources_value_pass_ncu_h200.md): the pass is bound by
-each program's chain of latencies with three programs per SM, the most its shared memory allows.
+each program's chain of latencies with three programs per SM, the most its shared memory allows. Its phases, from
+Mosaic GPU's profiler (`profile_dir`; bench/recipes/value_pass_phases.py, value_pass_phases_h200.md), at B 8 with
+operator_out "f16": of a program's 8.5 µs, 3.1 wait for the state tile, k and q, 1.1 split the state, 0.65 + 0.34
+are the products; every phase is about twice as long with three programs per SM as alone (B 4 vs B 1), the three
+sharing the SM's shared memory, TMA unit and L2 link phase by phase. Also measured and dropped on that reading: the
+state tile, k and q in two chunks of 64 key rows, the first split and multiplied while the second lands (the wait
+fell to 1.9 + 0.2 µs, but twelve TMA copies issue slower than six: 23.5 vs 22.9 µs at B 8, slower at every batch;
+kernels_chunked_state_h200.md), and one program per key head with a warpgroup per value head, loading k and q
+once for the three (200 KiB, one program per SM: 25.8 vs 23.0 µs at B 8, 9.8 vs 6.2 at B 1, where the 96 heads
+ran on 32 SMs; kernels_group_heads_h200.md).
 
 The Mosaic GPU operator pass (85 KiB, 230 registers, two programs per SM) is ~40x more accurate than the Triton
 one (o error 4.6e-6 vs 2.0e-4 against the fp32 reference) but slower on the H200 (B 8: 25.5 µs + 3.9 µs of XLA

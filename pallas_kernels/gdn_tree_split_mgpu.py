@@ -572,6 +572,8 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
     _check_value_pass("tree_apply_mgpu", q, k, v, block_v, allow_f16=True)
+    if profile_dir and interpret:
+        raise ValueError("tree_apply_mgpu: profile_dir records on a GPU (Mosaic GPU's profiler), not in interpret mode")
     bv = block_v
     state_f32 = plgpu.SMEM((dk, bv), F32)
     state_pair = [plgpu.SMEM((dk, bv), BF16, transforms=_smem_transforms(BF16, bv)) for _ in range(2)]

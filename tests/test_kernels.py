@@ -144,6 +144,18 @@ def test_split_mgpu_interpret(operator_pass, share_state_smem, share_kq_smem, de
     assert rel(gamma, fac.log_decay) < 1e-6
 
 
+def test_value_pass_profile_dir_refused_in_interpret_mode(tmp_path):
+    """The profiler of the value pass's phases runs on a GPU only: in interpret mode a clear error, no trace."""
+    (S0, q, k, v, g, beta), mask, _, _ = _mgpu_case(3, 8)
+    B, N, HV = v.shape[0], v.shape[1], v.shape[2]
+    gamma = jnp.zeros((B, HV, N), jnp.float32)
+    mc = jnp.zeros((B, HV, 2 * N, N), jnp.float16)
+    with pytest.raises(ValueError, match="profile_dir records on a GPU"):
+        gdn_tree_split_mgpu.tree_apply_mgpu(gamma, gamma, mc, None, k, q, v, S0, profile_dir=str(tmp_path),
+                                            interpret=True)
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("chain,depth", [("tf32", 8), (None, 8), (None, 64), (None, 1)])
 def test_split_mgpu_operator_out_f16_interpret(chain, depth):
     """The Triton operator pass handing [M; C M] over as one fp16 matrix (operator_out="f16"; the value pass then

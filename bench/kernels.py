@@ -82,6 +82,24 @@ def make_set(seed: int, B: int, N: int, dtype=jnp.bfloat16):
     return S0, q, k, v, g, beta
 
 
+def value_pass_inputs(seed: int, B: int, N: int = 64, depth: int = 8, operator_out: str = "f16",
+                      interpret: bool = False) -> tuple:
+    """The Mosaic GPU value pass's arguments (gdn_tree_split_mgpu.tree_apply_mgpu: Γ, β head-major, [M; C M] as
+    one fp16 matrix and None or as its bf16 pair, k, q, v, S0) for one input set of the bench geometry, from the
+    Triton operator pass as split_mgpu runs it (fp16 chain, int8 mask): what the value-pass probes in
+    bench/recipes time on their own."""
+    from pallas_kernels import gdn_tree_solve
+
+    mask = trees.mask_from_parents(jnp.asarray(trees.random_parents(1000 * B + N, B, N, depth)))
+    S0, q, k, v, g, beta = make_set(seed, B, N)
+    outs = gdn_tree_solve._tree_operators_triton(
+        q, k, g, beta, mask, rounds=gdn_tree_solve.num_rounds(depth, N),
+        precision=gdn_tree_solve._f32_precision("tf32", interpret), form=operator_out, operator_warps=4,
+        interpret=interpret, chain="f16", mask_dtype=jnp.int8)
+    gamma, mc_hi, mc_lo, beta_hn = (outs[0], outs[1], None, outs[2]) if operator_out == "f16" else outs
+    return gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Device-to-device streaming rate in bytes/s (x ← x + 1 in place, counting read + write)."""
     f = jax.jit(lambda x: x + 1.0, donate_argnums=0)

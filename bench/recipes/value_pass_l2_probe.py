@@ -10,37 +10,23 @@ import json
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from bench.kernels import DK, DV, HV, make_set
+from bench.kernels import DK, DV, HV, value_pass_inputs
 from bench.report import gpu_stream_events, profile_trace, run_metadata
-from pallas_kernels import gdn_tree_solve, gdn_tree_split_mgpu, trees
+from pallas_kernels import gdn_tree_split_mgpu
 
 
 def probe(B: int, sets: int = 4, reps: int = 5) -> dict:
-    N, depth = 64, 8
     interpret = jax.default_backend() != "gpu"          # the CPU smoke run: interpret mode, no device trace
-    parents = trees.random_parents(1000 * B + N, B, N, depth)
-    mask = trees.mask_from_parents(jnp.asarray(parents))
-    inputs = []
-    for i in range(sets):
-        S0, q, k, v, g, beta = make_set(7919 * i + B * N, B, N)
-        # the operator pass as split_mgpu's operator_out "f16" form runs it (fp16 chain, int8 mask)
-        gamma, mc, beta_hn = gdn_tree_solve._tree_operators_triton(
-            q, k, g, beta, mask, rounds=gdn_tree_solve.num_rounds(depth, N),
-            precision=gdn_tree_solve._f32_precision("tf32", interpret), form="f16", operator_warps=4,
-            interpret=interpret, chain="f16", mask_dtype=jnp.int8)
-        inputs.append((gamma, beta_hn, mc, k, q, v, S0))
+    inputs = [value_pass_inputs(7919 * i + B * 64, B, interpret=interpret) for i in range(sets)]
 
     def two_calls(ins):
         outs = []
-        for gamma, beta_hn, mc, k, q, v, S0 in ins:
-            outs.append(gdn_tree_split_mgpu.tree_apply_mgpu(gamma, beta_hn, mc, None, k, q, v, S0,
-                                                              interpret=interpret))
+        for gamma, *rest in ins:
+            outs.append(gdn_tree_split_mgpu.tree_apply_mgpu(gamma, *rest, interpret=interpret))
             # the same state again (Γ nudged so XLA keeps both launches): its tiles are in L2 if they stayed
-            outs.append(gdn_tree_split_mgpu.tree_apply_mgpu(gamma * (1 + 2 ** -20), beta_hn, mc, None, k, q, v, S0,
-                                                              interpret=interpret))
+            outs.append(gdn_tree_split_mgpu.tree_apply_mgpu(gamma * (1 + 2 ** -20), *rest, interpret=interpret))
         return outs
 
     f = jax.jit(two_calls)

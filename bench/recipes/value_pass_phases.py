@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.kernels import make_set
+from bench.kernels import value_pass_inputs
 from bench.report import gpu_stream_events, profile_trace, run_metadata
-from pallas_kernels import gdn_tree_solve, gdn_tree_split_mgpu, trees
+from pallas_kernels import gdn_tree_split_mgpu
 
 
 def sm_clock_mhz() -> float | None:
@@ -35,22 +35,6 @@ def sm_clock_mhz() -> float | None:
         return float(out[0]) if out else None
     except (OSError, ValueError, subprocess.SubprocessError):
         return None
-
-
-def inputs(B: int, operator_out: str, interpret: bool):
-    N, depth = 64, 8
-    parents = trees.random_parents(1000 * B + N, B, N, depth)
-    mask = trees.mask_from_parents(jnp.asarray(parents))
-    S0, q, k, v, g, beta = make_set(7919 + B * N, B, N)
-    outs = gdn_tree_solve._tree_operators_triton(
-        q, k, g, beta, mask, rounds=gdn_tree_solve.num_rounds(depth, N),
-        precision=gdn_tree_solve._f32_precision("tf32", interpret), form=operator_out, operator_warps=4,
-        interpret=interpret, chain="f16", mask_dtype=jnp.int8)
-    if operator_out == "f16":
-        gamma, mc, beta_hn = outs
-        return gamma, beta_hn, mc, None, k, q, v, S0
-    gamma, mc_hi, mc_lo, beta_hn = outs
-    return gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0
 
 
 def parse(trace: dict, mhz: float) -> dict:
@@ -93,9 +77,9 @@ def parse(trace: dict, mhz: float) -> dict:
             "last_start_us": float(starts.max()), "span_us": float(max(s[2] for s in spans) - t0)}
 
 
-def probe(B: int, operator_out: str, reps: int = 5) -> dict:
+def probe(B: int, operator_out: str, mhz: float | None, reps: int = 5) -> dict:
     interpret = jax.default_backend() != "gpu"
-    args = inputs(B, operator_out, interpret)
+    args = value_pass_inputs(7919 + B * 64, B, operator_out=operator_out, interpret=interpret)
     if interpret:                                       # the CPU smoke run: the kernel's code path, no profile
         o, vc = gdn_tree_split_mgpu.tree_apply_mgpu(*args, interpret=True)
         return {"B": B, "operator_out": operator_out, "interpret": True, "o_finite": bool(jnp.isfinite(o).all())}
@@ -124,20 +108,19 @@ def probe(B: int, operator_out: str, reps: int = 5) -> dict:
     files = sorted(glob.glob(os.path.join(d, "*.json")), key=os.path.getmtime)
     res["trace_files"] = len(files)
     if files:
-        res.update(parse(json.load(open(files[-1])), MHZ or 0.0))
+        res.update(parse(json.load(open(files[-1])), mhz or 0.0))
     return res
 
 
-MHZ = sm_clock_mhz()
-
 if __name__ == "__main__":
     gpu = jax.default_backend() == "gpu"
+    mhz = sm_clock_mhz()
     cases = [(8, "f16"), (8, "pair"), (1, "f16"), (4, "f16")] if gpu else [(1, "f16")]
-    res = {**run_metadata(), "sm_clock_mhz": MHZ, "probes": []}
+    res = {**run_metadata(), "sm_clock_mhz": mhz, "probes": []}
     out = sys.argv[1] if len(sys.argv) > 1 else "value_pass_phases.json"
     for B, of in cases:
         try:
-            p = probe(B, of)
+            p = probe(B, of, mhz)
         except Exception as e:                          # noqa: BLE001 — one failed case must not lose the others
             p = {"B": B, "operator_out": of, "error": f"{type(e).__name__}: {e}"[:2000]}
         res["probes"].append(p)

@@ -392,7 +392,7 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
         o, vc = gdn_tree_split_mgpu.tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0.astype(F32),
                                                     block_v=block_v, share_state_smem=share_state_smem,
                                                     share_kq_smem=share_kq_smem, tma_store=tma_store,
-                                                    out_dtype=out_dtype,
+                                                    programs=value_programs, out_dtype=out_dtype,
                                                     interpret=interpret)
         return o, gamma, vc
     gamma, MC = _tree_operators_triton(q, k, g, beta, mask, rounds=rounds, precision=precision, form="fp32",
@@ -458,8 +458,9 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     (gdn_tree_split_mgpu.tree_apply_mgpu), and
     operator_pass "mgpu" runs the operator pass in Mosaic GPU too (gdn_tree_split_mgpu.tree_operators_mgpu);
     build_c: the operator pass sends M alone and the value pass builds C from q kᵀ (gdn_tree_split_mgpu.
-    tree_apply_cv_mgpu), with the Triton operator pass; value_programs: that kernel's program count (None: one
-    per item; fewer loop over the items with a double-buffered state tile). operator_chain: how that Triton
+    tree_apply_cv_mgpu), with the Triton operator pass; value_programs: the Mosaic GPU value pass's program count
+    (None: one per item; fewer loop over the items — persistent — the build_c one with a double-buffered state
+    tile, the default one issuing each item's loads during the item before it). operator_chain: how that Triton
     operator pass forms M and C M (`OperatorChain`; "f16", the default with the default value pass: one-pass fp16
     products, `_f16_dot`; "tf32": one-pass tf32, the same roundings with more instructions, the default with
     build_c, whose rows were measured so; "pair": bf16 pairs, ~2⁻¹⁶; "f16_parallel": fp16 products with C M's
@@ -504,8 +505,6 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     value_state = _form_option("value_state", value_state, ValueState, "pair", "pair", operator_out == "f16",
                                "value_state 'f16' needs operator_out 'f16' (the state's fp16 matrix shares R's fp16 "
                                f"pair's bytes); got operator_out={operator_out!r}")
-    if value_programs is not None and not build_c:
-        raise ValueError("value_programs sets the build_c value pass's program count (build_c=True)")
     r = HV // HK
     nv = dv // block_v
     if num_warps is None:

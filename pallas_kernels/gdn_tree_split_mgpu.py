@@ -322,11 +322,6 @@ def _item_coords(item, HV: int, nt: int):
     return lax.div(item, HV * nt), lax.rem(lax.div(item, nt), HV), lax.rem(item, nt)
 
 
-def _item_count(items: int, pid, programs: int):
-    """How many of the items p, p + P, p + 2P, … < items program p takes (P = programs)."""
-    return lax.div(items - pid + programs - 1, programs)
-
-
 def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: bool, share_kq_smem: bool,
                   tma_store: bool, mc_pair: bool, state_f16: bool, programs: int | None):
     mc_g = refs[:2] if mc_pair else refs[:1]            # [M; C M]: a bf16 pair, or one fp16 matrix
@@ -429,28 +424,19 @@ def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: boo
                 load(b, h, t)
         item(b, h, t, lambda load: None)
         return
-    # Persistent: program p takes items p, p + P, p + 2P, … (P = programs, all resident at once), so each SM runs
-    # the same number of items (± 1) instead of the block scheduler's late last wave, and each item's loads are
-    # issued during the item before it.
+    # Persistent: program p takes items p, p + P, p + 2P, … (P = programs divides the item count, so each takes the
+    # same number, unrolled: in a device loop ptxas gave the kernel 238 registers, two programs per SM), each item's
+    # loads issued during the item before it.
     HV, nt = gamma_g.shape[1], o_g.shape[3] // bv
-    items = gamma_g.shape[0] * HV * nt
+    per_program = gamma_g.shape[0] * HV * nt // programs
     pid = lax.axis_index("p")
-    coords = lambda i: _item_coords(i, HV, nt)                                     # noqa: E731
-    count = _item_count(items, pid, programs)
+    coords = lambda j: _item_coords(pid + j * programs, HV, nt)                    # noqa: E731
     with jax.named_scope("issue_loads"):
         for load in (load_state, load_kq, load_rows):
-            load(*coords(pid))
-
-    def body(i, carry):
-        nxt = coords(pid + (i + 1) * programs)
-
-        def prefetch(load):
-            pl.when(i + 1 < count)(lambda: load(*nxt))
-
-        item(*coords(pid + i * programs), prefetch)
-        return carry
-
-    lax.fori_loop(0, count, body, 0)
+            load(*coords(0))
+    for j in range(per_program):
+        last = j + 1 == per_program
+        item(*coords(j), (lambda load: None) if last else (lambda load, j=j: load(*coords(j + 1))))
 
 
 def _apply_cv_kernel(gamma_g, rows_g, mhi_g, mlo_g, k_g, q_g, v_g, s0_g, o_g, vc_g,
@@ -550,7 +536,7 @@ def _apply_cv_kernel(gamma_g, rows_g, mhi_g, mlo_g, k_g, q_g, v_g, s0_g, o_g, vc
     if slots == 1:                                      # one item per program
         item(0, 0, True)
         return
-    n_items = _item_count(items, pid, programs)
+    n_items = lax.div(items - pid + programs - 1, programs)
 
     def body(i, carry):
         item(i, lax.rem(i, 2), i + 1 >= n_items)
@@ -569,6 +555,16 @@ def value_programs(items: int, per_sm: int = 2) -> int:
     looping over the items; one per item off a GPU or where there are fewer items than that."""
     sms = sm_count()
     return min(items, per_sm * sms) if sms else items
+
+
+def persistent_programs(items: int, most: int) -> int:
+    """The persistent value pass's program count: the largest divisor of `items` that is at most `most`, so every
+    program takes the same number of items (at B 8, 16, 32 of the bench geometry and three programs per SM on 132
+    SMs: 384 programs of 2, 4, 8 items)."""
+    per = -(-items // min(most, items))
+    while items % per:
+        per += 1
+    return items // per
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "programs", "out_dtype", "interpret"))
@@ -620,8 +616,9 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
     [M; C M] were; share_kq_smem=False stores them from registers). profile_dir: Mosaic GPU's profiler writes
     each call's per-program phase times (the kernel's named scopes) there as a trace (a diagnostic: on a GPU only,
     it adds a timer write at each phase edge). programs: None, one program per (request, value head, value tile)
-    item; a count, that many persistent programs loop over the items, each item's loads issued during the one
-    before it (needs the default shared-memory layout: share_state_smem, share_kq_smem, tma_store)."""
+    item; a count, at most that many persistent programs loop over the items (`persistent_programs`), each item's
+    loads issued during the one before it (needs the default shared-memory layout: share_state_smem, share_kq_smem,
+    tma_store)."""
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
     _check_value_pass("tree_apply_mgpu", q, k, v, block_v, allow_f16=True)
@@ -635,7 +632,7 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
                              "and tma_store (its loads for the next item reuse those buffers)")
         if programs < 1:
             raise ValueError(f"tree_apply_mgpu: programs must be ≥ 1, got {programs}")
-        programs = min(programs, items)
+        programs = persistent_programs(items, programs)
     state_f32 = plgpu.SMEM((dk, bv), F32)
     state_pair = [plgpu.SMEM((dk, bv), BF16, transforms=_smem_transforms(BF16, bv)) for _ in range(2)]
     mc_pair = mc_lo is not None

@@ -323,7 +323,7 @@ def _item_coords(item, HV: int, nt: int):
 
 
 def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: bool, share_kq_smem: bool,
-                  tma_store: bool, mc_pair: bool, state_f16: bool, programs: int | None):
+                  tma_store: bool, mc_pair: bool, state_f16: bool, programs: int | None, prefetch: str):
     mc_g = refs[:2] if mc_pair else refs[:1]            # [M; C M]: a bf16 pair, or one fp16 matrix
     k_g, q_g, v_g, s0_g, o_g, vc_g, kq_s, v_s, state_s, gam_s, bet_s, bar_state, bar_rows, bar_mc = refs[len(mc_g):]
     if share_state_smem:                                # r_view: R's fp16 view of the state pair (fp16 [M; C M])
@@ -431,12 +431,14 @@ def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: boo
     per_program = gamma_g.shape[0] * HV * nt // programs
     pid = lax.axis_index("p")
     coords = lambda j: _item_coords(pid + j * programs, HV, nt)                    # noqa: E731
-    with jax.named_scope("issue_loads"):
-        for load in (load_state, load_kq, load_rows):
-            load(*coords(0))
+    early = {"all": (load_rows, load_state, load_kq), "state": (load_state,), "none": ()}[prefetch]
     for j in range(per_program):
+        with jax.named_scope("issue_loads"):
+            for load in (load_state, load_kq, load_rows):
+                if j == 0 or load not in early:
+                    load(*coords(j))
         last = j + 1 == per_program
-        item(*coords(j), (lambda load: None) if last else (lambda load, j=j: load(*coords(j + 1))))
+        item(*coords(j), lambda load, j=j, last=last: None if last or load not in early else load(*coords(j + 1)))
 
 
 def _apply_cv_kernel(gamma_g, rows_g, mhi_g, mlo_g, k_g, q_g, v_g, s0_g, o_g, vc_g,
@@ -605,10 +607,10 @@ def tree_apply_cv_mgpu(gamma, rows, m_hi, m_lo, k, q, v, S0, *, block_v: int = 6
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "share_state_smem", "share_kq_smem", "tma_store",
-                                             "programs", "out_dtype", "profile_dir", "interpret"))
+                                             "programs", "prefetch", "out_dtype", "profile_dir", "interpret"))
 def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int = 64, share_state_smem: bool = True,
                     share_kq_smem: bool = True, tma_store: bool = True, programs: int | None = None,
-                    out_dtype=F32, profile_dir: str = "", interpret: bool = False):
+                    prefetch: str = "all", out_dtype=F32, profile_dir: str = "", interpret: bool = False):
     """gamma, beta_hn [B,HV,N] fp32 (β in head-major layout); mc_hi, mc_lo [B,HV,2N,N] bf16 (the [M; C M] pair; or
     mc_hi fp16 [M; C M] and mc_lo None: then R is an fp16 pair, two products instead of three, half the bytes);
     k, q [B,N,HK,dk] bf16; v [B,N,HV,dv]; S0 [B,HV,dk,dv] fp32. Returns o [B,N,HV,dv] (out_dtype), V' [B,HV,N,dv].
@@ -659,7 +661,7 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
     kernel = plgpu.kernel(
         functools.partial(_apply_kernel, r=HV // HK, bv=bv, share_state_smem=share_state_smem,
                           share_kq_smem=share_kq_smem, tma_store=tma_store, mc_pair=mc_pair,
-                          state_f16=state_f16, programs=programs),
+                          state_f16=state_f16, programs=programs, prefetch=prefetch),
         out_type=[jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype), jax.ShapeDtypeStruct((B, HV, N, dv), F32)],
         **(dict(grid=(B, HV, dv // bv), grid_names=("b", "h", "t")) if programs is None
            else dict(grid=(programs,), grid_names=("p",))),

@@ -288,15 +288,6 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
         variants["pallas_split_mgpu_bv64_of16"] = (
             lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
                                          precision="tf32", operator_out="f16", interpret=interpret), "solve")
-        # _p3 / _of16_p3: the default value pass persistent, three programs per SM (all resident) looping over the
-        # items, each item's loads issued during the one before it (value_programs)
-        for name, out, pf in (("pallas_split_mgpu_bv64_p3", "pair", "all"), ("pallas_split_mgpu_bv64_of16_p3", "f16", "all"),
-                              ("pallas_split_mgpu_bv64_of16_p3s", "f16", "state"),
-                              ("pallas_split_mgpu_bv64_of16_p3n", "f16", "none")):
-            variants[name] = (
-                lambda *s, out=out, pf=pf: tree_solve_pallas(
-                    *s, mask, max_depth=depth, method="split_mgpu", block_v=64, precision="tf32", operator_out=out,
-                    value_programs=per_sm(3), value_prefetch=pf, interpret=interpret), "solve")
         # _of16_vs16: and the value pass multiplies the state tile as one fp16 matrix against fp16 q, k (value_state)
         variants["pallas_split_mgpu_bv64_of16_vs16"] = (
             lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,

@@ -360,8 +360,7 @@ def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, oper
 def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision, out_dtype, num_warps, num_stages,
                       operator_warps, interpret, value_pass="triton", operator_pass="triton",
                       share_state_smem=True, share_kq_smem=True, tma_store=True, build_c=False,
-                      value_programs=None, value_prefetch="all", operator_chain="tf32", operator_mask="f32",
-                      operator_out="pair",
+                      value_programs=None, operator_chain="tf32", operator_mask="f32", operator_out="pair",
                       value_state="pair"):
     """Two launches: the node-wise operators once per (request, value head) — Γ and [M; C M], 2·N² fp32 words
     per head through HBM — then the value tiles, which hold no N × N chain: three products, K S0, Q S0, [M; C M] R.
@@ -393,7 +392,6 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
         o, vc = gdn_tree_split_mgpu.tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0.astype(F32),
                                                     block_v=block_v, share_state_smem=share_state_smem,
                                                     share_kq_smem=share_kq_smem, tma_store=tma_store,
-                                                    programs=value_programs, prefetch=value_prefetch,
                                                     out_dtype=out_dtype,
                                                     interpret=interpret)
         return o, gamma, vc
@@ -435,15 +433,14 @@ def supported(N: int, dk: int, dv: int, block_v: int, precision: Precision = "tf
 @functools.partial(jax.jit, static_argnames=("max_depth", "method", "block_v", "precision", "out_dtype",
                                              "num_warps", "num_stages", "operator_warps", "write_state",
                                              "share_state_smem", "share_kq_smem", "tma_store", "operator_pass",
-                                             "build_c", "value_programs", "value_prefetch", "operator_chain",
-                                             "operator_mask",
+                                             "build_c", "value_programs", "operator_chain", "operator_mask",
                                              "operator_out", "value_state", "interpret"))
 def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: int, method: Method = "neumann",
                       block_v: int = 64, precision: Precision = "tf32", out_dtype=F32,
                       num_warps: int | None = None, num_stages: int = 1, operator_warps: int = 4,
                       write_state: bool = False, share_state_smem: bool = True, share_kq_smem: bool = True,
                       tma_store: bool = True, operator_pass: Literal["triton", "mgpu"] = "triton",
-                      build_c: bool = False, value_programs: int | None = None, value_prefetch: str = "all",
+                      build_c: bool = False, value_programs: int | None = None,
                       operator_chain: OperatorChain | None = None, operator_mask: OperatorMask | None = None,
                       operator_out: OperatorOut | None = None, value_state: ValueState | None = None,
                       interpret: bool = False):
@@ -461,9 +458,8 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     (gdn_tree_split_mgpu.tree_apply_mgpu), and
     operator_pass "mgpu" runs the operator pass in Mosaic GPU too (gdn_tree_split_mgpu.tree_operators_mgpu);
     build_c: the operator pass sends M alone and the value pass builds C from q kᵀ (gdn_tree_split_mgpu.
-    tree_apply_cv_mgpu), with the Triton operator pass; value_programs: the Mosaic GPU value pass's program count
-    (None: one per item; fewer loop over the items — persistent — the build_c one with a double-buffered state
-    tile, the default one issuing each item's loads during the item before it). operator_chain: how that Triton
+    tree_apply_cv_mgpu), with the Triton operator pass; value_programs: that kernel's program count (None: one
+    per item; fewer loop over the items with a double-buffered state tile). operator_chain: how that Triton
     operator pass forms M and C M (`OperatorChain`; "f16", the default with the default value pass: one-pass fp16
     products, `_f16_dot`; "tf32": one-pass tf32, the same roundings with more instructions, the default with
     build_c, whose rows were measured so; "pair": bf16 pairs, ~2⁻¹⁶; "f16_parallel": fp16 products with C M's
@@ -508,6 +504,8 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     value_state = _form_option("value_state", value_state, ValueState, "pair", "pair", operator_out == "f16",
                                "value_state 'f16' needs operator_out 'f16' (the state's fp16 matrix shares R's fp16 "
                                f"pair's bytes); got operator_out={operator_out!r}")
+    if value_programs is not None and not build_c:
+        raise ValueError("value_programs sets the build_c value pass's program count (build_c=True)")
     r = HV // HK
     nv = dv // block_v
     if num_warps is None:
@@ -526,8 +524,7 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
                                  interpret=interpret, value_pass="mgpu" if method == "split_mgpu" else "triton",
                                  operator_pass=operator_pass, share_state_smem=share_state_smem,
                                  share_kq_smem=share_kq_smem, tma_store=tma_store, build_c=build_c,
-                                 value_programs=value_programs, value_prefetch=value_prefetch,
-                                 operator_chain=operator_chain,
+                                 value_programs=value_programs, operator_chain=operator_chain,
                                  operator_mask=operator_mask, operator_out=operator_out, value_state=value_state)
     kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(max_depth, N), method=method,
                              precision=_f32_precision(precision, interpret), deferred=deferred is not None,

@@ -127,7 +127,7 @@ from hyspec_jax import gdn
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 NODES = 64
 BLOCK_VS = (16, 32, 64)
-PROFILE_RANGES = 16      # named-scope ranges per item `tree_apply_mgpu(profile_dir=...)` has room for (it uses 10)
+PROFILE_RANGES = 16      # named-scope ranges per program `tree_apply_mgpu(profile_dir=...)` has room for (it uses 10)
 
 
 def supported(N: int, dk: int, dv: int, block_v: int, qk_dtype) -> bool:
@@ -317,128 +317,88 @@ def head_major_rows(mask, g, beta):
     return gdn.tree_log_decay(mask, jnp.swapaxes(g, 1, 2)), jnp.swapaxes(beta.astype(F32), 1, 2)
 
 
-def _item_coords(item, HV: int, nt: int):
-    """(request, value head, value tile) of a persistent value pass's work item (items ordered b, h, t)."""
-    return lax.div(item, HV * nt), lax.rem(lax.div(item, nt), HV), lax.rem(item, nt)
-
-
 def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: bool, share_kq_smem: bool,
-                  tma_store: bool, mc_pair: bool, state_f16: bool, programs: int | None, prefetch: str):
+                  tma_store: bool, mc_pair: bool, state_f16: bool):
     mc_g = refs[:2] if mc_pair else refs[:1]            # [M; C M]: a bf16 pair, or one fp16 matrix
     k_g, q_g, v_g, s0_g, o_g, vc_g, kq_s, v_s, state_s, gam_s, bet_s, bar_state, bar_rows, bar_mc = refs[len(mc_g):]
+    b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
+    cols = pl.ds(t * bv, bv)
+    key_head = lax.div(h, jnp.int32(r))                 # GVA is indexed, never expanded
     if share_state_smem:                                # r_view: R's fp16 view of the state pair (fp16 [M; C M])
         s0f_s, (s0hi_s, s0lo_s), *r_view = state_s
     else:
         (s0f_s, s0hi_s, s0lo_s), r_view = state_s, []
     (k_s, q_s), mc_s, *staging = kq_s if share_kq_smem else (kq_s[:2], kq_s[2:2 + len(mc_g)])
     N = k_s.shape[0]
-
-    # The loads of one item (request b, value head h, value tile t), on three barriers, so each product starts when
-    # its own operands have landed (with share_kq_smem the [M; C M] pair lands where k and q were, so it is loaded
-    # once they are read).
-    def load_state(b, h, t):
-        plgpu.copy_gmem_to_smem(s0_g.at[b, h, :, pl.ds(t * bv, bv)], s0f_s, bar_state)
-
-    def load_kq(b, h, t):
-        key_head = lax.div(h, jnp.int32(r))             # GVA is indexed, never expanded
+    # Issued at once, on three barriers, so each product starts when its own operands have landed (with
+    # share_kq_smem the [M; C M] pair lands where k and q were, so it is loaded once they are read). The named
+    # scopes are the phases `profile_dir` records (bench/recipes/value_pass_phases.py); without it they are names.
+    with jax.named_scope("issue_loads"):
+        plgpu.copy_gmem_to_smem(s0_g.at[b, h, :, cols], s0f_s, bar_state)
         plgpu.copy_gmem_to_smem(k_g.at[b, :, key_head, :], k_s, bar_state)
         plgpu.copy_gmem_to_smem(q_g.at[b, :, key_head, :], q_s, bar_state)
-
-    def load_rows(b, h, t):
-        plgpu.copy_gmem_to_smem(v_g.at[b, :, h, pl.ds(t * bv, bv)], v_s, bar_rows)
+        plgpu.copy_gmem_to_smem(v_g.at[b, :, h, cols], v_s, bar_rows)
         plgpu.copy_gmem_to_smem(gamma_g.at[b, h], gam_s, bar_rows)
         plgpu.copy_gmem_to_smem(beta_g.at[b, h], bet_s, bar_rows)
 
-    def item(b, h, t, prefetch):
-        """One item; prefetch(load): issue `load` for this program's next item, if it has one (persistent form:
-        each load as soon as this item has read the buffer it fills)."""
-        cols = pl.ds(t * bv, bv)
+    def load_mc():
+        for src, dst in zip(mc_g, mc_s):
+            plgpu.copy_gmem_to_smem(src.at[b, h], dst, bar_mc)
 
-        def load_mc():
-            for src, dst in zip(mc_g, mc_s):
-                plgpu.copy_gmem_to_smem(src.at[b, h], dst, bar_mc)
+    if not share_kq_smem:
+        load_mc()
 
-        if not share_kq_smem:
-            load_mc()
-        # The named scopes are the phases `profile_dir` records (bench/recipes/value_pass_phases.py); without it
-        # they are names.
-        with jax.named_scope("wait_state"):
-            plgpu.barrier_wait(bar_state)
-        # state_f16: S0 as one fp16 matrix (R's fp16 view of the same bytes) against fp16 k, q: one product each
-        state_refs = (r_view[0][0], None) if state_f16 else (s0hi_s, s0lo_s)
-        with jax.named_scope("split_state"):
-            _split_state(s0f_s, *state_refs, share_state_smem)
+    with jax.named_scope("wait_state"):
+        plgpu.barrier_wait(bar_state)
+    # state_f16: S0 as one fp16 matrix (R's fp16 view of the same bytes) against fp16 k, q: one product each
+    state_refs = (r_view[0][0], None) if state_f16 else (s0hi_s, s0lo_s)
+    with jax.named_scope("split_state"):
+        _split_state(s0f_s, *state_refs, share_state_smem)
 
-        def state_products(acc_k, acc_q):
-            for acc, x_s in ((acc_k, k_s), (acc_q, q_s)):
-                for s_s in state_refs:
-                    if s_s is not None:
-                        plgpu.wgmma(acc, x_s, s_s)
-            plgpu.wgmma_wait(0)
-            return acc_k[...], acc_q[...]
+    def state_products(acc_k, acc_q):
+        for acc, x_s in ((acc_k, k_s), (acc_q, q_s)):
+            for s_s in state_refs:
+                if s_s is not None:
+                    plgpu.wgmma(acc, x_s, s_s)
+        plgpu.wgmma_wait(0)
+        return acc_k[...], acc_q[...]
 
-        with jax.named_scope("state_products"):
-            ks, qs = pl.run_scoped(state_products, plgpu.ACC((N, bv), F32), plgpu.ACC((N, bv), F32))
-        if share_kq_smem:
-            load_mc()                                   # k and q are read (wgmma_wait above)
+    with jax.named_scope("state_products"):
+        ks, qs = pl.run_scoped(state_products, plgpu.ACC((N, bv), F32), plgpu.ACC((N, bv), F32))
+    if share_kq_smem:
+        load_mc()                                       # k and q are read (wgmma_wait above)
 
-        with jax.named_scope("wait_rows"):
-            plgpu.barrier_wait(bar_rows)
-        with jax.named_scope("r_pair"):
-            row_layout = plgpu.Layout.WGMMA.reduce(1)
-            rows = lambda x: lax.broadcast_in_dim(x, (N, bv), [0])                  # noqa: E731
-            decay = rows(jnp.exp(plgpu.load(gam_s, layout=row_layout)))
-            beta = rows(plgpu.load(bet_s, layout=row_layout))
-            rhi_s, rlo_s = _store_r_pair(beta, v_s, decay, ks, *(r_view[0] if r_view else (s0hi_s, s0lo_s)))
-            plgpu.commit_smem()
-        prefetch(load_rows)                             # v, Γ and β are read (the barrier above)
+    with jax.named_scope("wait_rows"):
+        plgpu.barrier_wait(bar_rows)
+    with jax.named_scope("r_pair"):
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        rows = lambda x: lax.broadcast_in_dim(x, (N, bv), [0])
+        decay = rows(jnp.exp(plgpu.load(gam_s, layout=row_layout)))
+        beta = rows(plgpu.load(bet_s, layout=row_layout))
+        rhi_s, rlo_s = _store_r_pair(beta, v_s, decay, ks, *(r_view[0] if r_view else (s0hi_s, s0lo_s)))
+        plgpu.commit_smem()
 
-        with jax.named_scope("wait_mc"):
-            plgpu.barrier_wait(bar_mc)
-        with jax.named_scope("mc_products"):
-            out = _pair_wgmma((mc_s[0], mc_s[1] if mc_pair else None), (rhi_s, rlo_s), (2 * N, bv))
-            o = (decay * qs + out[N:]).astype(o_g.dtype)
-        if not tma_store:
-            vc_g.at[b, h, :, cols][...] = out[:N]
-            o_g.at[b, :, h, cols][...] = o
-            return
-        # Both tiles through shared memory (where [M; C M] was) and out by TMA: whole 128-byte lines, not the
-        # 8-byte stores of the WGMMA layout. The barrier: every warp's part of the product has read [M; C M] and R.
-        (vc_s, o_s), = staging
-        with jax.named_scope("stage_outputs"):
-            plgpu.commit_smem()
-            prefetch(load_state)                        # R's pair, on the state's bytes, is read
-            vc_s[...] = out[:N]
-            o_s[...] = o
-            plgpu.commit_smem()
-        with jax.named_scope("store_outputs"):
-            plgpu.copy_smem_to_gmem(vc_s, vc_g.at[b, h, :, cols])
-            plgpu.copy_smem_to_gmem(o_s, o_g.at[b, :, h, cols])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        prefetch(load_kq)                               # the staged tiles, where k and q land, are read
-
-    if programs is None:                                # one program per item
-        b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
-        with jax.named_scope("issue_loads"):
-            for load in (load_state, load_kq, load_rows):
-                load(b, h, t)
-        item(b, h, t, lambda load: None)
+    with jax.named_scope("wait_mc"):
+        plgpu.barrier_wait(bar_mc)
+    with jax.named_scope("mc_products"):
+        out = _pair_wgmma((mc_s[0], mc_s[1] if mc_pair else None), (rhi_s, rlo_s), (2 * N, bv))
+        o = (decay * qs + out[N:]).astype(o_g.dtype)
+    if not tma_store:
+        vc_g.at[b, h, :, cols][...] = out[:N]
+        o_g.at[b, :, h, cols][...] = o
         return
-    # Persistent: program p takes items p, p + P, p + 2P, … (P = programs divides the item count, so each takes the
-    # same number, unrolled: in a device loop ptxas gave the kernel 238 registers, two programs per SM), each item's
-    # loads issued during the item before it.
-    HV, nt = gamma_g.shape[1], o_g.shape[3] // bv
-    per_program = gamma_g.shape[0] * HV * nt // programs
-    pid = lax.axis_index("p")
-    coords = lambda j: _item_coords(pid + j * programs, HV, nt)                    # noqa: E731
-    early = {"all": (load_rows, load_state, load_kq), "state": (load_state,), "none": ()}[prefetch]
-    for j in range(per_program):
-        with jax.named_scope("issue_loads"):
-            for load in (load_state, load_kq, load_rows):
-                if j == 0 or load not in early:
-                    load(*coords(j))
-        last = j + 1 == per_program
-        item(*coords(j), lambda load, j=j, last=last: None if last or load not in early else load(*coords(j + 1)))
+    # Both tiles through shared memory (where [M; C M] was) and out by TMA: whole 128-byte lines, not the
+    # 8-byte stores of the WGMMA layout. The barrier: every warp's part of the product has read [M; C M].
+    (vc_s, o_s), = staging
+    with jax.named_scope("stage_outputs"):
+        plgpu.commit_smem()
+        vc_s[...] = out[:N]
+        o_s[...] = o
+        plgpu.commit_smem()
+    with jax.named_scope("store_outputs"):
+        plgpu.copy_smem_to_gmem(vc_s, vc_g.at[b, h, :, cols])
+        plgpu.copy_smem_to_gmem(o_s, o_g.at[b, :, h, cols])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _apply_cv_kernel(gamma_g, rows_g, mhi_g, mlo_g, k_g, q_g, v_g, s0_g, o_g, vc_g,
@@ -462,7 +422,8 @@ def _apply_cv_kernel(gamma_g, rows_g, mhi_g, mlo_g, k_g, q_g, v_g, s0_g, o_g, vc
     N = k_s.shape[0]
 
     def coords(i):
-        return _item_coords(pid + i * programs, HV, nt)
+        item = pid + i * programs
+        return lax.div(item, HV * nt), lax.rem(lax.div(item, nt), HV), lax.rem(item, nt)
 
     def load_state(i, slot):
         b, h, t = coords(i)
@@ -559,16 +520,6 @@ def value_programs(items: int, per_sm: int = 2) -> int:
     return min(items, per_sm * sms) if sms else items
 
 
-def persistent_programs(items: int, most: int) -> int:
-    """The persistent value pass's program count: the largest divisor of `items` that is at most `most`, so every
-    program takes the same number of items (at B 8, 16, 32 of the bench geometry and three programs per SM on 132
-    SMs: 384 programs of 2, 4, 8 items)."""
-    per = -(-items // min(most, items))
-    while items % per:
-        per += 1
-    return items // per
-
-
 @functools.partial(jax.jit, static_argnames=("block_v", "programs", "out_dtype", "interpret"))
 def tree_apply_cv_mgpu(gamma, rows, m_hi, m_lo, k, q, v, S0, *, block_v: int = 64, programs: int | None = None,
                        out_dtype=F32, interpret: bool = False):
@@ -607,34 +558,23 @@ def tree_apply_cv_mgpu(gamma, rows, m_hi, m_lo, k, q, v, S0, *, block_v: int = 6
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "share_state_smem", "share_kq_smem", "tma_store",
-                                             "programs", "prefetch", "out_dtype", "profile_dir", "interpret"))
+                                             "out_dtype", "profile_dir", "interpret"))
 def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int = 64, share_state_smem: bool = True,
-                    share_kq_smem: bool = True, tma_store: bool = True, programs: int | None = None,
-                    prefetch: str = "all", out_dtype=F32, profile_dir: str = "", interpret: bool = False):
+                    share_kq_smem: bool = True, tma_store: bool = True, out_dtype=F32, profile_dir: str = "",
+                    interpret: bool = False):
     """gamma, beta_hn [B,HV,N] fp32 (β in head-major layout); mc_hi, mc_lo [B,HV,2N,N] bf16 (the [M; C M] pair; or
     mc_hi fp16 [M; C M] and mc_lo None: then R is an fp16 pair, two products instead of three, half the bytes);
     k, q [B,N,HK,dk] bf16; v [B,N,HV,dv]; S0 [B,HV,dk,dv] fp32. Returns o [B,N,HV,dv] (out_dtype), V' [B,HV,N,dv].
     tma_store: o and V' leave through shared memory by TMA (needs share_kq_smem: they are staged where k, q and
     [M; C M] were; share_kq_smem=False stores them from registers). profile_dir: Mosaic GPU's profiler writes
     each call's per-program phase times (the kernel's named scopes) there as a trace (a diagnostic: on a GPU only,
-    it adds a timer write at each phase edge). programs: None, one program per (request, value head, value tile)
-    item; a count, at most that many persistent programs loop over the items (`persistent_programs`), each item's
-    loads issued during the one before it (needs the default shared-memory layout: share_state_smem, share_kq_smem,
-    tma_store)."""
+    it adds a timer write at each phase edge)."""
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
     _check_value_pass("tree_apply_mgpu", q, k, v, block_v, allow_f16=True)
     if profile_dir and interpret:
         raise ValueError("tree_apply_mgpu: profile_dir records on a GPU (Mosaic GPU's profiler), not in interpret mode")
     bv = block_v
-    items = B * HV * (dv // bv)
-    if programs is not None:
-        if not (share_state_smem and share_kq_smem and tma_store):
-            raise ValueError("tree_apply_mgpu: programs (the persistent form) needs share_state_smem, share_kq_smem "
-                             "and tma_store (its loads for the next item reuse those buffers)")
-        if programs < 1:
-            raise ValueError(f"tree_apply_mgpu: programs must be ≥ 1, got {programs}")
-        programs = persistent_programs(items, programs)
     state_f32 = plgpu.SMEM((dk, bv), F32)
     state_pair = [plgpu.SMEM((dk, bv), BF16, transforms=_smem_transforms(BF16, bv)) for _ in range(2)]
     mc_pair = mc_lo is not None
@@ -661,10 +601,9 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
     kernel = plgpu.kernel(
         functools.partial(_apply_kernel, r=HV // HK, bv=bv, share_state_smem=share_state_smem,
                           share_kq_smem=share_kq_smem, tma_store=tma_store, mc_pair=mc_pair,
-                          state_f16=state_f16, programs=programs, prefetch=prefetch),
+                          state_f16=state_f16),
         out_type=[jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype), jax.ShapeDtypeStruct((B, HV, N, dv), F32)],
-        **(dict(grid=(B, HV, dv // bv), grid_names=("b", "h", "t")) if programs is None
-           else dict(grid=(programs,), grid_names=("p",))),
+        grid=(B, HV, dv // bv), grid_names=("b", "h", "t"),
         scratch_types=[
             kq_mc,                                                                     # k, q | [M; C M] pair
             plgpu.SMEM((N, bv), v.dtype, transforms=_smem_transforms(v.dtype, bv)),    # v
@@ -673,8 +612,7 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
             plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=len(mc)),
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-                                             **(dict(profile_space=PROFILE_RANGES * -(-items // (programs or items)),
-                                                     profile_dir=profile_dir)
+                                             **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir)
                                                 if profile_dir else {})),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="gdn_tree_apply_mgpu",

@@ -11,7 +11,6 @@ cost: a timer write per phase edge). On the CPU it runs the kernel once in inter
 """
 from __future__ import annotations
 
-import functools
 import glob
 import json
 import os
@@ -82,19 +81,14 @@ def parse(trace: dict, mhz: float) -> dict:
                 [max(b for _, b in v) - t0 for v in by_sm.values()], [10, 50, 100])]}
 
 
-def probe(B: int, operator_out: str, mhz: float | None, reps: int = 5, per_sm: int | None = None) -> dict:
-    """per_sm: the persistent value pass (`programs`), that many programs per SM; None: one program per item."""
+def probe(B: int, operator_out: str, mhz: float | None, reps: int = 5) -> dict:
     interpret = jax.default_backend() != "gpu"
     args = value_pass_inputs(7919 + B * 64, B, operator_out=operator_out, interpret=interpret)
-    items = B * args[6].shape[2] * (args[6].shape[3] // 64)
-    programs = per_sm and (gdn_tree_split_mgpu.value_programs(items, per_sm) if not interpret else 2)
-    apply = functools.partial(gdn_tree_split_mgpu.tree_apply_mgpu, programs=programs)
     if interpret:                                       # the CPU smoke run: the kernel's code path, no profile
-        o, vc = apply(*args, interpret=True)
-        return {"B": B, "operator_out": operator_out, "programs": programs, "interpret": True,
-                "o_finite": bool(jnp.isfinite(o).all())}
-    res = {"B": B, "operator_out": operator_out, "launched_programs": programs}
-    plain = jax.jit(lambda *a: apply(*a))
+        o, vc = gdn_tree_split_mgpu.tree_apply_mgpu(*args, interpret=True)
+        return {"B": B, "operator_out": operator_out, "interpret": True, "o_finite": bool(jnp.isfinite(o).all())}
+    res = {"B": B, "operator_out": operator_out}
+    plain = jax.jit(lambda *a: gdn_tree_split_mgpu.tree_apply_mgpu(*a))
     jax.block_until_ready(plain(*args))
 
     def run():
@@ -104,7 +98,7 @@ def probe(B: int, operator_out: str, mhz: float | None, reps: int = 5, per_sm: i
     ev = [d / 1e3 for _, d, name in gpu_stream_events(profile_trace(run)) if "gdn_tree_apply_mgpu" in name]
     res["plain_us"] = float(np.median(ev))
     d = tempfile.mkdtemp(prefix=f"phases_b{B}_")
-    prof = jax.jit(lambda *a: apply(*a, profile_dir=d))
+    prof = jax.jit(lambda *a: gdn_tree_split_mgpu.tree_apply_mgpu(*a, profile_dir=d))
     for _ in range(3):
         jax.block_until_ready(prof(*args))
     jax.effects_barrier()
@@ -125,23 +119,20 @@ def probe(B: int, operator_out: str, mhz: float | None, reps: int = 5, per_sm: i
 if __name__ == "__main__":
     gpu = jax.default_backend() == "gpu"
     mhz = sm_clock_mhz()
-    # (B, [M; C M] form, programs per SM of the persistent value pass or None: one program per item)
-    cases = ([(8, "f16", None), (8, "f16", 3), (8, "pair", None), (16, "f16", None), (16, "f16", 3), (4, "f16", None)]
-             if gpu else [(1, "f16", None), (1, "f16", 3)])
+    cases = [(8, "f16"), (8, "pair"), (16, "f16"), (1, "f16"), (4, "f16")] if gpu else [(1, "f16")]
     res = {**run_metadata(), "sm_clock_mhz": mhz, "probes": []}
     out = sys.argv[1] if len(sys.argv) > 1 else "value_pass_phases.json"
-    for B, of, per_sm in cases:
+    for B, of in cases:
         try:
-            p = probe(B, of, mhz, per_sm=per_sm)
+            p = probe(B, of, mhz)
         except Exception as e:                          # noqa: BLE001 — one failed case must not lose the others
-            p = {"B": B, "operator_out": of, "per_sm": per_sm, "error": f"{type(e).__name__}: {e}"[:2000]}
+            p = {"B": B, "operator_out": of, "error": f"{type(e).__name__}: {e}"[:2000]}
         res["probes"].append(p)
         json.dump(res, open(out, "w"), indent=1)
         if "error" in p or p.get("interpret"):
             print(p)
             continue
-        print(f"\nB={B} [M; C M] {of}, persistent programs {p['launched_programs']}: plain {p['plain_us']:.1f} us, "
-              f"profiled {p['profiled_us']} us, "
+        print(f"\nB={B} [M; C M] {of}: plain {p['plain_us']:.1f} us, profiled {p['profiled_us']} us, "
               f"{p.get('programs')} programs on {p.get('sms')} SMs, programs per SM at start: max "
               f"{p.get('max_programs_per_sm_at_start')}, median {p.get('median_programs_per_sm_at_start')}; "
               f"last start {p.get('last_start_us', 0):.1f} us, span {p.get('span_us', 0):.1f} us; programs per "

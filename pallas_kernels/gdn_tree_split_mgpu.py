@@ -72,7 +72,11 @@ state tile, k and q in two chunks of 64 key rows, the first split and multiplied
 fell to 1.9 + 0.2 µs, but twelve TMA copies issue slower than six: 23.5 vs 22.9 µs at B 8, slower at every batch;
 kernels_chunked_state_h200.md), and one program per key head with a warpgroup per value head, loading k and q
 once for the three (200 KiB, one program per SM: 25.8 vs 23.0 µs at B 8, 9.8 vs 6.2 at B 1, where the 96 heads
-ran on 32 SMs; kernels_group_heads_h200.md).
+ran on 32 SMs; kernels_group_heads_h200.md). Also measured and dropped: persistent programs, each looping over
+several items with the next item's loads issued during this one. Any program running more than one item got 184–238
+registers (152 for one; three per SM need ≤ 168), so two programs per SM ran: B 8 36.4–43.3 vs 32.8 µs in all with
+operator_out "f16", slower at every batch ≥ 8. The per-item form's SMs end within 2.2 µs of each other (B 8: 20.8
+to 23.0 µs), so better packing had little to win (kernels_value_persistent_h200.md).
 
 The Mosaic GPU operator pass (85 KiB, 230 registers, two programs per SM) is ~40x more accurate than the Triton
 one (o error 4.6e-6 vs 2.0e-4 against the fp32 reference) but slower on the H200 (B 8: 25.5 µs + 3.9 µs of XLA

@@ -293,6 +293,11 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
             lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
                                          precision="tf32", operator_out="f16", value_state="f16",
                                          interpret=interpret), "solve")
+        if not interpret:   # _of16_vst: the value pass transposed, its A operands from registers (GPU only)
+            variants["pallas_split_mgpu_bv64_of16_vst"] = (
+                lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
+                                             precision="tf32", operator_out="f16", value_state="transposed",
+                                             interpret=interpret), "solve")
         # _of16_chf16_parallel: with C M's chain beside M's (operator_chain "f16_parallel")
         variants["pallas_split_mgpu_bv64_of16_chf16_parallel"] = (
             lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,

@@ -55,7 +55,9 @@ Precision = Literal["tf32", "tf32x3", "ieee"]
 # 15x more accurate with the pair output (o 1.3e-5 vs 1.9e-4: M and C M keep their leading terms I − L and C in
 # fp32) but slower at B ≥ 8 (34.4 → 37.2 µs at B 8), where three operator programs per SM are bound by their work,
 # not their chain's depth (bench/results/kernels_chain_parallel_h200.md). An option.
-OperatorChain = Literal["tf32", "pair", "f16", "f16_parallel"]
+# "f16_halves": the fp16 products on the two halves of the nodes (`_tree_operator_halves`: the operators are lower
+# triangular in a topological order, so three half-size blocks and about a third of the tensor-core work).
+OperatorChain = Literal["tf32", "pair", "f16", "f16_parallel", "f16_halves"]
 # The ancestor mask as the Triton operator pass reads it: fp32 (16 KiB per program at N 64) or int8 (4 KiB, the
 # default of split_mgpu). Every program of a request reads the same mask, so it is L2 traffic, not HBM, but at the
 # start of one wave of three programs per SM: int8 took split_mgpu's operator pass from 11.7 to 10.9 µs at B 8,
@@ -67,8 +69,10 @@ OperatorMask = Literal["f32", "i8"]
 OperatorOut = Literal["pair", "f16"]
 # How the Mosaic GPU value pass multiplies the fp32 state tile (with operator_out "f16"): as a bf16 pair against the
 # bf16 q, k (16 significand bits, two products each for K S0 and Q S0) or as one fp16 matrix against q, k in fp16,
-# which the operator pass writes beside [M; C M] (11 bits, as one-pass tf32; one product each).
-ValueState = Literal["pair", "f16"]
+# which the operator pass writes beside [M; C M] (11 bits, as one-pass tf32; one product each); "transposed": the
+# bf16 pair kept in registers as wgmma's A operand, the whole value pass transposed (gdn_tree_split_mgpu.
+# _apply_transposed_kernel: (K S0)ᵀ = S0ᵀ Kᵀ, R's fp16 pair from registers too; GPU only).
+ValueState = Literal["pair", "f16", "transposed"]
 
 REFERENCE = "hyspec_jax.gdn.masked_solve"
 
@@ -127,9 +131,22 @@ def _fold_deferred(s0, c_ref, rc_ref, pk_ref, pv_ref, count_ref, precision):
     return jnp.exp(c) * s0 + _dot(kw, pv_ref[...], precision, trans_a=True)
 
 
-def _decays(on, gamma):
-    """D = A ⊙ e^{Γ_i−Γ_j} (on: A > 0)."""
-    return gdn.masked_exp(on, gamma[:, None] - gamma[None, :])
+def _decays(on, gamma, gamma_cols=None):
+    """D = A ⊙ e^{Γ_i−Γ_j} (on: A > 0; gamma_cols: Γ of the columns' nodes where they are not the rows')."""
+    return gdn.masked_exp(on, gamma[:, None] - (gamma if gamma_cols is None else gamma_cols)[None, :])
+
+
+def _interactions(on, gamma, beta, k, precision, gamma_cols=None, k_cols=None):
+    """D and L = A ⊙ β kkᵀ ⊙ D of the rows' nodes against the columns' (by default the same nodes: then L is strict,
+    its diagonal zero; a block below the diagonal of a topological order has no diagonal)."""
+    D = _decays(on, gamma, gamma_cols)
+    n = on.shape[0]
+    kk = _dot(k, k if k_cols is None else k_cols, precision, trans_b=True)     # [rows, cols]
+    if k_cols is None:
+        row = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+        col = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+        on = on & (row != col)
+    return D, jnp.where(on, beta[:, None] * kk * D, 0.0)
 
 
 def _query_operator(q, k, D, precision):
@@ -140,18 +157,13 @@ def _query_operator(q, k, D, precision):
 def _node_operators(mask_ref, g_ref, beta_ref, q, k, precision):
     """Γ = A g, the ancestor-masked L = strict(A) ⊙ β kkᵀ ⊙ D and C = qkᵀ ⊙ D (node by node, no value tile; q None:
     no C)."""
-    n = mask_ref.shape[0]
     A = mask_ref[...]                                   # [N, N] 0/1, f32 or int8 (`operator_mask`)
     A = A if A.dtype == F32 else A.astype(F32)
     g = g_ref[...]                                      # [N]
     beta = beta_ref[...]                                # [N]
     on = A > 0
     gamma = jnp.sum(A * g[None, :], axis=1)             # Γ = A g            [N]
-    D = _decays(on, gamma)
-    row = lax.broadcasted_iota(jnp.int32, (n, n), 0)
-    col = lax.broadcasted_iota(jnp.int32, (n, n), 1)
-    kk = _dot(k, k, precision, trans_b=True)            # [N, N]
-    L = jnp.where(on & (row != col), beta[:, None] * kk * D, 0.0)
+    D, L = _interactions(on, gamma, beta, k, precision)
     if q is None:                                       # C not wanted (built by the value pass, or later)
         return gamma, beta, L, None
     return gamma, beta, L, _query_operator(q, k, D, precision)
@@ -249,6 +261,9 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
     15.5 µs at B 8, N 64, 0.7–0.9 µs less at B 16 and 32 too, with the same 163–165 registers
     (bench/results/kernels_operator_chain_h200.md). The pair chain is faster with C first (18.8 vs 21.1 µs); so is
     form "fp32" kept (its measured order)."""
+    if chain == "f16_halves":
+        return _tree_operator_halves(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *out_refs, rounds=rounds,
+                                     precision=precision, form=form, r=r)
     n = mask_ref.shape[0]
     parallel = chain == "f16_parallel" and form != "m_pair" and rounds < gdn.SERIES_BLOCK
     c_first = chain == "pair" or form == "fp32" or parallel
@@ -280,11 +295,7 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
         rows_ref[...] = beta                            # β head-major
         mc_ref[pl.ds(0, n), :] = M.astype(jnp.float16)
         mc_ref[pl.ds(n, n), :] = CM.astype(jnp.float16)
-        if qk16_refs:                                   # value_state "f16": q, k in fp16, once per key head
-            @pl.when(lax.rem(pl.program_id(1), r) == 0)
-            def _():
-                for dst, src in zip(qk16_refs, (q_ref, k_ref)):
-                    dst[...] = src[...].astype(jnp.float16)
+        _store_qk16(qk16_refs, q_ref, k_ref, r)
         return
     hi_ref, lo_ref, rows_ref = out_refs
     if form == "m_pair":
@@ -295,6 +306,60 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
     rows_ref[...] = beta                                # β head-major
     for rows, X in ((pl.ds(0, n), M), (pl.ds(n, n), CM)):
         hi_ref[rows, :], lo_ref[rows, :] = gdn_tree_split_mgpu.split_bf16(X)
+
+
+def _store_qk16(qk16_refs, q_ref, k_ref, r: int):
+    """value_state "f16": q, k in fp16, written by the first of each key head's r programs."""
+    if qk16_refs:
+        @pl.when(lax.rem(pl.program_id(1), r) == 0)
+        def _():
+            for dst, src in zip(qk16_refs, (q_ref, k_ref)):
+                dst[...] = src[...].astype(jnp.float16)
+
+
+def _tree_operator_halves(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *out_refs, rounds: int, precision,
+                          form: str, r: int):
+    """operator_chain "f16_halves" (forms "f16" and "pair"): the operators on the two halves of the nodes. In a
+    topological order every N × N operator is lower triangular, so its upper-right half is zero and the rest is
+    three half-size blocks: kkᵀ and qkᵀ as three half products each (3/4 of the work), M by `gdn.halves_inverse`
+    (at d = 7, 10 products of half width, each 1/8 of a full one, against 4 full ones) and C M = [C11 M11 0;
+    C21 M11 + C22 M21  C22 M22] (4 half products against one full). Three operator programs per SM are bound by
+    their work, not by their chain's depth (kernels_chain_parallel_h200.md), hence the fewer products."""
+    n = mask_ref.shape[0]
+    h = n // 2
+    halves = (pl.ds(0, h), pl.ds(h, h))
+    A = {(i, j): mask_ref[halves[i], halves[j]].astype(F32) for i, j in ((0, 0), (1, 0), (1, 1))}   # (0, 1): zero
+    g = [g_ref[i] for i in halves]
+    beta = [beta_ref[i] for i in halves]
+    k = [k_ref[i, :] for i in halves]
+    gamma = [jnp.sum(A[0, 0] * g[0][None, :], axis=1),                          # Γ = A g by halves
+             jnp.sum(A[1, 0] * g[0][None, :], axis=1) + jnp.sum(A[1, 1] * g[1][None, :], axis=1)]
+    D11, L11 = _interactions(A[0, 0] > 0, gamma[0], beta[0], k[0], precision)
+    D21, L21 = _interactions(A[1, 0] > 0, gamma[1], beta[1], k[1], precision, gamma_cols=gamma[0], k_cols=k[0])
+    D22, L22 = _interactions(A[1, 1] > 0, gamma[1], beta[1], k[1], precision)
+    rows, cols = lax.broadcasted_iota(jnp.int32, (h, h), 0), lax.broadcasted_iota(jnp.int32, (h, h), 1)
+    M11, M21, M22 = gdn.halves_inverse(L11, L21, L22, rows, cols, rounds, _f16_dot)
+    q = [q_ref[i, :] for i in halves]
+    C11, C21, C22 = (_query_operator(q[i], k[j], D, precision) for i, j, D in ((0, 0, D11), (1, 0, D21), (1, 1, D22)))
+    blocks = {(0, 0): M11, (1, 0): M21, (1, 1): M22, (2, 0): _f16_dot(C11, M11),
+              (3, 0): _f16_dot(C21, M11) + _f16_dot(C22, M21), (3, 1): _f16_dot(C22, M22)}
+    zero = jnp.zeros((h, h), F32)
+    for i, x in zip(halves, gamma):
+        gamma_ref[i] = x
+    if form == "f16":
+        mc_ref, rows_ref, *qk16_refs = out_refs
+        targets = lambda X: ((mc_ref, X.astype(jnp.float16)),)                  # noqa: E731
+    else:
+        hi_ref, lo_ref, rows_ref = out_refs
+        qk16_refs = ()
+        targets = lambda X: zip((hi_ref, lo_ref), gdn_tree_split_mgpu.split_bf16(X))   # noqa: E731
+    for i in range(4):                                   # [M; C M] in four row blocks of h, each two column blocks
+        for j in range(2):
+            for ref, x in targets(blocks.get((i, j), zero)):
+                ref[pl.ds(i * h, h), halves[j]] = x
+    for i, b in zip(halves, beta):
+        rows_ref[i] = b                                  # β head-major
+    _store_qk16(qk16_refs, q_ref, k_ref, r)
 
 
 def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref, o_ref, vc_ref, *, precision):
@@ -392,7 +457,7 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
         o, vc = gdn_tree_split_mgpu.tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0.astype(F32),
                                                     block_v=block_v, share_state_smem=share_state_smem,
                                                     share_kq_smem=share_kq_smem, tma_store=tma_store,
-                                                    out_dtype=out_dtype,
+                                                    transposed=value_state == "transposed", out_dtype=out_dtype,
                                                     interpret=interpret)
         return o, gamma, vc
     gamma, MC = _tree_operators_triton(q, k, g, beta, mask, rounds=rounds, precision=precision, form="fp32",
@@ -502,8 +567,11 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     operator_out = _form_option("operator_out", operator_out, OperatorOut, "pair", "pair", default_value_pass,
                                 f"operator_out is an option of {default_owner}")
     value_state = _form_option("value_state", value_state, ValueState, "pair", "pair", operator_out == "f16",
-                               "value_state 'f16' needs operator_out 'f16' (the state's fp16 matrix shares R's fp16 "
-                               f"pair's bytes); got operator_out={operator_out!r}")
+                               f"value_state {value_state!r} needs operator_out 'f16' (the state's fp16 matrix shares "
+                               "R's fp16 pair's bytes; the transposed form multiplies R's fp16 pair); got "
+                               f"operator_out={operator_out!r}")
+    if operator_chain == "f16_halves" and not default_value_pass:
+        raise ValueError(f"operator_chain 'f16_halves' is an option of {default_owner}")
     if value_programs is not None and not build_c:
         raise ValueError("value_programs sets the build_c value pass's program count (build_c=True)")
     r = HV // HK

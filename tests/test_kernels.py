@@ -241,6 +241,23 @@ def test_split_mgpu_operator_chain_interpret(chain, depth):
 
 
 @pytest.mark.parametrize("depth", [8, 64])
+def test_split_mgpu_operator_halves_f16_out_interpret(depth):
+    """operator_chain "f16_halves" handing [M; C M] over as one fp16 matrix (operator_out "f16", the fastest form):
+    the reference's outputs at the fp16 hand-over's bar, and the full-width fp16 chain's within the roundings of two
+    orders of the same fp16 products; its upper-right half is written as zeros, not left unset."""
+    args, mask, o_ref, fac = _mgpu_case(71 + depth, depth)
+    run = lambda chain: tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=64,  # noqa: E731
+                                          interpret=True, operator_out="f16", operator_chain=chain)
+    (o, gamma, vc), (o_full, gamma_full, vc_full) = run("f16_halves"), run("f16")
+    assert rel(o, o_ref) < 1e-3 and rel(vc, fac.corrected) < 1e-3 and rel(gamma, fac.log_decay) < 1e-6
+    assert rel(o, o_full) < 1e-3 and rel(vc, vc_full) < 1e-3
+    np.testing.assert_allclose(np.asarray(gamma), np.asarray(gamma_full), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="operator_chain 'f16_halves' is an option of"):
+        tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=64, interpret=True,
+                          build_c=True, operator_chain="f16_halves")
+
+
+@pytest.mark.parametrize("depth", [8, 64])
 def test_split_mgpu_operator_mask_int8_interpret(depth):
     """The Triton operator pass reading the ancestor mask as int8 (operator_mask="i8", split_mgpu's default) gives bit
     for bit the outputs of the fp32 mask (0/1 either way), and the reference's within the fp16 chain's bar."""
@@ -559,7 +576,8 @@ def test_split_mgpu_value_transposed_gpu(depth):
 
 @needs_gpu
 @pytest.mark.parametrize("chain,operator_mask",
-                         [("pair", "f32"), ("f16", "f32"), ("f16", "i8"), ("f16_parallel", "i8")])
+                         [("pair", "f32"), ("f16", "f32"), ("f16", "i8"), ("f16_parallel", "i8"),
+                          ("f16_halves", "i8"), ("f16_halves", "f32")])
 def test_split_mgpu_operator_chain_gpu(chain, operator_mask):
     if not dispatch.hopper_available():
         pytest.skip("split_mgpu needs a compute capability 9.x GPU")

@@ -136,16 +136,14 @@ def _decays(on, gamma, gamma_cols=None):
     return gdn.masked_exp(on, gamma[:, None] - (gamma if gamma_cols is None else gamma_cols)[None, :])
 
 
-def _interactions(on, gamma, beta, k, precision, gamma_cols=None, k_cols=None):
-    """D and L = A ⊙ β kkᵀ ⊙ D of the rows' nodes against the columns' (by default the same nodes: then L is strict,
-    its diagonal zero; a block below the diagonal of a topological order has no diagonal)."""
+def _interactions(on, gamma, beta, kk, gamma_cols=None, diagonal: bool = True):
+    """D = A ⊙ e^{Γ_i−Γ_j} and L = A ⊙ β kkᵀ ⊙ D of the rows' nodes against the columns' (kk their key products; by
+    default the same nodes: then L is strict, its diagonal zero; `diagonal` False: a block below the diagonal of a
+    topological order, which has none)."""
     D = _decays(on, gamma, gamma_cols)
-    n = on.shape[0]
-    kk = _dot(k, k if k_cols is None else k_cols, precision, trans_b=True)     # [rows, cols]
-    if k_cols is None:
-        row = lax.broadcasted_iota(jnp.int32, (n, n), 0)
-        col = lax.broadcasted_iota(jnp.int32, (n, n), 1)
-        on = on & (row != col)
+    if diagonal:
+        n = on.shape[0]
+        on = on & (lax.broadcasted_iota(jnp.int32, (n, n), 0) != lax.broadcasted_iota(jnp.int32, (n, n), 1))
     return D, jnp.where(on, beta[:, None] * kk * D, 0.0)
 
 
@@ -163,7 +161,7 @@ def _node_operators(mask_ref, g_ref, beta_ref, q, k, precision):
     beta = beta_ref[...]                                # [N]
     on = A > 0
     gamma = jnp.sum(A * g[None, :], axis=1)             # Γ = A g            [N]
-    D, L = _interactions(on, gamma, beta, k, precision)
+    D, L = _interactions(on, gamma, beta, _dot(k, k, precision, trans_b=True))
     if q is None:                                       # C not wanted (built by the value pass, or later)
         return gamma, beta, L, None
     return gamma, beta, L, _query_operator(q, k, D, precision)
@@ -324,28 +322,12 @@ def _tree_operator_halves(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
     three half-size blocks: kkᵀ and qkᵀ as three half products each (3/4 of the work), M by `gdn.halves_inverse`
     (at d = 7, 10 products of half width, each 1/8 of a full one, against 4 full ones) and C M = [C11 M11 0;
     C21 M11 + C22 M21  C22 M22] (4 half products against one full). Three operator programs per SM are bound by
-    their work, not by their chain's depth (kernels_chain_parallel_h200.md), hence the fewer products."""
+    their work, not by their chain's depth (kernels_chain_parallel_h200.md), hence the fewer products. Order, for
+    registers: q and k die with the six half products, D with L and C, and each block is stored once final."""
     n = mask_ref.shape[0]
     h = n // 2
     halves = (pl.ds(0, h), pl.ds(h, h))
-    A = {(i, j): mask_ref[halves[i], halves[j]].astype(F32) for i, j in ((0, 0), (1, 0), (1, 1))}   # (0, 1): zero
-    g = [g_ref[i] for i in halves]
-    beta = [beta_ref[i] for i in halves]
-    k = [k_ref[i, :] for i in halves]
-    gamma = [jnp.sum(A[0, 0] * g[0][None, :], axis=1),                          # Γ = A g by halves
-             jnp.sum(A[1, 0] * g[0][None, :], axis=1) + jnp.sum(A[1, 1] * g[1][None, :], axis=1)]
-    D11, L11 = _interactions(A[0, 0] > 0, gamma[0], beta[0], k[0], precision)
-    D21, L21 = _interactions(A[1, 0] > 0, gamma[1], beta[1], k[1], precision, gamma_cols=gamma[0], k_cols=k[0])
-    D22, L22 = _interactions(A[1, 1] > 0, gamma[1], beta[1], k[1], precision)
-    rows, cols = lax.broadcasted_iota(jnp.int32, (h, h), 0), lax.broadcasted_iota(jnp.int32, (h, h), 1)
-    M11, M21, M22 = gdn.halves_inverse(L11, L21, L22, rows, cols, rounds, _f16_dot)
-    q = [q_ref[i, :] for i in halves]
-    C11, C21, C22 = (_query_operator(q[i], k[j], D, precision) for i, j, D in ((0, 0, D11), (1, 0, D21), (1, 1, D22)))
-    blocks = {(0, 0): M11, (1, 0): M21, (1, 1): M22, (2, 0): _f16_dot(C11, M11),
-              (3, 0): _f16_dot(C21, M11) + _f16_dot(C22, M21), (3, 1): _f16_dot(C22, M22)}
-    zero = jnp.zeros((h, h), F32)
-    for i, x in zip(halves, gamma):
-        gamma_ref[i] = x
+    below = ((0, 0), (1, 0), (1, 1))                    # the blocks of a lower-triangular operator; (0, 1) is zero
     if form == "f16":
         mc_ref, rows_ref, *qk16_refs = out_refs
         targets = lambda X: ((mc_ref, X.astype(jnp.float16)),)                  # noqa: E731
@@ -353,12 +335,34 @@ def _tree_operator_halves(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
         hi_ref, lo_ref, rows_ref = out_refs
         qk16_refs = ()
         targets = lambda X: zip((hi_ref, lo_ref), gdn_tree_split_mgpu.split_bf16(X))   # noqa: E731
-    for i in range(4):                                   # [M; C M] in four row blocks of h, each two column blocks
-        for j in range(2):
-            for ref, x in targets(blocks.get((i, j), zero)):
-                ref[pl.ds(i * h, h), halves[j]] = x
+
+    def store(i, j, X):                                 # block (i, j) of [M; C M], h × h
+        for ref, x in targets(X):
+            ref[pl.ds(i * h, h), halves[j]] = x
+
+    k = [k_ref[i, :] for i in halves]
+    kk = {(i, j): _dot(k[i], k[j], precision, trans_b=True) for i, j in below}
+    q = [q_ref[i, :] for i in halves]
+    qk = {(i, j): _dot(q[i], k[j], precision, trans_b=True) for i, j in below}
+    A = {(i, j): mask_ref[halves[i], halves[j]].astype(F32) for i, j in below}
+    g = [g_ref[i] for i in halves]
+    beta = [beta_ref[i] for i in halves]
+    gamma = [jnp.sum(A[0, 0] * g[0][None, :], axis=1),                          # Γ = A g by halves
+             jnp.sum(A[1, 0] * g[0][None, :], axis=1) + jnp.sum(A[1, 1] * g[1][None, :], axis=1)]
+    for i, x in zip(halves, gamma):
+        gamma_ref[i] = x
     for i, b in zip(halves, beta):
-        rows_ref[i] = b                                  # β head-major
+        rows_ref[i] = b                                 # β head-major
+    L, C = {}, {}
+    for i, j in below:
+        D, L[i, j] = _interactions(A[i, j] > 0, gamma[i], beta[i], kk[i, j], gamma[j], diagonal=i == j)
+        C[i, j] = qk[i, j] * D                          # C = qkᵀ ⊙ D (`_query_operator`, its product made above)
+    rows, cols = lax.broadcasted_iota(jnp.int32, (h, h), 0), lax.broadcasted_iota(jnp.int32, (h, h), 1)
+    M11, M21, M22 = gdn.halves_inverse(L[0, 0], L[1, 0], L[1, 1], rows, cols, rounds, _f16_dot)
+    for ij, X in (((0, 0), M11), ((1, 0), M21), ((1, 1), M22), ((0, 1), jnp.zeros((h, h), F32)),
+                  ((2, 0), _f16_dot(C[0, 0], M11)), ((2, 1), jnp.zeros((h, h), F32)),
+                  ((3, 1), _f16_dot(C[1, 1], M22)), ((3, 0), _f16_dot(C[1, 0], M11) + _f16_dot(C[1, 1], M21))):
+        store(*ij, X)
     _store_qk16(qk16_refs, q_ref, k_ref, r)
 
 

@@ -293,25 +293,14 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
             lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
                                          precision="tf32", operator_out="f16", value_state="f16",
                                          interpret=interpret), "solve")
-        if not interpret:   # _of16_vst: the value pass transposed, its A operands from registers (GPU only)
-            variants["pallas_split_mgpu_bv64_of16_vst"] = (
-                lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
-                                             precision="tf32", operator_out="f16", value_state="transposed",
-                                             interpret=interpret), "solve")
-        # _of16_chf16_parallel / _of16_chf16_halves: with C M's chain beside M's, or on the two halves of the nodes
-        # (operator_chain "f16_parallel" / "f16_halves")
-        # (_ow2: the operator pass at 2 warps, half-size blocks being 32 wide)
-        for chain, ow in (("f16_parallel", 4), ("f16_halves", 4), ("f16_halves", 2), ("f16", 2)):
-            name = "pallas_split_mgpu_bv64_of16" + ("" if chain == "f16" else f"_ch{chain}") + ("" if ow == 4 else
-                                                                                                 f"_ow{ow}")
-            variants[name] = (
-                lambda *s, chain=chain, ow=ow: tree_solve_pallas(
-                    *s, mask, max_depth=depth, method="split_mgpu", block_v=64, precision="tf32", operator_out="f16",
-                    operator_chain=chain, operator_warps=ow, interpret=interpret), "solve")
-        # _chpair / _chtf32 / _chf16_parallel / _chf16_halves: the Triton operator pass forms M and C M by bf16-pair /
-        # one-pass tf32 products / fp16 products with C M's chain beside M's / on the halves (operator_chain; the
-        # default: fp16, C M after M)
-        for chain in ("pair", "tf32", "f16_parallel", "f16_halves"):
+        # _of16_chf16_parallel: with C M's chain beside M's (operator_chain "f16_parallel")
+        variants["pallas_split_mgpu_bv64_of16_chf16_parallel"] = (
+            lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
+                                         precision="tf32", operator_out="f16", operator_chain="f16_parallel",
+                                         interpret=interpret), "solve")
+        # _chpair / _chtf32 / _chf16_parallel: the Triton operator pass forms M and C M by bf16-pair / one-pass tf32
+        # products / fp16 products with C M's chain beside M's (operator_chain; the default: fp16, C M after M)
+        for chain in ("pair", "tf32", "f16_parallel"):
             variants[f"pallas_split_mgpu_bv64_ch{chain}"] = (
                 lambda *s, chain=chain: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
                                                           precision="tf32", operator_chain=chain,

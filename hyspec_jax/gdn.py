@@ -168,17 +168,6 @@ def block_inverse(L, rows, cols, d: int, dot, block: int = SERIES_BLOCK):
     return M
 
 
-def halves_inverse(L11, L21, L22, rows, cols, d: int, dot, block: int = SERIES_BLOCK):
-    """(I + L)⁻¹ of a strictly lower-triangular L = [L11 0; L21 L22] from its halves (nodes in topological order, so
-    the upper-right half is zero): M11 and M22 by `block_inverse` of each diagonal half, M21 = −M22 L21 M11
-    ([A 0; C B]⁻¹ = [A⁻¹ 0; −B⁻¹CA⁻¹ B⁻¹], `block_inverse`'s doubling). Every product is half as wide as L (an
-    eighth of the work of an N × N one) and the two halves' chains are independent: at d = 7, 10 half products
-    against 4 of the full width. rows, cols: int32 index tiles of a half in the kernel's layout; `dot` its product."""
-    M11 = block_inverse(L11, rows, cols, d, dot, block)
-    M22 = block_inverse(L22, rows, cols, d, dot, block)
-    return M11, -dot(M22, dot(L21, M11)), M22
-
-
 def squaring_factors(L, eye, squarings: int, dot):
     """(I + L)⁻¹ = (I−L)(I+L²)(I+L⁴)… for nilpotent L as the kernels form it: M ← M + L^{2^i} M, so each factor is
     one product of its own and a square; `dot` is the kernel's N × N product (a tensor-core form of the caller's

@@ -55,9 +55,11 @@ Precision = Literal["tf32", "tf32x3", "ieee"]
 # 15x more accurate with the pair output (o 1.3e-5 vs 1.9e-4: M and C M keep their leading terms I − L and C in
 # fp32) but slower at B ≥ 8 (34.4 → 37.2 µs at B 8), where three operator programs per SM are bound by their work,
 # not their chain's depth (bench/results/kernels_chain_parallel_h200.md). An option.
-# "f16_halves": the fp16 products on the two halves of the nodes (`_tree_operator_halves`: the operators are lower
-# triangular in a topological order, so three half-size blocks and about a third of the tensor-core work).
-OperatorChain = Literal["tf32", "pair", "f16", "f16_parallel", "f16_halves"]
+# Measured and dropped: the fp16 products on the two halves of the nodes (in a topological order the operators are
+# lower triangular: three half-size blocks, M21 = −M22 L21 M11, about half the tensor-core work). Triton gave it 255
+# registers at 4 warps and at 2, so two programs per SM: B 8 20–21 vs 9.9 µs for the operator pass at 4 warps, 11.3 at
+# 2 warps but slower at B 1 and 16 (code d86e76a–8d331a2, bench/results/kernels_transposed_halves_h200.md).
+OperatorChain = Literal["tf32", "pair", "f16", "f16_parallel"]
 # The ancestor mask as the Triton operator pass reads it: fp32 (16 KiB per program at N 64) or int8 (4 KiB, the
 # default of split_mgpu). Every program of a request reads the same mask, so it is L2 traffic, not HBM, but at the
 # start of one wave of three programs per SM: int8 took split_mgpu's operator pass from 11.7 to 10.9 µs at B 8,
@@ -69,10 +71,8 @@ OperatorMask = Literal["f32", "i8"]
 OperatorOut = Literal["pair", "f16"]
 # How the Mosaic GPU value pass multiplies the fp32 state tile (with operator_out "f16"): as a bf16 pair against the
 # bf16 q, k (16 significand bits, two products each for K S0 and Q S0) or as one fp16 matrix against q, k in fp16,
-# which the operator pass writes beside [M; C M] (11 bits, as one-pass tf32; one product each); "transposed": the
-# bf16 pair kept in registers as wgmma's A operand, the whole value pass transposed (gdn_tree_split_mgpu.
-# _apply_transposed_kernel: (K S0)ᵀ = S0ᵀ Kᵀ, R's fp16 pair from registers too; GPU only).
-ValueState = Literal["pair", "f16", "transposed"]
+# which the operator pass writes beside [M; C M] (11 bits, as one-pass tf32; one product each).
+ValueState = Literal["pair", "f16"]
 
 REFERENCE = "hyspec_jax.gdn.masked_solve"
 
@@ -131,20 +131,9 @@ def _fold_deferred(s0, c_ref, rc_ref, pk_ref, pv_ref, count_ref, precision):
     return jnp.exp(c) * s0 + _dot(kw, pv_ref[...], precision, trans_a=True)
 
 
-def _decays(on, gamma, gamma_cols=None):
-    """D = A ⊙ e^{Γ_i−Γ_j} (on: A > 0; gamma_cols: Γ of the columns' nodes where they are not the rows')."""
-    return gdn.masked_exp(on, gamma[:, None] - (gamma if gamma_cols is None else gamma_cols)[None, :])
-
-
-def _interactions(on, gamma, beta, kk, gamma_cols=None, diagonal: bool = True):
-    """D = A ⊙ e^{Γ_i−Γ_j} and L = A ⊙ β kkᵀ ⊙ D of the rows' nodes against the columns' (kk their key products; by
-    default the same nodes: then L is strict, its diagonal zero; `diagonal` False: a block below the diagonal of a
-    topological order, which has none)."""
-    D = _decays(on, gamma, gamma_cols)
-    if diagonal:
-        n = on.shape[0]
-        on = on & (lax.broadcasted_iota(jnp.int32, (n, n), 0) != lax.broadcasted_iota(jnp.int32, (n, n), 1))
-    return D, jnp.where(on, beta[:, None] * kk * D, 0.0)
+def _decays(on, gamma):
+    """D = A ⊙ e^{Γ_i−Γ_j} (on: A > 0)."""
+    return gdn.masked_exp(on, gamma[:, None] - gamma[None, :])
 
 
 def _query_operator(q, k, D, precision):
@@ -155,13 +144,18 @@ def _query_operator(q, k, D, precision):
 def _node_operators(mask_ref, g_ref, beta_ref, q, k, precision):
     """Γ = A g, the ancestor-masked L = strict(A) ⊙ β kkᵀ ⊙ D and C = qkᵀ ⊙ D (node by node, no value tile; q None:
     no C)."""
+    n = mask_ref.shape[0]
     A = mask_ref[...]                                   # [N, N] 0/1, f32 or int8 (`operator_mask`)
     A = A if A.dtype == F32 else A.astype(F32)
     g = g_ref[...]                                      # [N]
     beta = beta_ref[...]                                # [N]
     on = A > 0
     gamma = jnp.sum(A * g[None, :], axis=1)             # Γ = A g            [N]
-    D, L = _interactions(on, gamma, beta, _dot(k, k, precision, trans_b=True))
+    D = _decays(on, gamma)
+    row = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    col = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    kk = _dot(k, k, precision, trans_b=True)            # [N, N]
+    L = jnp.where(on & (row != col), beta[:, None] * kk * D, 0.0)
     if q is None:                                       # C not wanted (built by the value pass, or later)
         return gamma, beta, L, None
     return gamma, beta, L, _query_operator(q, k, D, precision)
@@ -259,9 +253,6 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
     15.5 µs at B 8, N 64, 0.7–0.9 µs less at B 16 and 32 too, with the same 163–165 registers
     (bench/results/kernels_operator_chain_h200.md). The pair chain is faster with C first (18.8 vs 21.1 µs); so is
     form "fp32" kept (its measured order)."""
-    if chain == "f16_halves":
-        return _tree_operator_halves(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *out_refs, rounds=rounds,
-                                     precision=precision, form=form, r=r)
     n = mask_ref.shape[0]
     parallel = chain == "f16_parallel" and form != "m_pair" and rounds < gdn.SERIES_BLOCK
     c_first = chain == "pair" or form == "fp32" or parallel
@@ -293,7 +284,11 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
         rows_ref[...] = beta                            # β head-major
         mc_ref[pl.ds(0, n), :] = M.astype(jnp.float16)
         mc_ref[pl.ds(n, n), :] = CM.astype(jnp.float16)
-        _store_qk16(qk16_refs, q_ref, k_ref, r)
+        if qk16_refs:                                   # value_state "f16": q, k in fp16, once per key head
+            @pl.when(lax.rem(pl.program_id(1), r) == 0)
+            def _():
+                for dst, src in zip(qk16_refs, (q_ref, k_ref)):
+                    dst[...] = src[...].astype(jnp.float16)
         return
     hi_ref, lo_ref, rows_ref = out_refs
     if form == "m_pair":
@@ -304,66 +299,6 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
     rows_ref[...] = beta                                # β head-major
     for rows, X in ((pl.ds(0, n), M), (pl.ds(n, n), CM)):
         hi_ref[rows, :], lo_ref[rows, :] = gdn_tree_split_mgpu.split_bf16(X)
-
-
-def _store_qk16(qk16_refs, q_ref, k_ref, r: int):
-    """value_state "f16": q, k in fp16, written by the first of each key head's r programs."""
-    if qk16_refs:
-        @pl.when(lax.rem(pl.program_id(1), r) == 0)
-        def _():
-            for dst, src in zip(qk16_refs, (q_ref, k_ref)):
-                dst[...] = src[...].astype(jnp.float16)
-
-
-def _tree_operator_halves(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *out_refs, rounds: int, precision,
-                          form: str, r: int):
-    """operator_chain "f16_halves" (forms "f16" and "pair"): the operators on the two halves of the nodes. In a
-    topological order every N × N operator is lower triangular, so its upper-right half is zero and the rest is
-    three half-size blocks: kkᵀ and qkᵀ as three half products each (3/4 of the work), M by `gdn.halves_inverse`
-    (at d = 7, 10 products of half width, each 1/8 of a full one, against 4 full ones) and C M = [C11 M11 0;
-    C21 M11 + C22 M21  C22 M22] (4 half products against one full). Three operator programs per SM are bound by
-    their work, not by their chain's depth (kernels_chain_parallel_h200.md), hence the fewer products. Order, for
-    registers: q and k die with the six half products, D with L and C, and each block is stored once final."""
-    n = mask_ref.shape[0]
-    h = n // 2
-    halves = (pl.ds(0, h), pl.ds(h, h))
-    below = ((0, 0), (1, 0), (1, 1))                    # the blocks of a lower-triangular operator; (0, 1) is zero
-    if form == "f16":
-        mc_ref, rows_ref, *qk16_refs = out_refs
-        targets = lambda X: ((mc_ref, X.astype(jnp.float16)),)                  # noqa: E731
-    else:
-        hi_ref, lo_ref, rows_ref = out_refs
-        qk16_refs = ()
-        targets = lambda X: zip((hi_ref, lo_ref), gdn_tree_split_mgpu.split_bf16(X))   # noqa: E731
-
-    def store(i, j, X):                                 # block (i, j) of [M; C M], h × h
-        for ref, x in targets(X):
-            ref[pl.ds(i * h, h), halves[j]] = x
-
-    k = [k_ref[i, :] for i in halves]
-    kk = {(i, j): _dot(k[i], k[j], precision, trans_b=True) for i, j in below}
-    q = [q_ref[i, :] for i in halves]
-    qk = {(i, j): _dot(q[i], k[j], precision, trans_b=True) for i, j in below}
-    A = {(i, j): mask_ref[halves[i], halves[j]].astype(F32) for i, j in below}
-    g = [g_ref[i] for i in halves]
-    beta = [beta_ref[i] for i in halves]
-    gamma = [jnp.sum(A[0, 0] * g[0][None, :], axis=1),                          # Γ = A g by halves
-             jnp.sum(A[1, 0] * g[0][None, :], axis=1) + jnp.sum(A[1, 1] * g[1][None, :], axis=1)]
-    for i, x in zip(halves, gamma):
-        gamma_ref[i] = x
-    for i, b in zip(halves, beta):
-        rows_ref[i] = b                                 # β head-major
-    L, C = {}, {}
-    for i, j in below:
-        D, L[i, j] = _interactions(A[i, j] > 0, gamma[i], beta[i], kk[i, j], gamma[j], diagonal=i == j)
-        C[i, j] = qk[i, j] * D                          # C = qkᵀ ⊙ D (`_query_operator`, its product made above)
-    rows, cols = lax.broadcasted_iota(jnp.int32, (h, h), 0), lax.broadcasted_iota(jnp.int32, (h, h), 1)
-    M11, M21, M22 = gdn.halves_inverse(L[0, 0], L[1, 0], L[1, 1], rows, cols, rounds, _f16_dot)
-    for ij, X in (((0, 0), M11), ((1, 0), M21), ((1, 1), M22), ((0, 1), jnp.zeros((h, h), F32)),
-                  ((2, 0), _f16_dot(C[0, 0], M11)), ((2, 1), jnp.zeros((h, h), F32)),
-                  ((3, 1), _f16_dot(C[1, 1], M22)), ((3, 0), _f16_dot(C[1, 0], M11) + _f16_dot(C[1, 1], M21))):
-        store(*ij, X)
-    _store_qk16(qk16_refs, q_ref, k_ref, r)
 
 
 def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref, o_ref, vc_ref, *, precision):
@@ -461,7 +396,7 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
         o, vc = gdn_tree_split_mgpu.tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0.astype(F32),
                                                     block_v=block_v, share_state_smem=share_state_smem,
                                                     share_kq_smem=share_kq_smem, tma_store=tma_store,
-                                                    transposed=value_state == "transposed", out_dtype=out_dtype,
+                                                    out_dtype=out_dtype,
                                                     interpret=interpret)
         return o, gamma, vc
     gamma, MC = _tree_operators_triton(q, k, g, beta, mask, rounds=rounds, precision=precision, form="fp32",
@@ -571,11 +506,8 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     operator_out = _form_option("operator_out", operator_out, OperatorOut, "pair", "pair", default_value_pass,
                                 f"operator_out is an option of {default_owner}")
     value_state = _form_option("value_state", value_state, ValueState, "pair", "pair", operator_out == "f16",
-                               f"value_state {value_state!r} needs operator_out 'f16' (the state's fp16 matrix shares "
-                               "R's fp16 pair's bytes; the transposed form multiplies R's fp16 pair); got "
-                               f"operator_out={operator_out!r}")
-    if operator_chain == "f16_halves" and not default_value_pass:
-        raise ValueError(f"operator_chain 'f16_halves' is an option of {default_owner}")
+                               "value_state 'f16' needs operator_out 'f16' (the state's fp16 matrix shares R's fp16 "
+                               f"pair's bytes); got operator_out={operator_out!r}")
     if value_programs is not None and not build_c:
         raise ValueError("value_programs sets the build_c value pass's program count (build_c=True)")
     r = HV // HK

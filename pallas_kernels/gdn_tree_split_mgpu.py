@@ -76,7 +76,12 @@ ran on 32 SMs; kernels_group_heads_h200.md). Also measured and dropped: persiste
 several items with the next item's loads issued during this one. Any program running more than one item got 184–238
 registers (152 for one; three per SM need ≤ 168), so two programs per SM ran: B 8 36.4–43.3 vs 32.8 µs in all with
 operator_out "f16", slower at every batch ≥ 8. The per-item form's SMs end within 2.2 µs of each other (B 8: 20.8
-to 23.0 µs), so better packing had little to win (kernels_value_persistent_h200.md).
+to 23.0 µs), so better packing had little to win (kernels_value_persistent_h200.md). Also measured and dropped: the
+value pass transposed, every product with the value tile's columns as its rows so that wgmma takes S0ᵀ's and Rᵀ's
+pairs as A operands from registers ((K S0)ᵀ = S0ᵀ Kᵀ, V'ᵀ = Rᵀ Mᵀ; no state pair or R pair in shared memory). Correct
+on the H200 (5–8e-8 from this pass), but 170–191 registers, so two programs per SM: B 8 24.2–26.9 vs 22.5 µs, slower
+at every batch ≥ 8; and alone (B 1) only 4.80 vs 4.96 µs, so the round trips it removes were not where the time goes
+(code d86e76a, kernels_transposed_halves_h200.md, value_pass_transposed_probe_h200.json).
 
 The Mosaic GPU operator pass (85 KiB, 230 registers, two programs per SM) is ~40x more accurate than the Triton
 one (o error 4.6e-6 vs 2.0e-4 against the fp32 reference) but slower on the H200 (B 8: 25.5 µs + 3.9 µs of XLA
@@ -405,95 +410,6 @@ def _apply_kernel(gamma_g, beta_g, *refs, r: int, bv: int, share_state_smem: boo
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _apply_transposed_kernel(gamma_g, beta_g, mc_g, k_g, q_g, v_g, s0_g, o_g, vc_g, kq_s, v_s, s0f_s, gam_s, bet_s,
-                             bar_state, bar_rows, bar_mc, *, r: int, bv: int, chunk: int = 64,
-                             chunk_wait: bool = False, acc_init: bool = False):
-    """The value pass transposed (`transposed=True`, with the fp16 [M; C M]): every product has a value tile's bv
-    columns as its rows, so its A operand is a register array (wgmma takes A from registers, B only from shared
-    memory) and nothing goes back to shared memory to be multiplied:
-
-        (K S0)ᵀ = S0ᵀ Kᵀ, (Q S0)ᵀ = S0ᵀ Qᵀ    S0ᵀ's bf16 pair from registers, k, q as transposed B operands
-        Rᵀ = (v − e^Γ ⊙ K S0)ᵀ ⊙ β            column scalings, in registers (vᵀ a transposed load)
-        V'ᵀ = Rᵀ Mᵀ, (C V')ᵀ = Rᵀ (C M)ᵀ      Rᵀ's fp16 pair from registers, [M; C M] transposed B operands
-        oᵀ = (Q S0)ᵀ ⊙ e^Γ + (C V')ᵀ
-
-    against the plain form's split of the state tile into a bf16 pair in shared memory and R's pair stored there
-    (its phases `split_state` and `r_pair`). o and V' leave as in the plain form, staged where k, q and [M; C M]
-    were (transposed stores) and out by TMA."""
-    (k_s, q_s), (mc_s,), (vc_s, o_s) = kq_s
-    b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
-    cols = pl.ds(t * bv, bv)
-    key_head = lax.div(h, jnp.int32(r))                 # GVA is indexed, never expanded
-    N, dk = k_s.shape
-    with jax.named_scope("issue_loads"):
-        plgpu.copy_gmem_to_smem(s0_g.at[b, h, :, cols], s0f_s, bar_state)
-        plgpu.copy_gmem_to_smem(k_g.at[b, :, key_head, :], k_s, bar_state)
-        plgpu.copy_gmem_to_smem(q_g.at[b, :, key_head, :], q_s, bar_state)
-        plgpu.copy_gmem_to_smem(v_g.at[b, :, h, cols], v_s, bar_rows)
-        plgpu.copy_gmem_to_smem(gamma_g.at[b, h], gam_s, bar_rows)
-        plgpu.copy_gmem_to_smem(beta_g.at[b, h], bet_s, bar_rows)
-    with jax.named_scope("wait_state"):
-        plgpu.barrier_wait(bar_state)
-    def state_products(acc_k, acc_q):
-        for c in range(dk // chunk):
-            keys = pl.ds(c * chunk, chunk)
-            s0t = plgpu.load(s0f_s.at[keys].transpose((1, 0)), (), layout=plgpu.Layout.WGMMA)    # [bv, chunk]
-            pair = split_bf16(s0t)
-            for acc, x_s in ((acc_k, k_s), (acc_q, q_s)):
-                x_t = x_s.at[:, keys].transpose((1, 0))                                          # [chunk, N]
-                for half in pair:
-                    plgpu.wgmma(acc, half, x_t)
-            if chunk_wait:
-                plgpu.wgmma_wait(0)
-        plgpu.wgmma_wait(0)
-        return acc_k[...], acc_q[...]
-
-    with jax.named_scope("state_products"):
-        ks_t, qs_t = pl.run_scoped(state_products, plgpu.ACC((bv, N), F32), plgpu.ACC((bv, N), F32))
-    plgpu.copy_gmem_to_smem(mc_g.at[b, h], mc_s, bar_mc)       # k and q are read: [M; C M] lands there
-    with jax.named_scope("wait_rows"):
-        plgpu.barrier_wait(bar_rows)
-    with jax.named_scope("r_pair"):
-        node_cols = lambda x: lax.broadcast_in_dim(x, (bv, N), [1])                          # noqa: E731
-        col_layout = plgpu.Layout.WGMMA.reduce(0)
-        decay = node_cols(jnp.exp(plgpu.load(gam_s, layout=col_layout)))
-        beta = node_cols(plgpu.load(bet_s, layout=col_layout))
-        if acc_init:                                    # o's accumulator starts at e^Γ ⊙ (Q S0)ᵀ
-            o_init = decay * qs_t
-        v_t = plgpu.load(v_s.transpose((1, 0)), (), layout=plgpu.Layout.WGMMA).astype(F32)
-        r_pair = split_bf16(beta * (v_t - decay * ks_t), F16)
-    with jax.named_scope("wait_mc"):
-        plgpu.barrier_wait(bar_mc)
-
-    def mc_wgmmas(acc_u, acc_c):
-        for acc, rows in ((acc_u, 0), (acc_c, N)):
-            m_t = mc_s.at[pl.ds(rows, N)].transpose((1, 0))
-            for half in r_pair:
-                plgpu.wgmma(acc, half, m_t)
-
-    def mc_products(acc_u, acc_c):
-        mc_wgmmas(acc_u, acc_c)
-        plgpu.wgmma_wait(0)
-        return acc_u[...], acc_c[...]
-
-    with jax.named_scope("mc_products"):
-        if acc_init:
-            zeros = plgpu.layout_cast(jnp.zeros((bv, N), F32), plgpu.Layout.WGMMA)
-            u_t, cu_t = pl.run_state(lambda refs: mc_wgmmas(*refs))((plgpu.ACC.init(zeros), plgpu.ACC.init(o_init)))
-        else:
-            u_t, cu_t = pl.run_scoped(mc_products, plgpu.ACC((bv, N), F32), plgpu.ACC((bv, N), F32))
-        o_t = (cu_t if acc_init else decay * qs_t + cu_t).astype(o_g.dtype)
-    with jax.named_scope("stage_outputs"):
-        plgpu.commit_smem()                             # every warp's products have read [M; C M]
-        vc_s.transpose((1, 0))[...] = plgpu.layout_cast(u_t, plgpu.Layout.WGMMA_TRANSPOSED)
-        o_s.transpose((1, 0))[...] = plgpu.layout_cast(o_t, plgpu.Layout.WGMMA_TRANSPOSED)
-        plgpu.commit_smem()
-    with jax.named_scope("store_outputs"):
-        plgpu.copy_smem_to_gmem(vc_s, vc_g.at[b, h, :, cols])
-        plgpu.copy_smem_to_gmem(o_s, o_g.at[b, :, h, cols])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
 def _apply_cv_kernel(gamma_g, rows_g, mhi_g, mlo_g, k_g, q_g, v_g, s0_g, o_g, vc_g,
                      kq_s, v_s, state_s, rows_s, gam_col_s, bar_state, bar_in, bar_m, *, r: int, bv: int,
                      programs: int):
@@ -651,10 +567,10 @@ def tree_apply_cv_mgpu(gamma, rows, m_hi, m_lo, k, q, v, S0, *, block_v: int = 6
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "share_state_smem", "share_kq_smem", "tma_store",
-                                             "transposed", "out_dtype", "profile_dir", "interpret"))
+                                             "out_dtype", "profile_dir", "interpret"))
 def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int = 64, share_state_smem: bool = True,
-                    share_kq_smem: bool = True, tma_store: bool = True, transposed: bool = False, out_dtype=F32,
-                    profile_dir: str = "", interpret: bool = False):
+                    share_kq_smem: bool = True, tma_store: bool = True, out_dtype=F32, profile_dir: str = "",
+                    interpret: bool = False):
     """gamma, beta_hn [B,HV,N] fp32 (β in head-major layout); mc_hi, mc_lo [B,HV,2N,N] bf16 (the [M; C M] pair; or
     mc_hi fp16 [M; C M] and mc_lo None: then R is an fp16 pair, two products instead of three, half the bytes);
     k, q [B,N,HK,dk] bf16; v [B,N,HV,dv]; S0 [B,HV,dk,dv] fp32. Returns o [B,N,HV,dv] (out_dtype), V' [B,HV,N,dv].
@@ -668,12 +584,6 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
     if profile_dir and interpret:
         raise ValueError("tree_apply_mgpu: profile_dir records on a GPU (Mosaic GPU's profiler), not in interpret mode")
     bv = block_v
-    compiler_params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-                                           **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir)
-                                              if profile_dir else {}))
-    if transposed:
-        return _tree_apply_transposed(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, bv=bv, out_dtype=out_dtype,
-                                      compiler_params=compiler_params, interpret=interpret)
     state_f32 = plgpu.SMEM((dk, bv), F32)
     state_pair = [plgpu.SMEM((dk, bv), BF16, transforms=_smem_transforms(BF16, bv)) for _ in range(2)]
     mc_pair = mc_lo is not None
@@ -710,42 +620,10 @@ def tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0, *, block_v: int =
             plgpu.SMEM((N,), F32), plgpu.SMEM((N,), F32),                             # Γ, β
             plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=len(mc)),
         ],
-        compiler_params=compiler_params,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+                                             **(dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir)
+                                                if profile_dir else {})),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
         kernel_name="gdn_tree_apply_mgpu",
     )
     return kernel(gamma, beta_hn, *([mc_hi] if mc_lo is None else [mc_hi, mc_lo]), k, q, v, S0)
-
-
-def _tree_apply_transposed(gamma, beta_hn, mc, mc_lo, k, q, v, S0, *, bv: int, out_dtype, compiler_params,
-                           interpret: bool, **knobs):
-    """`tree_apply_mgpu(transposed=True)`: `_apply_transposed_kernel` (the fp16 [M; C M], bf16 q, k, bv 64)."""
-    B, N, HK, dk = q.shape
-    HV, dv = v.shape[2], v.shape[3]
-    if mc_lo is not None or mc.dtype != F16 or q.dtype != BF16 or bv != 64:
-        raise ValueError("tree_apply_mgpu(transposed=True) takes the fp16 [M; C M] (mc_lo None), bf16 q, k and "
-                         f"block_v 64; got {mc.dtype} [M; C M]{' pair' if mc_lo is not None else ''}, q {q.dtype}, "
-                         f"block_v {bv}")
-    if interpret:
-        raise ValueError("tree_apply_mgpu(transposed=True) runs on a GPU only: Mosaic GPU's interpret mode takes "
-                         "wgmma's A operand from shared memory, not from registers")
-    kq_swizzle = min(128, 2 * knobs.get("chunk", 64))    # a key chunk is whole swizzle tiles of k and q
-    kq = tuple(plgpu.SMEM((N, dk), BF16, transforms=_smem_transforms(BF16, dk, kq_swizzle)) for _ in range(2))
-    mc_s = (plgpu.SMEM((2 * N, N), F16, transforms=_smem_transforms(F16, N)),)
-    staging = (plgpu.SMEM((N, bv), F32, transforms=_smem_transforms(F32, bv)),                  # V', o tiles
-               plgpu.SMEM((N, bv), out_dtype, transforms=_smem_transforms(out_dtype, bv)))
-    kernel = plgpu.kernel(
-        functools.partial(_apply_transposed_kernel, r=HV // HK, bv=bv, **knobs),
-        out_type=[jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype), jax.ShapeDtypeStruct((B, HV, N, dv), F32)],
-        grid=(B, HV, dv // bv), grid_names=("b", "h", "t"),
-        scratch_types=[
-            plgpu.RefUnion(kq, mc_s, staging),                                         # k, q | [M; C M] | o, V'
-            plgpu.SMEM((N, bv), v.dtype, transforms=_smem_transforms(v.dtype, bv)),    # v
-            plgpu.SMEM((dk, bv), F32, transforms=_smem_transforms(F32, bv)),           # the state tile
-            plgpu.SMEM((N,), F32), plgpu.SMEM((N,), F32),                             # Γ, β
-            plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=3), plgpu.Barrier(num_arrivals=1),
-        ],
-        compiler_params=compiler_params,
-        kernel_name="gdn_tree_apply_mgpu",
-    )
-    return kernel(gamma, beta_hn, mc, k, q, v, S0)

@@ -395,26 +395,6 @@ def test_unit_lower_inverse_equals_numpy_inverse(method):
     assert rel_err(T[0], ref) < 1e-5
 
 
-@pytest.mark.parametrize("depth_cap,n", [(1, 16), (5, 16), (7, 32), (31, 64)])
-def test_halves_inverse_equals_numpy(depth_cap, n):
-    """(I+L)⁻¹ from its two halves (the kernels' "f16_halves" operator chain: each half's block_inverse, joined by
-    −M22 L21 M11) equals numpy's inverse on a forest with paths of depth_cap edges that cross the halves' border,
-    within and past gdn.SERIES_BLOCK (then each half is inverted by doublings)."""
-    rng = np.random.default_rng(29 + depth_cap)
-    parent = [i - 1 if i % (depth_cap + 1) else -1 for i in range(n)]
-    A = np_ancestor_mask(parent).astype(np.float64)
-    assert depth_of(parent) - 1 == depth_cap
-    L = (A - np.eye(n)) * rng.normal(size=A.shape) * 0.3
-    h = n // 2
-    dot = lambda a, b: jnp.matmul(a, b, precision="highest")      # noqa: E731
-    rows, cols = (jnp.asarray(x) for x in np.indices((h, h), dtype=np.int32))
-    Lj = jnp.asarray(f32(L))
-    assert np.all(L[:h, h:] == 0)
-    M11, M21, M22 = gdn.halves_inverse(Lj[:h, :h], Lj[h:, :h], Lj[h:, h:], rows, cols, depth_cap, dot)
-    M = np.block([[np.asarray(M11), np.zeros((h, h))], [np.asarray(M21), np.asarray(M22)]])
-    assert rel_err(M, np.linalg.inv(np.eye(n) + L)) < 1e-5
-
-
 @pytest.mark.parametrize("depth_cap", [1, 2, 5])
 def test_squaring_factors_with_query_equals_numpy(depth_cap):
     """M = (I+L)⁻¹ and C M from the right-multiplied factors that share their squares (the kernels' "f16_parallel"

@@ -189,28 +189,6 @@ def test_split_mgpu_value_state_f16_interpret(depth):
     assert rel(vc, fac.corrected) > rel(vc_pair, fac.corrected)
 
 
-def test_split_mgpu_value_transposed_lowers_and_refuses_interpret():
-    """The transposed value pass (value_state="transposed": wgmma's A operands from registers) lowers to Mosaic GPU
-    for the bench geometry on the CPU (its layouts are inferred here, its PTX is built on a GPU) and refuses, in one
-    line, interpret mode (whose wgmma takes A from shared memory only) and the bf16-pair [M; C M]."""
-    B, N, HK, HV, dk, dv = 2, 64, 16, 48, 128, 128
-    S = jax.ShapeDtypeStruct
-    rows = S((B, HV, N), jnp.float32)
-    qk = S((B, N, HK, dk), jnp.bfloat16)
-    args = (rows, rows, S((B, HV, 2 * N, N), jnp.float16), None, qk, qk, S((B, N, HV, dv), jnp.bfloat16),
-            S((B, HV, dk, dv), jnp.float32))
-    run = lambda *a: gdn_tree_split_mgpu.tree_apply_mgpu(*a, transposed=True)              # noqa: E731
-    text = jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-    args_c, mask, _, _ = _mgpu_case(41, 8)
-    with pytest.raises(ValueError, match="runs on a GPU only"):
-        tree_solve_pallas(*args_c, mask, max_depth=8, method="split_mgpu", block_v=64, interpret=True,
-                          operator_out="f16", value_state="transposed")
-    with pytest.raises(ValueError, match="value_state 'transposed' needs operator_out 'f16'"):
-        tree_solve_pallas(*args_c, mask, max_depth=8, method="split_mgpu", block_v=64, interpret=True,
-                          value_state="transposed")
-
-
 @pytest.mark.parametrize("block_v,depth", [(16, 8), (32, 8), (32, 64)])
 def test_split_mgpu_narrow_value_tiles_interpret(block_v, depth):
     """The Mosaic GPU value pass at value tiles of 16 and 32 columns (8 / 4 tiles of a 128-wide value head, each
@@ -223,12 +201,10 @@ def test_split_mgpu_narrow_value_tiles_interpret(block_v, depth):
 
 
 @pytest.mark.parametrize("chain,depth", [("pair", 8), ("pair", 64), ("pair", 1), (None, 8), ("f16", 64), ("f16", 1),
-                                         ("f16_parallel", 8), ("f16_parallel", 1), ("f16_parallel", 64),
-                                         ("f16_halves", 8), ("f16_halves", 1), ("f16_halves", 64)])
+                                         ("f16_parallel", 8), ("f16_parallel", 1), ("f16_parallel", 64)])
 def test_split_mgpu_operator_chain_interpret(chain, depth):
     """The Triton operator pass with bf16-pair or fp16 products for M and C M (operator_chain; None: the default,
-    fp16; "f16_parallel": C M's chain beside M's, and at 64 "f16"'s order; "f16_halves": on the two halves of the
-    nodes, at 64 with block_inverse's doublings in each half) equals the reference in interpret mode,
+    fp16; "f16_parallel": C M's chain beside M's, and at 64 "f16"'s order) equals the reference in interpret mode,
     on a forest of 64 nodes, a chain of 64 and depth 1 (no squaring). The fp16 chain rounds its operands to 11
     significand bits, as one-pass tf32 does: its bar is tf32's."""
     args, mask, o_ref, fac = _mgpu_case(57 + depth, depth)
@@ -238,23 +214,6 @@ def test_split_mgpu_operator_chain_interpret(chain, depth):
     assert rel(o, o_ref) < bar and rel(vc, fac.corrected) < bar
     assert rel(o, o_ref) > 1e-6 or chain == "pair" or depth == 1     # the fp16 rounding is real, not skipped
     assert rel(gamma, fac.log_decay) < 1e-6
-
-
-@pytest.mark.parametrize("depth", [8, 64])
-def test_split_mgpu_operator_halves_f16_out_interpret(depth):
-    """operator_chain "f16_halves" handing [M; C M] over as one fp16 matrix (operator_out "f16", the fastest form):
-    the reference's outputs at the fp16 hand-over's bar, and the full-width fp16 chain's within the roundings of two
-    orders of the same fp16 products; its upper-right half is written as zeros, not left unset."""
-    args, mask, o_ref, fac = _mgpu_case(71 + depth, depth)
-    run = lambda chain: tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=64,  # noqa: E731
-                                          interpret=True, operator_out="f16", operator_chain=chain)
-    (o, gamma, vc), (o_full, gamma_full, vc_full) = run("f16_halves"), run("f16")
-    assert rel(o, o_ref) < 1e-3 and rel(vc, fac.corrected) < 1e-3 and rel(gamma, fac.log_decay) < 1e-6
-    assert rel(o, o_full) < 1e-3 and rel(vc, vc_full) < 1e-3
-    np.testing.assert_allclose(np.asarray(gamma), np.asarray(gamma_full), rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="operator_chain 'f16_halves' is an option of"):
-        tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=64, interpret=True,
-                          build_c=True, operator_chain="f16_halves")
 
 
 @pytest.mark.parametrize("depth", [8, 64])
@@ -558,26 +517,8 @@ def test_split_mgpu_gpu(operator_pass, share_kq_smem, build_c, programs):
 
 
 @needs_gpu
-@pytest.mark.parametrize("depth", [8, 64])
-def test_split_mgpu_value_transposed_gpu(depth):
-    """The transposed value pass (value_state="transposed") on the GPU: the reference's outputs at the fp16 [M; C M]
-    hand-over's accuracy, and within fp32 summation order of the plain value pass with the same hand-over (the
-    same roundings: S0's bf16 pair, R's fp16 pair, the fp16 [M; C M])."""
-    if not dispatch.hopper_available():
-        pytest.skip("split_mgpu needs a compute capability 9.x GPU")
-    par, mask, args = make_inputs(79 + depth, 2, 64, 16, 48, 128, 128, depth, dtype=jnp.bfloat16)
-    o_ref, fac = reference(*args, mask)
-    run = lambda vs: tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=64,  # noqa: E731
-                                       operator_out="f16", value_state=vs)
-    (o, gamma, vc), (o_plain, _, vc_plain) = run("transposed"), run("pair")
-    assert rel(o, o_ref) < 1e-3 and rel(vc, fac.corrected) < 1e-3 and rel(gamma, fac.log_decay) < 1e-5
-    assert rel(o, o_plain) < 1e-5 and rel(vc, vc_plain) < 1e-5
-
-
-@needs_gpu
 @pytest.mark.parametrize("chain,operator_mask",
-                         [("pair", "f32"), ("f16", "f32"), ("f16", "i8"), ("f16_parallel", "i8"),
-                          ("f16_halves", "i8"), ("f16_halves", "f32")])
+                         [("pair", "f32"), ("f16", "f32"), ("f16", "i8"), ("f16_parallel", "i8")])
 def test_split_mgpu_operator_chain_gpu(chain, operator_mask):
     if not dispatch.hopper_available():
         pytest.skip("split_mgpu needs a compute capability 9.x GPU")

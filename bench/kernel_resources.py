@@ -96,7 +96,7 @@ JOBS = ("neumann", "squaring", "neumann_bv32", "squaring_bv32", "neumann_bv128",
         "inverse", "inverse_bv32", "inverse_bv128", "split", "split_bv32", "split_bv128",
         "split_mgpu", "split_mgpu_noshare", "split_mgpu_nokq", "split_mgpu_regst", "split_mgpu2", "split_mgpu2_nokq",
         "split_mgpu_cv", "split_mgpu_cvp", "split_mgpu_cvp1", "split_mgpu_chpair", "split_mgpu_chtf32",
-        "split_mgpu_bv16", "split_mgpu_bv32", "split_mgpu_of16", "split_mgpu_of16_chf16acc", "split_mgpu_of16_vs16",
+        "split_mgpu_bv16", "split_mgpu_bv32", "split_mgpu_of16", "split_mgpu_of16_vs16",
         "squaring_deferred", "commit", "append", "append_l4", "serial", "attention")
 # --detail: a second ncu pass per job with these sections (hardware counters: stall reasons, occupancy, memory)
 DETAIL_SECTIONS = ("SpeedOfLight", "Occupancy", "WarpStateStats", "MemoryWorkloadAnalysis", "LaunchStats")
@@ -144,8 +144,6 @@ def _compile_job(B: int, N: int, only: str) -> None:
             *a, max_depth=depth, method="split_mgpu", block_v=bv), tree) for bv in (16, 32)},
         "split_mgpu_of16": (lambda *a: tree_solve_pallas(*a, max_depth=depth, method="split_mgpu", operator_out="f16"),
                             tree),
-        "split_mgpu_of16_chf16acc": (lambda *a: tree_solve_pallas(*a, max_depth=depth, method="split_mgpu",
-                                                                   operator_out="f16", operator_chain="f16acc"), tree),
         "split_mgpu_of16_vs16": (lambda *a: tree_solve_pallas(*a, max_depth=depth, method="split_mgpu",
                                                                operator_out="f16", value_state="f16"), tree),
         **{f"split_mgpu_ch{chain}": (lambda *a, chain=chain: tree_solve_pallas(

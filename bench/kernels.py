@@ -293,13 +293,11 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
             lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
                                          precision="tf32", operator_out="f16", value_state="f16",
                                          interpret=interpret), "solve")
-        # _of16_chf16_parallel / _of16_chf16acc: with C M's chain beside M's, or the chain accumulated in fp16
-        # (operator_chain "f16_parallel" / "f16acc")
-        for chain in ("f16_parallel", "f16acc"):
-            variants[f"pallas_split_mgpu_bv64_of16_ch{chain}"] = (
-                lambda *s, chain=chain: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
-                                                          precision="tf32", operator_out="f16", operator_chain=chain,
-                                                          interpret=interpret), "solve")
+        # _of16_chf16_parallel: with C M's chain beside M's (operator_chain "f16_parallel")
+        variants["pallas_split_mgpu_bv64_of16_chf16_parallel"] = (
+            lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
+                                         precision="tf32", operator_out="f16", operator_chain="f16_parallel",
+                                         interpret=interpret), "solve")
         # _chpair / _chtf32 / _chf16_parallel: the Triton operator pass forms M and C M by bf16-pair / one-pass tf32
         # products / fp16 products with C M's chain beside M's (operator_chain; the default: fp16, C M after M)
         for chain in ("pair", "tf32", "f16_parallel"):

@@ -59,8 +59,7 @@ Precision = Literal["tf32", "tf32x3", "ieee"]
 # lower triangular: three half-size blocks, M21 = −M22 L21 M11, about half the tensor-core work). Triton gave it 255
 # registers at 4 warps and at 2, so two programs per SM: B 8 20–21 vs 9.9 µs for the operator pass at 4 warps, 11.3 at
 # 2 warps but slower at B 1 and 16 (code d86e76a–8d331a2, bench/results/kernels_transposed_halves_h200.md).
-# "f16acc": fp16 products with fp16 accumulation, the chain kept in fp16 (with operator_out "f16" only).
-OperatorChain = Literal["tf32", "pair", "f16", "f16_parallel", "f16acc"]
+OperatorChain = Literal["tf32", "pair", "f16", "f16_parallel"]
 # The ancestor mask as the Triton operator pass reads it: fp32 (16 KiB per program at N 64) or int8 (4 KiB, the
 # default of split_mgpu). Every program of a request reads the same mask, so it is L2 traffic, not HBM, but at the
 # start of one wave of three programs per SM: int8 took split_mgpu's operator pass from 11.7 to 10.9 µs at B 8,
@@ -190,13 +189,6 @@ def _f16_dot(a, b):
     return _dot(a.astype(jnp.float16), b.astype(jnp.float16), None)
 
 
-def _f16acc_dot(a, b):
-    """a b from fp16 operands with fp16 accumulation (operator_chain "f16acc"): the chain's N × N tiles stay fp16 in
-    registers (half the registers of fp32 accumulators), at the cost of fp16 rounding in each product's sums."""
-    return lax.dot_general(a.astype(jnp.float16), b.astype(jnp.float16), (((1,), (0,)), ((), ())),
-                           preferred_element_type=jnp.float16)
-
-
 def _apply_inverse(L, R, rounds: int, method: str, precision):
     """V' = (I+L)⁻¹ R against one value tile: Neumann rounds, or the squaring factors applied to R."""
     if rounds == 0:
@@ -266,14 +258,14 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
     c_first = chain == "pair" or form == "fp32" or parallel
     q = None if form == "m_pair" or not c_first else q_ref[...]
     gamma, beta, L, C = _node_operators(mask_ref, g_ref, beta_ref, q, k_ref[...], precision)
-    dot = ({"pair": _pair_dot, "f16": _f16_dot, "f16_parallel": _f16_dot, "f16acc": _f16acc_dot}.get(chain)
+    dot = ({"pair": _pair_dot, "f16": _f16_dot, "f16_parallel": _f16_dot}.get(chain)
            or functools.partial(_dot, precision=precision))
     CM = None
     if parallel:                                        # C M's chain beside M's, not after it
         eye = (lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1))
         M, CM = gdn.squaring_factors_with_query(L, C, eye.astype(L.dtype), gdn.num_squarings(rounds), dot)
     else:
-        M = _inverse(L.astype(jnp.float16) if chain == "f16acc" else L, rounds, precision, dot)
+        M = _inverse(L, rounds, precision, dot)
     if form == "fp32":
         # The Triton split form's rows of the kernel table were measured with this order (168 registers); ptxas'
         # register count moves with such orders: with C after M's chain and Γ stored before C M this form took 214,
@@ -516,9 +508,6 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
     value_state = _form_option("value_state", value_state, ValueState, "pair", "pair", operator_out == "f16",
                                "value_state 'f16' needs operator_out 'f16' (the state's fp16 matrix shares R's fp16 "
                                f"pair's bytes); got operator_out={operator_out!r}")
-    if operator_chain == "f16acc" and operator_out != "f16":
-        raise ValueError(f"operator_chain 'f16acc' hands [M; C M] over in fp16: it needs operator_out 'f16'; got "
-                         f"operator_out={operator_out!r}")
     if value_programs is not None and not build_c:
         raise ValueError("value_programs sets the build_c value pass's program count (build_c=True)")
     r = HV // HK

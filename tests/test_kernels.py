@@ -217,19 +217,6 @@ def test_split_mgpu_operator_chain_interpret(chain, depth):
 
 
 @pytest.mark.parametrize("depth", [8, 64])
-def test_split_mgpu_operator_chain_f16acc_interpret(depth):
-    """operator_chain "f16acc" (the chain's products accumulated in fp16, its tiles fp16) with the fp16 hand-over:
-    the reference's outputs at the fp16 chain's bar; it needs operator_out "f16" and says so in one line."""
-    args, mask, o_ref, fac = _mgpu_case(71 + depth, depth)
-    o, gamma, vc = tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=64, interpret=True,
-                                     operator_out="f16", operator_chain="f16acc")
-    assert rel(o, o_ref) < 1e-3 and rel(vc, fac.corrected) < 1e-3 and rel(gamma, fac.log_decay) < 1e-6
-    with pytest.raises(ValueError, match="operator_chain 'f16acc' hands"):
-        tree_solve_pallas(*args, mask, max_depth=depth, method="split_mgpu", block_v=64, interpret=True,
-                          operator_chain="f16acc")
-
-
-@pytest.mark.parametrize("depth", [8, 64])
 def test_split_mgpu_operator_mask_int8_interpret(depth):
     """The Triton operator pass reading the ancestor mask as int8 (operator_mask="i8", split_mgpu's default) gives bit
     for bit the outputs of the fp32 mask (0/1 either way), and the reference's within the fp16 chain's bar."""
@@ -531,15 +518,14 @@ def test_split_mgpu_gpu(operator_pass, share_kq_smem, build_c, programs):
 
 @needs_gpu
 @pytest.mark.parametrize("chain,operator_mask",
-                         [("pair", "f32"), ("f16", "f32"), ("f16", "i8"), ("f16_parallel", "i8"),
-                          ("f16acc", "i8")])
+                         [("pair", "f32"), ("f16", "f32"), ("f16", "i8"), ("f16_parallel", "i8")])
 def test_split_mgpu_operator_chain_gpu(chain, operator_mask):
     if not dispatch.hopper_available():
         pytest.skip("split_mgpu needs a compute capability 9.x GPU")
     par, mask, args = make_inputs(73, 2, 64, 16, 48, 128, 128, 8, dtype=jnp.bfloat16)
     o_ref, fac = reference(*args, mask)
     o, gamma, vc = tree_solve_pallas(*args, mask, max_depth=8, method="split_mgpu", block_v=64, operator_chain=chain,
-                                     operator_mask=operator_mask, operator_out="f16" if chain == "f16acc" else None)
+                                     operator_mask=operator_mask)
     # pair: ~16 significand bits in every product, the bar of the bf16-pair value pass itself; fp16: one-pass tf32's
     bar = 1e-4 if chain == "pair" else 1e-3
     assert rel(o, o_ref) < bar and rel(vc, fac.corrected) < bar and rel(gamma, fac.log_decay) < 1e-5

@@ -58,7 +58,9 @@ Precision = Literal["tf32", "tf32x3", "ieee"]
 # Measured and dropped: the fp16 products on the two halves of the nodes (in a topological order the operators are
 # lower triangular: three half-size blocks, M21 = −M22 L21 M11, about half the tensor-core work). Triton gave it 255
 # registers at 4 warps and at 2, so two programs per SM: B 8 20–21 vs 9.9 µs for the operator pass at 4 warps, 11.3 at
-# 2 warps but slower at B 1 and 16 (code d86e76a–8d331a2, bench/results/kernels_transposed_halves_h200.md).
+# 2 warps but slower at B 1 and 16 (code d86e76a–8d331a2, bench/results/kernels_transposed_halves_h200.md). Also the
+# chain accumulated in fp16, its tiles fp16: 168 registers (the accumulators are not what holds them), slightly slower
+# at every batch (B 8: 33.4 vs 33.1 µs in all; code 62c5c88, the same file).
 OperatorChain = Literal["tf32", "pair", "f16", "f16_parallel"]
 # The ancestor mask as the Triton operator pass reads it: fp32 (16 KiB per program at N 64) or int8 (4 KiB, the
 # default of split_mgpu). Every program of a request reads the same mask, so it is L2 traffic, not HBM, but at the

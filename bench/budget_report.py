@@ -1,8 +1,8 @@
 """Budget report (Bole Fig. 11 analogue): end-to-end throughput vs verified nodes per request N, and the node
 budget Bole's calibration picks for each ε — from two measurements taken on the same device:
 
-    hyspec bench budget-report --e2e bench/results/e2e_h200.json --table bench/results/calibration_h200.json \
-        --json bench/results/budget_h200.json
+    hyspec bench budget-report --e2e bench/results/archive/e2e_h200.json --table bench/results/budget/calibration_h200.json \
+        --json bench/results/budget/budget_h200.json
 
 `--e2e`: a `hyspec bench e2e` run with `--sweep-nodes` (tree-ready or tree at batch 1 for several N; the main
 tree row adds its own N). `--table`: a `hyspec calibrate` table for the same model and device (T_ver(N), T_dec).

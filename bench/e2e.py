@@ -2,7 +2,7 @@
 same engine, τ, per-position acceptance and prefix survival (ReaDy's censoring rule), and an output-equality
 check against `ar` in every run.
 
-    hyspec bench e2e --json bench/results/e2e_h200.json [--model checkpoints/default]
+    hyspec bench e2e --json bench/results/e2e/e2e_h200.json [--model checkpoints/default]
                      [--drafter checkpoints/default/drafter] [--modes ar chain ready tree tree-ready]
                      [--batch 1 8] [--prompts-per-domain 4] [--max-tokens 128] [--repeats 3]
                      [--sweep-nodes 8 16 32 64]      # Bole Fig. 11 analogue: tok/s vs verified nodes per request

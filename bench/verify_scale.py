@@ -62,7 +62,7 @@ Two H200, tensor parallel over "model" (kind nvidia-h200-x2):
 compiles. Compiling is the long part (24 programs of 64 unrolled layers; the init is ~15 tiny programs). If
 one call leaves (B, N) skipped, run the rest in further calls (e.g. `--batch 4`, `--batch 8`, each with its
 own --json; the compile cache carries over), then, here, `--merge b1.json b4.json b8.json --json
-verify_scale_1gpu.json` (a skipped (B, N) measured by another run counts as done). CPU smoke run: `--tiny`.
+bench/results/verify_scale/verify_scale_1gpu.json` (a skipped (B, N) measured by another run counts as done). CPU smoke run: `--tiny`.
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def sample(logits: jax.Array, sampling: SlotSampling, step: jax.Array, stochasti
     fifth of the embedded model's step); True — the warped draw for every slot (greedy slots still get their
     argmax). None — decided at run time by a `lax.cond` on the temperatures: one program for both (XLA:GPU reads
     a conditional's predicate back to the host; on the H200 that cost nothing measurable a decode step,
-    `bench/results/decode_branch_cost_h200.json`); callers that know the batch's sampling parameters pass the flag
+    `bench/results/profile/decode_branch_cost_h200.json`); callers that know the batch's sampling parameters pass the flag
     and get one branch-free program each."""
     def draw(_):
         logp = warp(logits, sampling.temperature, sampling.top_p, sampling.top_k)

@@ -169,17 +169,17 @@ def _block_v(dv: int, block_v: int | None) -> int:
 
 # "auto" kernel form, from the H200 device times of each form (27B geometry, profiler trace): below 64 nodes the
 # one-launch inverse form wins (B 8, N 16: 18.0 vs 20.3 µs split); from 64 nodes the split form does, at every
-# batch measured (B 1: 16.7 vs 17.4; B 8: 51.3 vs 60.9; B 32: 196 vs 220 — bench/results/kernels_split_forms_h200.md),
+# batch measured (B 1: 16.7 vs 17.4; B 8: 51.3 vs 60.9; B 32: 196 vs 220 — bench/results/kernels/forms/kernels_split_forms_h200.md),
 # and at 128 nodes by far, with whole-width value tiles (B 8: 401 µs split bv 128, 893 inverse, 710 squaring —
-# bench/results/kernels_h200_final.md; 346 µs with the current value pass, kernels_h200_split_final.md).
+# bench/results/archive/kernels_h200_final.md; 346 µs with the current value pass, bench/results/archive/kernels_h200_split_final.md).
 # At 64 nodes on a Hopper GPU the split form with its Mosaic GPU value pass wins at every batch measured (B 1 / 8 /
 # 16 / 32: 14.4 / 40.0 / 72.3 / 132.0 µs vs 16.6 / 52.3 / 102.7 / 195.8 for the Triton value pass —
-# kernels_split_mgpu_h200.md; 12.5 / 35.0 / 65.0 / 118.5 µs with the fp16 operator chain now,
-# bench/results/kernels_h200_mgpu_table.md), where its shape limits allow (bf16 q/k,
+# bench/results/archive/kernels_split_mgpu_h200.md; 12.5 / 35.0 / 65.0 / 118.5 µs with the fp16 operator chain now,
+# bench/results/kernels/kernels_h200_mgpu_table.md), where its shape limits allow (bf16 q/k,
 # one-pass precision). Its Mosaic GPU operator pass (operator_pass="mgpu", ~40x more accurate) is slower: 25.5 µs +
-# 3.9 µs of XLA vs 15.3 µs for the Triton one at B 8 (kernels_split_mgpu_forms_h200.md), so it is not the default;
+# 3.9 µs of XLA vs 15.3 µs for the Triton one at B 8 (bench/results/kernels/kernels_split_mgpu_forms_h200.md), so it is not the default;
 # nor is the value pass that builds C itself (build_c: 40x more accurate too, 43.4 vs 40.2 µs at B 8 —
-# kernels_cv_confirm_h200.md).
+# bench/results/kernels/forms/kernels_cv_confirm_h200.md).
 SPLIT_MIN_NODES, SPLIT_ALWAYS_NODES = 64, 128
 
 
@@ -216,7 +216,7 @@ def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl
     q, k: [B,N,HK,dk] or already expanded [B,N,HV,dk]. impl: "auto" (kernel iff GPU and supported),
     "reference", "pallas" (kernel or ValueError), "interpret" (kernel in Pallas interpret mode, CPU tests).
     method: the kernel's form, "neumann" | "squaring" | "inverse" | "split" | "split_mgpu" (gdn_tree_solve says what each
-    does; bench/results/kernels_h200.md has them timed), or "auto" (`auto_method`); reference_method for the
+    does; bench/results/archive/kernels_h200.md has them timed), or "auto" (`auto_method`); reference_method for the
     reference path.
     precision (kernel): "tf32" (default for bf16/f16 inputs, ~3e-4 relative error), "tf32x3"
     (default for fp32 inputs, ~3e-7), "ieee".
@@ -276,7 +276,7 @@ def path_commit(S0, log_decay, keys, corrected, mask, node, *, impl: Impl = "aut
                                          precision=precision, interpret=interpret)
 
 
-# Tree attention tilings from the H200 sweep (bench/results/attention_tilings_h200.md, Qwen3.8-27B geometry,
+# Tree attention tilings from the H200 sweep (bench/results/attention/attention_tilings_h200.md, Qwen3.8-27B geometry,
 # N = 64): 32 keys a block and 3 pipeline stages throughout; 128 query rows and 8 warps once the row tiles alone
 # nearly fill the GPU (B 8 and 32: 250 vs 288 µs, 707 vs 1130 µs), 64 rows and 4 warps below (B 1: 83 µs, the
 # 128-row tile 106 µs).
@@ -322,7 +322,7 @@ def tree_attention(q, keys, values, prefix_mask, tree_keys, tree_values, tree_ma
                                                        interpret=interpret)
 
 
-# Tree-level top-k tiling from the H200 sweep (`hyspec bench topk`, bench/results/topk_h200.md): a row of 8,192 logits
+# Tree-level top-k tiling from the H200 sweep (`hyspec bench topk`, bench/results/kernels/topk_h200.md): a row of 8,192 logits
 # split over 8 programs of 4 warps and merged by a second launch takes ~5 µs of GPU time; one program a row
 # (one launch) 10 µs with 8 warps, 12 µs with 4; XLA's TopK and the fusions around it 41 µs in 4-5 launches.
 TOPK_CHUNKS, TOPK_WARPS = 8, 4

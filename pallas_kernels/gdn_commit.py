@@ -102,7 +102,7 @@ def path_commit_reference(S0, log_decay, keys, corrected, mask, node):
 def _append_kernel(path_ref, length_ref, count_ref, gamma_ref, k_ref, vc_ref, c_in, rc_in, pk_in, pv_in,
                    c_ref, rc_ref, pk_ref, pv_ref, count_out_ref, *, ratio: int, layers: int):
     # The whole path at once: one gather of its rows and one masked scatter. (A loop of ≤ d guarded row copies
-    # left each program waiting on 2d dependent loads: 119 vs 79 µs at B 8, bench/results/deferred_h200.md.)
+    # left each program waiting on 2d dependent loads: 119 vs 79 µs at B 8, bench/results/kernels/deferred_h200.md.)
     # layers > 1: every block has a leading axis of that many layers, copied as one 3-D gather and scatter.
     n = length_ref[...]
     cnt = count_ref[...]

@@ -54,18 +54,18 @@ Precision = Literal["tf32", "tf32x3", "ieee"]
 # dependent products fewer, two products more), for paths within `gdn.SERIES_BLOCK` nodes (deeper: "f16"'s order).
 # 15x more accurate with the pair output (o 1.3e-5 vs 1.9e-4: M and C M keep their leading terms I − L and C in
 # fp32) but slower at B ≥ 8 (34.4 → 37.2 µs at B 8), where three operator programs per SM are bound by their work,
-# not their chain's depth (bench/results/kernels_chain_parallel_h200.md). An option.
+# not their chain's depth (bench/results/kernels/forms/kernels_chain_parallel_h200.md). An option.
 # Measured and dropped: the fp16 products on the two halves of the nodes (in a topological order the operators are
 # lower triangular: three half-size blocks, M21 = −M22 L21 M11, about half the tensor-core work). Triton gave it 255
 # registers at 4 warps and at 2, so two programs per SM: B 8 20–21 vs 9.9 µs for the operator pass at 4 warps, 11.3 at
-# 2 warps but slower at B 1 and 16 (code d86e76a–8d331a2, bench/results/kernels_transposed_halves_h200.md). Also the
+# 2 warps but slower at B 1 and 16 (code d86e76a–8d331a2, bench/results/kernels/forms/kernels_transposed_halves_h200.md). Also the
 # chain accumulated in fp16, its tiles fp16: 168 registers (the accumulators are not what holds them), slightly slower
 # at every batch (B 8: 33.4 vs 33.1 µs in all; code 62c5c88, the same file).
 OperatorChain = Literal["tf32", "pair", "f16", "f16_parallel"]
 # The ancestor mask as the Triton operator pass reads it: fp32 (16 KiB per program at N 64) or int8 (4 KiB, the
 # default of split_mgpu). Every program of a request reads the same mask, so it is L2 traffic, not HBM, but at the
 # start of one wave of three programs per SM: int8 took split_mgpu's operator pass from 11.7 to 10.9 µs at B 8,
-# N 64 (21.3 → 20.6 at B 16, 39.5 → 37.9 at B 32, 6.2 both at B 1; bench/results/kernels_mask_i8_h200.md).
+# N 64 (21.3 → 20.6 at B 16, 39.5 → 37.9 at B 32, 6.2 both at B 1; bench/results/kernels/forms/kernels_mask_i8_h200.md).
 OperatorMask = Literal["f32", "i8"]
 # How the Triton operator pass hands [M; C M] to the Mosaic GPU value pass: a bf16 pair (16 significand bits, 32 KiB
 # per head at N 64, three products against R's bf16 pair) or one fp16 matrix (11 bits, as the fp16 chain that formed
@@ -253,7 +253,7 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
     C M are formed — one-pass tf32, bf16-pair (`_pair_dot`) or one-pass fp16 products (`_f16_dot`). In form "pair"
     with tf32 or fp16, C is built after M's chain (not live through it; the mask is read again): with tf32 14.8 vs
     15.5 µs at B 8, N 64, 0.7–0.9 µs less at B 16 and 32 too, with the same 163–165 registers
-    (bench/results/kernels_operator_chain_h200.md). The pair chain is faster with C first (18.8 vs 21.1 µs); so is
+    (bench/results/kernels/forms/kernels_operator_chain_h200.md). The pair chain is faster with C first (18.8 vs 21.1 µs); so is
     form "fp32" kept (its measured order)."""
     n = mask_ref.shape[0]
     parallel = chain == "f16_parallel" and form != "m_pair" and rounds < gdn.SERIES_BLOCK
@@ -271,7 +271,7 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
     if form == "fp32":
         # The Triton split form's rows of the kernel table were measured with this order (168 registers); ptxas'
         # register count moves with such orders: with C after M's chain and Γ stored before C M this form took 214,
-        # and the "pair" form 224 (kernels_operator_chain_h200.md, run 3). So it is kept as measured.
+        # and the "pair" form 224 (bench/results/kernels/forms/kernels_operator_chain_h200.md, run 3). So it is kept as measured.
         gamma_ref[...] = gamma
         out_refs[0][pl.ds(0, n), :] = M
         out_refs[0][pl.ds(n, n), :] = dot(C, M) if CM is None else CM
@@ -307,7 +307,7 @@ def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref,
     """Split form, pass 2 (one program per request, value head and value tile): K S0 and Q S0 from the key
     head's own q/k, R = β(v − e^Γ K S0), then one product of 2N rows, [M; C M] R.
 
-    Measured on the H200 (bench/results/kernels_split_forms_h200.md, B 8, N 64): this beats a [k; q]
+    Measured on the H200 (bench/results/kernels/forms/kernels_split_forms_h200.md, B 8, N 64): this beats a [k; q]
     concatenated first for one 2N-row product (51.3 vs 58.8 µs: the concatenation was a 3.4 µs launch and its
     copy), a program per key head over its r value heads (unrolled 57.7, a device loop 50.9 but slower at
     B 1 and N 16), and two pipeline stages (61.8)."""

@@ -31,57 +31,57 @@ pair and R have rows of fewer than 128 bytes, so a narrower swizzle, and wgmma's
 the same one (Mosaic GPU's layout inference refuses mismatched ones). Narrow tiles measured slower, so the default
 and `method="auto"` stay at 64: at B 8 the value pass took 27.6 µs at bv 32 (86 registers, 55,320 B, four
 programs per SM, 1536 programs) and 56.9 µs at bv 16, vs 22.2 µs at bv 64: each program still loads k, q and the
-[M; C M] pair whole for a fraction of the work (kernels_value_bv_h200.md, kernel_resources_value_bv_h200.md).
+[M; C M] pair whole for a fraction of the work (bench/results/kernels/forms/kernels_value_bv_h200.md, bench/results/kernels/forms/kernel_resources_value_bv_h200.md).
 
 Shared memory per value-pass program (N 64, dk 128, bv 64): k, q 32 KiB, v 8 KiB, the [M; C M] pair 32 KiB, the
 fp32 state tile 32 KiB and its bf16 pair 32 KiB. `share_state_smem`: the fp32 tile and its pair share one region (a
 warpgroup barrier between reading the one and writing the other), and R's pair reuses the state pair's first N
 rows. `share_kq_smem`: the [M; C M] pair lands where k and q were, its load issued once the state products have
 read them. Both (the default): 74 KiB, 150 registers, three programs per SM (ncu on the H200,
-bench/results/kernel_resources_mgpu_h200.md); B 8, N 64: 24.6 µs, vs 27.1 without k/q sharing and 33.7 without
-either (kernels_split_mgpu_forms_h200.md, kernels_split_mgpu_h200.md). `tma_store` (the default): o and V' are staged
+bench/results/kernels/kernel_resources_mgpu_h200.md); B 8, N 64: 24.6 µs, vs 27.1 without k/q sharing and 33.7 without
+either (bench/results/kernels/kernels_split_mgpu_forms_h200.md, bench/results/archive/kernels_split_mgpu_h200.md). `tma_store` (the default): o and V' are staged
 where [M; C M] was and leave by TMA, whole 128-byte lines instead of the WGMMA layout's 8-byte stores from registers
 (the value pass ran at 62% of L2 throughput, 46% of its tag requests): 23.4 vs 24.7 µs at B 8, 79.3 vs 80.7 at
-B 32, 6.2 vs 6.1 at B 1 (kernels_value_store_h200.md). Measured with it and dropped, no gain: programmatic dependent
+B 32, 6.2 vs 6.1 at B 1 (bench/results/kernels/forms/kernels_value_store_h200.md). Measured with it and dropped, no gain: programmatic dependent
 launch of the value pass (no overlap with the operator pass in the trace, also with the operator pass triggering it
 as it starts, under XLA's command buffers; without them the launches overlapped but saved nothing, as three
 operator programs per SM leave no room for a value program) and Pallas' automatic shared-memory barriers left out
 (−0.2 µs at B 8). Also a head's two value tiles as one cluster multicasting k, q and [M; C M]: half their L2 reads,
-but 25.6 vs 23.4 µs at B 8, slower at every batch (kernels_value_pdl_multicast_h200.md). Also measured and dropped:
+but 25.6 vs 23.4 µs at B 8, slower at every batch (bench/results/kernels/forms/kernels_value_pdl_multicast_h200.md). Also measured and dropped:
 one program of two warpgroups per (request, value head), one per value tile, sharing k, q and [M; C M] (half the
 L2 reads). It needed ≤ 128 registers a thread for two programs per SM; ptxas gave it 152 and Mosaic GPU has no
-register cap, so one program per SM ran: 29.1 vs 23.5 µs at B 8 (kernels_value_two_warpgroups_h200.md). Also
+register cap, so one program per SM ran: 29.1 vs 23.5 µs at B 8 (bench/results/kernels/forms/kernels_value_two_warpgroups_h200.md). Also
 measured and dropped: each program prefetching into L2 (`plgpu.async_prefetch`, one thread, nothing waits on it) the
 state and v tiles of the program one wave on, so the second wave's state would come from L2: issued at the start it
 delayed the first wave's own loads (value pass 25.4 vs 23.0 µs at B 8 with operator_out "f16"), issued after the
 state products it was within noise at B 8 (22.9 vs 23.2) and slower at B 16 and 32
-(kernels_value_prefetch_h200.md). Also measured and dropped: a short launch before the operator pass that starts the L2
+(bench/results/kernels/forms/kernels_value_prefetch_h200.md). Also measured and dropped: a short launch before the operator pass that starts the L2
 fetch of every state tile (and v) while the operator pass, bound by its chain rather than HBM, runs: the value pass
 was no faster at any batch (B 8: 23.3 vs 23.0 µs with operator_out "f16") and the launch cost 4.2 µs at B 8, 11.5 at
-B 32 (kernels_l2_prefetch_h200.md); with its state already in L2 the value pass is no faster either (B 4: 13.1 vs
-11.5 µs; value_pass_l2_probe_h200.md): it is not bound by fetching the state. Also measured and dropped: the fp16
+B 32 (bench/results/kernels/forms/kernels_l2_prefetch_h200.md); with its state already in L2 the value pass is no faster either (B 4: 13.1 vs
+11.5 µs; bench/results/kernels/forms/value_pass_l2_probe_h200.md): it is not bound by fetching the state. Also measured and dropped: the fp16
 [M; C M] load issued once the K S0 products have read k (it lands where k was), within noise (B 8: 32.8 / 33.1 vs
-32.9 / 33.0 µs in all; kernels_early_mc_h200.md). Under Nsight Compute no unit is near its peak at B 8 (DRAM 39%,
-L2 61%, shared memory 44%, tensor pipe 31%, issue 23%; kernel_resources_value_pass_ncu_h200.md): the pass is bound by
+32.9 / 33.0 µs in all; bench/results/kernels/forms/kernels_early_mc_h200.md). Under Nsight Compute no unit is near its peak at B 8 (DRAM 39%,
+L2 61%, shared memory 44%, tensor pipe 31%, issue 23%; bench/results/kernels/forms/kernel_resources_value_pass_ncu_h200.md): the pass is bound by
 each program's chain of latencies with three programs per SM, the most its shared memory allows. Its phases, from
-Mosaic GPU's profiler (`profile_dir`; bench/recipes/value_pass_phases.py, value_pass_phases_h200.md), at B 8 with
+Mosaic GPU's profiler (`profile_dir`; bench/recipes/value_pass_phases.py, bench/results/kernels/forms/value_pass_phases_h200.md), at B 8 with
 operator_out "f16": of a program's 8.5 µs, 3.1 wait for the state tile, k and q, 1.1 split the state, 0.65 + 0.34
 are the products; every phase is about twice as long with three programs per SM as alone (B 4 vs B 1), the three
 sharing the SM's shared memory, TMA unit and L2 link phase by phase. Also measured and dropped on that reading: the
 state tile, k and q in two chunks of 64 key rows, the first split and multiplied while the second lands (the wait
 fell to 1.9 + 0.2 µs, but twelve TMA copies issue slower than six: 23.5 vs 22.9 µs at B 8, slower at every batch;
-kernels_chunked_state_h200.md), and one program per key head with a warpgroup per value head, loading k and q
+bench/results/kernels/forms/kernels_chunked_state_h200.md), and one program per key head with a warpgroup per value head, loading k and q
 once for the three (200 KiB, one program per SM: 25.8 vs 23.0 µs at B 8, 9.8 vs 6.2 at B 1, where the 96 heads
-ran on 32 SMs; kernels_group_heads_h200.md). Also measured and dropped: persistent programs, each looping over
+ran on 32 SMs; bench/results/kernels/forms/kernels_group_heads_h200.md). Also measured and dropped: persistent programs, each looping over
 several items with the next item's loads issued during this one. Any program running more than one item got 184–238
 registers (152 for one; three per SM need ≤ 168), so two programs per SM ran: B 8 36.4–43.3 vs 32.8 µs in all with
 operator_out "f16", slower at every batch ≥ 8. The per-item form's SMs end within 2.2 µs of each other (B 8: 20.8
-to 23.0 µs), so better packing had little to win (kernels_value_persistent_h200.md). Also measured and dropped: the
+to 23.0 µs), so better packing had little to win (bench/results/kernels/forms/kernels_value_persistent_h200.md). Also measured and dropped: the
 value pass transposed, every product with the value tile's columns as its rows so that wgmma takes S0ᵀ's and Rᵀ's
 pairs as A operands from registers ((K S0)ᵀ = S0ᵀ Kᵀ, V'ᵀ = Rᵀ Mᵀ; no state pair or R pair in shared memory). Correct
 on the H200 (5–8e-8 from this pass), but 170–191 registers, so two programs per SM: B 8 24.2–26.9 vs 22.5 µs, slower
 at every batch ≥ 8; and alone (B 1) only 4.80 vs 4.96 µs, so the round trips it removes were not where the time goes
-(code d86e76a, kernels_transposed_halves_h200.md, value_pass_transposed_probe_h200.json).
+(code d86e76a, bench/results/kernels/forms/kernels_transposed_halves_h200.md, bench/results/kernels/forms/value_pass_transposed_probe_h200.json).
 
 The Mosaic GPU operator pass (85 KiB, 230 registers, two programs per SM) is ~40x more accurate than the Triton
 one (o error 4.6e-6 vs 2.0e-4 against the fp32 reference) but slower on the H200 (B 8: 25.5 µs + 3.9 µs of XLA
@@ -89,23 +89,23 @@ for Γ and β, vs 15.3 µs): each of its chained N × N products is a round trip
 barrier, and its 384 programs at B 8 take 1.45 waves. So `tree_solve_pallas` uses the Triton operator pass with
 this value pass unless told otherwise (operator_pass="mgpu"). The Triton pass can form M and C M by bf16-pair
 products too (`operator_chain="pair"`: o error 4.6e-6, 18.8 vs 14.8 µs at B 8, its 183 registers leave room for two
-programs per SM; bench/results/kernels_operator_chain_h200.md). Those were against its chain in one-pass tf32;
+programs per SM; bench/results/kernels/forms/kernels_operator_chain_h200.md). Those were against its chain in one-pass tf32;
 its default chain is now fp16 (`gdn_tree_solve._f16_dot`: the same roundings, 11.7 vs 14.9 µs at B 8, 158 registers
-and 32 KiB; kernels_operator_f16_h200.md).
+and 32 KiB; bench/results/kernels/forms/kernels_operator_f16_h200.md).
 
 `operator_out="f16"` (`gdn_tree_solve.tree_solve_pallas`): the Triton operator pass writes [M; C M] as one fp16
 matrix (11 significand bits, those of the fp16 chain that formed it) instead of the bf16 pair, and this value pass
 forms R as an fp16 pair: half the bytes of [M; C M] and two products instead of three. Faster at every batch
 measured — B 8: 33.0 vs 34.3 µs; B 16: 57.6 vs 63.7; B 32: 105.1 vs 117.5; chain of 64: 39.3 vs 41.2 — with o error
-2.3e-4 vs 1.9e-4 (bench/results/kernels_operator_out_f16_h200.md), and at B 1 too: 11.6 vs 12.5 µs
-(kernels_value_state_h200.md). Not the default: R's fp16 pair overflows where |R| passes 65504 (bf16's range is
+2.3e-4 vs 1.9e-4 (bench/results/kernels/forms/kernels_operator_out_f16_h200.md), and at B 1 too: 11.6 vs 12.5 µs
+(bench/results/kernels/forms/kernels_value_state_h200.md). Not the default: R's fp16 pair overflows where |R| passes 65504 (bf16's range is
 fp32's), which bounded GDN states do not reach but nothing here checks.
 
 `value_state="f16"` (with operator_out "f16"): the state tile becomes one fp16 matrix (R's fp16 view of its bytes)
 against fp16 q, k that the Triton operator pass writes once per key head: one product each for K S0 and Q S0, 122
 registers instead of 152. Measured slower in all (B 8: 34.5 vs 33.2 µs): the value pass gains only 0.7 µs (it is
 bound by its loads and stores, not its products), the operator pass's q, k copies cost 2.0 µs
-(kernels_value_state_h200.md). An option.
+(bench/results/kernels/forms/kernels_value_state_h200.md). An option.
 
 The value pass that builds C (`tree_apply_cv_mgpu`, `build_c=True` in `gdn_tree_solve.tree_solve_pallas`): the
 Triton operator pass sends M's pair alone (half the bytes, no C M product: 12.7 vs 15.3 µs at B 8), and each value
@@ -113,12 +113,12 @@ program forms C = q kᵀ ⊙ D from the q and k it loads anyway (one bf16 produc
 then o = e^Γ Q S0 + C V' (V' as a bf16 pair). That is 40x more accurate than the default (o error 4.9e-6 vs 1.9e-4:
 no tf32 product is left on o's path) but not faster: its value pass does a product more and a second round trip
 through shared memory, 30.7 vs 24.7 µs at B 8, so 43.4 vs 40.2 µs in all (B 32: 130.7 vs 131.7; B 16: 73.8 vs 72.5;
-bench/results/kernels_cv_confirm_h200.md, kernels_cvp_h200.md). 167 registers and 75800 B, three programs per SM
-(kernel_resources_cv_h200.md). Every Mosaic GPU shared-memory allocation is rounded up to 1 KiB: with Γ, β and the bits
-as five small refs the kernel took 78.9 KB, two programs per SM, 30.5 µs (kernels_split_mgpu_cv_2sm_h200.md), hence
+bench/results/kernels/forms/kernels_cv_confirm_h200.md, bench/results/kernels/forms/kernels_cvp_h200.md). 167 registers and 75800 B, three programs per SM
+(bench/results/kernels/forms/kernel_resources_cv_h200.md). Every Mosaic GPU shared-memory allocation is rounded up to 1 KiB: with Γ, β and the bits
+as five small refs the kernel took 78.9 KB, two programs per SM, 30.5 µs (bench/results/kernels/forms/kernels_split_mgpu_cv_2sm_h200.md), hence
 `node_rows`. Its persistent option (`programs`: two per SM loop over the items, the next state tile streaming in
 during this one) measured no better — 42.1 µs at B 8, 134.0 at B 32 — with 255 registers and k, q, v still loaded
-after each item (kernel_resources_cvp_h200.md). Both stay options; the default is unchanged.
+after each item (bench/results/kernels/forms/kernel_resources_cvp_h200.md). Both stay options; the default is unchanged.
 """
 
 from __future__ import annotations

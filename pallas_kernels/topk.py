@@ -3,7 +3,7 @@
 Must equal `biased_topk_reference`: for logits x = base[b] + bias[b, w] (fp32), (values, indices) of
 `lax.top_k(x, k)` — descending, ties to the lower index — and log Σ exp(x) with the row max taken out first.
 
-Why a kernel: at batch 1 a speculative round is launch-bound (bench/results/round_profile_h200.md). Each of the
+Why a kernel: at batch 1 a speculative round is launch-bound (bench/results/archive/round_profile_h200.md). Each of the
 tree's levels ran the bias add, XLA's TopK custom call and the max / exp-sum / log fusions around it as separate
 launches (and the TopK alone took 37 µs of GPU time a level for 16 rows of 8,192); here they are one.
 

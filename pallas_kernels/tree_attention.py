@@ -5,7 +5,7 @@ prefix and the tree as its two parts).
 
 Why a kernel: XLA runs this as score einsum → fp32 softmax over [B, KVH, R, T, S] in HBM → PV einsum, and on the
 H200 at the Qwen3.8-27B geometry (24 query heads, 4 KV heads, head_dim 256) that costs 11–39x the bytes that must
-move (`bench/results/attention_h200.md`; the issue's bar is 1.2x). The prefix is the big part (S tokens of K/V,
+move (`bench/results/attention/attention_h200.md`; the issue's bar is 1.2x). The prefix is the big part (S tokens of K/V,
 read once), the tree part is small (N ≤ 128 keys), so:
 
 1. `prefix_partials_pallas`, split-S flash attention over the prefix: one program per (request b, KV head g,
@@ -19,7 +19,7 @@ read once), the tree part is small (N ≤ 128 keys), so:
 Lowering: Pallas' Triton lowering, like the GDN kernels (`gdn_tree_solve.py` says why). Block shapes must be
 powers of two: rows are padded to a multiple of block_rows, and S/splits must be a power-of-two multiple of
 block_s (`supported`). Checked in interpret mode against the reference (tests/test_kernels.py) and timed on the
-H200 by `hyspec bench kernels --attention` (`bench/results/attention_tilings_h200.md`): 1.6–2.4x faster than
+H200 by `hyspec bench kernels --attention` (`bench/results/attention/attention_tilings_h200.md`): 1.6–2.4x faster than
 XLA, 2.5–3.5x the roofline at batch ≥ 8 (9x at batch 1, where launch and combine dominate). At these shapes the roofline is the tensor cores', not HBM's: 64 nodes × 6 query heads
 share each K/V element, 384 FLOP per byte read, twice the H200's ridge point — so the issue's 1.2x-of-the-HBM-floor
 bar is out of reach of any kernel (the compute floor alone is 1.9x the HBM floor at B 8, S 4096).

@@ -1,7 +1,7 @@
 """Accuracy of split_mgpu's operator chains on one path of 8, 16 or 64 nodes (of a 64-node tree) against the
 triangular solve, in interpret mode (CPU; there "tf32" is exact fp32): random keys, and keys nearly alike along
 the path with β and decays near 1 (where the power series (I−L)(I+L²)… alone loses its digits;
-gdn.block_inverse). Prints one line per case; bench/results/tree_solve_deep_paths.md has the numbers.
+gdn.block_inverse). Prints one line per case; bench/results/kernels/tree_solve_deep_paths.md has the numbers.
 
     PYTHONPATH=.:tests python bench/recipes/deep_path_accuracy.py
 """

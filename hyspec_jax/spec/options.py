@@ -33,7 +33,7 @@ def add_spec_arguments(p, *, default_mode: str | None = None) -> None:
                    help="tree build, GDN tree verification and commit: auto (default) = the Pallas top-k, "
                         "tree-solve, tree-attention and path-commit kernels on an NVIDIA GPU where the shape is "
                         "supported, the pure-JAX path otherwise (so on a CPU); reference = pure JAX (XLA) "
-                        "everywhere. On the H200, auto is the faster: bench/results/e2e_h200_auto.md")
+                        "everywhere. On the H200, auto is the faster: bench/results/archive/e2e_h200_auto.md")
 
 
 def recommended_settings(drafter_dir, backend: str) -> dict:

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from hyspec_jax.bench.e2e import DEFAULT_PROMPTS, _default_model, load_models, make_engine
     from hyspec_jax.bench.report import gpu_stream_events, portable_command, portable_path, profile_trace, run_metadata
     from hyspec_jax.sampling import SamplingParams
-    from hyspec_jax.spec.select import TreeSpec
+    from hyspec_jax.tree import TreeExpansion
     from hyspec_jax.train.distill import load_prompts
 
     if a.dtype == "float32":
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     for mode in tqdm(a.modes, desc="round-profile", unit="mode"):
         eng = make_engine(target, drafters, mode, 1, kernels=a.kernels,
-                          tree=TreeSpec(depth, a.tree_topk, a.tree_beam), verify_nodes=a.verify_nodes)
+                          tree=TreeExpansion(depth, a.tree_topk, a.tree_beam), verify_nodes=a.verify_nodes)
         if eng is None:
             raise ValueError(f"mode {mode}: the drafter in {drafter_dir} has no ReaDy reader")
         eng.generate([prompt], params)

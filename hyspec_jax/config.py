@@ -1,7 +1,9 @@
 """Frozen, hashable configs (usable as static jit arguments).
 
 `TargetConfig` is parsed from a Hugging Face `config.json` of the Qwen3.5 (`qwen3_5`, `qwen3_5_text`,
-`qwen3_5_moe[_text]`) or Qwen3-Next (`qwen3_next`) family; see `specs/target_model.md` §2.
+`qwen3_5_moe[_text]`) or Qwen3-Next (`qwen3_next`) family; see `specs/target_model.md` §2. `DrafterConfig`
+is the DSpark / DFlash block drafter's (DeepSpec top-level keys, SpecForge's nested `dflash_config`); see
+`specs/drafters.md` §1.
 """
 
 from __future__ import annotations
@@ -241,3 +243,173 @@ class TargetConfig:
         if self.eos_token_id:
             out["eos_token_id"] = list(self.eos_token_id)
         return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Drafter
+# ------------------------------------------------------------------------------------------------
+MARKOV_TYPES = ("none", "vanilla", "gated", "rnn")
+DSPARK_ARCHS = ("Qwen3DSparkModel", "DSparkDraftModel")
+DFLASH_ARCHS = ("DFlashDraftModel",)
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """z-lab / SGLang rule (specs/drafters.md §1.1): n ids evenly spaced over [1, N−3]; N//2 when n == 1."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    if end < start:
+        raise ConfigError(f"default tap rule needs a target of >= 4 layers, got {num_target_layers}; "
+                          "pass target_layer_ids explicitly")
+    span = end - start
+    return tuple(int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    block_size: int = 7
+    logits_start: int = 0
+    markov_head_type: str = "vanilla"
+    markov_rank: int = 256
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    attention_bias: bool = False
+    num_anchors: int = 512  # training metadata (anchors per sequence), kept for the config.json round trip
+
+    def __post_init__(self):
+        if self.logits_start not in (0, 1):
+            raise ConfigError(f"logits_start must be 0 (DeepSpec anchor-first) or 1 (DFlash/speculators), "
+                              f"got {self.logits_start}")
+        if self.block_size <= self.logits_start:
+            raise ConfigError(f"block_size {self.block_size} leaves no draft slot with logits_start "
+                              f"{self.logits_start}")
+        if self.markov_head_type not in MARKOV_TYPES:
+            raise ConfigError(f"markov_head_type must be one of {MARKOV_TYPES}, got {self.markov_head_type!r}")
+        if self.markov_rank < 0:
+            raise ConfigError("markov_rank must be >= 0")
+        if not self.target_layer_ids:
+            raise ConfigError("target_layer_ids is empty")
+        bad = [i for i in self.target_layer_ids if not 0 <= i <= self.num_target_layers - 2]
+        if bad:  # the last layer is returned after the final norm by HF: never a tap (DeepSpec asserts it)
+            raise ConfigError(f"target_layer_ids {bad} outside [0, {self.num_target_layers - 2}]")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.head_dim % 2:
+            raise ConfigError("head_dim must be even (RoPE)")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(f"mask_token_id {self.mask_token_id} outside the vocab [0, {self.vocab_size})")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """γ: draft tokens per block."""
+        return self.block_size - self.logits_start
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def has_markov(self) -> bool:
+        return self.markov_rank > 0 and self.markov_head_type != "none"
+
+    @property
+    def confidence_dim(self) -> int:
+        return self.hidden_size + (self.markov_rank if self.has_markov and self.confidence_head_with_markov else 0)
+
+    @classmethod
+    def from_target(cls, tcfg: TargetConfig, *, num_layers: int = 5, target_layer_ids: tuple[int, ...] | None = None,
+                    mask_token_id: int | None = None, **overrides: Any) -> "DrafterConfig":
+        """Draft config as a copy of the target's widths (DeepSpec practice) with n draft layers.
+
+        mask_token_id defaults to the last vocab row (a reserved, untrained id for our own tokenizer).
+        """
+        ids = tuple(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(
+            tcfg.num_hidden_layers, num_layers)
+        kw: dict[str, Any] = dict(
+            vocab_size=tcfg.vocab_size, hidden_size=tcfg.hidden_size, num_hidden_layers=num_layers,
+            num_attention_heads=tcfg.num_attention_heads, num_key_value_heads=tcfg.num_key_value_heads,
+            head_dim=tcfg.head_dim, intermediate_size=tcfg.intermediate_size,
+            num_target_layers=tcfg.num_hidden_layers, target_layer_ids=ids,
+            mask_token_id=tcfg.vocab_size - 1 if mask_token_id is None else mask_token_id,
+            rms_norm_eps=tcfg.rms_norm_eps, rope_theta=tcfg.rope_theta)
+        kw.update(overrides)
+        return cls(**kw)
+
+    # --- config.json (DeepSpec top-level keys + SpecForge's nested dflash_config) -----------------
+    def to_hf_dict(self) -> dict[str, Any]:
+        return {
+            "architectures": ["Qwen3DSparkModel"], "model_type": "qwen3",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "attention_bias": self.attention_bias, "hidden_act": "silu", "tie_word_embeddings": False,
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "num_target_layers": self.num_target_layers, "target_layer_ids": list(self.target_layer_ids),
+            "block_size": self.block_size, "mask_token_id": self.mask_token_id, "num_anchors": self.num_anchors,
+            "markov_rank": self.markov_rank, "markov_head_type": self.markov_head_type,
+            "enable_confidence_head": self.enable_confidence_head,
+            "confidence_head_with_markov": self.confidence_head_with_markov,
+            "logits_start": self.logits_start, "sample_from_anchor": self.logits_start == 0,
+            "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id},
+        }
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], *, logits_start: int | None = None) -> "DrafterConfig":
+        arch = (raw.get("architectures") or [""])[0]
+        if arch.startswith("Gemma") or arch == "DFlash2DraftModel":
+            raise ConfigError(f"drafter architecture {arch!r} is not supported")
+        nested = raw.get("dflash_config") or {}
+        get = lambda k, d=None: raw.get(k, nested.get(k, d))  # noqa: E731  top level wins, then dflash_config
+        if logits_start is None:  # explicit flag first; never guess silently between conventions
+            if "logits_start" in raw:
+                logits_start = int(raw["logits_start"])
+            elif "sample_from_anchor" in raw:
+                logits_start = 0 if raw["sample_from_anchor"] else 1
+            elif arch in DSPARK_ARCHS:
+                logits_start = 0
+            elif arch in DFLASH_ARCHS:
+                logits_start = 1
+            else:
+                raise ConfigError(f"cannot tell the slot convention of architecture {arch!r}: pass logits_start")
+        layer_types = raw.get("layer_types") or ["full_attention"] * int(raw["num_hidden_layers"])
+        if any(t != "full_attention" for t in layer_types):
+            raise ConfigError(f"only full_attention draft layers are supported, got {sorted(set(layer_types))}")
+        if raw.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ConfigError(f"unsupported hidden_act {raw.get('hidden_act')!r}")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise ConfigError("scaled RoPE is not supported for drafters")
+        heads = int(raw["num_attention_heads"])
+        n_target = int(get("num_target_layers"))
+        n = int(raw["num_hidden_layers"])
+        ids = get("target_layer_ids")
+        ids = tuple(int(i) for i in ids) if ids is not None else default_target_layer_ids(n_target, n)
+        if get("mask_token_id") is None:
+            raise ConfigError("config.json has no mask_token_id (top level or dflash_config)")
+        markov_type = str(get("markov_head_type", "vanilla"))
+        return cls(
+            vocab_size=int(raw["vocab_size"]), hidden_size=int(raw["hidden_size"]), num_hidden_layers=n,
+            num_attention_heads=heads, num_key_value_heads=int(raw.get("num_key_value_heads", heads)),
+            head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+            intermediate_size=int(raw["intermediate_size"]), num_target_layers=n_target, target_layer_ids=ids,
+            mask_token_id=int(get("mask_token_id")), block_size=int(get("block_size", 7)),
+            logits_start=logits_start, markov_head_type=markov_type,
+            markov_rank=int(get("markov_rank", 0) or 0),
+            enable_confidence_head=bool(get("enable_confidence_head", False)),
+            confidence_head_with_markov=bool(get("confidence_head_with_markov", True)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))),
+            attention_bias=bool(raw.get("attention_bias", False)), num_anchors=int(get("num_anchors", 512)))

@@ -1,7 +1,8 @@
 """Cache / recurrent-state pytrees, batched over a fixed number of slots and stacked over layers.
 
 Stacking per layer kind ([num_gdn_layers, ...], [num_attn_layers, ...]) lets one batched op touch every
-layer at once (e.g. the factorized commit of all GDN states).
+layer at once (e.g. the factorized commit of all GDN states). `TargetState` and `DrafterState` of a slot
+hold the same committed length: the drafter's context K/V covers exactly the tokens the target committed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from hyspec_jax.config import TargetConfig
+from hyspec_jax.config import DrafterConfig, TargetConfig
 from hyspec_jax.gdn import SolveFactors
 
 
@@ -61,6 +62,29 @@ def init_state(cfg: TargetConfig, batch: int, max_len: int, dtype=jnp.float32) -
         values=jnp.zeros((la, batch, max_len, cfg.num_key_value_heads, cfg.head_dim), dtype),
         lengths=jnp.zeros((batch,), jnp.int32),
     )
+
+
+@struct.dataclass
+class DrafterState:
+    """Context K/V of committed tokens, per draft layer. Entry p holds the target features of token p."""
+    keys: jax.Array     # [n_layers, B, S, KVH, hd] post-k_norm, post-RoPE
+    values: jax.Array   # [n_layers, B, S, KVH, hd]
+    lengths: jax.Array  # [B] int32: committed tokens with context K/V = the anchor's position
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[2]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "batch", "max_len", "dtype"))   # one dispatch (as init_state)
+def init_drafter_state(cfg: DrafterConfig, batch: int, max_len: int, dtype=jnp.float32) -> DrafterState:
+    shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    return DrafterState(keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype),
+                        lengths=jnp.zeros((batch,), jnp.int32))
 
 
 def check_state(cfg: TargetConfig, state: TargetState) -> None:

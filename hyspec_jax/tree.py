@@ -19,6 +19,12 @@ Conventions (one home for them):
   −(j − t). So column 1 of `kth_ancestor` is exactly `parent`, and `(K−1) + kth_ancestor` indexes
   concat(committed conv window [K−1 rows, oldest first], node inputs [N rows]) — the conv tap table.
 
+Two static shapes, kept apart because they answer different questions: `TreeExpansion` (depth, top_k,
+beam) says how a draft tree is grown from one draft block, and so how many candidates there are;
+`TreeShape` (max_nodes, max_depth) is the padded envelope of the tree the target verifies (chains too),
+fixed per compiled program, after the budget picked max_nodes of those candidates. Both count depth in
+edges below the anchor.
+
 Everything on device is vectorised: at most O(max_depth) unrolled gathers of [B, N] index arrays, never a
 Python loop over nodes. Host-side helpers (numpy) pad ragged trees into an envelope with clear errors and
 generate random trees for tests.
@@ -54,6 +60,35 @@ class TreeShape:
     def path_nodes(self) -> int:
         """Nodes on the longest root-to-leaf path (= `max_depth` argument of gdn.masked_solve)."""
         return self.max_depth + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeExpansion:
+    """How a draft tree is grown from one draft block (EAGLE-2 style beam, hashable: a static jit argument).
+
+    `depth` draft levels below the anchor (edges; ≤ γ, the block's draft slots), `top_k` children per
+    expanded node, at most `beam` nodes kept per level.
+    """
+    depth: int
+    top_k: int
+    beam: int
+
+    def __post_init__(self):
+        if self.depth < 1 or self.top_k < 1 or self.beam < 1:
+            raise ValueError(f"tree needs depth, top_k, beam >= 1, got {self}")
+
+    def widths(self) -> tuple[int, ...]:
+        """Nodes kept at depth 1 .. depth: min(beam, top_k · nodes kept one level up)."""
+        out, w = [], 1
+        for _ in range(self.depth):
+            w = min(self.beam, w * self.top_k)
+            out.append(w)
+        return tuple(out)
+
+    @property
+    def num_candidates(self) -> int:
+        """Candidates per row, anchor included."""
+        return 1 + sum(self.widths())
 
 
 @struct.dataclass

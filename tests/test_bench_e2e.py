@@ -14,6 +14,7 @@ import pytest
 
 from hyspec_jax.bench.e2e import main as e2e_main, prefix_survival
 from hyspec_jax.bench.report import busy_time_ns
+from hyspec_jax.config import DrafterConfig
 from hyspec_jax.io.drafter_io import save_drafter
 from hyspec_jax.io.hf import save_pretrained
 from hyspec_jax.models import drafter as D
@@ -42,7 +43,7 @@ def dirs(tmp_path_factory):
     jax.config.update("jax_disable_most_optimizations", True)
     root = tmp_path_factory.mktemp("e2e")
     save_pretrained(create_model(TCFG, seed=0), root / "target")
-    dcfg = D.DrafterConfig.from_target(TCFG, num_layers=1, target_layer_ids=(0, 1), markov_rank=8, block_size=4)
+    dcfg = DrafterConfig.from_target(TCFG, num_layers=1, target_layer_ids=(0, 1), markov_rank=8, block_size=4)
     drafter = D.create_drafter(dcfg, ReaderConfig.for_target(TCFG, rank=4, mlp_hidden=16), seed=1)
     w = drafter.reader.fc_out.weight
     w.set_value(0.5 * jax.random.normal(jax.random.key(5), w[...].shape))

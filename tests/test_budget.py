@@ -16,7 +16,8 @@ from hyspec_jax.config import FULL, LINEAR, TargetConfig
 from hyspec_jax.sampling import SlotSampling
 from hyspec_jax.spec import propose as P
 from hyspec_jax.spec.budget import (BudgetTable, b_ver, confident_length, model_id, root_floor, select_nodes)
-from hyspec_jax.spec.select import TreeSpec, tree_candidates
+from hyspec_jax.spec.select import tree_candidates
+from hyspec_jax.tree import TreeExpansion
 from tests.tiny_drafter import tiny_draft_block
 
 B, M = 6, 12
@@ -167,10 +168,10 @@ def test_greedy_tree_candidates_agree_with_propose_tree(block):
     """Greedy rows: the beam expansion keeps the same top nodes (tokens on the same paths, same ρ) as
     propose.tree_from_block when the beam holds every node of the full k-ary tree."""
     model, graphdef, params, blk, anchor = block
-    spec = TreeSpec(depth=3, top_k=2, beam=8)
+    spec = TreeExpansion(depth=3, top_k=2, beam=8)
+    full = TreeExpansion(depth=3, top_k=2, beam=14)
     cand = jax.jit(lambda p, b, a: tree_candidates(nnx.merge(graphdef, p), b, a, spec))(params, blk, anchor)
-    prop = jax.jit(lambda p, b, a: P.tree_from_block(nnx.merge(graphdef, p), b, a, P.TreeEnvelope(14, 3, 2)))(
-        params, blk, anchor)
+    prop = jax.jit(lambda p, b, a: P.tree_from_block(nnx.merge(graphdef, p), b, a, full))(params, blk, anchor)
     for b in range(2):
         def paths(tok, par, ok, base):
             out = {}
@@ -193,7 +194,7 @@ def test_sampled_tree_scores_are_pre_draw_and_monotone(block):
     """Sampling rows: scores never increase down a path, siblings come in draw order with non-increasing
     pre-draw scores, and the first child of every node scores exactly its parent's ρ (mass 1 left)."""
     model, graphdef, params, blk, anchor = block
-    spec = TreeSpec(depth=3, top_k=3, beam=5)
+    spec = TreeExpansion(depth=3, top_k=3, beam=5)
     samp = SlotSampling(temperature=jnp.array([1.0, 0.7]), top_p=jnp.array([1.0, 0.9]),
                         top_k=jnp.array([0, 10], jnp.int32), seed=jnp.array([1, 2], jnp.uint32))
     keys = jax.random.split(jax.random.key(0), 2)

@@ -11,12 +11,12 @@ import pytest
 from flax import nnx
 from safetensors import safe_open
 
-from hyspec_jax.config import FULL, LINEAR, ConfigError, TargetConfig
+from hyspec_jax.config import FULL, LINEAR, ConfigError, DrafterConfig, TargetConfig, default_target_layer_ids
 from hyspec_jax.io.drafter_io import load_drafter, load_drafter_config, save_drafter
 from hyspec_jax.models import drafter as D
 from hyspec_jax.models.reader import Reader, ReaderConfig, default_source_layers, select_states
 from hyspec_jax.models.target import create_model
-from hyspec_jax.state import init_state
+from hyspec_jax.state import DrafterState, init_drafter_state, init_state
 
 TCFG = TargetConfig(
     model_type="qwen3_5_text", vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -25,10 +25,10 @@ TCFG = TargetConfig(
 B, S = 2, 16
 
 
-def dcfg(**kw) -> D.DrafterConfig:
+def dcfg(**kw) -> DrafterConfig:
     base = dict(num_layers=2, target_layer_ids=(0, 2), markov_rank=8, block_size=5)
     base.update(kw)
-    return D.DrafterConfig.from_target(TCFG, **base)
+    return DrafterConfig.from_target(TCFG, **base)
 
 
 def rcfg(**kw) -> ReaderConfig:
@@ -58,9 +58,9 @@ draft_jit = D.draft_block_jit        # the library's compiled entry points (shar
 append_jit = D.append_context_jit
 
 
-def filled_state(graphdef, params, cfg, num_new, seed=3, T=8) -> tuple[D.DrafterState, jax.Array]:
+def filled_state(graphdef, params, cfg, num_new, seed=3, T=8) -> tuple[DrafterState, jax.Array]:
     taps = jnp.asarray(rand(seed, (cfg.num_taps, B, T, TCFG.hidden_size)))
-    st = D.init_drafter_state(cfg, B, S)
+    st = init_drafter_state(cfg, B, S)
     return append_jit(graphdef, params, st, taps, jnp.asarray(num_new, jnp.int32)), taps
 
 
@@ -68,13 +68,13 @@ def filled_state(graphdef, params, cfg, num_new, seed=3, T=8) -> tuple[D.Drafter
 # Config
 # ------------------------------------------------------------------------------------------------
 def test_default_tap_rule_and_config_checks():
-    assert D.default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
-    assert D.default_target_layer_ids(40, 5) == (1, 10, 19, 28, 37)
-    assert D.default_target_layer_ids(64, 5) == (1, 16, 31, 46, 61)
-    assert D.default_target_layer_ids(36, 1) == (18,)
+    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
+    assert default_target_layer_ids(40, 5) == (1, 10, 19, 28, 37)
+    assert default_target_layer_ids(64, 5) == (1, 16, 31, 46, 61)
+    assert default_target_layer_ids(36, 1) == (18,)
     cfg = dcfg()
     assert cfg.num_draft_tokens == 5 and dcfg(logits_start=1).num_draft_tokens == 4
-    assert D.DrafterConfig.from_target(TCFG.__class__(**{**TCFG.__dict__, "num_hidden_layers": 36,
+    assert DrafterConfig.from_target(TCFG.__class__(**{**TCFG.__dict__, "num_hidden_layers": 36,
                                                          "layer_types": (LINEAR,) * 36})).target_layer_ids \
         == (1, 9, 17, 25, 33)
     with pytest.raises(ConfigError, match="logits_start"):
@@ -83,7 +83,7 @@ def test_default_tap_rule_and_config_checks():
         dcfg(target_layer_ids=(0, 3))        # the last target layer is never a tap
     with pytest.raises(ConfigError, match="markov_head_type"):
         dcfg(markov_head_type="lstm")
-    assert D.DrafterConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+    assert DrafterConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
     # reader defaults: paper's layers 30 and 62 on a 64-layer 3:1 stack
     big = TargetConfig(**{**TCFG.__dict__, "num_hidden_layers": 64,
                           "layer_types": tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(64))})
@@ -183,7 +183,7 @@ def test_context_cache_equals_recompute(heads):
     T = 12
     taps = rand(5, (cfg.num_taps, B, T, TCFG.hidden_size))
     first, second = [3, 8], [6, 2]                   # ragged commits per slot
-    st = D.init_drafter_state(cfg, B, S)
+    st = init_drafter_state(cfg, B, S)
     chunk1, chunk2 = np.zeros((cfg.num_taps, B, 8, 64), np.float32), np.zeros((cfg.num_taps, B, 8, 64), np.float32)
     for b in range(B):
         chunk1[:, b, :first[b]] = taps[:, b, :first[b]]
@@ -202,7 +202,7 @@ def test_context_cache_equals_recompute(heads):
         np.testing.assert_allclose(np.asarray(st.values[:, b, :n]), np.asarray(v_ref[:, b, :n]), rtol=1e-5, atol=1e-6)
         assert not np.asarray(st.keys[:, b, n:]).any()     # nothing written past the committed length
     # drafting from the incremental cache == from a cache filled in one go
-    one = D.init_drafter_state(cfg, B, S)
+    one = init_drafter_state(cfg, B, S)
     full = np.zeros((cfg.num_taps, B, T, 64), np.float32)
     for b in range(B):
         full[:, b, :total[b]] = taps[:, b, :total[b]]
@@ -236,7 +236,7 @@ def test_target_taps_train_and_inference_paths_agree(target, heads):
     anchors = jnp.array([[6], [5]], jnp.int32)
     train = jax.jit(D.forward_train, static_argnums=0)(
         graphdef, params, heads, taps, tokens, anchors, None, select_states(rc, ssm)[:, None])
-    st = append_jit(graphdef, params, D.init_drafter_state(cfg, B, S), taps, anchors[:, 0])
+    st = append_jit(graphdef, params, init_drafter_state(cfg, B, S), taps, anchors[:, 0])
     anchor_tok = tokens[jnp.arange(B), anchors[:, 0]]
     blk = draft_jit(graphdef, params, st, anchor_tok, heads, ssm)
     np.testing.assert_allclose(np.asarray(train.base_logits[:, 0]), np.asarray(blk.logits), rtol=1e-4, atol=1e-5)
@@ -442,10 +442,10 @@ def test_checkpoint_round_trip(tmp_path, heads):
 
     # DFlash-style config: the slot convention follows the architecture unless stated
     raw2 = {k: v for k, v in raw.items() if k not in ("logits_start", "sample_from_anchor")}
-    assert D.DrafterConfig.from_hf_dict({**raw2, "architectures": ["DFlashDraftModel"]}).logits_start == 1
-    assert D.DrafterConfig.from_hf_dict({**raw2, "sample_from_anchor": False}).logits_start == 1
+    assert DrafterConfig.from_hf_dict({**raw2, "architectures": ["DFlashDraftModel"]}).logits_start == 1
+    assert DrafterConfig.from_hf_dict({**raw2, "sample_from_anchor": False}).logits_start == 1
     with pytest.raises(ConfigError, match="slot convention"):
-        D.DrafterConfig.from_hf_dict({**raw2, "architectures": ["SomethingElse"]})
+        DrafterConfig.from_hf_dict({**raw2, "architectures": ["SomethingElse"]})
     (tmp_path / "d" / "config.json").write_text(json.dumps({**raw2, "architectures": ["DSparkDraftModel"]}))
     assert load_drafter_config(tmp_path / "d")[0].logits_start == 0
     assert load_drafter_config(tmp_path / "d", logits_start=1)[0].logits_start == 1

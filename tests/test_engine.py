@@ -21,7 +21,7 @@ from flax import nnx
 from scipy import stats
 
 from hyspec_jax import cli
-from hyspec_jax.config import FULL, LINEAR, TargetConfig
+from hyspec_jax.config import FULL, LINEAR, DrafterConfig, TargetConfig
 from hyspec_jax.generate import Generator
 from hyspec_jax.io.drafter_io import save_drafter
 from hyspec_jax.io.hf import save_pretrained
@@ -31,7 +31,7 @@ from hyspec_jax.models.target import create_model, forward_full
 from hyspec_jax.sampling import SamplingParams, warp
 from hyspec_jax.spec.engine import SpecConfig, SpecEngine
 from hyspec_jax.spec.budget import BudgetTable
-from hyspec_jax.spec.select import TreeSpec
+from hyspec_jax.tree import TreeExpansion
 from hyspec_jax.tokenizer import byte_level_tokenizer
 from tests.spec_hints import oracle_hint
 
@@ -49,7 +49,7 @@ TCFG = _tcfg(300)   # ≥ the byte-level tokenizer's 257 ids: the CLI tests load
 pytestmark = pytest.mark.usefixtures("quick_compiles")   # tiny models: see conftest
 SLOTS, KV = 4, 128
 GAMMA = 4
-TREE = TreeSpec(depth=4, top_k=2, beam=4)
+TREE = TreeExpansion(depth=4, top_k=2, beam=4)
 MAX_TOKENS = (12, 9, 16, 7, 13)
 PROMPT_LENS = (3, 7, 11, 5, 9)
 
@@ -57,7 +57,7 @@ PROMPT_LENS = (3, 7, 11, 5, 9)
 @pytest.fixture(scope="module")
 def models():
     target = create_model(TCFG, seed=0)
-    dcfg = D.DrafterConfig.from_target(TCFG, num_layers=1, target_layer_ids=(0, 1), markov_rank=8,
+    dcfg = DrafterConfig.from_target(TCFG, num_layers=1, target_layer_ids=(0, 1), markov_rank=8,
                                        block_size=GAMMA)
     drafter = D.create_drafter(dcfg, ReaderConfig.for_target(TCFG, rank=4, mlp_hidden=16), seed=1)
     # a trained reader is not zero-initialised at the output: make it act, so `ready` really differs
@@ -191,7 +191,7 @@ def small():
     # sharpen the target so the sequence distribution is far from uniform (more power)
     w = target.lm_head.weight
     w.set_value(w[...] * 4.0)
-    dcfg = D.DrafterConfig.from_target(cfg, num_layers=1, target_layer_ids=(0, 1), markov_rank=4, block_size=GAMMA)
+    dcfg = DrafterConfig.from_target(cfg, num_layers=1, target_layer_ids=(0, 1), markov_rank=4, block_size=GAMMA)
     drafter = D.create_drafter(dcfg, seed=4)
     prompt = [1, 5, 2, 7]
     graphdef, params = nnx.split(target)
@@ -232,7 +232,7 @@ def _chisq_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_sampling_matches_autoregressive_distribution(mode, small):
     target, drafter, prompt, exact, greedy = small
-    spec = (SpecConfig(mode="tree", tree=TreeSpec(depth=2, top_k=3, beam=3), verify_nodes=5) if mode == "tree"
+    spec = (SpecConfig(mode="tree", tree=TreeExpansion(depth=2, top_k=3, beam=3), verify_nodes=5) if mode == "tree"
             else SpecConfig(mode="chain", chain_length=2))
     eng = SpecEngine(target, drafter, spec, slots=256, kv_len=128)
     # requests i % 3 == 0 are greedy (the greedy rows of a sampling batch), the others use SETTINGS

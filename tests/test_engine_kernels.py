@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hyspec_jax.config import FULL, LINEAR, TargetConfig
+from hyspec_jax.config import FULL, LINEAR, DrafterConfig, TargetConfig
 from hyspec_jax.generate import Generator
 from hyspec_jax.models import drafter as D
 from hyspec_jax.models.target import create_model
 from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.spec.engine import SpecConfig, SpecEngine
-from hyspec_jax.spec.select import TreeSpec
+from hyspec_jax.tree import TreeExpansion
 from tests.spec_hints import oracle_hint
 
 # GDN heads of 16 × 16: the smallest the kernels take (tl.dot needs every dimension ≥ 16)
@@ -41,7 +41,7 @@ def test_kernel_engine_equals_autoregressive(monkeypatch):
     monkeypatch.setattr(tree_attention, "prefix_tree_attention",
                         counting(tree_attention.prefix_tree_attention, "attention"))
     target = create_model(TCFG, seed=3)
-    dcfg = D.DrafterConfig.from_target(TCFG, num_layers=1, target_layer_ids=(0, 1), markov_rank=4,
+    dcfg = DrafterConfig.from_target(TCFG, num_layers=1, target_layer_ids=(0, 1), markov_rank=4,
                                        block_size=GAMMA)
     drafter = D.create_drafter(dcfg, None, seed=4)
     rng = np.random.default_rng(1)
@@ -52,7 +52,7 @@ def test_kernel_engine_equals_autoregressive(monkeypatch):
     hint = oracle_hint(ref, GAMMA, TCFG.vocab_size)
 
     for spec in (SpecConfig(mode="chain", kernels="interpret"),
-                 SpecConfig(mode="tree", tree=TreeSpec(depth=GAMMA, top_k=2, beam=2), verify_nodes=5,
+                 SpecConfig(mode="tree", tree=TreeExpansion(depth=GAMMA, top_k=2, beam=2), verify_nodes=5,
                             kernels="interpret")):
         eng = SpecEngine(target, drafter, spec, slots=2, kv_len=32)
         out = eng.generate(prompts, params, hint=hint)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from hyspec_jax import cli
-from hyspec_jax.config import FULL, LINEAR, TargetConfig
+from hyspec_jax.config import FULL, LINEAR, DrafterConfig, TargetConfig
 from hyspec_jax.io.drafter_io import save_drafter
 from hyspec_jax.io.hf import save_pretrained
 from hyspec_jax.models import drafter as D
@@ -21,7 +21,7 @@ from hyspec_jax.models.reader import ReaderConfig
 from hyspec_jax.models.target import create_model
 from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.spec.engine import SpecConfig, SpecEngine, SpecStats, format_phase_times, request_stats
-from hyspec_jax.spec.select import TreeSpec
+from hyspec_jax.tree import TreeExpansion
 from hyspec_jax.spec.stats import prefix_survival
 from hyspec_jax.tokenizer import byte_level_tokenizer
 
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.usefixtures("quick_compiles")   # tiny models: see conf
 @pytest.fixture(scope="module")
 def models():
     target = create_model(TCFG, seed=0)
-    dcfg = D.DrafterConfig.from_target(TCFG, num_layers=1, target_layer_ids=(0, 1), markov_rank=8,
+    dcfg = DrafterConfig.from_target(TCFG, num_layers=1, target_layer_ids=(0, 1), markov_rank=8,
                                        block_size=GAMMA)
     drafter = D.create_drafter(dcfg, ReaderConfig.for_target(TCFG, rank=4, mlp_hidden=16), seed=1)
     return target, drafter
@@ -49,7 +49,7 @@ PROMPTS = [[5, 9, 17, 3, 44, 2], [7, 1, 250]]
 
 @pytest.mark.parametrize("mode,spec_kw,temperature", [
     ("chain", {}, 0.0),
-    ("tree-ready", dict(tree=TreeSpec(depth=3, top_k=2, beam=3), verify_nodes=6), 1.0),   # sampling: child q
+    ("tree-ready", dict(tree=TreeExpansion(depth=3, top_k=2, beam=3), verify_nodes=6), 1.0),   # sampling: child q
 ])
 def test_phase_times_split_round_equals_fused(models, mode, spec_kw, temperature):
     target, drafter = models
@@ -77,7 +77,7 @@ def test_round_kernels_by_named_scope(models):
     from hyspec_jax.compilation import kernel_count
     from hyspec_jax.spec.engine import pack_round_inputs, spec_round_io_jit
     target, drafter = models
-    eng = SpecEngine(target, drafter, SpecConfig(mode="tree-ready", tree=TreeSpec(depth=3, top_k=2, beam=3),
+    eng = SpecEngine(target, drafter, SpecConfig(mode="tree-ready", tree=TreeExpansion(depth=3, top_k=2, beam=3),
                                                  verify_nodes=6), slots=SLOTS, kv_len=KV)
     params = SamplingParams(max_tokens=8)
     rk = eng.round_kernels(PROMPTS, params)

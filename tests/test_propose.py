@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hyspec_jax.config import FULL, LINEAR, TargetConfig
+from hyspec_jax.config import FULL, LINEAR, DrafterConfig, TargetConfig
 from hyspec_jax.models import drafter as D
 from hyspec_jax.models.target import create_model
 from hyspec_jax.sampling import SlotSampling, slot_keys
 from hyspec_jax.spec import propose as P
+from hyspec_jax.state import init_drafter_state
+from hyspec_jax.tree import TreeExpansion
 
 TCFG = TargetConfig(
     model_type="qwen3_5_text", vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -25,7 +27,7 @@ B, S, G = 2, 16, 5
 
 class Setup:
     def __init__(self, kind: str = "vanilla"):
-        self.cfg = D.DrafterConfig.from_target(TCFG, num_layers=2, target_layer_ids=(0, 2), markov_rank=8,
+        self.cfg = DrafterConfig.from_target(TCFG, num_layers=2, target_layer_ids=(0, 2), markov_rank=8,
                                                block_size=G, markov_head_type=kind)
         self.model = D.create_drafter(self.cfg, seed=2)
         if self.model.markov_head.kind == "vanilla":  # sharpen the bias so the Markov term decides some argmaxes
@@ -33,7 +35,7 @@ class Setup:
             w2.set_value(w2[...] * 50.0)
         self.graphdef, self.params = nnx.split(self.model)
         taps = jnp.asarray(2.0 * np.random.default_rng(0).standard_normal((2, B, 8, TCFG.hidden_size)), jnp.float32)
-        st = D.init_drafter_state(self.cfg, B, S)
+        st = init_drafter_state(self.cfg, B, S)
         self.dstate = D.append_context_jit(self.graphdef, self.params, st, taps, jnp.array([8, 5], jnp.int32))
         self.anchor = jnp.array([17, 93], jnp.int32)
 
@@ -144,7 +146,7 @@ def _rho(s: Setup, b: int, path: tuple[int, ...]) -> float:
 
 def test_tree_full_envelope_children_are_top_k(setup, heads):
     s = setup
-    env = P.TreeEnvelope(max_nodes=2 + 4 + 8, max_depth=3, top_k=2)
+    env = TreeExpansion(depth=3, top_k=2, beam=2 + 4 + 8)
     prop = tree_jit(s.graphdef, s.params, s.dstate, s.anchor, heads, env)
     assert prop.parent.shape == (B, 14) and bool(prop.valid.all())
     for b in range(B):
@@ -163,7 +165,7 @@ def test_tree_full_envelope_children_are_top_k(setup, heads):
 
 def test_tree_budget_keeps_global_top_rho(setup, heads):
     s = setup
-    env = P.TreeEnvelope(max_nodes=6, max_depth=3, top_k=3)
+    env = TreeExpansion(depth=3, top_k=3, beam=6)
     prop = tree_jit(s.graphdef, s.params, s.dstate, s.anchor, heads, env)
     for b in range(B):
         paths = _paths(prop, b)
@@ -192,7 +194,7 @@ def test_tree_budget_keeps_global_top_rho(setup, heads):
 def test_tree_with_k1_is_the_rnn_greedy_chain(setup):
     """k = 1 turns the tree into the chain; with the RNN head this checks the per-node RNN state threading."""
     s = Setup("rnn")
-    env = P.TreeEnvelope(max_nodes=G, max_depth=G, top_k=1)
+    env = TreeExpansion(depth=G, top_k=1, beam=G)
 
     @jax.jit
     def both(params, block, anchor):  # the sequential stages alone, on the fixture's block
@@ -211,7 +213,7 @@ def test_tree_with_k1_is_the_rnn_greedy_chain(setup):
 
 def test_tree_sampling_and_anchor_convention(setup, heads):
     s = setup
-    env = P.TreeEnvelope(max_nodes=6, max_depth=3, top_k=3)
+    env = TreeExpansion(depth=3, top_k=3, beam=6)
     sampling = SlotSampling(temperature=jnp.array([0.0, 1.2]), top_p=jnp.array([1.0, 0.95]),
                             top_k=jnp.array([0, 0], jnp.int32), seed=jnp.array([0, 5], jnp.uint32))
     keys = slot_keys(sampling.seed, jnp.int32(3))

@@ -23,7 +23,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from hyspec_jax.config import FULL, LINEAR, TargetConfig  # noqa: E402
+from hyspec_jax.config import FULL, LINEAR, DrafterConfig, TargetConfig  # noqa: E402
 from hyspec_jax.serve.chat import ChatTemplate, chatml  # noqa: E402
 from hyspec_jax.serve.metrics import parse_text  # noqa: E402
 from hyspec_jax.serve.protocol import ChoiceText, IncrementalDetokenizer  # noqa: E402
@@ -91,7 +91,7 @@ def _drafter_dir(root: Path, model_dir: Path) -> Path:
     from hyspec_jax.io.drafter_io import save_drafter
     from hyspec_jax.models import drafter as D
     tcfg = TargetConfig.from_pretrained(model_dir)
-    dcfg = D.DrafterConfig.from_target(tcfg, num_layers=1, target_layer_ids=(0, 1), markov_rank=8,
+    dcfg = DrafterConfig.from_target(tcfg, num_layers=1, target_layer_ids=(0, 1), markov_rank=8,
                                        block_size=GAMMA)
     out = root / "drafter"
     save_drafter(D.create_drafter(dcfg, seed=1), out)

@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 
 from hyspec_jax.config import FULL, LINEAR, TargetConfig
-from hyspec_jax.spec.select import TreeSpec, tree_candidates
+from hyspec_jax.spec.select import tree_candidates
+from hyspec_jax.tree import TreeExpansion
 from pallas_kernels import dispatch, topk
 from tests.tiny_drafter import tiny_draft_block
 
@@ -66,7 +67,7 @@ def test_greedy_tree_build_through_the_kernel_equals_the_reference():
         num_key_value_heads=1, head_dim=16, intermediate_size=64, layer_types=(LINEAR, FULL, LINEAR),
         linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
     model, graphdef, params, blk, anchor = tiny_draft_block(cfg_t, seed=5, heads_seed=4, taps_seed=4)
-    spec = TreeSpec(depth=3, top_k=4, beam=8)
+    spec = TreeExpansion(depth=3, top_k=4, beam=8)
     build = lambda impl: jax.jit(lambda p, b, a: tree_candidates(nnx.merge(graphdef, p), b, a, spec,  # noqa: E731
                                                                   kernel_impl=impl))(params, blk, anchor)
     ref, got = build("reference"), build("interpret")

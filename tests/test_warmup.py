@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from hyspec_jax import compilation
-from hyspec_jax.config import FULL, LINEAR, TargetConfig
+from hyspec_jax.config import FULL, LINEAR, DrafterConfig, TargetConfig
 from hyspec_jax.generate import Generator, prompt_buckets
 from hyspec_jax.models import drafter as D
 from hyspec_jax.models.target import create_model
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("quick_compiles")   # tiny models: see conf
 @pytest.fixture(scope="module")
 def models():
     target = create_model(CFG, seed=0)
-    dcfg = D.DrafterConfig.from_target(CFG, num_layers=1, target_layer_ids=(0,), markov_rank=4, block_size=3)
+    dcfg = DrafterConfig.from_target(CFG, num_layers=1, target_layer_ids=(0,), markov_rank=4, block_size=3)
     return target, D.create_drafter(dcfg, seed=1)
 
 

@@ -39,10 +39,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from hyspec_jax.config import resolve_dtype
+from hyspec_jax.config import DrafterConfig, resolve_dtype
 from hyspec_jax.io.drafter_io import load_drafter, save_drafter
 from hyspec_jax.io.hf import load_pretrained
-from hyspec_jax.models.drafter import DrafterConfig, create_drafter, forward_train, target_heads
+from hyspec_jax.models.drafter import create_drafter, forward_train, target_heads
 from hyspec_jax.models.reader import ReaderConfig
 from hyspec_jax.train import common
 from hyspec_jax.train.distill import DistillSampler

@@ -28,9 +28,9 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from hyspec_jax.config import ConfigError
+from hyspec_jax.config import ConfigError, DrafterConfig
 from hyspec_jax.io.hf import CheckpointError, fill_params, flat_params
-from hyspec_jax.models.drafter import Drafter, DrafterConfig, TargetHeads, abstract_drafter
+from hyspec_jax.models.drafter import Drafter, TargetHeads, abstract_drafter
 from hyspec_jax.models.reader import ReaderConfig
 
 _FROZEN_COPIES = ("embed_tokens.weight", "lm_head.weight")  # DeepSpec saves them; the target's are used

@@ -16,16 +16,16 @@ convention (anchor = node 0).
 
 from __future__ import annotations
 
-import dataclasses
-
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from hyspec_jax.models.drafter import DraftBlock, Drafter, DrafterState, TargetHeads
+from hyspec_jax.models.drafter import DraftBlock, Drafter, TargetHeads
 from hyspec_jax.sampling import SlotSampling, warp
+from hyspec_jax.state import DrafterState
+from hyspec_jax.tree import TreeExpansion
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -97,26 +97,6 @@ def propose_chain(graphdef: nnx.GraphDef, params: nnx.State, dstate: DrafterStat
 # ------------------------------------------------------------------------------------------------
 # Tree
 # ------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class TreeEnvelope:
-    """Static proposal envelope: at most max_nodes drafts, max_depth ≤ γ levels, top_k children per node."""
-    max_nodes: int
-    max_depth: int
-    top_k: int
-
-    def __post_init__(self):
-        if self.max_nodes < 1 or self.max_depth < 1 or self.top_k < 1:
-            raise ValueError(f"tree envelope needs max_nodes, max_depth, top_k >= 1, got {self}")
-
-    def widths(self) -> tuple[int, ...]:
-        """Beam width kept at each depth: min(max_nodes, top_k^depth)."""
-        out, w = [], 1
-        for _ in range(self.max_depth):
-            w = min(self.max_nodes, w * self.top_k)
-            out.append(w)
-        return tuple(out)
-
-
 @struct.dataclass
 class TreeProposal:
     parent: jax.Array       # [B, N] int32: −1 = child of the anchor, else an earlier node
@@ -129,10 +109,10 @@ class TreeProposal:
     #                                the warped q for sampling rows, softmax(logits) for greedy rows
 
 
-def tree_from_block(model: Drafter, block: DraftBlock, anchor: jax.Array, envelope: TreeEnvelope,
+def tree_from_block(model: Drafter, block: DraftBlock, anchor: jax.Array, expansion: TreeExpansion,
                     sampling: SlotSampling | None = None, keys: jax.Array | None = None,
                     return_probs: bool = False) -> TreeProposal:
-    """Top-k expansion per depth, the best max_nodes nodes by ρ kept.
+    """Top-k expansion per depth, the best N = expansion.beam nodes by ρ kept (anchor not counted).
 
     At depth d every kept node v expands its top-k children under U_{d−1} + B(token(v)) (greedy rows:
     by logits; sampling rows: k draws without replacement from the warped q, by Gumbel-top-k). Each level
@@ -142,16 +122,16 @@ def tree_from_block(model: Drafter, block: DraftBlock, anchor: jax.Array, envelo
     distribution for sampling rows and softmax(logits) for greedy rows.
     """
     B, G, V = block.logits.shape
-    N, D, k = envelope.max_nodes, envelope.max_depth, envelope.top_k
+    N, D, k = expansion.beam, expansion.depth, expansion.top_k
     chex.assert_shape(anchor, (B,))
     if D > G:
-        raise ValueError(f"max_depth {D} exceeds the {G} draft slots of the block")
+        raise ValueError(f"tree depth {D} exceeds the {G} draft slots of the block")
     if k > V:
         raise ValueError(f"top_k {k} exceeds the vocabulary ({V})")
     if sampling is not None and keys is None:
         raise ValueError("sampling needs per-slot PRNG keys")
     r = model.config.markov_rank if model.markov_head is not None else 0
-    widths = envelope.widths()
+    widths = expansion.widths()
     rows = jnp.arange(B)[:, None]
 
     parent_rows = np.cumsum([0, 1] + list(widths[:-1]))  # level d expands the beam of level d−1
@@ -220,11 +200,11 @@ def tree_from_block(model: Drafter, block: DraftBlock, anchor: jax.Array, envelo
 
 
 def propose_tree(graphdef: nnx.GraphDef, params: nnx.State, dstate: DrafterState, anchor: jax.Array,
-                 heads: TargetHeads, envelope: TreeEnvelope, ssm: jax.Array | None = None, *,
+                 heads: TargetHeads, expansion: TreeExpansion, ssm: jax.Array | None = None, *,
                  sampling: SlotSampling | None = None, keys: jax.Array | None = None,
                  return_probs: bool = False) -> TreeProposal:
     model = nnx.merge(graphdef, params)
-    return tree_from_block(model, model.draft(dstate, anchor, heads, ssm), anchor, envelope, sampling, keys,
+    return tree_from_block(model, model.draft(dstate, anchor, heads, ssm), anchor, expansion, sampling, keys,
                            return_probs)
 
 
@@ -240,5 +220,5 @@ def with_anchor(prop: TreeProposal, anchor: jax.Array) -> tuple[jax.Array, jax.A
                                                                               prop.token], 1))
 
 
-__all__ = ["ChainProposal", "TreeEnvelope", "TreeProposal", "chain_from_block", "propose_chain",
+__all__ = ["ChainProposal", "TreeProposal", "chain_from_block", "propose_chain",
            "tree_from_block", "propose_tree", "with_anchor"]

@@ -22,8 +22,6 @@ of softmax probabilities).
 
 from __future__ import annotations
 
-import dataclasses
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -33,35 +31,11 @@ from flax import struct
 from hyspec_jax.models.drafter import DraftBlock, Drafter
 from hyspec_jax.sampling import SlotSampling, warp
 from hyspec_jax.spec.propose import ChainProposal
+from hyspec_jax.tree import TreeExpansion
 from pallas_kernels.dispatch import biased_topk
 
 F32 = jnp.float32
 I32 = jnp.int32
-
-
-@dataclasses.dataclass(frozen=True)
-class TreeSpec:
-    """Static tree expansion: `depth` draft levels (≤ γ), `top_k` children per expanded node, at most
-    `beam` nodes kept per level (EAGLE-2 style)."""
-    depth: int
-    top_k: int
-    beam: int
-
-    def __post_init__(self):
-        if self.depth < 1 or self.top_k < 1 or self.beam < 1:
-            raise ValueError(f"tree needs depth, top_k, beam >= 1, got {self}")
-
-    def widths(self) -> tuple[int, ...]:
-        out, w = [], 1
-        for _ in range(self.depth):
-            w = min(self.beam, w * self.top_k)
-            out.append(w)
-        return tuple(out)
-
-    @property
-    def num_candidates(self) -> int:
-        """Candidates per row, anchor included."""
-        return 1 + sum(self.widths())
 
 
 @struct.dataclass
@@ -99,7 +73,7 @@ def chain_candidates(prop: ChainProposal, anchor: jax.Array, length: jax.Array |
         child_q=child_q)
 
 
-def tree_candidates(model: Drafter, block: DraftBlock, anchor: jax.Array, spec: TreeSpec,
+def tree_candidates(model: Drafter, block: DraftBlock, anchor: jax.Array, expansion: TreeExpansion,
                     sampling: SlotSampling | None = None, keys: jax.Array | None = None,
                     kernel_impl: str = "reference") -> Candidates:
     """Beam expansion of the draft tree from one block (see the module docstring for the scores).
@@ -111,7 +85,7 @@ def tree_candidates(model: Drafter, block: DraftBlock, anchor: jax.Array, spec: 
     kernel_impl: the greedy levels' top-k (`pallas_kernels.dispatch.biased_topk`: "auto" takes the kernel on a GPU).
     """
     B, G, V = block.logits.shape
-    D, k = spec.depth, spec.top_k
+    D, k = expansion.depth, expansion.top_k
     chex.assert_shape(anchor, (B,))
     if D > G:
         raise ValueError(f"tree depth {D} exceeds the {G} draft slots of the block")
@@ -121,7 +95,7 @@ def tree_candidates(model: Drafter, block: DraftBlock, anchor: jax.Array, spec: 
     if stochastic and keys is None:
         raise ValueError("sampling needs per-slot PRNG keys")
     r = model.config.markov_rank if model.markov_head is not None else 0
-    widths = spec.widths()
+    widths = expansion.widths()
     offsets = np.cumsum([1] + list(widths))            # first candidate index of each level
     rows = jnp.arange(B)[:, None]
     greedy = None if not stochastic else (sampling.temperature <= 0)[:, None, None]
@@ -185,4 +159,6 @@ def tree_candidates(model: Drafter, block: DraftBlock, anchor: jax.Array, spec: 
                       score=cat("score"), child_q=child_q)
 
 
-__all__ = ["TreeSpec", "Candidates", "chain_candidates", "tree_candidates"]
+TreeSpec = TreeExpansion  # TEMP alias for engine/serve/cli: removed by the loop rewrite
+
+__all__ = ["Candidates", "chain_candidates", "tree_candidates"]

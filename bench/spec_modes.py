@@ -34,13 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
 
+    from hyspec_jax.config import DrafterConfig
     from hyspec_jax.generate import Generator
     from hyspec_jax.io.drafter_io import load_drafter
     from hyspec_jax.io.hf import load_pretrained
     from hyspec_jax.models import drafter as D
     from hyspec_jax.sampling import SamplingParams
     from hyspec_jax.spec.engine import SpecConfig, SpecEngine
-    from hyspec_jax.spec.select import TreeSpec
+    from hyspec_jax.tree import TreeExpansion
 
     dt = jnp.float32 if a.dtype == "float32" else jnp.bfloat16
     if dt == jnp.float32:
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.drafter:
         drafter = load_drafter(a.drafter, dtype=dt)
     else:
-        drafter = D.create_drafter(D.DrafterConfig.from_target(cfg, num_layers=2, markov_rank=64, block_size=7),
+        drafter = D.create_drafter(DrafterConfig.from_target(cfg, num_layers=2, markov_rank=64, block_size=7),
                                    seed=1, dtype=dt)
     gamma = drafter.config.num_draft_tokens
     rng = np.random.default_rng(0)
@@ -71,9 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     ref = [r.token_ids for r in res]
     out["ar"] = dict(first_s=round(first, 2), warm_s=round(warm, 3), tok_s=round(B * T / warm, 1))
     print("ar", out["ar"], flush=True)
-    modes = [("chain", {}), ("tree", dict(tree=TreeSpec(min(4, gamma), 2, 4), verify_nodes=16))]
+    modes = [("chain", {}), ("tree", dict(tree=TreeExpansion(min(4, gamma), 2, 4), verify_nodes=16))]
     if drafter.reader is not None:
-        modes += [("ready", {}), ("tree-ready", dict(tree=TreeSpec(min(4, gamma), 2, 4), verify_nodes=16))]
+        modes += [("ready", {}), ("tree-ready", dict(tree=TreeExpansion(min(4, gamma), 2, 4), verify_nodes=16))]
     for mode, kw in modes:
         eng = SpecEngine(target, drafter, SpecConfig(mode=mode, **kw), slots=B)
         for hint in (None, lambda i, o: ref[i][len(o):len(o) + gamma]):

@@ -1,4 +1,4 @@
-"""τ and tokens/s of the engine's modes against plain decoding (the numbers in bench/results/engine_h200.json).
+"""τ and tokens/s of the engine's modes against plain decoding (the numbers in bench/results/archive/engine_h200.json).
 
     python -m hyspec_jax.bench.spec_modes OUT.json [--model DIR] [--drafter DIR] [--batch 8] [--max-tokens 64]
                                                   [--dtype bfloat16|float32]

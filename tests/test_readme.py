@@ -1,4 +1,4 @@
-"""The README's research example runs as written (documentation that cannot rot silently)."""
+"""The README's examples run as written (documentation that cannot rot silently)."""
 
 import re
 from pathlib import Path
@@ -32,3 +32,15 @@ def test_tree_verification_example_runs():
     assert ns["logits"].shape == (1, 6, 64)
     assert int(ns["state"].lengths[0]) == 4 + 3        # anchor, node 1, node 3
     assert any(float(jnp.abs(g).max()) > 0 for g in __import__("jax").tree.leaves(ns["grads"]))
+
+
+def test_prefill_and_decoding_example_runs(capsys):
+    from hyspec_jax.embedded import default_model_dir
+    if default_model_dir() is None:
+        import pytest
+        pytest.skip("no embedded model shipped")
+    ns: dict = {}
+    exec(compile(_block_after("### Prefill and decoding"), "README.md", "exec"), ns)
+    assert len(ns["out"]) == 8 and all(isinstance(t, int) for t in ns["out"])
+    assert int(ns["state"].lengths[0]) == len(ns["prompt"]) + 8
+    assert capsys.readouterr().out.strip()                 # the decoded text was printed

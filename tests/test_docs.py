@@ -89,3 +89,13 @@ def test_no_work_log_wording_in_markdown():
             if m:
                 hits.append(f"{path.relative_to(ROOT)}:{n}: {m.group(0)!r}")
     assert not hits, "work-log wording in Markdown files:\n" + "\n".join(hits)
+
+
+def test_no_commit_hashes_in_user_docs():
+    """The user's documents speak of the project as it is: no commit hashes (result files keep their provenance)."""
+    hexword = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+    hits = []
+    for doc in (ROOT / "README.md", ROOT / "docs" / "design.md", RESULTS / "README.md", ROOT / "serve" / "README.md"):
+        for n, line in enumerate(doc.read_text().splitlines(), 1):
+            hits += [f"{doc.relative_to(ROOT)}:{n}: {m}" for m in hexword.findall(line)]
+    assert not hits, "commit hashes in user docs:\n" + "\n".join(hits)

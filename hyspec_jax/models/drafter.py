@@ -12,8 +12,9 @@ predicts the token at `start + k + 1`: s = 0 is DeepSpec's anchor-first conventi
 DFlash / speculators convention (slot 0 discarded). Reading one with the other silently collapses
 acceptance, hence the explicit flag.
 
-Draft layers are Qwen3 decoder layers (plain RMSNorm x/rms·w, ungated GQA attention with q/k norms, full RoPE,
-SwiGLU), as in every public DFlash / DSpark checkpoint — not the target's gated Qwen3.5 attention.
+Draft layers are Qwen3 decoder layers (plain RMSNorm x/rms·w, i.e. `RMSNorm(zero_centred=False)`; ungated
+GQA attention with q/k norms, full RoPE, SwiGLU), as in every public DFlash / DSpark checkpoint — not the
+target's gated Qwen3.5 attention.
 The embedding and LM head are the target's, passed in (`TargetHeads`) and frozen with `stop_gradient`.
 """
 
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from hyspec_jax.config import ConfigError, DrafterConfig
-from hyspec_jax.models.layers import MLP, Linear, apply_rope, attend, dense, rope_cos_sin
+from hyspec_jax.models.layers import MLP, Linear, RMSNorm, apply_rope, attend, dense, rope_cos_sin
 from hyspec_jax.models.reader import Reader, ReaderConfig, select_states
 from hyspec_jax.models.target import Embedding, TargetModel
 from hyspec_jax.state import DrafterState
@@ -65,22 +66,6 @@ class DraftBlock:
 # ------------------------------------------------------------------------------------------------
 # Modules
 # ------------------------------------------------------------------------------------------------
-class PlainRMSNorm(nnx.Module):
-    """Qwen3 RMSNorm: (x/rms(x) in fp32, cast back) · w, weight initialised to 1.
-
-    Differs from `layers.RMSNorm` (Qwen3.5's zero-centred x/rms·(1+w)); DSpark checkpoints use this one.
-    """
-
-    def __init__(self, dim: int, eps: float, *, dtype=F32):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.eps = eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(F32)
-        y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
-        return self.weight[...] * y
-
-
 class DraftAttention(nnx.Module):
     """Qwen3 GQA attention: q/k RMSNorm per head, full RoPE, no output gate."""
 
@@ -92,8 +77,8 @@ class DraftAttention(nnx.Module):
         self.k_proj = Linear(H, kvh * hd, bias=b, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(H, kvh * hd, bias=b, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(nh * hd, H, bias=b, dtype=dtype, rngs=rngs)
-        self.q_norm = PlainRMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
-        self.k_norm = PlainRMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
 
     def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         return rope_cos_sin(positions, self.head_dim, self.rope_theta)
@@ -113,9 +98,10 @@ class DraftAttention(nnx.Module):
 
 class DraftLayer(nnx.Module):
     def __init__(self, cfg: DrafterConfig, *, dtype=F32, rngs: nnx.Rngs):
-        self.input_layernorm = PlainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
         self.self_attn = DraftAttention(cfg, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = PlainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False,
+                                                dtype=dtype)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
 
@@ -172,9 +158,9 @@ class Drafter(nnx.Module):
         self.config = cfg
         self.reader_config = reader_cfg
         self.fc = Linear(cfg.num_taps * d, d, dtype=dtype, rngs=rngs)
-        self.hidden_norm = PlainRMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
         self.layers = nnx.List([DraftLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
-        self.norm = PlainRMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
         self.markov_head = MarkovHead(cfg, dtype=dtype, rngs=rngs) if cfg.has_markov else None
         self.confidence_head = ConfidenceHead(cfg, dtype=dtype, rngs=rngs) if cfg.enable_confidence_head else None
         if reader_cfg is not None:
@@ -385,7 +371,8 @@ def forward_train(graphdef: nnx.GraphDef, params: nnx.State, heads: TargetHeads,
                         labels=take(label_pos), label_valid=label_pos < seq_len[:, None, None])
 
 
-from hyspec_jax.state import init_drafter_state  # noqa: E402,F401  TEMP alias for engine/serve/cli: removed by the loop rewrite
+# TEMP alias for engine/serve/cli: removed by the loop rewrite
+from hyspec_jax.state import init_drafter_state  # noqa: E402,F401
 
 __all__ = ["TargetHeads", "DraftBlock", "TrainOutputs", "Drafter", "target_heads", "create_drafter",
            "abstract_drafter", "context_kv", "append_context", "append_context_jit", "draft_block", "draft_block_jit",

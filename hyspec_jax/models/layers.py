@@ -49,29 +49,35 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """Zero-centred RMSNorm of Qwen3.5/Next: x/rms(x) · (1 + w), in fp32, cast back to the input dtype."""
+    """x/rms(x) (in fp32) times a learned per-channel scale `weight`, in the two forms checkpoints store.
 
-    def __init__(self, dim: int, eps: float, *, dtype=F32):
-        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+    zero_centred=True (Qwen3.5/Next targets, the ReaDy reader): scale (1 + w), w initialised to 0, applied
+    in fp32, then cast back to the input dtype.
+    zero_centred=False (Qwen3 layers of DSpark / DFlash drafters, the GDN output norm): x/rms(x) cast back
+    first, then · w, w initialised to 1. The two orders round differently in bf16, so each keeps its own.
+    """
+
+    def __init__(self, dim: int, eps: float, *, zero_centred: bool = True, dtype=F32):
+        self.weight = nnx.Param((jnp.zeros if zero_centred else jnp.ones)((dim,), dtype))
         self.eps = eps
+        self.zero_centred = zero_centred
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(F32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (y * (1.0 + self.weight[...].astype(F32))).astype(x.dtype)
+        if self.zero_centred:
+            return (y * (1.0 + self.weight[...].astype(F32))).astype(x.dtype)
+        return self.weight[...] * y.astype(x.dtype)
 
 
-class GatedRMSNorm(nnx.Module):
-    """GDN output norm: normalise (fp32) → cast → · w (used as is, init 1) → · SiLU(z) in fp32 → cast."""
+class GatedRMSNorm(RMSNorm):
+    """GDN output norm: the plain (· w) RMSNorm, then · SiLU(z) in fp32, cast back."""
 
     def __init__(self, dim: int, eps: float, *, dtype=F32):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.eps = eps
+        super().__init__(dim, eps, zero_centred=False, dtype=dtype)
 
     def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:
-        xf = x.astype(F32)
-        y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
-        y = self.weight[...] * y
+        y = super().__call__(x)
         return (y.astype(F32) * jax.nn.silu(z.astype(F32))).astype(x.dtype)
 
 

@@ -46,7 +46,8 @@ I32 = jnp.int32
 
 @dataclasses.dataclass(frozen=True)
 class TreeShape:
-    """Static envelope of a tree bucket (hashable: usable as a static jit argument)."""
+    """Static envelope of a verified tree: the padded shape one compiled verify program takes (hashable: a
+    static jit argument)."""
     max_nodes: int   # N
     max_depth: int   # d: largest node depth (edges on the longest path; the anchor has depth 0)
 

@@ -192,13 +192,13 @@ def calibrate(model, *, model_name: str, batches: list[int], kv_lens: list[int],
 
 def run(args) -> int:
     """`hyspec calibrate`."""
-    from hyspec_jax.cli import UsageError, _resolve_model_dir
+    from hyspec_jax.cli import UsageError, resolve_model_dir
 
     if not 0 <= args.eps <= 10:
         raise UsageError(f"--eps must be in [0, 10], got {args.eps}")
     if args.repeats < 1 or args.depth < 0:
         raise UsageError("--repeats must be >= 1 and --depth >= 0")
-    model_dir, label = _resolve_model_dir(args.model)
+    model_dir, label = resolve_model_dir(args.model)
     if label:
         print(f"[hyspec] using a {label}", file=sys.stderr)
 

@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm.auto import tqdm
 
     from hyspec_jax.bench.e2e import DEFAULT_PROMPTS, _default_model, load_models, make_engine
+    from hyspec_jax.bench.phases import round_kernels
     from hyspec_jax.bench.report import gpu_stream_events, portable_command, portable_path, profile_trace, run_metadata
     from hyspec_jax.sampling import SamplingParams
     from hyspec_jax.tree import TreeExpansion
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             row.update(summarize_events(events, rounds, a.top))
             row["gpu_busy_share"] = row["gpu_busy_us_per_round"] / row["traced_wall_us_per_round"]
         if mode != "ar":      # the compiled round's kernels by phase (named scopes), and a decoding step's
-            row["compiled_kernels"] = eng.round_kernels([prompt], params)
+            row["compiled_kernels"] = round_kernels(eng, [prompt], params)
         rows[mode] = row
 
     report = {**run_metadata(), "command": portable_command("hyspec bench round-profile", argv or sys.argv[1:]),

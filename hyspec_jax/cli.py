@@ -81,9 +81,6 @@ def resolve_model_dir(arg: str | None) -> tuple[Path, str | None]:
     return random_demo_model_dir(), RANDOM_LABEL
 
 
-_resolve_model_dir = resolve_model_dir   # the earlier private name
-
-
 def batch_stats(engine, gen, results, seconds: float) -> dict:
     """Acceptance statistics of one `hyspec generate` batch (`--stats`)."""
     new = sum(len(r.token_ids) for r in results)
@@ -104,6 +101,77 @@ def batch_stats(engine, gen, results, seconds: float) -> dict:
                   verify_nodes=1,
                   compilations_after_startup=gen.compilations_after_startup)
     return st
+
+
+# ------------------------------------------------------------------------------------------------
+# the engine `hyspec generate` / `hyspec serve` build from their options
+# ------------------------------------------------------------------------------------------------
+def engine_from_args(args, model, model_dir, dtype, batch: int | None = None):
+    """The engine `hyspec generate` / `hyspec serve` asked for, or None for plain autoregressive decoding.
+
+    With the embedded model (no --model) and no --drafter, its shipped drafter is used, and every option the
+    user left unset takes the drafter's recommended value for this backend (explicit options always win).
+    batch: the number of requests decoded together (`--slots` wins): where the recommendation was measured
+    up to `max_slots` only and no --spec-mode was given, more slots decode plainly (e.g. on a 2-core CPU,
+    verification is nearly free for one request but not for eight)."""
+    import jax
+
+    from hyspec_jax.io.drafter_io import load_drafter
+    from hyspec_jax.spec.budget import BudgetTable, model_id
+    from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+    from hyspec_jax.spec.options import recommended_settings
+    from hyspec_jax.tree import TreeExpansion
+    drafter_dir = getattr(args, "drafter", None)
+    rec: dict = {}
+    table_path = getattr(args, "budget_table", None)
+    if drafter_dir is None and getattr(args, "model", None) is None and getattr(args, "spec_mode", None) != "ar":
+        from hyspec_jax.embedded import default_budget_table, default_drafter_dir, default_model_dir
+        shipped = default_drafter_dir()
+        if shipped is not None and default_model_dir() == Path(model_dir):
+            drafter_dir = shipped
+            table_path = table_path or default_budget_table()   # the embedded model's own calibration
+            rec = recommended_settings(shipped, jax.default_backend())
+            slots = getattr(args, "slots", None) or batch
+            too_many = rec.get("max_slots") is not None and slots is not None and slots > rec["max_slots"]
+            if getattr(args, "spec_mode", None) is None and (not rec or too_many):
+                return None     # nothing measured for this backend, or measured slower than ar at this batch
+    opt = lambda name, fallback=None: (getattr(args, name, None) if getattr(args, name, None) is not None  # noqa: E731
+                                        else rec.get(name, fallback))
+    mode = opt("spec_mode") or ("chain" if drafter_dir else "ar")
+    if mode == "ar":
+        return None
+    if drafter_dir is None:
+        raise ValueError(f"--spec-mode {mode} needs --drafter DIR")
+    if getattr(args, "slots", None) is not None and args.slots < 1:
+        raise ValueError(f"--slots must be >= 1, got {args.slots}")
+    if not Path(drafter_dir).is_dir():
+        raise ValueError(f"--drafter {drafter_dir}: no such directory")
+    spec_kw = dict(mode=mode, chain_length=opt("chain_length"), verify_nodes=opt("verify_nodes"),
+                   capacity=getattr(args, "budget", None), confidence_threshold=getattr(args, "confidence_threshold",
+                                                                                        None),
+                   kernels=getattr(args, "kernels", None) or "auto")
+    if mode in ("tree", "tree-ready"):
+        spec_kw["tree"] = TreeExpansion(depth=opt("tree_depth", 4), top_k=opt("tree_topk", 2), beam=opt("tree_beam", 4))
+    spec = SpecConfig(**spec_kw)
+    drafter = load_drafter(drafter_dir, dtype=dtype, with_reader=spec.uses_reader)
+    if spec.uses_reader and drafter.reader is None:
+        raise ValueError(f"--spec-mode {mode} needs a drafter with a ReaDy reader ({drafter_dir}/reader/ is missing)")
+    table = BudgetTable.load(table_path) if table_path else None
+    name = model_id(model.config, Path(model_dir).name)
+    return SpecEngine(model, drafter, spec, slots=getattr(args, "slots", None), budget_table=table, model_name=name)
+
+
+def request_stats(engine, res) -> dict:
+    """The speculative part of a request's `stats` (`hyspec generate --json`)."""
+    from hyspec_jax.spec.stats import rounded
+    if engine is None:
+        n = max(len(res.token_ids) - 1, 0)
+        return {"mode": "ar", "rounds": n, "tau": 1.0 if n else 0.0, "accepted_per_position": [],
+                "prefix_survival": []}
+    return {"mode": engine.spec.mode, "rounds": res.rounds, "tau": round(res.tau, 4),
+            "accepted_per_position": [round(x, 4) for x in res.accepted_per_position(engine.depth)],
+            "prefix_survival": rounded(res.prefix_survival(engine.depth)),
+            "verify_nodes": engine.verify_nodes}
 
 
 def _warm_rate(mode: str, steps_per_second: float, tau: float, prompts: int) -> str:
@@ -167,7 +235,6 @@ def _generate(args) -> int:
     cfg, model = load_pretrained(model_dir, dtype=dtype)
     stops = tuple(sorted(set(cfg.eos_token_id) | set(special_token_ids(model_dir))))
     gen = Generator.from_model(model)
-    from hyspec_jax.spec.engine import engine_from_args, request_stats
     engine = engine_from_args(args, model, model_dir, dtype, batch=len(prompts))   # None: plain decoding
     encoded = [tokenizer.encode(p).ids for p in prompts]
     params = [SamplingParams(max_tokens=base.max_tokens, temperature=base.temperature, top_p=base.top_p,
@@ -214,12 +281,12 @@ def _generate(args) -> int:
               f"({total / seconds:.1f} tok/s incl. compile; {_warm_rate(mode, rate, tau, len(results))})",
               file=sys.stderr)
     if getattr(args, "phase_times", False):
-        from hyspec_jax.spec.engine import format_phase_times
+        from hyspec_jax.bench.phases import format_phase_times, phase_times
         if engine is None:
             print("[hyspec] --phase-times: plain autoregressive decoding has no draft / verify / commit phases",
                   file=sys.stderr)
         else:
-            print(format_phase_times(engine.phase_times(encoded, params)), file=sys.stderr)
+            print(format_phase_times(phase_times(engine, encoded, params)), file=sys.stderr)
     return 0
 
 

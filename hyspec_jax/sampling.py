@@ -92,9 +92,10 @@ def warp(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax
 
 
 def slot_keys(seed: jax.Array, step: jax.Array) -> jax.Array:
-    """One PRNG key per slot from (its seed, the decode step): a request's samples do not depend on
-    which other requests share the batch."""
-    return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), step))(seed)
+    """One PRNG key per slot from (its seed, its decode step): fold_in(key(seed_b), step_b), step a scalar or [B].
+    A request's samples do not depend on which other requests share the batch."""
+    steps = jnp.broadcast_to(jnp.asarray(step), seed.shape)
+    return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seed, steps)
 
 
 def greedy_tokens(logits: jax.Array) -> jax.Array:
@@ -103,7 +104,7 @@ def greedy_tokens(logits: jax.Array) -> jax.Array:
 
 
 def sample(logits: jax.Array, sampling: SlotSampling, step: jax.Array, stochastic: bool | None = None) -> jax.Array:
-    """logits [B, V] -> tokens [B] int32.
+    """logits [B, V] -> tokens [B] int32; step: the decode step, a scalar or one per slot [B] (`slot_keys`).
 
     stochastic (static): False — every slot is greedy, the argmax alone (what the warped one-hot distribution
     draws), skipping the sort, softmax and Gumbel noise over the vocabulary (~2 ms per decode step on a CPU, a

@@ -17,7 +17,7 @@ from hyspec_jax.serve.http import Request, Response, StreamingResponse
 from hyspec_jax.serve.metrics import ServerMetrics
 from hyspec_jax.serve.protocol import (APIError, ChoiceText, GenParams, check_model, get_bool, parse_common,
                                        parse_json_body, parse_messages, parse_prompts)
-from hyspec_jax.serve.scheduler import EngineRequest, QueueFull, Scheduler, ShuttingDown
+from hyspec_jax.runtime.scheduler import EngineRequest, QueueFull, Scheduler, ShuttingDown
 
 log = logging.getLogger("hyspec.serve")
 

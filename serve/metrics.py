@@ -12,6 +12,10 @@ import math
 import threading
 from typing import Iterable
 
+import numpy as np
+
+from hyspec_jax.runtime.scheduler import LoopObserver
+
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0)
 
@@ -154,8 +158,8 @@ class Registry:
         return "\n".join(lines) + "\n"
 
 
-class ServerMetrics:
-    """The server's metric set."""
+class ServerMetrics(LoopObserver):
+    """The server's metric set; the request loop reports to it (`LoopObserver`)."""
 
     def __init__(self, model_name: str, spec_depth: int = 0):
         r = self.registry = Registry({"model_name": model_name})
@@ -197,6 +201,44 @@ class ServerMetrics:
 
     def render(self) -> str:
         return self.registry.render()
+
+    # --- LoopObserver ----------------------------------------------------------------------------------
+    def occupancy(self, running: int, waiting: int, slots: int) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.slot_usage.set(running / slots)
+
+    def admitted(self, queue_seconds: float) -> None:
+        self.queue_time.observe(queue_seconds)
+
+    def engine_call(self, kind: str) -> None:
+        self.engine_steps.inc(kind=kind)
+
+    def prompt_done(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def tokens(self, n: int, ttft: float | None, itl: float | None) -> None:
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if itl is not None:
+            self.itl.observe(itl)
+        self.generation_tokens.inc(n)
+
+    def finished(self, reason: str, e2e_seconds: float, aborted: bool) -> None:
+        self.e2e.observe(e2e_seconds)
+        if reason in ("stop", "length", "abort"):
+            self.request_success.inc(finished_reason=reason)
+        if aborted:
+            self.aborted.inc()
+
+    def spec_round(self, active: int, drafted: int, accepted: np.ndarray, depth: int) -> None:
+        self.num_drafts.inc(active)
+        self.draft_tokens.inc(active * drafted)
+        self.accepted_tokens.inc(int(accepted.sum()))
+        for k in range(depth):
+            c = int((accepted > k).sum())
+            if c:
+                self.accepted_per_pos.inc(c, position=str(k))
 
 
 def parse_text(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:

@@ -67,13 +67,28 @@ def _progress(msg: str) -> None:
 
 
 def build_backend(args, target, model_dir: Path):
-    from hyspec_jax.serve.backend import ARBackend
+    """The request loop's backend for the server's options: `ar`, or the engine exactly as `hyspec generate` builds
+    it from the same options (`cli.engine_from_args`) with the server's slots as its bucket."""
+    import argparse
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from hyspec_jax.cli import engine_from_args
+    from hyspec_jax.generate import Generator
+    from hyspec_jax.runtime.backend import prefill_shapes
+    shapes = prefill_shapes(args.prefill_chunk, args.max_batch)
     if args.spec_mode == "ar":
         if args.drafter:
             raise ValueError("--drafter is only used with a speculative --spec-mode (chain, ready, tree, tree-ready)")
-        return ARBackend(target, slots=args.max_batch, max_len=args.max_model_len, prefill_chunk=args.prefill_chunk)
-    from hyspec_jax.serve.spec_backend import build_spec_backend
-    return build_spec_backend(args, target, model_dir)
+        return Generator.from_model(target).backend(args.max_batch, args.max_model_len, shapes)
+    leaves = jax.tree.leaves(nnx.state(target))
+    dtype = leaves[0].dtype if leaves else jnp.float32
+    ns = argparse.Namespace(**vars(args))
+    ns.slots = args.max_batch
+    engine = engine_from_args(ns, target, model_dir, dtype)
+    return engine.backend(args.max_batch, args.max_model_len + engine.overshoot, shapes)
 
 
 def _embedded_drafter(args) -> bool:
@@ -106,7 +121,7 @@ def run(args) -> int:
     from hyspec_jax.serve.app import OpenAIApp, ServedModel
     from hyspec_jax.serve.chat import ChatTemplate
     from hyspec_jax.serve.metrics import ServerMetrics
-    from hyspec_jax.serve.scheduler import Scheduler
+    from hyspec_jax.runtime.scheduler import Scheduler
     from hyspec_jax.tokenizer import load_tokenizer, special_token_ids
 
     TargetConfig.from_pretrained(model_dir)
@@ -119,12 +134,10 @@ def run(args) -> int:
     backend = build_backend(args, target, model_dir)
     _progress(f"loaded {model_dir} ({cfg.model_type}, {cfg.num_hidden_layers} layers) in "
               f"{time.perf_counter() - t0:.1f}s; mode {backend.mode}, {backend.slots} slots, context "
-              f"{backend.max_len}, prefill shapes {backend.shapes}; compiling")
+              f"{backend.max_context}, prefill shapes {backend.shapes}; compiling")
     t0 = time.perf_counter()
-    backend.warm_up(lambda s: _progress(f"  compiled {s}"))
+    backend.compile(lambda s: _progress(f"  compiled {s}"))
     _progress(f"warm-up done in {time.perf_counter() - t0:.1f}s ({counter.count} programs)")
-    if getattr(backend, "engine", None) is not None:
-        backend.engine.watch.mark()     # the engine's compilations_after_startup: since the server's warm-up
 
     chat = ChatTemplate(model_dir, tokenizer)
     name = args.served_model_name or model_dir.name

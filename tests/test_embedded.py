@@ -42,7 +42,7 @@ def test_embedded_defaults_follow_the_backend(monkeypatch, target):
     for backend in ("cpu", "gpu"):
         monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
         rec = recommended_settings(default_drafter_dir(), backend)
-        eng = E.engine_from_args(_args(), target, model_dir, jnp.float32)
+        eng = cli.engine_from_args(_args(), target, model_dir, jnp.float32)
         if not rec or rec["spec_mode"] == "ar":
             assert eng is None
             continue
@@ -56,16 +56,16 @@ def test_embedded_defaults_follow_the_backend(monkeypatch, target):
 def test_explicit_options_win(monkeypatch, target):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     model_dir = default_model_dir()
-    eng = E.engine_from_args(_args(argv=["--spec-mode", "chain", "--chain-length", "3"]), target, model_dir,
+    eng = cli.engine_from_args(_args(argv=["--spec-mode", "chain", "--chain-length", "3"]), target, model_dir,
                              jnp.float32)
     assert eng.spec.mode == "chain" and eng.spec.chain_length == 3 and eng.drafter is not None
-    eng = E.engine_from_args(_args(argv=["--spec-mode", "tree", "--tree-depth", "2"]), target, model_dir,
+    eng = cli.engine_from_args(_args(argv=["--spec-mode", "tree", "--tree-depth", "2"]), target, model_dir,
                              jnp.float32)
     assert eng.spec.tree.depth == 2
-    assert E.engine_from_args(_args(argv=["--spec-mode", "ar"]), target, model_dir, jnp.float32) is None
+    assert cli.engine_from_args(_args(argv=["--spec-mode", "ar"]), target, model_dir, jnp.float32) is None
     # another model directory never picks up the embedded drafter implicitly
     ns = _args(argv=["--model", str(model_dir)])
-    assert E.engine_from_args(ns, target, model_dir, jnp.float32) is None
+    assert cli.engine_from_args(ns, target, model_dir, jnp.float32) is None
 
 
 def test_shipped_budget_table_covers_the_embedded_model(monkeypatch, target):
@@ -80,7 +80,7 @@ def test_shipped_budget_table_covers_the_embedded_model(monkeypatch, target):
         t_ver = {int(n): t for n, t in e["t_ver_ms"].items()}
         assert (e["b_ver"], e["within_tolerance"]) == b_ver(t_ver, e["t_dec_ms"], e["eps"]), e
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    eng = E.engine_from_args(_args(argv=["--spec-mode", "chain"]), target, default_model_dir(), jnp.float32)
+    eng = cli.engine_from_args(_args(argv=["--spec-mode", "chain"]), target, default_model_dir(), jnp.float32)
     assert eng.budget_table is not None and eng.budget_table.entries == table.entries
 
 
@@ -94,10 +94,10 @@ def test_recommendation_bounded_by_slots(monkeypatch, target):
             continue
         monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
         k = rec["max_slots"]
-        assert E.engine_from_args(_args(), target, model_dir, jnp.float32, batch=k) is not None
-        assert E.engine_from_args(_args(), target, model_dir, jnp.float32, batch=k + 1) is None
-        assert E.engine_from_args(_args(argv=["--slots", str(k + 1)]), target, model_dir, jnp.float32) is None
-        eng = E.engine_from_args(_args(argv=["--spec-mode", rec["spec_mode"]]), target, model_dir, jnp.float32,
+        assert cli.engine_from_args(_args(), target, model_dir, jnp.float32, batch=k) is not None
+        assert cli.engine_from_args(_args(), target, model_dir, jnp.float32, batch=k + 1) is None
+        assert cli.engine_from_args(_args(argv=["--slots", str(k + 1)]), target, model_dir, jnp.float32) is None
+        eng = cli.engine_from_args(_args(argv=["--spec-mode", rec["spec_mode"]]), target, model_dir, jnp.float32,
                                  batch=k + 1)
         assert eng is not None and eng.spec.mode == rec["spec_mode"]
 
@@ -111,5 +111,5 @@ def test_serve_speculative_mode_uses_the_embedded_drafter(target):
     args = p.parse_args(["--spec-mode", "tree-ready", "--max-batch", "2", "--max-model-len", "256"])
     assert server._embedded_drafter(args)
     backend = server.build_backend(args, target, default_model_dir())
-    assert backend.mode == "tree-ready" and backend.engine.drafter.reader is not None
+    assert backend.mode == "tree-ready" and backend.round_shapes[False].reader
     assert not server._embedded_drafter(p.parse_args(["--model", str(default_model_dir()), "--spec-mode", "chain"]))

@@ -20,7 +20,9 @@ from hyspec_jax.models import drafter as D
 from hyspec_jax.models.reader import ReaderConfig
 from hyspec_jax.models.target import create_model
 from hyspec_jax.sampling import SamplingParams
-from hyspec_jax.spec.engine import SpecConfig, SpecEngine, SpecStats, format_phase_times, request_stats
+from hyspec_jax.bench.phases import format_phase_times, phase_times, round_inputs, round_kernels
+from hyspec_jax.cli import request_stats
+from hyspec_jax.spec.engine import SpecConfig, SpecEngine, SpecStats
 from hyspec_jax.tree import TreeExpansion
 from hyspec_jax.spec.stats import prefix_survival
 from hyspec_jax.tokenizer import byte_level_tokenizer
@@ -55,7 +57,7 @@ def test_phase_times_split_round_equals_fused(models, mode, spec_kw, temperature
     target, drafter = models
     eng = SpecEngine(target, drafter, SpecConfig(mode=mode, **spec_kw), slots=SLOTS, kv_len=KV)
     params = [SamplingParams(max_tokens=8, temperature=temperature, seed=i) for i in range(len(PROMPTS))]
-    pt = eng.phase_times(PROMPTS, params, repeats=2)
+    pt = phase_times(eng, PROMPTS, params, repeats=2)
     assert pt["identical"] and pt["state_identical"], pt   # the three jitted phases = the fused round
     for k in ("draft_ms", "verify_ms", "commit_ms", "round_ms"):
         assert pt[k] > 0, pt
@@ -75,18 +77,18 @@ def test_round_kernels_by_named_scope(models):
     """The fused round's kernels split by the phases' named scopes add up to `kernel_count` of the same program,
     the tree build counts apart from the drafter's forward, and ar is refused."""
     from hyspec_jax.compilation import kernel_count
-    from hyspec_jax.spec.engine import pack_round_inputs, spec_round_io_jit
+    from hyspec_jax.spec.round import pack_round_inputs, spec_round_io_jit
     target, drafter = models
     eng = SpecEngine(target, drafter, SpecConfig(mode="tree-ready", tree=TreeExpansion(depth=3, top_k=2, beam=3),
                                                  verify_nodes=6), slots=SLOTS, kv_len=KV)
     params = SamplingParams(max_tokens=8)
-    rk = eng.round_kernels(PROMPTS, params)
+    rk = round_kernels(eng, PROMPTS, params)
     for scope in ("draft/drafter_forward", "draft/tree_build", "verify", "commit"):
         assert rk["round"].get(scope, 0) > 0, rk
     assert rk["round_total"] == sum(rk["round"].values()) and rk["ar_step"] > 0
-    inputs = eng._round_inputs(PROMPTS, params, "test")
-    B, S, N, shape = inputs[:4]
-    admit, state, dstate, anchor, sampling, capacity = inputs[4], *inputs[6:9], inputs[10], inputs[12]
+    x = round_inputs(eng, PROMPTS, params, "test")
+    shape, admit, state, dstate, anchor = x["shape"], x["admit"], x["state"], x["dstate"], x["anchor"]
+    sampling, capacity = x["sampling"], x["capacity"]
     host_in = pack_round_inputs(admit, admit.astype(np.int32), int(capacity), None)   # as generate runs it
     lowered = spec_round_io_jit.lower(eng.tgraph, eng.tparams, eng.dgraph, eng.dparams, state, dstate, anchor,
                                       sampling, host_in, shape=shape)
@@ -94,13 +96,13 @@ def test_round_kernels_by_named_scope(models):
     # no run-time branch in the greedy round (a GPU would read its predicate back to the host every round)
     assert not re.search(r"\bconditional\(", lowered.compile().as_text())
     with pytest.raises(ValueError, match="speculative mode"):
-        SpecEngine(target, None, SpecConfig(mode="ar")).round_kernels(PROMPTS, params)
+        round_kernels(SpecEngine(target, None, SpecConfig(mode="ar")), PROMPTS, params)
 
 
 def test_phase_times_rejects_ar(models):
     target, _ = models
     with pytest.raises(ValueError, match="speculative mode"):
-        SpecEngine(target, None, SpecConfig(mode="ar")).phase_times(PROMPTS, SamplingParams(max_tokens=4))
+        phase_times(SpecEngine(target, None, SpecConfig(mode="ar")), PROMPTS, SamplingParams(max_tokens=4))
 
 
 def test_prefix_survival_in_spec_stats(models):

@@ -13,7 +13,8 @@ from transformers.generation.logits_process import (TemperatureLogitsWarper, Top
                                                     TopPLogitsWarper)
 
 from hyspec_jax import cli
-from hyspec_jax.generate import Generator, _decode_jit, _prefill_jit
+from hyspec_jax.generate import Generator
+from hyspec_jax.runtime.programs import ar_prefill_jit, ar_step_jit
 from hyspec_jax.io.hf import load_pretrained
 from hyspec_jax.sampling import SamplingParams, SlotSampling, sample, warp
 from hyspec_jax.tokenizer import byte_level_tokenizer
@@ -113,10 +114,10 @@ def test_no_recompilation_within_bucket(checkpoint):
     gen = Generator.from_model(model)
     gen.generate([[5, 6, 7]], SamplingParams(max_tokens=5))
     gen.generate([[1, 2]], SamplingParams(max_tokens=5, temperature=0.9, seed=1))
-    sizes = (_prefill_jit._cache_size(), _decode_jit._cache_size())
+    sizes = (ar_prefill_jit._cache_size(), ar_step_jit._cache_size())
     gen.generate([[9, 8, 7, 6, 5, 4]], SamplingParams(max_tokens=6, temperature=0.7, top_p=0.8, top_k=4, seed=3))
     gen.generate([[4, 4, 4, 4]], SamplingParams(max_tokens=6))
-    assert (_prefill_jit._cache_size(), _decode_jit._cache_size()) == sizes
+    assert (ar_prefill_jit._cache_size(), ar_step_jit._cache_size()) == sizes
 
 
 @pytest.mark.parametrize("temperature", [[0.0, 0.0, 0.0], [0.0, 0.8, 1.3]])
@@ -223,7 +224,7 @@ def test_greedy_decode_step_has_no_run_time_branch(checkpoint):
     sampling = SlotSampling.from_params([SamplingParams()], 2)
 
     def conditionals(stochastic):       # in the compiled HLO (the platform switch of a kernel is folded there)
-        hlo = _decode_jit.lower(gen.graphdef, gen.params, state, np.zeros(2, np.int32), np.ones(2, bool), sampling,
+        hlo = ar_step_jit.lower(gen.graphdef, gen.params, state, np.zeros(2, np.int32), np.ones(2, bool), sampling,
                                 np.asarray(1, np.int32), stochastic=stochastic).compile().as_text()
         return len(re.findall(r"\bconditional\(", hlo))
     assert conditionals(False) == 0

@@ -8,7 +8,7 @@ import numpy as np
 
 from hyspec_jax.config import FULL, LINEAR, TargetConfig
 from hyspec_jax.sampling import SamplingParams, SlotSampling
-from hyspec_jax.spec.engine import pack_round_inputs, unpack_round_outputs
+from hyspec_jax.spec.round import pack_round_inputs, unpack_round_outputs
 from hyspec_jax.state import init_state
 
 CFG = TargetConfig(

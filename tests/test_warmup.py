@@ -9,7 +9,8 @@ import pytest
 
 from hyspec_jax import compilation
 from hyspec_jax.config import FULL, LINEAR, DrafterConfig, TargetConfig
-from hyspec_jax.generate import Generator, prompt_buckets
+from hyspec_jax.generate import Generator
+from hyspec_jax.runtime.backend import prompt_buckets
 from hyspec_jax.models import drafter as D
 from hyspec_jax.models.target import create_model
 from hyspec_jax.sampling import SamplingParams

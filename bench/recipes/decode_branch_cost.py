@@ -19,7 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from hyspec_jax.embedded import default_model_dir
-from hyspec_jax.generate import Generator, _decode_jit, _prefill_jit, start_host_copy
+from hyspec_jax.generate import Generator
+from hyspec_jax.runtime.backend import start_host_copy
+from hyspec_jax.runtime.programs import ar_prefill_jit, ar_step_jit
 from hyspec_jax.io.hf import load_pretrained
 from hyspec_jax.sampling import SamplingParams, SlotSampling
 
@@ -27,15 +29,16 @@ from hyspec_jax.sampling import SamplingParams, SlotSampling
 def per_step_us(gen: Generator, stochastic, steps: int) -> float:
     sampling = SlotSampling.from_params([SamplingParams()], 1)
     active = np.ones(1, bool)
-    nxt, state = _prefill_jit(gen.graphdef, gen.params, gen.new_state(1, 256), np.full((1, 16), 5, np.int32),
-                              np.ones((1, 16), bool), sampling, stochastic=stochastic)
+    _, state, nxt = ar_prefill_jit(gen.graphdef, gen.params, gen.new_state(1, 256), np.zeros(1, np.int32),
+                                   np.zeros(1, np.int32), np.full((1, 16), 5, np.int32), np.ones((1, 16), bool),
+                                   np.ones(1, bool), sampling)
     t0 = time.perf_counter()
-    inflight, state = _decode_jit(gen.graphdef, gen.params, state, nxt, active, sampling, np.asarray(1, np.int32),
+    inflight, state = ar_step_jit(gen.graphdef, gen.params, state, nxt, active, sampling, np.ones(1, np.int32),
                                   stochastic=stochastic)
     for k in range(steps):
         nxt = inflight
-        inflight, state = _decode_jit(gen.graphdef, gen.params, state, nxt, active, sampling,
-                                      np.asarray(k + 2, np.int32), stochastic=stochastic)
+        inflight, state = ar_step_jit(gen.graphdef, gen.params, state, nxt, active, sampling,
+                                      np.full(1, k + 2, np.int32), stochastic=stochastic)
         start_host_copy(inflight)
         np.asarray(nxt)
     jax.block_until_ready(inflight)

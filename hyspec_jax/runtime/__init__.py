@@ -1,0 +1,4 @@
+"""The request loop: one host loop (`scheduler.Scheduler`) over a backend of batch slots (`backend`), whose device
+programs are the prefill and plain decoding step (`programs`) and the speculative round (`hyspec_jax.spec.round`).
+The server runs it on a thread; `hyspec generate`, `Generator.generate` and `SpecEngine.generate` drive it to
+completion (`scheduler.run_batch`)."""

@@ -1,0 +1,242 @@
+"""Device side of the request loop: the batched slot state and the jitted programs the scheduler calls.
+
+A backend owns B slots of committed state (target state, with a drafter also its context K/V, and the anchors) on
+the device, and two kinds of call, each compiled once per static shape:
+
+- `prefill(slots, tokens, valid, reset, sampling)` — prompt chunks [P, T] (one of the backend's static prefill
+  shapes) into slots; returns the sampled first tokens (host). Short prompts are packed several to a call; long
+  prompts are cut into chunks so that decoding continues between their chunks.
+- `dispatch(active, sampling, steps, stochastic, hint)` → a handle, then `collect(handle)` → `StepResult`: one
+  decoding step (`ARBackend`) or one speculative round (`SpecBackend`: `hyspec_jax.spec.round`) for every active
+  slot. Dispatch returns before the device finishes, so the loop can dispatch the next step before it reads this one.
+
+The round's static shape is a frozen `RoundShape` per sampling flavour, fixed when the backend is built.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hyspec_jax.config import DrafterConfig, TargetConfig
+from hyspec_jax.runtime.programs import ar_prefill_jit, ar_step_jit, new_buffers, spec_prefill_jit
+from hyspec_jax.sampling import SlotSampling
+from hyspec_jax.spec.round import RoundShape, pack_round_inputs, spec_round_io_jit, unpack_round_outputs
+
+F32 = jnp.float32
+I32 = jnp.int32
+MIN_CHUNK = 16      # the smallest prefill length (and prompt bucket)
+
+
+def bucket(n: int, minimum: int = MIN_CHUNK) -> int:
+    """Next power of two ≥ max(n, minimum)."""
+    m = max(n, minimum, 1)
+    return 1 << (m - 1).bit_length()
+
+
+def prompt_buckets(longest: int) -> list[int]:
+    """The prefill lengths (powers of two ≥ 16) of prompts of 1..longest tokens."""
+    out, t = [], MIN_CHUNK
+    while longest > 0 and t <= bucket(longest):
+        out.append(t)
+        t *= 2
+    return out
+
+
+def prefill_shapes(chunk: int, max_rows: int) -> list[tuple[int, int]]:
+    """The static (rows, T) prefill shapes for a prefill token budget `chunk` (a power of two ≥ 16)."""
+    if chunk < MIN_CHUNK or chunk & (chunk - 1):
+        raise ValueError(f"prefill chunk must be a power of two >= {MIN_CHUNK}, got {chunk}")
+    out, t = [], MIN_CHUNK
+    while t <= chunk:
+        out.append((max(1, min(max_rows, chunk // t)), t))
+        t *= 2
+    return out
+
+
+def start_host_copy(x: jax.Array) -> None:
+    """Start `x`'s device→host copy now (GPU), so that reading it later does not also wait behind work
+    dispatched meanwhile. Not on a CPU: the result already lives in host memory, and the asynchronous copy of a
+    buffer still being computed adds a PJRT code path that buys nothing there."""
+    if _default_backend() != "cpu":
+        x.copy_to_host_async()
+
+
+@functools.cache
+def _default_backend() -> str:
+    return jax.default_backend()
+
+
+@dataclasses.dataclass
+class StepResult:
+    tokens: np.ndarray                    # [B, K] committed tokens per slot (the first count[b] valid)
+    count: np.ndarray                     # [B]
+    accepted: np.ndarray | None = None    # [B] accepted drafts per slot (speculative modes)
+    drafted: int = 0                      # draft tokens verified per active slot this round
+
+
+class Backend(abc.ABC):
+    """The slots' device state and the programs over it (see the module docstring)."""
+
+    mode = "ar"
+    depth = 0              # most drafts a round commits (0: plain decoding)
+
+    def __init__(self, config: TargetConfig, graphdef, params, *, slots: int, kv_len: int,
+                 shapes: Sequence[tuple[int, int]], drafter_config: DrafterConfig | None = None):
+        """graphdef, params: the target as `compilation.split_for_jit` returns it. kv_len: positions per slot.
+        shapes: the static (rows, T) prefill shapes (`prefill_shapes`, or one (slots, T) per prompt bucket)."""
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        if not shapes:
+            raise ValueError("a backend needs at least one prefill shape")
+        self.config, self.graphdef, self.params = config, graphdef, params
+        leaves = jax.tree.leaves(params)
+        self.dtype = leaves[0].dtype if leaves else F32
+        self.slots, self.kv_len, self.shapes = slots, kv_len, list(shapes)
+        self.state, self.dstate, self.anchor = new_buffers(config, drafter_config, slots, kv_len, self.dtype)
+
+    @property
+    def overshoot(self) -> int:
+        """Positions a step may write past a request's last token (a round commits up to depth + 1 tokens)."""
+        return 0
+
+    @property
+    def max_context(self) -> int:
+        """Longest prompt + completion a slot holds."""
+        return self.kv_len - self.overshoot
+
+    def shape_for(self, rows_needed: list[int]) -> tuple[int, int]:
+        """Best static shape for chunks of these remaining prompt lengths (FIFO order): most tokens."""
+        best, best_tokens = self.shapes[0], -1
+        for rows, t in self.shapes:
+            n = sum(min(r, t) for r in rows_needed[:rows])
+            if n > best_tokens:
+                best, best_tokens = (rows, t), n
+        return best
+
+    @staticmethod
+    def sampling(temperature, top_p, top_k, seed) -> SlotSampling:
+        return SlotSampling(temperature=jnp.asarray(temperature, F32), top_p=jnp.asarray(top_p, F32),
+                            top_k=jnp.asarray(top_k, I32), seed=jnp.asarray(seed, jnp.uint32))
+
+    def compile(self, progress: Callable[[str], None] | None = None, stochastic: Sequence[bool] = (False, True),
+                prompt_lengths: Sequence[int] | None = None) -> None:
+        """Compile (run with no-op inputs: padding rows, no active slot) every prefill shape — those whose T covers
+        one of prompt_lengths' buckets, default all — and the step of each sampling flavour."""
+        B = self.slots
+        wanted = None if prompt_lengths is None else {bucket(n) for n in prompt_lengths}
+        for rows, t in self.shapes:
+            if wanted is not None and t not in wanted:
+                continue
+            t0 = time.perf_counter()
+            z = np.zeros(rows, np.float32)
+            self.prefill(np.full(rows, B, np.int32), np.zeros((rows, t), np.int32), np.zeros((rows, t), bool),
+                         np.zeros(rows, bool), self.sampling(z, np.ones(rows, np.float32), z.astype(np.int32),
+                                                             z.astype(np.uint32)))
+            if progress:
+                progress(f"prefill [{rows}x{t}] {time.perf_counter() - t0:.1f}s")
+        for flavour in stochastic:
+            t0 = time.perf_counter()
+            samp = self.sampling(np.full(B, 1.0 if flavour else 0.0, np.float32), np.ones(B, np.float32),
+                                 np.zeros(B, np.int32), np.zeros(B, np.uint32))
+            self.collect(self.dispatch(np.zeros(B, bool), samp, np.zeros(B, np.int32), bool(flavour)))
+            if progress:
+                progress(f"{self.describe_step()} [{B}, {'sampling' if flavour else 'greedy'}] "
+                         f"{time.perf_counter() - t0:.1f}s")
+
+    def describe_step(self) -> str:
+        return "decode"
+
+    # --- to implement ------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def prefill(self, slots: np.ndarray, tokens: np.ndarray, valid: np.ndarray, reset: np.ndarray,
+                sampling: SlotSampling) -> np.ndarray:
+        """Run prompt chunks [P, T] into slots `slots` [P] (B = padding row); returns the sampled next tokens."""
+
+    @abc.abstractmethod
+    def dispatch(self, active: np.ndarray, sampling: SlotSampling, steps: np.ndarray, stochastic: bool,
+                 hint: np.ndarray | None = None):
+        """Dispatch one step for every active slot (not waiting for it); returns the handle `collect` reads."""
+
+    @abc.abstractmethod
+    def collect(self, handle) -> StepResult:
+        """Wait for a dispatched step and read its committed tokens."""
+
+
+class ARBackend(Backend):
+    """Plain autoregressive decoding: one token per active slot and step."""
+
+    mode = "ar"
+
+    def prefill(self, slots, tokens, valid, reset, sampling) -> np.ndarray:
+        # host arrays go straight to the jitted call (a jnp.asarray is one more dispatch each); copies, since
+        # the scheduler reuses its buffers
+        first, self.state, self.anchor = ar_prefill_jit(
+            self.graphdef, self.params, self.state, self.anchor, np.array(slots, np.int32),
+            np.array(tokens, np.int32), np.array(valid, bool), np.array(reset, bool), sampling)
+        return np.asarray(first)
+
+    def dispatch(self, active, sampling, steps, stochastic, hint=None):
+        if hint is not None:
+            raise ValueError("token hints need a speculative mode")
+        active = np.array(active, bool)
+        self.anchor, self.state = ar_step_jit(self.graphdef, self.params, self.state, self.anchor, active, sampling,
+                                              np.array(steps, np.int32), stochastic=bool(stochastic))
+        start_host_copy(self.anchor)
+        return self.anchor, active
+
+    def collect(self, handle) -> StepResult:
+        tokens, active = handle
+        return StepResult(tokens=np.asarray(tokens)[:, None], count=active.astype(np.int32))
+
+
+class SpecBackend(Backend):
+    """Speculative decoding: one round (draft → select → verify → accept → commit) per step."""
+
+    def __init__(self, config: TargetConfig, graphdef, params, drafter_config: DrafterConfig, dgraph, dparams, *,
+                 mode: str, round_shapes: dict[bool, RoundShape], capacity: int, slots: int, kv_len: int,
+                 shapes: Sequence[tuple[int, int]]):
+        """round_shapes: the frozen round shape of the greedy (False) and the sampling (True) flavour.
+        capacity: the batch-wide node budget C."""
+        super().__init__(config, graphdef, params, slots=slots, kv_len=kv_len, shapes=shapes,
+                         drafter_config=drafter_config)
+        self.mode, self.dgraph, self.dparams = mode, dgraph, dparams
+        self.round_shapes = dict(round_shapes)
+        greedy = self.round_shapes[False]
+        self.depth, self.verify_nodes = greedy.depth, greedy.verify_nodes
+        self.drafted = greedy.verify_nodes - 1
+        self.capacity = int(capacity)
+        self.tap_layers = greedy.tap_layers
+
+    @property
+    def overshoot(self) -> int:
+        return self.round_shapes[False].gamma + 2
+
+    def describe_step(self) -> str:
+        return f"{self.mode} round N={self.verify_nodes}"
+
+    def prefill(self, slots, tokens, valid, reset, sampling) -> np.ndarray:
+        first, self.state, self.dstate, self.anchor = spec_prefill_jit(
+            self.graphdef, self.params, self.dgraph, self.dparams, self.state, self.dstate, self.anchor,
+            np.array(slots, np.int32), np.array(tokens, np.int32), np.array(valid, bool), np.array(reset, bool),
+            sampling, tap_layers=self.tap_layers)
+        return np.asarray(first)
+
+    def dispatch(self, active, sampling, steps, stochastic, hint=None):
+        self.state, self.dstate, self.anchor, host_out = spec_round_io_jit(
+            self.graphdef, self.params, self.dgraph, self.dparams, self.state, self.dstate, self.anchor, sampling,
+            pack_round_inputs(np.asarray(active, bool), steps, self.capacity, hint),
+            shape=self.round_shapes[bool(stochastic)])
+        start_host_copy(host_out)     # the host reads it: start its copy now
+        return host_out
+
+    def collect(self, handle) -> StepResult:
+        toks, count, acc = unpack_round_outputs(np.asarray(handle))     # one transfer each way
+        return StepResult(tokens=toks, count=count, accepted=acc, drafted=self.drafted)

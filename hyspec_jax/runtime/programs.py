@@ -1,0 +1,127 @@
+"""The slot programs of the request loop besides the speculative round (`hyspec_jax.spec.round`): prefill and
+the plain decoding step. Each is jitted once per static shape; state buffers are donated.
+
+Every slot holds one request's committed state (a `TargetState` row; with a drafter also its `DrafterState` row)
+and its anchor — the last token the target chose, not processed yet — on the device.
+
+- `ar_prefill` / `spec_prefill`: P rows of prompt chunks [P, T] are run into slots `slots` [P] (index B = a
+  padding row, dropped): the slots' rows are gathered (reset for a request's first chunk), extended by the target
+  (`spec_prefill`: with the drafter's tap layers, whose features are appended to the slot's drafter context),
+  scattered back, and the sampled next token (PRNG step 0) becomes the slot's anchor.
+- `ar_step`: one plain decoding step of every slot (inactive slots keep their state and anchor).
+
+Sampling parameters are per-row device arrays (`SlotSampling`) and the PRNG key of a slot is
+fold_in(key(seed), step) with the slot's own step counter, so neither the parameters nor the batch composition
+trigger a recompile or change a request's samples.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hyspec_jax.compilation import DiskCachedJit
+from hyspec_jax.models.drafter import Drafter
+from hyspec_jax.models.target import TargetModel
+from hyspec_jax.sampling import SlotSampling, sample
+from hyspec_jax.state import DrafterState, TargetState, init_drafter_state, init_state
+
+I32 = jnp.int32
+
+
+def _rows(x: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
+    return jnp.take(x, idx, axis=axis)
+
+
+def _reset(x: jax.Array, reset: jax.Array, axis: int) -> jax.Array:
+    shape = [1] * x.ndim
+    shape[axis] = reset.shape[0]
+    return jnp.where(reset.reshape(shape), jnp.zeros_like(x), x)
+
+
+def _put(full: jax.Array, slots: jax.Array, part: jax.Array, axis: int) -> jax.Array:
+    """Write rows back along `axis`; padding rows carry slot index B and are dropped."""
+    index = (slice(None),) * axis + (slots,)
+    return full.at[index].set(part.astype(full.dtype), mode="drop")
+
+
+def gather_target(state: TargetState, slots: jax.Array, reset: jax.Array) -> TargetState:
+    idx = jnp.minimum(slots, state.batch - 1)
+    return TargetState(ssm=_reset(_rows(state.ssm, idx, 1), reset, 1),
+                       conv=_reset(_rows(state.conv, idx, 1), reset, 1),
+                       keys=_rows(state.keys, idx, 1), values=_rows(state.values, idx, 1),
+                       lengths=jnp.where(reset, 0, _rows(state.lengths, idx, 0)))
+
+
+def scatter_target(state: TargetState, slots: jax.Array, sub: TargetState) -> TargetState:
+    return TargetState(ssm=_put(state.ssm, slots, sub.ssm, 1), conv=_put(state.conv, slots, sub.conv, 1),
+                       keys=_put(state.keys, slots, sub.keys, 1), values=_put(state.values, slots, sub.values, 1),
+                       lengths=_put(state.lengths, slots, sub.lengths, 0))
+
+
+def gather_drafter(dstate: DrafterState, slots: jax.Array, reset: jax.Array) -> DrafterState:
+    idx = jnp.minimum(slots, dstate.batch - 1)
+    return DrafterState(keys=_rows(dstate.keys, idx, 1), values=_rows(dstate.values, idx, 1),
+                        lengths=jnp.where(reset, 0, _rows(dstate.lengths, idx, 0)))
+
+
+def scatter_drafter(dstate: DrafterState, slots: jax.Array, sub: DrafterState) -> DrafterState:
+    return DrafterState(keys=_put(dstate.keys, slots, sub.keys, 1), values=_put(dstate.values, slots, sub.values, 1),
+                        lengths=_put(dstate.lengths, slots, sub.lengths, 0))
+
+
+def ar_prefill(graphdef: nnx.GraphDef, params: nnx.State, state: TargetState, anchor: jax.Array, slots: jax.Array,
+               tokens: jax.Array, valid: jax.Array, reset: jax.Array, sampling: SlotSampling):
+    """Prompt chunks [P, T] into slots [P]: (first tokens [P], state, anchor). The first token is drawn with
+    a run-time greedy / sampling branch (`sample(stochastic=None)`): one program per prefill shape."""
+    model: TargetModel = nnx.merge(graphdef, params)
+    sub = gather_target(state, slots, reset)
+    logits, _, sub = model.extend(sub, tokens, valid, last_only=True)
+    first = sample(logits[:, 0], sampling, jnp.zeros((), I32))
+    return first, scatter_target(state, slots, sub), _put(anchor, slots, first, 0)
+
+
+def spec_prefill(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
+                 state: TargetState, dstate: DrafterState, anchor: jax.Array, slots: jax.Array, tokens: jax.Array,
+                 valid: jax.Array, reset: jax.Array, sampling: SlotSampling, *, tap_layers: tuple[int, ...]):
+    """`ar_prefill` that also fills the slots' drafter context with the chunk's tap-layer features:
+    (first tokens [P], state, dstate, anchor)."""
+    target: TargetModel = nnx.merge(tgraph, tparams)
+    drafter: Drafter = nnx.merge(dgraph, dparams)
+    sub = gather_target(state, slots, reset)
+    dsub = gather_drafter(dstate, slots, reset)
+    logits, taps, sub = target.extend(sub, tokens, valid, last_only=True, tap_layers=tap_layers)
+    dsub = drafter.append_context(dsub, taps, jnp.sum(valid, axis=1, dtype=I32))
+    first = sample(logits[:, 0], sampling, jnp.zeros((), I32))
+    return (first, scatter_target(state, slots, sub), scatter_drafter(dstate, slots, dsub),
+            _put(anchor, slots, first, 0))
+
+
+def ar_step(graphdef: nnx.GraphDef, params: nnx.State, state: TargetState, anchor: jax.Array, active: jax.Array,
+            sampling: SlotSampling, steps: jax.Array, stochastic: bool | None):
+    """One decoding step of every active slot: (next anchor [B], state). stochastic (static): False — every
+    active slot greedy, a branch-free argmax program; True — the warped draw (`sampling.sample`)."""
+    model: TargetModel = nnx.merge(graphdef, params)
+    logits, _, state = model.extend(state, anchor[:, None], active[:, None])
+    tok = sample(logits[:, 0], sampling, steps, stochastic)
+    return jnp.where(active, tok, anchor), state
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "batch", "kv_len", "dtype"))
+def new_buffers(tcfg, dcfg, batch: int, kv_len: int, dtype):
+    """Empty target state, drafter context (None without a drafter) and anchors: one dispatch."""
+    dstate = None if dcfg is None else init_drafter_state(dcfg, batch, kv_len, dtype)
+    return init_state(tcfg, batch, kv_len, dtype), dstate, jnp.zeros((batch,), I32)
+
+
+# Anchors are never donated: in plain decoding the anchor array a step returns is also what the host reads, and the
+# loop dispatches the next step before reading it.
+ar_prefill_jit = DiskCachedJit(ar_prefill, name="ar_prefill", static_argnames=("graphdef",),
+                               donate_argnames=("state",))
+spec_prefill_jit = DiskCachedJit(spec_prefill, name="spec_prefill", static_argnames=("tgraph", "dgraph", "tap_layers"),
+                                 donate_argnames=("state", "dstate"))
+ar_step_jit = DiskCachedJit(ar_step, name="ar_step", static_argnames=("graphdef", "stochastic"),
+                            donate_argnames=("state",))

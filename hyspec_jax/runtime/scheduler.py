@@ -1,0 +1,433 @@
+"""The request loop: continuous batching over a `Backend`, the one host loop of the library and the server.
+
+Per iteration: drop aborted requests (a disconnected client, a stop string the front end saw) and free their
+slots; admit waiting requests into free slots; run one prefill call (chunks of one or more prompts, packed into
+one of the backend's static prefill shapes); then dispatch or collect one decoding step (AR token or speculative
+round) for every slot that is decoding. A long prompt therefore advances one chunk per iteration while the other
+slots keep decoding. Stop token ids and max_tokens are applied here, exactly, also inside a multi-token
+speculative round (`EngineRequest.emit` is the one home of that rule); stop strings are text, applied by the
+front end, which then aborts the request.
+
+Steps are pipelined: the next step is dispatched before the host reads the one in flight, so the host's work
+(dispatch, streaming, bookkeeping) overlaps the device's. A slot's outputs are used only while the request that
+owned it at dispatch still runs: a request that stops on a stop token in the step in flight costs its slot one
+discarded step. No step is dispatched ahead when a request could reach max_tokens in the step in flight (known on
+the host) or when a request takes token hints (they read the tokens of the step before).
+
+Two drivers: the server runs the loop on its own thread (`start`, `submit`, `abort`, `drain`), and
+`run_until_idle` runs it on the caller's thread until every submitted request has finished (`hyspec generate`,
+`Generator.generate`, `SpecEngine.generate`). Requests talk to their owner through
+`sink(token_ids, finish_reason | None)`, called on the loop's thread; an optional `LoopObserver` sees every event
+(the server's metrics).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from typing import Callable, Sequence
+
+import numpy as np
+
+from hyspec_jax.runtime.backend import Backend, StepResult
+
+log = logging.getLogger("hyspec.runtime")
+
+Sink = Callable[[list[int], "str | None"], None]
+_ids = itertools.count()
+
+
+class QueueFull(Exception):
+    pass
+
+
+class ShuttingDown(Exception):
+    pass
+
+
+class LoopObserver:
+    """What the loop reports (no-op here; the server's metrics override these)."""
+
+    def occupancy(self, running: int, waiting: int, slots: int) -> None:
+        """Requests holding a slot and waiting for one."""
+
+    def admitted(self, queue_seconds: float) -> None:
+        """A request got a slot after queue_seconds."""
+
+    def engine_call(self, kind: str) -> None:
+        """One device call: kind "prefill" or "decode" (a decoding step or a speculative round)."""
+
+    def prompt_done(self, prompt_tokens: int) -> None:
+        """A request's prompt is fully prefilled."""
+
+    def tokens(self, n: int, ttft: float | None, itl: float | None) -> None:
+        """n tokens given to a request; ttft for its first, else itl since its last."""
+
+    def finished(self, reason: str, e2e_seconds: float, aborted: bool) -> None:
+        """A request ended: "stop" / "length" / "abort" / "error"."""
+
+    def spec_round(self, active: int, drafted: int, accepted: np.ndarray, depth: int) -> None:
+        """A speculative round over `active` requests, `drafted` drafts each; accepted [active]."""
+
+
+@dataclasses.dataclass(eq=False)
+class EngineRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    sink: Sink
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    # token hints for the next drafts (tests, prompt lookup): called before each round with no arguments
+    hint: Callable[[], Sequence[int]] | None = None
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    id: int = dataclasses.field(default_factory=lambda: next(_ids))
+    # loop-owned
+    slot: int = -1
+    prefilled: int = 0
+    generated: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    abort_reason: str | None = None     # set by abort(): "abort" (client left) or "stop" (stop string)
+    committed: list[int] = dataclasses.field(default_factory=list)   # tokens committed per step (bonus incl.)
+    accepted: list[int] = dataclasses.field(default_factory=list)    # drafts accepted per speculative round
+
+    @property
+    def decoding(self) -> bool:
+        return self.slot >= 0 and self.prefilled >= len(self.prompt_ids)
+
+    def cut(self, toks: Sequence[int]) -> tuple[list[int], str | None]:
+        """The tokens of `toks` this request keeps — up to and including a stop token, at most max_tokens in all —
+        and the finish reason they reach ("stop", "length") or None."""
+        out: list[int] = []
+        for t in toks:
+            out.append(int(t))
+            if int(t) in self.stop_token_ids:
+                return out, "stop"
+            if self.generated + len(out) >= self.max_tokens:
+                return out, "length"
+        return out, None
+
+
+class Scheduler:
+    """The request loop over one backend (see the module docstring)."""
+
+    def __init__(self, backend: Backend, observer: LoopObserver | None = None, *, max_queue: int = 1 << 30):
+        self.backend = backend
+        self.observer = observer or LoopObserver()
+        self.max_queue = max_queue
+        B = backend.slots
+        self.slots: list[EngineRequest | None] = [None] * B
+        self.waiting: deque[EngineRequest] = deque()
+        self.cv = threading.Condition()
+        self.accepting = True
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        # per-slot host mirrors of the device-side sampling inputs
+        self.steps = np.zeros(B, np.int32)
+        self.temperature = np.zeros(B, np.float32)
+        self.top_p = np.ones(B, np.float32)
+        self.top_k = np.zeros(B, np.int32)
+        self.seed = np.zeros(B, np.uint32)
+        self._sampling = None            # device SlotSampling of the step (rebuilt on changes)
+        self._inflight: tuple[object, list[EngineRequest | None]] | None = None   # (handle, owners at dispatch)
+        self.failed: BaseException | None = None
+        # totals since construction (the synchronous drivers' statistics)
+        self.steps_collected = 0
+        self.prefill_seconds = 0.0
+        self.first_collect_at: float | None = None
+        self.last_collect_at: float | None = None
+
+    # --- front-end API (any thread) -----------------------------------------------------------------
+    def submit(self, req: EngineRequest) -> None:
+        with self.cv:
+            if not self.accepting:
+                raise ShuttingDown()
+            # requests beyond the free slots wait; at most max_queue of them
+            free = sum(s is None for s in self.slots)
+            if len(self.waiting) >= self.max_queue + free:
+                raise QueueFull()
+            self.waiting.append(req)
+            self._occupancy()
+            self.cv.notify()
+
+    def abort(self, req: EngineRequest, reason: str = "abort") -> None:
+        with self.cv:
+            if not req.finished and req.abort_reason is None:
+                req.abort_reason = reason
+                self.cv.notify()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="hyspec-scheduler", daemon=True)
+        self._thread.start()
+
+    def drain(self) -> None:
+        """Stop accepting; the thread exits once every admitted and waiting request has finished."""
+        with self.cv:
+            self.accepting = False
+            self.cv.notify()
+
+    def stop(self) -> None:
+        """Stop now: abort everything (used after a drain timeout)."""
+        with self.cv:
+            self.accepting = False
+            self._stop = True
+            self.cv.notify()
+
+    def join(self, timeout: float | None = None) -> bool:
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    @property
+    def busy(self) -> bool:
+        with self.cv:
+            return self._has_work()
+
+    # --- the loop ------------------------------------------------------------------------------------
+    def run_until_idle(self) -> None:
+        """Run the loop on this thread until every submitted request has finished (the synchronous driver)."""
+        while True:
+            with self.cv:
+                self._reap()
+                if not self._has_work():
+                    self._occupancy()
+                    return
+                self._admit()
+                self._occupancy()
+            self._iterate()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.cv:
+                    self._reap()
+                    self._occupancy()
+                    while not self._has_work() and not self._stop and self.accepting:
+                        self.cv.wait()
+                    if self._stop:
+                        self._abort_all("abort")
+                        return
+                    if not self.accepting and not self._has_work():
+                        return
+                    self._reap()
+                    self._admit()
+                    self._occupancy()
+                self._iterate()
+        except BaseException as e:  # noqa: BLE001 - fail requests, never hang them
+            log.exception("scheduler failed")
+            self.failed = e
+            with self.cv:
+                self.accepting = False
+                self._abort_all("error")
+
+    def _iterate(self) -> None:
+        if any(r is not None and not r.decoding for r in self.slots):
+            self._prefill()
+        self._step()
+
+    def _has_work(self) -> bool:
+        return bool(self.waiting) or any(s is not None for s in self.slots) or self._inflight is not None
+
+    def _occupancy(self) -> None:
+        self.observer.occupancy(sum(s is not None for s in self.slots), len(self.waiting), len(self.slots))
+
+    def _abort_all(self, reason: str) -> None:
+        for r in list(self.waiting) + [s for s in self.slots if s is not None]:
+            self._finish(r, reason)
+        self.waiting.clear()
+        self.slots = [None] * len(self.slots)
+        self._inflight = None
+        self._occupancy()
+
+    def _reap(self) -> None:
+        """Free the slots of aborted requests (called with the lock held)."""
+        if any(r.abort_reason for r in self.waiting):
+            keep = deque()
+            for r in self.waiting:
+                if r.abort_reason:
+                    self._finish(r, r.abort_reason, notify=False)
+                else:
+                    keep.append(r)
+            self.waiting = keep
+        for b, r in enumerate(self.slots):
+            if r is not None and r.abort_reason:
+                self._finish(r, r.abort_reason, notify=False)
+                self.slots[b] = None
+                self._sampling = None
+
+    def _admit(self) -> None:
+        for b in range(len(self.slots)):
+            if not self.waiting:
+                return
+            if self.slots[b] is None:
+                r = self.waiting.popleft()
+                r.slot, r.prefilled = b, 0
+                self.slots[b] = r
+                self.temperature[b], self.top_p[b], self.top_k[b] = r.temperature, r.top_p, r.top_k
+                self.seed[b] = r.seed % (1 << 32)
+                self.steps[b] = 0
+                self._sampling = None
+                self.observer.admitted(time.perf_counter() - r.arrival)
+
+    def _finish(self, r: EngineRequest, reason: str, notify: bool = True) -> None:
+        if r.finished:
+            return
+        r.finished, r.finish_reason = True, reason
+        self.observer.finished(reason, time.perf_counter() - r.arrival,
+                               r.abort_reason is not None or reason in ("abort", "error"))
+        if notify:
+            try:
+                r.sink([], reason)
+            except Exception:  # noqa: BLE001
+                log.exception("sink failed")
+
+    def _emit(self, r: EngineRequest, toks: Sequence[int]) -> bool:
+        """Give r its new tokens, cut at a stop token or max_tokens. True when r finished."""
+        out, reason = r.cut(toks)
+        r.generated += len(out)
+        now = time.perf_counter()
+        if r.first_token_at is None:
+            r.first_token_at = now
+            self.observer.tokens(len(out), now - r.arrival, None)
+        else:
+            self.observer.tokens(len(out), None, now - r.last_token_at)
+        r.last_token_at = now
+        if reason is not None:
+            r.finished, r.finish_reason = True, reason
+            self.observer.finished(reason, now - r.arrival, False)
+        try:
+            r.sink(out, reason)
+        except Exception:  # noqa: BLE001
+            log.exception("sink failed")
+        return reason is not None
+
+    def _release(self, b: int) -> None:
+        with self.cv:
+            self.slots[b] = None
+            self._sampling = None
+            self._occupancy()
+
+    # --- device calls --------------------------------------------------------------------------------
+    def _prefill(self) -> None:
+        be = self.backend
+        pending = sorted((r for r in self.slots if r is not None and not r.decoding), key=lambda r: r.arrival)
+        rows, T = be.shape_for([len(r.prompt_ids) - r.prefilled for r in pending])
+        chosen = pending[:rows]
+        B = be.slots
+        slots = np.full(rows, B, np.int32)
+        tokens = np.zeros((rows, T), np.int32)
+        valid = np.zeros((rows, T), bool)
+        reset = np.zeros(rows, bool)
+        temp, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+        top_k, seed = np.zeros(rows, np.int32), np.zeros(rows, np.uint32)
+        for i, r in enumerate(chosen):
+            chunk = r.prompt_ids[r.prefilled:r.prefilled + T]
+            slots[i], reset[i] = r.slot, r.prefilled == 0
+            tokens[i, :len(chunk)], valid[i, :len(chunk)] = chunk, True
+            b = r.slot
+            temp[i], top_p[i], top_k[i], seed[i] = self.temperature[b], self.top_p[b], self.top_k[b], self.seed[b]
+        t0 = time.perf_counter()
+        first = be.prefill(slots, tokens, valid, reset, be.sampling(temp, top_p, top_k, seed))
+        self.prefill_seconds += time.perf_counter() - t0
+        self.observer.engine_call("prefill")
+        for i, r in enumerate(chosen):
+            r.prefilled += int(valid[i].sum())
+            if r.decoding:
+                self.observer.prompt_done(len(r.prompt_ids))
+                if r.abort_reason is None and self._emit(r, [int(first[i])]):
+                    self._release(r.slot)
+
+    def _decoding(self) -> list[EngineRequest]:
+        return [r for r in self.slots if r is not None and r.decoding and not r.finished]
+
+    def _step(self) -> None:
+        """Dispatch the next step, collect the one in flight, or both (pipelined; see the module docstring)."""
+        decoding = self._decoding()
+        if self._inflight is None:
+            if decoding:
+                self._inflight = self._dispatch(decoding)
+            return
+        reach = self.backend.depth + 1       # most tokens the step in flight gives a request
+        ahead = (decoding and all(r.hint is None and r.generated + reach < r.max_tokens for r in decoding))
+        nxt = self._dispatch(decoding) if ahead else None
+        flight, self._inflight = self._inflight, nxt
+        self._collect(*flight)
+
+    def _dispatch(self, decoding: list[EngineRequest]):
+        be = self.backend
+        active = np.array([r is not None and r in decoding for r in self.slots])
+        self.steps[active] += 1
+        if self._sampling is None:
+            self._sampling = be.sampling(self.temperature, self.top_p, self.top_k, self.seed)
+        stochastic = bool((self.temperature[active] > 0).any())
+        hint = None
+        if any(r.hint is not None for r in decoding):
+            # no hint columns without hints (the round then has no hint ops; hinted runs compile their own round)
+            G = be.depth
+            hint = np.full((be.slots, G), -1, np.int32)
+            for r in decoding:
+                if r.hint is not None:
+                    h = list(r.hint())[:G]
+                    hint[r.slot, :len(h)] = h
+        handle = be.dispatch(active, self._sampling, self.steps, stochastic, hint)
+        self.observer.engine_call("decode")
+        return handle, list(self.slots)
+
+    def _collect(self, handle, owners: list[EngineRequest | None]) -> None:
+        res: StepResult = self.backend.collect(handle)
+        now = time.perf_counter()
+        self.steps_collected += 1
+        self.first_collect_at = self.first_collect_at or now
+        self.last_collect_at = now
+        live = [(b, r) for b, r in enumerate(owners)
+                if r is not None and res.count[b] > 0 and self.slots[b] is r and not r.finished]
+        if res.accepted is not None and live:
+            self.observer.spec_round(len(live), res.drafted, res.accepted[[b for b, _ in live]], self.backend.depth)
+        for b, r in live:
+            n = int(res.count[b])
+            r.committed.append(n)
+            if res.accepted is not None:
+                r.accepted.append(int(res.accepted[b]))
+            if r.abort_reason is not None:
+                continue   # freed at the next iteration
+            if self._emit(r, res.tokens[b, :n]):
+                self._release(b)
+
+
+def run_batch(backend: Backend, prompts: Sequence[Sequence[int]], params: Sequence,
+              on_tokens: Callable[[int, list[int]], None] | None = None,
+              hint: Callable[[int, list[int]], Sequence[int]] | None = None
+              ) -> tuple[list[EngineRequest], list[list[int]], Scheduler]:
+    """The synchronous driver: submit `prompts` (with their `SamplingParams`) to a fresh loop over `backend`, run it
+    to completion on this thread. Returns (requests, generated tokens per request, the loop — its totals).
+    `on_tokens(request_index, new_ids)` streams tokens as steps commit them; `hint(request_index,
+    generated_so_far)` gives token hints for the next drafts (speculative backends)."""
+    sched = Scheduler(backend)
+    outs: list[list[int]] = [[] for _ in prompts]
+    reqs = []
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        def sink(toks: list[int], reason: str | None, i: int = i) -> None:
+            if toks:
+                outs[i].extend(toks)
+                if on_tokens is not None:
+                    on_tokens(i, list(toks))
+        req = EngineRequest(prompt_ids=list(map(int, prompt)), max_tokens=p.max_tokens, sink=sink,
+                            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+                            stop_token_ids=frozenset(int(t) for t in p.stop_token_ids),
+                            hint=None if hint is None else (lambda i=i: hint(i, list(outs[i]))))
+        sched.submit(req)
+        reqs.append(req)
+    sched.run_until_idle()
+    if sched.failed is not None:
+        raise sched.failed
+    return reqs, outs, sched

@@ -1,0 +1,227 @@
+"""The speculative round: draft → select → verify → accept → commit, one jitted program per bucket (docs/design.md §2).
+
+Per slot the device holds the target's committed state (`TargetState`), the drafter's context K/V
+(`DrafterState`, same committed length) and the anchor — the last token the target chose, not processed yet.
+One round (`spec_round`, compiled once per bucket: batch slots B, verify width N, KV length S; state donated):
+
+  draft    one DSpark block from the context K/V + anchor (`ready` modes: the reader reads TargetState.ssm)
+  build    chain [anchor, x₀..x_{γ−1}] (optionally cut by DSpark's confidence) or a beam tree (`spec.select`)
+  select   Bole's batch-shared budget: anchor + root child of every active slot, then the batch-wide best
+           scores, ≤ N per row, ≤ C in all (`spec.budget.select_nodes`); compacted to a [B, N] forest
+  verify   one target forward over the forest from the committed state, with the drafter's tap layers
+  accept   greedy matching or lossless recursive rejection sampling (`spec.accept`)
+  commit   target: factorized commit of the root-to-accepted path (`spec.commit.commit`); drafter: context
+           K/V of the path's target taps (anchor + accepted drafts) appended; next anchor = the bonus token.
+
+Everything static about a round is one frozen `RoundShape`, passed to every program and never mutated. The three
+phases (`round_draft`, `round_verify`, `round_commit`) are also jitted alone for profiling
+(`hyspec_jax.bench.phases`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hyspec_jax import tree as tree_lib
+from hyspec_jax.compilation import DiskCachedJit
+from hyspec_jax.models.drafter import DraftBlock, Drafter, target_heads
+from hyspec_jax.models.target import TargetModel
+from hyspec_jax.sampling import SlotSampling, slot_keys
+from hyspec_jax.spec.accept import accept
+from hyspec_jax.spec.budget import confident_length, root_floor, select_nodes
+from hyspec_jax.spec.commit import commit
+from hyspec_jax.spec.propose import chain_from_block
+from hyspec_jax.spec.select import chain_candidates, tree_candidates
+from hyspec_jax.state import DrafterState, TargetState
+from hyspec_jax.tree import TreeExpansion
+
+I32 = jnp.int32
+HINT_BIAS = 1.0e3   # added to the drafter's base logits at hinted tokens (see `spec_round`)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundShape:
+    """Static part of a compiled round (hashable)."""
+    tree: TreeExpansion | None  # None = chain
+    gamma: int                  # chain drafts
+    verify_nodes: int           # N
+    reader: bool
+    stochastic: bool            # False: every slot greedy (no draft distributions are kept)
+    confidence_threshold: float | None
+    method: str
+    tap_layers: tuple[int, ...]
+    kernel_impl: str = "reference"
+
+    @property
+    def depth(self) -> int:
+        d = self.tree.depth if self.tree is not None else self.gamma
+        return max(0, min(d, self.verify_nodes - 1))
+
+    @property
+    def max_children(self) -> int:
+        return self.tree.top_k if self.tree is not None else 1
+
+
+def _fold(keys: jax.Array, i: int) -> jax.Array:
+    return jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)
+
+
+def _gather(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x [B, M, ...] at idx [B, N] -> [B, N, ...]."""
+    return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def round_draft(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
+                state: TargetState, dstate: DrafterState, anchor: jax.Array, active: jax.Array,
+                sampling: SlotSampling, steps: jax.Array, capacity: jax.Array, hint: jax.Array | None = None, *,
+                shape: RoundShape):
+    """Round phase 1 — draft, build, select (see `spec_round`): (tokens [B, N], tree, child_q [B, N, …] or
+    None) — the [B, N] forest the target verifies and, when sampling, the draft distribution of each node."""
+    target: TargetModel = nnx.merge(tgraph, tparams)
+    drafter: Drafter = nnx.merge(dgraph, dparams)
+    heads = target_heads(target)
+    N, D = shape.verify_nodes, shape.depth
+    samp = sampling if shape.stochastic else None
+    dkeys = _fold(slot_keys(sampling.seed, steps), 0)
+
+    with jax.named_scope("drafter_forward"):
+        block = drafter.draft(dstate, anchor, heads, state.ssm if shape.reader else None,
+                              num_slots=shape.gamma)   # the slots a chain / tree reads (no unused LM heads)
+    if hint is not None:
+        G, V = block.logits.shape[1], block.logits.shape[2]
+        h = hint[:, :G]
+        bonus_logits = jnp.where((jnp.arange(V)[None, None] == h[..., None]) & (h[..., None] >= 0), HINT_BIAS, 0.0)
+        block = DraftBlock(hidden=block.hidden, logits=block.logits + bonus_logits)
+    if shape.tree is None:
+        G = shape.gamma
+        block = DraftBlock(hidden=block.hidden[:, :G], logits=block.logits[:, :G])
+        prop = chain_from_block(drafter, block, anchor, samp, dkeys if samp is not None else None)
+        length = (None if shape.confidence_threshold is None
+                  else confident_length(prop.confidence, shape.confidence_threshold))
+        cand = chain_candidates(prop, anchor, length, samp)
+    else:
+        with jax.named_scope("tree_build"):
+            cand = tree_candidates(drafter, block, anchor, shape.tree, samp, dkeys if samp is not None else None,
+                                   kernel_impl=shape.kernel_impl)
+    valid = cand.valid & active[:, None]
+    forced = root_floor(cand.score, cand.parent, valid, active)
+    sel = select_nodes(cand.score, cand.parent, cand.depth, valid, forced, N, capacity)
+    tokens = jnp.where(sel.valid, jnp.take_along_axis(cand.token, sel.index, axis=1), 0)
+    tree = tree_lib.Tree(parent=sel.parent, valid=sel.valid, depth=sel.depth,
+                         envelope=tree_lib.TreeShape(N, D))
+    child_q = None if samp is None else _gather(cand.child_q, sel.index)
+    return tokens, tree, child_q
+
+
+def round_verify(tgraph: nnx.GraphDef, tparams: nnx.State, state: TargetState, tree: tree_lib.Tree,
+                 tokens: jax.Array, *, shape: RoundShape):
+    """Round phase 2 — the target's verify forward over the forest: (logits, taps, TreeCache)."""
+    target: TargetModel = nnx.merge(tgraph, tparams)
+    return target.verify(state, tree, tokens, method=shape.method, tap_layers=shape.tap_layers,
+                         kernel_impl=shape.kernel_impl)
+
+
+def round_commit(dgraph: nnx.GraphDef, dparams: nnx.State, state: TargetState, dstate: DrafterState,
+                 anchor: jax.Array, active: jax.Array, sampling: SlotSampling, steps: jax.Array,
+                 tokens: jax.Array, tree: tree_lib.Tree, child_q: jax.Array | None, logits: jax.Array,
+                 taps: jax.Array, cache, *, shape: RoundShape):
+    """Round phase 3 — accept, then commit target and drafter: `spec_round`'s return value."""
+    drafter: Drafter = nnx.merge(dgraph, dparams)
+    B = anchor.shape[0]
+    D = shape.depth
+    samp = sampling if shape.stochastic else None
+    akeys = _fold(slot_keys(sampling.seed, steps), 1)
+    acc = accept(logits, tokens, tree.parent, tree.valid, child_q, samp, akeys if samp is not None else None,
+                 max_depth=D, max_children=shape.max_children)
+
+    node = jnp.where(active, acc.node, -1)
+    new_state = commit(state, cache, tree, node, shape.kernel_impl)
+    path, length = tree_lib.path_to(tree, node)                                   # [B, D+1], [B]
+    src = jnp.maximum(path, 0)
+    path_taps = jnp.take_along_axis(taps, src[None, :, :, None], axis=2)          # [L, B, D+1, H]
+    new_dstate = drafter.append_context(dstate, path_taps, length)
+
+    m = acc.num_accepted
+    path_tokens = jnp.take_along_axis(tokens, src, axis=1)                        # anchor, accepted drafts
+    out = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((B, 1), I32)], axis=1)
+    out = jnp.where(jnp.arange(D + 1)[None] == m[:, None], acc.bonus[:, None], out)
+    count = jnp.where(active, m + 1, 0)
+    return new_state, new_dstate, jnp.where(active, acc.bonus, anchor), out, count, m
+
+
+def spec_round(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
+               state: TargetState, dstate: DrafterState, anchor: jax.Array, active: jax.Array,
+               sampling: SlotSampling, steps: jax.Array, capacity: jax.Array, hint: jax.Array | None = None, *,
+               shape: RoundShape):
+    """One speculative round for every slot. Returns (state, dstate, anchor, tokens [B, D+1], count [B],
+    accepted [B]): slot b committed tokens[b, :count[b]] (its accepted drafts, then the bonus token, which is
+    also the new anchor). Inactive slots are untouched (count 0).
+
+    steps [B]: per-slot round counters (PRNG: a slot's randomness never depends on its neighbours);
+    capacity: batch-wide node budget (runtime scalar); hint [B, γ] int (−1 = none): optional token hints
+    added to the drafter's base logits at each block slot (an oracle / prompt-lookup hook; drafts stay
+    drafts — acceptance is unchanged and still lossless, because the hinted q is the q drawn from).
+
+    The three phases are `round_draft` → `round_verify` → `round_commit` (composed here into one program;
+    `SpecEngine.phase_times` jits and times them one by one).
+    """
+    # named scopes: each phase's kernels carry its name in profiles and in the compiled HLO's op names
+    with jax.named_scope("draft"):
+        tokens, tree, child_q = round_draft(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active,
+                                            sampling, steps, capacity, hint, shape=shape)
+    with jax.named_scope("verify"):
+        logits, taps, cache = round_verify(tgraph, tparams, state, tree, tokens, shape=shape)
+    with jax.named_scope("commit"):
+        return round_commit(dgraph, dparams, state, dstate, anchor, active, sampling, steps, tokens, tree, child_q,
+                            logits, taps, cache, shape=shape)
+
+
+def spec_round_io(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
+                  state: TargetState, dstate: DrafterState, anchor: jax.Array, sampling: SlotSampling,
+                  host_in: jax.Array, *, shape: RoundShape):
+    """`spec_round` with its per-round host inputs packed in one int32 array and its host outputs in another, so
+    a round moves one array each way (each transfer costs tens of µs of host time beside a GPU: a visible part
+    of a launch-bound batch-1 round). host_in [B, 3 + g]: active (0/1), steps, capacity (read from row 0),
+    then g hint columns (g = 0: no hints). Returns (state, dstate, anchor, host_out [B, D + 3]: the committed
+    tokens [D + 1], count, accepted)."""
+    hint = host_in[:, 3:] if host_in.shape[1] > 3 else None
+    state, dstate, anchor, toks, count, acc = spec_round(
+        tgraph, tparams, dgraph, dparams, state, dstate, anchor, host_in[:, 0] > 0, sampling, host_in[:, 1],
+        host_in[0, 2], hint, shape=shape)
+    host_out = jnp.concatenate([toks.astype(I32), count.astype(I32)[:, None], acc.astype(I32)[:, None]], axis=1)
+    return state, dstate, anchor, host_out
+
+
+def pack_round_inputs(active: np.ndarray, steps: np.ndarray, capacity: int, hint: np.ndarray | None) -> np.ndarray:
+    """`spec_round_io`'s host_in [B, 3 + g] int32 (hint [B, g] or None)."""
+    B = len(active)
+    g = 0 if hint is None else hint.shape[1]
+    host = np.empty((B, 3 + g), np.int32)
+    host[:, 0], host[:, 1], host[:, 2] = active, steps, capacity
+    if g:
+        host[:, 3:] = hint
+    return host
+
+
+def unpack_round_outputs(host_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens [B, D + 1], count [B], accepted [B]) from `spec_round_io`'s host_out."""
+    return host_out[:, :-2], host_out[:, -2], host_out[:, -1]
+
+
+# the named scopes of `spec_round` (`SpecEngine.round_kernels` counts kernels by them)
+ROUND_SCOPES = ("draft/drafter_forward", "draft/tree_build", "draft", "verify", "commit")
+
+spec_round_jit = DiskCachedJit(spec_round, name="spec_round", static_argnames=("tgraph", "dgraph", "shape"),
+                               donate_argnames=("state", "dstate"))
+spec_round_io_jit = DiskCachedJit(spec_round_io, name="spec_round_io", static_argnames=("tgraph", "dgraph", "shape"),
+                                  donate_argnames=("state", "dstate"))
+# the phases jitted alone (`SpecEngine.phase_times`); the commit donates the states as the fused round does
+round_draft_jit = jax.jit(round_draft, static_argnames=("tgraph", "dgraph", "shape"))
+round_verify_jit = jax.jit(round_verify, static_argnames=("tgraph", "shape"))
+round_commit_jit = jax.jit(round_commit, static_argnames=("dgraph", "shape"), donate_argnames=("state", "dstate"))
+

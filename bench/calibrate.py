@@ -75,8 +75,9 @@ class Timing:
 
 def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1,
                 before: Callable[[], Any] | None = None) -> tuple[Timing, Any]:
-    """Time `fn()` (METHOD.md): `warmup` untimed calls, then `repeats` calls each timed with
-    block_until_ready. `before()` runs untimed ahead of every call (e.g. restoring a donated state); it is
+    """Time `fn()`: `warmup` untimed calls (compiles and first-touch costs stay out of the timing), then `repeats`
+    calls each timed with block_until_ready (JAX dispatches asynchronously: without it the clock stops at
+    dispatch). `before()` runs untimed ahead of every call (e.g. restoring a donated state); it is
     waited for before the clock starts. Returns (Timing, the last call's output)."""
     import jax
 

@@ -220,8 +220,9 @@ def random_state(cfg, batch: int, max_len: int, prefix: int, dtype, seed: int, m
                  compiler_options: dict | None = None):
     """(state, shardings): a committed state as after a prefill of `prefix` tokens — random but
     deterministic recurrent states (N(0, 0.05²), fp32), conv windows and KV (N(0, 1)), lengths = prefix —
-    created leaf by leaf in its sharded layout (`fill_leaf`; no whole-state program). Never zeros (METHOD.md:
-    zeros can time faster than real data). The same (seed, batch) gives the same state."""
+    created leaf by leaf in its sharded layout (`fill_leaf`; no whole-state program). Never zeros (zeros can
+    time faster than real data: hardware and libraries take shortcuts on them). The same (seed, batch) gives the
+    same state."""
     import jax
 
     from hyspec_jax import sharding as shd

@@ -1,4 +1,4 @@
-"""Registers, shared memory and launch shape of each Pallas kernel, as Nsight Compute reads them (issue [kernels]).
+"""Registers, shared memory and launch shape of each Pallas kernel, as Nsight Compute reads them.
 
     hyspec bench kernel-resources --json out.json [--batch 8 --nodes 64]
 
@@ -24,8 +24,7 @@ import sys
 import tempfile
 
 KERNELS = ("gdn_tree_solve_neumann", "gdn_tree_solve_squaring", "gdn_tree_solve_squaring_deferred",
-           "gdn_tree_solve_inverse", "gdn_tree_operators_mgpu", "gdn_tree_apply_mgpu", "gdn_tree_apply_cv_mgpu",
-           "gdn_tree_operators",
+           "gdn_tree_solve_inverse", "gdn_tree_apply_mgpu", "gdn_tree_operators",
            "gdn_tree_apply",
            "gdn_path_commit", "gdn_deferred_append", "gdn_serial_tree", "tree_attention_prefix")
 
@@ -94,9 +93,7 @@ def match_kernels(launches: list[dict]) -> dict[str, dict]:
 
 JOBS = ("neumann", "squaring", "neumann_bv32", "squaring_bv32", "neumann_bv128", "squaring_bv128",
         "inverse", "inverse_bv32", "inverse_bv128", "split", "split_bv32", "split_bv128",
-        "split_mgpu", "split_mgpu_noshare", "split_mgpu_nokq", "split_mgpu_regst", "split_mgpu2", "split_mgpu2_nokq",
-        "split_mgpu_cv", "split_mgpu_cvp", "split_mgpu_cvp1", "split_mgpu_chpair", "split_mgpu_chtf32",
-        "split_mgpu_bv16", "split_mgpu_bv32", "split_mgpu_of16", "split_mgpu_of16_vs16",
+        "split_mgpu", "split_mgpu_chpair", "split_mgpu_bv16", "split_mgpu_bv32",
         "squaring_deferred", "commit", "append", "append_l4", "serial", "attention")
 # --detail: a second ncu pass per job with these sections (hardware counters: stall reasons, occupancy, memory)
 DETAIL_SECTIONS = ("SpeedOfLight", "Occupancy", "WarpStateStats", "MemoryWorkloadAnalysis", "LaunchStats")
@@ -107,11 +104,10 @@ def _compile_job(B: int, N: int, only: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    from hyspec_jax.bench.kernels import DEPTH_FOR_N, DK, DV, HK, HV, LG
+    from hyspec_jax import kernels
+    from hyspec_jax.bench.kernels import DEPTH_FOR_N, DK, DV, HK, HV, LG, solve
     from pallas_kernels.gdn_commit import deferred_append_pallas, path_commit_pallas
     from pallas_kernels.gdn_serial import serial_tree_pallas
-    from pallas_kernels.gdn_tree_solve import tree_solve_pallas
-    from pallas_kernels import dispatch, gdn_tree_split_mgpu
 
     f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
     sd = jax.ShapeDtypeStruct
@@ -123,33 +119,18 @@ def _compile_job(B: int, N: int, only: str) -> None:
                    sd((LG, B, HV, P, DV), f32), sd((B,), i32), sd((LG, B, HV, N), f32), sd((LG, B, N, HK, DK), bf16),
                    sd((LG, B, HV, N, DV), f32), sd((B, depth), i32), sd((B,), i32))
     jobs = {
-        "neumann": (lambda *a: tree_solve_pallas(*a, max_depth=depth, method="neumann"), tree),
-        "squaring": (lambda *a: tree_solve_pallas(*a, max_depth=depth, method="squaring"), tree),
-        **{f"{m}_bv{bv}": (lambda *a, m=m, bv=bv: tree_solve_pallas(*a, max_depth=depth, method=m, block_v=bv), tree)
+        "neumann": (lambda *a: solve(*a, max_depth=depth, method="neumann"), tree),
+        "squaring": (lambda *a: solve(*a, max_depth=depth, method="squaring"), tree),
+        **{f"{m}_bv{bv}": (lambda *a, m=m, bv=bv: solve(*a, max_depth=depth, method=m, block_v=bv), tree)
            for m in ("neumann", "squaring", "inverse", "split") for bv in (32, 128)},
-        "inverse": (lambda *a: tree_solve_pallas(*a, max_depth=depth, method="inverse"), tree),
-        "split": (lambda *a: tree_solve_pallas(*a, max_depth=depth, method="split"), tree),
-        **{f"split_mgpu{sfx}": (lambda *a, op=op, sh=sh, kq=kq, tma=tma: tree_solve_pallas(
-            *a, max_depth=depth, method="split_mgpu", operator_pass=op, share_state_smem=sh, share_kq_smem=kq,
-            tma_store=tma), tree)
-           for sfx, op, sh, kq, tma in (("", "triton", True, True, True), ("_noshare", "triton", False, False, False),
-                                        ("_nokq", "triton", True, False, False),
-                                        ("_regst", "triton", True, True, False), ("2", "mgpu", True, True, True),
-                                        ("2_nokq", "mgpu", True, False, False))},
-        **{f"split_mgpu_cv{sfx}": (lambda *a, per_sm=per_sm: tree_solve_pallas(
-            *a, max_depth=depth, method="split_mgpu", build_c=True,
-            value_programs=per_sm and gdn_tree_split_mgpu.value_programs(B * HV * DV // 64, per_sm)), tree)
-           for sfx, per_sm in (("", None), ("p", 2), ("p1", 1))},
-        **{f"split_mgpu_bv{bv}": (lambda *a, bv=bv: tree_solve_pallas(
-            *a, max_depth=depth, method="split_mgpu", block_v=bv), tree) for bv in (16, 32)},
-        "split_mgpu_of16": (lambda *a: tree_solve_pallas(*a, max_depth=depth, method="split_mgpu", operator_out="f16"),
-                            tree),
-        "split_mgpu_of16_vs16": (lambda *a: tree_solve_pallas(*a, max_depth=depth, method="split_mgpu",
-                                                               operator_out="f16", value_state="f16"), tree),
-        **{f"split_mgpu_ch{chain}": (lambda *a, chain=chain: tree_solve_pallas(
-            *a, max_depth=depth, method="split_mgpu", operator_chain=chain), tree) for chain in ("pair", "tf32")},
-        "squaring_deferred": (lambda *a: tree_solve_pallas(*a[:7], a[7:], max_depth=depth, method="squaring",
-                                                            write_state=True), tree + deferred),
+        "inverse": (lambda *a: solve(*a, max_depth=depth, method="inverse"), tree),
+        "split": (lambda *a: solve(*a, max_depth=depth, method="split"), tree),
+        "split_mgpu": (lambda *a: solve(*a, max_depth=depth, method="split_mgpu"), tree),
+        "split_mgpu_chpair": (lambda *a: solve(*a, max_depth=depth, method="split_mgpu", operator_chain="pair"), tree),
+        **{f"split_mgpu_bv{bv}": (lambda *a, bv=bv: solve(*a, max_depth=depth, method="split_mgpu", block_v=bv), tree)
+           for bv in (16, 32)},
+        "squaring_deferred": (lambda *a: solve(*a[:7], a[7:], max_depth=depth, method="squaring", write_state=True),
+                              tree + deferred),
         "commit": (lambda *a: path_commit_pallas(*a), (sd((LG, B, HV, DK, DV), f32), sd((LG, B, HV, N), f32),
                                                         sd((LG, B, N, HK, DK), bf16), sd((LG, B, HV, N, DV), f32),
                                                         sd((B, N, N), f32), sd((B,), i32))),
@@ -158,8 +139,8 @@ def _compile_job(B: int, N: int, only: str) -> None:
             a[:5], *a[5:8], jnp.broadcast_to(jnp.arange(depth, dtype=i32), (B, depth)), jnp.full((B,), depth, i32),
             layers_per_program=lb), append_args) for sfx, lb in (("", 1), ("_l4", 4))},
         "serial": (lambda *a: serial_tree_pallas(*a[:6], a[6], block_v=64), tree[:6] + (sd((B, N), i32),)),
-        # the tiling the dispatcher picks at this batch (pallas_kernels.dispatch.attention_tiling)
-        "attention": (lambda q, k, v, pm, tk, tv, tm: dispatch.tree_attention(q, k, v, pm, tk, tv, tm, impl="pallas"),
+        # the tiling the dispatcher picks at this batch (hyspec_jax.kernels.attention_tiling)
+        "attention": (lambda q, k, v, pm, tk, tv, tm: kernels.tree_attention(q, k, v, pm, tk, tv, tm, impl="pallas"),
                       (sd((B, N, 24, 256), bf16), sd((B, 4096, 4, 256), bf16), sd((B, 4096, 4, 256), bf16),
                        sd((B, 4096), jnp.bool_), sd((B, N, 4, 256), bf16), sd((B, N, 4, 256), bf16),
                        sd((B, N, N), jnp.bool_))),

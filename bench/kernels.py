@@ -1,13 +1,14 @@
-"""Benchmark of the GDN tree-verification kernels against their baselines (issue [kernels]).
+"""Benchmark of the GDN tree-verification kernels against their baselines.
 
     hyspec bench kernels --json out.json [--configs 1:64,32:64] [--variants REGEX] [--deferred 8] [--attention ..]
 
 For the Qwen3.8-27B GDN geometry (HK 16, HV 48, dk = dv = 128; bf16 q/k/v, fp32 state) at batch
-1/8/32 and tree sizes N = 16/32/64 (depth 4/6/8), it checks every variant against the fp32 reference
-(gdn.masked_solve, triangular solve, precision HIGHEST) on random trees and times:
+1/8/32 and tree sizes N = 16/32/64 (4/6/8 nodes on the longest path), it checks every variant against the fp32
+reference (gdn.masked_solve, triangular solve, precision HIGHEST) on random trees and times:
   pallas_{neumann,squaring}_bv{16..128}[_nwW]  our value-tiled closed-form kernel (tf32 tensor cores)
   pallas_inverse_bv*                       the same with (I+L)⁻¹ and C(I+L)⁻¹ built before the state tile
-  pallas_split_bv*                         those node-wise operators in a first launch, the value tiles in a second
+  pallas_split_bv*[_owW]                   those node-wise operators in a first launch, the value tiles in a second
+  pallas_split_mgpu_bv*[_ow8|_chpair]      the split form with its Mosaic GPU value pass (64 nodes, Hopper)
   pallas_*_tf32x3                          the same with 3-pass tf32 (≈ fp32 accuracy)
   null_overhead                            a trivial op on the same inputs: the harness per-call cost
   serial_pallas_bv{32,64}                  SGLang-style per-node serial kernel (parent state from HBM)
@@ -16,13 +17,13 @@ For the Qwen3.8-27B GDN geometry (HK 16, HV 48, dk = dv = 128; bf16 q/k/v, fp32 
 and the cross-layer commit (48 GDN layers) against its XLA reference. With `--attention B:N:S,..` also the
 verify's tree attention of one full-attention layer (24 query heads, 4 KV heads, head_dim 256, bf16; committed
 prefix of S tokens + N tree nodes): the concatenate-then-attend form the verify runs and the two-part form
-`layers.attend_prefix_tree`, each against the memory floor (the issue's bar: XLA within 1.2x of it, else a kernel).
+`attention.attend_prefix_tree`, each against the memory floor (the bar: XLA within 1.2x of it, else a kernel).
 With `--deferred B,..` the deferred commit (`gdn.DeferredUpdates`): the one-launch append of the accepted paths
 over all GDN layers against the eager path commit, and the tree solve merging P update rows on chip (with and
 without writing the merged state back), summed per round and layer with a merge every P / depth rounds.
 `--merge A.json B.json --json OUT.json` re-renders runs as one; every run writes OUT.md and OUT.png beside OUT.json.
 
-Timing (METHOD.md): each variant is jitted over R distinct input sets (rotating buffers, so repeated
+Timing: each variant is jitted over R distinct input sets (rotating buffers, so repeated
 calls do not hit a cache and cannot be merged), warmed up, then timed `reps` times with
 block_until_ready; per-call time = median / R. device_us (GPU, unless --no-profile): the time the GPU spends in
 the call's kernels, summed from a `jax.profiler` trace of 3 more runs (no dispatch, no idle gaps). Commit: S is donated and fed back (in place), K calls per
@@ -50,13 +51,19 @@ from pallas_kernels import gdn_tree_split_mgpu, trees
 from pallas_kernels.gdn_commit import (deferred_append_pallas, deferred_append_reference, deferred_to_reference,
                                        path_commit_pallas, path_commit_reference)
 from pallas_kernels.gdn_serial import masked_solve_xla, serial_paths_xla, serial_tree_pallas
-from pallas_kernels.gdn_tree_solve import tree_solve_pallas
+from pallas_kernels.gdn_tree_solve import SolveConfig, tree_solve_pallas
 
 HK, HV, DK, DV, LG = 16, 48, 128, 128, 48
-DEPTH_FOR_N = {16: 4, 32: 6, 64: 8, 128: 8}
+DEPTH_FOR_N = {16: 4, 32: 6, 64: 8, 128: 8}   # nodes on the longest path (the kernels' max_depth; depth + 1)
 # default sweep: the block_v grid at default warps, the 3-pass precision, baselines, overhead probe
 DEFAULT_VARIANTS = (r"pallas_(neumann|squaring|inverse|split)_bv(32|64|128)|pallas_.*tf32x3|serial_pallas_.*|xla_.*|null_overhead"
                     r"|pallas_commit_.*")
+
+
+def solve(*args, max_depth: int, interpret: bool = False, write_state: bool = False, **config):
+    """`tree_solve_pallas` with its `SolveConfig`'s fields as keywords."""
+    return tree_solve_pallas(*args, max_depth=max_depth, config=SolveConfig(**config), write_state=write_state,
+                             interpret=interpret)
 
 
 def _rel(a, b) -> float:
@@ -82,21 +89,19 @@ def make_set(seed: int, B: int, N: int, dtype=jnp.bfloat16):
     return S0, q, k, v, g, beta
 
 
-def value_pass_inputs(seed: int, B: int, N: int = 64, depth: int = 8, operator_out: str = "f16",
-                      interpret: bool = False) -> tuple:
-    """The Mosaic GPU value pass's arguments (gdn_tree_split_mgpu.tree_apply_mgpu: Γ, β head-major, [M; C M] as
-    one fp16 matrix and None or as its bf16 pair, k, q, v, S0) for one input set of the bench geometry, from the
-    Triton operator pass as split_mgpu runs it (fp16 chain, int8 mask): what the value-pass probes in
-    bench/recipes time on their own."""
+def value_pass_inputs(seed: int, B: int, N: int = 64, depth: int = 8, interpret: bool = False) -> tuple:
+    """The Mosaic GPU value pass's arguments (gdn_tree_split_mgpu.tree_apply_mgpu: Γ, β head-major, the [M; C M]
+    bf16 pair, k, q, v, S0) for one input set of the bench geometry, from the Triton operator pass as split_mgpu
+    runs it (fp16 chain, int8 mask): what the value-pass probes in bench/recipes time on their own. depth: nodes
+    on the longest path, as DEPTH_FOR_N."""
     from pallas_kernels import gdn_tree_solve
 
-    mask = trees.mask_from_parents(jnp.asarray(trees.random_parents(1000 * B + N, B, N, depth)))
+    mask = trees.mask_from_parents(jnp.asarray(trees.random_parents(1000 * B + N, B, N, depth - 1)))
     S0, q, k, v, g, beta = make_set(seed, B, N)
-    outs = gdn_tree_solve._tree_operators_triton(
+    gamma, mc_hi, mc_lo, beta_hn = gdn_tree_solve._tree_operators_triton(
         q, k, g, beta, mask, rounds=gdn_tree_solve.num_rounds(depth, N),
-        precision=gdn_tree_solve._f32_precision("tf32", interpret), form=operator_out, operator_warps=4,
+        precision=gdn_tree_solve._f32_precision("tf32", interpret), form="pair", operator_warps=4,
         interpret=interpret, chain="f16", mask_dtype=jnp.int8)
-    gamma, mc_hi, mc_lo, beta_hn = (outs[0], outs[1], None, outs[2]) if operator_out == "f16" else outs
     return gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0
 
 
@@ -224,10 +229,10 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
     """One tree-solve configuration: B random trees of N nodes, depth (nodes on the longest path) DEPTH_FOR_N[N]
     unless given; depth = N is a chain."""
     depth = DEPTH_FOR_N[N] if depth is None else min(depth, N)     # the depth the trees really have
-    parents_np = trees.random_parents(1000 * B + N, B, N, depth)
+    parents_np = trees.random_parents(1000 * B + N, B, N, depth - 1)
     parents = jnp.asarray(parents_np)
     mask = trees.mask_from_parents(parents)
-    path_nodes = jnp.asarray(trees.leaf_paths(parents_np, depth)[0])
+    path_nodes = jnp.asarray(trees.leaf_paths(parents_np, depth - 1)[0])
     big = B * N >= 1024
     R = 4 if big else 8
     sets = [make_set(7919 * i + B * N, B, N) for i in range(R)]
@@ -241,7 +246,7 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
             for nw in [None, 2, 8]:
                 name = f"pallas_{method}_bv{bv}" + ("" if nw is None else f"_nw{nw}")
                 variants[name] = (
-                    lambda *s, m=method, bv=bv, nw=nw: tree_solve_pallas(
+                    lambda *s, m=method, bv=bv, nw=nw: solve(
                         *s, mask, max_depth=depth, method=m, block_v=bv, precision="tf32", num_warps=nw,
                         interpret=interpret), "solve")
     for bv in [32, 64, 128]:            # the split form's operator pass at 2 / 8 warps (4 above)
@@ -249,72 +254,26 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
             for ow in [2, 8]:
                 name = f"pallas_split_bv{bv}" + ("" if nw is None else f"_nw{nw}") + f"_ow{ow}"
                 variants[name] = (
-                    lambda *s, bv=bv, nw=nw, ow=ow: tree_solve_pallas(
+                    lambda *s, bv=bv, nw=nw, ow=ow: solve(
                         *s, mask, max_depth=depth, method="split", block_v=bv, precision="tf32", num_warps=nw,
                         operator_warps=ow, interpret=interpret), "solve")
     if gdn_tree_split_mgpu.supported(N, DK, DV, 64, jnp.bfloat16):   # the Mosaic GPU value pass (64 nodes)
-        # mgpu: Triton operator pass; mgpu2: both passes in Mosaic GPU; _nokq: the value pass's k/q and [M; C M]
-        # do not share shared memory; _noshare: neither do its state tile and bf16 pair; _regst: o and V' stored from
-        # registers (8-byte stores of the WGMMA layout), not by TMA through shared memory
-        for op, sfx, share, kq, tma in [("triton", "_nokq", True, False, False),
-                                        ("triton", "_noshare", False, False, False), ("triton", "", True, True, True),
-                                        ("triton", "_regst", True, True, False), ("mgpu", "_nokq", True, False, False),
-                                        ("mgpu", "", True, True, True)]:
-            variants[f"pallas_split_{'mgpu' if op == 'triton' else 'mgpu2'}_bv64{sfx}"] = (
-                lambda *s, op=op, share=share, kq=kq, tma=tma: tree_solve_pallas(
-                    *s, mask, max_depth=depth, method="split_mgpu", block_v=64, precision="tf32",
-                    operator_pass=op, share_state_smem=share, share_kq_smem=kq, tma_store=tma,
-                    interpret=interpret), "solve")
-        # _cv: the operator pass sends M alone and the value pass builds C (build_c); _cvp / _cvp1: that value pass
-        # persistent, two / one program(s) per SM looping over the items (double-buffered state tile); _ow8: the
-        # Triton operator pass at 8 warps (4 otherwise)
-        items = B * HV * (DV // 64)
-        per_sm = lambda n: gdn_tree_split_mgpu.value_programs(items, n) if not interpret else 2 * n   # noqa: E731
-        for name, build_c, programs, ow in [("pallas_split_mgpu_cv_bv64", True, None, 4),
-                                            ("pallas_split_mgpu_cvp_bv64", True, per_sm(2), 4),
-                                            ("pallas_split_mgpu_cvp1_bv64", True, per_sm(1), 4),
-                                            ("pallas_split_mgpu_bv64_ow8", False, None, 8)]:
+        # split_mgpu: the Triton operator pass (fp16 chain) + the Mosaic GPU value pass; _ow8: that operator pass at
+        # 8 warps (4 otherwise); bv16 / bv32: narrower value tiles (more, smaller value programs; k, q and [M; C M]
+        # are read once per tile); _chpair: the operator pass forms M and C M by bf16-pair products (operator_chain)
+        for name, bv, ow, chain in [("pallas_split_mgpu_bv64", 64, 4, None), ("pallas_split_mgpu_bv64_ow8", 64, 8, None),
+                                    ("pallas_split_mgpu_bv16", 16, 4, None), ("pallas_split_mgpu_bv32", 32, 4, None),
+                                    ("pallas_split_mgpu_bv64_chpair", 64, 4, "pair")]:
             variants[name] = (
-                lambda *s, build_c=build_c, programs=programs, ow=ow: tree_solve_pallas(
-                    *s, mask, max_depth=depth, method="split_mgpu", block_v=64, precision="tf32", build_c=build_c,
-                    value_programs=programs, operator_warps=ow, interpret=interpret), "solve")
-        # bv16 / bv32: narrower value tiles (more, smaller value programs: fewer registers and less shared memory
-        # each, so more of them per SM; k, q and [M; C M] are read once per tile)
-        for bv in (16, 32):
-            variants[f"pallas_split_mgpu_bv{bv}"] = (
-                lambda *s, bv=bv: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=bv,
-                                                    precision="tf32", interpret=interpret), "solve")
-        # _of16: the operator pass hands [M; C M] over as one fp16 matrix, not a bf16 pair (operator_out)
-        variants["pallas_split_mgpu_bv64_of16"] = (
-            lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
-                                         precision="tf32", operator_out="f16", interpret=interpret), "solve")
-        # _of16_vs16: and the value pass multiplies the state tile as one fp16 matrix against fp16 q, k (value_state)
-        variants["pallas_split_mgpu_bv64_of16_vs16"] = (
-            lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
-                                         precision="tf32", operator_out="f16", value_state="f16",
-                                         interpret=interpret), "solve")
-        # _of16_chf16_parallel: with C M's chain beside M's (operator_chain "f16_parallel")
-        variants["pallas_split_mgpu_bv64_of16_chf16_parallel"] = (
-            lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
-                                         precision="tf32", operator_out="f16", operator_chain="f16_parallel",
-                                         interpret=interpret), "solve")
-        # _chpair / _chtf32 / _chf16_parallel: the Triton operator pass forms M and C M by bf16-pair / one-pass tf32
-        # products / fp16 products with C M's chain beside M's (operator_chain; the default: fp16, C M after M)
-        for chain in ("pair", "tf32", "f16_parallel"):
-            variants[f"pallas_split_mgpu_bv64_ch{chain}"] = (
-                lambda *s, chain=chain: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
-                                                          precision="tf32", operator_chain=chain,
-                                                          interpret=interpret), "solve")
-        # _mf32: the Triton operator pass reads the ancestor mask as fp32 (operator_mask; the default: int8)
-        variants["pallas_split_mgpu_bv64_mf32"] = (
-            lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="split_mgpu", block_v=64,
-                                         precision="tf32", operator_mask="f32", interpret=interpret), "solve")
+                lambda *s, bv=bv, ow=ow, chain=chain: solve(
+                    *s, mask, max_depth=depth, method="split_mgpu", block_v=bv, precision="tf32", operator_warps=ow,
+                    operator_chain=chain, interpret=interpret), "solve")
     variants["pallas_neumann_bv64_tf32x3"] = (
-        lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="neumann", block_v=64,
-                                     precision="tf32x3", interpret=interpret), "solve")
+        lambda *s: solve(*s, mask, max_depth=depth, method="neumann", block_v=64, precision="tf32x3",
+                         interpret=interpret), "solve")
     variants["pallas_squaring_bv32_tf32x3"] = (
-        lambda *s: tree_solve_pallas(*s, mask, max_depth=depth, method="squaring", block_v=32,
-                                     precision="tf32x3", interpret=interpret), "solve")
+        lambda *s: solve(*s, mask, max_depth=depth, method="squaring", block_v=32, precision="tf32x3",
+                         interpret=interpret), "solve")
     for bv in [32, 64]:
         variants[f"serial_pallas_bv{bv}"] = (
             # o only: the per-node states are then scratch of the call, and count as its transient memory
@@ -408,7 +367,7 @@ def time_in_place(f, donated: tuple, rest: tuple, reps: int, check, floor_us: fl
 
 def bench_commit(B: int, N: int, args, bw: float, log) -> dict:
     depth = DEPTH_FOR_N[N]
-    parents_np = trees.random_parents(77 + B, B, N, depth)
+    parents_np = trees.random_parents(77 + B, B, N, depth - 1)
     mask = trees.mask_from_parents(jnp.asarray(parents_np))
     rng = np.random.default_rng(B)
     node = rng.integers(0, N, size=B).astype(np.int32)
@@ -454,11 +413,11 @@ def bench_deferred(B: int, N: int, args, bw: float, log) -> dict:
     every R = P // depth rounds: eager = solve + commit / layers; deferred = ((R−1)·solve_deferred +
     solve_merge) / R + append / layers."""
     depth, Lg = DEPTH_FOR_N[N], args.layers
-    parents_np = trees.random_parents(91 + B, B, N, depth)
+    parents_np = trees.random_parents(91 + B, B, N, depth - 1)
     mask = trees.mask_from_parents(jnp.asarray(parents_np))
-    nodes_at_depth = np.asarray(trees.depth_of(mask)) == depth
+    nodes_at_depth = np.asarray(trees.depth_of(mask)) == depth - 1
     node = jnp.asarray(np.argmax(nodes_at_depth, axis=1).astype(np.int32))       # a deepest node per request
-    path, length = map(jnp.asarray, trees.paths_to(parents_np, np.asarray(node), depth))
+    path, length = map(jnp.asarray, trees.paths_to(parents_np, np.asarray(node), depth - 1))
     ks = jax.random.split(jax.random.key(B + 11), 6)
     gam = jnp.einsum("lbhj,bij->lbhi", -jax.random.uniform(ks[0], (Lg, B, HV, N)) * 0.2, mask.astype(jnp.float32))
     keys = gdn.l2norm(jax.random.normal(ks[1], (Lg, B, N, HK, DK))).astype(jnp.bfloat16)
@@ -508,8 +467,8 @@ def bench_deferred(B: int, N: int, args, bw: float, log) -> dict:
         o_ref = masked_solve_xla(S_eff, *sets[0][1:], mask, method="solve")[0]
         kw = dict(max_depth=depth, method=method, block_v=bv, precision="tf32", interpret=interpret)
         rows_bytes = B * HV * P * (DV * 4 + 4) + B * P * HK * DK * 2                  # the P update rows read
-        for name, fn, kind in (("solve_plain", lambda *s: tree_solve_pallas(*s, mask, **kw), "plain"),
-                               (f"solve_deferred_P{P}", lambda *s: tree_solve_pallas(*s, mask, one, **kw), "deferred")):
+        for name, fn, kind in (("solve_plain", lambda *s: solve(*s, mask, **kw), "plain"),
+                               (f"solve_deferred_P{P}", lambda *s: solve(*s, mask, one, **kw), "deferred")):
             if name in out["variants"]:
                 continue
             chk = (lambda res: {"err_o": _rel(res[0], o_ref)}) if kind == "deferred" else (lambda res: {})
@@ -517,7 +476,7 @@ def bench_deferred(B: int, N: int, args, bw: float, log) -> dict:
             out["variants"][name] = rec = _measure(fn, sets, args.reps, chk, floor, getattr(args, "profile", False))
             log(f"  deferred B={B:<3d} N={N:<3d} {name} " + _us(rec))
         out["variants"][f"solve_merge_P{P}"] = rec = time_in_place(
-            lambda S, *r: tree_solve_pallas(S, *r[:5], mask, one, write_state=True, **kw)[3:],
+            lambda S, *r: solve(S, *r[:5], mask, one, write_state=True, **kw)[3:],
             (jnp.copy(sets[0][0]),), sets[0][1:], args.reps, lambda res: {"err_state": _rel(res[0], S_eff)},
             1e6 * (solve_bytes(B, N) + B * HV * DK * DV * 4) / bw, profile=getattr(args, "profile", False))
         log(f"  deferred B={B:<3d} N={N:<3d} solve_merge_P{P} " + _us(rec))
@@ -589,13 +548,13 @@ def attention_bytes(B: int, N: int, S: int, geometry=ATTN_GEOMETRY) -> int:
 def bench_attention(B: int, N: int, S: int, args, bw: float, log, geometry=ATTN_GEOMETRY) -> dict:
     """Tree attention of one full-attention layer of the verify (committed prefix of S tokens, all valid, + a
     random tree of N nodes), XLA only: `concat_attend` is what `TargetModel.verify` runs (the cache and the
-    tree's K/V concatenated, `layers.attend`), `two_part` is `layers.attend_prefix_tree` (no copy of the
+    tree's K/V concatenated, `attention.attend`), `two_part` is `attention.attend_prefix_tree` (no copy of the
     cache). Both against the floor: `attention_bytes` / copy bandwidth. On a GPU also the Pallas split-S kernel
     (`pallas_kernels.tree_attention`) in three tilings."""
-    from hyspec_jax.models.layers import attend, attend_prefix_tree
+    from hyspec_jax.attention import attend, attend_prefix_tree
     nh, kvh, hd = geometry
     depth = DEPTH_FOR_N.get(N, min(8, N - 1))
-    parents = jnp.asarray(trees.random_parents(31 * B + N, B, N, depth))
+    parents = jnp.asarray(trees.random_parents(31 * B + N, B, N, depth - 1))
     tree_mask = trees.mask_from_parents(parents)
     prefix_mask = jnp.ones((B, S), bool)
     R = 4 if B * S >= 64 * 1024 else 8

@@ -4,7 +4,7 @@ For each beam width W (rows of one tree level) and each tiling of `pallas_kernel
 (vocabulary chunks per row × warps per program; chunks > 1 adds a small merge launch), and for XLA's
 lax.top_k + log-sum-exp (the reference): GPU time per call from a profiler trace (the sum of the call's GPU
 operations), GPU operations per call (≈ launches), and whether indices and values equal the reference's and
-the log-sum-exp is within 1e-5. The dispatcher's choice (`pallas_kernels.dispatch.TOPK_CHUNKS / TOPK_WARPS`)
+the log-sum-exp is within 1e-5. The dispatcher's choice (`hyspec_jax.kernels.TOPK_CHUNKS / TOPK_WARPS`)
 is marked. --interpret runs the kernels in Pallas interpret mode (CPU; checks only, no meaningful time).
 """
 
@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from hyspec_jax.bench.report import gpu_stream_events, portable_command, profile_trace, run_metadata
-    from pallas_kernels import dispatch, topk
+    from hyspec_jax import kernels
+    from pallas_kernels import topk
 
     gpu = jax.default_backend() == "gpu"
     if not gpu and not a.interpret:
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                 x, b, k=a.k, chunks=c, num_warps=w, interpret=a.interpret)))
         for name, (c, w, fn) in fns.items():
             row = {"rows": W, "vocab": a.vocab, "k": a.k, "variant": name, "chunks": c, "warps": w,
-                   "dispatch_choice": (c, w) == (dispatch.TOPK_CHUNKS, dispatch.TOPK_WARPS)}
+                   "dispatch_choice": (c, w) == (kernels.TOPK_CHUNKS, kernels.TOPK_WARPS)}
             try:
                 out = jax.block_until_ready(fn(base, bias))
                 row["equal"] = bool(np.array_equal(np.asarray(out[1]), np.asarray(ref[1]))
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             bar.update(1)
     bar.close()
     report = {**run_metadata(), "command": portable_command("hyspec bench topk", argv or sys.argv[1:]),
-              "interpret": a.interpret, "dispatch": {"chunks": dispatch.TOPK_CHUNKS, "warps": dispatch.TOPK_WARPS},
+              "interpret": a.interpret, "dispatch": {"chunks": kernels.TOPK_CHUNKS, "warps": kernels.TOPK_WARPS},
               "rows": rows}
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)

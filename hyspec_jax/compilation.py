@@ -41,7 +41,7 @@ def compilation_cache_dir() -> Path:
     env = os.environ.get(CACHE_ENV)
     if env:
         return Path(env).expanduser()
-    from hyspec_jax.demo import cache_dir
+    from hyspec_jax.paths import cache_dir
     return cache_dir() / "xla"
 
 

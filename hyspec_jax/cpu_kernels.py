@@ -6,9 +6,9 @@ first repacks each weight matrix: on a 2-core host a verify of 2..8 nodes cost 2
 no speculative mode could beat plain decoding. `cpu_kernels.cc` streams each weight row once against up to 8
 rows of x (fp32 FMA), splitting the output rows over XLA's intra-op threads.
 
-`dense(x, w)` = `x · wᵀ` (w in the HF [out, in] layout) is the entry point; `hyspec_jax.models.layers.dense`,
-through which every Linear and LM head goes, calls it where `eligible`. The kernel runs when all of these
-hold, else XLA's dot (`reference`, which the kernel must equal to fp32 rounding):
+`dense(x, w)` = `x · wᵀ` (w in the HF [out, in] layout) is the entry point; the library reaches it only through
+`hyspec_jax.kernels.dense` (every Linear and LM head goes there, via `models.layers.dense`), which calls it where
+`eligible`. The kernel runs when all of these hold, else XLA's dot (`reference`, which the kernel must equal to fp32 rounding):
 - the default backend is the CPU and the program is lowered for it (`jax.lax.platform_dependent`: GPU
   programs never contain the call, GPU hosts never build it);
 - x and w are float32, w is 2-D, and x has 2..MAX_ROWS rows (leading axes flattened; 1 row is XLA's
@@ -43,6 +43,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from hyspec_jax.paths import cache_dir
+
 F32 = jnp.float32
 ENV = "HYSPEC_CPU_KERNELS"          # "0" / "false" / "off": never use the native kernel
 TARGET = "hyspec_dense_f32_v1"      # XLA custom-call target (versioned: cached executables name it)
@@ -73,7 +75,6 @@ def _cpu_flags() -> set[str]:
 
 def library_path() -> Path:
     """Where the built library lives (keyed by source, compiler, flags and JAX version)."""
-    from hyspec_jax.demo import cache_dir
     cxx = os.environ.get("CXX", "c++")
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cxx, *FLAGS, jax.__version__]).encode()).hexdigest()[:16]
     return cache_dir() / "kernels" / f"hyspec_cpu_kernels-{key}.so"

@@ -6,10 +6,10 @@ runs on a fresh machine. The embedded trained model replaces it as the default o
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from hyspec_jax.config import FULL, LINEAR, TargetConfig
+from hyspec_jax.paths import cache_dir  # noqa: F401 (its home; imported here by older callers)
 
 RANDOM_LABEL = "random-weight demo model (untrained: the text it writes is meaningless)"
 
@@ -22,10 +22,6 @@ def demo_config(vocab_size: int = 257) -> TargetConfig:
         layer_types=tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(layers)),
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
         rope_theta=10000.0, eos_token_id=(vocab_size - 1,))
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("HYSPEC_CACHE", Path.home() / ".cache" / "hyspec_jax"))
 
 
 def random_demo_model_dir(seed: int = 0) -> Path:

@@ -1,38 +1,32 @@
-"""Closed-form GDN tree verification (Bole Algorithm 1, value-tiled) as a Pallas GPU kernel.
+"""Closed-form GDN tree verification (Bole Algorithm 1, value-tiled) as Pallas GPU kernels.
 
-Must equal `hyspec_jax.gdn.masked_solve(S0, q, k, v, g, beta, mask, method=..., max_depth=...)`:
-returns o [B,N,HV,dv] (fp32 by default) and the commit factors Γ = log_decay [B,HV,N] and
-V' = corrected [B,HV,N,dv] (the keys are the inputs themselves).
+`tree_solve_pallas` must equal `hyspec_jax.gdn.masked_solve(S0, q, k, v, g, beta, mask, max_depth=...)`: it returns
+o [B,N,HV,dv] and the commit factors Γ = log_decay [B,HV,N] and V' = corrected [B,HV,N,dv] (the keys are the
+inputs themselves). Its form and tiling are one `SolveConfig`.
 
-One program per (request b, value head h, value tile t of width block_v). It loads the committed state
-tile S0[b,h,:,t] [dk, bv] and the tree's q/k [N, dk] (key head h // (HV/HK): GVA is indexed, never
-expanded), v [N, bv], g/β [N] and the ancestor mask [N, N]; builds Γ = A g, D = A ⊙ e^{Γ_i−Γ_j},
-L = strict(A) ⊙ β kkᵀ ⊙ D and C = qkᵀ ⊙ D on chip; solves V' = (I+L)⁻¹ R with R = β(v − e^Γ (K S0))
-by `rounds` Neumann rounds (Z ← −L Z, V' += Z) or by repeated squaring ((I−L)(I+L²)(I+L⁴)…, ⌈log₂(d+1)⌉
-factors); and writes only o = e^Γ (Q S0) + C V' and V' (and Γ). method "inverse" builds M = (I+L)⁻¹ as an
-N × N matrix (the same squaring factors) and C M before the state tile is loaded, so the value tile needs only
-V' = M R and o = e^Γ (Q S0) + (C M) R, two independent products; method "split" does that node-wise part in a
-first launch per (request, value head) — shared by all value tiles instead of redone in each — and the value
-tiles in a second (M and C M pass through HBM: 2·N² fp32 words per head). Nothing per node ever reaches HBM
-except those outputs. With deferred updates (the previous rounds' accepted paths, not yet merged: see
-`gdn.DeferredUpdates`) the program merges them into its S0 tile first — P extra rows of k and V' against a
-dk × bv tile — and can write the merged tile back, so a commit never needs its own pass over the state.
+One program per (request b, value head h, value tile t of width block_v) loads the state tile S0[b,h,:,t] and the
+tree's q/k (key head h // (HV/HK): GVA is indexed, never expanded), v, g/β and the ancestor mask; builds
+Γ = A g, D = A ⊙ e^{Γ_i−Γ_j}, L = strict(A) ⊙ β kkᵀ ⊙ D and C = qkᵀ ⊙ D on chip; solves V' = (I+L)⁻¹ R with
+R = β(v − e^Γ (K S0)); and writes only o = e^Γ (Q S0) + C V', V' and Γ. The forms (`Method`):
+- "neumann": V' by Horner's Neumann rounds U ← R − L U;
+- "squaring": V' by the factors (I−L)(I+L²)(I+L⁴)… applied to R (at most gdn.SERIES_BLOCK nodes per path);
+- "inverse": M = (I+L)⁻¹ and C M built before the state tile is loaded, then V' = M R, o = e^Γ Q S0 + (C M) R;
+- "split": that node-wise part in a first launch per (request, value head), the value tiles in a second;
+- "split_mgpu": the split form with its value pass in Mosaic GPU (`gdn_tree_split_mgpu`: 64 nodes, bf16 q/k,
+  compute capability 9.0).
+With deferred updates (`gdn.DeferredUpdates`) the one-launch forms merge them into their S0 tile first and can
+write the merged tile back. docs/kernels.md has each form's measurements.
 
-Lowering: this file uses Pallas' Triton lowering (selected by `pltriton.CompilerParams`), although
-DESIGN §5 prefers Mosaic GPU, for every form but "split_mgpu". Reason (checked against jax 0.11.2's Mosaic GPU
-lowering): Mosaic GPU has no `dot_general` lowering, only `plgpu.wgmma`, which needs M to be a multiple of 64 and,
-for fp32 (tf32) operands, both operands K-major with no transposes ("Only f16 WGMMA supports transposes"). The
-forms here need products with the node axis as M (N = 16/32 < 64) and fp32 operands stored N-major (the state
-S0 [dk, bv] in K S0, Q S0). Method "split_mgpu" (gdn_tree_split_mgpu) is the Mosaic GPU port of the split form
-at 64 nodes: bf16 hi/lo pairs stand in for the fp32 operands (bf16 may be N-major), TMA loads everything, and on
-the H200 its value pass beats the Triton one at every batch (B 8: 24.6 vs 37.6 µs). The smaller trees and the
-one-launch forms stay in Triton, where tl.dot takes any 2-D operand ≥ 16 and handles transposes.
+Lowering: Pallas' Triton lowering for every form but split_mgpu's value pass. Mosaic GPU has no `dot_general`,
+only `plgpu.wgmma`, which needs M a multiple of 64 and tf32 operands K-major without transposes; these forms
+need products with the node axis as M (16 or 32 nodes) and the fp32 state stored N-major.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -47,48 +41,63 @@ F32 = jnp.float32
 Method = Literal["neumann", "squaring", "inverse", "split", "split_mgpu"]
 METHODS = get_args(Method)
 Precision = Literal["tf32", "tf32x3", "ieee"]
-# How the Triton operator pass forms M = (I+L)⁻¹ and C M (`_tree_operator_kernel`): one-pass fp16 products (the
-# default of split_mgpu, `_f16_dot`), one-pass tf32 (the same roundings, more instructions), or bf16-pair products
-# (~40x more accurate, slower: their registers leave room for two programs per SM, not three).
-# "f16_parallel": the fp16 products with C M's chain beside M's (`gdn.squaring_factors_with_query`: one level of
-# dependent products fewer, two products more), for paths within `gdn.SERIES_BLOCK` nodes (deeper: "f16"'s order).
-# 15x more accurate with the pair output (o 1.3e-5 vs 1.9e-4: M and C M keep their leading terms I − L and C in
-# fp32) but slower at B ≥ 8 (34.4 → 37.2 µs at B 8), where three operator programs per SM are bound by their work,
-# not their chain's depth (bench/results/kernels/forms/kernels_chain_parallel_h200.md). An option.
-# Measured and dropped: the fp16 products on the two halves of the nodes (in a topological order the operators are
-# lower triangular: three half-size blocks, M21 = −M22 L21 M11, about half the tensor-core work). Triton gave it 255
-# registers at 4 warps and at 2, so two programs per SM: B 8 20–21 vs 9.9 µs for the operator pass at 4 warps, 11.3 at
-# 2 warps but slower at B 1 and 16 (code d86e76a–8d331a2, bench/results/kernels/forms/kernels_transposed_halves_h200.md). Also the
-# chain accumulated in fp16, its tiles fp16: 168 registers (the accumulators are not what holds them), slightly slower
-# at every batch (B 8: 33.4 vs 33.1 µs in all; code 62c5c88, the same file).
-OperatorChain = Literal["tf32", "pair", "f16", "f16_parallel"]
-# The ancestor mask as the Triton operator pass reads it: fp32 (16 KiB per program at N 64) or int8 (4 KiB, the
-# default of split_mgpu). Every program of a request reads the same mask, so it is L2 traffic, not HBM, but at the
-# start of one wave of three programs per SM: int8 took split_mgpu's operator pass from 11.7 to 10.9 µs at B 8,
-# N 64 (21.3 → 20.6 at B 16, 39.5 → 37.9 at B 32, 6.2 both at B 1; bench/results/kernels/forms/kernels_mask_i8_h200.md).
-OperatorMask = Literal["f32", "i8"]
-# How the Triton operator pass hands [M; C M] to the Mosaic GPU value pass: a bf16 pair (16 significand bits, 32 KiB
-# per head at N 64, three products against R's bf16 pair) or one fp16 matrix (11 bits, as the fp16 chain that formed
-# it; 16 KiB, two products against R's fp16 pair).
-OperatorOut = Literal["pair", "f16"]
-# How the Mosaic GPU value pass multiplies the fp32 state tile (with operator_out "f16"): as a bf16 pair against the
-# bf16 q, k (16 significand bits, two products each for K S0 and Q S0) or as one fp16 matrix against q, k in fp16,
-# which the operator pass writes beside [M; C M] (11 bits, as one-pass tf32; one product each).
-ValueState = Literal["pair", "f16"]
+# How split_mgpu's Triton operator pass forms M = (I+L)⁻¹ and C M: one-pass fp16 products (`_f16_dot`, the default:
+# the roundings of one-pass tf32 in fewer instructions) or bf16-pair products (`_pair_dot`: ~40x more accurate,
+# slower; docs/kernels.md).
+OperatorChain = Literal["f16", "pair"]
 
 REFERENCE = "hyspec_jax.gdn.masked_solve"
 
 
-def _form_option(name: str, value, choices, default, plain, allowed: bool, refusal: str):
-    """One option of a kernel form: None takes `default`; a value outside the Literal `choices` is refused, and so is
-    any value but `plain` (what the other forms do) where it is not `allowed` (`refusal`: the error, which says
-    what the option needs)."""
-    value = default if value is None else value
-    if value not in get_args(choices):
-        raise ValueError(f"unknown {name} {value!r}")
-    if value != plain and not allowed:
-        raise ValueError(refusal)
-    return value
+@dataclasses.dataclass(frozen=True)
+class SolveConfig:
+    """Form and tiling of `tree_solve_pallas`: hashable, so a static jit argument. Raises ValueError on a
+    combination no kernel implements (shape limits are checked per call: `supported`).
+
+    method: the kernel's form (`Method`). block_v: value tile width (a power of two ≥ 16 dividing dv; split_mgpu:
+    16, 32 or 64). precision of the fp32 × fp32 products: "tf32" (one pass, ~3e-4 relative), "tf32x3" (~fp32),
+    "ieee"; split_mgpu takes "tf32" only. out_dtype: o's dtype. num_warps (None: 4, or 8 for tiles over 128 × 64)
+    and num_stages: the value-tile programs'; operator_warps: the split forms' Triton operator pass.
+    operator_chain: split_mgpu's operator pass (`OperatorChain`; None: "f16")."""
+    method: Method = "neumann"
+    block_v: int = 64
+    precision: Precision = "tf32"
+    out_dtype: Any = F32
+    num_warps: int | None = None
+    num_stages: int = 1
+    operator_warps: int = 4
+    operator_chain: OperatorChain | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "out_dtype", jnp.dtype(self.out_dtype))
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r} (one of {METHODS})")
+        if self.precision not in get_args(Precision):
+            raise ValueError(f"unknown precision {self.precision!r} (one of {get_args(Precision)})")
+        if not tile_dim_ok(self.block_v):
+            raise ValueError(f"block_v must be a power of two >= 16, got {self.block_v}")
+        for name in ("num_warps", "operator_warps"):
+            w = getattr(self, name)
+            if w is not None and (w < 1 or w & (w - 1)):
+                raise ValueError(f"{name} must be a power of two, got {w}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        if self.operator_chain is not None and self.operator_chain not in get_args(OperatorChain):
+            raise ValueError(f"unknown operator_chain {self.operator_chain!r} (one of {get_args(OperatorChain)})")
+        if self.method == "split_mgpu":
+            if self.precision != "tf32":
+                raise ValueError("method 'split_mgpu' takes precision 'tf32' only (its bf16-pair products are "
+                                 f"~2^-16 accurate, not fp32); got {self.precision!r}")
+            if self.block_v not in gdn_tree_split_mgpu.BLOCK_VS:
+                raise ValueError(f"method 'split_mgpu' takes block_v in {gdn_tree_split_mgpu.BLOCK_VS}, "
+                                 f"got {self.block_v}")
+        elif self.operator_chain is not None:
+            raise ValueError(f"operator_chain is an option of method 'split_mgpu'; got method={self.method!r}")
+
+    @property
+    def chain(self) -> str:
+        """How the Triton operator pass forms M and C M: split_mgpu's `operator_chain`, else products at `precision`."""
+        return (self.operator_chain or "f16") if self.method == "split_mgpu" else "precision"
 
 
 def series_ok(max_depth: int, n: int) -> bool:
@@ -242,62 +251,30 @@ def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: boo
 
 
 def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *out_refs, rounds: int, precision,
-                          form: str, chain: str = "tf32", r: int = 1):
-    """Split form, pass 1 (one program per request and value head): Γ and the node-wise operators to HBM, as
-    `_tree_operators_triton`'s form says: "fp32" [M; C M] (one output); "pair" the same as a bf16 pair hi + lo with β
-    head-major for the Mosaic GPU value pass (three outputs: hi, lo, β [HV, N]; gdn_tree_split_mgpu says why);
-    "f16" [M; C M] as one fp16 matrix with β head-major (two outputs; `OperatorOut`), and with two more output refs
-    q and k in fp16 (`ValueState` "f16"; written by the first of each key head's r programs);
-    "m_pair" only M's pair and Γ, β and the ancestor bits as one block (three: hi, lo, node rows [4, N];
-    gdn_tree_split_mgpu.node_rows) for the value pass that builds C itself. chain (`OperatorChain`): how M and
-    C M are formed — one-pass tf32, bf16-pair (`_pair_dot`) or one-pass fp16 products (`_f16_dot`). In form "pair"
-    with tf32 or fp16, C is built after M's chain (not live through it; the mask is read again): with tf32 14.8 vs
-    15.5 µs at B 8, N 64, 0.7–0.9 µs less at B 16 and 32 too, with the same 163–165 registers
-    (bench/results/kernels/forms/kernels_operator_chain_h200.md). The pair chain is faster with C first (18.8 vs 21.1 µs); so is
-    form "fp32" kept (its measured order)."""
+                          form: str, chain: str):
+    """Split form, pass 1 (one program per request and value head): Γ and the node-wise operators to HBM. form
+    "fp32": [M; C M] in fp32 (one output); "pair": the same as a bf16 pair hi + lo with β head-major for the Mosaic
+    GPU value pass (three outputs: hi, lo, β [HV, N]; gdn_tree_split_mgpu says why). chain: how M and C M are
+    formed, "precision" (`_dot` at `precision`), "f16" (`_f16_dot`) or "pair" (`_pair_dot`). With the fp16 chain,
+    C is built after M's chain (not live through it; the mask is read again): fewer registers live (165 vs 224)
+    and 0.7-0.9 µs less at B 8-32, N 64; the pair chain is faster with C first."""
     n = mask_ref.shape[0]
-    parallel = chain == "f16_parallel" and form != "m_pair" and rounds < gdn.SERIES_BLOCK
-    c_first = chain == "pair" or form == "fp32" or parallel
-    q = None if form == "m_pair" or not c_first else q_ref[...]
+    c_first = chain == "pair" or form == "fp32"
+    q = q_ref[...] if c_first else None
     gamma, beta, L, C = _node_operators(mask_ref, g_ref, beta_ref, q, k_ref[...], precision)
-    dot = ({"pair": _pair_dot, "f16": _f16_dot, "f16_parallel": _f16_dot}.get(chain)
-           or functools.partial(_dot, precision=precision))
-    CM = None
-    if parallel:                                        # C M's chain beside M's, not after it
-        eye = (lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1))
-        M, CM = gdn.squaring_factors_with_query(L, C, eye.astype(L.dtype), gdn.num_squarings(rounds), dot)
-    else:
-        M = _inverse(L, rounds, precision, dot)
+    dot = {"pair": _pair_dot, "f16": _f16_dot}.get(chain) or functools.partial(_dot, precision=precision)
+    M = _inverse(L, rounds, precision, dot)
     if form == "fp32":
-        # The Triton split form's rows of the kernel table were measured with this order (168 registers); ptxas'
-        # register count moves with such orders: with C after M's chain and Γ stored before C M this form took 214,
-        # and the "pair" form 224 (bench/results/kernels/forms/kernels_operator_chain_h200.md, run 3). So it is kept as measured.
+        # This order (C live through M's chain, Γ stored first) took 168 registers; others took up to 214.
         gamma_ref[...] = gamma
         out_refs[0][pl.ds(0, n), :] = M
-        out_refs[0][pl.ds(n, n), :] = dot(C, M) if CM is None else CM
+        out_refs[0][pl.ds(n, n), :] = dot(C, M)
         return
-    if form != "m_pair" and not c_first:
+    if not c_first:
         C = _query_operator(q_ref[...], k_ref[...], _decays(mask_ref[...] > 0, gamma), precision)   # mask read again
-    if CM is None and C is not None:
-        CM = dot(C, M)
+    CM = dot(C, M)
     gamma_ref[...] = gamma                              # after C M: 165 registers (before it: 224)
-    if form == "f16":
-        mc_ref, rows_ref, *qk16_refs = out_refs
-        rows_ref[...] = beta                            # β head-major
-        mc_ref[pl.ds(0, n), :] = M.astype(jnp.float16)
-        mc_ref[pl.ds(n, n), :] = CM.astype(jnp.float16)
-        if qk16_refs:                                   # value_state "f16": q, k in fp16, once per key head
-            @pl.when(lax.rem(pl.program_id(1), r) == 0)
-            def _():
-                for dst, src in zip(qk16_refs, (q_ref, k_ref)):
-                    dst[...] = src[...].astype(jnp.float16)
-        return
     hi_ref, lo_ref, rows_ref = out_refs
-    if form == "m_pair":
-        hi_ref[...], lo_ref[...] = gdn_tree_split_mgpu.split_bf16(M)
-        for i, row in enumerate(gdn_tree_split_mgpu.node_rows(gamma, beta, mask_ref[...])):
-            rows_ref[i, :] = row
-        return
     rows_ref[...] = beta                                # β head-major
     for rows, X in ((pl.ds(0, n), M), (pl.ds(n, n), CM)):
         hi_ref[rows, :], lo_ref[rows, :] = gdn_tree_split_mgpu.split_bf16(X)
@@ -321,33 +298,23 @@ def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref,
     o_ref[...] = (eg[:, None] * qs + CU).astype(o_ref.dtype)
 
 
-def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, operator_warps, interpret, chain="tf32",
-                           mask_dtype=F32, qk16=False):
-    """The split form's Triton operator pass (`_tree_operator_kernel` says what each form writes): form "fp32"
-    returns Γ, [M; C M] fp32; "pair" Γ, the [M; C M] bf16 pair, β head-major; "f16" Γ, [M; C M] fp16, β head-major
-    (qk16: and q, k in fp16, [B, N, HK, dk]); "m_pair" Γ, M's bf16 pair and the node rows [B, HV, 4, N] (Γ, β,
-    ancestor bits)."""
+def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, operator_warps, interpret, chain,
+                           mask_dtype=F32):
+    """The split forms' Triton operator pass (`_tree_operator_kernel`): form "fp32" returns Γ, [M; C M] fp32;
+    "pair" Γ, the [M; C M] bf16 pair and β head-major. mask_dtype: how the ancestor mask is read (int8 for the
+    Mosaic GPU value pass's operator pass: a quarter of the bytes at the start of a wave, same results)."""
     B, N, HK, dk = q.shape
     HV = g.shape[2]
     r = HV // HK
-    rows = N if form == "m_pair" else 2 * N
-    mats = 1 if form in ("fp32", "f16") else 2
-    mat_dtype = {"fp32": F32, "f16": jnp.float16}.get(form, jnp.bfloat16)
-    shapes = [jax.ShapeDtypeStruct((B, HV, rows, N), mat_dtype)] * mats
-    specs = [pl.BlockSpec((None, None, rows, N), lambda b, h: (b, h, 0, 0))] * mats
-    if form in ("pair", "f16"):                                                     # β head-major
+    mats = 1 if form == "fp32" else 2
+    mat_dtype = F32 if form == "fp32" else jnp.bfloat16
+    shapes = [jax.ShapeDtypeStruct((B, HV, 2 * N, N), mat_dtype)] * mats
+    specs = [pl.BlockSpec((None, None, 2 * N, N), lambda b, h: (b, h, 0, 0))] * mats
+    if form == "pair":                                                              # β head-major
         shapes.append(jax.ShapeDtypeStruct((B, HV, N), F32))
         specs.append(pl.BlockSpec((None, None, N), lambda b, h: (b, h, 0)))
-    if form == "m_pair":                                                            # node rows
-        shapes.append(jax.ShapeDtypeStruct((B, HV, 4, N), F32))
-        specs.append(pl.BlockSpec((None, None, 4, N), lambda b, h: (b, h, 0, 0)))
-    if qk16:                                                                        # q, k in fp16 (key heads)
-        if form != "f16":
-            raise ValueError(f"fp16 q/k come with the operator pass's form 'f16', not {form!r}")
-        shapes += [jax.ShapeDtypeStruct(q.shape, jnp.float16)] * 2
-        specs += [pl.BlockSpec((None, N, None, dk), lambda b, h: (b, 0, h // r, 0))] * 2
     return pl.pallas_call(
-        functools.partial(_tree_operator_kernel, rounds=rounds, precision=precision, form=form, chain=chain, r=r),
+        functools.partial(_tree_operator_kernel, rounds=rounds, precision=precision, form=form, chain=chain),
         out_shape=[jax.ShapeDtypeStruct((B, HV, N), F32), *shapes],
         grid=(B, HV),
         in_specs=[
@@ -363,49 +330,29 @@ def _tree_operators_triton(q, k, g, beta, mask, *, rounds, precision, form, oper
     )(mask.astype(mask_dtype), g.astype(F32), beta.astype(F32), q, k)
 
 
-def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision, out_dtype, num_warps, num_stages,
-                      operator_warps, interpret, value_pass="triton", operator_pass="triton",
-                      share_state_smem=True, share_kq_smem=True, tma_store=True, build_c=False,
-                      value_programs=None, operator_chain="tf32", operator_mask="f32", operator_out="pair",
-                      value_state="pair"):
-    """Two launches: the node-wise operators once per (request, value head) — Γ and [M; C M], 2·N² fp32 words
-    per head through HBM — then the value tiles, which hold no N × N chain: three products, K S0, Q S0, [M; C M] R.
-    value_pass "mgpu": the second launch is the Mosaic GPU kernel (gdn_tree_split_mgpu), fed the bf16 pair."""
+def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, config: SolveConfig, num_warps, interpret):
+    """Two launches: the node-wise operators once per (request, value head) — Γ and [M; C M], 2·N² words per head
+    through HBM — then the value tiles, which hold no N × N chain: three products, K S0, Q S0, [M; C M] R.
+    split_mgpu: the second launch is the Mosaic GPU kernel (gdn_tree_split_mgpu), fed the bf16 pair."""
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
     r = HV // HK
-    if value_pass == "mgpu" and build_c:             # the operator pass sends M only; the value pass builds C
-        gamma, m_hi, m_lo, rows = _tree_operators_triton(
-            q, k, g, beta, mask, rounds=rounds, precision=precision, form="m_pair", operator_warps=operator_warps,
-            interpret=interpret, chain=operator_chain)
-        o, vc = gdn_tree_split_mgpu.tree_apply_cv_mgpu(gamma, rows, m_hi, m_lo, k, q, v, S0.astype(F32),
-                                                       block_v=block_v, programs=value_programs, out_dtype=out_dtype,
-                                                       interpret=interpret)
-        return o, gamma, vc
-    if value_pass == "mgpu":
-        if operator_pass == "mgpu":                  # both passes in Mosaic GPU
-            gamma, beta_hn = gdn_tree_split_mgpu.head_major_rows(mask, g, beta)
-            mc_hi, mc_lo = gdn_tree_split_mgpu.tree_operators_mgpu(
-                mask, gamma, beta_hn, q, k, rounds=rounds, interpret=interpret)
-        else:
-            outs = _tree_operators_triton(
-                q, k, g, beta, mask, rounds=rounds, precision=precision, form=operator_out,
-                operator_warps=operator_warps, interpret=interpret, chain=operator_chain,
-                mask_dtype={"f32": F32, "i8": jnp.int8}[operator_mask], qk16=value_state == "f16")
-            gamma, mc_hi, mc_lo, beta_hn = outs[:4] if operator_out == "pair" else (outs[0], outs[1], None, outs[2])
-            if value_state == "f16":
-                q, k = outs[3:5]
+    precision = _f32_precision(config.precision, interpret)
+    block_v = config.block_v
+    if config.method == "split_mgpu":
+        gamma, mc_hi, mc_lo, beta_hn = _tree_operators_triton(
+            q, k, g, beta, mask, rounds=rounds, precision=precision, form="pair",
+            operator_warps=config.operator_warps, interpret=interpret, chain=config.chain, mask_dtype=jnp.int8)
         o, vc = gdn_tree_split_mgpu.tree_apply_mgpu(gamma, beta_hn, mc_hi, mc_lo, k, q, v, S0.astype(F32),
-                                                    block_v=block_v, share_state_smem=share_state_smem,
-                                                    share_kq_smem=share_kq_smem, tma_store=tma_store,
-                                                    out_dtype=out_dtype,
+                                                    block_v=block_v, out_dtype=config.out_dtype,
                                                     interpret=interpret)
         return o, gamma, vc
     gamma, MC = _tree_operators_triton(q, k, g, beta, mask, rounds=rounds, precision=precision, form="fp32",
-                                       operator_warps=operator_warps, interpret=interpret)
+                                       operator_warps=config.operator_warps, interpret=interpret, chain=config.chain)
     o, vc = pl.pallas_call(
         functools.partial(_tree_apply_kernel, precision=precision),
-        out_shape=[jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype), jax.ShapeDtypeStruct((B, HV, N, dv), F32)],
+        out_shape=[jax.ShapeDtypeStruct((B, N, HV, dv), config.out_dtype),
+                   jax.ShapeDtypeStruct((B, HV, N, dv), F32)],
         grid=(B, HV, dv // block_v),
         in_specs=[
             pl.BlockSpec((None, None, N), lambda b, h, t: (b, h, 0)),                   # Γ
@@ -418,7 +365,7 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, block_v, precision,
         ],
         out_specs=[pl.BlockSpec((None, N, None, block_v), lambda b, h, t: (b, 0, h, t)),
                    pl.BlockSpec((None, None, N, block_v), lambda b, h, t: (b, h, 0, t))],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=config.num_stages),
         interpret=interpret, name="gdn_tree_apply",
     )(gamma, beta.astype(F32), MC, k, q, v, S0.astype(F32))
     return o, gamma, vc
@@ -436,46 +383,23 @@ def supported(N: int, dk: int, dv: int, block_v: int, precision: Precision = "tf
             and dv % block_v == 0 and (precision == "tf32" or N <= FP32_ACCURATE_MAX_NODES))
 
 
-@functools.partial(jax.jit, static_argnames=("max_depth", "method", "block_v", "precision", "out_dtype",
-                                             "num_warps", "num_stages", "operator_warps", "write_state",
-                                             "share_state_smem", "share_kq_smem", "tma_store", "operator_pass",
-                                             "build_c", "value_programs", "operator_chain", "operator_mask",
-                                             "operator_out", "value_state", "interpret"))
-def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: int, method: Method = "neumann",
-                      block_v: int = 64, precision: Precision = "tf32", out_dtype=F32,
-                      num_warps: int | None = None, num_stages: int = 1, operator_warps: int = 4,
-                      write_state: bool = False, share_state_smem: bool = True, share_kq_smem: bool = True,
-                      tma_store: bool = True, operator_pass: Literal["triton", "mgpu"] = "triton",
-                      build_c: bool = False, value_programs: int | None = None,
-                      operator_chain: OperatorChain | None = None, operator_mask: OperatorMask | None = None,
-                      operator_out: OperatorOut | None = None, value_state: ValueState | None = None,
-                      interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("max_depth", "config", "write_state", "interpret"))
+def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: int,
+                      config: SolveConfig = SolveConfig(), write_state: bool = False, interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]
-    (the dispatcher pads with identity nodes). Returns (o [B,N,HV,dv], Γ [B,HV,N], V' [B,HV,N,dv]).
+    (the dispatcher pads with identity nodes). max_depth: nodes on the longest path. config: the form and tiling
+    (`SolveConfig`). Returns (o [B,N,HV,dv], Γ [B,HV,N], V' [B,HV,N,dv]).
 
     deferred: the state is S0 plus committed-but-unmerged path updates (`gdn.DeferredUpdates` in kernel
     layout: c [B,HV], c_i [B,HV,P], keys [B,P,HK,dk] (key heads), values [B,HV,P,dv], count [B]; P a power
-    of two ≥ 16), merged on chip after the S0 tile is loaded. write_state: also return the merged state
-    (fourth output, written over S0 — donate S0 to make it in place); the caller then empties the updates.
-    num_warps / num_stages: the value-tile programs'; operator_warps: the split form's operator pass.
-    method "split_mgpu": the split form with its value pass in Mosaic GPU (gdn_tree_split_mgpu: N = 64, bf16
-    q/k, compute capability 9.0); share_state_smem / share_kq_smem / tma_store are that kernel's options
-    (gdn_tree_split_mgpu.tree_apply_mgpu), and
-    operator_pass "mgpu" runs the operator pass in Mosaic GPU too (gdn_tree_split_mgpu.tree_operators_mgpu);
-    build_c: the operator pass sends M alone and the value pass builds C from q kᵀ (gdn_tree_split_mgpu.
-    tree_apply_cv_mgpu), with the Triton operator pass; value_programs: that kernel's program count (None: one
-    per item; fewer loop over the items with a double-buffered state tile). operator_chain: how that Triton
-    operator pass forms M and C M (`OperatorChain`; "f16", the default with the default value pass: one-pass fp16
-    products, `_f16_dot`; "tf32": one-pass tf32, the same roundings with more instructions, the default with
-    build_c, whose rows were measured so; "pair": bf16 pairs, ~2⁻¹⁶; "f16_parallel": fp16 products with C M's
-    chain beside M's). operator_mask (`OperatorMask`): the dtype in
-    which that operator pass (with the default value pass) reads the ancestor mask ("i8" there by default, the
-    same outputs bit for bit as "f32"; "f32" elsewhere). operator_out (`OperatorOut`, with the default value pass):
-    [M; C M] as a bf16 pair ("pair", the default) or one fp16 matrix ("f16"). value_state (`ValueState`, with
-    operator_out "f16"): the state tile as a bf16 pair ("pair", the default) or one fp16 matrix against fp16 q, k
-    ("f16").
+    of two ≥ 16), merged on chip after the S0 tile is loaded (one-launch forms only). write_state: also return
+    the merged state (fourth output, written over S0 — donate S0 to make it in place); the caller then empties the
+    updates.
     """
+    if not isinstance(config, SolveConfig):
+        raise TypeError(f"config must be a SolveConfig, got {type(config).__name__}")
+    method, block_v, precision = config.method, config.block_v, config.precision
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
     if not supported(N, dk, dv, block_v, precision) or HV % HK:
@@ -483,55 +407,25 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
                          f"precision={precision}")
     if write_state and deferred is None:
         raise ValueError("write_state needs deferred updates (without them the state is S0 itself)")
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}")
     if method == "squaring" and not series_ok(max_depth, N):
         raise ValueError(f"method 'squaring' applies the series (I−L)(I+L²)… to the value tile, which loses its digits "
                          f"past {gdn.SERIES_BLOCK} nodes per path (max_depth={max_depth}): use 'inverse', 'split' or "
                          "'neumann'")
-    # The forms that own an option: split_mgpu with its Triton operator pass (build_c, value_programs,
-    # operator_chain) and, of those, the one with the default value pass (operator_mask; f16 chain by default).
-    triton_operators = method == "split_mgpu" and operator_pass == "triton"
-    default_value_pass = triton_operators and not build_c
-    if (build_c or value_programs is not None) and not triton_operators:
-        raise ValueError("build_c / value_programs are options of method 'split_mgpu' with its Triton operator pass; "
-                         f"got method={method!r} operator_pass={operator_pass!r}")
-    triton_owner = (f"method 'split_mgpu' with its Triton operator pass; got method={method!r} "
-                    f"operator_pass={operator_pass!r}")
-    default_owner = (f"method 'split_mgpu' with its Triton operator pass and its default value pass; got "
-                     f"method={method!r} operator_pass={operator_pass!r} build_c={build_c}")
-    operator_chain = _form_option("operator_chain", operator_chain, OperatorChain,
-                                  "f16" if default_value_pass else "tf32", "tf32", triton_operators,
-                                  f"operator_chain is an option of {triton_owner}")
-    operator_mask = _form_option("operator_mask", operator_mask, OperatorMask, "i8" if default_value_pass else "f32",
-                                 "f32", default_value_pass, f"operator_mask is an option of {default_owner}")
-    operator_out = _form_option("operator_out", operator_out, OperatorOut, "pair", "pair", default_value_pass,
-                                f"operator_out is an option of {default_owner}")
-    value_state = _form_option("value_state", value_state, ValueState, "pair", "pair", operator_out == "f16",
-                               "value_state 'f16' needs operator_out 'f16' (the state's fp16 matrix shares R's fp16 "
-                               f"pair's bytes); got operator_out={operator_out!r}")
-    if value_programs is not None and not build_c:
-        raise ValueError("value_programs sets the build_c value pass's program count (build_c=True)")
     r = HV // HK
     nv = dv // block_v
+    num_warps = config.num_warps
     if num_warps is None:
         num_warps = 4 if block_v * dk <= 128 * 64 else 8     # keep the fp32 state tile in registers
+    num_stages = config.num_stages
+    out_dtype = config.out_dtype
     if method in ("split", "split_mgpu"):
         if deferred is not None:
             raise ValueError(f"method {method!r} takes no deferred updates (use 'inverse', its one-pass form)")
-        if method == "split_mgpu" and not (precision == "tf32"
-                                           and gdn_tree_split_mgpu.supported(N, dk, dv, block_v, q.dtype)):
-            raise ValueError(f"method 'split_mgpu' needs N={gdn_tree_split_mgpu.NODES}, bf16 q/k, block_v in "
-                             f"{gdn_tree_split_mgpu.BLOCK_VS} and precision 'tf32' (its bf16-pair products are "
-                             f"~2^-16 accurate, not fp32); got N={N} {q.dtype} block_v={block_v} {precision}")
-        return _tree_solve_split(S0, q, k, v, g, beta, mask, rounds=num_rounds(max_depth, N), block_v=block_v,
-                                 precision=_f32_precision(precision, interpret), out_dtype=out_dtype,
-                                 num_warps=num_warps, num_stages=num_stages, operator_warps=operator_warps,
-                                 interpret=interpret, value_pass="mgpu" if method == "split_mgpu" else "triton",
-                                 operator_pass=operator_pass, share_state_smem=share_state_smem,
-                                 share_kq_smem=share_kq_smem, tma_store=tma_store, build_c=build_c,
-                                 value_programs=value_programs, operator_chain=operator_chain,
-                                 operator_mask=operator_mask, operator_out=operator_out, value_state=value_state)
+        if method == "split_mgpu" and not gdn_tree_split_mgpu.supported(N, dk, dv, block_v, q.dtype):
+            raise ValueError(f"method 'split_mgpu' needs N={gdn_tree_split_mgpu.NODES}, bf16 q/k and block_v in "
+                             f"{gdn_tree_split_mgpu.BLOCK_VS}; got N={N} {q.dtype} block_v={block_v}")
+        return _tree_solve_split(S0, q, k, v, g, beta, mask, rounds=num_rounds(max_depth, N), config=config,
+                                 num_warps=num_warps, interpret=interpret)
     kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(max_depth, N), method=method,
                              precision=_f32_precision(precision, interpret), deferred=deferred is not None,
                              write_state=write_state)

@@ -13,7 +13,7 @@ from hyspec_jax import gdn
 from pallas_kernels import trees
 from pallas_kernels.gdn_commit import (deferred_append_pallas, deferred_append_reference, deferred_to_reference,
                                        path_commit_reference)
-from pallas_kernels.gdn_tree_solve import tree_solve_pallas
+from pallas_kernels.gdn_tree_solve import SolveConfig, tree_solve_pallas
 
 
 def rel(a, b):
@@ -44,7 +44,8 @@ mask_from_parents = jax.jit(trees.mask_from_parents)
 
 
 def random_round(seed, B, N, HK, HV, dk, dv, depth):
-    par = trees.random_parents(seed, B, N, depth)
+    """A random tree of `depth` nodes on its longest path (the kernels' max_depth) and its inputs."""
+    par = trees.random_parents(seed, B, N, depth - 1)
     return par, mask_from_parents(jnp.asarray(par)), _tree_inputs(np.random.default_rng(seed), B, N, HK, HV, dk, dv)
 
 
@@ -75,7 +76,7 @@ def test_deferred_rounds_equal_serial_recurrence():
         node = rng.integers(0, N, size=B)
         if rnd == 1:
             node[0] = -1
-        path, length = trees.paths_to(par, node, depth)
+        path, length = trees.paths_to(par, node, depth - 1)
         pend = append(pend, fac, jnp.asarray(path), jnp.asarray(length))
         S_eager = node_state(S_eager, fac_eager, mask, jnp.asarray(node, jnp.int32))
         for b in range(B):
@@ -113,11 +114,12 @@ def test_tree_solve_deferred_interpret(HK):
     S_eff = fold(S_base, layer0)
     o_ref, fac_ref = solve(S_eff, expand(q, HV), expand(k, HV), v, g, beta, mask)
     o, gamma, vc, S_new = tree_solve_pallas(S_base, q, k, v, g, beta, mask, deferred, max_depth=depth,
-                                            method="squaring", block_v=16, write_state=True, interpret=True)
+                                            config=SolveConfig(method="squaring", block_v=16), write_state=True,
+                                            interpret=True)
     assert rel(o, o_ref) < 1e-5 and rel(vc, fac_ref.corrected) < 1e-5
     assert rel(S_new, S_eff) < 1e-5
-    o2, _, _ = tree_solve_pallas(S_base, q, k, v, g, beta, mask, deferred, max_depth=depth, method="neumann",
-                                 block_v=32, interpret=True)
+    o2, _, _ = tree_solve_pallas(S_base, q, k, v, g, beta, mask, deferred, max_depth=depth,
+                                 config=SolveConfig(method="neumann", block_v=32), interpret=True)
     assert rel(o2, o_ref) < 1e-5
     with pytest.raises(ValueError):
         tree_solve_pallas(S_base, q, k, v, g, beta, mask, max_depth=depth, write_state=True, interpret=True)
@@ -129,7 +131,7 @@ def test_deferred_append_interpret(HK, layers):
     """The one-launch append over layers equals gdn.deferred_append per layer, and once folded equals the
     eager factorized commit (path_commit_reference) of the same accepted nodes — one layer a program, or two."""
     Lg, B, N, HV, dk, dv, depth, P = 2, 3, 16, 2, 16, 16, 5, 32
-    par = trees.random_parents(55, B, N, depth)
+    par = trees.random_parents(55, B, N, depth - 1)
     mask = trees.mask_from_parents(jnp.asarray(par))
     rng = np.random.default_rng(HK)
     gam = jnp.asarray(np.einsum("lbhj,bij->lbhi", -rng.uniform(size=(Lg, B, HV, N)) * 0.3, np.asarray(mask, float)),
@@ -137,7 +139,7 @@ def test_deferred_append_interpret(HK, layers):
     keys = jnp.asarray(_unit(rng.standard_normal((Lg, B, N, HK, dk)).astype(np.float32)))
     vc = jnp.asarray(rng.standard_normal((Lg, B, HV, N, dv)), jnp.float32)
     node = [9, -1, N - 1]
-    path, length = map(jnp.asarray, trees.paths_to(par, node, depth))
+    path, length = map(jnp.asarray, trees.paths_to(par, node, depth - 1))
     deferred = kernel_layout_deferred(7, Lg, B, HK, HV, P, dk, dv, [3, 0, P - depth])
     want = jax.jit(deferred_append_reference)(deferred, gam, keys, vc, path, length)
     got = deferred_append_pallas(deferred, gam, keys, vc, path, length, layers_per_program=layers, interpret=True)

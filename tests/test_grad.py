@@ -26,7 +26,7 @@ from hyspec_jax.config import FULL, LINEAR, TargetConfig
 from hyspec_jax.models import layers as layers_mod
 from hyspec_jax.models import target as target_mod
 from hyspec_jax.state import TargetState
-from pallas_kernels import dispatch
+from hyspec_jax import kernels
 
 EPS = 1e-6
 RTOL = 1e-6
@@ -182,11 +182,11 @@ def test_tree_solve_custom_vjp_matches_reference_and_kernel_forward():
     B, N, HK, HV, dk, dv, depth = 1, 11, 1, 2, 16, 16, 4
     tree, mask, (S0, q, k, v, g, beta) = gdn_inputs(rng, B, N, HV, dk, dv, depth, dtype=np.float32)
     args = (S0, q[:, :, :HK], k[:, :, :HK], v, g, beta)
-    kern = lambda *a: _outputs(dispatch.tree_solve(*a, mask, depth + 1, impl="interpret",  # noqa: E731
-                                                   block_v=16, precision="ieee"))
-    ref = lambda *a: _outputs(dispatch.tree_solve(*a, mask, depth + 1, impl="reference"))  # noqa: E731
+    kern = lambda *a: _outputs(kernels.tree_solve(*a, mask, depth + 1, impl="interpret",  # noqa: E731
+                                                  block_v=16, precision="ieee"))
+    ref = lambda *a: _outputs(kernels.tree_solve(*a, mask, depth + 1, impl="reference"))  # noqa: E731
 
-    auto = lambda *a: _outputs(dispatch.tree_solve(*a, mask, depth + 1))  # noqa: E731
+    auto = lambda *a: _outputs(kernels.tree_solve(*a, mask, depth + 1))  # noqa: E731
 
     @jax.jit
     def kern_vv(a, c):
@@ -212,6 +212,6 @@ def test_tree_solve_custom_vjp_matches_reference_and_kernel_forward():
     fd = float(_vdot(ct, jax.tree.map(lambda a, b: (a - b) / (2 * eps), plus, minus)))
     an = float(_vdot(g_k, d))
     assert abs(an - fd) <= 2e-3 * abs(an), (an, fd)
-    if not dispatch.gpu_kernels_available():
+    if not kernels.gpu_kernels_available():
         for a, b in zip(g_a, g_r):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

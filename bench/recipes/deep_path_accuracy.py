@@ -1,5 +1,5 @@
 """Accuracy of split_mgpu's operator chains on one path of 8, 16 or 64 nodes (of a 64-node tree) against the
-triangular solve, in interpret mode (CPU; there "tf32" is exact fp32): random keys, and keys nearly alike along
+triangular solve, in interpret mode (CPU): random keys, and keys nearly alike along
 the path with β and decays near 1 (where the power series (I−L)(I+L²)… alone loses its digits;
 gdn.block_inverse). Prints one line per case; bench/results/kernels/tree_solve_deep_paths.md has the numbers.
 
@@ -13,7 +13,7 @@ import numpy as np
 from test_kernels import _unit, make_inputs, reference, rel
 
 from pallas_kernels import trees
-from pallas_kernels.gdn_tree_solve import tree_solve_pallas
+from pallas_kernels.gdn_tree_solve import SolveConfig, tree_solve_pallas
 
 N, DK = 64, 64
 
@@ -37,9 +37,9 @@ def main() -> None:
             mask = path_mask(depth)
             o_ref, _ = reference(S0, q, k, v, g, beta, mask)
             errs = []
-            for chain in ("f16", "tf32", "pair"):
-                o, _, _ = tree_solve_pallas(S0, q, k, v, g, beta, mask, max_depth=depth, method="split_mgpu",
-                                            block_v=64, interpret=True, operator_chain=chain)
+            for chain in ("f16", "pair"):
+                o, _, _ = tree_solve_pallas(S0, q, k, v, g, beta, mask, max_depth=depth, interpret=True,
+                                            config=SolveConfig(method="split_mgpu", operator_chain=chain))
                 o = np.asarray(o, np.float64)
                 errs.append(f"{chain} {rel(o, o_ref):.1e}" if np.isfinite(o).all() else f"{chain} non-finite")
             keys = "random keys" if spread is None else f"keys spread {spread}, beta {beta_v}, g {g_v}"

@@ -82,13 +82,13 @@ def parse(trace: dict, mhz: float) -> dict:
                 [max(b for _, b in v) - t0 for v in by_sm.values()], [10, 50, 100])]}
 
 
-def probe(B: int, operator_out: str, mhz: float | None, reps: int = 5) -> dict:
+def probe(B: int, mhz: float | None, reps: int = 5) -> dict:
     interpret = jax.default_backend() != "gpu"
-    args = value_pass_inputs(7919 + B * 64, B, operator_out=operator_out, interpret=interpret)
+    args = value_pass_inputs(7919 + B * 64, B, interpret=interpret)
     if interpret:                                       # the CPU smoke run: the kernel's code path, no profile
         o, vc = gdn_tree_split_mgpu.tree_apply_mgpu(*args, interpret=True)
-        return {"B": B, "operator_out": operator_out, "interpret": True, "o_finite": bool(jnp.isfinite(o).all())}
-    res = {"B": B, "operator_out": operator_out}
+        return {"B": B, "interpret": True, "o_finite": bool(jnp.isfinite(o).all())}
+    res = {"B": B}
     plain = gdn_tree_split_mgpu.tree_apply_mgpu         # jitted already
     jax.block_until_ready(plain(*args))
 
@@ -120,20 +120,20 @@ def probe(B: int, operator_out: str, mhz: float | None, reps: int = 5) -> dict:
 if __name__ == "__main__":
     gpu = jax.default_backend() == "gpu"
     mhz = sm_clock_mhz()
-    cases = [(8, "f16"), (8, "pair"), (16, "f16"), (1, "f16"), (4, "f16")] if gpu else [(1, "f16")]
+    cases = [8, 16, 1, 4] if gpu else [1]
     res = {**run_metadata(), "sm_clock_mhz": mhz, "probes": []}
     out = sys.argv[1] if len(sys.argv) > 1 else "value_pass_phases.json"
-    for B, of in cases:
+    for B in cases:
         try:
-            p = probe(B, of, mhz)
+            p = probe(B, mhz)
         except Exception as e:                          # noqa: BLE001 — one failed case must not lose the others
-            p = {"B": B, "operator_out": of, "error": f"{type(e).__name__}: {e}"[:2000]}
+            p = {"B": B, "error": f"{type(e).__name__}: {e}"[:2000]}
         res["probes"].append(p)
         json.dump(res, open(out, "w"), indent=1)
         if "error" in p or p.get("interpret"):
             print(p)
             continue
-        print(f"\nB={B} [M; C M] {of}: plain {p['plain_us']:.1f} us, profiled {p['profiled_us']} us, "
+        print(f"\nB={B}: plain {p['plain_us']:.1f} us, profiled {p['profiled_us']} us, "
               f"{p.get('programs')} programs on {p.get('sms')} SMs, programs per SM at start: max "
               f"{p.get('max_programs_per_sm_at_start')}, median {p.get('median_programs_per_sm_at_start')}; "
               f"last start {p.get('last_start_us', 0):.1f} us, span {p.get('span_us', 0):.1f} us; programs per "

@@ -7,13 +7,12 @@ maps to a parameter path by stripping its prefix and nothing else: one home for 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hyspec_jax import cpu_kernels, gdn
+from hyspec_jax import gdn, kernels
+from hyspec_jax.attention import attend, attend_parts, attend_prefix_tree  # noqa: F401 (re-exported)
 from hyspec_jax.config import TargetConfig
 
 F32 = jnp.float32
@@ -27,12 +26,9 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., in] · wᵀ for a weight in the HF [out, in] layout -> [..., out] float32 (fp32 accumulation).
 
     The one home of the models' weight products (Linear, tied / shared LM heads). A few float32 rows on a CPU
-    (speculative verify / draft) run the native streaming kernel, everything else XLA's dot
-    (`hyspec_jax.cpu_kernels`)."""
-    if cpu_kernels.eligible(x, w):
-        return cpu_kernels.dense(x, w)
-    # this module's F32, not cpu_kernels': the fp64 gradient checks (tests/test_grad.py) repoint it at float64
-    return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=F32)
+    (speculative verify / draft) run the native streaming kernel, everything else XLA's dot (`kernels.dense`)."""
+    # this module's F32: the fp64 gradient checks (tests/test_grad.py) repoint it at float64
+    return kernels.dense(x, w, accumulate=F32)
 
 
 class Linear(nnx.Module):
@@ -155,45 +151,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     rot = jnp.concatenate([-x2, x1], axis=-1)
     c, s = cos[:, :, None].astype(x.dtype), sin[:, :, None].astype(x.dtype)
     return jnp.concatenate([xr * c + rot * s, xp], axis=-1)
-
-
-def attend(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array) -> jax.Array:
-    """GQA attention. q [B,T,NH,hd]; keys/values [B,S,KVH,hd]; mask [B,T,S] bool. fp32 softmax.
-
-    Returns [B, T, NH, hd]. The one attention formula used by prefill, decode and tree verify (`attend_parts`).
-    """
-    return attend_parts(q, ((keys, values, mask),))
-
-
-def attend_prefix_tree(q: jax.Array, keys: jax.Array, values: jax.Array, prefix_mask: jax.Array,
-                       tree_keys: jax.Array, tree_values: jax.Array, tree_mask: jax.Array) -> jax.Array:
-    """`attend` over [committed prefix | tree nodes] without concatenating the KV cache: equals
-    attend(q, concat(keys, tree_keys), concat(values, tree_values), concat(prefix_mask[:, None], tree_mask)).
-    prefix_mask [B,S]; tree_keys/values [B,N,KVH,hd]; tree_mask [B,T,N]. A candidate for the verify's tree
-    attention (it never copies the cache); `hyspec bench kernels --attention` times both forms."""
-    return attend_parts(q, ((keys, values, prefix_mask[:, None]), (tree_keys, tree_values, tree_mask)))
-
-
-def attend_parts(q: jax.Array, parts) -> jax.Array:
-    """GQA attention of q [B,T,NH,hd] over the union of key/value parts ((keys [B,S_i,KVH,hd], values, mask
-    [B,T or 1,S_i] bool), ...), normalised jointly (one max, one denominator: a softmax over all parts' keys),
-    fp32 scores and softmax. A query row with no key in any part gets zeros (padding). Returns [B,T,NH,hd]."""
-    B, T, NH, hd = q.shape
-    kvh = parts[0][0].shape[2]
-    qg = q.reshape(B, T, kvh, NH // kvh, hd)
-    scores = []
-    for keys, _, mask in parts:
-        s = jnp.einsum("btgrd,bsgd->bgrts", qg, keys, preferred_element_type=F32) * (hd ** -0.5)
-        scores.append(jnp.where(mask[:, None, None], s, -jnp.inf))
-    m = functools.reduce(jnp.maximum, [s.max(-1, keepdims=True) for s in scores])
-    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))           # 0: rows with no key at all
-    probs = [jnp.exp(s - m) for s in scores]
-    denom = sum(p.sum(-1, keepdims=True) for p in probs)
-    out = sum(jnp.einsum("bgrts,bsgd->btgrd", p.astype(values.dtype), values, preferred_element_type=F32)
-              for p, (_, values, _) in zip(probs, parts))
-    denom = jnp.moveaxis(denom, 3, 1)                                        # [B,T,g,r,1] like out
-    out = jnp.where(denom > 0, out / jnp.where(denom > 0, denom, 1.0), 0.0)
-    return out.reshape(B, T, NH, hd).astype(q.dtype)
 
 
 class Attention(nnx.Module):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hyspec_jax import gdn
+from hyspec_jax import gdn, kernels
 from hyspec_jax.config import LINEAR, TargetConfig
 from hyspec_jax.models.layers import (MLP, Attention, GatedDeltaNet, Linear, RMSNorm, SparseMoe, _normal,
                                       attend, dense)
@@ -143,8 +143,8 @@ class TargetModel(nnx.Module):
 
         GDN layers: conv windows follow each node's ancestors into the committed raw columns; the closed-form
         masked solve from the committed S (kernel_impl "reference": `gdn.masked_solve`; "auto" / "pallas" /
-        "interpret": the fail-closed `pallas_kernels.dispatch.tree_solve`; attention likewise through
-        `dispatch.tree_attention`). Attention: the committed prefix plus the node's ancestors, at
+        "interpret": the fail-closed `hyspec_jax.kernels.tree_solve`; attention likewise through
+        `kernels.tree_attention`). Attention: the committed prefix plus the node's ancestors, at
         positions prefix_len + depth. Returns (logits [B,N,V] fp32, hidden (final-norm [B,N,H] or stacked
         taps), TreeCache with the commit factors — never per-node states).
         """
@@ -167,10 +167,9 @@ class TargetModel(nnx.Module):
                 o, fac = gdn.masked_solve(state.ssm[j], q, k, v, g, beta, mask, method=method,
                                           max_depth=tree.envelope.path_nodes)
             else:
-                from pallas_kernels import dispatch
-                o, fac = dispatch.tree_solve(state.ssm[j], q, k, v, g, beta, mask, tree.envelope.path_nodes,
-                                             impl=kernel_impl, method="neumann" if method == "neumann" else "auto",
-                                             reference_method=method)
+                o, fac = kernels.tree_solve(state.ssm[j], q, k, v, g, beta, mask, tree.envelope.path_nodes,
+                                            impl=kernel_impl, method="neumann" if method == "neumann" else "auto",
+                                            reference_method=method)
             return mix.output(o, z, x.dtype), (fac, qkv)
 
         def attn_mixer(j, att, h):
@@ -179,9 +178,9 @@ class TargetModel(nnx.Module):
                 keys = jnp.concatenate([state.keys[j], k.astype(state.keys.dtype)], axis=1)
                 values = jnp.concatenate([state.values[j], v.astype(state.values.dtype)], axis=1)
                 return att.out(attend(q, keys, values, attn_mask), gate), (k, v)
-            from pallas_kernels import dispatch     # the cache is read in place, never concatenated
-            o = dispatch.tree_attention(q, state.keys[j], state.values[j], prefix_mask, k.astype(state.keys.dtype),
-                                        v.astype(state.values.dtype), mask, impl=kernel_impl)
+            # the cache is read in place, never concatenated
+            o = kernels.tree_attention(q, state.keys[j], state.values[j], prefix_mask, k.astype(state.keys.dtype),
+                                       v.astype(state.values.dtype), mask, impl=kernel_impl)
             return att.out(o, gate), (k, v)
 
         x, taps, gdn_aux, attn_aux = self._stack(x, gdn_mixer, attn_mixer, tap_layers)

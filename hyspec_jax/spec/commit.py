@@ -12,7 +12,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from hyspec_jax import gdn
+from hyspec_jax import gdn, kernels
 from hyspec_jax import tree as tree_lib
 from hyspec_jax.state import TargetState, TreeCache
 from hyspec_jax.tree import Tree
@@ -21,7 +21,7 @@ from hyspec_jax.tree import Tree
 def commit(state: TargetState, cache: TreeCache, tree: Tree, node: jax.Array, kernel_impl: str = "reference"
            ) -> TargetState:
     """Commit, for every slot b, the root-to-`node[b]` path of its tree (node −1: nothing). kernel_impl: as
-    `TargetModel.verify` ("reference": gdn.node_state per layer; else `pallas_kernels.dispatch.path_commit`,
+    `TargetModel.verify` ("reference": gdn.node_state per layer; else `hyspec_jax.kernels.path_commit`,
     all layers in one launch)."""
     B = state.batch
     chex.assert_shape(node, (B,))
@@ -30,10 +30,9 @@ def commit(state: TargetState, cache: TreeCache, tree: Tree, node: jax.Array, ke
     if kernel_impl == "reference":
         ssm = jax.vmap(gdn.node_state, in_axes=(0, 0, None, None))(state.ssm, cache.factors, cache.mask, node)
     else:
-        from pallas_kernels import dispatch
         keys = jnp.moveaxis(cache.factors.keys, 2, 3)          # [Lg,B,N,HV,dk]: expanded keys as key heads
-        ssm = dispatch.path_commit(state.ssm, cache.factors.log_decay, keys, cache.factors.corrected, cache.mask,
-                                   node, impl=kernel_impl)
+        ssm = kernels.path_commit(state.ssm, cache.factors.log_decay, keys, cache.factors.corrected, cache.mask,
+                                  node, impl=kernel_impl)
 
     K = state.conv.shape[2] + 1
     rows = tree_lib.window_taps_after(tree, node, K)                             # [B, K-1]

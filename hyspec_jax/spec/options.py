@@ -4,7 +4,7 @@ embedded drafter's recommended settings. No jax import here: `hyspec --help` sta
 from __future__ import annotations
 
 MODES = ("ar", "chain", "ready", "tree", "tree-ready")
-KERNEL_IMPLS = ("reference", "auto", "pallas", "interpret")   # pallas_kernels.dispatch impl of tree top-k, verify, commit
+KERNEL_IMPLS = ("reference", "auto", "pallas", "interpret")   # hyspec_jax.kernels impl of tree top-k, verify, commit
 
 RECOMMENDED_FILE = "recommended_modes.json"
 

@@ -32,7 +32,7 @@ from hyspec_jax.models.drafter import DraftBlock, Drafter
 from hyspec_jax.sampling import SlotSampling, warp
 from hyspec_jax.spec.propose import ChainProposal
 from hyspec_jax.tree import TreeExpansion
-from pallas_kernels.dispatch import biased_topk
+from hyspec_jax.kernels import biased_topk
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -82,7 +82,7 @@ def tree_candidates(model: Drafter, block: DraftBlock, anchor: jax.Array, expans
     U_d + B(token(v)) — greedy rows by logits, sampling rows by top_k draws without replacement from the
     warped q (Gumbel-top-k, children in draw order) — and keeps the best `beam` by score (stable: ties keep
     parent-major, draw order). sampling None: all rows greedy. keys [B] per-slot PRNG keys (sampling).
-    kernel_impl: the greedy levels' top-k (`pallas_kernels.dispatch.biased_topk`: "auto" takes the kernel on a GPU).
+    kernel_impl: the greedy levels' top-k (`hyspec_jax.kernels.biased_topk`: "auto" takes the kernel on a GPU).
     """
     B, G, V = block.logits.shape
     D, k = expansion.depth, expansion.top_k

@@ -1,15 +1,19 @@
-"""Fail-closed dispatch between the Pallas GDN kernels and their pure-JAX references (DESIGN §5).
+"""The library's one door to the kernels: the fail-closed policy of which implementation runs.
 
-`tree_solve(...)` has the contract of `hyspec_jax.gdn.masked_solve` and returns `(o, SolveFactors)`.
-The kernel runs only on an NVIDIA GPU backend (compute capability ≥ 8.0) with a supported shape and
-dtype; anything else takes the reference path — never a kernel that might be wrong. Node counts that
-are not a power of two in [16, 128] are padded with identity nodes (g = 0, β = 0, mask row = self) and
-sliced back. The kernel path is a `jax.custom_vjp` whose backward is the reference's VJP.
-
-`path_commit(...)` does the same for the cross-layer factorized commit (gdn.node_state per layer), and
-`tree_attention(...)` for the verify's attention over the committed prefix + the tree
-(`layers.attend_prefix_tree`; the split-S Pallas prefix kernel where S fits its blocks), and `biased_topk(...)`
-for a greedy tree level's top-k children and log-sum-exp (`hyspec_jax.spec.select.tree_candidates`).
+Every kernel call of the models goes through here, each with a pure-JAX reference it must equal:
+- `dense(x, w)`: the weight products; the native CPU kernel (`hyspec_jax.cpu_kernels`) where it is eligible,
+  else XLA's dot;
+- `tree_solve(...)`: the GDN tree solve with the contract of `hyspec_jax.gdn.masked_solve`, returning
+  `(o, SolveFactors)`; the Pallas kernel (`pallas_kernels.gdn_tree_solve`, its form a `SolveConfig` from
+  `solve_config`) on an NVIDIA GPU (compute capability ≥ 8.0) with a supported shape and dtype. Node counts that
+  are not a power of two in [16, 128] are padded with identity nodes (g = 0, β = 0, mask row = self) and sliced
+  back. The kernel path is a `jax.custom_vjp` whose backward is the reference's VJP;
+- `path_commit(...)`: the cross-layer factorized commit (gdn.node_state per layer);
+- `tree_attention(...)`: the verify's attention over the committed prefix + the tree
+  (`hyspec_jax.attention.attend_prefix_tree`; the split-S Pallas prefix kernel where S fits its blocks);
+- `biased_topk(...)`: a greedy tree level's top-k children and log-sum-exp (`hyspec_jax.spec.select`).
+impl "auto" takes a kernel only where it is supported and never one that might be wrong: anything else runs
+the reference. "pallas" / "interpret" (Pallas interpret mode, the CPU tests) raise where they cannot be honoured.
 """
 
 from __future__ import annotations
@@ -20,12 +24,23 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from hyspec_jax import gdn
+from hyspec_jax import cpu_kernels, gdn
+from hyspec_jax.attention import attend_prefix_tree
 from pallas_kernels import gdn_commit, gdn_tree_split_mgpu, gdn_tree_solve, topk, tree_attention as tree_attention_kernel
+from pallas_kernels.gdn_tree_solve import SolveConfig
 
 F32 = jnp.float32
 Impl = Literal["auto", "reference", "pallas", "interpret"]
 _FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def dense(x: jax.Array, w: jax.Array, *, accumulate=F32) -> jax.Array:
+    """x [..., in] · wᵀ for a weight in the HF [out, in] layout -> [..., out] with `accumulate` accumulation (fp32).
+    A few float32 rows on a CPU (speculative verify / draft) run the native streaming kernel
+    (`cpu_kernels.eligible` says when; it equals XLA's dot to fp32 rounding), everything else XLA's dot."""
+    if cpu_kernels.eligible(x, w):
+        return cpu_kernels.dense(x, w)
+    return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=accumulate)
 
 
 def gpu_kernels_available() -> bool:
@@ -129,14 +144,13 @@ def _pad_tree(n_pad, q, k, v, g, beta, mask):
 
 
 def _kernel_forward(S0, q, k, v, g, beta, mask, max_depth, cfg):
-    method, block_v, precision, interpret = cfg
+    config, interpret = cfg
     B, N = q.shape[:2]
     HV = v.shape[2]
     n_pad = _padded_n(N)
     qp, kp, vp, gp, bp, mp = _pad_tree(n_pad, q, k, v, g, beta, mask)
-    o, gamma, vc = gdn_tree_solve.tree_solve_pallas(
-        S0, qp, kp, vp, gp, bp, mp, max_depth=min(max_depth, N), method=method, block_v=block_v,
-        precision=precision, interpret=interpret)
+    o, gamma, vc = gdn_tree_solve.tree_solve_pallas(S0, qp, kp, vp, gp, bp, mp, max_depth=min(max_depth, N),
+                                                    config=config, interpret=interpret)
     if n_pad != N:
         o, gamma, vc = o[:, :N], gamma[..., :N], vc[:, :, :N]
     keys = jnp.moveaxis(_expand(k, HV), 2, 1).astype(F32)       # factors.keys as the reference has them
@@ -195,6 +209,13 @@ def auto_method(nodes: int, dv: int, mgpu_ok: bool = False) -> tuple[str, int]:
     return "inverse", min(64, dv)
 
 
+@functools.lru_cache(maxsize=None)
+def solve_config(method: str, block_v: int, precision: str) -> SolveConfig:
+    """The kernel config the dispatcher runs for a form, value tile width and precision: every other field at its
+    measured default (`SolveConfig`; docs/kernels.md)."""
+    return SolveConfig(method=method, block_v=block_v, precision=precision)
+
+
 def _split_mgpu_refusal(q, v, block_v: int, precision: str | None, impl: Impl) -> str:
     """Why method "split_mgpu" cannot run on these inputs ("" when it can); the other checks are
     tree_solve_supported's."""
@@ -241,8 +262,8 @@ def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl
     interpret = _use_kernel(impl, ok, "tree_solve", why)
     if interpret is None:
         return _reference(S0, q, k, v, g, beta, mask, max_depth, reference_method)
-    cfg = (method, block_v, precision or _default_precision(q.dtype), interpret)
-    return _kernel_solve(S0, q, k, v, g, beta, mask, max_depth, cfg)
+    config = solve_config(method, block_v, precision or _default_precision(q.dtype))
+    return _kernel_solve(S0, q, k, v, g, beta, mask, max_depth, (config, interpret))
 
 
 def path_commit(S0, log_decay, keys, corrected, mask, node, *, impl: Impl = "auto", block_v: int | None = None,
@@ -293,12 +314,11 @@ def attention_tiling(batch: int, rows: int, kv_heads: int) -> tuple[int, int, in
 
 def tree_attention(q, keys, values, prefix_mask, tree_keys, tree_values, tree_mask, *, impl: Impl = "auto",
                    tiling: tuple[int, int, int, int] | None = None):
-    """`layers.attend_prefix_tree` (q [B,T,NH,hd]; keys/values [B,S,KVH,hd]; prefix_mask [B,S]; tree_keys/values
+    """`attention.attend_prefix_tree` (q [B,T,NH,hd]; keys/values [B,S,KVH,hd]; prefix_mask [B,S]; tree_keys/values
     [B,N,KVH,hd]; tree_mask [B,T,N]) by the split-S Pallas prefix kernel + XLA combine where supported (GPU,
     head_dim a power of two ≤ 256, S a power-of-two multiple of block_s per split), else the reference.
     tiling: (query rows, keys per block, warps, stages), default `attention_tiling`. Forward only on the
     kernel path (serving)."""
-    from hyspec_jax.models.layers import attend_prefix_tree
     if impl == "reference":
         return attend_prefix_tree(q, keys, values, prefix_mask, tree_keys, tree_values, tree_mask)
     try:

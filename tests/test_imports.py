@@ -1,0 +1,152 @@
+"""The import graph: no cycle among the library's modules and the kernels, and `pallas_kernels` a leaf that imports
+from `hyspec_jax` only the math its kernels must equal.
+
+Every module's source is parsed (ast), never imported, and every import counts: top level and inside functions.
+`hyspec_jax.serve`, `.train` and `.bench` map to the serve/, train/ and bench/ folders, as pyproject.toml's
+package-dir has them.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# package → folder (pyproject.toml [tool.setuptools] package-dir)
+PACKAGES = {"hyspec_jax": ROOT / "hyspec_jax", "hyspec_jax.serve": ROOT / "serve", "hyspec_jax.train": ROOT / "train",
+            "hyspec_jax.bench": ROOT / "bench", "pallas_kernels": ROOT / "pallas_kernels"}
+# what pallas_kernels may import from hyspec_jax: the math its kernels must equal
+KERNEL_MATH = {"hyspec_jax", "hyspec_jax.gdn", "hyspec_jax.tree", "hyspec_jax.attention"}
+# the application layers on top of the library (entry points and tools): left out of the cycle check
+APPLICATION = ("hyspec_jax.serve", "hyspec_jax.train", "hyspec_jax.bench", "hyspec_jax.cli")
+
+
+def modules() -> dict[str, Path]:
+    """Every module name → its file, from the package folders (the folders nested in another package's folder,
+    e.g. none today, are named by their own package)."""
+    out = {}
+    for pkg, folder in PACKAGES.items():
+        for path in sorted(folder.rglob("*.py")):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            if any(p in ("results", "recipes", "data") for p in parts[:-1]):
+                continue
+            name = ".".join([pkg, *parts])
+            out.setdefault(name, path)
+    return out
+
+
+def _resolve(name: str, known: set[str]) -> str | None:
+    """The longest known module that `name` (a module or a name inside one) is or lives in."""
+    while name:
+        if name in known:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
+    """The known modules `module` imports anywhere in its source (top level, in functions, under `if`)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_pkg = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:                                       # relative: from the module's package
+                base = module.split(".")
+                base = base[:len(base) - node.level + (1 if is_pkg else 0)]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module
+            names = [f"{prefix}.{a.name}" for a in node.names] + [prefix]
+        else:
+            continue
+        for n in names:
+            target = _resolve(n, known)
+            if target is not None and target != module:
+                out.add(target)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {m: imports_of(m, p, known) for m, p in mods.items()}
+
+
+def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `g` (as the list of modules around it), or None."""
+    WHITE, GREY, BLACK = 0, 1, 2
+    color = dict.fromkeys(g, WHITE)
+    stack: list[str] = []
+
+    def visit(m):
+        color[m] = GREY
+        stack.append(m)
+        for n in sorted(g[m]):
+            if n not in g:
+                continue
+            if color[n] == GREY:
+                return stack[stack.index(n):] + [n]
+            if color[n] == WHITE and (c := visit(n)):
+                return c
+        stack.pop()
+        color[m] = BLACK
+        return None
+
+    for m in sorted(g):
+        if color[m] == WHITE and (c := visit(m)):
+            return c
+    return None
+
+
+def _library(name: str) -> bool:
+    return not any(name == a or name.startswith(a + ".") for a in APPLICATION)
+
+
+def test_the_parse_sees_every_package():
+    g = graph()
+    for pkg in ("hyspec_jax.io.hf", "hyspec_jax.models.target", "hyspec_jax.spec.select", "hyspec_jax.kernels",
+                "pallas_kernels.gdn_tree_solve", "hyspec_jax.serve", "hyspec_jax.train", "hyspec_jax.bench.kernels"):
+        assert pkg in g, pkg
+    assert "pallas_kernels.gdn_tree_solve" in g["hyspec_jax.kernels"]       # imports are resolved to modules
+    assert "hyspec_jax.gdn" in g["pallas_kernels.gdn_tree_solve"]
+
+
+def test_no_import_cycle_in_the_library_and_kernels():
+    """hyspec_jax's library modules and pallas_kernels, counting imports inside functions: no cycle (the
+    application layers — serve, train, bench, the CLI — import the library, never the other way round)."""
+    g = graph()
+    lib = {m: {n for n in deps if _library(n)} for m, deps in g.items() if _library(m)}
+    assert find_cycle(lib) is None, " -> ".join(find_cycle(lib))
+    for m, deps in lib.items():                       # the library never reaches up into the application layers
+        up = sorted(n for n in g[m] if not _library(n))
+        assert not up, f"{m} imports {up}"
+
+
+def test_pallas_kernels_import_only_the_math_from_hyspec_jax():
+    g = graph()
+    for m, deps in g.items():
+        if m.split(".")[0] != "pallas_kernels":
+            continue
+        lib = sorted(n for n in deps if n.split(".")[0] == "hyspec_jax" and n not in KERNEL_MATH)
+        assert not lib, f"{m} imports {lib} (pallas_kernels may import only {sorted(KERNEL_MATH - {'hyspec_jax'})})"
+
+
+def test_the_checks_can_fail(tmp_path):
+    """A cycle closed only by an import inside a function is found, and so is a kernel module importing the library
+    (the graph as it stood before the dispatcher moved into hyspec_jax)."""
+    (tmp_path / "a.py").write_text("import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from a import x\n    return x\n")
+    known = {"a", "b"}
+    g = {m: imports_of(m, tmp_path / f"{m}.py", known) for m in known}
+    assert g == {"a": {"b"}, "b": {"a"}}
+    assert find_cycle(g) == ["a", "b", "a"]
+    old = {"pallas_kernels.dispatch": {"hyspec_jax.models.layers", "hyspec_jax.gdn"},
+           "hyspec_jax.models.layers": {"hyspec_jax.cpu_kernels"}, "hyspec_jax.cpu_kernels": {"hyspec_jax.demo"},
+           "hyspec_jax.demo": {"hyspec_jax.io.hf"}, "hyspec_jax.io.hf": {"hyspec_jax.models.target"},
+           "hyspec_jax.models.target": {"pallas_kernels.dispatch"}, "hyspec_jax.gdn": set()}
+    assert find_cycle(old) is not None
+    assert "hyspec_jax.models.layers" not in KERNEL_MATH

@@ -371,9 +371,6 @@ def forward_train(graphdef: nnx.GraphDef, params: nnx.State, heads: TargetHeads,
                         labels=take(label_pos), label_valid=label_pos < seq_len[:, None, None])
 
 
-# TEMP alias for engine/serve/cli: removed by the loop rewrite
-from hyspec_jax.state import init_drafter_state  # noqa: E402,F401
-
 __all__ = ["TargetHeads", "DraftBlock", "TrainOutputs", "Drafter", "target_heads", "create_drafter",
            "abstract_drafter", "context_kv", "append_context", "append_context_jit", "draft_block", "draft_block_jit",
            "forward_train"]

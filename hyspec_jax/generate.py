@@ -9,7 +9,6 @@ recompiles after its first step; the state buffer is donated to every step. `Gen
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -19,17 +18,10 @@ from flax import nnx
 
 from hyspec_jax.compilation import CompileWatch, enable_compilation_cache, pure_params, static_graphdef
 from hyspec_jax.config import TargetConfig
-from hyspec_jax.runtime.backend import ARBackend, bucket, prompt_buckets
+from hyspec_jax.runtime.backend import ARBackend, bucket, compile_backends, prompt_buckets
 from hyspec_jax.runtime.scheduler import run_batch
 from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.state import TargetState, init_state
-
-
-def compile_progress(total: int, enabled: bool):
-    """The start-up compile progress bar (stderr)."""
-    from tqdm import tqdm
-    return tqdm(total=total, desc="compiling", unit="program", disable=not enabled, file=sys.stderr,
-                dynamic_ncols=True)
 
 
 def use_compilation_cache() -> None:
@@ -106,16 +98,7 @@ class Generator:
         if cache:
             use_compilation_cache()
         watch = CompileWatch()
-        backends = [self.backend(B, S) for B, S in buckets]
-        total = sum(len(be.shapes) if prompt_lengths is None else len({bucket(n) for n in prompt_lengths})
-                    for be in backends) + len(backends) * len(stochastic)
-        bar = compile_progress(total, progress)
-        for be in backends:
-            def step(msg: str, be=be) -> None:
-                bar.set_postfix_str(f"slots {be.slots}, kv {be.kv_len}, {msg}")
-                bar.update(1)
-            be.compile(step, stochastic=stochastic, prompt_lengths=prompt_lengths)
-        bar.close()
+        compile_backends([self.backend(B, S) for B, S in buckets], prompt_lengths, stochastic, progress)
         self.watch.mark()
         return watch.since
 
@@ -142,8 +125,6 @@ class Generator:
         t0 = time.perf_counter()
         reqs, outs, loop = run_batch(self.backend(B, S), prompts, plist, on_tokens)
         seconds = time.perf_counter() - t0
-        rate = 0.0
-        if loop.steps_collected > 1 and loop.last_collect_at > loop.first_collect_at:
-            rate = (loop.steps_collected - 1) / (loop.last_collect_at - loop.first_collect_at)
-        return [GenerationResult(list(map(int, p)), outs[i], r.finish_reason, seconds, loop.prefill_seconds, rate)
+        return [GenerationResult(list(map(int, p)), outs[i], r.finish_reason, seconds, loop.prefill_seconds,
+                                 loop.warm_steps_per_second)
                 for i, (p, r) in enumerate(zip(prompts, reqs))]

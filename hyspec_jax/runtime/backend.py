@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import sys
 import time
 from typing import Callable, Sequence
 
@@ -74,6 +75,22 @@ def _default_backend() -> str:
     return jax.default_backend()
 
 
+def compile_backends(backends: Sequence["Backend"], prompt_lengths: Sequence[int] | None = None,
+                     stochastic: Sequence[bool] = (False, True), progress: bool = True) -> None:
+    """Start-up compile of every program of these backends (`Backend.compile`) under one progress bar (stderr)."""
+    from tqdm import tqdm
+    total = sum(len(be.shapes) if prompt_lengths is None else len({bucket(n) for n in prompt_lengths})
+                for be in backends) + len(backends) * len(stochastic)
+    bar = tqdm(total=total, desc="compiling", unit="program", disable=not progress, file=sys.stderr,
+               dynamic_ncols=True)
+    for be in backends:
+        def step(msg: str, be=be) -> None:
+            bar.set_postfix_str(f"slots {be.slots}, kv {be.kv_len}, {msg}")
+            bar.update(1)
+        be.compile(step, stochastic=stochastic, prompt_lengths=prompt_lengths)
+    bar.close()
+
+
 @dataclasses.dataclass
 class StepResult:
     tokens: np.ndarray                    # [B, K] committed tokens per slot (the first count[b] valid)
@@ -128,7 +145,7 @@ class Backend(abc.ABC):
 
     def compile(self, progress: Callable[[str], None] | None = None, stochastic: Sequence[bool] = (False, True),
                 prompt_lengths: Sequence[int] | None = None) -> None:
-        """Compile (run with no-op inputs: padding rows, no active slot) every prefill shape — those whose T covers
+        """Compile (run with no-op inputs: padding rows, no active slot) every prefill shape — those whose T is
         one of prompt_lengths' buckets, default all — and the step of each sampling flavour."""
         B = self.slots
         wanted = None if prompt_lengths is None else {bucket(n) for n in prompt_lengths}

@@ -189,6 +189,13 @@ class Scheduler:
         return True
 
     @property
+    def warm_steps_per_second(self) -> float:
+        """Steps (rounds) collected per second after the first, compiling one (0 with fewer than two)."""
+        if self.steps_collected < 2 or self.last_collect_at <= self.first_collect_at:
+            return 0.0
+        return (self.steps_collected - 1) / (self.last_collect_at - self.first_collect_at)
+
+    @property
     def busy(self) -> bool:
         with self.cv:
             return self._has_work()

@@ -28,10 +28,10 @@ import numpy as np
 from flax import nnx
 
 from hyspec_jax.compilation import CompileWatch, split_for_jit
-from hyspec_jax.generate import Generator, compile_progress, use_compilation_cache, validate_prompts
+from hyspec_jax.generate import Generator, use_compilation_cache, validate_prompts
 from hyspec_jax.models.drafter import Drafter
 from hyspec_jax.models.target import TargetModel
-from hyspec_jax.runtime.backend import SpecBackend, bucket, prompt_buckets
+from hyspec_jax.runtime.backend import SpecBackend, bucket, compile_backends, prompt_buckets
 from hyspec_jax.runtime.scheduler import run_batch
 from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.spec.budget import BudgetTable
@@ -263,16 +263,7 @@ class SpecEngine:
             self.watch.mark()
             return n
         watch = CompileWatch()
-        backends = [self.backend(B, S) for B, S in buckets]
-        total = sum(len(be.shapes) if prompt_lengths is None else len({bucket(n) for n in prompt_lengths})
-                    for be in backends) + len(backends) * len(stochastic)
-        bar = compile_progress(total, progress)
-        for be in backends:
-            def step(msg: str, be=be) -> None:
-                bar.set_postfix_str(f"slots {be.slots}, kv {be.kv_len}, {msg}")
-                bar.update(1)
-            be.compile(step, stochastic=stochastic, prompt_lengths=prompt_lengths)
-        bar.close()
+        compile_backends([self.backend(B, S) for B, S in buckets], prompt_lengths, stochastic, progress)
         self.watch.mark()
         return watch.since
 
@@ -308,7 +299,7 @@ class SpecEngine:
             compilations_after_startup=self.compilations_after_startup,
             prefix_survival=prefix_survival([r.accepted for r in reqs], D))
         return [SpecResult(list(map(int, p)), got[i], r.finish_reason, len(r.committed), list(r.committed),
-                           list(r.accepted), loop.prefill_seconds, _warm_rate(loop))
+                           list(r.accepted), loop.prefill_seconds, loop.warm_steps_per_second)
                 for i, (p, r) in enumerate(zip(prompts, reqs))]
 
     def _generate_ar(self, prompts, plist, on_tokens) -> list[SpecResult]:
@@ -322,13 +313,6 @@ class SpecEngine:
         return [SpecResult(r.prompt_token_ids, r.token_ids, r.finish_reason, len(r.token_ids) - 1,
                            [1] * (len(r.token_ids) - 1), [0] * (len(r.token_ids) - 1), r.prefill_seconds,
                            r.decode_steps_per_second) for r in res]
-
-
-def _warm_rate(loop) -> float:
-    """Steps (rounds) per second after the first, compiling one."""
-    if loop.steps_collected < 2 or loop.last_collect_at <= loop.first_collect_at:
-        return 0.0
-    return (loop.steps_collected - 1) / (loop.last_collect_at - loop.first_collect_at)
 
 
 def _without_reader(drafter: Drafter) -> Drafter:

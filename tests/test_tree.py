@@ -198,6 +198,17 @@ def test_pack_forest_and_unpack():
         T.TreeShape(0, 1)
 
 
+def test_tree_expansion_widths():
+    """Beam widths per depth: top_k^d until the beam caps them; candidates count the anchor."""
+    e = T.TreeExpansion(depth=4, top_k=2, beam=4)
+    assert e.widths() == (2, 4, 4, 4) and e.num_candidates == 15
+    assert T.TreeExpansion(depth=3, top_k=3, beam=100).widths() == (3, 9, 27)
+    assert T.TreeExpansion(depth=2, top_k=1, beam=1).num_candidates == 3
+    for bad in ((0, 1, 1), (1, 0, 1), (1, 1, 0)):
+        with pytest.raises(ValueError):
+            T.TreeExpansion(*bad)
+
+
 def test_random_parents_respects_bounds():
     rng = np.random.default_rng(0)
     seen_orders = set()

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hyspec_jax.bench.report import portable_command, portable_path, run_metadata
     from hyspec_jax.sampling import SamplingParams
-    from hyspec_jax.spec.select import TreeSpec
+    from hyspec_jax.tree import TreeExpansion
     from hyspec_jax.train.distill import load_prompts
 
     if a.dtype == "float32":
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def engine(mode: str, batch: int, nodes: int | None = None):
         return make_engine(target, drafters, mode, batch, kernels=a.kernels,
-                           tree=TreeSpec(depth, a.tree_topk, a.tree_beam), verify_nodes=nodes or a.verify_nodes)
+                           tree=TreeExpansion(depth, a.tree_topk, a.tree_beam), verify_nodes=nodes or a.verify_nodes)
 
     def run_pass(eng, batch: int, domains) -> tuple[dict, float]:
         out, secs = {}, {}

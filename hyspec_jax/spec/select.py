@@ -159,6 +159,4 @@ def tree_candidates(model: Drafter, block: DraftBlock, anchor: jax.Array, expans
                       score=cat("score"), child_q=child_q)
 
 
-TreeSpec = TreeExpansion  # TEMP alias for engine/serve/cli: removed by the loop rewrite
-
 __all__ = ["Candidates", "chain_candidates", "tree_candidates"]

@@ -2,7 +2,7 @@
 
     hyspec bench memory [--model DIR] [--batch B] [--nodes 32,64,128] [--json out.json]
 
-Without --model: the Qwen3.8-27B geometry of specs/target_model.md §15. Pure arithmetic (no device needed);
+Without --model: the Qwen3.8-27B geometry of docs/reference/target_model.md §15. Pure arithmetic (no device needed);
 the counts are checked against real array sizes in tests/test_memory.py.
 """
 

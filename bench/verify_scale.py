@@ -4,7 +4,7 @@
                               [--eps 0.3] [--max-seconds S] [--json OUT.json] [--tiny | --config PATH] ...
     python -m hyspec_jax.bench.verify_scale ...        (same options)
 
-The Qwen3.8-27B geometry (specs/target_model.md §15, `hyspec_jax.spec.memory.qwen38_27b`; or `--config` /
+The Qwen3.8-27B geometry (docs/reference/target_model.md §15, `hyspec_jax.spec.memory.qwen38_27b`; or `--config` /
 `--tiny`) with RANDOM weights distributed as the model's own initialiser draws them (`INIT_RULES`: N(0, 0.02)
 matrices, RMSNorm / gated-norm weights, A_log, dt_bias and conv weights as in the modules), created leaf by
 leaf directly on the device(s) in their final sharding by one small jitted filler per distinct (shape,

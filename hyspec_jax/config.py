@@ -1,9 +1,9 @@
 """Frozen, hashable configs (usable as static jit arguments).
 
 `TargetConfig` is parsed from a Hugging Face `config.json` of the Qwen3.5 (`qwen3_5`, `qwen3_5_text`,
-`qwen3_5_moe[_text]`) or Qwen3-Next (`qwen3_next`) family; see `specs/target_model.md` §2. `DrafterConfig`
+`qwen3_5_moe[_text]`) or Qwen3-Next (`qwen3_next`) family; see `docs/reference/target_model.md` §2. `DrafterConfig`
 is the DSpark / DFlash block drafter's (DeepSpec top-level keys, SpecForge's nested `dflash_config`); see
-`specs/drafters.md` §1.
+`docs/reference/drafters.md` §1.
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ DFLASH_ARCHS = ("DFlashDraftModel",)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-    """z-lab / SGLang rule (specs/drafters.md §1.1): n ids evenly spaced over [1, N−3]; N//2 when n == 1."""
+    """z-lab / SGLang rule (docs/reference/drafters.md §1.1): n ids evenly spaced over [1, N−3]; N//2 when n == 1."""
     if num_draft_layers == 1:
         return (num_target_layers // 2,)
     start, end = 1, num_target_layers - 3

@@ -1,4 +1,4 @@
-"""All Gated DeltaNet math, as pure functions (the one home; see DESIGN §3, specs/target_model.md §5, §14).
+"""All Gated DeltaNet math, as pure functions (the one home; see docs/design.md §3, docs/reference/target_model.md §5, §14).
 
 Layout conventions (HF layout, kept everywhere):
   q, k : [B, N, HV, dk]   (already expanded from HK to HV key heads, l2-normalised, q scaled)

@@ -2,7 +2,7 @@
 "model" axis, data parallel over batch slots on the "data" axis.
 
 Sharding is applied from outside the model: nothing in `hyspec_jax.models` knows about meshes. Two tables say
-where every array lives (jax-llm-examples style, `specs/anchors.md`):
+where every array lives (the style of jax-ml/jax-llm-examples):
 
 1. a rule table from array names to *logical* axes, one entry per dimension —
    `PARAM_RULES` for the parameters of `TargetModel` (keyed by the Hugging Face parameter names the module

@@ -1,4 +1,4 @@
-"""Tree topology for speculative verification (DESIGN §4, specs/target_model.md §14).
+"""Tree topology for speculative verification (docs/design.md §4, docs/reference/target_model.md §14).
 
 A tree (in general a forest) is a static envelope `TreeShape(max_nodes N, max_depth d)` plus per-row data
 (`Tree`, a pytree batched over request slots B):

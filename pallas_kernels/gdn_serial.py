@@ -1,6 +1,6 @@
 """Baselines for tree verification on GDN layers.
 
-- `serial_tree_pallas`: what SGLang's tree verify kernel does (specs/target_model.md §13.2): one program
+- `serial_tree_pallas`: what SGLang's tree verify kernel does (docs/reference/target_model.md §13.2): one program
   per (request, value head, value tile) walks the N nodes in topological order; node i loads its
   parent's state from a per-node HBM buffer (the committed state for roots), applies one GDN step and
   writes its own state back, so every node costs a full state-tile read and write.

@@ -260,7 +260,7 @@ def test_our_model_saved_is_read_by_transformers_with_the_same_logits(tmp_path):
     ref = ho.logits(hf, tokens)
     logits, _ = extend_jit(graphdef, params, init_state(cfg, 2, 11), jnp.asarray(tokens, jnp.int32),
                            jnp.ones((2, 11), bool))
-    # fp32, relative to the logit scale (DESIGN: fp32 << 1e-3 relative): every parameter is 0.3·N(0, 1), so
+    # fp32, relative to the logit scale (docs/design.md §6: fp32 << 1e-3 relative): every parameter is 0.3·N(0, 1), so
     # logits reach ~6 and summation-order differences (XLA's dot, the native CPU kernel, torch) grow with them
     err = np.max(np.abs(np.asarray(logits) - ref)) / np.max(np.abs(ref))
     assert err < 1e-4, err

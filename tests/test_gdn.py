@@ -1,6 +1,6 @@
 """Property tests of `hyspec_jax.gdn` against an independent float64 numpy serial recurrence.
 
-The oracle follows specs/target_model.md §5.5 literally (decay, read with the decayed state, delta, rank-1
+The oracle follows docs/reference/target_model.md §5.5 literally (decay, read with the decayed state, delta, rank-1
 write, output from the updated state) and, for trees, runs it along every node's root-to-node path from S0.
 It shares no code with `gdn` (not even `gdn.step`); the ancestor mask is built here from the parent array.
 """

@@ -1,5 +1,5 @@
 """Tree topology: derived tables vs naive Python walks, and the tree solve / tree conv vs the serial oracle
-run on every node's root-to-node path (DESIGN §9)."""
+run on every node's root-to-node path (docs/design.md §9)."""
 
 from functools import partial
 

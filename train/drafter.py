@@ -3,7 +3,7 @@
 Data. Windows of the corpus train split, or (`data`, the DSpark / ReaDy recipe) target-generated continuations
 from `hyspec build-distill` (`train.distill.DistillSampler`); either way the frozen target runs `train.forward.train_forward` over each window
 inside the step, giving the tapped layer outputs (drafter context), its logits (the distillation target
-p^t_k = softmax(target logits at a + k), specs/drafters.md §3.5) and, for ReaDy, the committed GDN states of
+p^t_k = softmax(target logits at a + k), docs/reference/drafters.md §3.5) and, for ReaDy, the committed GDN states of
 the reader's source layers at every `state_stride` boundary. A block anchored at a reads the state after
 tokens 0 .. a − 1, so ReaDy anchors are multiples of the stride; DSpark anchors are any position in [1, T−2].
 Anchors are drawn per sequence from a PRNG keyed on (seed, step) — the data position is the step.

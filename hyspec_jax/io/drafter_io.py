@@ -1,4 +1,4 @@
-"""Drafter checkpoints: DeepSpec / SpecForge DSpark layout (specs/drafters.md §5) + ReaDy reader.
+"""Drafter checkpoints: DeepSpec / SpecForge DSpark layout (docs/reference/drafters.md §5) + ReaDy reader.
 
     <dir>/config.json                 DeepSpec keys (`Qwen3DSparkModel`, block_size, mask_token_id,
                                       target_layer_ids, markov_*, confidence_*), SpecForge's nested

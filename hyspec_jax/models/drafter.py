@@ -1,6 +1,6 @@
 """DSpark block drafter (DeepSpec / SpecForge layout), optionally with a ReaDy state reader.
 
-See `specs/drafters.md` §1 (backbone, taps, KV injection), §3 (DSpark block, Markov and confidence heads),
+See `docs/reference/drafters.md` §1 (backbone, taps, KV injection), §3 (DSpark block, Markov and confidence heads),
 §4 (inference contract). The module tree mirrors the DeepSpec checkpoint keys (`fc`, `hidden_norm`,
 `layers.{i}.self_attn.q_proj`, …, `markov_head.markov_w1`, `confidence_head.proj`), so checkpoint I/O is a
 prefix-free name match (`hyspec_jax.io.drafter_io`).
@@ -106,7 +106,7 @@ class DraftLayer(nnx.Module):
 
 
 class MarkovHead(nnx.Module):
-    """Additive bias B_k on the base logits from the previous token (specs/drafters.md §3.3).
+    """Additive bias B_k on the base logits from the previous token (docs/reference/drafters.md §3.3).
 
     vanilla: B = W2 e;  gated: B = W2 (σ(W_g [h; e] + b) ⊙ e);
     rnn: [g|c|o] = W_j [s; e; h] + b, s' = σ(g)⊙s + (1−σ(g))⊙tanh(c), B = W2 tanh(o);  e = W1[prev].

@@ -1,6 +1,6 @@
 """Differentiable acceptance surrogate: the expected number of tokens one speculative round commits.
 
-Convention (DESIGN §2): a round verifies drafts hanging below the anchor and commits the accepted drafts plus
+Convention (docs/design.md §2): a round verifies drafts hanging below the anchor and commits the accepted drafts plus
 one bonus token (the target's choice at the last accepted node), so
 
     τ = 1 + E[number of accepted drafts]          (tokens committed per round, ≥ 1).

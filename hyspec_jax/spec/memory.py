@@ -14,7 +14,7 @@ What is counted (per round, for `batch` requests each verifying `nodes` tree nod
     optionally (`interaction`) the per-head N×N matrices a non-fused solve writes to memory: Bole's G
     (strictly-lower ancestor interaction, our L) and C (q·k ⊙ D readout), fp32 [HV, N, N] each. They are
     consumed inside their layer, so only ONE layer's worth is live at a time (counted once, not × layers).
-(b) SGLang 0.5.23 tree verify (specs/target_model.md §13.2): per request
+(b) SGLang 0.5.23 tree verify (docs/reference/target_model.md §13.2): per request
       intermediate_ssm          [num_gdn_layers, N, HV, dv, dk]      state dtype (fp32)
       intermediate_conv_window  [num_gdn_layers, N, conv_dim, K−1]   activation dtype (bf16); `conv` toggles
 
@@ -100,7 +100,7 @@ def verify_memory(cfg: TargetConfig, batch: int, nodes: int, design: VerifyDesig
 
 
 def qwen38_27b() -> TargetConfig:
-    """Qwen3.8-27B geometry (specs/target_model.md §15), built from the numbers there."""
+    """Qwen3.8-27B geometry (docs/reference/target_model.md §15), built from the numbers there."""
     n, interval = 64, 4
     return TargetConfig(
         model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, num_hidden_layers=n,

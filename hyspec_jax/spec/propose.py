@@ -1,4 +1,4 @@
-"""Proposals from one DSpark draft block: a chain (γ tokens) or a top-k tree (DESIGN §2, §4).
+"""Proposals from one DSpark draft block: a chain (γ tokens) or a top-k tree (docs/design.md §2, §4).
 
 Both start from the parallel stage (`Drafter.draft`: base logits U_k and hidden h_k of the γ draft slots) and
 run the sequential stage: the distribution of a draft at depth k (k = 1 for a child of the anchor) is

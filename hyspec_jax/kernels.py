@@ -1,4 +1,4 @@
-"""The library's one door to the kernels: the fail-closed policy of which implementation runs.
+"""The library's one door to the kernels: the fail-closed policy of which implementation runs (docs/design.md §5).
 
 Every kernel call of the models goes through here, each with a pure-JAX reference it must equal:
 - `dense(x, w)`: the weight products; the native CPU kernel (`hyspec_jax.cpu_kernels`) where it is eligible,
@@ -181,19 +181,15 @@ def _block_v(dv: int, block_v: int | None) -> int:
     return block_v if block_v is not None else min(64, dv)
 
 
-# "auto" kernel form, from the H200 device times of each form (27B geometry, profiler trace): below 64 nodes the
-# one-launch inverse form wins (B 8, N 16: 18.0 vs 20.3 µs split); from 64 nodes the split form does, at every
-# batch measured (B 1: 16.7 vs 17.4; B 8: 51.3 vs 60.9; B 32: 196 vs 220 — bench/results/kernels/forms/kernels_split_forms_h200.md),
-# and at 128 nodes by far, with whole-width value tiles (B 8: 401 µs split bv 128, 893 inverse, 710 squaring —
-# bench/results/archive/kernels_h200_final.md; 346 µs with the current value pass, bench/results/archive/kernels_h200_split_final.md).
-# At 64 nodes on a Hopper GPU the split form with its Mosaic GPU value pass wins at every batch measured (B 1 / 8 /
-# 16 / 32: 14.4 / 40.0 / 72.3 / 132.0 µs vs 16.6 / 52.3 / 102.7 / 195.8 for the Triton value pass —
-# bench/results/archive/kernels_split_mgpu_h200.md; 12.5 / 35.0 / 65.0 / 118.5 µs with the fp16 operator chain now,
-# bench/results/kernels/kernels_h200_mgpu_table.md), where its shape limits allow (bf16 q/k,
-# one-pass precision). Its Mosaic GPU operator pass (operator_pass="mgpu", ~40x more accurate) is slower: 25.5 µs +
-# 3.9 µs of XLA vs 15.3 µs for the Triton one at B 8 (bench/results/kernels/kernels_split_mgpu_forms_h200.md), so it is not the default;
-# nor is the value pass that builds C itself (build_c: 40x more accurate too, 43.4 vs 40.2 µs at B 8 —
-# bench/results/kernels/forms/kernels_cv_confirm_h200.md).
+# "auto" kernel form, from the H200 device times of each form (27B geometry, profiler trace; docs/kernels.md): below
+# 64 nodes the one-launch inverse form wins (B 8, N 16: 18.0 vs 20.3 µs split); from 64 nodes the split form does, at
+# every batch measured (B 1: 16.7 vs 17.4; B 8: 51.3 vs 60.9; B 32: 196 vs 220 —
+# bench/results/kernels/forms/kernels_split_forms_h200.md), and at 128 nodes by far, with whole-width value tiles
+# (B 8: 401 µs split bv 128, 893 inverse, 710 squaring — bench/results/archive/kernels_h200_final.md). At 64 nodes on
+# a Hopper GPU the split form with its Mosaic GPU value pass wins at every batch measured (B 1 / 8 / 16 / 32: 14.4 /
+# 40.0 / 72.3 / 132.0 µs vs 16.6 / 52.3 / 102.7 / 195.8 for the Triton value pass —
+# bench/results/archive/kernels_split_mgpu_h200.md; 12.5 / 35.0 / 65.0 / 118.5 µs with the fp16 operator chain,
+# bench/results/kernels/kernels_h200_mgpu_table.md), where its shape limits allow (bf16 q/k, one-pass precision).
 SPLIT_MIN_NODES, SPLIT_ALWAYS_NODES = 64, 128
 
 

@@ -1,11 +1,16 @@
-"""Pallas GPU kernels for GDN tree verification; each has a pure-JAX twin in hyspec_jax.gdn (DESIGN §5).
+"""Pallas GPU kernels for speculative verification; each has a pure-JAX twin it must equal (docs/design.md §5).
 
-- gdn_tree_solve: closed-form value-tiled tree solve (Bole Algorithm 1)
-- gdn_tree_split_mgpu: its split form's passes in Mosaic GPU (TMA, bf16-pair wgmma; 64 nodes, Hopper)
+- gdn_tree_solve: closed-form value-tiled GDN tree solve (Bole Algorithm 1), its form a `SolveConfig`
+- gdn_tree_split_mgpu: the split form's value pass in Mosaic GPU (TMA, bf16-pair wgmma; 64 nodes, Hopper)
 - gdn_commit: cross-layer factorized path commit (Bole Algorithm 2, Phase C)
 - gdn_serial: baselines (SGLang-style per-node serial kernel; XLA closed form and per-path scan)
+- tree_attention: a full-attention layer's verify over the KV cache + the tree (split-S prefix kernel)
 - topk: the greedy tree build's per-level top-k + log-sum-exp (one row per program, or vocabulary chunks + a merge)
-- dispatch: fail-closed dispatcher with custom_vjp
+- trees: host helpers for random draft trees (tests, benchmarks)
+
+A leaf package: it imports from hyspec_jax only the math its kernels must equal (hyspec_jax.gdn, .tree,
+.attention). The library reaches these kernels through one door, `hyspec_jax.kernels`, which decides (fail-closed)
+where a kernel runs and where its reference does. docs/kernels.md has each kernel form's measurements.
 """
 
 

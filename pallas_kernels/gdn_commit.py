@@ -10,8 +10,8 @@ e^{Γ_a} S0 tile + (D_a ⊙ K)ᵀ V' (one [dk × N] · [N × bv] product). The o
 update of the state pool; when the caller does not donate S0, XLA copies it first) and requests with
 node < 0 are skipped entirely, so their state is neither read nor written.
 
-Lowering: Pallas' Triton lowering (see gdn_tree_solve.py for why not Mosaic GPU in this session; this
-kernel is purely memory-bound, so the lowering matters little).
+Lowering: Pallas' Triton lowering (gdn_tree_solve.py says why not Mosaic GPU; this kernel is purely
+memory-bound, so the lowering matters little).
 """
 
 from __future__ import annotations

@@ -17,9 +17,10 @@ R = β(v − e^Γ (K S0)); and writes only o = e^Γ (Q S0) + C V', V' and Γ. Th
 With deferred updates (`gdn.DeferredUpdates`) the one-launch forms merge them into their S0 tile first and can
 write the merged tile back. docs/kernels.md has each form's measurements.
 
-Lowering: Pallas' Triton lowering for every form but split_mgpu's value pass. Mosaic GPU has no `dot_general`,
-only `plgpu.wgmma`, which needs M a multiple of 64 and tf32 operands K-major without transposes; these forms
-need products with the node axis as M (16 or 32 nodes) and the fp32 state stored N-major.
+Lowering: Pallas' Triton lowering for every form but split_mgpu's value pass, although docs/design.md §5 prefers Mosaic
+GPU. Mosaic GPU has no `dot_general`, only `plgpu.wgmma`, which needs M a multiple of 64 and tf32 operands K-major
+without transposes; these forms need products with the node axis as M (16 or 32 nodes) and the fp32 state stored
+N-major.
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def _node_operators(mask_ref, g_ref, beta_ref, q, k, precision):
     """Γ = A g, the ancestor-masked L = strict(A) ⊙ β kkᵀ ⊙ D and C = qkᵀ ⊙ D (node by node, no value tile; q None:
     no C)."""
     n = mask_ref.shape[0]
-    A = mask_ref[...]                                   # [N, N] 0/1, f32 or int8 (`operator_mask`)
+    A = mask_ref[...]                                   # [N, N] 0/1, f32 or int8
     A = A if A.dtype == F32 else A.astype(F32)
     g = g_ref[...]                                      # [N]
     beta = beta_ref[...]                                # [N]
@@ -167,7 +168,7 @@ def _node_operators(mask_ref, g_ref, beta_ref, q, k, precision):
     col = lax.broadcasted_iota(jnp.int32, (n, n), 1)
     kk = _dot(k, k, precision, trans_b=True)            # [N, N]
     L = jnp.where(on & (row != col), beta[:, None] * kk * D, 0.0)
-    if q is None:                                       # C not wanted (built by the value pass, or later)
+    if q is None:                                       # C not wanted (built later)
         return gamma, beta, L, None
     return gamma, beta, L, _query_operator(q, k, D, precision)
 
@@ -282,12 +283,8 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
 
 def _tree_apply_kernel(gamma_ref, beta_ref, mc_ref, k_ref, q_ref, v_ref, s0_ref, o_ref, vc_ref, *, precision):
     """Split form, pass 2 (one program per request, value head and value tile): K S0 and Q S0 from the key
-    head's own q/k, R = β(v − e^Γ K S0), then one product of 2N rows, [M; C M] R.
-
-    Measured on the H200 (bench/results/kernels/forms/kernels_split_forms_h200.md, B 8, N 64): this beats a [k; q]
-    concatenated first for one 2N-row product (51.3 vs 58.8 µs: the concatenation was a 3.4 µs launch and its
-    copy), a program per key head over its r value heads (unrolled 57.7, a device loop 50.9 but slower at
-    B 1 and N 16), and two pipeline stages (61.8)."""
+    head's own q/k, R = β(v − e^Γ K S0), then one product of 2N rows, [M; C M] R (docs/kernels.md has the
+    layouts measured against it)."""
     n = gamma_ref.shape[0]
     s0 = s0_ref[...]                                                                   # [dk, bv] f32
     ks, qs = _dot(k_ref[...], s0, precision), _dot(q_ref[...], s0, precision)

@@ -1,12 +1,10 @@
 """Tree attention of a full-attention layer: committed prefix (the KV cache) + ancestor-masked tree nodes.
 
-Must equal `hyspec_jax.models.layers.attend_prefix_tree` (the one attention formula, `attend_parts`, with the
+Must equal `hyspec_jax.attention.attend_prefix_tree` (the one attention formula, `attend_parts`, with the
 prefix and the tree as its two parts).
 
-Why a kernel: XLA runs this as score einsum → fp32 softmax over [B, KVH, R, T, S] in HBM → PV einsum, and on the
-H200 at the Qwen3.8-27B geometry (24 query heads, 4 KV heads, head_dim 256) that costs 11–39x the bytes that must
-move (`bench/results/attention/attention_h200.md`; the issue's bar is 1.2x). The prefix is the big part (S tokens of K/V,
-read once), the tree part is small (N ≤ 128 keys), so:
+XLA runs this as score einsum → fp32 softmax over [B, KVH, R, T, S] in HBM → PV einsum. The prefix is the big
+part (S tokens of K/V, read once), the tree part is small (N ≤ 128 keys), so:
 
 1. `prefix_partials_pallas`, split-S flash attention over the prefix: one program per (request b, KV head g,
    tile of query rows, split of S). Query rows are the T tree nodes × R = NH/KVH query heads of one KV head,
@@ -18,12 +16,8 @@ read once), the tree part is small (N ≤ 128 keys), so:
 
 Lowering: Pallas' Triton lowering, like the GDN kernels (`gdn_tree_solve.py` says why). Block shapes must be
 powers of two: rows are padded to a multiple of block_rows, and S/splits must be a power-of-two multiple of
-block_s (`supported`). Checked in interpret mode against the reference (tests/test_kernels.py) and timed on the
-H200 by `hyspec bench kernels --attention` (`bench/results/attention/attention_tilings_h200.md`): 1.6–2.4x faster than
-XLA, 2.5–3.5x the roofline at batch ≥ 8 (9x at batch 1, where launch and combine dominate). At these shapes the roofline is the tensor cores', not HBM's: 64 nodes × 6 query heads
-share each K/V element, 384 FLOP per byte read, twice the H200's ridge point — so the issue's 1.2x-of-the-HBM-floor
-bar is out of reach of any kernel (the compute floor alone is 1.9x the HBM floor at B 8, S 4096).
-`dispatch.attention_tiling` picks the tiling per shape from that sweep.
+block_s (`supported`). `hyspec_jax.kernels.attention_tiling` picks the tiling per shape; docs/kernels.md has the
+measurements.
 """
 
 from __future__ import annotations
@@ -39,7 +33,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import tile_dim_ok
 
 F32 = jnp.float32
-REFERENCE = "hyspec_jax.models.layers.attend_prefix_tree"
+REFERENCE = "hyspec_jax.attention.attend_prefix_tree"
 
 
 def supported(S: int, hd: int, *, block_s: int, splits: int, block_rows: int) -> bool:
@@ -133,7 +127,7 @@ def combine(acc, m, l, qg, tree_keys, tree_values, tree_mask_rows):
 def prefix_tree_attention(q, keys, values, prefix_mask, tree_keys, tree_values, tree_mask, *, block_s: int = 64,
                           splits: int = 8, block_rows: int = 64, num_warps: int = 4, num_stages: int = 2,
                           interpret: bool = False):
-    """The contract of `layers.attend_prefix_tree`: q [B,T,NH,hd]; keys/values [B,S,KVH,hd]; prefix_mask [B,S];
+    """The contract of `attention.attend_prefix_tree`: q [B,T,NH,hd]; keys/values [B,S,KVH,hd]; prefix_mask [B,S];
     tree_keys/values [B,N,KVH,hd]; tree_mask [B,T,N]. Returns [B,T,NH,hd] in q's dtype."""
     B, T, NH, hd = q.shape
     KVH = keys.shape[2]

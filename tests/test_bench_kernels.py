@@ -41,12 +41,12 @@ def test_merge_later_files_win_and_render(tmp_path):
 
 
 def test_two_part_attention_equals_concatenated():
-    """layers.attend_prefix_tree == layers.attend over the concatenated [prefix | tree] keys, incl. a row with
+    """attention.attend_prefix_tree == attention.attend over the concatenated [prefix | tree] keys, incl. a row with
     no key at all (zeros) and an empty prefix."""
     import jax
     import jax.numpy as jnp
 
-    from hyspec_jax.models.layers import attend, attend_prefix_tree
+    from hyspec_jax.attention import attend, attend_prefix_tree
     ks = jax.random.split(jax.random.key(0), 6)
     B, T, NH, KVH, hd, S, N = 2, 5, 4, 2, 16, 7, 5
     q = jax.random.normal(ks[0], (B, T, NH, hd))

@@ -1,4 +1,4 @@
-"""Pallas GDN kernels against their pure-JAX twins (DESIGN §5): interpret mode on CPU, real GPU when present.
+"""Pallas GDN kernels against their pure-JAX twins (docs/design.md §5): interpret mode on CPU, real GPU when present.
 
 Fresh random trees every case (seeded per parameter set, different across sets); small shapes on CPU.
 """
@@ -494,9 +494,9 @@ def _attention_inputs(seed, B, T, NH, KVH, hd, S, N, dtype):
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 2e-2)])
 def test_tree_attention_interpret(dtype, tol):
-    """Split-S prefix partials + the XLA combine == layers.attend_prefix_tree (ragged and empty caches, a row with
+    """Split-S prefix partials + the XLA combine == attention.attend_prefix_tree (ragged and empty caches, a row with
     no key, rows padded to the tile, GQA)."""
-    from hyspec_jax.models.layers import attend_prefix_tree
+    from hyspec_jax.attention import attend_prefix_tree
     from pallas_kernels.tree_attention import prefix_tree_attention, supported
 
     args = _attention_inputs(3, 3, 7, 6, 2, 32, 128, 7, dtype)
@@ -509,9 +509,9 @@ def test_tree_attention_interpret(dtype, tol):
 
 
 def test_attention_dispatch_fails_closed():
-    """auto on a CPU, or a cache length no split fits: the reference (layers.attend_prefix_tree); an explicit
+    """auto on a CPU, or a cache length no split fits: the reference (attention.attend_prefix_tree); an explicit
     kernel request it cannot honour: ValueError; interpret with a short cache: smaller key blocks, same result."""
-    from hyspec_jax.models.layers import attend_prefix_tree
+    from hyspec_jax.attention import attend_prefix_tree
     args = _attention_inputs(5, 2, 5, 4, 2, 16, 48, 5, jnp.float32)       # S = 48: no power-of-two split
     want = attend_prefix_tree(*args)
     assert rel(kernels.tree_attention(*args, impl="auto"), want) < 1e-6
@@ -527,7 +527,7 @@ def test_attention_dispatch_fails_closed():
 def test_attention_tiling_rule_and_explicit_tiling():
     """The measured rule (wide row tiles once they nearly fill the GPU), and an explicit tiling through the
     dispatcher in interpret mode equal to the reference."""
-    from hyspec_jax.models.layers import attend_prefix_tree
+    from hyspec_jax.attention import attend_prefix_tree
     assert kernels.attention_tiling(1, 64 * 6, 4) == (64, 32, 4, 3)        # 27B geometry, batch 1
     assert kernels.attention_tiling(8, 64 * 6, 4) == (128, 32, 8, 3)       # batch 8: 96 row tiles of 128
     assert kernels.attention_tiling(1, 32 * 4, 2) == (64, 32, 4, 3)        # the embedded model

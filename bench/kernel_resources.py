@@ -8,7 +8,7 @@ counters needed beyond the timer). Each launch's registers per thread, static an
 kernels take their working shared memory dynamically), block and grid size and duration are matched to our
 kernels by the names our `pallas_call`s give them (ncu profiles only launches with those names; XLA keeps them,
 as seen on the H200). (XLA 0.11's `--xla_dump_to` writes no PTX for Triton custom calls, so `ptxas -v` on
-dumped PTX, the first design, found nothing.) Needs a GPU and `ncu` (PATH, $CUDA_HOME/bin or
+dumped PTX cannot read them.) Needs a GPU and `ncu` (PATH, $CUDA_HOME/bin or
 /opt/nvidia/nsight-compute).
 """
 

@@ -757,7 +757,7 @@ def render(results: dict, json_path: str) -> None:
     if results.get("attention"):
         lines += ["", "Tree attention of one full-attention layer (Qwen3.8-27B: 24 query heads, 4 KV heads, head_dim 256, "
                   "bf16), committed prefix of S tokens + N tree nodes; × floor = time / (fewest bytes / copy "
-                  "bandwidth), the issue's bar is 1.2; compute floor = matmul FLOPs / measured bf16 matmul rate "
+                  "bandwidth), the bar is 1.2; compute floor = matmul FLOPs / measured bf16 matmul rate "
                   f"({results.get('matmul_TFLOPs', float('nan')):.0f} TFLOP/s); × roofline = time / the larger "
                   "of the two floors. Pallas: host-clock median (GPU time in brackets):", "",
                   "| B | N | S | HBM floor µs | compute floor µs | concat + attend µs (verify today) | × floor | "

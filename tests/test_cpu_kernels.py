@@ -1,4 +1,5 @@
-"""The native small-M CPU kernel (`hyspec_jax.cpu_kernels`) equals XLA's dot, and the models route through it.
+"""The native small-M CPU kernel (`hyspec_jax.cpu_kernels`) equals XLA's dot, and the models route through it
+(via the dispatcher, `hyspec_jax.kernels.dense`).
 
 Skipped where the kernel cannot be built (not x86-64 Linux with AVX2 + FMA, no C++ compiler, or
 HYSPEC_CPU_KERNELS=0): then `dense` is XLA's dot and there is nothing native to compare.
@@ -10,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from hyspec_jax import cpu_kernels as ck
 from hyspec_jax.models import layers
@@ -52,6 +54,20 @@ def test_eligibility_and_fallbacks():
     assert not ck.eligible(_rand(rng, (4, 8)).astype(jnp.bfloat16), w)   # float32 only
     x = _rand(rng, (4, 8))
     np.testing.assert_allclose(np.asarray(layers.dense(x, w)), np.asarray(ck.reference(x, w)), rtol=1e-6, atol=1e-6)
+
+
+def test_models_reach_the_kernel_through_the_dispatcher():
+    """`layers.dense` (every Linear and LM head) goes through `hyspec_jax.kernels.dense`, which runs the native kernel
+    where eligible: an eligible product lowers to its custom call, an ineligible one (one row) does not."""
+    from hyspec_jax import kernels
+
+    rng = np.random.default_rng(5)
+    w = _rand(rng, (16, 8))
+    for fn in (layers.dense, kernels.dense):
+        assert ck.TARGET in jax.jit(fn).lower(_rand(rng, (4, 8)), w).as_text()
+        assert ck.TARGET not in jax.jit(fn).lower(_rand(rng, (1, 8)), w).as_text()
+    lin = layers.Linear(8, 16, rngs=nnx.Rngs(0))
+    assert ck.TARGET in jax.jit(lambda x: lin(x)).lower(_rand(rng, (2, 3, 8))).as_text()
 
 
 def test_not_in_gpu_programs():

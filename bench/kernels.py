@@ -261,7 +261,8 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
         # split_mgpu: the Triton operator pass (fp16 chain) + the Mosaic GPU value pass; _ow8: that operator pass at
         # 8 warps (4 otherwise); bv16 / bv32: narrower value tiles (more, smaller value programs; k, q and [M; C M]
         # are read once per tile); _chpair: the operator pass forms M and C M by bf16-pair products (operator_chain)
-        for name, bv, ow, chain in [("pallas_split_mgpu_bv64", 64, 4, None), ("pallas_split_mgpu_bv64_ow8", 64, 8, None),
+        for name, bv, ow, chain in [("pallas_split_mgpu_bv64", 64, 4, None),
+                                    ("pallas_split_mgpu_bv64_ow8", 64, 8, None),
                                     ("pallas_split_mgpu_bv16", 16, 4, None), ("pallas_split_mgpu_bv32", 32, 4, None),
                                     ("pallas_split_mgpu_bv64_chpair", 64, 4, "pair")]:
             variants[name] = (

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hyspec_jax.config import FULL, LINEAR, TargetConfig
-from hyspec_jax.paths import cache_dir  # noqa: F401 (its home; imported here by older callers)
+from hyspec_jax.paths import cache_dir
 
 RANDOM_LABEL = "random-weight demo model (untrained: the text it writes is meaningless)"
 

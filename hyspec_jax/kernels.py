@@ -26,7 +26,8 @@ import jax.numpy as jnp
 
 from hyspec_jax import cpu_kernels, gdn
 from hyspec_jax.attention import attend_prefix_tree
-from pallas_kernels import gdn_commit, gdn_tree_split_mgpu, gdn_tree_solve, topk, tree_attention as tree_attention_kernel
+from pallas_kernels import gdn_commit, gdn_tree_split_mgpu, gdn_tree_solve, topk
+from pallas_kernels import tree_attention as tree_attention_kernel
 from pallas_kernels.gdn_tree_solve import SolveConfig
 
 F32 = jnp.float32

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hyspec_jax import gdn, kernels
-from hyspec_jax.attention import attend, attend_parts, attend_prefix_tree  # noqa: F401 (re-exported)
+from hyspec_jax.attention import attend  # noqa: F401 (the models and train/forward.py import it from here)
 from hyspec_jax.config import TargetConfig
 
 F32 = jnp.float32

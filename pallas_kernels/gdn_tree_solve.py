@@ -257,8 +257,8 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
     "fp32": [M; C M] in fp32 (one output); "pair": the same as a bf16 pair hi + lo with β head-major for the Mosaic
     GPU value pass (three outputs: hi, lo, β [HV, N]; gdn_tree_split_mgpu says why). chain: how M and C M are
     formed, "precision" (`_dot` at `precision`), "f16" (`_f16_dot`) or "pair" (`_pair_dot`). With the fp16 chain,
-    C is built after M's chain (not live through it; the mask is read again): fewer registers live (165 vs 224)
-    and 0.7-0.9 µs less at B 8-32, N 64; the pair chain is faster with C first."""
+    C is built after M's chain (not live through it; the mask is read again): 0.7-0.9 µs less at B 8-32, N 64;
+    the pair chain is faster with C first."""
     n = mask_ref.shape[0]
     c_first = chain == "pair" or form == "fp32"
     q = q_ref[...] if c_first else None

@@ -193,7 +193,7 @@ def calibrate(model, *, model_name: str, batches: list[int], kv_lens: list[int],
 
 def run(args) -> int:
     """`hyspec calibrate`."""
-    from hyspec_jax.cli import UsageError, resolve_model_dir
+    from hyspec_jax.launch import UsageError, resolve_model_dir
 
     if not 0 <= args.eps <= 10:
         raise UsageError(f"--eps must be in [0, 10], got {args.eps}")

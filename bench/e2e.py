@@ -244,7 +244,7 @@ def finish(results: dict, meta: dict, out: Path, partial: bool) -> dict:
 
 
 def _default_model() -> Path:
-    from hyspec_jax.cli import resolve_model_dir
+    from hyspec_jax.launch import resolve_model_dir
     path, _ = resolve_model_dir(None)
     return Path(path)
 

@@ -12,24 +12,14 @@ import sys
 import time
 from pathlib import Path
 
+from hyspec_jax.compilation import enable_compilation_cache
 from hyspec_jax.config import ConfigError
-
-
-class UsageError(Exception):
-    """An error whose message is the whole story for the user."""
+from hyspec_jax.launch import UsageError, engine_from_args, resolve_model_dir
 
 
 def _fail(msg: str) -> "NoReturn":  # noqa: F821
     print(f"hyspec: error: {msg}", file=sys.stderr)
     sys.exit(2)
-
-
-def enable_compilation_cache() -> None:
-    """JAX's persistent compilation cache: a second run of the same buckets skips XLA compiles
-    (`hyspec_jax.compilation`: $HYSPEC_JAX_CACHE, else ~/.cache/hyspec_jax/xla)."""
-    from hyspec_jax.compilation import enable_compilation_cache as enable
-
-    enable()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -64,23 +54,6 @@ def _read_prompts(args) -> list[str]:
     return [args.prompt]
 
 
-def resolve_model_dir(arg: str | None) -> tuple[Path, str | None]:
-    """(model directory, label to show) for a --model option: the given directory, else the embedded default
-    model (`hyspec_jax.embedded.default_model_dir`: repository checkout or installed wheel), else a labelled
-    random demo model. Used by `generate`, `serve` and `calibrate`."""
-    if arg is not None:
-        path = Path(arg)
-        if not path.is_dir():
-            raise UsageError(f"--model {path}: no such directory")
-        return path, None
-    from hyspec_jax.embedded import default_model_dir
-    default = default_model_dir()
-    if default is not None:
-        return default, None
-    from hyspec_jax.demo import RANDOM_LABEL, random_demo_model_dir
-    return random_demo_model_dir(), RANDOM_LABEL
-
-
 def batch_stats(engine, gen, results, seconds: float) -> dict:
     """Acceptance statistics of one `hyspec generate` batch (`--stats`)."""
     new = sum(len(r.token_ids) for r in results)
@@ -101,64 +74,6 @@ def batch_stats(engine, gen, results, seconds: float) -> dict:
                   verify_nodes=1,
                   compilations_after_startup=gen.compilations_after_startup)
     return st
-
-
-# ------------------------------------------------------------------------------------------------
-# the engine `hyspec generate` / `hyspec serve` build from their options
-# ------------------------------------------------------------------------------------------------
-def engine_from_args(args, model, model_dir, dtype, batch: int | None = None):
-    """The engine `hyspec generate` / `hyspec serve` asked for, or None for plain autoregressive decoding.
-
-    With the embedded model (no --model) and no --drafter, its shipped drafter is used, and every option the
-    user left unset takes the drafter's recommended value for this backend (explicit options always win).
-    batch: the number of requests decoded together (`--slots` wins): where the recommendation was measured
-    up to `max_slots` only and no --spec-mode was given, more slots decode plainly (e.g. on a 2-core CPU,
-    verification is nearly free for one request but not for eight)."""
-    import jax
-
-    from hyspec_jax.io.drafter_io import load_drafter
-    from hyspec_jax.spec.budget import BudgetTable, model_id
-    from hyspec_jax.spec.engine import SpecConfig, SpecEngine
-    from hyspec_jax.spec.options import recommended_settings
-    from hyspec_jax.tree import TreeExpansion
-    drafter_dir = getattr(args, "drafter", None)
-    rec: dict = {}
-    table_path = getattr(args, "budget_table", None)
-    if drafter_dir is None and getattr(args, "model", None) is None and getattr(args, "spec_mode", None) != "ar":
-        from hyspec_jax.embedded import default_budget_table, default_drafter_dir, default_model_dir
-        shipped = default_drafter_dir()
-        if shipped is not None and default_model_dir() == Path(model_dir):
-            drafter_dir = shipped
-            table_path = table_path or default_budget_table()   # the embedded model's own calibration
-            rec = recommended_settings(shipped, jax.default_backend())
-            slots = getattr(args, "slots", None) or batch
-            too_many = rec.get("max_slots") is not None and slots is not None and slots > rec["max_slots"]
-            if getattr(args, "spec_mode", None) is None and (not rec or too_many):
-                return None     # nothing measured for this backend, or measured slower than ar at this batch
-    opt = lambda name, fallback=None: (getattr(args, name, None) if getattr(args, name, None) is not None  # noqa: E731
-                                        else rec.get(name, fallback))
-    mode = opt("spec_mode") or ("chain" if drafter_dir else "ar")
-    if mode == "ar":
-        return None
-    if drafter_dir is None:
-        raise ValueError(f"--spec-mode {mode} needs --drafter DIR")
-    if getattr(args, "slots", None) is not None and args.slots < 1:
-        raise ValueError(f"--slots must be >= 1, got {args.slots}")
-    if not Path(drafter_dir).is_dir():
-        raise ValueError(f"--drafter {drafter_dir}: no such directory")
-    spec_kw = dict(mode=mode, chain_length=opt("chain_length"), verify_nodes=opt("verify_nodes"),
-                   capacity=getattr(args, "budget", None), confidence_threshold=getattr(args, "confidence_threshold",
-                                                                                        None),
-                   kernels=getattr(args, "kernels", None) or "auto")
-    if mode in ("tree", "tree-ready"):
-        spec_kw["tree"] = TreeExpansion(depth=opt("tree_depth", 4), top_k=opt("tree_topk", 2), beam=opt("tree_beam", 4))
-    spec = SpecConfig(**spec_kw)
-    drafter = load_drafter(drafter_dir, dtype=dtype, with_reader=spec.uses_reader)
-    if spec.uses_reader and drafter.reader is None:
-        raise ValueError(f"--spec-mode {mode} needs a drafter with a ReaDy reader ({drafter_dir}/reader/ is missing)")
-    table = BudgetTable.load(table_path) if table_path else None
-    name = model_id(model.config, Path(model_dir).name)
-    return SpecEngine(model, drafter, spec, slots=getattr(args, "slots", None), budget_table=table, model_name=name)
 
 
 def request_stats(engine, res) -> dict:

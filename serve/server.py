@@ -68,14 +68,14 @@ def _progress(msg: str) -> None:
 
 def build_backend(args, target, model_dir: Path):
     """The request loop's backend for the server's options: `ar`, or the engine exactly as `hyspec generate` builds
-    it from the same options (`cli.engine_from_args`) with the server's slots as its bucket."""
+    it from the same options (`launch.engine_from_args`) with the server's slots as its bucket."""
     import argparse
 
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from hyspec_jax.cli import engine_from_args
+    from hyspec_jax.launch import engine_from_args
     from hyspec_jax.generate import Generator
     from hyspec_jax.runtime.backend import prefill_shapes
     shapes = prefill_shapes(args.prefill_chunk, args.max_batch)
@@ -108,7 +108,8 @@ def run(args) -> int:
         raise ValueError("--max-model-len must be >= 2")
     if args.spec_mode != "ar" and not args.drafter and not _embedded_drafter(args):
         raise ValueError(f"--spec-mode {args.spec_mode} needs --drafter DIR")
-    from hyspec_jax.cli import enable_compilation_cache, resolve_model_dir
+    from hyspec_jax.compilation import enable_compilation_cache
+    from hyspec_jax.launch import resolve_model_dir
     model_dir, label = resolve_model_dir(args.model)
     if label:
         _progress(f"using a {label}")
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hyspec serve", description="OpenAI-compatible server.")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    from hyspec_jax.cli import UsageError
+    from hyspec_jax.launch import UsageError
     from hyspec_jax.config import ConfigError
     from hyspec_jax.io.hf import CheckpointError
     try:

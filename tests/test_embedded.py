@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from hyspec_jax import cli
+from hyspec_jax import cli, launch
 from hyspec_jax.embedded import default_budget_table, default_drafter_dir, default_model_dir
 from hyspec_jax.io.hf import load_pretrained
 from hyspec_jax.spec import engine as E
@@ -42,7 +42,7 @@ def test_embedded_defaults_follow_the_backend(monkeypatch, target):
     for backend in ("cpu", "gpu"):
         monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
         rec = recommended_settings(default_drafter_dir(), backend)
-        eng = cli.engine_from_args(_args(), target, model_dir, jnp.float32)
+        eng = launch.engine_from_args(_args(), target, model_dir, jnp.float32)
         if not rec or rec["spec_mode"] == "ar":
             assert eng is None
             continue
@@ -56,16 +56,16 @@ def test_embedded_defaults_follow_the_backend(monkeypatch, target):
 def test_explicit_options_win(monkeypatch, target):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     model_dir = default_model_dir()
-    eng = cli.engine_from_args(_args(argv=["--spec-mode", "chain", "--chain-length", "3"]), target, model_dir,
+    eng = launch.engine_from_args(_args(argv=["--spec-mode", "chain", "--chain-length", "3"]), target, model_dir,
                              jnp.float32)
     assert eng.spec.mode == "chain" and eng.spec.chain_length == 3 and eng.drafter is not None
-    eng = cli.engine_from_args(_args(argv=["--spec-mode", "tree", "--tree-depth", "2"]), target, model_dir,
+    eng = launch.engine_from_args(_args(argv=["--spec-mode", "tree", "--tree-depth", "2"]), target, model_dir,
                              jnp.float32)
     assert eng.spec.tree.depth == 2
-    assert cli.engine_from_args(_args(argv=["--spec-mode", "ar"]), target, model_dir, jnp.float32) is None
+    assert launch.engine_from_args(_args(argv=["--spec-mode", "ar"]), target, model_dir, jnp.float32) is None
     # another model directory never picks up the embedded drafter implicitly
     ns = _args(argv=["--model", str(model_dir)])
-    assert cli.engine_from_args(ns, target, model_dir, jnp.float32) is None
+    assert launch.engine_from_args(ns, target, model_dir, jnp.float32) is None
 
 
 def test_shipped_budget_table_covers_the_embedded_model(monkeypatch, target):
@@ -80,7 +80,7 @@ def test_shipped_budget_table_covers_the_embedded_model(monkeypatch, target):
         t_ver = {int(n): t for n, t in e["t_ver_ms"].items()}
         assert (e["b_ver"], e["within_tolerance"]) == b_ver(t_ver, e["t_dec_ms"], e["eps"]), e
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    eng = cli.engine_from_args(_args(argv=["--spec-mode", "chain"]), target, default_model_dir(), jnp.float32)
+    eng = launch.engine_from_args(_args(argv=["--spec-mode", "chain"]), target, default_model_dir(), jnp.float32)
     assert eng.budget_table is not None and eng.budget_table.entries == table.entries
 
 
@@ -94,10 +94,10 @@ def test_recommendation_bounded_by_slots(monkeypatch, target):
             continue
         monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
         k = rec["max_slots"]
-        assert cli.engine_from_args(_args(), target, model_dir, jnp.float32, batch=k) is not None
-        assert cli.engine_from_args(_args(), target, model_dir, jnp.float32, batch=k + 1) is None
-        assert cli.engine_from_args(_args(argv=["--slots", str(k + 1)]), target, model_dir, jnp.float32) is None
-        eng = cli.engine_from_args(_args(argv=["--spec-mode", rec["spec_mode"]]), target, model_dir, jnp.float32,
+        assert launch.engine_from_args(_args(), target, model_dir, jnp.float32, batch=k) is not None
+        assert launch.engine_from_args(_args(), target, model_dir, jnp.float32, batch=k + 1) is None
+        assert launch.engine_from_args(_args(argv=["--slots", str(k + 1)]), target, model_dir, jnp.float32) is None
+        eng = launch.engine_from_args(_args(argv=["--spec-mode", rec["spec_mode"]]), target, model_dir, jnp.float32,
                                  batch=k + 1)
         assert eng is not None and eng.spec.mode == rec["spec_mode"]
 

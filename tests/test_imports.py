@@ -17,7 +17,7 @@ PACKAGES = {"hyspec_jax": ROOT / "hyspec_jax", "hyspec_jax.serve": ROOT / "serve
             "hyspec_jax.bench": ROOT / "bench", "pallas_kernels": ROOT / "pallas_kernels"}
 # what pallas_kernels may import from hyspec_jax: the math its kernels must equal
 KERNEL_MATH = {"hyspec_jax", "hyspec_jax.gdn", "hyspec_jax.tree", "hyspec_jax.attention"}
-# the application layers on top of the library (entry points and tools): left out of the cycle check
+# the application layers on top of the library (entry points and tools): the library never imports them
 APPLICATION = ("hyspec_jax.serve", "hyspec_jax.train", "hyspec_jax.bench", "hyspec_jax.cli")
 
 
@@ -124,6 +124,12 @@ def test_no_import_cycle_in_the_library_and_kernels():
     for m, deps in lib.items():                       # the library never reaches up into the application layers
         up = sorted(n for n in g[m] if not _library(n))
         assert not up, f"{m} imports {up}"
+
+
+def test_no_import_cycle_anywhere():
+    """The whole tree — library, kernels, CLI, server, trainers, benchmarks — counting imports inside functions."""
+    g = graph()
+    assert find_cycle(g) is None, " -> ".join(find_cycle(g))
 
 
 def test_pallas_kernels_import_only_the_math_from_hyspec_jax():

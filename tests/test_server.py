@@ -148,7 +148,7 @@ def _wait_port(proc: subprocess.Popen, log: Path, model_dir: Path) -> "Server":
 @pytest.fixture(scope="module")
 def oracle(launched):
     """Generator greedy / seeded sampling on one prompt alone (the same model directory the server loads)."""
-    from hyspec_jax.cli import enable_compilation_cache
+    from hyspec_jax.compilation import enable_compilation_cache
     from hyspec_jax.generate import Generator
     from hyspec_jax.io.hf import load_pretrained
     from hyspec_jax.sampling import SamplingParams

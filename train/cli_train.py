@@ -25,7 +25,7 @@ def cmd_build_corpus(args) -> int:
 
 
 def cmd_train_target(args) -> int:
-    from hyspec_jax.cli import enable_compilation_cache
+    from hyspec_jax.compilation import enable_compilation_cache
     from hyspec_jax.train.target import TargetTrainConfig, train_target
 
     enable_compilation_cache()
@@ -42,7 +42,7 @@ def cmd_train_target(args) -> int:
 
 
 def cmd_train_drafter(args) -> int:
-    from hyspec_jax.cli import enable_compilation_cache
+    from hyspec_jax.compilation import enable_compilation_cache
     from hyspec_jax.train.drafter import DrafterTrainConfig, train_drafter
 
     enable_compilation_cache()

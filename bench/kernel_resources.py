@@ -119,17 +119,17 @@ def _compile_job(B: int, N: int, only: str) -> None:
                    sd((LG, B, HV, P, DV), f32), sd((B,), i32), sd((LG, B, HV, N), f32), sd((LG, B, N, HK, DK), bf16),
                    sd((LG, B, HV, N, DV), f32), sd((B, depth), i32), sd((B,), i32))
     jobs = {
-        "neumann": (lambda *a: solve(*a, max_depth=depth, method="neumann"), tree),
-        "squaring": (lambda *a: solve(*a, max_depth=depth, method="squaring"), tree),
-        **{f"{m}_bv{bv}": (lambda *a, m=m, bv=bv: solve(*a, max_depth=depth, method=m, block_v=bv), tree)
+        "neumann": (lambda *a: solve(*a, path_nodes=depth, method="neumann"), tree),
+        "squaring": (lambda *a: solve(*a, path_nodes=depth, method="squaring"), tree),
+        **{f"{m}_bv{bv}": (lambda *a, m=m, bv=bv: solve(*a, path_nodes=depth, method=m, block_v=bv), tree)
            for m in ("neumann", "squaring", "inverse", "split") for bv in (32, 128)},
-        "inverse": (lambda *a: solve(*a, max_depth=depth, method="inverse"), tree),
-        "split": (lambda *a: solve(*a, max_depth=depth, method="split"), tree),
-        "split_mgpu": (lambda *a: solve(*a, max_depth=depth, method="split_mgpu"), tree),
-        "split_mgpu_chpair": (lambda *a: solve(*a, max_depth=depth, method="split_mgpu", operator_chain="pair"), tree),
-        **{f"split_mgpu_bv{bv}": (lambda *a, bv=bv: solve(*a, max_depth=depth, method="split_mgpu", block_v=bv), tree)
+        "inverse": (lambda *a: solve(*a, path_nodes=depth, method="inverse"), tree),
+        "split": (lambda *a: solve(*a, path_nodes=depth, method="split"), tree),
+        "split_mgpu": (lambda *a: solve(*a, path_nodes=depth, method="split_mgpu"), tree),
+        "split_mgpu_chpair": (lambda *a: solve(*a, path_nodes=depth, method="split_mgpu", operator_chain="pair"), tree),
+        **{f"split_mgpu_bv{bv}": (lambda *a, bv=bv: solve(*a, path_nodes=depth, method="split_mgpu", block_v=bv), tree)
            for bv in (16, 32)},
-        "squaring_deferred": (lambda *a: solve(*a[:7], a[7:], max_depth=depth, method="squaring", write_state=True),
+        "squaring_deferred": (lambda *a: solve(*a[:7], a[7:], path_nodes=depth, method="squaring", write_state=True),
                               tree + deferred),
         "commit": (lambda *a: path_commit_pallas(*a), (sd((LG, B, HV, DK, DV), f32), sd((LG, B, HV, N), f32),
                                                         sd((LG, B, N, HK, DK), bf16), sd((LG, B, HV, N, DV), f32),

@@ -54,15 +54,15 @@ from pallas_kernels.gdn_serial import masked_solve_xla, serial_paths_xla, serial
 from pallas_kernels.gdn_tree_solve import SolveConfig, tree_solve_pallas
 
 HK, HV, DK, DV, LG = 16, 48, 128, 128, 48
-DEPTH_FOR_N = {16: 4, 32: 6, 64: 8, 128: 8}   # nodes on the longest path (the kernels' max_depth; depth + 1)
+DEPTH_FOR_N = {16: 4, 32: 6, 64: 8, 128: 8}   # nodes on the longest path (the kernels' path_nodes; depth + 1)
 # default sweep: the block_v grid at default warps, the 3-pass precision, baselines, overhead probe
 DEFAULT_VARIANTS = (r"pallas_(neumann|squaring|inverse|split)_bv(32|64|128)|pallas_.*tf32x3|serial_pallas_.*|xla_.*|null_overhead"
                     r"|pallas_commit_.*")
 
 
-def solve(*args, max_depth: int, interpret: bool = False, write_state: bool = False, **config):
+def solve(*args, path_nodes: int, interpret: bool = False, write_state: bool = False, **config):
     """`tree_solve_pallas` with its `SolveConfig`'s fields as keywords."""
-    return tree_solve_pallas(*args, max_depth=max_depth, config=SolveConfig(**config), write_state=write_state,
+    return tree_solve_pallas(*args, path_nodes=path_nodes, config=SolveConfig(**config), write_state=write_state,
                              interpret=interpret)
 
 
@@ -247,7 +247,7 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
                 name = f"pallas_{method}_bv{bv}" + ("" if nw is None else f"_nw{nw}")
                 variants[name] = (
                     lambda *s, m=method, bv=bv, nw=nw: solve(
-                        *s, mask, max_depth=depth, method=m, block_v=bv, precision="tf32", num_warps=nw,
+                        *s, mask, path_nodes=depth, method=m, block_v=bv, precision="tf32", num_warps=nw,
                         interpret=interpret), "solve")
     for bv in [32, 64, 128]:            # the split form's operator pass at 2 / 8 warps (4 above)
         for nw in [None, 2, 8]:
@@ -255,7 +255,7 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
                 name = f"pallas_split_bv{bv}" + ("" if nw is None else f"_nw{nw}") + f"_ow{ow}"
                 variants[name] = (
                     lambda *s, bv=bv, nw=nw, ow=ow: solve(
-                        *s, mask, max_depth=depth, method="split", block_v=bv, precision="tf32", num_warps=nw,
+                        *s, mask, path_nodes=depth, method="split", block_v=bv, precision="tf32", num_warps=nw,
                         operator_warps=ow, interpret=interpret), "solve")
     if gdn_tree_split_mgpu.supported(N, DK, DV, 64, jnp.bfloat16):   # the Mosaic GPU value pass (64 nodes)
         # split_mgpu: the Triton operator pass (fp16 chain) + the Mosaic GPU value pass; _ow8: that operator pass at
@@ -267,20 +267,20 @@ def bench_tree(B: int, N: int, args, bw: float, log, depth: int | None = None) -
                                     ("pallas_split_mgpu_bv64_chpair", 64, 4, "pair")]:
             variants[name] = (
                 lambda *s, bv=bv, ow=ow, chain=chain: solve(
-                    *s, mask, max_depth=depth, method="split_mgpu", block_v=bv, precision="tf32", operator_warps=ow,
+                    *s, mask, path_nodes=depth, method="split_mgpu", block_v=bv, precision="tf32", operator_warps=ow,
                     operator_chain=chain, interpret=interpret), "solve")
     variants["pallas_neumann_bv64_tf32x3"] = (
-        lambda *s: solve(*s, mask, max_depth=depth, method="neumann", block_v=64, precision="tf32x3",
+        lambda *s: solve(*s, mask, path_nodes=depth, method="neumann", block_v=64, precision="tf32x3",
                          interpret=interpret), "solve")
     variants["pallas_squaring_bv32_tf32x3"] = (
-        lambda *s: solve(*s, mask, max_depth=depth, method="squaring", block_v=32, precision="tf32x3",
+        lambda *s: solve(*s, mask, path_nodes=depth, method="squaring", block_v=32, precision="tf32x3",
                          interpret=interpret), "solve")
     for bv in [32, 64]:
         variants[f"serial_pallas_bv{bv}"] = (
             # o only: the per-node states are then scratch of the call, and count as its transient memory
             lambda *s, bv=bv: serial_tree_pallas(*s, parents, block_v=bv, interpret=interpret)[0], "serial")
     variants["xla_solve"] = (lambda *s: masked_solve_xla(*s, mask, method="solve"), "xla")
-    variants["xla_neumann"] = (lambda *s: masked_solve_xla(*s, mask, method="neumann", max_depth=depth), "xla")
+    variants["xla_neumann"] = (lambda *s: masked_solve_xla(*s, mask, method="neumann", path_nodes=depth), "xla")
     variants["xla_scan_paths"] = (lambda *s: serial_paths_xla(*s, path_nodes), "paths")
     # harness overhead probe: a trivial op on the same inputs (per-call dispatch cost inside the timing)
     variants["null_overhead"] = (lambda *s: s[0][0, 0, 0, :8] + 1.0, "null")
@@ -466,7 +466,7 @@ def bench_deferred(B: int, N: int, args, bw: float, log) -> dict:
         S_eff = gdn.deferred_fold(sets[0][0], jax.tree.map(lambda x: x[0], deferred_to_reference(
             tuple(x[None] for x in one[:4]) + (one[4],), HV)))
         o_ref = masked_solve_xla(S_eff, *sets[0][1:], mask, method="solve")[0]
-        kw = dict(max_depth=depth, method=method, block_v=bv, precision="tf32", interpret=interpret)
+        kw = dict(path_nodes=depth, method=method, block_v=bv, precision="tf32", interpret=interpret)
         rows_bytes = B * HV * P * (DV * 4 + 4) + B * P * HK * DK * 2                  # the P update rows read
         for name, fn, kind in (("solve_plain", lambda *s: solve(*s, mask, **kw), "plain"),
                                (f"solve_deferred_P{P}", lambda *s: solve(*s, mask, one, **kw), "deferred")):

@@ -100,8 +100,8 @@ class SolveFactors(NamedTuple):
     corrected: jax.Array  # V' [B, HV, N, dv]
 
 
-def unit_lower_inverse(L: jax.Array, method: InverseMethod = "solve", max_depth: int | None = None) -> jax.Array:
-    """(I + L)⁻¹ for strictly-lower L [..., N, N] whose nonzeros follow ancestor chains of depth ≤ max_depth.
+def unit_lower_inverse(L: jax.Array, method: InverseMethod = "solve", path_nodes: int | None = None) -> jax.Array:
+    """(I + L)⁻¹ for strictly-lower L [..., N, N] whose nonzeros follow ancestor chains of depth ≤ path_nodes.
 
     neumann: Σ_{n=0}^{d} (−L)ⁿ by Horner, d products (its iterates stay bounded: accurate at any depth).
     squaring: (I−L)(I+L²)(I+L⁴)…, ⌈log₂(d+1)⌉ factors (exact because L^{d+1} = 0); past SERIES_BLOCK nodes per
@@ -113,7 +113,7 @@ def unit_lower_inverse(L: jax.Array, method: InverseMethod = "solve", max_depth:
     if method == "solve":
         return jax.lax.linalg.triangular_solve(eye + L, jnp.broadcast_to(eye, L.shape), left_side=True,
                                                lower=True, unit_diagonal=True)
-    d = n - 1 if max_depth is None else max(0, min(max_depth, n) - 1)  # d edges on the longest path
+    d = n - 1 if path_nodes is None else max(0, min(path_nodes, n) - 1)  # d edges on the longest path
     if d == 0:
         return jnp.broadcast_to(eye, L.shape)
     if method == "neumann":
@@ -203,11 +203,11 @@ def _heads_first(q, k, v, g, beta):
 
 
 def masked_solve(S0: jax.Array, q, k, v, g, beta, mask: jax.Array, *, method: InverseMethod = "solve",
-                 max_depth: int | None = None) -> tuple[jax.Array, SolveFactors]:
+                 path_nodes: int | None = None) -> tuple[jax.Array, SolveFactors]:
     """Closed-form GDN over N nodes related by an ancestor-or-self `mask` [B,N,N], from state S0.
 
     Never writes S0. Returns per-node outputs o [B,N,HV,dv] and the factors to form any node's state.
-    `max_depth` (nodes on the longest root-to-leaf path) bounds the Neumann / squaring rounds.
+    `path_nodes` (nodes on the longest root-to-leaf path) bounds the Neumann / squaring rounds.
     """
     q, k, v, g, beta = _heads_first(q, k, v, g, beta)
     A = mask.astype(F32)[:, None]                                  # [B,1,N,N]
@@ -215,7 +215,7 @@ def masked_solve(S0: jax.Array, q, k, v, g, beta, mask: jax.Array, *, method: In
     D = path_decay(A, log_decay, log_decay)                        # [B,H,N,N]
     eye = jnp.eye(A.shape[-1], dtype=F32)
     L = (A - eye) * beta[..., :, None] * _ein("bhid,bhjd->bhij", k, k) * D
-    T = unit_lower_inverse(L, method, max_depth)
+    T = unit_lower_inverse(L, method, path_nodes)
     U = _ein("bhij,bhjv->bhiv", T, beta[..., None] * v)
     W = _ein("bhij,bhjd->bhid", T, beta[..., None] * k * jnp.exp(log_decay)[..., None])
     corrected = U - _ein("bhid,bhdv->bhiv", W, S0)
@@ -342,7 +342,7 @@ def chunked_prefill(S0: jax.Array, q, k, v, g, beta, *, chunk_size: int = 64,
     last = jnp.full((B,), C - 1, jnp.int32)
 
     def body(S, xs):
-        o, fac = masked_solve(S, *xs, mask, method=method, max_depth=C)
+        o, fac = masked_solve(S, *xs, mask, method=method, path_nodes=C)
         return node_state(S, fac, mask, last), o
 
     S, o = jax.lax.scan(body, S0.astype(F32), tuple(map(to_chunks, (q, k, v, g, beta))))

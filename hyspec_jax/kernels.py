@@ -90,10 +90,10 @@ def _expand(x: jax.Array, hv: int) -> jax.Array:
     return jnp.repeat(x, hv // x.shape[2], axis=2) if x.shape[2] != hv else x
 
 
-def _reference(S0, q, k, v, g, beta, mask, max_depth, method="solve"):
+def _reference(S0, q, k, v, g, beta, mask, path_nodes, method="solve"):
     HV = v.shape[2]
     return gdn.masked_solve(S0, _expand(q, HV), _expand(k, HV), v, g, beta, mask, method=method,
-                            max_depth=max_depth)
+                            path_nodes=path_nodes)
 
 
 def tree_solve_supported(S0, q, k, v, g, beta, mask, block_v: int = 64,
@@ -144,13 +144,13 @@ def _pad_tree(n_pad, q, k, v, g, beta, mask):
     return q, k, v, g, beta, m
 
 
-def _kernel_forward(S0, q, k, v, g, beta, mask, max_depth, cfg):
+def _kernel_forward(S0, q, k, v, g, beta, mask, path_nodes, cfg):
     config, interpret = cfg
     B, N = q.shape[:2]
     HV = v.shape[2]
     n_pad = _padded_n(N)
     qp, kp, vp, gp, bp, mp = _pad_tree(n_pad, q, k, v, g, beta, mask)
-    o, gamma, vc = gdn_tree_solve.tree_solve_pallas(S0, qp, kp, vp, gp, bp, mp, max_depth=min(max_depth, N),
+    o, gamma, vc = gdn_tree_solve.tree_solve_pallas(S0, qp, kp, vp, gp, bp, mp, path_nodes=min(path_nodes, N),
                                                     config=config, interpret=interpret)
     if n_pad != N:
         o, gamma, vc = o[:, :N], gamma[..., :N], vc[:, :, :N]
@@ -159,17 +159,17 @@ def _kernel_forward(S0, q, k, v, g, beta, mask, max_depth, cfg):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _kernel_solve(S0, q, k, v, g, beta, mask, max_depth, cfg):
-    return _kernel_forward(S0, q, k, v, g, beta, mask, max_depth, cfg)
+def _kernel_solve(S0, q, k, v, g, beta, mask, path_nodes, cfg):
+    return _kernel_forward(S0, q, k, v, g, beta, mask, path_nodes, cfg)
 
 
-def _kernel_solve_fwd(S0, q, k, v, g, beta, mask, max_depth, cfg):
-    return _kernel_forward(S0, q, k, v, g, beta, mask, max_depth, cfg), (S0, q, k, v, g, beta, mask)
+def _kernel_solve_fwd(S0, q, k, v, g, beta, mask, path_nodes, cfg):
+    return _kernel_forward(S0, q, k, v, g, beta, mask, path_nodes, cfg), (S0, q, k, v, g, beta, mask)
 
 
-def _kernel_solve_bwd(max_depth, cfg, res, ct):
+def _kernel_solve_bwd(path_nodes, cfg, res, ct):
     S0, q, k, v, g, beta, mask = res
-    f = lambda S0, q, k, v, g, beta: _reference(S0, q, k, v, g, beta, mask, max_depth)
+    f = lambda S0, q, k, v, g, beta: _reference(S0, q, k, v, g, beta, mask, path_nodes)
     _, vjp = jax.vjp(f, S0, q, k, v, g, beta)
     return (*vjp(ct), None)
 
@@ -226,7 +226,7 @@ def _split_mgpu_refusal(q, v, block_v: int, precision: str | None, impl: Impl) -
     return ""
 
 
-def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl: Impl = "auto",
+def tree_solve(S0, q, k, v, g, beta, mask, path_nodes: int | None = None, *, impl: Impl = "auto",
                method: str = "auto", block_v: int | None = None, precision: str | None = None,
                reference_method: str = "solve"):
     """Closed-form GDN tree solve with gdn.masked_solve's contract; returns (o fp32, SolveFactors).
@@ -240,9 +240,9 @@ def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl
     (default for fp32 inputs, ~3e-7), "ieee".
     """
     N = q.shape[1]
-    max_depth = N if max_depth is None else int(max_depth)
+    path_nodes = N if path_nodes is None else int(path_nodes)
     if impl == "reference":
-        return _reference(S0, q, k, v, g, beta, mask, max_depth, reference_method)
+        return _reference(S0, q, k, v, g, beta, mask, path_nodes, reference_method)
     if method == "auto":
         n_pad = _padded_n(N)
         mgpu_ok = impl != "interpret" and not _split_mgpu_refusal(q, v, 64, precision, impl)
@@ -252,15 +252,15 @@ def tree_solve(S0, q, k, v, g, beta, mask, max_depth: int | None = None, *, impl
     ok, why = tree_solve_supported(S0, q, k, v, g, beta, mask, block_v, precision)
     if method not in gdn_tree_solve.METHODS:
         ok, why = False, f"method {method!r}"
-    elif method == "squaring" and not gdn_tree_solve.series_ok(min(max_depth, N), _padded_n(N) or N):
+    elif method == "squaring" and not gdn_tree_solve.series_ok(min(path_nodes, N), _padded_n(N) or N):
         ok, why = False, f"method 'squaring' past {gdn.SERIES_BLOCK} nodes per path (its series loses its digits)"
     elif method == "split_mgpu" and ok and (refusal := _split_mgpu_refusal(q, v, block_v, precision, impl)):
         ok, why = False, refusal
     interpret = _use_kernel(impl, ok, "tree_solve", why)
     if interpret is None:
-        return _reference(S0, q, k, v, g, beta, mask, max_depth, reference_method)
+        return _reference(S0, q, k, v, g, beta, mask, path_nodes, reference_method)
     config = solve_config(method, block_v, precision or _default_precision(q.dtype))
-    return _kernel_solve(S0, q, k, v, g, beta, mask, max_depth, (config, interpret))
+    return _kernel_solve(S0, q, k, v, g, beta, mask, path_nodes, (config, interpret))
 
 
 def path_commit(S0, log_decay, keys, corrected, mask, node, *, impl: Impl = "auto", block_v: int | None = None,

@@ -13,7 +13,7 @@ Conventions (one home for them):
   depth 0; drafts hang below it. Node position = prefix_len + depth, so the anchor sits at prefix_len.
 - `TreeShape.max_depth` is the largest depth of any node, i.e. the number of *edges* on the longest path
   (Bole's d: the strict-ancestor matrix satisfies G^{d+1} = 0). The number of *nodes* on that path is
-  `TreeShape.path_nodes = max_depth + 1`, which is what `gdn.masked_solve(max_depth=...)` and
+  `TreeShape.path_nodes = max_depth + 1`, which is what `gdn.masked_solve(path_nodes=...)` and
   `gdn.unit_lower_inverse` take.
 - "Steps past the root": walking up from a node of depth t, the j-th ancestor for j > t is encoded as
   −(j − t). So column 1 of `kth_ancestor` is exactly `parent`, and `(K−1) + kth_ancestor` indexes

@@ -83,12 +83,12 @@ def serial_tree_pallas(S0, q, k, v, g, beta, parents, *, block_v: int = 64, num_
     )(parents.astype(jnp.int32), q, k, v, g.astype(F32), beta.astype(F32), S0.astype(F32))
 
 
-@functools.partial(jax.jit, static_argnames=("method", "max_depth"))
-def masked_solve_xla(S0, q, k, v, g, beta, mask, *, method="solve", max_depth=None):
+@functools.partial(jax.jit, static_argnames=("method", "path_nodes"))
+def masked_solve_xla(S0, q, k, v, g, beta, mask, *, method="solve", path_nodes=None):
     """gdn.masked_solve with key heads expanded (q, k may be [B,N,HK,dk])."""
     r = v.shape[2] // q.shape[2]
     q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2)
-    return gdn.masked_solve(S0, q, k, v, g, beta, mask, method=method, max_depth=max_depth)
+    return gdn.masked_solve(S0, q, k, v, g, beta, mask, method=method, path_nodes=path_nodes)
 
 
 @jax.jit

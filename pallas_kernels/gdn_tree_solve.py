@@ -1,6 +1,6 @@
 """Closed-form GDN tree verification (Bole Algorithm 1, value-tiled) as Pallas GPU kernels.
 
-`tree_solve_pallas` must equal `hyspec_jax.gdn.masked_solve(S0, q, k, v, g, beta, mask, max_depth=...)`: it returns
+`tree_solve_pallas` must equal `hyspec_jax.gdn.masked_solve(S0, q, k, v, g, beta, mask, path_nodes=...)`: it returns
 o [B,N,HV,dv] and the commit factors Γ = log_decay [B,HV,N] and V' = corrected [B,HV,N,dv] (the keys are the
 inputs themselves). Its form and tiling are one `SolveConfig`.
 
@@ -101,9 +101,9 @@ class SolveConfig:
         return (self.operator_chain or "f16") if self.method == "split_mgpu" else "precision"
 
 
-def series_ok(max_depth: int, n: int) -> bool:
+def series_ok(path_nodes: int, n: int) -> bool:
     """Whether method "squaring" may run: at most gdn.SERIES_BLOCK nodes on a path (`gdn.block_inverse`)."""
-    return num_rounds(max_depth, n) < gdn.SERIES_BLOCK
+    return num_rounds(path_nodes, n) < gdn.SERIES_BLOCK
 
 
 def _f32_precision(precision: Precision, interpret: bool):
@@ -128,9 +128,9 @@ def _dot(a, b, precision, *, trans_a=False, trans_b=False):
     return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=F32)
 
 
-def num_rounds(max_depth: int, n: int) -> int:
+def num_rounds(path_nodes: int, n: int) -> int:
     """d = edges on the longest path: the Neumann series has d nonzero terms after the identity."""
-    return max(0, min(max_depth, n) - 1)
+    return max(0, min(path_nodes, n) - 1)
 
 
 def _fold_deferred(s0, c_ref, rc_ref, pk_ref, pv_ref, count_ref, precision):
@@ -380,12 +380,12 @@ def supported(N: int, dk: int, dv: int, block_v: int, precision: Precision = "tf
             and dv % block_v == 0 and (precision == "tf32" or N <= FP32_ACCURATE_MAX_NODES))
 
 
-@functools.partial(jax.jit, static_argnames=("max_depth", "config", "write_state", "interpret"))
-def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: int,
+@functools.partial(jax.jit, static_argnames=("path_nodes", "config", "write_state", "interpret"))
+def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, path_nodes: int,
                       config: SolveConfig = SolveConfig(), write_state: bool = False, interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]
-    (the dispatcher pads with identity nodes). max_depth: nodes on the longest path. config: the form and tiling
+    (the dispatcher pads with identity nodes). path_nodes: nodes on the longest path. config: the form and tiling
     (`SolveConfig`). Returns (o [B,N,HV,dv], Γ [B,HV,N], V' [B,HV,N,dv]).
 
     deferred: the state is S0 plus committed-but-unmerged path updates (`gdn.DeferredUpdates` in kernel
@@ -404,9 +404,9 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
                          f"precision={precision}")
     if write_state and deferred is None:
         raise ValueError("write_state needs deferred updates (without them the state is S0 itself)")
-    if method == "squaring" and not series_ok(max_depth, N):
+    if method == "squaring" and not series_ok(path_nodes, N):
         raise ValueError(f"method 'squaring' applies the series (I−L)(I+L²)… to the value tile, which loses its digits "
-                         f"past {gdn.SERIES_BLOCK} nodes per path (max_depth={max_depth}): use 'inverse', 'split' or "
+                         f"past {gdn.SERIES_BLOCK} nodes per path (path_nodes={path_nodes}): use 'inverse', 'split' or "
                          "'neumann'")
     r = HV // HK
     nv = dv // block_v
@@ -421,9 +421,9 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, max_depth: i
         if method == "split_mgpu" and not gdn_tree_split_mgpu.supported(N, dk, dv, block_v, q.dtype):
             raise ValueError(f"method 'split_mgpu' needs N={gdn_tree_split_mgpu.NODES}, bf16 q/k and block_v in "
                              f"{gdn_tree_split_mgpu.BLOCK_VS}; got N={N} {q.dtype} block_v={block_v}")
-        return _tree_solve_split(S0, q, k, v, g, beta, mask, rounds=num_rounds(max_depth, N), config=config,
+        return _tree_solve_split(S0, q, k, v, g, beta, mask, rounds=num_rounds(path_nodes, N), config=config,
                                  num_warps=num_warps, interpret=interpret)
-    kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(max_depth, N), method=method,
+    kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(path_nodes, N), method=method,
                              precision=_f32_precision(precision, interpret), deferred=deferred is not None,
                              write_state=write_state)
     in_specs = [

@@ -3,7 +3,7 @@
 A tree of N nodes per request is given by `parents [B, N]` (int32, −1 = child of the committed state,
 parents[i] < i) or by its ancestor-or-self mask `mask [B, N, N]` (bool, row i = e_i + row parents[i]).
 Depth counts edges, as in `hyspec_jax.tree`: a node whose parent is −1 has depth 0, and a tree of depth d has
-d + 1 nodes on its longest path (what the kernels' and `gdn.masked_solve`'s `max_depth` take).
+d + 1 nodes on its longest path (what the kernels' and `gdn.masked_solve`'s `path_nodes` take).
 """
 
 from __future__ import annotations

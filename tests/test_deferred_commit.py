@@ -44,7 +44,7 @@ mask_from_parents = jax.jit(trees.mask_from_parents)
 
 
 def random_round(seed, B, N, HK, HV, dk, dv, depth):
-    """A random tree of `depth` nodes on its longest path (the kernels' max_depth) and its inputs."""
+    """A random tree of `depth` nodes on its longest path (the kernels' path_nodes) and its inputs."""
     par = trees.random_parents(seed, B, N, depth - 1)
     return par, mask_from_parents(jnp.asarray(par)), _tree_inputs(np.random.default_rng(seed), B, N, HK, HV, dk, dv)
 
@@ -113,16 +113,16 @@ def test_tree_solve_deferred_interpret(HK):
     layer0 = jax.tree.map(lambda x: x[0], deferred_to_reference((c, rc, pk, pv, count), HV))
     S_eff = fold(S_base, layer0)
     o_ref, fac_ref = solve(S_eff, expand(q, HV), expand(k, HV), v, g, beta, mask)
-    o, gamma, vc, S_new = tree_solve_pallas(S_base, q, k, v, g, beta, mask, deferred, max_depth=depth,
+    o, gamma, vc, S_new = tree_solve_pallas(S_base, q, k, v, g, beta, mask, deferred, path_nodes=depth,
                                             config=SolveConfig(method="squaring", block_v=16), write_state=True,
                                             interpret=True)
     assert rel(o, o_ref) < 1e-5 and rel(vc, fac_ref.corrected) < 1e-5
     assert rel(S_new, S_eff) < 1e-5
-    o2, _, _ = tree_solve_pallas(S_base, q, k, v, g, beta, mask, deferred, max_depth=depth,
+    o2, _, _ = tree_solve_pallas(S_base, q, k, v, g, beta, mask, deferred, path_nodes=depth,
                                  config=SolveConfig(method="neumann", block_v=32), interpret=True)
     assert rel(o2, o_ref) < 1e-5
     with pytest.raises(ValueError):
-        tree_solve_pallas(S_base, q, k, v, g, beta, mask, max_depth=depth, write_state=True, interpret=True)
+        tree_solve_pallas(S_base, q, k, v, g, beta, mask, path_nodes=depth, write_state=True, interpret=True)
 
 
 @pytest.mark.parametrize("layers", [1, 2])

@@ -83,13 +83,13 @@ def rel_err(x, ref):
 # Strategies
 # ------------------------------------------------------------------------------------------------
 @st.composite
-def trees(draw, n, max_depth):
-    """parent[i] in {-1, 0..i-1} with every node's depth (nodes on its path) <= max_depth; or a chain."""
+def trees(draw, n, path_nodes):
+    """parent[i] in {-1, 0..i-1} with every node's depth (nodes on its path) <= path_nodes; or a chain."""
     if draw(st.booleans()):
-        return [i - 1 if i % max_depth else -1 for i in range(n)]   # chains of length max_depth, restarted
+        return [i - 1 if i % path_nodes else -1 for i in range(n)]   # chains of length path_nodes, restarted
     parent, depth = [], []
     for i in range(n):
-        cand = [-1] + [j for j in range(i) if depth[j] < max_depth]
+        cand = [-1] + [j for j in range(i) if depth[j] < path_nodes]
         p = cand[draw(st.integers(0, len(cand) - 1))]
         parent.append(p)
         depth.append(1 if p < 0 else depth[p] + 1)
@@ -130,7 +130,7 @@ def _solve_all_methods(S0, q_raw, k_raw, v, g, beta, mask, mixed_nodes, *, hv, d
     every = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32)[:, None], (q.shape[1], q.shape[0]))
     out = {}
     for method in METHODS:
-        o, factors = gdn.masked_solve(S0, q, k, v, g, beta, mask, method=method, max_depth=depth)
+        o, factors = gdn.masked_solve(S0, q, k, v, g, beta, mask, method=method, path_nodes=depth)
         states = jax.vmap(lambda nd: gdn.node_state(S0, factors, mask, nd))(every)   # [N,B,H,dk,dv]
         out[method] = (o, jnp.moveaxis(states, 0, 1), gdn.node_state(S0, factors, mask, mixed_nodes))
     return q, k, out
@@ -144,13 +144,13 @@ NODE_COUNTS = st.sampled_from([1, 7, 64])
 # masked_solve / node_state vs the serial oracle on chains and trees
 # ------------------------------------------------------------------------------------------------
 @settings(max_examples=6)
-@given(data=st.data(), B=st.integers(1, 3), N=NODE_COUNTS, max_depth=st.integers(1, 8),
+@given(data=st.data(), B=st.integers(1, 3), N=NODE_COUNTS, path_nodes=st.integers(1, 8),
        hk=st.integers(1, 2), r=st.integers(1, 3), seed=st.integers(0, 2**31 - 1))
-def test_masked_solve_and_node_state_equal_serial_recurrence(data, B, N, max_depth, hk, r, seed):
+def test_masked_solve_and_node_state_equal_serial_recurrence(data, B, N, path_nodes, hk, r, seed):
     dk, dv = 8, 6
-    parents = [data.draw(trees(N, max_depth), label=f"parent[{b}]") for b in range(B)]
+    parents = [data.draw(trees(N, path_nodes), label=f"parent[{b}]") for b in range(B)]
     depth = max(depth_of(p) for p in parents)
-    assert depth <= max_depth
+    assert depth <= path_nodes
     mask = np.stack([np_ancestor_mask(p) for p in parents])
     rng = np.random.default_rng(seed)
     S0, q_raw, k_raw, v, g, beta = random_inputs(rng, B, N, hk, r, dk, dv)
@@ -175,7 +175,7 @@ def test_masked_solve_and_node_state_equal_serial_recurrence(data, B, N, max_dep
 
 
 def test_masked_solve_inverse_methods_need_only_the_tree_depth():
-    """Neumann / squaring with max_depth = the depth are exact; one round fewer is not (the bound is used)."""
+    """Neumann / squaring with path_nodes = the depth are exact; one round fewer is not (the bound is used)."""
     parent = [-1, 0, 1, 2, -1, 4, 0, 6, 7]            # depth 4
     B, N, hk, r, dk, dv = 1, len(parent), 1, 2, 4, 4
     rng = np.random.default_rng(7)
@@ -187,9 +187,9 @@ def test_masked_solve_inverse_methods_need_only_the_tree_depth():
     q, k = _prepare(f32(q_raw), f32(k_raw), hv=hk * r)
     args = (f32(S0), q, k, f32(v), f32(g), f32(beta), jnp.asarray(np_ancestor_mask(parent)[None]))
     for method in ("neumann", "squaring"):
-        o, _ = gdn.masked_solve(*args, method=method, max_depth=4)
+        o, _ = gdn.masked_solve(*args, method=method, path_nodes=4)
         assert rel_err(o, o_ref) < RTOL
-    o, _ = gdn.masked_solve(*args, method="neumann", max_depth=3)
+    o, _ = gdn.masked_solve(*args, method="neumann", path_nodes=3)
     assert rel_err(o, o_ref) > 1e-3
 
 
@@ -378,7 +378,7 @@ def test_squaring_inverse_stays_accurate_on_deep_correlated_chains(n):
     joined by doublings) stays fp32-accurate where the series alone does not (in fp32 it was off by a relative
     ~1e7 on the chain of 64)."""
     L = correlated_chain_L(n, 3)
-    T = gdn.unit_lower_inverse(jnp.asarray(f32(L)[None]), "squaring", max_depth=n)
+    T = gdn.unit_lower_inverse(jnp.asarray(f32(L)[None]), "squaring", path_nodes=n)
     ref = np.linalg.inv(np.eye(n) + L)
     assert np.abs(ref).max() < 3                                    # the inverse itself is tame
     assert np.abs(np.asarray(T[0], np.float64) - ref).max() < 1e-4
@@ -390,7 +390,7 @@ def test_unit_lower_inverse_equals_numpy_inverse(method):
     parent = [-1, 0, 0, 1, 3, -1, 5, 4, 2]
     A = np_ancestor_mask(parent).astype(np.float64)
     L = (A - np.eye(len(parent))) * rng.normal(size=A.shape) * 0.7
-    T = gdn.unit_lower_inverse(jnp.asarray(f32(L)[None]), method, max_depth=depth_of(parent))
+    T = gdn.unit_lower_inverse(jnp.asarray(f32(L)[None]), method, path_nodes=depth_of(parent))
     ref = np.linalg.inv(np.eye(len(parent)) + L)
     assert rel_err(T[0], ref) < 1e-5
 

@@ -115,7 +115,7 @@ def test_masked_solve_and_node_state_vjp_match_finite_differences(fp64):
     def f(S0, q, k, v, g, beta):
         out = {}
         for method in ("solve", "neumann", "squaring"):
-            o, fac = gdn.masked_solve(S0, q, k, v, g, beta, mask, method=method, max_depth=tree.envelope.path_nodes)
+            o, fac = gdn.masked_solve(S0, q, k, v, g, beta, mask, method=method, path_nodes=tree.envelope.path_nodes)
             out[method] = (o, fac, gdn.node_state(S0, fac, mask, node))
         return out
 

@@ -34,9 +34,9 @@ def _interpret_mode_on_the_cpu(request):
         yield
 
 
-def solve(*args, max_depth, interpret=False, **config):
+def solve(*args, path_nodes, interpret=False, **config):
     """tree_solve_pallas with its config's fields as keywords."""
-    return tree_solve_pallas(*args, max_depth=max_depth, config=SolveConfig(**config), interpret=interpret)
+    return tree_solve_pallas(*args, path_nodes=path_nodes, config=SolveConfig(**config), interpret=interpret)
 
 
 def rel(a, b):
@@ -53,7 +53,7 @@ def _unit(x):
 
 
 def make_inputs(seed, B, N, HK, HV, dk, dv, depth, dtype=jnp.float32, single_root=True):
-    """A random tree of `depth` nodes on its longest path (the kernels' max_depth) and its inputs. Drawn with numpy:
+    """A random tree of `depth` nodes on its longest path (the kernels' path_nodes) and its inputs. Drawn with numpy:
     on a CPU an XLA compile per random shape would cost more than the kernel checks."""
     par = trees.random_parents(seed, B, N, depth - 1, single_root=single_root)
     mask = mask_from_parents(jnp.asarray(par))
@@ -104,7 +104,7 @@ def test_tree_solve_interpret(case, method):
         mask = gdn.chain_mask(B, N)
     o_ref, fac = reference(S0, q, k, v, g, beta, mask)
     extra = dict(operator_warps=2) if method == "split" else {}   # compile-time knob: same results
-    run = lambda: solve(S0, q, k, v, g, beta, mask, max_depth=depth, method=method,  # noqa: E731
+    run = lambda: solve(S0, q, k, v, g, beta, mask, path_nodes=depth, method=method,  # noqa: E731
                         block_v=bv, interpret=True, **extra)
     if method == "squaring" and depth > gdn.SERIES_BLOCK:           # the series on the value tile: refused
         with pytest.raises(ValueError, match="loses its digits"):
@@ -143,7 +143,7 @@ def test_split_mgpu_narrow_value_tiles_interpret(block_v, depth):
     its own program with its own swizzle widths) equals the reference in interpret mode, as the 64-wide one does
     (with the pair chain: the value pass's own ~2⁻¹⁶ products decide the bar)."""
     args, mask, o_ref, fac = _mgpu_case(23 + block_v + depth, depth)
-    o, gamma, vc = solve(*args, mask, max_depth=depth, method="split_mgpu", block_v=block_v, interpret=True,
+    o, gamma, vc = solve(*args, mask, path_nodes=depth, method="split_mgpu", block_v=block_v, interpret=True,
                          operator_chain="pair")
     assert rel(o, o_ref) < 1e-4 and rel(vc, fac.corrected) < 1e-4
     assert rel(gamma, fac.log_decay) < 1e-6
@@ -157,7 +157,7 @@ def test_split_mgpu_operator_chain_interpret(chain, depth):
     64 and depth 1 (no squaring). The fp16 chain rounds its operands to 11 significand bits, as one-pass tf32 does:
     its bar is tf32's."""
     args, mask, o_ref, fac = _mgpu_case(57 + depth, depth)
-    o, gamma, vc = solve(*args, mask, max_depth=depth, method="split_mgpu", block_v=64, interpret=True,
+    o, gamma, vc = solve(*args, mask, path_nodes=depth, method="split_mgpu", block_v=64, interpret=True,
                                      operator_chain=chain)
     bar = 1e-4 if chain == "pair" else 1e-3
     assert rel(o, o_ref) < bar and rel(vc, fac.corrected) < bar
@@ -187,7 +187,7 @@ def test_tree_solve_deep_correlated_chain_interpret(method, kw, depth):
     parents[0, 0], parents[0, 1:depth] = -1, np.arange(depth - 1)
     mask = mask_from_parents(jnp.asarray(parents))
     o_ref, fac = reference(S0, q, k, v, g, beta, mask)
-    o, gamma, vc = solve(S0, q, k, v, g, beta, mask, max_depth=depth, method=method, block_v=64,
+    o, gamma, vc = solve(S0, q, k, v, g, beta, mask, path_nodes=depth, method=method, block_v=64,
                          precision="tf32" if method == "split_mgpu" else "tf32x3", interpret=True, **kw)
     # 11 significand bits (the fp16 chain; tf32 on a GPU): o 1.1e-3, V' 4.1e-3 at 64 nodes, bf16's own rounding
     bar = 1e-2 if kw.get("operator_chain") == "f16" else 1e-4
@@ -234,7 +234,7 @@ def test_solve_config_refuses_invalid_combinations():
         a.block_v = 32
     _, mask, args = make_inputs(94, 1, 64, 1, 3, 64, 64, 6, dtype=jnp.bfloat16)
     with pytest.raises(TypeError, match="SolveConfig"):
-        tree_solve_pallas(*args, mask, max_depth=6, config=("split_mgpu", 64), interpret=True)
+        tree_solve_pallas(*args, mask, path_nodes=6, config=("split_mgpu", 64), interpret=True)
 
 
 def test_split_mgpu_dispatch_pads_and_refuses():
@@ -264,7 +264,7 @@ def test_split_mgpu_dispatch_pads_and_refuses():
 def test_tree_solve_interpret_forest_and_bf16():
     par, mask, args = make_inputs(7, 2, 16, 2, 4, 32, 32, 4, dtype=jnp.bfloat16, single_root=False)
     o_ref, fac = reference(*args, mask)
-    o, gamma, vc = solve(*args, mask, max_depth=4, block_v=32, interpret=True)
+    o, gamma, vc = solve(*args, mask, path_nodes=4, block_v=32, interpret=True)
     assert rel(o, o_ref) < 1e-5 and rel(vc, fac.corrected) < 1e-5
 
 
@@ -431,7 +431,7 @@ def test_split_mgpu_gpu():
         pytest.skip("split_mgpu needs a compute capability 9.x GPU")
     par, mask, args = make_inputs(71, 2, 64, 16, 48, 128, 128, 8, dtype=jnp.bfloat16)
     o_ref, fac = reference(*args, mask)
-    o, gamma, vc = solve(*args, mask, max_depth=8, method="split_mgpu", block_v=64)
+    o, gamma, vc = solve(*args, mask, path_nodes=8, method="split_mgpu", block_v=64)
     assert rel(o, o_ref) < 1e-3 and rel(vc, fac.corrected) < 1e-3 and rel(gamma, fac.log_decay) < 1e-5
 
 
@@ -442,7 +442,7 @@ def test_split_mgpu_operator_chain_gpu(chain):
         pytest.skip("split_mgpu needs a compute capability 9.x GPU")
     par, mask, args = make_inputs(73, 2, 64, 16, 48, 128, 128, 8, dtype=jnp.bfloat16)
     o_ref, fac = reference(*args, mask)
-    o, gamma, vc = solve(*args, mask, max_depth=8, method="split_mgpu", block_v=64, operator_chain=chain)
+    o, gamma, vc = solve(*args, mask, path_nodes=8, method="split_mgpu", block_v=64, operator_chain=chain)
     # pair: ~16 significand bits in every product, the bar of the bf16-pair value pass itself; fp16: one-pass tf32's
     bar = 1e-4 if chain == "pair" else 1e-3
     assert rel(o, o_ref) < bar and rel(vc, fac.corrected) < bar and rel(gamma, fac.log_decay) < 1e-5
@@ -461,7 +461,7 @@ def test_tree_solve_deep_correlated_chain_gpu(method):
     beta, g = jnp.full_like(beta, 0.97), jnp.full_like(g, -1e-3)
     mask = gdn.chain_mask(2, 64)
     o_ref, fac = reference(S0, q, k, v, g, beta, mask)
-    o, gamma, vc = solve(S0, q, k, v, g, beta, mask, max_depth=64, method=method, block_v=64)
+    o, gamma, vc = solve(S0, q, k, v, g, beta, mask, path_nodes=64, method=method, block_v=64)
     assert rel(o, o_ref) < 1e-2 and rel(vc, fac.corrected) < 1e-2
 
 

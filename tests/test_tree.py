@@ -252,7 +252,7 @@ def _tree_solve(parent, valid, S0, q, k, v, g, beta):
     g, beta = gdn.invalidate(g, beta, tr.valid)
     outs = {}
     for method in ("solve", "neumann", "squaring"):
-        o, fac = gdn.masked_solve(S0, q, k, v, g, beta, mask, method=method, max_depth=tr.envelope.path_nodes)
+        o, fac = gdn.masked_solve(S0, q, k, v, g, beta, mask, method=method, path_nodes=tr.envelope.path_nodes)
         outs[method] = (o, _all_node_states(S0, fac, mask))
     return outs
 
@@ -304,7 +304,7 @@ def _series(parent, S0, q, k, v, g, beta, envelope):
     out = {}
     for method in ("neumann", "squaring"):
         for rounds in (envelope.path_nodes, envelope.path_nodes - 1):
-            o, fac = gdn.masked_solve(S0, q, k, v, g, beta, mask, method=method, max_depth=rounds)
+            o, fac = gdn.masked_solve(S0, q, k, v, g, beta, mask, method=method, path_nodes=rounds)
             out[method, rounds] = (o, _all_node_states(S0, fac, mask))
     return tr, out
 

@@ -33,7 +33,7 @@ def _chunked_states(S0, q, k, v, g, beta, chunk: int, method: gdn.InverseMethod)
     last = jnp.full((B,), chunk - 1, jnp.int32)
 
     def body(S, xs):
-        o, fac = gdn.masked_solve(S, *xs, mask, method=method, max_depth=chunk)
+        o, fac = gdn.masked_solve(S, *xs, mask, method=method, path_nodes=chunk)
         S = gdn.node_state(S, fac, mask, last)
         return S, (o, S)
 

@@ -38,7 +38,7 @@ def main() -> None:
             o_ref, _ = reference(S0, q, k, v, g, beta, mask)
             errs = []
             for chain in ("f16", "pair"):
-                o, _, _ = tree_solve_pallas(S0, q, k, v, g, beta, mask, max_depth=depth, interpret=True,
+                o, _, _ = tree_solve_pallas(S0, q, k, v, g, beta, mask, path_nodes=depth, interpret=True,
                                             config=SolveConfig(method="split_mgpu", operator_chain=chain))
                 o = np.asarray(o, np.float64)
                 errs.append(f"{chain} {rel(o, o_ref):.1e}" if np.isfinite(o).all() else f"{chain} non-finite")

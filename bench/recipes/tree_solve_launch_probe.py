@@ -25,7 +25,7 @@ for N in (128, 64):                     # 128 first: the shape in question
                 for bv in (32, 64):
                     t = time.perf_counter()
                     try:
-                        out = ts.tree_solve_pallas(S0, q, k, v, g, beta, mask, max_depth=8, config=ts.SolveConfig(
+                        out = ts.tree_solve_pallas(S0, q, k, v, g, beta, mask, path_nodes=8, config=ts.SolveConfig(
                             method=method, block_v=bv, precision=prec))
                         jax.block_until_ready(out); err = ""
                     except Exception as e:  # noqa: BLE001

@@ -165,7 +165,7 @@ class TargetModel(nnx.Module):
             q, k, v, g, beta = mix.mixer_inputs(conv_out, b, a, valid)
             if kernel_impl == "reference":
                 o, fac = gdn.masked_solve(state.ssm[j], q, k, v, g, beta, mask, method=method,
-                                          max_depth=tree.envelope.path_nodes)
+                                          path_nodes=tree.envelope.path_nodes)
             else:
                 o, fac = kernels.tree_solve(state.ssm[j], q, k, v, g, beta, mask, tree.envelope.path_nodes,
                                             impl=kernel_impl, method="neumann" if method == "neumann" else "auto",

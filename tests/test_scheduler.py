@@ -1,0 +1,126 @@
+"""The request loop against a scripted backend: every request gets exactly its own tokens — cut at its stop token or
+max_tokens, also inside a multi-token step — whatever shares the batch, with more requests than slots, pipelined
+steps and aborts (no device: the backend is a deterministic stand-in, so the loop's bookkeeping is what is tested)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hyspec_jax.runtime.backend import Backend, StepResult
+from hyspec_jax.runtime.scheduler import EngineRequest, Scheduler, run_batch
+from hyspec_jax.sampling import SamplingParams
+
+DEPTH = 2
+
+
+class ScriptedBackend(Backend):
+    """Slot b's stream after a prompt [p, ...] is p·100, p·100 + 1, ...; a step gives 1 + (its number % 3) tokens
+    (≤ DEPTH + 1), like a speculative round accepting 0..DEPTH drafts. The stream position lives "on the device":
+    a step the loop discards still advances it, as a real round's state does."""
+
+    mode, depth = "scripted", DEPTH
+
+    def __init__(self, slots: int):
+        self.slots, self.kv_len, self.shapes = slots, 1 << 12, [(slots, 16), (1, 64)]
+        self.base = np.zeros(slots, np.int64)
+        self.pos = np.zeros(slots, np.int64)
+        self.dispatched = 0
+        self.prefill_rows = 0
+
+    @staticmethod
+    def sampling(*args):
+        return None
+
+    def prefill(self, slots, tokens, valid, reset, sampling):
+        first = np.zeros(len(slots), np.int32)
+        for i, b in enumerate(slots):
+            if b >= self.slots:
+                continue
+            self.prefill_rows += 1
+            if reset[i]:
+                self.base[b] = int(tokens[i, 0]) * 100
+            first[i], self.pos[b] = self.base[b], 1     # a prompt's last chunk gives the stream's first token
+        return first
+
+    def dispatch(self, active, sampling, steps, stochastic, hint=None):
+        self.dispatched += 1
+        n = 1 + self.dispatched % 3
+        toks = np.zeros((self.slots, DEPTH + 1), np.int32)
+        count = np.where(active, n, 0).astype(np.int32)
+        for b in np.flatnonzero(active):
+            toks[b, :n] = self.base[b] + self.pos[b] + np.arange(n)
+            self.pos[b] += n
+        return StepResult(tokens=toks, count=count, accepted=np.maximum(count - 1, 0), drafted=DEPTH)
+
+    def collect(self, handle):
+        return handle
+
+
+def expected(prompt: list[int], p: SamplingParams) -> tuple[list[int], str]:
+    out = []
+    for k in range(p.max_tokens):
+        t = prompt[0] * 100 + k
+        out.append(t)
+        if t in p.stop_token_ids:
+            return out, "stop"
+    return out, "length"
+
+
+@pytest.mark.parametrize("slots", [1, 3, 8])
+def test_every_request_gets_its_own_tokens(slots):
+    rng = np.random.default_rng(slots)
+    prompts = [[int(10 + i)] + [1] * int(rng.integers(0, 40)) for i in range(9)]
+    params = []
+    for i in range(9):
+        m = int(rng.integers(1, 14))
+        stop = (prompts[i][0] * 100 + int(rng.integers(0, 12)),) if i % 2 else ()
+        params.append(SamplingParams(max_tokens=m, stop_token_ids=stop))
+    be = ScriptedBackend(slots)
+    reqs, outs, loop = run_batch(be, prompts, params)
+    for prompt, p, r, out in zip(prompts, params, reqs, outs):
+        want, reason = expected(prompt, p)
+        assert out == want and r.finish_reason == reason, (prompt[0], out, want)
+        assert sum(r.committed) >= len(out) - 1 and len(r.committed) == len(r.accepted)
+    assert loop.steps_collected == be.dispatched         # every dispatched step is read back
+
+
+def test_hints_are_read_each_round_and_disable_dispatch_ahead():
+    be = ScriptedBackend(2)
+    seen = []
+
+    def hint(i, generated):
+        seen.append((i, list(generated)))
+        return [7] * DEPTH
+    prompts, params = [[3], [4]], [SamplingParams(max_tokens=9), SamplingParams(max_tokens=5)]
+    reqs, outs, loop = run_batch(be, prompts, params, hint=hint)
+    assert outs == [expected(p, q)[0] for p, q in zip(prompts, params)]
+    # no step ahead: each round's hints saw every token committed before it
+    for i, generated in seen:
+        assert generated == outs[i][:len(generated)]
+    assert loop.steps_collected == be.dispatched
+
+
+def test_abort_frees_the_slot_for_the_next_request():
+    be = ScriptedBackend(1)
+    sched = Scheduler(be)
+    got: dict[int, list] = {0: [], 1: []}
+    reasons: dict[int, str] = {}
+    reqs: list[EngineRequest] = []
+
+    def sink_for(i):
+        def sink(toks, reason):
+            got[i].extend(toks)
+            if reason:
+                reasons[i] = reason
+            if i == 0 and len(got[0]) >= 4 and 0 not in reasons:
+                sched.abort(reqs[0])          # the client leaves mid-stream
+        return sink
+    for i, prompt in enumerate(([5], [6])):
+        reqs.append(EngineRequest(prompt_ids=prompt, max_tokens=50, sink=sink_for(i)))
+        sched.submit(reqs[-1])
+    sched.run_until_idle()
+    # the aborting owner is not called back; the request ends as aborted and its slot serves the next one
+    assert reqs[0].finished and reqs[0].finish_reason == "abort" and reasons == {1: "length"}
+    assert got[0] == [500 + k for k in range(len(got[0]))] and 4 <= len(got[0]) < 50
+    assert got[1] == [600 + k for k in range(50)]

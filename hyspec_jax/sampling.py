@@ -54,6 +54,12 @@ class SlotSampling:
         return _slot_sampling(tuple((float(p.temperature), float(p.top_p), int(p.top_k), int(p.seed) % (1 << 32))
                                     for p in pad))
 
+    @classmethod
+    def of(cls, temperature, top_p, top_k, seed) -> "SlotSampling":
+        """From per-row host values (sequences of equal length)."""
+        return _slot_sampling(tuple((float(t), float(p), int(k), int(s) % (1 << 32))
+                                    for t, p, k, s in zip(temperature, top_p, top_k, seed)))
+
 
 @functools.lru_cache(maxsize=256)
 def _slot_sampling(slots: tuple[tuple[float, float, int, int], ...]) -> SlotSampling:

@@ -32,7 +32,6 @@ from hyspec_jax.sampling import SlotSampling
 from hyspec_jax.spec.round import RoundShape, pack_round_inputs, spec_round_io_jit, unpack_round_outputs
 
 F32 = jnp.float32
-I32 = jnp.int32
 MIN_CHUNK = 16      # the smallest prefill length (and prompt bucket)
 
 
@@ -140,8 +139,8 @@ class Backend(abc.ABC):
 
     @staticmethod
     def sampling(temperature, top_p, top_k, seed) -> SlotSampling:
-        return SlotSampling(temperature=jnp.asarray(temperature, F32), top_p=jnp.asarray(top_p, F32),
-                            top_k=jnp.asarray(top_k, I32), seed=jnp.asarray(seed, jnp.uint32))
+        """Per-row sampling parameters as device arrays, made once per distinct set (`SlotSampling.of`)."""
+        return SlotSampling.of(temperature, top_p, top_k, seed)
 
     def compile(self, progress: Callable[[str], None] | None = None, stochastic: Sequence[bool] = (False, True),
                 prompt_lengths: Sequence[int] | None = None) -> None:

@@ -75,12 +75,13 @@ def scatter_drafter(dstate: DrafterState, slots: jax.Array, sub: DrafterState) -
 
 def ar_prefill(graphdef: nnx.GraphDef, params: nnx.State, state: TargetState, anchor: jax.Array, slots: jax.Array,
                tokens: jax.Array, valid: jax.Array, reset: jax.Array, sampling: SlotSampling):
-    """Prompt chunks [P, T] into slots [P]: (first tokens [P], state, anchor). The first token is drawn with
-    a run-time greedy / sampling branch (`sample(stochastic=None)`): one program per prefill shape."""
+    """Prompt chunks [P, T] into slots [P]: (first tokens [P], state, anchor). The first token is the warped draw
+    of every row (`sample(stochastic=True)`: greedy rows get their argmax), so one program per prefill shape serves
+    greedy and sampling requests with no run-time branch."""
     model: TargetModel = nnx.merge(graphdef, params)
     sub = gather_target(state, slots, reset)
     logits, _, sub = model.extend(sub, tokens, valid, last_only=True)
-    first = sample(logits[:, 0], sampling, jnp.zeros((), I32))
+    first = sample(logits[:, 0], sampling, jnp.zeros((), I32), stochastic=True)
     return first, scatter_target(state, slots, sub), _put(anchor, slots, first, 0)
 
 
@@ -95,7 +96,7 @@ def spec_prefill(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef,
     dsub = gather_drafter(dstate, slots, reset)
     logits, taps, sub = target.extend(sub, tokens, valid, last_only=True, tap_layers=tap_layers)
     dsub = drafter.append_context(dsub, taps, jnp.sum(valid, axis=1, dtype=I32))
-    first = sample(logits[:, 0], sampling, jnp.zeros((), I32))
+    first = sample(logits[:, 0], sampling, jnp.zeros((), I32), stochastic=True)
     return (first, scatter_target(state, slots, sub), scatter_drafter(dstate, slots, dsub),
             _put(anchor, slots, first, 0))
 

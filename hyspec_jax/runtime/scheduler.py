@@ -107,14 +107,12 @@ class EngineRequest:
     def cut(self, toks: Sequence[int]) -> tuple[list[int], str | None]:
         """The tokens of `toks` this request keeps — up to and including a stop token, at most max_tokens in all —
         and the finish reason they reach ("stop", "length") or None."""
-        out: list[int] = []
-        for t in toks:
-            out.append(int(t))
-            if int(t) in self.stop_token_ids:
-                return out, "stop"
-            if self.generated + len(out) >= self.max_tokens:
-                return out, "length"
-        return out, None
+        room = self.max_tokens - self.generated
+        out = [int(t) for t in toks[:room]]
+        for i, t in enumerate(out):
+            if t in self.stop_token_ids:
+                return out[:i + 1], "stop"
+        return out, "length" if len(out) == room else None
 
 
 class Scheduler:
@@ -138,6 +136,8 @@ class Scheduler:
         self.top_k = np.zeros(B, np.int32)
         self.seed = np.zeros(B, np.uint32)
         self._sampling = None            # device SlotSampling of the step (rebuilt on changes)
+        self._lists = None               # (decoding requests, any prefilling, active mask) until the slots change
+        self._attention = False          # an abort or a submission waits for the loop's lock
         self._inflight: tuple[object, list[EngineRequest | None]] | None = None   # (handle, owners at dispatch)
         self.failed: BaseException | None = None
         # totals since construction (the synchronous drivers' statistics)
@@ -156,6 +156,7 @@ class Scheduler:
             if len(self.waiting) >= self.max_queue + free:
                 raise QueueFull()
             self.waiting.append(req)
+            self._attention = True
             self._occupancy()
             self.cv.notify()
 
@@ -163,6 +164,7 @@ class Scheduler:
         with self.cv:
             if not req.finished and req.abort_reason is None:
                 req.abort_reason = reason
+                self._attention = True
                 self.cv.notify()
 
     def start(self) -> None:
@@ -204,13 +206,13 @@ class Scheduler:
     def run_until_idle(self) -> None:
         """Run the loop on this thread until every submitted request has finished (the synchronous driver)."""
         while True:
-            with self.cv:
-                self._reap()
-                if not self._has_work():
-                    self._occupancy()
-                    return
-                self._admit()
-                self._occupancy()
+            if self._attention or self.waiting:      # only then is there anything to free or admit
+                with self.cv:
+                    self._attention = False
+                    self._reap()
+                    self._admit()
+            if not self._has_work():
+                return
             self._iterate()
 
     def _run(self) -> None:
@@ -226,9 +228,9 @@ class Scheduler:
                         return
                     if not self.accepting and not self._has_work():
                         return
+                    self._attention = False
                     self._reap()
                     self._admit()
-                    self._occupancy()
                 self._iterate()
         except BaseException as e:  # noqa: BLE001 - fail requests, never hang them
             log.exception("scheduler failed")
@@ -238,9 +240,23 @@ class Scheduler:
                 self._abort_all("error")
 
     def _iterate(self) -> None:
-        if any(r is not None and not r.decoding for r in self.slots):
+        if self._slot_lists()[1]:
             self._prefill()
         self._step()
+
+    def _changed(self) -> None:
+        """The slots' requests or their phase changed: drop what was derived from them."""
+        self._sampling = self._lists = None
+        self._occupancy()
+
+    def _slot_lists(self) -> tuple[list[EngineRequest], bool, np.ndarray]:
+        """(the decoding requests, whether a request is being prefilled, the active mask of a step)."""
+        if self._lists is None:
+            decoding = [r for r in self.slots if r is not None and r.decoding and not r.finished]
+            active = np.zeros(len(self.slots), bool)
+            active[[r.slot for r in decoding]] = True
+            self._lists = (decoding, any(r is not None and not r.decoding for r in self.slots), active)
+        return self._lists
 
     def _has_work(self) -> bool:
         return bool(self.waiting) or any(s is not None for s in self.slots) or self._inflight is not None
@@ -254,7 +270,7 @@ class Scheduler:
         self.waiting.clear()
         self.slots = [None] * len(self.slots)
         self._inflight = None
-        self._occupancy()
+        self._changed()
 
     def _reap(self) -> None:
         """Free the slots of aborted requests (called with the lock held)."""
@@ -270,7 +286,7 @@ class Scheduler:
             if r is not None and r.abort_reason:
                 self._finish(r, r.abort_reason, notify=False)
                 self.slots[b] = None
-                self._sampling = None
+                self._changed()
 
     def _admit(self) -> None:
         for b in range(len(self.slots)):
@@ -283,7 +299,7 @@ class Scheduler:
                 self.temperature[b], self.top_p[b], self.top_k[b] = r.temperature, r.top_p, r.top_k
                 self.seed[b] = r.seed % (1 << 32)
                 self.steps[b] = 0
-                self._sampling = None
+                self._changed()
                 self.observer.admitted(time.perf_counter() - r.arrival)
 
     def _finish(self, r: EngineRequest, reason: str, notify: bool = True) -> None:
@@ -321,8 +337,7 @@ class Scheduler:
     def _release(self, b: int) -> None:
         with self.cv:
             self.slots[b] = None
-            self._sampling = None
-            self._occupancy()
+            self._changed()
 
     # --- device calls --------------------------------------------------------------------------------
     def _prefill(self) -> None:
@@ -350,29 +365,26 @@ class Scheduler:
         for i, r in enumerate(chosen):
             r.prefilled += int(valid[i].sum())
             if r.decoding:
+                self._lists = None
                 self.observer.prompt_done(len(r.prompt_ids))
                 if r.abort_reason is None and self._emit(r, [int(first[i])]):
                     self._release(r.slot)
 
-    def _decoding(self) -> list[EngineRequest]:
-        return [r for r in self.slots if r is not None and r.decoding and not r.finished]
-
     def _step(self) -> None:
         """Dispatch the next step, collect the one in flight, or both (pipelined; see the module docstring)."""
-        decoding = self._decoding()
+        decoding, _, active = self._slot_lists()
         if self._inflight is None:
             if decoding:
-                self._inflight = self._dispatch(decoding)
+                self._inflight = self._dispatch(decoding, active)
             return
         reach = self.backend.depth + 1       # most tokens the step in flight gives a request
         ahead = (decoding and all(r.hint is None and r.generated + reach < r.max_tokens for r in decoding))
-        nxt = self._dispatch(decoding) if ahead else None
+        nxt = self._dispatch(decoding, active) if ahead else None
         flight, self._inflight = self._inflight, nxt
         self._collect(*flight)
 
-    def _dispatch(self, decoding: list[EngineRequest]):
+    def _dispatch(self, decoding: list[EngineRequest], active: np.ndarray):
         be = self.backend
-        active = np.array([r is not None and r in decoding for r in self.slots])
         self.steps[active] += 1
         if self._sampling is None:
             self._sampling = be.sampling(self.temperature, self.top_p, self.top_k, self.seed)
@@ -396,18 +408,24 @@ class Scheduler:
         self.steps_collected += 1
         self.first_collect_at = self.first_collect_at or now
         self.last_collect_at = now
+        counts = res.count.tolist()          # Python ints once, not a numpy scalar per read
         live = [(b, r) for b, r in enumerate(owners)
-                if r is not None and res.count[b] > 0 and self.slots[b] is r and not r.finished]
-        if res.accepted is not None and live:
-            self.observer.spec_round(len(live), res.drafted, res.accepted[[b for b, _ in live]], self.backend.depth)
+                if r is not None and counts[b] > 0 and self.slots[b] is r and not r.finished]
+        if not live:
+            return
+        tokens = res.tokens.tolist()
+        accepted = None if res.accepted is None else res.accepted.tolist()
+        if accepted is not None:
+            self.observer.spec_round(len(live), res.drafted, np.asarray([accepted[b] for b, _ in live]),
+                                     self.backend.depth)
         for b, r in live:
-            n = int(res.count[b])
+            n = counts[b]
             r.committed.append(n)
-            if res.accepted is not None:
-                r.accepted.append(int(res.accepted[b]))
+            if accepted is not None:
+                r.accepted.append(accepted[b])
             if r.abort_reason is not None:
                 continue   # freed at the next iteration
-            if self._emit(r, res.tokens[b, :n]):
+            if self._emit(r, tokens[b][:n]):
                 self._release(b)
 
 

@@ -9,7 +9,7 @@ from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.spec.engine import SpecConfig, SpecEngine
 try:
     from hyspec_jax.tree import TreeExpansion as TreeSpec
-except ImportError:
+except ImportError:     # a checkout from before TreeExpansion (the probe compares two trees)
     from hyspec_jax.spec.select import TreeSpec
 d = np.load("bench/data/heldout_prompts.npz")
 prompt = list(map(int, d["tokens"][0]))

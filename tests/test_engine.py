@@ -164,6 +164,17 @@ def test_budget_floor_only_is_still_exact(models, reference):
     assert eng.last_stats.accepted_per_position[0] > 0.5 and eng.last_stats.accepted_per_position[1] == 0.0
 
 
+def test_hints_with_fewer_verified_nodes_than_draft_slots(models, reference):
+    """A verify width N below the drafter's block (N − 1 < γ): the hints still cover the whole block the round
+    drafts, and the output is exactly AR with at most N − 1 drafts accepted a round."""
+    target, drafter = models
+    prompts, params, ref = reference
+    eng = SpecEngine(target, drafter, SpecConfig(mode="chain", verify_nodes=3), slots=SLOTS, kv_len=KV)
+    out = eng.generate(prompts, params, hint=_hint(ref))
+    assert [r.token_ids for r in out] == ref
+    assert max(c for r in out for c in r.committed) == 3
+
+
 def test_confidence_scheduled_chain_is_exact(models, reference):
     """DSpark's confidence cut: with threshold 1 no survival passes, so every round verifies the floor of one
     draft (acceptance beyond the first position impossible) — and the output is still exactly AR."""

@@ -103,6 +103,7 @@ class Backend(abc.ABC):
 
     mode = "ar"
     depth = 0              # most drafts a round commits (0: plain decoding)
+    hint_width = 0         # token-hint columns a step takes: the draft block's slots (0: no drafts to steer)
 
     def __init__(self, config: TargetConfig, graphdef, params, *, slots: int, kv_len: int,
                  shapes: Sequence[tuple[int, int]], drafter_config: DrafterConfig | None = None):
@@ -227,6 +228,7 @@ class SpecBackend(Backend):
         self.round_shapes = dict(round_shapes)
         greedy = self.round_shapes[False]
         self.depth, self.verify_nodes = greedy.depth, greedy.verify_nodes
+        self.hint_width = greedy.gamma       # the block the round drafts; N may verify fewer of its slots
         self.drafted = greedy.verify_nodes - 1
         self.capacity = int(capacity)
         self.tap_layers = greedy.tap_layers

@@ -392,7 +392,7 @@ class Scheduler:
         hint = None
         if any(r.hint is not None for r in decoding):
             # no hint columns without hints (the round then has no hint ops; hinted runs compile their own round)
-            G = be.depth
+            G = be.hint_width
             hint = np.full((be.slots, G), -1, np.int32)
             for r in decoding:
                 if r.hint is not None:

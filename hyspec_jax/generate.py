@@ -18,7 +18,7 @@ from flax import nnx
 
 from hyspec_jax.compilation import CompileWatch, enable_compilation_cache, pure_params, static_graphdef
 from hyspec_jax.config import TargetConfig
-from hyspec_jax.runtime.backend import ARBackend, bucket, compile_backends, prompt_buckets
+from hyspec_jax.runtime.backend import ARBackend, batch_shapes, bucket, compile_backends
 from hyspec_jax.runtime.scheduler import run_batch
 from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.state import TargetState, init_state
@@ -83,9 +83,8 @@ class Generator:
     def backend(self, slots: int, kv_len: int, shapes: Sequence[tuple[int, int]] | None = None) -> ARBackend:
         """A backend for the bucket (slots, KV length); prefill shapes default to all `slots` rows of every prompt
         bucket the KV length holds."""
-        if shapes is None:
-            shapes = [(slots, t) for t in prompt_buckets(kv_len - 1)] or [(slots, bucket(1))]
-        return ARBackend(self.config, self.graphdef, self.params, slots=slots, kv_len=kv_len, shapes=shapes)
+        return ARBackend(self.config, self.graphdef, self.params, slots=slots, kv_len=kv_len,
+                         shapes=shapes or batch_shapes(slots, kv_len - 1))
 
     def compile_buckets(self, buckets: Iterable[tuple[int, int]], prompt_lengths: Sequence[int] | None = None,
                         progress: bool = True, cache: bool = True, stochastic: Sequence[bool] = (False, True)) -> int:

@@ -61,6 +61,12 @@ def prefill_shapes(chunk: int, max_rows: int) -> list[tuple[int, int]]:
     return out
 
 
+def batch_shapes(slots: int, longest_prompt: int) -> list[tuple[int, int]]:
+    """The prefill shapes of the synchronous drivers: all `slots` rows, one per prompt bucket up to the longest
+    prompt a bucket holds (a batch's prompts are admitted in one call)."""
+    return [(slots, t) for t in prompt_buckets(longest_prompt)] or [(slots, bucket(1))]
+
+
 def start_host_copy(x: jax.Array) -> None:
     """Start `x`'s device→host copy now (GPU), so that reading it later does not also wait behind work
     dispatched meanwhile. Not on a CPU: the result already lives in host memory, and the asynchronous copy of a

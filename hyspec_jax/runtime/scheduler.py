@@ -452,7 +452,5 @@ def run_batch(backend: Backend, prompts: Sequence[Sequence[int]], params: Sequen
                             hint=None if hint is None else (lambda i=i: hint(i, list(outs[i]))))
         sched.submit(req)
         reqs.append(req)
-    sched.run_until_idle()
-    if sched.failed is not None:
-        raise sched.failed
+    sched.run_until_idle()      # on this thread: an error propagates as it is
     return reqs, outs, sched

@@ -31,7 +31,7 @@ from hyspec_jax.compilation import CompileWatch, split_for_jit
 from hyspec_jax.generate import Generator, use_compilation_cache, validate_prompts
 from hyspec_jax.models.drafter import Drafter
 from hyspec_jax.models.target import TargetModel
-from hyspec_jax.runtime.backend import SpecBackend, bucket, compile_backends, prompt_buckets
+from hyspec_jax.runtime.backend import SpecBackend, batch_shapes, bucket, compile_backends
 from hyspec_jax.runtime.scheduler import run_batch
 from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.spec.budget import BudgetTable
@@ -224,8 +224,7 @@ class SpecEngine:
         if self.spec.mode == "ar":
             raise ValueError("plain decoding (ar) runs on `generate.Generator`'s backend")
         N = self.nodes_for(slots, kv_len)
-        if shapes is None:
-            shapes = [(slots, t) for t in prompt_buckets(self.max_prompt_len(kv_len))] or [(slots, bucket(1))]
+        shapes = shapes or batch_shapes(slots, self.max_prompt_len(kv_len))
         return SpecBackend(self.config, self.tgraph, self.tparams, self.drafter.config, self.dgraph, self.dparams,
                            mode=self.spec.mode, round_shapes={s: self.round_shape(s, N) for s in (False, True)},
                            capacity=self.spec.capacity or slots * N, slots=slots, kv_len=kv_len, shapes=shapes)

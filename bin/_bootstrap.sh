@@ -4,6 +4,10 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 EXTRAS="${1:-}"
+# A machine with an NVIDIA GPU gets the CUDA build of the pinned jax (the `cuda` extra) besides what was asked.
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+  EXTRAS="${EXTRAS:+$EXTRAS,}cuda"
+fi
 
 find_python() {
   for cand in python3.12 "$HOME/.pyenv/versions/3.12.1/bin/python3.12"; do
@@ -24,8 +28,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   PYENV_VERSION=3.12.1 "$PY" -m venv "$VENV"
 fi
 have="$(cat "$stamp_file" 2>/dev/null || true)"
-# A test install satisfies a plain run too.
-if [ "$have" != "$stamp_want" ] && [ "$have" != "${stamp_want%-*}-test" ]; then
+# A test install satisfies a plain run too (and a test,cuda install a cuda one).
+if [ "$have" != "$stamp_want" ] && [ "$have" != "${stamp_want%-*}-test" ] && \
+   [ "$have" != "${stamp_want%-*}-test,cuda" ]; then
   echo "[bootstrap] installing hyspec-jax${EXTRAS:+[$EXTRAS]} into .venv (first time: a few minutes)" >&2
   "$VENV/bin/python" -m pip install -q --upgrade pip >&2
   "$VENV/bin/python" -m pip install -q -e "$ROOT${EXTRAS:+[$EXTRAS]}" >&2

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from hyspec_jax.config import ConfigError, DrafterConfig
-from hyspec_jax.io.hf import CheckpointError, fill_params, flat_params
+from hyspec_jax.io.hf import CheckpointError, flat_params, stream_params
 from hyspec_jax.models.drafter import Drafter, TargetHeads, abstract_drafter
 from hyspec_jax.models.reader import ReaderConfig
 
@@ -39,7 +39,7 @@ LORA_FILE = "lora.safetensors"
 
 
 def _read(path: Path) -> dict[str, np.ndarray]:
-    with safe_open(str(path), framework="flax") as f:
+    with safe_open(str(path), framework="numpy") as f:
         return {k: np.asarray(f.get_tensor(k)) for k in f.keys()}
 
 
@@ -114,16 +114,15 @@ def load_drafter(model_dir: str | Path, *, dtype=jnp.float32, with_reader: bool 
     if not weights.is_file():
         raise CheckpointError(f"{model_dir}: no model.safetensors")
     model = abstract_drafter(cfg, rcfg, dtype)
-    tensors = _read(weights)
-    for key in _FROZEN_COPIES:
-        tensors.pop(key, None)
     params = flat_params(model)
-    fill_params({k: v for k, v in params.items() if not k.startswith("reader.")}, tensors, weights, dtype)
+    # streamed like the target (hf.stream_params): each tensor placed as it is read
+    stream_params({k: v for k, v in params.items() if not k.startswith("reader.")}, [weights], where=weights,
+                  dtype=dtype, rename=lambda k: None if k in _FROZEN_COPIES else k)
     if model.reader is not None:
         rweights = model_dir / READER_DIR / "reader.safetensors"
         if not rweights.is_file():
             raise CheckpointError(f"{model_dir}: reader_config.json without reader.safetensors")
-        fill_params(flat_params(model.reader), _read(rweights), rweights, dtype)
+        stream_params(flat_params(model.reader), [rweights], where=rweights, dtype=dtype)
         _merge_lora(model, model_dir / READER_DIR / LORA_FILE, dtype)
     return model
 

@@ -5,16 +5,32 @@ Parameter paths of `TargetModel` equal HF keys, so the mapping is only about pre
 - routed experts on disk per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`) or fused
   (`mlp.experts.gate_up_proj` [E,2I,H], `mlp.experts.down_proj` [E,H,I]); saved per expert, as
   `save_pretrained` does.
+
+Loading is streamed (`stream_params`): first every shard's header is read (names, shapes, dtypes; no data) and
+checked against the config, so a missing or misshapen tensor fails before any data is read; then the shards
+are read one at a time, and each tensor is converted and placed straight into its final placement — the
+default device, or its `hyspec_jax.sharding` layout on a mesh, where each device's slice is read on its own
+(safetensors' lazy `get_slice`). The host never holds more than the tensor in flight, plus, for per-expert
+checkpoints, the fused expert buffers of the MoE layers whose experts are not all read yet (one layer, when a
+layer's experts are stored together). `LoadStats.peak_host_bytes` counts exactly those host buffers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
+import math
 import re
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
@@ -27,6 +43,12 @@ log = logging.getLogger(__name__)
 
 _IGNORED = re.compile(r"^(mtp\.|model\.visual\.|visual\.)")
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# safetensors dtype names -> numpy (bf16 / fp8 via ml_dtypes)
+_DTYPES = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16, "U32": np.uint32,
+           "I32": np.int32, "U64": np.uint64, "I64": np.int64, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+           "F32": np.float32, "F64": np.float64, "F8_E4M3": ml_dtypes.float8_e4m3fn,
+           "F8_E5M2": ml_dtypes.float8_e5m2}
+PROGRESS_MIN_BYTES = 1 << 30     # a progress bar for checkpoints this large even when stderr is not a terminal
 
 
 class CheckpointError(ValueError):
@@ -61,32 +83,95 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-_Experts = dict[str, dict[int, dict[str, tuple[str, np.ndarray]]]]  # prefix -> expert -> proj -> (raw key, array)
+# ------------------------------------------------------------------------------------------------
+# Streamed loading
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class LoadStats:
+    """What one load did (pass one to `load_pretrained(stats=)` / `stream_params`; filled in place).
+
+    peak_host_bytes: the most bytes of host tensors the loader held at once — arrays read from the files (and
+    their dtype conversions) not yet placed, and fused expert buffers not yet complete; largest_file_bytes: the
+    tensor bytes of the largest weight file, the bound a streamed load stays under (per-expert MoE layers split
+    across files aside)."""
+    files: int = 0
+    tensors: int = 0
+    bytes_read: int = 0
+    largest_file_bytes: int = 0
+    peak_host_bytes: int = 0
+    seconds: float = 0.0
+    held_bytes: int = 0          # host bytes held now (0 after a load)
+
+    def _hold(self, nbytes: int) -> None:
+        self.held_bytes += nbytes
+        self.peak_host_bytes = max(self.peak_host_bytes, self.held_bytes)
+
+    def _release(self, nbytes: int) -> None:
+        self.held_bytes -= nbytes
 
 
-def _read_tensors(model_dir: Path) -> tuple[dict[str, np.ndarray], _Experts]:
-    """All tensors under canonical names, as numpy (bf16 via ml_dtypes); per-expert weights kept apart
-    (with their on-disk names, for error messages) until `_fuse_experts` checks them against the config."""
-    tensors: dict[str, np.ndarray] = {}
-    experts: _Experts = {}
-    for path in _weight_files(model_dir):
-        with safe_open(str(path), framework="flax") as f:
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One tensor of a checkpoint, known from its file's header (nothing read): canonical name, name on disk,
+    shape, dtype, and its file (None: the in-memory `array`)."""
+    key: str
+    raw_key: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    file: Path | None = None
+    array: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _dtype(name: str, raw_key: str, path: Path) -> np.dtype:
+    if name not in _DTYPES:
+        raise CheckpointError(f"tensor {raw_key!r} in {path} has dtype {name}, which this loader does not read")
+    return np.dtype(_DTYPES[name])
+
+
+def _scan(files: list[Path], rename: Callable[[str], str | None]) -> list[tuple[Path | None, list[_Tensor]]]:
+    """Every file's tensors from its header alone (no tensor data is read), under canonical names; names that
+    `rename` maps to None are left out. A name present twice is an error (which one would load is arbitrary)."""
+    out, seen = [], {}
+    for path in files:
+        tensors = []
+        with safe_open(str(path), framework="numpy") as f:
             for raw_key in f.keys():
-                key = _canonical(raw_key)
+                key = rename(raw_key)
                 if key is None:
                     continue
-                m = _PER_EXPERT.match(key)
-                arr = np.asarray(f.get_tensor(raw_key))
-                if m:
-                    experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = (raw_key, arr)
-                else:
-                    tensors[key] = arr
-    return tensors, experts
+                if key in seen:
+                    raise CheckpointError(f"tensor {key!r} is stored twice: as {seen[key][0]!r} in {seen[key][1]} "
+                                          f"and as {raw_key!r} in {path}")
+                seen[key] = (raw_key, path)
+                sl = f.get_slice(raw_key)
+                tensors.append(_Tensor(key, raw_key, tuple(int(d) for d in sl.get_shape()),
+                                       _dtype(sl.get_dtype(), raw_key, path), file=path))
+        out.append((path, tensors))
+    return out
 
 
-def _fuse_experts(prefix: str, per: dict[int, dict[str, tuple[str, np.ndarray]]], gate_up_shape: tuple[int, ...],
-                  down_shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """Per-expert gate/up/down [I,H]/[I,H]/[H,I] -> fused gate_up [E,2I,H] (gate rows first), down [E,H,I]."""
+def _in_memory(tensors: Mapping[str, np.ndarray]) -> list[tuple[Path | None, list[_Tensor]]]:
+    return [(None, [_Tensor(k, k, tuple(a.shape), a.dtype, array=np.asarray(a)) for k, a in tensors.items()])]
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExpertGroup:
+    """The per-expert tensors of one MoE layer, fused on load into `gate_up` [E,2I,H] (gate rows first) and
+    `down` [E,H,I]."""
+    prefix: str
+    gate_up: str
+    down: str
+    experts: int
+    intermediate: int
+
+
+def _check_experts(prefix: str, per: dict[int, dict[str, _Tensor]], gate_up_shape: tuple[int, ...],
+                   down_shape: tuple[int, ...]) -> None:
+    """Per-expert gate/up/down must be [I,H]/[I,H]/[H,I] for every expert id in range(E) and no other."""
     E, two_i, H = gate_up_shape
     want = {"gate_proj": (two_i // 2, H), "up_proj": (two_i // 2, H), "down_proj": tuple(down_shape[1:])}
     extra = sorted(set(per) - set(range(E)))
@@ -94,16 +179,186 @@ def _fuse_experts(prefix: str, per: dict[int, dict[str, tuple[str, np.ndarray]]]
         raise CheckpointError(f"{prefix}: expert ids {extra} in the checkpoint, config.json has {E} experts")
     for e in range(E):
         for proj, shape in want.items():
-            name = f"{prefix}.{e}.{proj}.weight"
             if proj not in per.get(e, {}):
-                raise CheckpointError(f"missing tensor {name!r} (expected shape {shape})")
-            raw_key, arr = per[e][proj]
-            if tuple(arr.shape) != shape:
-                raise CheckpointError(f"tensor {raw_key!r} has shape {tuple(arr.shape)} in the checkpoint, "
+                raise CheckpointError(f"missing tensor {f'{prefix}.{e}.{proj}.weight'!r} (expected shape {shape})")
+            t = per[e][proj]
+            if t.shape != shape:
+                raise CheckpointError(f"tensor {t.raw_key!r} has shape {t.shape} in the checkpoint, "
                                       f"expected {shape} from config.json")
-    gate_up = np.stack([np.concatenate([per[e]["gate_proj"][1], per[e]["up_proj"][1]], axis=0) for e in range(E)])
-    down = np.stack([per[e]["down_proj"][1] for e in range(E)])
-    return gate_up, down
+
+
+def _plan(expected: Mapping[str, nnx.Variable], groups: list[tuple[Path | None, list[_Tensor]]],
+          where: str | Path) -> tuple[dict[str, _ExpertGroup], set[str]]:
+    """Check the checkpoint against the model before any data is read: per-expert groups complete and of the
+    right shapes, every other expected tensor present with its shape. Returns the expert groups (by prefix) and
+    the names of the tensors to skip (logged: unexpected, or per-expert where the config has no routed experts)."""
+    direct: dict[str, _Tensor] = {}
+    per_expert: dict[str, dict[int, dict[str, _Tensor]]] = {}
+    for _, tensors in groups:
+        for t in tensors:
+            m = _PER_EXPERT.match(t.key)
+            if m:
+                per_expert.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+            else:
+                direct[t.key] = t
+    fused: dict[str, _ExpertGroup] = {}
+    skip: set[str] = set()
+    for prefix, per in per_expert.items():
+        gate_up, down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
+        if gate_up not in expected or down not in expected:
+            log.warning("ignoring per-expert tensors under %s (no routed experts there in config.json)", prefix)
+            skip.update(t.key for ex in per.values() for t in ex.values())
+            continue
+        if gate_up in direct or down in direct:
+            raise CheckpointError(f"{prefix}: both fused and per-expert expert tensors in the checkpoint")
+        gu_shape = tuple(expected[gate_up].shape)
+        _check_experts(prefix, per, gu_shape, tuple(expected[down].shape))
+        fused[prefix] = _ExpertGroup(prefix, gate_up, down, gu_shape[0], gu_shape[1] // 2)
+    fused_names = {n for g in fused.values() for n in (g.gate_up, g.down)}
+    for name, var in expected.items():
+        if name in fused_names:
+            continue
+        if name not in direct:
+            raise CheckpointError(f"missing tensor {name!r} (expected shape {tuple(var.shape)}) in {where}")
+        if direct[name].shape != tuple(var.shape):
+            raise CheckpointError(f"tensor {name!r} has shape {direct[name].shape} in {where}, "
+                                  f"expected {tuple(var.shape)} from the config")
+    unexpected = sorted(set(direct) - set(expected))
+    if unexpected:
+        log.warning("%s: ignoring %d unexpected tensors, e.g. %s", where, len(unexpected), unexpected[:3])
+    return fused, skip | set(unexpected)
+
+
+Reader = Callable[[tuple[slice, ...] | None], np.ndarray]     # index (None: all) -> host array
+
+
+class _Placer:
+    """Places one tensor at a time into its final placement, converting on the host to the model dtype; the
+    host arrays it reads are counted in `stats` until placed."""
+
+    def __init__(self, dtype, sharding_of: Callable[[str, tuple[int, ...]], jax.sharding.Sharding | None],
+                 stats: LoadStats):
+        self.dtype, self.sharding_of, self.stats = np.dtype(dtype), sharding_of, stats
+
+    def _convert(self, arr: np.ndarray) -> np.ndarray:
+        if arr.dtype == self.dtype:
+            return arr
+        out = arr.astype(self.dtype)
+        self.stats._hold(out.nbytes)
+        self.stats._release(arr.nbytes)
+        return out
+
+    def _read(self, read: Reader, index) -> tuple[np.ndarray, int]:
+        """(the slice `index` of a tensor in the model dtype, the host bytes now held for it)"""
+        arr = read(index)
+        self.stats._hold(arr.nbytes)
+        out = self._convert(arr)
+        return out, out.nbytes
+
+    def place(self, name: str, shape: tuple[int, ...], read: Reader) -> jax.Array:
+        sharding = self.sharding_of(name, shape)
+        if sharding is None:                      # the default device (jax.default_device honoured)
+            arr, held = self._read(read, None)
+            try:
+                return jax.device_put(arr)
+            finally:
+                self.stats._release(held)
+        slices: dict[tuple, np.ndarray] = {}      # each distinct slice read once (replicated dims: one read)
+        held = 0
+
+        def shard(index: tuple[slice, ...]) -> np.ndarray:
+            nonlocal held
+            key = tuple((s.start, s.stop, s.step) for s in index)
+            if key not in slices:
+                slices[key], n = self._read(read, index)
+                held += n
+            return slices[key]
+        try:
+            return jax.make_array_from_callback(shape, sharding, shard)
+        finally:
+            slices.clear()
+            self.stats._release(held)
+
+
+def _file_reader(f, t: _Tensor) -> Reader:
+    if t.array is not None:
+        return lambda index: t.array if index is None else t.array[index]
+    return lambda index: f.get_tensor(t.raw_key) if index is None else f.get_slice(t.raw_key)[index]
+
+
+def stream_params(expected: Mapping[str, nnx.Variable], files: list[Path] | Mapping[str, np.ndarray], *,
+                  where: str | Path, dtype, rename: Callable[[str], str | None] = lambda k: k,
+                  sharding_of: Callable[[str, tuple[int, ...]], jax.sharding.Sharding | None] = lambda n, s: None,
+                  stats: LoadStats | None = None, progress: bool | None = None) -> LoadStats:
+    """Set every expected variable (dotted name -> `nnx.Variable`, e.g. `flat_params` of an abstract model)
+    from the weight files, one file at a time, each tensor placed as soon as it is read (`sharding_of(name,
+    shape)`: its sharding, or None for the default device). `files` may also be in-memory tensors by name.
+    `rename` maps on-disk names to parameter names (None: skip). Missing / misshapen tensors raise
+    `CheckpointError` before any data is read; unexpected ones are logged. `progress`: a bar over the bytes
+    (None: when stderr is a terminal or the checkpoint is at least `PROGRESS_MIN_BYTES`)."""
+    t0 = time.perf_counter()
+    stats = LoadStats() if stats is None else stats
+    groups = _in_memory(files) if isinstance(files, Mapping) else _scan(list(files), rename)
+    fused, skip = _plan(expected, groups, where)
+    load = [(path, [t for t in ts if t.key not in skip]) for path, ts in groups]
+    sizes = [sum(t.nbytes for t in ts) for _, ts in load]
+    total = sum(sizes)
+    stats.files += len(files) if not isinstance(files, Mapping) else 0
+    stats.largest_file_bytes = max([stats.largest_file_bytes, *sizes])
+    if progress is None:
+        progress = total >= PROGRESS_MIN_BYTES or sys.stderr.isatty()
+    placer = _Placer(dtype, sharding_of, stats)
+    pending: dict[str, tuple[np.ndarray, np.ndarray, set]] = {}   # prefix -> fused buffers, experts' parts left
+    placed: set[str] = set()
+
+    def put(name: str, read: Reader) -> None:
+        expected[name].set_value(placer.place(name, tuple(expected[name].shape), read))
+        placed.add(name)
+
+    from tqdm import tqdm
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {Path(str(where)).name}", disable=not progress,
+              file=sys.stderr, leave=False) as bar:
+        for path, tensors in load:
+            with (safe_open(str(path), framework="numpy") if path is not None else contextlib.nullcontext()) as f:
+                for t in tensors:
+                    m = _PER_EXPERT.match(t.key)
+                    if m is None:
+                        put(t.key, _file_reader(f, t))
+                    else:
+                        _fill_expert(fused[m.group(1)], int(m.group(2)), m.group(3), t, f, pending, placer, put)
+                    stats.tensors += 1
+                    stats.bytes_read += t.nbytes
+                    bar.update(t.nbytes)
+    missing = sorted(set(expected) - placed)
+    if missing or pending:                  # _plan checked completeness: this would be a bug here, not on disk
+        raise AssertionError(f"streamed load left {missing[:3]} unset, {sorted(pending)[:3]} unfused")
+    stats.seconds += time.perf_counter() - t0
+    return stats
+
+
+def _fill_expert(g: _ExpertGroup, e: int, proj: str, t: _Tensor, f, pending, placer: _Placer, put) -> None:
+    """Copy one expert's projection into its MoE layer's fused buffers (allocated in the model dtype at the
+    layer's first expert tensor); place both once every part is there, and free them."""
+    if g.prefix not in pending:
+        E, I = g.experts, g.intermediate
+        H = t.shape[1] if proj != "down_proj" else t.shape[0]
+        gate_up, down = np.empty((E, 2 * I, H), placer.dtype), np.empty((E, H, I), placer.dtype)
+        placer.stats._hold(gate_up.nbytes + down.nbytes)
+        pending[g.prefix] = (gate_up, down, {(x, p) for x in range(E) for p in ("gate_proj", "up_proj", "down_proj")})
+    gate_up, down, left = pending[g.prefix]
+    arr = _file_reader(f, t)(None)
+    placer.stats._hold(arr.nbytes)
+    I = g.intermediate
+    target = {"gate_proj": gate_up[e, :I], "up_proj": gate_up[e, I:], "down_proj": down[e]}[proj]
+    target[...] = arr
+    placer.stats._release(arr.nbytes)
+    del arr
+    left.discard((e, proj))
+    if not left:
+        del pending[g.prefix]
+        for name, buf in ((g.gate_up, gate_up), (g.down, down)):
+            put(name, lambda index, buf=buf: buf if index is None else buf[index])
+        placer.stats._release(gate_up.nbytes + down.nbytes)
 
 
 def flat_params(module: nnx.Module) -> dict[str, nnx.Variable]:
@@ -113,42 +368,90 @@ def flat_params(module: nnx.Module) -> dict[str, nnx.Variable]:
 
 
 def fill_params(expected: dict[str, nnx.Variable], tensors: dict[str, np.ndarray], where: str | Path, dtype) -> None:
-    """Set each expected variable from its tensor (consumed from `tensors`), checking presence and shape;
+    """Set each expected variable from in-memory tensors, checking presence and shape (`stream_params`'s rules);
     leftover tensors are logged, not loaded."""
-    for name, var in expected.items():
-        if name not in tensors:
-            raise CheckpointError(f"missing tensor {name!r} (expected shape {tuple(var.shape)}) in {where}")
-        arr = tensors.pop(name)
-        if tuple(arr.shape) != tuple(var.shape):
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(arr.shape)} in {where}, "
-                                  f"expected {tuple(var.shape)} from the config")
-        var.set_value(jnp.asarray(arr, dtype=dtype))
-    if tensors:
-        log.warning("%s: ignoring %d unexpected tensors, e.g. %s", where, len(tensors), sorted(tensors)[:3])
+    stream_params(expected, tensors, where=where, dtype=dtype, progress=False)
 
 
-def load_pretrained(model_dir: str | Path, dtype=jnp.float32) -> tuple[TargetConfig, TargetModel]:
-    """Read a HF model directory into a `TargetModel` with parameters in `dtype`."""
+def load_pretrained(model_dir: str | Path, dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None, *,
+                    stats: LoadStats | None = None, progress: bool | None = None) -> tuple[TargetConfig, TargetModel]:
+    """Read a HF model directory into a `TargetModel` with parameters in `dtype`, streamed shard by shard: on
+    the default device, or with `mesh` each parameter in its `hyspec_jax.sharding.param_spec` layout (each
+    device reading only its slice). `stats` (a `LoadStats`) is filled in; `progress` as in `stream_params`."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: model directory does not exist")
     cfg = TargetConfig.from_pretrained(model_dir)
-    tensors, experts = _read_tensors(model_dir)
+    files = _weight_files(model_dir)
     model = abstract_model(cfg, dtype)
-    expected = flat_params(model)
-    if cfg.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    for prefix, per in experts.items():
-        gate_up, down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
-        if gate_up not in expected or down not in expected:
-            log.warning("ignoring per-expert tensors under %s (no routed experts there in config.json)", prefix)
-            continue
-        if gate_up in tensors or down in tensors:
-            raise CheckpointError(f"{prefix}: both fused and per-expert expert tensors in the checkpoint")
-        tensors[gate_up], tensors[down] = _fuse_experts(prefix, per, tuple(expected[gate_up].shape),
-                                                        tuple(expected[down].shape))
-    fill_params(expected, tensors, model_dir, dtype)
+    sharding_of = lambda name, shape: None    # noqa: E731
+    if mesh is not None:
+        from hyspec_jax.sharding import param_spec     # sharding imports the models; only a mesh load needs it
+
+        sharding_of = lambda name, shape: jax.sharding.NamedSharding(mesh, param_spec(name, shape, cfg, mesh))  # noqa: E731
+    tied = cfg.tie_word_embeddings
+
+    def rename(raw_key: str) -> str | None:
+        key = _canonical(raw_key)
+        return None if tied and key == "lm_head.weight" else key
+    stream_params(flat_params(model), files, where=model_dir, dtype=dtype, rename=rename, sharding_of=sharding_of,
+                  stats=stats, progress=progress)
     return cfg, model
+
+
+# ------------------------------------------------------------------------------------------------
+# Saving
+# ------------------------------------------------------------------------------------------------
+def hf_tensors(name: str, arr: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    """The on-disk tensors of one parameter (views of `arr`): fused routed experts split per expert, as
+    transformers' save_pretrained writes them; every other parameter as it is."""
+    if name.endswith(".mlp.experts.gate_up_proj"):
+        prefix = name[: -len(".gate_up_proj")]
+        gate, up = np.split(arr, 2, axis=1)
+        for e in range(arr.shape[0]):
+            yield f"{prefix}.{e}.gate_proj.weight", gate[e]
+            yield f"{prefix}.{e}.up_proj.weight", up[e]
+    elif name.endswith(".mlp.experts.down_proj"):
+        prefix = name[: -len(".down_proj")]
+        for e in range(arr.shape[0]):
+            yield f"{prefix}.{e}.down_proj.weight", arr[e]
+    else:
+        yield name, arr
+
+
+def shard_plan(nbytes: Mapping[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names (sorted) in shard files of at most max_shard_bytes each (a larger tensor alone in its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(nbytes):
+        if shards[-1] and size + nbytes[name] > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes[name]
+    return shards
+
+
+def write_safetensors(model_dir: Path, nbytes: Mapping[str, int], produce: Callable[[str], np.ndarray], *,
+                      max_shard_bytes: int, after_write: Callable[[Path], None] | None = None) -> list[Path]:
+    """Write tensors (name -> byte size; `produce(name)` makes each when its shard is written) as
+    model.safetensors, or as `shard_plan` shards with model.safetensors.index.json. Only one shard's tensors
+    are made at a time; `after_write(path)` runs after each file. Returns the files written."""
+    plan = shard_plan(nbytes, max_shard_bytes)
+    names = (["model.safetensors"] if len(plan) == 1 else
+             [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))])
+    paths = []
+    for fname, keys in zip(names, plan):
+        path = model_dir / fname
+        save_file({k: np.ascontiguousarray(produce(k)) for k in keys}, str(path), metadata={"format": "pt"})
+        paths.append(path)
+        if after_write is not None:
+            after_write(path)
+    if len(plan) > 1:
+        weight_map = {k: fname for fname, keys in zip(names, plan) for k in keys}
+        (model_dir / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}, indent=2) + "\n")
+    return paths
 
 
 def save_pretrained(model: TargetModel, model_dir: str | Path, *, max_shard_bytes: int = 2 << 30,
@@ -159,40 +462,11 @@ def save_pretrained(model: TargetModel, model_dir: str | Path, *, max_shard_byte
     cfg: TargetConfig = model.config
     out: dict[str, np.ndarray] = {}
     for name, var in flat_params(model).items():
-        arr = np.asarray(var[...] if dtype is None else var[...].astype(dtype))
-        if name.endswith(".mlp.experts.gate_up_proj"):
-            prefix = name[: -len(".gate_up_proj")]
-            gate, up = np.split(arr, 2, axis=1)
-            for e in range(arr.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = gate[e]
-                out[f"{prefix}.{e}.up_proj.weight"] = up[e]
-        elif name.endswith(".mlp.experts.down_proj"):
-            prefix = name[: -len(".down_proj")]
-            for e in range(arr.shape[0]):
-                out[f"{prefix}.{e}.down_proj.weight"] = arr[e]
-        else:
-            out[name] = arr
+        out.update(hf_tensors(name, np.asarray(var[...] if dtype is None else var[...].astype(dtype))))
     (model_dir / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name in sorted(out):
-        nbytes = out[name].nbytes
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = np.ascontiguousarray(out[name])
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(model_dir / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(model_dir / fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in shard})
-    total = sum(a.nbytes for a in out.values())
-    (model_dir / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    write_safetensors(model_dir, {k: a.nbytes for k, a in out.items()}, out.__getitem__,
+                      max_shard_bytes=max_shard_bytes)
 
 
-__all__ = ["CheckpointError", "ConfigError", "load_pretrained", "save_pretrained"]
+__all__ = ["CheckpointError", "ConfigError", "LoadStats", "PROGRESS_MIN_BYTES", "load_pretrained", "save_pretrained",
+           "stream_params", "hf_tensors", "shard_plan", "write_safetensors"]

@@ -26,6 +26,10 @@ _FAMILIES = {
 }
 
 
+# the config.json key holding the MTP head's layer count, per family
+MTP_LAYERS_KEY = {t: ("num_nextn_predict_layers" if t == "qwen3_next" else "mtp_num_hidden_layers") for t in _FAMILIES}
+
+
 DTYPES = ("auto", "float32", "bfloat16")   # --dtype of every command that loads or builds a model
 
 
@@ -77,6 +81,9 @@ class TargetConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     eos_token_id: tuple[int, ...] = ()
+    # multi-token-prediction head shipped as `mtp.*` tensors (0 = none declared); Qwen3.5 configs say
+    # mtp_num_hidden_layers, Qwen3-Next num_nextn_predict_layers (docs/reference/drafters.md §5)
+    mtp_num_hidden_layers: int = 0
 
     def __post_init__(self):
         if self.model_type not in _FAMILIES:
@@ -199,6 +206,8 @@ class TargetConfig:
             decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1) or 1),
             mlp_only_layers=tuple(int(i) for i in (cfg.get("mlp_only_layers") or ())),
             eos_token_id=eos,
+            mtp_num_hidden_layers=int(cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 0))
+                                      or 0),
         )
 
     @classmethod
@@ -242,6 +251,8 @@ class TargetConfig:
                        mlp_only_layers=list(self.mlp_only_layers))
         if self.eos_token_id:
             out["eos_token_id"] = list(self.eos_token_id)
+        if self.mtp_num_hidden_layers:   # each family's own key (what vLLM / SGLang read)
+            out[MTP_LAYERS_KEY[self.model_type]] = self.mtp_num_hidden_layers
         return out
 
 

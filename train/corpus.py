@@ -19,7 +19,8 @@ to validation when the draw gave none). Outputs under `out/`:
     manifest.json                  sources, package versions, split parameters, per-domain doc/byte/token counts
     documents.tsv                  domain, doc id, split, bytes — the split, reviewable
     tokenizer/                     tokenizer.json + tokenizer_config.json (trained on the train split)
-    tokens/{train,validation}/{domain}.bin   uint16 token ids, documents joined by <|endoftext|>
+    tokens/{train,validation}/{domain}.bin   token ids (uint16; uint32 for a vocabulary over 65,536 ids: the
+                                             manifest's "dtype"), documents joined by <|endoftext|>
 """
 
 from __future__ import annotations
@@ -289,17 +290,28 @@ def all_documents(cache_dir: Path, gcide_fraction: float, domains: Iterable[str]
 # ------------------------------------------------------------------------------------------------
 # Tokens on disk
 # ------------------------------------------------------------------------------------------------
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest stored integer type that holds every id of a vocabulary: uint16 up to 65,536 ids, else
+    uint32 (a real Qwen3.5 vocabulary has about 248k). The one rule for corpus shards and distillation data;
+    readers take the type stored with the data, so either reads back."""
+    if vocab_size <= 1 << 16:
+        return np.dtype(np.uint16)
+    if vocab_size <= 1 << 32:
+        return np.dtype(np.uint32)
+    raise ValueError(f"a vocabulary of {vocab_size} ids does not fit 32-bit token storage")
+
+
 def tokenize_docs(tokenizer, texts: list[str], eos_id: int, batch: int = 256) -> np.ndarray:
-    """Documents -> one uint16 stream, each document followed by <|endoftext|>."""
-    if tokenizer.get_vocab_size() > 65536:
-        raise ValueError("uint16 shards need a vocabulary of at most 65536")
+    """Documents -> one token stream (`token_dtype` of the tokenizer's vocabulary), each document followed by
+    <|endoftext|>."""
+    dt = token_dtype(tokenizer.get_vocab_size())
     parts: list[np.ndarray] = []
-    eos = np.array([eos_id], np.uint16)
+    eos = np.array([eos_id], dt)
     for i in range(0, len(texts), batch):
         for enc in tokenizer.encode_batch(texts[i:i + batch], add_special_tokens=False):
-            parts.append(np.asarray(enc.ids, np.uint16))
+            parts.append(np.asarray(enc.ids, dt))
             parts.append(eos)
-    return np.concatenate(parts) if parts else np.zeros((0,), np.uint16)
+    return np.concatenate(parts) if parts else np.zeros((0,), dt)
 
 
 def write_shards(out: Path, docs: dict[str, list[Document]], splits: dict[tuple[str, str], str], tokenizer,
@@ -319,12 +331,21 @@ def write_shards(out: Path, docs: dict[str, list[Document]], splits: dict[tuple[
     return counts
 
 
+def shard_dtype(corpus_dir: str | Path) -> np.dtype:
+    """The stored token type of a corpus: its manifest's "dtype" (uint16 for a corpus without a manifest)."""
+    manifest = Path(corpus_dir) / "manifest.json"
+    name = json.loads(manifest.read_text()).get("dtype", "uint16") if manifest.is_file() else "uint16"
+    if name not in ("uint16", "uint32"):
+        raise CorpusError(f"{manifest}: token dtype {name!r} is neither uint16 nor uint32")
+    return np.dtype(name)
+
+
 def load_shard(corpus_dir: str | Path, split: str, domain: str) -> np.ndarray:
-    """A token shard, memory-mapped (uint16)."""
+    """A token shard, memory-mapped (`shard_dtype` of the corpus)."""
     path = Path(corpus_dir) / "tokens" / split / f"{domain}.bin"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no token shard (run `hyspec build-corpus`)")
-    return np.memmap(path, dtype=np.uint16, mode="r")
+    return np.memmap(path, dtype=shard_dtype(corpus_dir), mode="r")
 
 
 def shard_domains(corpus_dir: str | Path, split: str) -> list[str]:
@@ -365,7 +386,7 @@ def build_corpus(out: str | Path, *, docs: dict[str, list[Document]] | None = No
         "salt": salt, "val_fraction": val_fraction, "gcide_fraction": gcide_fraction,
         "tokenizer": str(tok_dir), "tokenizer_trained_here": trained, "vocab_size": tokenizer.get_vocab_size(),
         "tokenizer_sha256": hashlib.sha256((tok_dir / "tokenizer.json").read_bytes()).hexdigest(),
-        "dtype": "uint16", "python": sys.version.split()[0], "sources": sources, "domains": counts,
+        "dtype": token_dtype(tokenizer.get_vocab_size()).name, "python": sys.version.split()[0], "sources": sources, "domains": counts,
         "totals": {k: sum(c[k] for c in counts.values()) for k in
                    ("train_docs", "validation_docs", "train_tokens", "validation_tokens")},
         "seconds": {"extract": round(t_extract, 2), "tokenizer": round(t_tok, 2),
@@ -376,4 +397,4 @@ def build_corpus(out: str | Path, *, docs: dict[str, list[Document]] | None = No
 
 
 __all__ = ["DOMAINS", "SPLITS", "Document", "CorpusError", "split_hash", "assign_splits", "all_documents",
-           "build_corpus", "load_shard", "shard_domains", "tokenize_docs"]
+           "build_corpus", "load_shard", "shard_domains", "shard_dtype", "token_dtype", "tokenize_docs"]

@@ -5,10 +5,12 @@ always continues the target's own output. Two steps, so the second can run where
 GPU machine receives only code + checkpoints + this small prompt pack):
 
 1. `sample_prompts`: `per_domain` windows of `prompt_len` tokens from each domain's train shard, starts drawn
-   from a PRNG keyed on the seed (deterministic), saved as `prompts.npz` (tokens [N, P] uint16, domain ids).
+   from a PRNG keyed on the seed (deterministic), saved as `prompts.npz` (tokens [N, P] in the corpus's token
+   type, domain ids).
 2. `generate_continuations`: the frozen target continues every prompt for `gen_len` tokens with our
    `Generator` (greedy by default — the decoding the drafter must match at inference), in batches; writes
-   `sequences.npy` [N·V, P + G] uint16, `domains.npy`, `manifest.json` (target, config, counts, throughput).
+   `sequences.npy` [N·V, P + G] (uint16, or uint32 for a vocabulary over 65,536 ids: `corpus.token_dtype`),
+   `domains.npy`, `manifest.json` (target, config, counts, throughput).
    With `variants` V > 1 every prompt is continued V times: variant 0 as above, variant v ≥ 1 samples its first
    `sample_prefix` tokens at `prefix_temperature` (seeded by v) and continues greedily from there. The greedy
    part is what the drafter must match; the sampled fork sends it down a different path, so V variants give
@@ -33,12 +35,13 @@ from pathlib import Path
 
 import numpy as np
 
-from hyspec_jax.train.corpus import load_shard, shard_domains
+from hyspec_jax.train.corpus import load_shard, shard_domains, token_dtype
 
 
 def sample_prompts(corpus_dir: str | Path, out_file: str | Path, *, per_domain: int = 1024, prompt_len: int = 32,
                    seed: int = 0, split: str = "train") -> dict:
-    """Write `prompts.npz` (tokens [N, P] uint16, domain [N] int32, domains names); returns a summary."""
+    """Write `prompts.npz` (tokens [N, P] as the corpus stores them, domain [N] int32, domains names); returns a
+    summary."""
     if per_domain <= 0 or prompt_len <= 0:
         raise ValueError("per_domain and prompt_len must be positive")
     domains = shard_domains(corpus_dir, split)
@@ -53,7 +56,7 @@ def sample_prompts(corpus_dir: str | Path, out_file: str | Path, *, per_domain: 
         dom.append(np.full(per_domain, di, np.int32))
     out_file = Path(out_file)
     out_file.parent.mkdir(parents=True, exist_ok=True)
-    tokens = np.concatenate(rows).astype(np.uint16)
+    tokens = np.concatenate(rows)
     np.savez_compressed(out_file, tokens=tokens, domain=np.concatenate(dom), domains=np.asarray(domains))
     return {"prompts": int(tokens.shape[0]), "prompt_len": prompt_len, "domains": domains, "file": str(out_file)}
 
@@ -95,7 +98,7 @@ def generate_continuations(target_dir: str | Path, prompts_file: str | Path, out
     gen = Generator.from_model(target)
     N, P = tokens.shape
     vids = list(range(first_variant, first_variant + variants))
-    seqs = np.zeros((N * variants, P + gen_len), np.uint16)
+    seqs = np.zeros((N * variants, P + gen_len), token_dtype(cfg.vocab_size))
     t0 = time.perf_counter()
     bar = tqdm(total=N * variants, desc="build-distill", unit="seq", disable=progress is False)
     for k, v in enumerate(vids):

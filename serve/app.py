@@ -1,31 +1,45 @@
-"""The OpenAI-compatible HTTP front end: routes, request → engine requests, responses and SSE streams."""
+"""The OpenAI-compatible API on FastAPI: routes, requests → engine requests, responses and SSE streams.
+
+Generation requests become `EngineRequest`s of the one request loop (`hyspec_jax.runtime.scheduler`, on its own
+thread); their sinks hand tokens to the request's asyncio queue. A client that goes away (`http.disconnect`)
+aborts its engine requests, which frees their slots at the next step. `logprobs` / `echo` are scored after the
+tokens are known by one no-cache target forward (`hyspec_jax.runtime.scoring`), so they are the target's,
+whatever mode decoded.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
+import random
 import time
 import uuid
-from dataclasses import dataclass
 from typing import AsyncIterator
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
-from hyspec_jax.serve.chat import ChatTemplate, TemplateError
-from hyspec_jax.serve.http import Request, Response, StreamingResponse
-from hyspec_jax.serve.metrics import ServerMetrics
-from hyspec_jax.serve.protocol import (APIError, ChoiceText, GenParams, check_model, get_bool, parse_common,
-                                       parse_json_body, parse_messages, parse_prompts)
 from hyspec_jax.runtime.scheduler import EngineRequest, QueueFull, Scheduler, ShuttingDown
+from hyspec_jax.serve.chat import ChatTemplate, TemplateError
+from hyspec_jax.serve.metrics import CONTENT_TYPE, ServerMetrics
+from hyspec_jax.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       Message, TokenizeRequest, error_body, unknown_fields, unsupported,
+                                       validation_error)
+from hyspec_jax.serve.text import ChoiceText
+from hyspec_jax.serve.transport import SCOPE_REQUEST_ID, SCOPE_TOKENS, FrontDoor
 
 log = logging.getLogger("hyspec.serve")
 
-DISCONNECT_POLL_S = 0.05
 DEFAULT_COMPLETION_TOKENS = 16     # OpenAI's default max_tokens for /v1/completions
 
 
-@dataclass
+@dataclasses.dataclass(frozen=True)
 class ServedModel:
     name: str
     root: str
@@ -36,309 +50,563 @@ class ServedModel:
     created: int
 
 
+@dataclasses.dataclass(frozen=True)
+class FrontOptions:
+    """The HTTP front end's settings (`hyspec serve` flags)."""
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()
+    max_body_bytes: int = 32 * 1024 * 1024
+    log_requests: bool = True
+    max_logprobs: int = 20          # 0: no logprobs / echo scoring (no scoring programs compiled)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenParams:
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    n: int
+    stop: tuple[str, ...]
+    stop_token_ids: frozenset[int]
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
 def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-class OpenAIApp:
+def _params(req: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> GenParams:
+    """The sampling fields both endpoints share, with the checks a model cannot express."""
+    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+        v = getattr(req, name)
+        if v is not None and v != neutral:
+            raise unsupported(name, f" (only {neutral:g}): penalties would change the target's distribution, "
+                                    "which speculative decoding must keep exact")
+    if req.logit_bias:
+        raise unsupported("logit_bias")
+    if req.min_tokens:
+        raise unsupported("min_tokens", " (only 0)")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if any(s == "" for s in stop):
+        raise APIError(400, "'stop' strings must not be empty", param="stop")
+    bad = [t for t in req.stop_token_ids or () if t >= vocab_size]
+    if bad:
+        raise APIError(400, f"'stop_token_ids' outside the vocabulary [0, {vocab_size}): {bad[:5]}",
+                       param="stop_token_ids")
+    top_k = req.top_k or 0
+    return GenParams(temperature=1.0 if req.temperature is None else req.temperature,
+                     top_p=1.0 if req.top_p is None else req.top_p, top_k=0 if top_k == -1 else top_k,
+                     seed=req.seed, n=req.n or 1, stop=stop, stop_token_ids=frozenset(req.stop_token_ids or ()),
+                     ignore_eos=bool(req.ignore_eos), stream=bool(req.stream),
+                     include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                     return_token_ids=bool(req.return_token_ids))
+
+
+class Choice:
+    """One choice: its engine request, its text and the tokens already sent with logprobs."""
+
+    def __init__(self, index: int, prompt: int, text: ChoiceText):
+        self.index, self.prompt, self.text = index, prompt, text
+        self.engine: EngineRequest | None = None
+        self.scored = 0
+
+
+class OpenAIServer:
+    """The served model's state behind the routes."""
+
     def __init__(self, *, scheduler: Scheduler, tokenizer: Tokenizer, chat: ChatTemplate, model: ServedModel,
-                 metrics: ServerMetrics):
-        self.scheduler, self.tokenizer, self.chat, self.model, self.metrics = scheduler, tokenizer, chat, model, metrics
+                 metrics: ServerMetrics, options: FrontOptions, scorer=None, version: str = "",
+                 seed: int | None = None):
+        self.scheduler, self.tokenizer, self.chat, self.model = scheduler, tokenizer, chat, model
+        self.metrics, self.options, self.scorer, self.version = metrics, options, scorer, version
         self.draining = False
-        self.active_generations = 0
-        self._watched: dict[int, tuple[Request, list[EngineRequest], asyncio.Queue]] = {}
-        self._watcher: asyncio.Task | None = None
+        # requests without a seed: random seeds, or with --seed a reproducible sequence of them
+        self._seeds = random.Random(seed) if seed is not None else random.SystemRandom()
 
-    # --- routing ---------------------------------------------------------------------------------------
-    async def handle(self, req: Request) -> Response | StreamingResponse:
-        try:
-            resp = await self._route(req)
-        except APIError as e:
-            resp = Response.json(e.body(), e.status, e.headers)
-        if resp.status >= 400:
-            self.metrics.request_errors.inc(status=str(resp.status))
-        return resp
-
-    async def _route(self, req: Request) -> Response | StreamingResponse:
-        path = req.path.rstrip("/") or "/"
-        routes = {
-            "/health": ("GET", self.health),
-            "/v1/models": ("GET", self.models),
-            "/metrics": ("GET", self.metrics_endpoint),
-            "/v1/completions": ("POST", self.completions),
-            "/v1/chat/completions": ("POST", self.chat_completions),
-        }
-        if path.startswith("/v1/models/") and req.method == "GET":
-            return self.model_info(path[len("/v1/models/"):])
-        if path not in routes:
-            raise APIError(404, f"no route {req.method} {req.path}", code="not_found")
-        method, fn = routes[path]
-        if req.method != method:
-            raise APIError(405, f"{req.path} accepts {method}, not {req.method}", code="method_not_allowed")
-        return await fn(req)
-
-    # --- simple endpoints --------------------------------------------------------------------------------
-    async def health(self, req: Request) -> Response:
-        if self.scheduler.failed is not None:
-            return Response.json({"status": "error", "message": str(self.scheduler.failed)}, 503)
-        if self.draining:
-            return Response.json({"status": "draining"}, 503)
-        return Response.json({"status": "ok"})
-
-    def _model_card(self) -> dict:
-        m = self.model
-        return {"id": m.name, "object": "model", "created": m.created, "owned_by": "hyspec", "root": m.root,
-                "parent": None, "max_model_len": m.max_model_len, "spec_mode": m.mode}
-
-    async def models(self, req: Request) -> Response:
-        return Response.json({"object": "list", "data": [self._model_card()]})
-
-    def model_info(self, name: str) -> Response:
+    # --- helpers ---------------------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> str:
+        if name is None:
+            return self.model.name      # like vLLM: the one served model
         if name != self.model.name:
-            raise APIError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
-        return Response.json(self._model_card())
+            raise APIError(404, f"The model '{name}' does not exist. This server serves '{self.model.name}'.",
+                           param="model")
+        return name
 
-    async def metrics_endpoint(self, req: Request) -> Response:
-        return Response(200, self.metrics.render().encode(), "text/plain; version=0.0.4; charset=utf-8")
+    def warn_unknown(self, req, endpoint: str) -> None:
+        extra = unknown_fields(req)
+        if extra:
+            log.warning("%s: ignoring fields this server does not know: %s", endpoint, ", ".join(extra))
 
-    # --- generation --------------------------------------------------------------------------------------
-    def _check_context(self, prompt_len: int, params: GenParams, default: int | None, param: str = "prompt",
-                       max_param: str = "max_tokens") -> int:
+    def check_context(self, prompt_len: int, max_tokens: int | None, default: int | None, param: str,
+                      max_param: str) -> int:
         limit = self.model.max_model_len
         if prompt_len >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your prompt "
                                 f"has {prompt_len} tokens (at least one must be left for the completion). "
-                                f"Please reduce the length of the prompt.", param=param,
-                           code="context_length_exceeded")
+                                f"Please reduce the length of the prompt.", param=param)
         room = limit - prompt_len
-        if params.max_tokens is None:
+        if max_tokens is None:
             return room if default is None else min(default, room)
-        if params.max_tokens > room:
+        if max_tokens > room:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                                f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, "
-                                f"{params.max_tokens} in the completion). Please reduce the length of the prompt "
-                                f"or of max_tokens.", param=max_param, code="context_length_exceeded")
-        return params.max_tokens
+                                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in "
+                                f"the completion). Please reduce the length of the prompt or of {max_param}.",
+                           param=max_param)
+        return max_tokens
 
-    def _start(self, req: Request, prompts: list[list[int]], params: GenParams, max_tokens: list[int],
-               extra_stops: frozenset[int]):
-        """Submit one engine request per prompt; returns (engine requests, event queue)."""
+    def check_logprobs(self, k: int | None, param: str) -> None:
+        if k is None:
+            return
+        if self.scorer is None:
+            raise unsupported(param, ": this server was started with --max-logprobs 0")
+        if k > self.options.max_logprobs:
+            raise APIError(400, f"'{param}' must be at most {self.options.max_logprobs} (--max-logprobs), got {k}",
+                           param=param)
+
+    def render_chat(self, messages: list[Message], add_generation_prompt: bool, kwargs: dict | None) -> str:
+        msgs = []
+        for m in messages:
+            content = m.content
+            if isinstance(content, list):
+                content = "".join(p.text for p in content)
+            elif content is None:
+                if m.role != "assistant":
+                    raise APIError(400, f"content is required for role {m.role!r}", param="messages")
+                content = ""
+            msg = {"role": m.role, "content": content}
+            if m.name is not None:
+                msg["name"] = m.name
+            msgs.append(msg)
+        try:
+            return self.chat.render(msgs, add_generation_prompt=add_generation_prompt, **(kwargs or {}))
+        except TemplateError as e:
+            raise APIError(400, str(e), param="messages") from None
+
+    def encode_prompts(self, prompt) -> list[tuple[list[int], str | None]]:
+        """/v1/completions `prompt` (string, strings, token ids, lists of token ids) -> [(ids, text or None)]."""
+        if isinstance(prompt, str):
+            items: list = [prompt]
+        elif not prompt:
+            raise APIError(400, "'prompt' must not be an empty list", param="prompt")
+        elif isinstance(prompt[0], int):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        out = []
+        V = self.model.vocab_size
+        for item in items:
+            if isinstance(item, str):
+                ids, text = self.tokenizer.encode(item).ids, item
+            else:
+                bad = [t for t in item if t >= V]
+                if bad:
+                    raise APIError(400, f"prompt token ids outside the vocabulary [0, {V}): {bad[:5]}", param="prompt")
+                ids, text = list(item), None
+            if not ids:
+                raise APIError(400, "the prompt is empty (0 tokens)", param="prompt")
+            out.append((ids, text))
+        return out
+
+    # --- generation --------------------------------------------------------------------------------------
+    def start(self, prompts: list[list[int]], params: GenParams, max_tokens: list[int], extra_stops: frozenset[int]
+              ) -> tuple[list[Choice], asyncio.Queue]:
+        """Submit n engine requests per prompt; returns the choices (index = prompt · n + j) and their queue."""
         if self.draining:
-            raise APIError(503, "the server is shutting down", code="service_unavailable")
+            raise APIError(503, "the server is shutting down")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        stops = frozenset(params.stop_token_ids) | extra_stops | (
-            frozenset() if params.ignore_eos else self.model.eos_token_ids)
-        ereqs = []
-        for i, ids in enumerate(prompts):
-            def sink(toks, finish, i=i):
-                loop.call_soon_threadsafe(queue.put_nowait, (i, toks, finish))
-            ereqs.append(EngineRequest(prompt_ids=ids, max_tokens=max_tokens[i], sink=sink,
-                                       temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                       seed=params.seed + i, stop_token_ids=stops))
+        stops = params.stop_token_ids | extra_stops | (frozenset() if params.ignore_eos else self.model.eos_token_ids)
+        choices = []
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
+        for p, ids in enumerate(prompts):
+            for j in range(params.n):
+                c = Choice(len(choices), p, ChoiceText(self.tokenizer, params.stop, stops))
+
+                def sink(toks, finish, i=c.index):
+                    loop.call_soon_threadsafe(queue.put_nowait, (i, toks, finish))
+                c.engine = EngineRequest(prompt_ids=ids, max_tokens=max_tokens[p], sink=sink,
+                                         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                         seed=seed + c.index, stop_token_ids=stops)
+                choices.append(c)
         submitted = []
         try:
-            for er in ereqs:
-                self.scheduler.submit(er)
-                submitted.append(er)
+            for c in choices:
+                self.scheduler.submit(c.engine)
+                submitted.append(c.engine)
         except QueueFull:
             for er in submitted:
                 self.scheduler.abort(er)
             raise APIError(429, f"the request queue is full ({self.scheduler.max_queue} waiting); retry later",
-                           type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
+                           headers={"Retry-After": "1"}) from None
         except ShuttingDown:
             for er in submitted:
                 self.scheduler.abort(er)
-            raise APIError(503, "the server is shutting down", code="service_unavailable") from None
-        return ereqs, queue, stops
+            raise APIError(503, "the server is shutting down") from None
+        return choices, queue
 
-    async def _watch_all(self) -> None:
-        """One poller for every generation in flight: when a client goes away, abort its engine requests (their
-        slots free at the next step) and wake its handler."""
-        while self._watched:
-            await asyncio.sleep(DISCONNECT_POLL_S)
-            for key, (req, ereqs, queue) in list(self._watched.items()):
-                if req.disconnected():
-                    for er in ereqs:
-                        self.scheduler.abort(er, "abort")
+    async def events(self, request: Request, choices: list[Choice], queue: asyncio.Queue) -> AsyncIterator[Choice]:
+        """Feed engine events into the choices; yields every choice that changed. Ends early (returns) when the
+        client disconnects; always aborts what is still running."""
+        async def watch():
+            while True:
+                msg = await request.receive()
+                if msg["type"] == "http.disconnect":
                     queue.put_nowait((None, [], "disconnect"))
-                    self._watched.pop(key, None)
-        self._watcher = None
-
-    async def _events(self, req, ereqs, queue, choices: list[ChoiceText]) -> AsyncIterator[int]:
-        """Feed engine events into the choices; yields the index of every choice that changed."""
-        key = id(queue)
-        self._watched[key] = (req, ereqs, queue)
-        if self._watcher is None:
-            self._watcher = asyncio.create_task(self._watch_all())
-        self.active_generations += 1
+                    return
+        watcher = asyncio.create_task(watch())
         try:
-            while any(c.finish is None for c in choices):
+            while any(c.text.finish is None for c in choices):
                 i, toks, finish = await queue.get()
                 if i is None:
                     return
                 c = choices[i]
-                if c.finish is not None:
+                if c.text.finish is not None:
                     continue
                 if finish == "error":
-                    raise APIError(500, "the engine failed while generating", code="engine_error")
-                if c.feed(toks, finish):
-                    self.scheduler.abort(ereqs[i], "stop")
-                yield i
+                    raise APIError(500, "the engine failed while generating")
+                if c.text.feed(toks, finish):
+                    self.scheduler.abort(c.engine, "stop")
+                yield c
         finally:
-            self._watched.pop(key, None)
-            self.active_generations -= 1
-            for er, c in zip(ereqs, choices):
-                if not er.finished:
-                    self.scheduler.abort(er, "stop" if c.finish == "stop" else "abort")
+            watcher.cancel()
+            for c in choices:
+                if not c.engine.finished:
+                    self.scheduler.abort(c.engine, "stop" if c.text.finish == "stop" else "abort")
 
-    def _usage(self, prompts: list[list[int]], choices: list[ChoiceText]) -> dict:
-        p = sum(len(x) for x in prompts)
-        c = sum(ch.completion_tokens for ch in choices)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    async def score(self, ids: list[int], start: int):
+        return await asyncio.get_running_loop().run_in_executor(None, self.scorer.score, ids, start)
+
+    def token_str(self, t: int) -> str:
+        return self.tokenizer.decode([t], skip_special_tokens=False)
+
+    def completion_logprobs(self, ids: list[int], scores, k: int, first_none: bool, offset: int) -> dict:
+        """The legacy completions `logprobs` object of `ids` (their scores; the first token without one when
+        first_none: the start of an echoed prompt). offset: text offset of the first token."""
+        tokens, lps, tops, offsets = [], [], [], []
+        j = 0
+        for n, t in enumerate(ids):
+            s = self.token_str(t)
+            tokens.append(s)
+            offsets.append(offset)
+            offset += len(s)
+            if n == 0 and first_none:
+                lps.append(None)
+                tops.append(None)
+                continue
+            lps.append(scores.logprobs[j])
+            top = {self.token_str(a): b for a, b in zip(scores.top_ids[j][:k], scores.top_logprobs[j][:k])}
+            top.setdefault(s, scores.logprobs[j])
+            tops.append(top)
+            j += 1
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(self, ids: list[int], scores, k: int) -> dict:
+        def entry(t, lp):
+            s = self.token_str(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        content = []
+        for j, t in enumerate(ids):
+            e = entry(t, scores.logprobs[j])
+            e["top_logprobs"] = [entry(a, b) for a, b in zip(scores.top_ids[j][:k], scores.top_logprobs[j][:k])]
+            content.append(e)
+        return {"content": content}
 
     # --- /v1/completions -----------------------------------------------------------------------------------
-    async def completions(self, req: Request) -> Response | StreamingResponse:
-        body = parse_json_body(req.body)
-        model = check_model(body, self.model.name)
-        params = parse_common(body, self.model.vocab_size, max_tokens_names=("max_tokens",))
-        echo = get_bool(body, "echo", False)
-        for name in ("logprobs", "suffix"):
-            v = body.get(name)
-            if v not in (None, False) and not (name == "logprobs" and v == 0):
-                raise APIError(400, f"'{name}' is not supported", param=name, code="unsupported_value")
-        items = parse_prompts(body, self.tokenizer, self.model.vocab_size)
+    async def completions(self, request: Request, req: CompletionRequest):
+        self.warn_unknown(req, "completions")
+        model = self.check_model(req.model)
+        params = _params(req, self.model.vocab_size)
+        if req.best_of not in (None, 1):
+            raise unsupported("best_of", " (only 1)")
+        if req.suffix:
+            raise unsupported("suffix")
+        self.check_logprobs(req.logprobs, "logprobs")
+        echo, k = bool(req.echo), req.logprobs
+        items = self.encode_prompts(req.prompt)
         prompts = [ids for ids, _ in items]
-        max_tokens = [self._check_context(len(ids), params, DEFAULT_COMPLETION_TOKENS) for ids in prompts]
-        echo_text = [(text if text is not None else self.tokenizer.decode(ids)) if echo else ""
-                     for ids, text in items]
-        ereqs, queue, stops = self._start(req, prompts, params, max_tokens, frozenset())
-        choices = [ChoiceText(self.tokenizer, params.stop, stops) for _ in prompts]
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        max_tokens = [self.check_context(len(ids), req.max_tokens, DEFAULT_COMPLETION_TOKENS, "prompt", "max_tokens")
+                      for ids in prompts]
+        echo_text = [(text if text is not None else self.tokenizer.decode(ids)) if echo else "" for ids, text in items]
+        choices, queue = self.start(prompts, params, max_tokens, frozenset())
+        rid = f"cmpl-{request.scope.get(SCOPE_REQUEST_ID) or uuid.uuid4().hex}"
+        created = int(time.time())
 
-        def choice_extra(i: int, ids: list[int], first: bool) -> dict:
+        async def logprobs_of(c: Choice, ids: list[int], first: bool) -> dict | None:
+            """The logprobs of this chunk of choice c: its new tokens (and the echoed prompt in its first)."""
+            if k is None:
+                return None
+            prompt = prompts[c.prompt]
+            done = c.text.token_ids[:c.scored]
+            seq = prompt + done + ids
+            if first and echo:
+                s = await self.score(seq, 1)
+                out = self.completion_logprobs(prompt + ids, s, k, True, 0)
+            else:
+                s = await self.score(seq, len(prompt) + len(done))
+                out = self.completion_logprobs(ids, s, k, False, len(echo_text[c.prompt]) + len(
+                    "".join(self.token_str(t) for t in done)))
+            c.scored += len(ids)
+            return out
+
+        def token_fields(c: Choice, ids: list[int], first: bool) -> dict:
             if not params.return_token_ids:
                 return {}
             extra = {"token_ids": ids}
             if first:
-                extra["prompt_token_ids"] = prompts[i]
+                extra["prompt_token_ids"] = prompts[c.prompt]
             return extra
 
+        def usage() -> dict:
+            p = sum(len(x) for x in prompts)
+            done = sum(c.text.completion_tokens for c in choices)
+            request.scope[SCOPE_TOKENS] = (p, done)
+            return {"prompt_tokens": p, "completion_tokens": done, "total_tokens": p + done}
+
         if not params.stream:
-            async for _ in self._events(req, ereqs, queue, choices):
+            async for _ in self.events(request, choices, queue):
                 pass
-            if req.disconnected():
-                return Response(499)
+            if any(c.text.finish is None for c in choices):
+                return Response(status_code=499)     # the client left
             out = []
-            for i, c in enumerate(choices):
-                text, ids = c.take()
-                out.append({"index": i, "text": echo_text[i] + text, "logprobs": None,
-                            "finish_reason": c.finish, **choice_extra(i, ids, True)})
-            return Response.json({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                  "choices": out, "usage": self._usage(prompts, choices)})
+            for c in choices:
+                text, ids = c.text.take()
+                out.append({"index": c.index, "text": echo_text[c.prompt] + text,
+                            "logprobs": await logprobs_of(c, ids, True), "finish_reason": c.text.finish,
+                            **token_fields(c, ids, True)})
+            return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                 "choices": out, "usage": usage()})
 
         async def stream() -> AsyncIterator[bytes]:
             usage_field = {"usage": None} if params.include_usage else {}
-            first = [True] * len(prompts)
+            first = [True] * len(choices)
 
-            def chunk(i, text, ids, finish):
-                extra = choice_extra(i, ids, first[i])
-                first[i] = False
+            async def chunk(c: Choice, text: str, ids: list[int], finish) -> bytes:
+                lp = await logprobs_of(c, ids, first[c.index])
+                extra = token_fields(c, ids, first[c.index])
+                first[c.index] = False
                 return _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                             "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish,
+                             "choices": [{"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish,
                                           **extra}], **usage_field})
             try:
-                for i in range(len(prompts)):
-                    if echo_text[i]:
-                        yield chunk(i, echo_text[i], [], None)
-                async for i in self._events(req, ereqs, queue, choices):
-                    c = choices[i]
-                    text, ids = c.take()
-                    if c.finish is not None:
-                        yield chunk(i, text, ids, c.finish)
-                    elif text or (ids and params.return_token_ids):
-                        yield chunk(i, text, ids, None)
+                for c in choices:
+                    if echo_text[c.prompt]:
+                        yield await chunk(c, echo_text[c.prompt], [], None)
+                async for c in self.events(request, choices, queue):
+                    text, ids = c.text.take()
+                    if c.text.finish is not None:
+                        yield await chunk(c, text, ids, c.text.finish)
+                    elif text or (ids and (params.return_token_ids or k is not None)):
+                        yield await chunk(c, text, ids, None)
+                u = usage()
                 if params.include_usage:
                     yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                "choices": [], "usage": self._usage(prompts, choices)})
+                                "choices": [], "usage": u})
             except APIError as e:
                 yield _sse(e.body())
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(stream())
+        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     # --- /v1/chat/completions ------------------------------------------------------------------------------
-    async def chat_completions(self, req: Request) -> Response | StreamingResponse:
-        body = parse_json_body(req.body)
-        model = check_model(body, self.model.name)
-        params = parse_common(body, self.model.vocab_size, max_tokens_names=("max_completion_tokens", "max_tokens"))
-        params_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        messages = parse_messages(body)
+    async def chat_completions(self, request: Request, req: ChatCompletionRequest):
+        self.warn_unknown(req, "chat/completions")
+        model = self.check_model(req.model)
+        params = _params(req, self.model.vocab_size)
         for name in ("tools", "functions"):
-            if body.get(name):
-                raise APIError(400, f"'{name}' (tool calling) is not supported", param=name,
-                               code="unsupported_value")
-        if body.get("logprobs") not in (None, False):
-            raise APIError(400, "'logprobs' is not supported", param="logprobs", code="unsupported_value")
-        rf = body.get("response_format")
-        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-            raise APIError(400, "'response_format' other than {\"type\": \"text\"} is not supported",
-                           param="response_format", code="unsupported_value")
-        kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict):
-            raise APIError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs",
-                           code="invalid_type")
-        add_gen = get_bool(body, "add_generation_prompt", True)
-        try:
-            text = self.chat.render(messages, add_generation_prompt=add_gen, **kwargs)
-        except TemplateError as e:
-            raise APIError(400, str(e), param="messages", code="invalid_value") from None
+            if getattr(req, name):
+                raise unsupported(name, " (tool calling)")
+        rf = req.response_format
+        if rf is not None and rf.get("type") != "text":
+            raise unsupported("response_format", " other than {\"type\": \"text\"}")
+        if req.echo:
+            raise unsupported("echo", " for chat (use /v1/completions with echo)")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        self.check_logprobs(k, "top_logprobs")
+        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        text = self.render_chat(req.messages, req.add_generation_prompt is not False, req.chat_template_kwargs)
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if not ids:
-            raise APIError(400, "the rendered chat prompt is empty", param="messages", code="invalid_value")
-        max_tokens = self._check_context(len(ids), params, None, "messages", params_name)
-        ereqs, queue, stops = self._start(req, [ids], params, [max_tokens], self.chat.stop_token_ids)
-        choices = [ChoiceText(self.tokenizer, params.stop, stops)]
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+            raise APIError(400, "the rendered chat prompt is empty", param="messages")
+        max_tokens = self.check_context(len(ids), req.max_completion_tokens or req.max_tokens, None, "messages",
+                                        max_param)
+        choices, queue = self.start([ids], params, [max_tokens], self.chat.stop_token_ids)
+        rid = f"chatcmpl-{request.scope.get(SCOPE_REQUEST_ID) or uuid.uuid4().hex}"
+        created = int(time.time())
+
+        async def logprobs_of(c: Choice, new: list[int]) -> dict | None:
+            if k is None:
+                return None
+            done = c.text.token_ids[:c.scored]
+            s = await self.score(ids + done + new, len(ids) + len(done))
+            c.scored += len(new)
+            return self.chat_logprobs(new, s, k)
+
+        def usage() -> dict:
+            done = sum(c.text.completion_tokens for c in choices)
+            request.scope[SCOPE_TOKENS] = (len(ids), done)
+            return {"prompt_tokens": len(ids), "completion_tokens": done, "total_tokens": len(ids) + done}
 
         if not params.stream:
-            async for _ in self._events(req, ereqs, queue, choices):
+            async for _ in self.events(request, choices, queue):
                 pass
-            if req.disconnected():
-                return Response(499)
-            c = choices[0]
-            content, tids = c.take()
-            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                      "finish_reason": c.finish}
-            if params.return_token_ids:
-                choice["token_ids"] = tids
-                choice["prompt_token_ids"] = ids
-            return Response.json({"id": rid, "object": "chat.completion", "created": created, "model": model,
-                                  "choices": [choice], "usage": self._usage([ids], choices)})
+            if any(c.text.finish is None for c in choices):
+                return Response(status_code=499)
+            out = []
+            for c in choices:
+                content, tids = c.text.take()
+                choice = {"index": c.index, "message": {"role": "assistant", "content": content},
+                          "logprobs": await logprobs_of(c, tids), "finish_reason": c.text.finish}
+                if params.return_token_ids:
+                    choice["token_ids"] = tids
+                    choice["prompt_token_ids"] = ids
+                out.append(choice)
+            return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
+                                 "choices": out, "usage": usage()})
 
         async def stream() -> AsyncIterator[bytes]:
             usage_field = {"usage": None} if params.include_usage else {}
 
-            def chunk(delta: dict, finish, tids=None):
-                ch = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            async def chunk(c: Choice, delta: dict, finish, tids=None) -> bytes:
+                ch = {"index": c.index, "delta": delta,
+                      "logprobs": await logprobs_of(c, tids) if tids else None, "finish_reason": finish}
                 if params.return_token_ids and tids is not None:
                     ch["token_ids"] = tids
                 return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                              "choices": [ch], **usage_field})
             try:
-                yield chunk({"role": "assistant", "content": ""}, None)
-                async for _ in self._events(req, ereqs, queue, choices):
-                    c = choices[0]
-                    text, tids = c.take()
-                    if text or (tids and params.return_token_ids):
-                        yield chunk({"content": text}, None, tids)
-                    if c.finish is not None:
-                        yield chunk({}, c.finish, [])
+                for c in choices:
+                    yield await chunk(c, {"role": "assistant", "content": ""}, None)
+                async for c in self.events(request, choices, queue):
+                    text, tids = c.text.take()
+                    if text or (tids and (params.return_token_ids or k is not None)):
+                        yield await chunk(c, {"content": text}, None, tids)
+                    if c.text.finish is not None:
+                        yield await chunk(c, {}, c.text.finish, [])
+                u = usage()
                 if params.include_usage:
                     yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                                "choices": [], "usage": self._usage([ids], choices)})
+                                "choices": [], "usage": u})
             except APIError as e:
                 yield _sse(e.body())
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(stream())
+        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    # --- small endpoints ---------------------------------------------------------------------------------
+    def model_card(self) -> dict:
+        m = self.model
+        return {"id": m.name, "object": "model", "created": m.created, "owned_by": "hyspec", "root": m.root,
+                "parent": None, "max_model_len": m.max_model_len, "spec_mode": m.mode}
+
+    def tokenize(self, req: TokenizeRequest) -> dict:
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "send exactly one of 'prompt' and 'messages'", param="prompt")
+        if req.messages is not None:
+            text = self.render_chat(req.messages, req.add_generation_prompt is not False, None)
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        else:
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False).ids
+        return {"count": len(ids), "max_model_len": self.model.max_model_len, "tokens": ids}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict:
+        self.check_model(req.model)
+        bad = [t for t in req.tokens if t >= self.model.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids outside the vocabulary [0, {self.model.vocab_size}): {bad[:5]}",
+                           param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
+
+async def parse(request: Request, model: type[BaseModel]):
+    """The request body as `model`, validated straight from the JSON bytes (pydantic-core parses them; any
+    Content-Type, as curl's default form type); errors as one OpenAI 400."""
+    raw = await request.body()
+    if not raw.strip():
+        raise APIError(400, "request body is empty; expected a JSON object")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise validation_error(e.errors(include_url=False)) from None
+
+
+def build_app(server: OpenAIServer) -> FastAPI:
+    """The FastAPI application of `server`, wrapped in CORS (with allowed origins) and the front door."""
+    app = FastAPI(title="hyspec serve", version=server.version, docs_url=None, redoc_url=None)
+    opts = server.options
+
+    def error(e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        return error(validation_error(list(e.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        msg = {404: f"no route {request.method} {request.url.path}",
+               405: f"{request.url.path} does not accept {request.method}"}.get(e.status_code, str(e.detail))
+        return JSONResponse(error_body(e.status_code, msg), status_code=e.status_code, headers=e.headers)
+
+    @app.get("/health")
+    async def health():
+        if server.scheduler.failed is not None:
+            return JSONResponse({"status": "error", "message": str(server.scheduler.failed)}, status_code=503)
+        if server.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": server.version}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [server.model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model_info(name: str):
+        if name != server.model.name:
+            raise APIError(404, f"The model '{name}' does not exist", param="model")
+        return server.model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await server.completions(request, await parse(request, CompletionRequest))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await server.chat_completions(request, await parse(request, ChatCompletionRequest))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return server.tokenize(await parse(request, TokenizeRequest))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return server.detokenize(await parse(request, DetokenizeRequest))
+
+    if opts.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(opts.allowed_origins), allow_credentials=True,
+                           allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(FrontDoor, api_key=opts.api_key, max_body_bytes=opts.max_body_bytes,
+                       log_requests=opts.log_requests, on_error=server.metrics.request_error,
+                       error_body=error_body)
+    return app

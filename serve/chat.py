@@ -1,7 +1,7 @@
 """Chat prompts: the model's chat template (Jinja, from `tokenizer_config.json` or `chat_template.jinja`), or
 the documented fallback.
 
-Fallback (no template shipped, or jinja2 not installed): ChatML, the format of the Qwen family and of our
+Fallback (no template shipped): ChatML, the format of the Qwen family and of our
 own trained tokenizer —
 
     <|im_start|>{role}\n{content}<|im_end|>\n   (per message)
@@ -59,12 +59,8 @@ class ChatTemplate:
         self._compiled = None
         self.kind = "fallback ChatML"
         if self.source is not None:
-            try:
-                import jinja2  # noqa: F401
-                self._compiled = self._compile(self.source)
-                self.kind = "model chat template"
-            except ImportError:
-                self._compiled = None
+            self._compiled = self._compile(self.source)
+            self.kind = "model chat template"
         self.eos_token_id = tokenizer.token_to_id(self.eos_token) if self.eos_token else None
         # tokens that end an assistant turn
         stops = set()

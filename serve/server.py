@@ -1,13 +1,18 @@
-"""`hyspec serve`: load the model, compile every bucket, serve the OpenAI API until SIGTERM (then drain).
+"""`hyspec serve`: load the model, compile every bucket, serve the OpenAI API on uvicorn until SIGTERM (then drain).
 
+The launch flags follow `vllm serve` where they mean the same here (`MODEL` positional, `--speculative-config`,
+`--tensor-parallel-size`, `--max-model-len`, `--gpu-memory-utilization`, `--dtype`, `--seed`, `--max-num-seqs`,
+`--served-model-name`, `--api-key`, `--allowed-origins`, `--disable-log-requests`, `--max-logprobs`).
 Light at import (argparse only) so that `hyspec --help` stays fast; JAX is imported by `run`.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import contextlib
+import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -15,30 +20,165 @@ from pathlib import Path
 
 log = logging.getLogger("hyspec.serve")
 
-from hyspec_jax.spec.options import add_spec_arguments  # noqa: E402
+from hyspec_jax.spec.options import MODES, add_spec_arguments  # noqa: E402
+
+API_KEY_ENV = ("HYSPEC_API_KEY", "VLLM_API_KEY")
+DEFAULT_MAX_MODEL_LEN = 2048      # a model config without max_position_embeddings
+MAX_DEFAULT_MODEL_LEN = 4096      # every slot holds a whole context's KV cache: a default longer than this is asked for
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="DIR", help="Hugging Face model directory (default: checkpoints/default, or "
-                   "the labelled random-weight demo model when none is shipped — as `hyspec generate`)")
+    p.add_argument("model_pos", nargs="?", metavar="MODEL", help="Hugging Face model directory (as `vllm serve "
+                   "MODEL`; default: checkpoints/default, or the labelled random-weight demo model)")
+    p.add_argument("--model", metavar="DIR", help="the same as MODEL")
     p.add_argument("--served-model-name", metavar="NAME", help="model id clients send (default: the directory name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port, printed)")
-    add_spec_arguments(p, default_mode="ar")
-    p.add_argument("--max-batch", type=int, default=32, metavar="B", help="batch slots (default 32)")
+    add_spec_arguments(p)
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help='vLLM form of the speculative options: {"method": one of ' + ", ".join(MODES)
+                        + ', "model": drafter directory, "num_speculative_tokens": drafts per chain (chain, ready) '
+                          'or tree levels (tree, tree-ready)}; an option also given as a flag must agree')
+    p.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=int, default=32, metavar="B",
+                   help="batch slots: requests decoded together (default 32)")
     p.add_argument("--max-queue", type=int, default=256, metavar="Q",
                    help="requests waiting for a slot before new ones get 429 (default 256)")
-    p.add_argument("--max-model-len", type=int, default=2048, metavar="N",
-                   help="context length per request: prompt + completion tokens (default 2048)")
+    p.add_argument("--max-model-len", type=int, metavar="N",
+                   help="context length per request, prompt + completion tokens (default: the model config's "
+                        f"max_position_embeddings, at most {MAX_DEFAULT_MODEL_LEN}, else {DEFAULT_MAX_MODEL_LEN})")
     p.add_argument("--prefill-chunk", type=int, default=256, metavar="T",
                    help="prompt tokens per prefill call, a power of two >= 16 (default 256): longer prompts are "
                         "prefilled in chunks between decoding steps; shorter ones are packed together")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="parameter dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--dtype", choices=("auto", "float32", "float", "bfloat16"), default="auto",
+                   help="parameter dtype (auto: bfloat16 on GPU, float32 on CPU; float = float32)")
+    p.add_argument("--seed", type=int, metavar="S",
+                   help="seed of the requests that send none (default: a random seed per request)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="devices per model replica; only 1 is served today (checked against the devices)")
+    p.add_argument("--gpu-memory-utilization", type=float, metavar="F",
+                   help="fraction of GPU memory JAX preallocates (XLA_PYTHON_CLIENT_MEM_FRACTION; default JAX's)")
+    p.add_argument("--max-logprobs", type=int, default=20, metavar="K",
+                   help="most top_logprobs a request may ask for (default 20; 0 = no logprobs or echo scoring)")
+    p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/* (default: "
+                   f"${API_KEY_ENV[0]}, else ${API_KEY_ENV[1]}, else no key)")
+    p.add_argument("--allowed-origins", metavar="JSON", default=None,
+                   help='CORS: origins allowed to call the API, a JSON list as vLLM (e.g. \'["*"]\') or comma '
+                        "separated (default: none, no CORS headers)")
+    p.add_argument("--disable-log-requests", action="store_true", help="no access-log line per request")
+    p.add_argument("--max-connections", type=int, default=1024, metavar="C",
+                   help="open connections (and requests) at once; more are answered 503 (default 1024)")
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="S",
+                   help="close an idle keep-alive connection after S seconds (default 5)")
+    p.add_argument("--request-read-timeout", type=float, default=30.0, metavar="S",
+                   help="close a connection whose request (head and body) has not arrived S seconds after its "
+                        "first byte (default 30)")
+    p.add_argument("--max-header-bytes", type=int, default=64 * 1024, metavar="N",
+                   help="largest request head (default 64 KiB)")
+    p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, metavar="N",
+                   help="largest request body; larger ones get 413 (default 32 MiB)")
     p.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
                    help="on SIGTERM, seconds to let in-flight requests finish (default 60)")
     p.add_argument("--no-compilation-cache", action="store_true", help="do not use JAX's persistent compile cache")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def apply_speculative_config(args) -> None:
+    """--speculative-config onto the speculative flags (a flag given too must agree)."""
+    if not args.speculative_config:
+        return
+    try:
+        cfg = json.loads(args.speculative_config)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError("--speculative-config must be a JSON object")
+    unknown = set(cfg) - {"method", "model", "num_speculative_tokens"}
+    if unknown:
+        raise ValueError(f"--speculative-config: unsupported keys {sorted(unknown)} (known: method, model, "
+                         "num_speculative_tokens)")
+    method = cfg.get("method")
+    if method is not None and method not in MODES:
+        raise ValueError(f"--speculative-config: method {method!r} is not one of {', '.join(MODES)}")
+    mode = method or args.spec_mode
+    k = cfg.get("num_speculative_tokens")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(f"--speculative-config: num_speculative_tokens must be a positive integer, got {k!r}")
+    depth_flag = "tree_depth" if mode in ("tree", "tree-ready") else "chain_length"
+    for key, dest, value in (("method", "spec_mode", method), ("model", "drafter", cfg.get("model")),
+                             ("num_speculative_tokens", depth_flag, k)):
+        if value is None:
+            continue
+        have = getattr(args, dest)
+        if have is not None and have != value:
+            raise ValueError(f"--speculative-config {key}={value!r} disagrees with --{dest.replace('_', '-')} {have}")
+        setattr(args, dest, value)
+    if k is not None and mode in (None, "ar"):
+        raise ValueError("--speculative-config: num_speculative_tokens needs a speculative method")
+
+
+def model_max_len(model_dir: Path) -> int:
+    """The default --max-model-len: the config's max_position_embeddings (top level or text_config), capped."""
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        raw = {}
+    n = raw.get("max_position_embeddings") or (raw.get("text_config") or {}).get("max_position_embeddings")
+    return min(int(n), MAX_DEFAULT_MODEL_LEN) if isinstance(n, int) and n > 1 else DEFAULT_MAX_MODEL_LEN
+
+
+def parse_origins(value: str | None) -> tuple[str, ...]:
+    if not value:
+        return ()
+    if value.lstrip().startswith("["):
+        try:
+            origins = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--allowed-origins is not a valid JSON list: {e}") from None
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise ValueError("--allowed-origins must be a JSON list of strings")
+        return tuple(origins)
+    return tuple(o.strip() for o in value.split(",") if o.strip())
+
+
+def check_args(args) -> None:
+    """Checks that need no model (before anything loads)."""
+    if args.model_pos and args.model and Path(args.model_pos) != Path(args.model):
+        raise ValueError(f"MODEL {args.model_pos} and --model {args.model} disagree")
+    args.model = args.model or args.model_pos
+    apply_speculative_config(args)
+    if args.max_batch < 1:
+        raise ValueError("--max-batch / --max-num-seqs must be >= 1")
+    if args.max_queue < 0:
+        raise ValueError("--max-queue must be >= 0")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError("--max-model-len must be >= 2")
+    if args.max_logprobs < 0:
+        raise ValueError("--max-logprobs must be >= 0")
+    if args.tensor_parallel_size < 1:
+        raise ValueError("--tensor-parallel-size must be >= 1")
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+    for name in ("max_connections", "max_header_bytes", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("timeout_keep_alive", "request_read_timeout"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    if args.dtype == "float":
+        args.dtype = "float32"
+    args.allowed_origins = parse_origins(args.allowed_origins)
+    if args.api_key is None:
+        args.api_key = next((os.environ[k] for k in API_KEY_ENV if os.environ.get(k)), None)
+
+
+def check_devices(tp: int) -> None:
+    import jax
+    n = len(jax.devices())
+    if tp > n:
+        raise ValueError(f"--tensor-parallel-size {tp} but only {n} {jax.default_backend()} device(s) are visible")
+    if tp > 1:
+        raise ValueError(f"--tensor-parallel-size {tp}: sharded serving is not implemented yet (one device per "
+                         "server; run one server per device)")
 
 
 class CompileCounter:
@@ -66,78 +206,69 @@ def _progress(msg: str) -> None:
     print(f"[hyspec serve] {msg}", file=sys.stderr, flush=True)
 
 
-def build_backend(args, target, model_dir: Path):
-    """The request loop's backend for the server's options: `ar`, or the engine exactly as `hyspec generate` builds
-    it from the same options (`launch.engine_from_args`) with the server's slots as its bucket."""
-    import argparse
-
+def build_backend(args, target, model_dir: Path, max_model_len: int):
+    """The request loop's backend for the server's options: the engine exactly as `hyspec generate` builds it from
+    the same options (`launch.engine_from_args`, which also picks the embedded drafter's measured best mode when
+    none is given) with the server's slots as its bucket, or plain decoding."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from hyspec_jax.launch import engine_from_args
     from hyspec_jax.generate import Generator
+    from hyspec_jax.launch import engine_from_args
     from hyspec_jax.runtime.backend import prefill_shapes
     shapes = prefill_shapes(args.prefill_chunk, args.max_batch)
-    if args.spec_mode == "ar":
-        if args.drafter:
-            raise ValueError("--drafter is only used with a speculative --spec-mode (chain, ready, tree, tree-ready)")
-        return Generator.from_model(target).backend(args.max_batch, args.max_model_len, shapes)
     leaves = jax.tree.leaves(nnx.state(target))
     dtype = leaves[0].dtype if leaves else jnp.float32
     ns = argparse.Namespace(**vars(args))
     ns.slots = args.max_batch
     engine = engine_from_args(ns, target, model_dir, dtype)
-    return engine.backend(args.max_batch, args.max_model_len + engine.overshoot, shapes)
-
-
-def _embedded_drafter(args) -> bool:
-    """Serving the embedded model (no --model) whose drafter ships beside it: a speculative mode uses that
-    drafter (as `hyspec generate`), with its recommended settings for options left unset."""
-    from hyspec_jax.embedded import default_drafter_dir
-    return args.model is None and default_drafter_dir() is not None
+    if engine is None:
+        if args.drafter and args.spec_mode == "ar":
+            raise ValueError("--drafter is only used with a speculative --spec-mode (chain, ready, tree, tree-ready)")
+        return Generator.from_model(target).backend(args.max_batch, max_model_len, shapes)
+    return engine.backend(args.max_batch, max_model_len + engine.overshoot, shapes)
 
 
 def run(args) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="[hyspec serve] %(message)s")
-    if args.max_batch < 1:
-        raise ValueError("--max-batch must be >= 1")
-    if args.max_queue < 0:
-        raise ValueError("--max-queue must be >= 0")
-    if args.max_model_len < 2:
-        raise ValueError("--max-model-len must be >= 2")
-    if args.spec_mode != "ar" and not args.drafter and not _embedded_drafter(args):
-        raise ValueError(f"--spec-mode {args.spec_mode} needs --drafter DIR")
+    check_args(args)
+    if args.gpu_memory_utilization is not None:
+        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{args.gpu_memory_utilization:g}"
+    check_devices(args.tensor_parallel_size)
     from hyspec_jax.compilation import enable_compilation_cache
+    from hyspec_jax.config import TargetConfig, resolve_dtype
+    from hyspec_jax.io.hf import load_pretrained
     from hyspec_jax.launch import resolve_model_dir
+    from hyspec_jax.runtime.scheduler import Scheduler
+    from hyspec_jax.runtime.scoring import Scorer
+    from hyspec_jax.serve.app import FrontOptions, OpenAIServer, ServedModel, build_app
+    from hyspec_jax.serve.chat import ChatTemplate
+    from hyspec_jax.serve.metrics import ServerMetrics
+    from hyspec_jax.tokenizer import load_tokenizer, special_token_ids
+
     model_dir, label = resolve_model_dir(args.model)
     if label:
         _progress(f"using a {label}")
-
-
     if not args.no_compilation_cache:
         enable_compilation_cache()
-    from hyspec_jax.config import TargetConfig
-    from hyspec_jax.io.hf import load_pretrained
-    from hyspec_jax.serve.app import OpenAIApp, ServedModel
-    from hyspec_jax.serve.chat import ChatTemplate
-    from hyspec_jax.serve.metrics import ServerMetrics
-    from hyspec_jax.runtime.scheduler import Scheduler
-    from hyspec_jax.tokenizer import load_tokenizer, special_token_ids
-
     TargetConfig.from_pretrained(model_dir)
+    max_model_len = args.max_model_len or model_max_len(model_dir)
     tokenizer = load_tokenizer(model_dir)
-    from hyspec_jax.config import resolve_dtype
     dtype = resolve_dtype(args.dtype)
     counter = CompileCounter()
     t0 = time.perf_counter()
     cfg, target = load_pretrained(model_dir, dtype=dtype)
-    backend = build_backend(args, target, model_dir)
+    backend = build_backend(args, target, model_dir, max_model_len)
     _progress(f"loaded {model_dir} ({cfg.model_type}, {cfg.num_hidden_layers} layers) in "
               f"{time.perf_counter() - t0:.1f}s; mode {backend.mode}, {backend.slots} slots, context "
-              f"{backend.max_context}, prefill shapes {backend.shapes}; compiling")
+              f"{max_model_len}, prefill shapes {backend.shapes}; compiling")
     t0 = time.perf_counter()
     backend.compile(lambda s: _progress(f"  compiled {s}"))
+    scorer = None
+    if args.max_logprobs > 0:
+        scorer = Scorer(backend.graphdef, backend.params, max_model_len, args.max_logprobs)
+        scorer.compile(lambda s: _progress(f"  compiled {s}"))
     _progress(f"warm-up done in {time.perf_counter() - t0:.1f}s ({counter.count} programs)")
 
     chat = ChatTemplate(model_dir, tokenizer)
@@ -149,57 +280,80 @@ def run(args) -> int:
     if chat.eos_token_id is not None:
         eos |= {chat.eos_token_id}
     scheduler = Scheduler(backend, metrics, max_queue=args.max_queue)
-    model = ServedModel(name=name, root=str(model_dir), max_model_len=args.max_model_len,
-                        vocab_size=cfg.vocab_size, eos_token_ids=frozenset(eos), mode=backend.mode,
-                        created=int(time.time()))
-    app = OpenAIApp(scheduler=scheduler, tokenizer=tokenizer, chat=chat, model=model, metrics=metrics)
+    model = ServedModel(name=name, root=str(model_dir), max_model_len=max_model_len, vocab_size=cfg.vocab_size,
+                        eos_token_ids=frozenset(eos), mode=backend.mode, created=int(time.time()))
+    options = FrontOptions(api_key=args.api_key, allowed_origins=args.allowed_origins,
+                           max_body_bytes=args.max_body_bytes, log_requests=not args.disable_log_requests,
+                           max_logprobs=args.max_logprobs)
+    server = OpenAIServer(scheduler=scheduler, tokenizer=tokenizer, chat=chat, model=model, metrics=metrics,
+                          options=options, scorer=scorer, version=_version(), seed=args.seed)
     scheduler.start()
-    return asyncio.run(_serve(args, app, scheduler, chat))
+    return _serve(args, server, build_app(server), chat)
 
 
-async def _serve(args, app, scheduler, chat) -> int:
-    from hyspec_jax.serve.http import HTTPServer
-    http = HTTPServer(app.handle)
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
     try:
-        port = await http.start(args.host, args.port)
-    except OSError as e:
+        return version("hyspec-jax")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _serve(args, server, app, chat) -> int:
+    import uvicorn
+
+    from hyspec_jax.serve.transport import read_deadline_protocol
+    scheduler = server.scheduler
+    config = uvicorn.Config(app, host=args.host, port=args.port, loop="auto",
+                            http=read_deadline_protocol(args.request_read_timeout),
+                            limit_concurrency=args.max_connections, timeout_keep_alive=args.timeout_keep_alive,
+                            h11_max_incomplete_event_size=args.max_header_bytes,
+                            timeout_graceful_shutdown=args.drain_timeout, access_log=False, server_header=False,
+                            log_level=args.log_level, lifespan="off")
+    try:
+        sock = config.bind_socket()
+    except SystemExit:       # uvicorn logs the OSError and exits
         scheduler.stop()
-        raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
+        raise ValueError(f"cannot listen on {args.host}:{args.port}") from None
+    port = sock.getsockname()[1]
     signals = {"n": 0}
 
-    def on_signal(signame: str) -> None:
-        signals["n"] += 1
-        if signals["n"] == 1:
-            _progress(f"{signame}: draining (no new requests; in-flight ones finish, at most "
-                      f"{args.drain_timeout:g}s)")
-            app.draining = True
-            http.stop_accepting()
-            scheduler.drain()
-            stop.set()
-        else:
-            _progress(f"{signame} again: stopping now")
-            scheduler.stop()
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # Our handlers: the first SIGTERM/SIGINT drains (no new requests; in-flight ones finish within
+            # --drain-timeout, uvicorn's graceful shutdown), a second stops now. Exit 0, no re-raised signal.
+            def on_signal(sig, frame):
+                signals["n"] += 1
+                signame = signal.Signals(sig).name
+                if signals["n"] == 1:
+                    _progress(f"{signame}: draining (no new requests; in-flight ones finish, at most "
+                              f"{args.drain_timeout:g}s)")
+                    server.draining = True
+                    scheduler.drain()
+                    self.should_exit = True
+                else:
+                    _progress(f"{signame} again: stopping now")
+                    scheduler.stop()
+                    self.force_exit = True
+            old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
 
-    for sig, signame in ((signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")):
-        loop.add_signal_handler(sig, on_signal, signame)
+    userver = Server(config)
     _progress(f"chat prompts: {chat.kind}")
-    _progress(f"serving model '{app.model.name}' on http://{args.host}:{port} (OpenAI API under /v1)")
-    await stop.wait()
-    deadline = time.monotonic() + args.drain_timeout
-    while time.monotonic() < deadline and (scheduler.busy or http.in_flight > 0):
-        await asyncio.sleep(0.05)
-    if scheduler.busy:
-        _progress("drain timeout: aborting the remaining requests")
+    _progress(f"serving model '{server.model.name}' on http://{args.host}:{port} (OpenAI API under /v1"
+              f"{'; API key required' if args.api_key else ''})")
+    try:
+        userver.run(sockets=[sock])        # uvloop where installed (loop="auto")
+    finally:
+        if scheduler.busy:
+            _progress("drain timeout: aborting the remaining requests")
         scheduler.stop()
-        for _ in range(100):
-            if http.in_flight == 0:
-                break
-            await asyncio.sleep(0.05)
-    scheduler.drain()
-    await loop.run_in_executor(None, scheduler.join, 10.0)
-    await http.close_idle()
+        scheduler.join(10.0)
     _progress("stopped")
     return 0
 
@@ -208,9 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hyspec serve", description="OpenAI-compatible server.")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    from hyspec_jax.launch import UsageError
     from hyspec_jax.config import ConfigError
     from hyspec_jax.io.hf import CheckpointError
+    from hyspec_jax.launch import UsageError
     try:
         return run(args)
     except (UsageError, ConfigError, CheckpointError, FileNotFoundError, ValueError, OSError) as e:

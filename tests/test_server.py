@@ -1,8 +1,11 @@
 """The OpenAI-compatible server: a real `hyspec serve` process on loopback, driven by the official `openai`
-client and raw HTTP, against `hyspec_jax.generate.Generator` run alone on each prompt as the oracle.
+client and raw HTTP, against `hyspec_jax.generate.Generator` run alone on each prompt as the oracle (and a direct
+forward of the target for logprobs).
 
-One server per module (a tiny random model in a tmp dir, byte-level tokenizer, a Jinja chat template);
-its last test sends SIGTERM and checks the drain.
+Three servers per module (a tiny random model in a tmp dir, byte-level tokenizer, a Jinja chat template): plain
+decoding with an API key (from the environment), a short request-read timeout, a connection cap and CORS; a
+chain speculative one launched the vLLM way (MODEL positional, --speculative-config, --max-num-seqs); a tree
+one. The plain server's last test sends SIGTERM and checks the drain.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from hyspec_jax.config import FULL, LINEAR, DrafterConfig, TargetConfig  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
 from hyspec_jax.serve.chat import ChatTemplate, chatml  # noqa: E402
-from hyspec_jax.serve.metrics import parse_text  # noqa: E402
-from hyspec_jax.serve.protocol import ChoiceText, IncrementalDetokenizer  # noqa: E402
+from hyspec_jax.serve.text import ChoiceText, IncrementalDetokenizer  # noqa: E402
 from hyspec_jax.tokenizer import byte_level_tokenizer  # noqa: E402
 
 CONTEXT = 256
@@ -38,7 +42,20 @@ TREE_DEPTH, TREE_NODES = 3, 6      # the tree server: 3 levels of top-2 children
 NAME = "tiny-test"
 TEMPLATE = ("{% for m in messages %}[{{ m.role }}]: {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}[assistant]: {% endif %}")
-STARTUP_TIMEOUT = 240
+STARTUP_TIMEOUT = 300
+API_KEY = "sk-test-key"
+READ_TIMEOUT = 3          # the plain server's --request-read-timeout
+MAX_CONNECTIONS = 100     # the plain server's --max-connections (the 429 test opens 60 connections)
+ORIGIN = "http://example.test"
+
+
+def parse_text(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Samples by name, read by prometheus_client's own parser."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            out.setdefault(smp.name, []).append((dict(smp.labels), smp.value))
+    return out
 
 
 def _tiny_dir(root: Path) -> Path:
@@ -63,17 +80,25 @@ class Server:
         self.proc, self.port, self.log, self.model_dir = proc, port, log, model_dir
         self.base = f"http://127.0.0.1:{port}"
 
-    def client(self, **kw) -> "openai.OpenAI":
-        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120, **kw)
+    def client(self, api_key: str | None = None, **kw) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=api_key or self.api_key, max_retries=0,
+                             timeout=120, **kw)
+
+    @property
+    def api_key(self) -> str:
+        return API_KEY if self.log.name == "server.log" else "unused"
+
+    def auth(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"}
 
     def raw(self, method: str, path: str, body: bytes | str | None = None, headers: dict | None = None):
         """One HTTP/1.1 request on a fresh connection -> (status, headers, body bytes)."""
         import http.client
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
         try:
-            conn.request(method, path, body=body, headers=headers or {})
+            conn.request(method, path, body=body, headers={**self.auth(), **(headers or {})})
             r = conn.getresponse()
-            return r.status, dict(r.getheaders()), r.read()
+            return r.status, r.headers, r.read()
         finally:
             conn.close()
 
@@ -98,8 +123,8 @@ def _drafter_dir(root: Path, model_dir: Path) -> Path:
     return out
 
 
-def _launch(cmd: list[str], log: Path) -> subprocess.Popen:
-    env = dict(os.environ)
+def _launch(cmd: list[str], log: Path, **env_extra: str) -> subprocess.Popen:
+    env = dict(os.environ, **env_extra)
     # Test-only: a cheaper XLA backend optimisation level roughly halves the CPU compile time of the buckets.
     env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
     with open(log, "wb") as f:
@@ -113,17 +138,23 @@ def launched(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     model_dir = _tiny_dir(root)
     drafter_dir = _drafter_dir(root, model_dir)
-    base = [sys.executable, "-m", "hyspec_jax.serve", "--model", str(model_dir), "--served-model-name", NAME,
-            "--port", "0", "--max-model-len", str(CONTEXT), "--drain-timeout", "60"]
+    serve = [sys.executable, "-m", "hyspec_jax.serve"]
+    base = ["--served-model-name", NAME, "--port", "0", "--max-model-len", str(CONTEXT), "--drain-timeout", "60"]
+    spec = json.dumps({"method": "chain", "model": str(drafter_dir), "num_speculative_tokens": GAMMA})
     procs = {
-        "ar": (_launch(base + ["--max-batch", str(SLOTS), "--max-queue", str(QUEUE), "--prefill-chunk", str(CHUNK)],
-                       root / "server.log"), root / "server.log"),
-        "chain": (_launch(base + ["--spec-mode", "chain", "--drafter", str(drafter_dir), "--max-batch", "4",
-                                  "--prefill-chunk", "16"], root / "server-chain.log"), root / "server-chain.log"),
-        "tree": (_launch(base + ["--spec-mode", "tree", "--drafter", str(drafter_dir), "--max-batch", "4",
-                                 "--prefill-chunk", "16", "--tree-depth", str(TREE_DEPTH), "--tree-topk", "2",
-                                 "--tree-beam", "3", "--verify-nodes", str(TREE_NODES)],
-                         root / "server-tree.log"), root / "server-tree.log"),
+        "ar": (_launch(serve + ["--model", str(model_dir)] + base + [
+            "--max-batch", str(SLOTS), "--max-queue", str(QUEUE), "--prefill-chunk", str(CHUNK),
+            "--request-read-timeout", str(READ_TIMEOUT), "--max-connections", str(MAX_CONNECTIONS),
+            "--allowed-origins", json.dumps([ORIGIN]), "--max-body-bytes", "65536", "--max-logprobs", "5"],
+            root / "server.log", HYSPEC_API_KEY=API_KEY), root / "server.log"),
+        "chain": (_launch(serve + [str(model_dir)] + base + [
+            "--speculative-config", spec, "--max-num-seqs", "4", "--prefill-chunk", "16", "--seed", "7",
+            "--dtype", "float32", "--tensor-parallel-size", "1", "--disable-log-requests"],
+            root / "server-chain.log"), root / "server-chain.log"),
+        "tree": (_launch(serve + ["--model", str(model_dir)] + base + [
+            "--spec-mode", "tree", "--drafter", str(drafter_dir), "--max-batch", "4", "--prefill-chunk", "16",
+            "--tree-depth", str(TREE_DEPTH), "--tree-topk", "2", "--tree-beam", "3", "--verify-nodes",
+            str(TREE_NODES), "--max-logprobs", "0"], root / "server-tree.log"), root / "server-tree.log"),
     }
     yield procs, model_dir
     for proc, _ in procs.values():
@@ -472,14 +503,21 @@ BAD = [
     ("/v1/completions", {"prompt": LONG_PROMPT}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 3}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [999]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 17}, 400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 1}, 400,
+     "frequency_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400,
      "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "messages"),
@@ -507,7 +545,7 @@ def test_bad_inputs_get_openai_errors_and_do_not_disturb_others(server, oracle):
             assert got == status, (body, out)
             err = _error(got, out)
             assert err["param"] == param, (body, err)
-            assert err["type"] == "invalid_request_error"
+            assert err["code"] == status and err["type"] == {400: "BadRequestError", 404: "NotFoundError"}[status]
         for method, path, status in [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405),
                                      ("DELETE", "/v1/models", 405)]:
             got, _, out = server.raw(method, path)
@@ -526,7 +564,7 @@ def _send_raw(port: int, body: dict) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", port), timeout=60)
     data = json.dumps(body).encode()
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+              b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s" % (API_KEY.encode(), len(data), data))
     return s
 
 
@@ -576,12 +614,12 @@ def test_full_queue_answers_429_and_others_complete(server, oracle):
         statuses.append(int(head.split(b" ")[1]))
         if statuses[-1] == 429:
             body = head.split(b"\r\n\r\n", 1)[1]
-            length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+            length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
             while len(body) < length:
                 body += s.recv(4096)
-            assert b"Retry-After: 1" in head
+            assert re.search(rb"(?i)\r\nretry-after: 1\r\n", head)
             err = _error(429, body)
-            assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
+            assert err["type"] == "RateLimitError" and err["code"] == 429
     assert statuses.count(429) >= 1 and statuses.count(200) >= SLOTS + QUEUE
     assert set(statuses) == {200, 429}
     for s in socks:

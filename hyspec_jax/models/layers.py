@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hyspec_jax import gdn, kernels
+from hyspec_jax import gdn, kernels, moe
 from hyspec_jax.attention import attend  # noqa: F401 (the models and train/forward.py import it from here)
 from hyspec_jax.config import TargetConfig
 
@@ -91,21 +91,17 @@ class MLP(nnx.Module):
 
 class Experts(nnx.Module):
     """All routed experts, fused as transformers holds them in memory: gate_up [E, 2I, H] (gate rows first),
-    down [E, H, I]. The loader also accepts the per-expert on-disk form."""
+    down [E, H, I]. The loader also accepts the per-expert on-disk form. Only the chosen experts run
+    (`hyspec_jax.moe`: a gather of their weights for few rows, a grouped matmul for many)."""
 
     def __init__(self, num: int, hidden: int, inter: int, *, dtype=F32, rngs: nnx.Rngs):
         self.gate_up_proj = _normal(rngs, (num, 2 * inter, hidden), dtype)
         self.down_proj = _normal(rngs, (num, hidden, inter), dtype)
 
-    def __call__(self, x: jax.Array, combine: jax.Array) -> jax.Array:
-        """x [T, H], combine [T, E] routing weights (zero for unchosen experts)."""
-        # Dense over experts: exact and simple; a grouped/ragged matmul belongs in a kernel.
-        w_gu, w_d = self.gate_up_proj[...], self.down_proj[...]
-        gu = jnp.einsum("th,eoh->teo", x.astype(w_gu.dtype), w_gu, preferred_element_type=F32).astype(x.dtype)
-        gate, up = jnp.split(gu, 2, axis=-1)
-        h = jax.nn.silu(gate) * up
-        y = jnp.einsum("tei,ehi->teh", h, w_d, preferred_element_type=F32).astype(x.dtype)
-        return jnp.einsum("teh,te->th", y, combine.astype(y.dtype))
+    def __call__(self, x: jax.Array, top_p: jax.Array, top_i: jax.Array, *, form: str | None = None) -> jax.Array:
+        """x [T, H] through each row's chosen experts top_i [T, k], weighted by top_p [T, k]: [T, H].
+        form: a `moe.FORMS` entry to force one execution form (tests, bench), default `moe.choose_form`."""
+        return moe.experts(x, self.gate_up_proj[...], self.down_proj[...], top_p, top_i, form=form, accumulate=F32)
 
 
 class SparseMoe(nnx.Module):
@@ -119,16 +115,12 @@ class SparseMoe(nnx.Module):
         self.shared_expert = MLP(H, cfg.shared_expert_intermediate_size, dtype=dtype, rngs=rngs)
         self.shared_expert_gate = Linear(H, 1, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, form: str | None = None) -> jax.Array:
+        """x [..., H] -> [..., H]; form as in `Experts`."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        probs = jax.nn.softmax(self.gate(x).astype(F32), axis=-1)
-        top_p, top_i = jax.lax.top_k(probs, self.top_k)
-        if self.norm_topk:
-            top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-        top_p = top_p.astype(x.dtype)
-        combine = jnp.zeros(probs.shape, x.dtype).at[jnp.arange(x.shape[0])[:, None], top_i].set(top_p)
-        routed = self.experts(x, combine)
+        top_p, top_i = moe.route(self.gate(x), self.top_k, self.norm_topk, accumulate=F32)
+        routed = self.experts(x, top_p.astype(x.dtype), top_i, form=form)
         shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return (routed + shared).reshape(shape)
 

@@ -37,6 +37,7 @@ def attend_prefix_tree(q: jax.Array, keys: jax.Array, values: jax.Array, prefix_
     return attend_parts(q, ((keys, values, prefix_mask[:, None]), (tree_keys, tree_values, tree_mask)))
 
 
+@jax.named_scope("attention")
 def attend_parts(q: jax.Array, parts) -> jax.Array:
     """GQA attention of q [B,T,NH,hd] over the union of key/value parts ((keys [B,S_i,KVH,hd], values, mask
     [B,T or 1,S_i] bool), ...), normalised jointly (one max, one denominator: a softmax over all parts' keys),

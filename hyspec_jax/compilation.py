@@ -95,13 +95,10 @@ def kernel_count(lowered) -> int:
     return sum(kernel_count_by_scope(lowered, ()).values())
 
 
-def kernel_count_by_scope(lowered, scopes: Sequence[str]) -> dict[str, int]:
-    """`kernel_count` split by `jax.named_scope`: each kernel counts under the longest of `scopes` (paths such as
-    "draft/tree_build") that its HLO op name, less the jit / vmap / control-flow parts, starts with; kernels under
-    none of them (or with no op name: XLA's own copies, some library calls) count under "(other)". A
-    conditional's own launch counts under "(control)". With no scopes, everything counts under ""."""
+def hlo_computations(text: str) -> dict[str, list[str]]:
+    """The computations of a compiled HLO module's text (`compiled.as_text()`): {name: its instruction lines};
+    the entry computation under "ENTRY"."""
     import re
-    text = lowered.compile().as_text()
     comps: dict[str, list[str]] = {}
     name = None
     for line in text.splitlines():
@@ -113,6 +110,16 @@ def kernel_count_by_scope(lowered, scopes: Sequence[str]) -> dict[str, int]:
             name = None
         elif name is not None:
             comps[name].append(line)
+    return comps
+
+
+def kernel_count_by_scope(lowered, scopes: Sequence[str]) -> dict[str, int]:
+    """`kernel_count` split by `jax.named_scope`: each kernel counts under the longest of `scopes` (paths such as
+    "draft/tree_build") that its HLO op name, less the jit / vmap / control-flow parts, starts with; kernels under
+    none of them (or with no op name: XLA's own copies, some library calls) count under "(other)". A
+    conditional's own launch counts under "(control)". With no scopes, everything counts under ""."""
+    import re
+    comps = hlo_computations(lowered.compile().as_text())
     wanted = sorted((tuple(sc.split("/")) for sc in scopes), key=len, reverse=True)
 
     def scope(line: str) -> str:

@@ -38,6 +38,7 @@ def _ein(spec: str, *xs: jax.Array) -> jax.Array:
 # ------------------------------------------------------------------------------------------------
 # Gates and q/k preparation
 # ------------------------------------------------------------------------------------------------
+@jax.named_scope("gdn_gates")
 def gates(a: jax.Array, b: jax.Array, A_log: jax.Array, dt_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
     """g = −exp(A_log)·softplus(a + dt_bias), β = sigmoid(b); fp32. a, b: [..., HV]."""
     g = -jnp.exp(A_log.astype(F32)) * jax.nn.softplus(a.astype(F32) + dt_bias.astype(F32))
@@ -50,6 +51,7 @@ def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
+@jax.named_scope("gdn_gates")
 def prepare_qk(q: jax.Array, k: jax.Array, num_value_heads: int) -> tuple[jax.Array, jax.Array]:
     """l2-normalise q/k over dk, scale q by dk^-1/2, map key heads to value heads (head j ← ⌊j/r⌋).
 
@@ -61,6 +63,7 @@ def prepare_qk(q: jax.Array, k: jax.Array, num_value_heads: int) -> tuple[jax.Ar
     return jnp.repeat(q, r, axis=-2), jnp.repeat(k, r, axis=-2)
 
 
+@jax.named_scope("gdn_gates")
 def invalidate(g: jax.Array, beta: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Turn invalid positions (valid: [B, N]) into identity steps (g = 0, β = 0)."""
     keep = valid[..., None]
@@ -70,6 +73,7 @@ def invalidate(g: jax.Array, beta: jax.Array, valid: jax.Array) -> tuple[jax.Arr
 # ------------------------------------------------------------------------------------------------
 # One token, and the serial recurrence (the oracle every closed form must equal)
 # ------------------------------------------------------------------------------------------------
+@jax.named_scope("gdn_state")
 def step(S: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array
          ) -> tuple[jax.Array, jax.Array]:
     """One token. S [B,HV,dk,dv]; q,k [B,HV,dk]; v [B,HV,dv]; g,beta [B,HV]. Returns (o [B,HV,dv], S')."""
@@ -202,6 +206,7 @@ def _heads_first(q, k, v, g, beta):
             jnp.moveaxis(beta, 2, 1).astype(F32))
 
 
+@jax.named_scope("gdn_state")
 def masked_solve(S0: jax.Array, q, k, v, g, beta, mask: jax.Array, *, method: InverseMethod = "solve",
                  path_nodes: int | None = None) -> tuple[jax.Array, SolveFactors]:
     """Closed-form GDN over N nodes related by an ancestor-or-self `mask` [B,N,N], from state S0.
@@ -244,6 +249,7 @@ def path_decay(A_rows: jax.Array, log_decay_rows: jax.Array, log_decay_cols: jax
     return masked_exp(A_rows > 0, log_decay_rows[..., :, None] - log_decay_cols[..., None, :])
 
 
+@jax.named_scope("gdn_state")
 def node_state(S0: jax.Array, factors: SolveFactors, mask: jax.Array, node: jax.Array) -> jax.Array:
     """State after node `node` [B] (int; −1 = the committed state itself): e^{Γ_a} S0 + Σ_j D_aj k_j V'_jᵀ.
 
@@ -287,6 +293,7 @@ def deferred_row_weights(pend: DeferredUpdates) -> jax.Array:
     return masked_exp(used, pend.log_decay[..., None] - pend.row_decay)
 
 
+@jax.named_scope("gdn_state")
 def deferred_fold(S_base: jax.Array, pend: DeferredUpdates) -> jax.Array:
     """The state the updates stand for: e^{c} S_base + Σ_i w_i k_i v_iᵀ  [B, HV, dk, dv]."""
     w = deferred_row_weights(pend)
@@ -294,6 +301,7 @@ def deferred_fold(S_base: jax.Array, pend: DeferredUpdates) -> jax.Array:
             + _ein("bhp,bhpd,bhpv->bhdv", w, pend.keys, pend.values))
 
 
+@jax.named_scope("gdn_state")
 def deferred_append(pend: DeferredUpdates, factors: SolveFactors, path: jax.Array,
                     length: jax.Array) -> DeferredUpdates:
     """Commit the root-to-node path of a tree solved from `deferred_fold(S_base, pend)`.
@@ -327,6 +335,7 @@ def chain_mask(batch: int, n: int) -> jax.Array:
     return jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (batch, n, n))
 
 
+@jax.named_scope("gdn_state")
 def chunked_prefill(S0: jax.Array, q, k, v, g, beta, *, chunk_size: int = 64,
                     method: InverseMethod = "solve") -> tuple[jax.Array, jax.Array]:
     """A chain of any length T as a scan over chunks of the masked solve. Returns (o [B,T,HV,dv], S_T)."""
@@ -353,6 +362,7 @@ def chunked_prefill(S0: jax.Array, q, k, v, g, beta, *, chunk_size: int = 64,
 # ------------------------------------------------------------------------------------------------
 # Causal depthwise conv over the q/k/v stream (raw window of the last K−1 inputs is the conv state)
 # ------------------------------------------------------------------------------------------------
+@jax.named_scope("gdn_conv")
 def causal_conv(x: jax.Array, window: jax.Array, weight: jax.Array) -> jax.Array:
     """x [B,T,C] new raw inputs, window [B,K−1,C] previous raw inputs, weight [C,K] (tap K−1 = current).
 
@@ -365,6 +375,7 @@ def causal_conv(x: jax.Array, window: jax.Array, weight: jax.Array) -> jax.Array
     return jax.nn.silu(out)
 
 
+@jax.named_scope("gdn_conv")
 def conv_window_after(x: jax.Array, window: jax.Array, num_valid: jax.Array) -> jax.Array:
     """The last K−1 raw inputs after appending the first num_valid [B] tokens of x [B,T,C] to window."""
     Km1 = window.shape[1]
@@ -372,6 +383,7 @@ def conv_window_after(x: jax.Array, window: jax.Array, num_valid: jax.Array) -> 
     return jax.vmap(lambda s, n: jax.lax.dynamic_slice_in_dim(s, n, Km1, axis=0))(xs, num_valid)
 
 
+@jax.named_scope("gdn_conv")
 def gathered_conv(x: jax.Array, window: jax.Array, weight: jax.Array, taps: jax.Array) -> jax.Array:
     """Conv where each node's K inputs are given by an index table (trees: the node and its ancestors).
 

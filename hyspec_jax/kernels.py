@@ -226,6 +226,7 @@ def _split_mgpu_refusal(q, v, block_v: int, precision: str | None, impl: Impl) -
     return ""
 
 
+@jax.named_scope("gdn_state")
 def tree_solve(S0, q, k, v, g, beta, mask, path_nodes: int | None = None, *, impl: Impl = "auto",
                method: str = "auto", block_v: int | None = None, precision: str | None = None,
                reference_method: str = "solve"):
@@ -263,6 +264,7 @@ def tree_solve(S0, q, k, v, g, beta, mask, path_nodes: int | None = None, *, imp
     return _kernel_solve(S0, q, k, v, g, beta, mask, path_nodes, (config, interpret))
 
 
+@jax.named_scope("gdn_state")
 def path_commit(S0, log_decay, keys, corrected, mask, node, *, impl: Impl = "auto", block_v: int | None = None,
                 precision: str = "tf32x3"):
     """State of each request's accepted node for every GDN layer: S0 [Lg,B,HV,dk,dv] fp32,
@@ -309,6 +311,7 @@ def attention_tiling(batch: int, rows: int, kv_heads: int) -> tuple[int, int, in
     return 64, 32, 4, 3
 
 
+@jax.named_scope("attention")
 def tree_attention(q, keys, values, prefix_mask, tree_keys, tree_values, tree_mask, *, impl: Impl = "auto",
                    tiling: tuple[int, int, int, int] | None = None):
     """`attention.attend_prefix_tree` (q [B,T,NH,hd]; keys/values [B,S,KVH,hd]; prefix_mask [B,S]; tree_keys/values
@@ -345,6 +348,7 @@ def tree_attention(q, keys, values, prefix_mask, tree_keys, tree_values, tree_ma
 TOPK_CHUNKS, TOPK_WARPS = 8, 4
 
 
+@jax.named_scope("sampling")
 def biased_topk(base: jax.Array, bias: jax.Array | None, k: int, *, impl: Impl = "auto"):
     """Top-k and log-sum-exp of every beam row of a tree level: logits base [B, V] + bias [B, W, V] (None: W = 1)
     → (values [B, W, k] f32, indices [B, W, k] int32, lse [B, W] f32), as `topk.biased_topk_reference`.

@@ -71,6 +71,7 @@ def _slot_sampling(slots: tuple[tuple[float, float, int, int], ...]) -> SlotSamp
     return SlotSampling(*jax.device_put(host))
 
 
+@jax.named_scope("sampling")
 def warp(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
     """Log-probabilities [..., V] after temperature, top-k and top-p (−inf outside the kept set).
 
@@ -104,11 +105,13 @@ def slot_keys(seed: jax.Array, step: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seed, steps)
 
 
+@jax.named_scope("sampling")
 def greedy_tokens(logits: jax.Array) -> jax.Array:
     """logits [B, V] -> the argmax tokens [B] int32: what the warped one-hot distribution of a greedy slot draws."""
     return jnp.argmax(logits.astype(F32), axis=-1).astype(jnp.int32)
 
 
+@jax.named_scope("sampling")
 def sample(logits: jax.Array, sampling: SlotSampling, step: jax.Array, stochastic: bool | None = None) -> jax.Array:
     """logits [B, V] -> tokens [B] int32; step: the decode step, a scalar or one per slot [B] (`slot_keys`).
 

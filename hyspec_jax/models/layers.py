@@ -22,6 +22,7 @@ def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, F32).astype(dtype))
 
 
+@jax.named_scope("dense")
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., in] · wᵀ for a weight in the HF [out, in] layout -> [..., out] float32 (fp32 accumulation).
 
@@ -58,6 +59,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
         self.zero_centred = zero_centred
 
+    @jax.named_scope("norm")
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(F32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
@@ -72,6 +74,7 @@ class GatedRMSNorm(RMSNorm):
     def __init__(self, dim: int, eps: float, *, dtype=F32):
         super().__init__(dim, eps, zero_centred=False, dtype=dtype)
 
+    @jax.named_scope("norm")
     def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:
         y = super().__call__(x)
         return (y.astype(F32) * jax.nn.silu(z.astype(F32))).astype(x.dtype)

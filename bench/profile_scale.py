@@ -1,0 +1,714 @@
+"""Where the time of the target's decode and verify goes, part by part, each part beside its own floor.
+
+    hyspec bench profile-scale [--batch 1,8,32] [--nodes 8,32] [--prefix 512] [--kernels auto]
+                               [--max-seconds S] [--json OUT.json] [--tiny | --config PATH] ...
+    python -m hyspec_jax.bench.profile_scale ...        (same options)
+
+Programs, at the geometry of `hyspec bench verify-scale` (default Qwen3.8-27B; its random weights and committed
+states, built on the device by its fillers — `bench/verify_scale.py`):
+
+  T_dec(B)     one-token decode of every slot (`sharding.jit_extend`, T = 1, state donated), per --batch;
+  T_ver(N, B)  the tree verify forward (`TargetModel.verify`, kernels `--kernels`, default auto: the Pallas
+               tree solve and tree attention where the dispatcher takes them), per --batch and --nodes.
+
+Each is timed untraced (the median of --repeats calls; `bench/calibrate.py`'s timing), then run --trace-calls
+times under `jax.profiler`. Every device kernel of the trace names the HLO instruction it runs (the trace's
+`hlo_op` stat: GPU kernels on the device's stream lines, CPU thunks on the host threads); the compiled HLO text
+(`compiled.as_text()`) gives each instruction's `op_name`, which carries the `jax.named_scope` tags of the model's
+regions, and so its part:
+
+  dense       `models.layers.dense` (every Linear: projections, MLP)           scope "dense"
+  gdn         conv ("gdn_conv"), gates and q/k norm ("gdn_gates"), state update / tree solve ("gdn_state"):
+              `hyspec_jax.gdn`'s functions and the dispatcher's `tree_solve` / `path_commit`
+  attention   `attention.attend_parts`, the dispatcher's `tree_attention`    scope "attention"
+  norm_act    `RMSNorm` / `GatedRMSNorm` (scope "norm"), and the activations jax.nn names (silu, sigmoid, softplus)
+  logits      the LM head (a "dense" product whose result has a vocabulary-sized dimension) and sampling
+              (`hyspec_jax.sampling`, the dispatcher's `biased_topk`: scope "sampling")
+  rest        kernels of no tagged region: the embedding gather, RoPE, residual adds, KV-cache writes, state
+              stacking, layout copies, the MoE experts ...; the largest are listed by name and op_name.
+
+Innermost tag wins (a norm inside a GDN region is a norm). Two rules assign what the tags alone do not: a fusion
+that mixes parts goes to its matrix product's part if it holds one (dot, convolution, or a library GEMM call), else
+to the part most of its tagged instructions belong to, else rest; a matrix product whose op_name a compiler pass
+dropped (XLA:CPU's dot rewrites do) is dense (logits if vocabulary-sized) when it reads a weight (an operand of the
+`params…` arguments), else takes the part of its nearest tagged producer (three steps back at most). The time
+assigned by these rules is reported per part ("by-rule ms").
+Beside the parts: `unattributed` (device time of events naming no instruction of the program: copies, memsets),
+`overlap` (≤ 0: kernels that ran concurrently, counted once per part but once in the busy time) and `gaps`
+(measured − device busy time: launch latency, host work, idle). Parts + rest + unattributed + overlap + gaps =
+the measured time, exactly.
+
+Floors, from measured ceilings of the same run (a large bf16 (--dtype) matrix product: FLOP/s; a large
+elementwise pass x → x + 1: bytes read + written per second) and the irreducible traffic / work of each part:
+
+  dense      bytes: every 2-D weight but the embedding and LM head, read once; FLOPs 2·rows·parameters
+  logits     bytes: the LM head (or tied embedding) + the fp32 logits written; FLOPs 2·rows·V·H
+  gdn        bytes: recurrent states and conv windows read (decode: and written), the verify's commit factors and
+             conv inputs written; FLOPs per (slot, layer, value head): decode 6·dk·dv, verify 4·T·dk·dv +
+             4·T²·(dk + dv) (products with the committed state, and the T nodes' pairwise products)
+  attention  bytes: the committed prefix's K/V read, the new K/V written; FLOPs 4·T·NH·hd·(prefix + T)
+  norm_act   bytes: activations read and written once by each norm / activation as its own pass (no FLOPs)
+  program    max(bytes / bandwidth, FLOPs / peak) over weights + state traffic (the parts above but norm_act,
+             which a fused program needs not pay for, plus the embedding rows)
+
+each floor = max(bytes / bandwidth, FLOPs / peak). No floor for rest.
+
+Outputs (with --json OUT.json): OUT.json (run_metadata: device, versions, commit; the command; ceilings; per
+program: measured, each part's ms, kernels per call, by-rule ms, bytes, FLOPs, floor, the largest rest kernels) and
+OUT.md (tables). Rewritten after every program, so a run cut short leaves what it measured ("status":
+"partial"). With --max-seconds S no batch group is started (lowered / compiled) once S seconds have passed.
+
+One H200 (kind nvidia-h200, timeout_s 600), from the repository root (bench/verify_scale.py's convention):
+
+    ln -sfn $PWD/bench hyspec_jax/bench; HYSPEC_GIT_COMMIT=<sha> PYTHONPATH=$PWD python3 -m \\
+        hyspec_jax.bench.profile_scale --max-seconds 420 --compile-cache .jax_cache \\
+        --json $OUT/profile_scale_h200.json
+
+CPU smoke run: `--tiny`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from hyspec_jax.bench.calibrate import _ints, median_time, time_decode, time_verify
+from hyspec_jax.bench.verify_scale import (_finite, _kv, _ms, _xla_stats, compile_all, dense_weights, make_mesh,
+                                           progress_bar, random_params, random_state, resolve_config, shape_inputs)
+
+PARTS = ("dense", "gdn", "attention", "norm_act", "logits", "rest")
+LABELS = {"dense": "dense matmuls", "gdn": "GDN (conv, gates, state / solve)", "attention": "attention",
+          "norm_act": "norms and activations", "logits": "sampling / logits", "rest": "rest (untagged kernels)",
+          "unattributed": "unattributed device time", "overlap": "overlap (concurrent kernels)",
+          "gaps": "gaps (measured − device busy)"}
+EXTRA = ("unattributed", "overlap", "gaps")
+GDN_PARTS = ("conv", "gates", "state")
+# named scope (the innermost one on an op's path wins) -> (part, GDN sub-part)
+SCOPES = {"dense": ("dense", None), "gdn_conv": ("gdn", "conv"), "gdn_gates": ("gdn", "gates"),
+          "gdn_state": ("gdn", "state"), "attention": ("attention", None), "norm": ("norm_act", None),
+          "sampling": ("logits", None)}
+ACTIVATIONS = ("jit(silu)", "jit(sigmoid)", "jit(softplus)", "jit(gelu)", "jit(relu)")
+MATMULS = ("dot", "convolution")
+TRIVIAL = ("parameter", "constant", "bitcast", "tuple", "get-tuple-element")
+CONTAINERS = ("while", "conditional", "call")          # CPU thunks that run other thunks: their children count
+DEFAULT_BATCH, DEFAULT_NODES = (1, 8, 32), (8, 32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Compiled HLO -> part of every instruction
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class HloOp:
+    name: str
+    opcode: str
+    dims: tuple[int, ...]          # the result's (first array's) dimensions
+    op_name: str
+    calls: tuple[str, ...]         # fused computations
+    gemm: bool                     # a library matrix product (cuBLAS / cuBLASLt custom call)
+    operands: tuple[str, ...] = ()
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\(")
+
+
+def parse_hlo(text: str) -> tuple[str, dict[str, HloOp], dict[str, list[HloOp]]]:
+    """(module name, {instruction: HloOp} over every computation, {computation: [HloOp]}) of `compiled.as_text()`."""
+    from hyspec_jax.compilation import hlo_computations
+
+    m = re.search(r"^HloModule ([\w.\-]+)", text, re.M)
+    module = m.group(1) if m else ""
+    ops, comps = {}, {}
+    for comp, lines in hlo_computations(text).items():
+        comps[comp] = []
+        for line in lines:
+            mi = _INSTR.match(line)
+            if not mi:
+                continue
+            name, shape, opcode = mi.groups()
+            d = re.search(r"[a-z][a-z0-9]*\[([\d,]*)\]", shape)
+            dims = tuple(int(x) for x in d.group(1).split(",") if x) if d else ()
+            on = re.search(r'op_name="([^"]*)"', line)
+            target = re.search(r'custom_call_target="([^"]*)"', line)
+            args = line[mi.end():].split(")", 1)[0]
+            op = HloOp(name, opcode, dims, on.group(1) if on else "",
+                       tuple(re.findall(r"calls=%?([\w.\-]+)", line)),
+                       bool(target and ("gemm" in target.group(1) or "matmul" in target.group(1))),
+                       tuple(re.findall(r"%([\w.\-]+)", args)))
+            ops[name] = op
+            comps[comp].append(op)
+    return module, ops, comps
+
+
+def scope_part(op: HloOp, vocab: int) -> tuple[str, str | None] | None:
+    """The (part, GDN sub-part) an instruction's own op_name tags, or None (untagged)."""
+    parts = op.op_name.split("/")
+    hit = next((SCOPES[p] for p in reversed(parts) if p in SCOPES), None)
+    if hit is None and any(p in ACTIVATIONS for p in parts):
+        hit = ("norm_act", None)
+    if hit is not None and hit[0] == "dense" and vocab in op.dims:
+        return ("logits", None)                # the LM head: a weight product with a vocabulary-sized result
+    return hit
+
+
+def classify(ops: dict[str, HloOp], comps: dict[str, list[HloOp]], vocab: int) -> dict[str, tuple]:
+    """{instruction name: (part, GDN sub-part, by_rule)} by the module docstring's rules; by_rule: a fusion that
+    mixes parts, or a matrix product whose op_name a compiler pass dropped."""
+    def members(op: HloOp, seen=()) -> list[HloOp]:
+        out = []
+        for c in op.calls:
+            if c in seen:
+                continue
+            for m in comps.get(c, ()):
+                out += members(m, seen + (c,)) if m.opcode == "fusion" else ([m] if m.opcode not in TRIVIAL else [])
+        return out
+
+    def vote(tags: list):
+        tags = [t for t in tags if t is not None]
+        return collections.Counter(tags).most_common(1)[0][0] if tags else None
+
+    out, untagged_matmuls = {}, []
+    for name, op in ops.items():
+        inner = members(op) if op.opcode == "fusion" else [op]
+        tags = [scope_part(m, vocab) for m in inner]
+        mm = [(m, t) for m, t in zip(inner, tags) if m.opcode in MATMULS or m.gemm]
+        tag = vote([t for _, t in mm]) or vote(tags)
+        if tag is None and mm:
+            untagged_matmuls.append(name)
+        out[name] = (*(tag or ("rest", None)), len({(t or ("rest",))[0] for t in tags}) > 1)
+    for name in untagged_matmuls:
+        op = ops[name]
+        if any(o.startswith("params") for o in op.operands):          # reads a weight: jit names them params…
+            out[name] = ("logits" if vocab in op.dims else "dense", None, True)
+            continue
+        seen, frontier = {name}, list(op.operands)                    # else its nearest tagged producer's part
+        for _ in range(3):
+            hit = next((out[o] for o in frontier if o in out and o not in untagged_matmuls
+                        and out[o][0] != "rest"), None)
+            if hit is not None:
+                out[name] = (hit[0], hit[1], True)
+                break
+            seen |= set(frontier)
+            frontier = [x for o in frontier if o in ops for x in ops[o].operands if x not in seen]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Trace -> time per part
+# ------------------------------------------------------------------------------------------------
+def _event_hlo(name: str, stats: dict, ops: dict) -> tuple[str | None, str | None]:
+    """(HLO instruction, module) an event names: its `hlo_op` / `hlo_module` stats, else the `#hlo_op=…#` fields
+    of a string stat (a kernel's launch annotation), else the event's own name when it is an instruction."""
+    op, module = stats.get("hlo_op"), stats.get("hlo_module")
+    if op is None:
+        for v in stats.values():
+            m = re.search(r"hlo_op=([^,#\s]+)", v) if isinstance(v, str) else None
+            if m:
+                op = m.group(1)
+                mm = re.search(r"hlo_module=([^,#\s]+)", v)
+                module = mm.group(1) if mm else module
+                break
+    if op is None and name in ops:
+        op = name
+    return (None if op is None else str(op)), (None if module is None else str(module))
+
+
+def device_events(data, module: str, ops: dict) -> list[tuple[int, int, str | None, str]]:
+    """(start ns, duration ns, HLO instruction or None, event name) of every device kernel of the program
+    `module` in a trace (`jax.profiler.ProfileData`). On a GPU: the events of the device's stream lines (kernels,
+    copies, memsets; an event naming another module is dropped, one naming no instruction kept as None), or, where
+    none of them names an instruction, the "XLA Ops" line (one event per instruction run). Without GPU planes:
+    the CPU thunks of the host threads (the events naming an instruction)."""
+    gpu = [p for p in data.planes if p.name.startswith("/device:GPU")]
+
+    def collect(lines, keep_unnamed: bool) -> list:
+        out = []
+        for line in lines:
+            for ev in line.events:
+                with warnings.catch_warnings():        # jaxlib's stats type warns on iteration (no __module__)
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    stats = dict(ev.stats)
+                op, mod = _event_hlo(ev.name, stats, ops)
+                if (op is None and not keep_unnamed) or (mod is not None and mod != module):
+                    continue
+                out.append((int(ev.start_ns), int(ev.duration_ns), op, ev.name))
+        return sorted(out)
+
+    if not gpu:
+        return collect([ln for p in data.planes if p.name.startswith("/host:CPU") for ln in p.lines], False)
+    lines = [ln for p in gpu for ln in p.lines]
+    events = collect([ln for ln in lines if ln.name.startswith("Stream")], True)
+    if not any(e[2] in ops for e in events):
+        events = collect([ln for ln in lines if ln.name == "XLA Ops"], False) or events
+    return events
+
+
+def attribute(events, ops: dict[str, HloOp], parts: dict[str, tuple], calls: int, measured_ms: float,
+              top: int = 10) -> dict:
+    """Per call: each part's device time, kernels and time assigned by rule, the GDN sub-parts, unattributed,
+    overlap, gaps; the `top` largest rest kernels. Parts + extras sum to `measured_ms`."""
+    from hyspec_jax.bench.report import busy_time_ns
+
+    ns = dict.fromkeys(PARTS + ("unattributed",), 0)
+    mixed = dict.fromkeys(PARTS, 0)
+    count = dict.fromkeys(PARTS + ("unattributed",), 0)
+    gdn = dict.fromkeys(GDN_PARTS, 0)
+    rest: dict[str, int] = collections.Counter()
+    kept = []
+    for s, d, hlo, name in events:
+        op = ops.get(hlo) if hlo else None
+        if op is not None and op.opcode in CONTAINERS:
+            continue                           # a CPU loop / branch thunk: the thunks inside it are events too
+        kept.append((s, d, name))
+        if op is None:
+            ns["unattributed"] += d
+            count["unattributed"] += 1
+            continue
+        part, sub, mix = parts[hlo]
+        ns[part] += d
+        count[part] += 1
+        mixed[part] += d if mix else 0
+        if part == "gdn" and sub:
+            gdn[sub] += d
+        if part == "rest":
+            rest[hlo] += d
+    busy = busy_time_ns(kept)
+    per = lambda x: x / calls / 1e6            # ns over all calls -> ms per call
+    out = {p: per(ns[p]) for p in PARTS + ("unattributed",)}
+    out["overlap"] = per(busy - sum(ns.values()))
+    out["gaps"] = measured_ms - per(busy)
+    return dict(ms=out, kernels={p: count[p] / calls for p in count}, by_rule_ms={p: per(mixed[p]) for p in PARTS},
+                gdn_ms={p: per(gdn[p]) for p in GDN_PARTS}, device_busy_ms=per(busy),
+                device_sum_ms=per(sum(ns.values())),
+                rest_top=[dict(hlo=h, op_name=ops[h].op_name[:200], opcode=ops[h].opcode, ms=per(t))
+                          for h, t in rest.most_common(top)])
+
+
+# ------------------------------------------------------------------------------------------------
+# Ceilings and floors
+# ------------------------------------------------------------------------------------------------
+def measure_ceilings(dtype, matmul_size: int, copy_mib: int, repeats: int, warmup: int) -> dict:
+    """The device's measured peaks: a [n, n] · [n, n] product in `dtype` (fp32 accumulation) -> FLOP/s, and
+    an elementwise x -> x + 1 over `copy_mib` MiB of fp32 (read + write) -> bytes/s."""
+    import jax
+    import jax.numpy as jnp
+
+    n = matmul_size
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
+    b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32).astype(dtype)
+    mm = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(dtype))
+    t_mm, _ = median_time(lambda: mm(a, b), repeats, warmup)
+    del a, b
+    x = jnp.zeros((copy_mib * 2 ** 20 // 4,), jnp.float32) + 0.5
+    cp = jax.jit(lambda x: x + 1.0)
+    t_cp, _ = median_time(lambda: cp(x), repeats, warmup)
+    nbytes = 2 * int(x.nbytes)
+    del x
+    return dict(matmul_flops_per_s=2 * n ** 3 / t_mm.median_s, matmul_size=n, matmul_ms=_ms(t_mm.median_s),
+                matmul_dtype=str(np.dtype(dtype)), bandwidth_bytes_per_s=nbytes / t_cp.median_s,
+                copy_bytes=nbytes, copy_ms=_ms(t_cp.median_s))
+
+
+def _nbytes(x) -> int:
+    return int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+
+
+def traffic(cfg, params, state, *, batch: int, tokens: int, prefix: int, decode: bool, cache=None) -> dict:
+    """{part: (bytes, FLOPs)}: the irreducible traffic and work of each part of one program (module docstring),
+    plus "program" (weights + state traffic, and all FLOPs). `cache`: the verify's TreeCache (arrays or
+    ShapeDtypeStructs), whose factors, conv inputs and K/V are written."""
+    import jax
+
+    from hyspec_jax.sharding import _path_name
+
+    B, T, rows = batch, tokens, batch * tokens
+    H, V = cfg.hidden_size, cfg.vocab_size
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    named = {_path_name(p): x for p, x in flat}
+    head = next((x for n, x in named.items() if "lm_head" in n), None)
+    embed = next(x for n, x in named.items() if "embed_tokens" in n)
+    act = np.dtype(embed.dtype).itemsize
+    dense = [w for w in dense_weights(params) if head is None or w is not head]
+    head = embed if head is None else head
+    out = {"dense": (sum(_nbytes(w) for w in dense), 2 * rows * sum(int(np.prod(w.shape)) for w in dense)),
+           "logits": (_nbytes(head) + rows * V * 4, 2 * rows * V * H)}
+
+    lg, la = len(cfg.gdn_layers), len(cfg.attn_layers)
+    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    ssm, conv = _nbytes(state.ssm) if lg else 0, _nbytes(state.conv) if lg else 0
+    if decode:
+        g_bytes, g_flops = 2 * (ssm + conv), lg * B * hv * 6 * dk * dv
+    else:
+        written = sum(_nbytes(x) for x in jax.tree.leaves((cache.factors, cache.conv_inputs)))
+        g_bytes, g_flops = ssm + conv + written, lg * B * hv * (4 * T * dk * dv + 4 * T * T * (dk + dv))
+    out["gdn"] = (g_bytes, g_flops)
+
+    kvh, nh, hd = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
+    kv = np.dtype(state.keys.dtype).itemsize if la else 0
+    out["attention"] = (la * B * (prefix + T) * kvh * hd * 2 * kv, 4 * la * B * T * nh * hd * (prefix + T))
+
+    per_token = 2 * H                                              # the final norm
+    for i in range(cfg.num_hidden_layers):
+        per_token += 4 * H                                         # input and post-attention RMSNorms
+        if i in cfg.gdn_layers:
+            per_token += 3 * hv * dv                               # gated norm: o and z in, y out
+        else:
+            per_token += 2 * (nh + kvh) * hd + 3 * nh * hd        # q / k norms, sigmoid output gate
+        if not cfg.is_sparse_layer(i):
+            per_token += 3 * cfg.intermediate_size                 # SwiGLU: gate and up in, product out
+    out["norm_act"] = (rows * per_token * act, 0)
+    weights_state = sum(out[p][0] for p in ("dense", "logits", "gdn", "attention")) + rows * H * act
+    out["program"] = (weights_state, sum(out[p][1] for p in ("dense", "logits", "gdn", "attention")))
+    return out
+
+
+def floors(traffic_: dict, ceilings: dict) -> dict:
+    """{part: dict(bytes, flops, floor_ms, bound)}: max(bytes / bandwidth, FLOPs / peak)."""
+    bw, peak = ceilings["bandwidth_bytes_per_s"], ceilings["matmul_flops_per_s"]
+    out = {}
+    for p, (b, f) in traffic_.items():
+        mem, comp = b / bw, f / peak
+        out[p] = dict(bytes=int(b), flops=int(f), floor_ms=_ms(max(mem, comp)),
+                      bound="compute" if comp > mem else "memory")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Programs
+# ------------------------------------------------------------------------------------------------
+def jit_verify(graphdef, mesh, param_sh, state_sh, cfg, batch: int, *, method: str, kernel_impl: str,
+               compiler_options: dict | None = None):
+    """`TargetModel.verify` with the dispatcher's `kernel_impl`, jitted with `sharding.jit_verify`'s layouts:
+    f(params, state, tree, tokens) -> (logits, cache)."""
+    import jax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from hyspec_jax import sharding as shd
+
+    spec = state_sh.lengths.spec
+
+    def verify_auto(params, state, tree, tokens):
+        logits, _, cache = nnx.merge(graphdef, params).verify(state, tree, tokens, method=method,
+                                                             kernel_impl=kernel_impl)
+        return logits, cache
+
+    return jax.jit(verify_auto, in_shardings=(param_sh, state_sh, NamedSharding(mesh, P(*spec, None)),
+                                              NamedSharding(mesh, P(*spec, None))),
+                   out_shardings=(NamedSharding(mesh, P(*spec, None, None)), shd.cache_shardings(cfg, batch, mesh)),
+                   compiler_options=compiler_options)
+
+
+def profile_program(compiled, run, *, calls: int, vocab: int, measured_ms: float) -> dict:
+    """Trace `calls` calls of `run()` (one call of `compiled` each) and attribute the device time to parts."""
+    from hyspec_jax.bench.report import profile_trace
+
+    module, ops, comps = parse_hlo(compiled.as_text())
+    parts = classify(ops, comps, vocab)
+    data = profile_trace(lambda: [run() for _ in range(calls)])
+    events = device_events(data, module, ops)
+    if not events:
+        raise RuntimeError(f"the trace holds no device event of {module}")
+    return attribute(events, ops, parts, calls, measured_ms)
+
+
+def _row(kind: str, B: int, N: int, timing, compiled, lower_s: float, compile_s: float, prof: dict, fl: dict,
+         finite: bool) -> dict:
+    t = timing.median_s * 1e3
+    return dict(program=kind, batch=B, nodes=N, rows=B * N, t_ms=_ms(timing.median_s),
+                times_ms=[_ms(x) for x in timing.times_s], spread=round(timing.spread, 4), lower_s=round(lower_s, 3),
+                compile_s=round(compile_s, 3), finite=finite, floors=fl,
+                floor_ms=fl["program"]["floor_ms"], ratio=round(t / fl["program"]["floor_ms"], 3)
+                if fl["program"]["floor_ms"] else None, **prof, **_xla_stats(compiled))
+
+
+def run_batch(args, cfg, B: int, *, mesh, graphdef, params, psh, dtype, max_len: int, ceilings: dict, bar,
+              deadline: float | None, on_row) -> list[int]:
+    """Compile the decode and every verify N of batch B in parallel, then time, trace and attribute each.
+    Returns the N measured (0 = the decode)."""
+    import jax
+    import jax.numpy as jnp
+
+    from hyspec_jax import sharding as shd
+
+    copts = dict(args.xla_option) or None
+    state, ssh = random_state(cfg, B, max_len, args.prefix, dtype, args.seed, mesh, copts)
+    decode = shd.jit_extend(graphdef, mesh, psh, ssh, compiler_options=copts)
+    verify = jit_verify(graphdef, mesh, psh, ssh, cfg, B, method=args.method, kernel_impl=args.kernels,
+                        compiler_options=copts)
+    inputs = {N: shape_inputs(cfg, B, N, args.depth, args.seed, mesh, ssh) for N in args.nodes}
+    dec_tok = shape_inputs(cfg, B, 1, args.depth, args.seed, mesh, ssh)[2]
+    valid = jax.device_put(jnp.ones(dec_tok.shape, bool), dec_tok.sharding)
+    jobs = [(0, decode, (params, state, dec_tok, valid))]
+    jobs += [(N, verify, (params, state, inputs[N][0], inputs[N][1])) for N in args.nodes]
+    bar.set_description(f"B={B} compile")
+    progs = compile_all(jobs, args.compile_workers, bar, deadline=deadline)
+    bar.set_description(f"B={B} time")
+    done = []
+    if 0 in progs:
+        compiled, lower_s, compile_s = progs[0]
+        dstate, _ = random_state(cfg, B, max_len, args.prefix, dtype, args.seed, mesh, copts)
+        t, logits, dstate = time_decode(compiled, params, dstate, dec_tok, repeats=args.repeats, warmup=args.warmup)
+        finite = _finite(logits)
+        del logits
+        box = {"s": dstate}
+
+        def step():                            # the state is donated: feed it back (lengths grow by one a call)
+            logits, box["s"] = compiled(params, box["s"], dec_tok, valid)
+            jax.block_until_ready(logits)
+
+        prof = profile_program(compiled, step, calls=args.trace_calls, vocab=cfg.vocab_size,
+                               measured_ms=_ms(t.median_s))
+        fl = floors(traffic(cfg, params, state, batch=B, tokens=1, prefix=args.prefix, decode=True), ceilings)
+        on_row(_row("decode", B, 1, t, compiled, lower_s, compile_s, prof, fl, finite))
+        del box, dstate
+        done.append(0)
+        bar.update()
+    for N in args.nodes:
+        if N not in progs:
+            continue
+        compiled, lower_s, compile_s = progs[N]
+        tree, toks, _ = inputs[N]
+        t, (logits, cache) = time_verify(compiled, params, state, tree, toks, repeats=args.repeats,
+                                         warmup=args.warmup)
+        finite = _finite(logits)
+        del logits
+        prof = profile_program(compiled, lambda: jax.block_until_ready(compiled(params, state, tree, toks)),
+                               calls=args.trace_calls, vocab=cfg.vocab_size, measured_ms=_ms(t.median_s))
+        fl = floors(traffic(cfg, params, state, batch=B, tokens=N, prefix=args.prefix, decode=False, cache=cache),
+                    ceilings)
+        del cache
+        on_row(_row("verify", B, N, t, compiled, lower_s, compile_s, prof, fl, finite))
+        done.append(N)
+        bar.update()
+    return done
+
+
+def sweep(args, cfg, name: str, on_progress=None) -> dict:
+    """Ceilings, weights, then one group per batch (decode + every N); `on_progress(report)` after each program."""
+    import jax
+
+    from hyspec_jax.bench.report import portable_args, portable_command, run_metadata
+    from hyspec_jax.config import resolve_dtype
+
+    t_start = time.perf_counter()
+    deadline = None if args.max_seconds is None else t_start + args.max_seconds
+    dtype = resolve_dtype(args.dtype)
+    max_len = args.max_len or args.prefix + max(max(args.nodes), args.trace_calls + 1)
+    if max_len <= args.prefix + args.trace_calls:
+        raise ValueError(f"--max-len {max_len} must exceed --prefix {args.prefix} + --trace-calls "
+                         f"{args.trace_calls} (every traced decode writes one position)")
+    gpu = jax.default_backend() == "gpu"
+    ceilings = measure_ceilings(dtype, args.matmul_size or (8192 if gpu else 512), args.copy_mib or
+                                (2048 if gpu else 64), args.repeats, args.warmup)
+    mesh = make_mesh(1)
+    copts = dict(args.xla_option) or None
+    t0 = time.perf_counter()
+    graphdef, params, psh = random_params(cfg, dtype, args.seed, mesh, copts)
+    jax.block_until_ready(params)
+    leaves = jax.tree.leaves(params)
+    report = dict(
+        meta=run_metadata(), command=portable_command("hyspec bench profile-scale", args.argv),
+        argv=portable_args(args.argv), status="partial",
+        model=dict(name=name, config=dataclasses.asdict(cfg), param_count=sum(int(x.size) for x in leaves),
+                   param_bytes=sum(int(x.nbytes) for x in leaves)),
+        settings=dict(dtype=str(np.dtype(dtype)), prefix=args.prefix, max_len=max_len, depth=args.depth,
+                      batches=args.batch, nodes=args.nodes, kernels=args.kernels, method=args.method,
+                      repeats=args.repeats, warmup=args.warmup, trace_calls=args.trace_calls, seed=args.seed,
+                      compile_workers=args.compile_workers, compile_cache=args.compile_cache,
+                      xla_options=dict(args.xla_option), max_seconds=args.max_seconds),
+        ceilings=ceilings, init_s=round(time.perf_counter() - t0, 3), programs=[], skipped=[])
+    bar = progress_bar(2 * len(args.batch) * (1 + len(args.nodes)), not args.no_progress)
+
+    def on_row(row):
+        report["programs"].append(row)
+        report["wall_s"] = round(time.perf_counter() - t_start, 2)
+        if on_progress is not None:
+            on_progress(report)
+
+    try:
+        for B in args.batch:
+            if deadline is not None and time.perf_counter() >= deadline:
+                report["skipped"] += [[B, n] for n in [1] + list(args.nodes)]
+                continue
+            done = run_batch(args, cfg, B, mesh=mesh, graphdef=graphdef, params=params, psh=psh, dtype=dtype,
+                             max_len=max_len, ceilings=ceilings, bar=bar, deadline=deadline, on_row=on_row)
+            report["skipped"] += [[B, n or 1] for n in [0] + list(args.nodes) if n not in done]
+    finally:
+        bar.close()
+    if report["skipped"]:
+        report["stopped"] = f"--max-seconds {args.max_seconds:g}: {len(report['skipped'])} program(s) not measured"
+    report["status"] = "partial" if report["skipped"] else "complete"
+    report["wall_s"] = round(time.perf_counter() - t_start, 2)
+    return report
+
+
+# ------------------------------------------------------------------------------------------------
+# Report
+# ------------------------------------------------------------------------------------------------
+def _name(r: dict) -> str:
+    return f"decode B={r['batch']}" if r["program"] == "decode" else f"verify B={r['batch']} N={r['nodes']}"
+
+
+def _f(x, nd: int = 3) -> str:
+    return "—" if x is None else f"{x:.{nd}f}"
+
+
+def summary_table(report: dict) -> str:
+    """One row per program: measured, floor, ratio, then each part's ms."""
+    head = ["program", "measured ms", "floor ms", "× floor", "bound"] + list(PARTS) + list(EXTRA)
+    out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * 3 + "---|" + "---:|" * (len(PARTS) + len(EXTRA))]
+    for r in report["programs"]:
+        fl = r["floors"]["program"]
+        out.append(f"| {_name(r)} | {r['t_ms']:.3f} | {fl['floor_ms']:.3f} | {_f(r['ratio'], 2)} | {fl['bound']} | "
+                   + " | ".join(f"{r['ms'][p]:.3f}" for p in PARTS + EXTRA) + " |")
+    return "\n".join(out)
+
+
+def part_table(r: dict) -> str:
+    """One program: each part's time, share, floor, ratio, traffic and kernels per call."""
+    out = ["| part | ms | share | floor ms | × floor | bound | GB moved | GFLOP | kernels / call | by-rule ms |",
+           "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+    t = r["t_ms"]
+    for p in PARTS + EXTRA:
+        ms = r["ms"][p]
+        fl = r["floors"].get(p)
+        cells = [LABELS[p], f"{ms:.3f}", f"{100 * ms / t:.1f}%" if t else "—"]
+        if fl:
+            cells += [f"{fl['floor_ms']:.3f}", _f(ms / fl["floor_ms"], 2) if fl["floor_ms"] else "—", fl["bound"],
+                      f"{fl['bytes'] / 1e9:.3f}", f"{fl['flops'] / 1e9:.1f}"]
+        else:
+            cells += ["—"] * 5
+        cells += [f"{r['kernels'][p]:.0f}" if p in r["kernels"] else "—",
+                  f"{r['by_rule_ms'][p]:.3f}" if p in r["by_rule_ms"] else "—"]
+        out.append("| " + " | ".join(cells) + " |")
+    fl = r["floors"]["program"]
+    out.append(f"| **program** | {t:.3f} | 100% | {fl['floor_ms']:.3f} | {_f(r['ratio'], 2)} | {fl['bound']} | "
+               f"{fl['bytes'] / 1e9:.3f} | {fl['flops'] / 1e9:.1f} | | |")
+    g = r["gdn_ms"]
+    lines = [*out, "", "GDN: " + ", ".join(f"{k} {g[k]:.3f} ms" for k in GDN_PARTS) + "."]
+    if r["rest_top"]:
+        lines += ["", "Largest rest kernels: " + "; ".join(f"`{k['hlo']}` ({k['opcode']}, "
+                                                          f"{k['op_name'] or 'no op_name'}) {k['ms']:.3f} ms"
+                                                          for k in r["rest_top"][:5]) + "."]
+    return "\n".join(lines)
+
+
+def markdown(report: dict) -> str:
+    meta, s, c, m = report["meta"], report["settings"], report["ceilings"], report["model"]
+    lines = [
+        f"# Where the time goes — {m['name']}, {meta['device_kind']}, {s['dtype']}, prefix {s['prefix']}", "",
+        f"`{report['command']}`", "",
+        f"commit {meta['commit']}, jax {meta['jax']}, jaxlib {meta['jaxlib']}, {meta['time_utc']}; status "
+        f"**{report['status']}**" + (f", wall {report['wall_s']:.0f} s" if "wall_s" in report else ""), "",
+        f"Random weights, {m['param_count'] / 1e9:.2f} B parameters ({m['param_bytes'] / 2**30:.1f} GiB). Verify "
+        f"kernels `{s['kernels']}`, GDN inverse `{s['method']}`, trees of depth min({s['depth']}, N−1). Measured: "
+        f"median of {s['repeats']} untraced calls; parts: device time per call over {s['trace_calls']} traced "
+        "calls (`bench/profile_scale.py` says how kernels map to parts and how floors are counted).", "",
+        f"Ceilings measured in this run: matmul {c['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s "
+        f"({c['matmul_dtype']} {c['matmul_size']}³), bandwidth {c['bandwidth_bytes_per_s'] / 1e12:.3f} TB/s "
+        f"(x + 1 over {c['copy_bytes'] / 2 / 2**20:.0f} MiB).", "",
+        "## All programs (ms per call)", "", summary_table(report), "",
+    ]
+    if report.get("skipped"):
+        lines += [f"Not measured ({report.get('stopped', 'run cut short')}): "
+                  + ", ".join(f"B={b} N={n}" for b, n in report["skipped"]), ""]
+    for r in report["programs"]:
+        lines += [f"## {_name(r)}: {r['t_ms']:.3f} ms", "", part_table(r), ""]
+    if not all(r["finite"] for r in report["programs"]):
+        lines += ["**WARNING: non-finite logits in at least one program (see the JSON `finite` fields).**", ""]
+    return "\n".join(lines)
+
+
+def write_outputs(report: dict, json_path: str | None) -> None:
+    if not json_path:
+        return
+    p = Path(json_path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    os.replace(tmp, p)
+    p.with_suffix(".md").write_text(markdown(report))
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hyspec bench profile-scale", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--tiny", action="store_true", help="a small geometry (CPU smoke run, tests)")
+    g.add_argument("--config", metavar="PATH", help="a config.json or model directory (default: Qwen3.8-27B)")
+    ap.add_argument("--batch", type=_ints, default=list(DEFAULT_BATCH), metavar="B,..", help="batches (default 1,8,32)")
+    ap.add_argument("--nodes", type=_ints, default=list(DEFAULT_NODES), metavar="N,..",
+                    help="verified nodes per request, anchor included (default 8,32)")
+    ap.add_argument("--prefix", type=int, default=512, metavar="P", help="committed tokens per request (default 512)")
+    ap.add_argument("--max-len", type=int, metavar="S", help="KV cache length (default prefix + max N)")
+    ap.add_argument("--depth", type=int, default=8, metavar="D", help="tree depth, edges (default 8)")
+    ap.add_argument("--kernels", choices=("auto", "reference"), default="auto",
+                    help="the verify's tree solve / attention (default auto: the dispatcher's choice)")
+    ap.add_argument("--method", choices=("squaring", "neumann", "solve"), default="squaring",
+                    help="GDN unit-lower inverse of the reference solve (default squaring)")
+    ap.add_argument("--repeats", type=int, default=10, metavar="K", help="timed calls per program (default 10)")
+    ap.add_argument("--warmup", type=int, default=2, metavar="W", help="untimed calls first (default 2)")
+    ap.add_argument("--trace-calls", type=int, default=3, metavar="C", help="calls traced per program (default 3)")
+    ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                    help="weights / activations (auto: bfloat16 on GPU, float32 on CPU)")
+    ap.add_argument("--matmul-size", type=int, metavar="N", help="ceiling: N×N×N product (default 8192 GPU, 512 CPU)")
+    ap.add_argument("--copy-mib", type=int, metavar="M", help="ceiling: x + 1 over M MiB (default 2048 GPU, 64 CPU)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile-workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)), metavar="W",
+                    help="parallel XLA compiles (default min(8, cores/2))")
+    ap.add_argument("--compile-cache", metavar="DIR", help="JAX persistent compilation cache directory")
+    ap.add_argument("--xla-option", type=_kv, action="append", default=[], metavar="KEY=VALUE",
+                    help="XLA compiler option for every program (repeatable)")
+    ap.add_argument("--max-seconds", type=float, metavar="S",
+                    help="start no new batch group once S seconds have passed since the start; the JSON then has "
+                         "status partial and lists the skipped (batch, N) (N=1: the decode)")
+    ap.add_argument("--json", metavar="OUT.json", help="write OUT.json and OUT.md")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    args.argv = argv
+    if min(args.repeats, args.warmup, args.trace_calls) < 1 or args.prefix < 0 or args.depth < 0:
+        ap.error("--repeats, --warmup, --trace-calls must be ≥ 1 and --prefix, --depth ≥ 0")
+    if args.max_seconds is not None and args.max_seconds <= 0:
+        ap.error(f"--max-seconds must be > 0, got {args.max_seconds}")
+    if any(x is not None and x < 1 for x in (args.matmul_size, args.copy_mib)):
+        ap.error("--matmul-size and --copy-mib must be ≥ 1")
+    try:
+        if args.compile_cache:
+            from hyspec_jax.compilation import enable_compilation_cache
+            enable_compilation_cache(Path(args.compile_cache).resolve())
+        cfg, name = resolve_config(args.tiny, args.config)
+        report = sweep(args, cfg, name, on_progress=lambda r: write_outputs(r, args.json))
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"hyspec bench profile-scale: error: {e}", file=sys.stderr)
+        return 1
+    write_outputs(report, args.json)
+    print("\n" + summary_table(report))
+    if args.json:
+        print(f"\n[profile-scale] wrote {args.json} and its .md", file=sys.stderr)
+    if not all(r["finite"] for r in report["programs"]):
+        print("hyspec bench profile-scale: error: non-finite logits (see the JSON 'finite' fields)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -243,3 +243,55 @@ def test_every_form_matches_transformers(norm_topk):
     for form in (None, *ALL_FORMS):
         out = np.asarray(m(jnp.asarray(x), form=form))
         assert np.max(np.abs(out - ref)) < 1e-5 * np.max(np.abs(ref)), form
+
+
+# ------------------------------------------------------------------------------------------------
+# bench/moe_scale.py: the CPU tiny path end to end
+# ------------------------------------------------------------------------------------------------
+def test_bench_moe_scale_tiny(tmp_path, capsys):
+    import json
+
+    from hyspec_jax.bench import moe_scale as ms
+
+    out = tmp_path / "moe.json"
+    # gather capped below its T=8 copy (8·4 experts · 3·32·64 · 4 B = 0.75 MiB) so the skip path runs too
+    argv = ["--tiny", "--tokens", "1,8", "--layers", "2", "--repeats", "2", "--warmup", "1",
+            "--gather-max-gib", str(0.5 / 1024), "--json", str(out)]
+    assert ms.main(argv) == 0
+    rep = json.loads(out.read_text())
+    assert out.with_suffix(".md").is_file() and "| T (role) |" in out.with_suffix(".md").read_text()
+    for k in ("device_kind", "jax", "commit", "time_utc"):
+        assert k in rep["meta"]
+    assert rep["status"] == "complete" and rep["settings"]["layers"] == 2 and "--tiny" in rep["command"]
+    cfg = ms.tiny_config()
+    rows = {(r["form"], r["tokens"]): r for r in rep["rows"]}
+    assert set(rows) == {(f, T) for f in moe.FORMS for T in (1, 8)}
+    assert "skipped" in rows[("gather", 8)] and "t_ms" in rows[("gather", 1)]
+    for T in (1, 8):
+        # the rule marks exactly one form per T: gather while T·k ≤ E, else dense on CPU
+        assert [f for f in moe.FORMS if rows[(f, T)]["rule_picks"]] == (["gather"] if T * 4 <= 16 else ["dense"])
+    bw, rate = rep["ceilings"]["bandwidth_bytes_per_s"], rep["ceilings"]["matmul_flops_per_s"]
+    for r in rep["rows"]:
+        assert 1 <= r["distinct_experts_mean"] <= min(cfg.num_experts, r["tokens"] * cfg.num_experts_per_tok)
+        assert r["bytes"] == pytest.approx(r["distinct_experts_mean"] * ms.expert_bytes(cfg, 4)
+                                           + ms.fixed_bytes(cfg, 4))
+        assert r["floor_ms"] == pytest.approx(max(1e3 * r["bytes"] / bw, 1e3 * r["flops"] / rate))
+        assert r["dense_flops"] > r["flops"] and r["dense_bytes"] >= r["bytes"]
+        if "t_ms" in r:
+            assert r["finite"] and r["t_ms"] > 0 and r["ratio"] == pytest.approx(r["t_ms"] / r["floor_ms"])
+            assert r["max_rel_diff_vs_dense"] < 1e-4
+    assert ms.failures(rep) == []
+
+
+def test_bench_moe_scale_cli_errors(capsys):
+    from hyspec_jax.bench import moe_scale as ms
+
+    with pytest.raises(SystemExit) as e:
+        ms.main(["--help"])
+    assert e.value.code == 0 and "--forms" in capsys.readouterr().out
+    for bad in (["--forms", "sparse"], ["--layers", "0"], ["--tokens", "0"], ["--bandwidth", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            ms.main(bad)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "error:" in err and "Traceback" not in err

@@ -300,7 +300,9 @@ class OpenAIServer:
                 tops.append(None)
                 continue
             lps.append(scores.logprobs[j])
-            top = {self.token_str(a): b for a, b in zip(scores.top_ids[j][:k], scores.top_logprobs[j][:k])}
+            top: dict[str, float] = {}
+            for a, b in zip(scores.top_ids[j][:k], scores.top_logprobs[j][:k]):
+                top.setdefault(self.token_str(a), b)    # most likely first: tokens with equal text keep the best
             top.setdefault(s, scores.logprobs[j])
             tops.append(top)
             j += 1

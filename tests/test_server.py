@@ -746,6 +746,193 @@ def test_speculative_tree_server_equals_plain_decoding(tree_server, oracle):
     assert extra(client.models.list().data[0], "spec_mode") == "tree"
 
 
+@pytest.fixture(scope="module")
+def target_logprobs(launched):
+    """log_softmax of a direct (eager, no-cache) forward of the target: [T-1, V] rows for positions 1..T-1."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from hyspec_jax.io.hf import load_pretrained
+    from hyspec_jax.models.target import forward_full
+    _, model = load_pretrained(launched[1])
+    graphdef, params = nnx.split(model)
+
+    def run(ids: list[int]) -> np.ndarray:
+        logits = forward_full(graphdef, params, jnp.asarray([ids], jnp.int32))
+        return np.asarray(jax.nn.log_softmax(logits[0, :-1].astype(jnp.float32), axis=-1))
+    return run
+
+
+def _check_logprobs(lp: np.ndarray, ids: list[int], start: int, got: list[float], tops: list, k: int):
+    """got[j] = log p(ids[start + j] | ids[:start + j]); tops[j]: the k most likely tokens there."""
+    want = [float(lp[start + j - 1, t]) for j, t in enumerate(ids[start:])]
+    np.testing.assert_allclose(got, want, atol=2e-4)
+    for j, top in enumerate(tops):
+        row = lp[start + j - 1]
+        best = np.sort(row)[::-1][:k]
+        np.testing.assert_allclose(sorted(top, reverse=True)[:k], best, atol=2e-4)
+
+
+def test_logprobs_and_echo_are_the_targets(server, oracle, target_logprobs):
+    """/v1/completions logprobs (with echo: the prompt's too) and chat logprobs, streamed or not, equal the
+    log-probabilities of a direct forward of the target at the emitted tokens."""
+    client = server.client()
+    prompt = "Score these tokens"
+    p = enc(prompt)
+    want, _ = oracle(p, 8)
+    lp = target_logprobs(p + want)
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0, logprobs=3, echo=True)
+    c = r.choices[0]
+    assert c.text == prompt + dec(want)
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    assert c.logprobs.tokens == [TOK.decode([t]) for t in p + want]
+    _check_logprobs(lp, p + want, 1, c.logprobs.token_logprobs[1:], [list(d.values())
+                                                                       for d in c.logprobs.top_logprobs[1:]], 1)
+    assert all(1 <= len(d) <= 3 + 1 for d in c.logprobs.top_logprobs[1:])   # top 3 + the chosen (equal texts merge)
+    # streamed, no echo: the completion's tokens only
+    got = []
+    for ch in client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
+                                        stream=True):
+        if ch.choices[0].logprobs is not None:
+            got += ch.choices[0].logprobs.token_logprobs
+    _check_logprobs(lp, p + want, len(p), got, [], 0)
+    # chat: the rendered prompt's tokens, then the answer's
+    msgs = [{"role": "user", "content": "logprobs?"}]
+    ids = enc("[user]: logprobs?\n[assistant]: ")
+    cwant, _ = oracle(ids, 6)
+    clp = target_logprobs(ids + cwant)
+    r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert [e.token for e in content] == [TOK.decode([t]) for t in cwant]
+    _check_logprobs(clp, ids + cwant, len(ids), [e.logprob for e in content],
+                    [[t.logprob for t in e.top_logprobs] for e in content], 2)
+    streamed = []
+    for ch in client.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0, logprobs=True,
+                                             stream=True):
+        if ch.choices and ch.choices[0].logprobs is not None:
+            streamed += [e.logprob for e in ch.choices[0].logprobs.content]
+    np.testing.assert_allclose(streamed, [e.logprob for e in content], atol=1e-6)
+
+
+def test_speculative_logprobs_equal_the_targets(spec_server, oracle, target_logprobs):
+    """Under speculative decoding (chain) the reported logprobs are still the target's at the emitted tokens."""
+    prompt = "speculate and score"
+    p = enc(prompt)
+    want, _ = oracle(p, 12)
+    r = spec_server.client().completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, logprobs=2,
+                                                extra_body={"return_token_ids": True})
+    c = r.choices[0]
+    assert extra(c, "token_ids") == want
+    _check_logprobs(target_logprobs(p + want), p + want, len(p), c.logprobs.token_logprobs,
+                    [list(d.values()) for d in c.logprobs.top_logprobs], 1)
+
+
+def test_n_choices_are_seeded_requests(server, oracle):
+    """n = 3 sampled choices of one prompt (seed s): choice j equals the prompt run alone with seed s + j; greedy
+    n = 2 gives two equal choices; usage counts the prompt once."""
+    client = server.client()
+    prompt = "three ways"
+    wants = [oracle(enc(prompt), 10, temperature=0.9, seed=40 + j) for j in range(3)]
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, temperature=0.9, seed=40, n=3,
+                                  extra_body={"return_token_ids": True})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [extra(c, "token_ids") for c in r.choices] == [w for w, _ in wants]
+    assert r.usage.prompt_tokens == len(enc(prompt))
+    assert r.usage.completion_tokens == sum(len(w) for w, _ in wants)
+    g, _ = oracle(enc(prompt), 6)
+    chunks = list(client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "n"}], n=2,
+                                                 max_tokens=6, temperature=0, stream=True))
+    texts = ["".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices and ch.choices[0].index == j)
+             for j in range(2)]
+    assert texts[0] == texts[1] and texts[0]
+
+
+def test_tokenize_detokenize_version(server):
+    status, _, body = server.raw("POST", "/tokenize", json.dumps({"prompt": "héllo"}))
+    assert status == 200 and json.loads(body)["tokens"] == enc("héllo")
+    assert json.loads(body)["count"] == len(enc("héllo")) and json.loads(body)["max_model_len"] == CONTEXT
+    status, _, body = server.raw("POST", "/tokenize", json.dumps({"messages": [{"role": "user", "content": "x"}]}))
+    assert json.loads(body)["tokens"] == enc("[user]: x\n[assistant]: ")
+    status, _, body = server.raw("POST", "/detokenize", json.dumps({"tokens": enc("round trip")}))
+    assert status == 200 and json.loads(body)["prompt"] == "round trip"
+    status, _, body = server.raw("GET", "/version")
+    assert status == 200 and json.loads(body)["version"]
+
+
+def test_api_key_request_id_cors_and_body_limit(server):
+    """/v1/* needs the key (401, OpenAI-style body, for the official client an AuthenticationError); /health and
+    /metrics do not; X-Request-Id is echoed (or made); CORS answers the allowed origin only; a body over
+    --max-body-bytes gets 413."""
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="wrong").models.list()
+    status, headers, body = server.raw("GET", "/v1/models", headers={"Authorization": "Bearer nope"})
+    assert status == 401 and _error(status, body)["code"] == 401
+    status, _, _ = server.raw("GET", "/health", headers={"Authorization": ""})
+    assert status == 200
+    status, headers, _ = server.raw("GET", "/v1/models", headers={"X-Request-Id": "abc-123"})
+    assert status == 200 and headers["x-request-id"] == "abc-123"
+    status, headers, _ = server.raw("GET", "/v1/models")
+    assert len(headers["x-request-id"]) >= 16
+    status, headers, _ = server.raw("OPTIONS", "/v1/completions", headers={
+        "Origin": ORIGIN, "Access-Control-Request-Method": "POST", "Authorization": ""})
+    assert status == 200 and headers["access-control-allow-origin"] == ORIGIN
+    status, headers, _ = server.raw("GET", "/v1/models", headers={"Origin": "http://elsewhere.test"})
+    assert "access-control-allow-origin" not in headers
+    status, _, body = server.raw("POST", "/v1/completions", json.dumps({"prompt": "x" * 70000}))
+    assert status == 413 and _error(status, body)["code"] == 413
+    log = server.log.read_text()
+    assert re.search(r'"GET /v1/models" 401 tokens=0\+0 [\d.]+ms id=', log)
+
+
+def test_stalled_clients_are_closed_and_the_connection_cap_answers_503(server):
+    """A half-sent request head or body is closed after --request-read-timeout; past --max-connections open
+    connections a new request gets 503; the server then serves normally."""
+    def closed_after(payload: bytes) -> float:
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=READ_TIMEOUT + 20)
+        s.sendall(payload)
+        t0 = time.monotonic()
+        assert s.recv(100) == b""
+        s.close()
+        return time.monotonic() - t0
+    for payload in (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le",
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
+                    + b"\r\nContent-Length: 100\r\n\r\n{\"prompt\""):
+        assert READ_TIMEOUT - 0.5 < closed_after(payload) < READ_TIMEOUT + 10
+    idle = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.2)
+        status, _, _ = server.raw("GET", "/health")
+        assert status == 503
+    finally:
+        for s in idle:
+            s.close()
+    time.sleep(0.5)
+    assert server.raw("GET", "/health")[0] == 200
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2"),
+    (["--speculative-config", "{bad"], "--speculative-config is not valid JSON"),
+    (["--speculative-config", '{"method": "medusa"}'], "method 'medusa' is not one of"),
+    (["--speculative-config", '{"method": "chain"}', "--spec-mode", "tree"], "disagrees with --spec-mode"),
+])
+def test_launch_flag_errors_are_one_line(flags, message):
+    r = subprocess.run([sys.executable, "-m", "hyspec_jax.serve", "--port", "0"] + flags, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2
+    lines = [x for x in r.stderr.splitlines() if x.startswith("hyspec serve: error")]
+    assert len(lines) == 1 and message in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_speculative_config_server_reports_chain(spec_server):
+    log = spec_server.log.read_text()
+    assert "mode chain, 4 slots" in log
+    assert "tokens=" not in log          # --disable-log-requests
+
+
 def test_sigterm_drains_in_flight_requests_then_exits(server, oracle):
     """Last test of the module: SIGTERM stops the listener, lets the streaming request finish, exits 0."""
     prompt = "drain me"

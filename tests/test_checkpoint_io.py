@@ -6,6 +6,7 @@ import dataclasses
 import json
 import re
 import shutil
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -339,3 +340,199 @@ def test_other_unreadable_directories(next_moe, tmp_path):
     (bad / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ConfigError, match="llama"):
         load_pretrained(bad)
+
+
+# ------------------------------------------------------------------------------------------------
+# Streamed loading: shard by shard, each tensor placed as read, onto one device or a mesh
+# ------------------------------------------------------------------------------------------------
+from jax.sharding import NamedSharding  # noqa: E402
+
+from hyspec_jax import sharding as shd  # noqa: E402
+from hyspec_jax.io import hf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def sharded_moe(tmp_path_factory):
+    """A Qwen3-Next MoE checkpoint written by transformers in many shards with an index (experts per expert);
+    head, value-head and expert counts even, so a model axis of 2 or 4 splits them."""
+    cfg = ho.qwen3_next_config(heads=4, kv_heads=2, hk=2, hv=4, layer_types=[LIN, FULL, LIN, LIN], num_experts=4,
+                               mlp_only_layers=[2])
+    model = ho.build(cfg, seed=11)
+    path = tmp_path_factory.mktemp("sharded_moe")
+    model.save_pretrained(path, max_shard_size="20KB")
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def sharded_moe_loaded(sharded_moe):
+    stats = hf.LoadStats()
+    cfg, model = load_pretrained(sharded_moe[1], stats=stats)
+    return cfg, model, stats
+
+
+def _torch_params(torch_model) -> dict[str, np.ndarray]:
+    """transformers' in-memory parameters (routed experts fused, gate rows first, as ours)."""
+    return {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
+
+
+def test_sharded_checkpoint_streams_onto_one_device(sharded_moe, sharded_moe_loaded):
+    torch_model, path = sharded_moe
+    cfg, model, stats = sharded_moe_loaded
+    files = sorted(set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    assert len(files) >= 5 and stats.files == len(files)
+    ours, theirs = flat(model), _torch_params(torch_model)
+    assert any(k.endswith("experts.gate_up_proj") for k in ours)
+    assert ours.keys() == theirs.keys()
+    for k in theirs:
+        np.testing.assert_array_equal(ours[k], theirs[k], err_msg=k)
+    # host memory: never more than one file's tensors plus one MoE layer's fused experts (the old loader held
+    # every tensor of the checkpoint at once)
+    total = sum(a.nbytes for a in disk_tensors(path).values())
+    assert stats.bytes_read == total and stats.held_bytes == 0
+    layer = max(ours[k].nbytes + ours[k.replace("gate_up_proj", "down_proj")].nbytes
+                for k in ours if k.endswith("gate_up_proj"))
+    assert 0 < stats.peak_host_bytes <= stats.largest_file_bytes + layer < total / 2
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 4), (2, 2)], ids=["model4", "data2-model2"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_sharded_checkpoint_streams_onto_a_mesh(sharded_moe, sharded_moe_loaded, mesh_shape, dtype):
+    """Each parameter lands in sharding.param_spec's layout, with the values of the single-device load."""
+    _, path = sharded_moe
+    cfg, single, _ = sharded_moe_loaded
+    if dtype != jnp.float32:
+        single = load_pretrained(path, dtype=dtype)[1]
+    mesh = shd.make_mesh(*mesh_shape)
+    cfg2, model = load_pretrained(path, dtype=dtype, mesh=mesh)
+    assert cfg2 == cfg
+    split = 0
+    for name, var in hf.flat_params(model).items():
+        arr = var[...]
+        spec = shd.param_spec(name, arr.shape, cfg, mesh)
+        assert arr.sharding.is_equivalent_to(NamedSharding(mesh, spec), arr.ndim), name
+        assert arr.dtype == dtype, name
+        split += any(s is not None for s in spec)
+    assert split >= 10                                    # attention, GDN value heads, MLPs, experts, vocab
+    assert_same_params(model, single)
+
+
+class _ReadLog:
+    """safe_open, recording which files are open at once, every read of tensor data (not of headers), and the
+    bytes of the arrays those reads returned that are still alive (weak references), at their most."""
+
+    def __init__(self, monkeypatch):
+        self.open, self.max_open, self.reads = 0, 0, []
+        self.live, self.peak_live = {}, 0
+        real = hf.safe_open
+        log = self
+
+        class Handle:
+            def __init__(self, path, framework):
+                self.path, self.f = path, real(path, framework=framework)
+
+            def __enter__(self):
+                self.f.__enter__()
+                log.open += 1
+                log.max_open = max(log.max_open, log.open)
+                return self
+
+            def __exit__(self, *exc):
+                log.open -= 1
+                return self.f.__exit__(*exc)
+
+            def keys(self):
+                return self.f.keys()
+
+            def get_tensor(self, key):
+                return log._read(self.path, key, self.f.get_tensor(key))
+
+            def get_slice(self, key):
+                sl, path = self.f.get_slice(key), self.path
+
+                class Slice:
+                    get_shape, get_dtype = sl.get_shape, sl.get_dtype
+
+                    def __getitem__(self, index):
+                        return log._read(path, key, sl[index])
+                return Slice()
+        monkeypatch.setattr(hf, "safe_open", Handle)
+
+    def _read(self, path, key, arr):
+        self.reads.append((path, key))
+        n = len(self.reads)
+        self.live[n] = arr.nbytes
+        weakref.finalize(arr, self.live.pop, n, None)
+        self.peak_live = max(self.peak_live, sum(self.live.values()))
+        return arr
+
+
+def test_shards_are_read_one_at_a_time(sharded_moe, monkeypatch):
+    reads = _ReadLog(monkeypatch)
+    load_pretrained(sharded_moe[1], mesh=shd.make_mesh(1, 2))
+    assert reads.max_open == 1 and reads.open == 0
+    order = [p for p, _ in reads.reads]
+    assert len(set(order)) >= 5
+    # each file's data is read in one stretch, never returned to
+    stretches = [p for i, p in enumerate(order) if i == 0 or order[i - 1] != p]
+    assert len(stretches) == len(set(order))
+
+
+def test_a_missing_tensor_fails_before_any_data_is_read(sharded_moe, tmp_path, monkeypatch):
+    key = "model.layers.3.linear_attn.out_proj.weight"
+    path = _rewrite(sharded_moe[1], tmp_path, lambda t: t.pop(key))
+    reads = _ReadLog(monkeypatch)
+    with pytest.raises(CheckpointError, match=re.escape(repr(key))):
+        load_pretrained(path)
+    assert reads.reads == []
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (1, 2)], ids=["one-device", "mesh"])
+def test_host_memory_stays_within_a_shard(tmp_path_factory, mesh_shape, monkeypatch):
+    """Every array the reader hands out is released once placed (weak references to them): at no read are
+    more than one file's tensors alive; a loader that kept what it read would reach the checkpoint's size.
+    A bf16 checkpoint loaded in fp32, so that every read array is converted: on CPU, XLA adopts a 64-byte
+    aligned numpy buffer as the device buffer without a copy, and such an array would rightly outlive the load
+    as the model's own storage."""
+    path = tmp_path_factory.getbasetemp() / "dense_bf16"
+    if not path.exists():
+        cfg = ho.qwen3_5_config(hidden=128, inter=512, vocab=256, layer_types=[LIN, LIN, LIN, FULL] * 2)
+        ho.build(cfg, seed=2).to(torch.bfloat16).save_pretrained(path, max_shard_size="350KB")
+    total = sum(a.nbytes for a in disk_tensors(path).values())
+    mesh = None if mesh_shape is None else shd.make_mesh(*mesh_shape)
+    reads = _ReadLog(monkeypatch)
+    stats = hf.LoadStats()
+    load_pretrained(path, mesh=mesh, stats=stats)
+    assert stats.files >= 8 and stats.largest_file_bytes < total / 8 and len(reads.reads) >= stats.tensors
+    assert 0 < reads.peak_live <= stats.largest_file_bytes and reads.live == {}
+    assert 0 < stats.peak_host_bytes <= 2 * stats.largest_file_bytes     # a bf16 read + its fp32 copy
+
+
+def test_conditional_generation_prefixes_and_unexpected_tensors_in_shards(sharded_moe, sharded_moe_loaded,
+                                                                          tmp_path, caplog):
+    """Qwen3.5 saved as ConditionalGeneration (model.language_model.*, model.visual.*, mtp.*) in several shards,
+    plus one stray tensor: the same parameters, the stray one logged."""
+    _, src = sharded_moe
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    weight_map = {}
+    for fname in sorted(set(index["weight_map"].values())):
+        tensors = {(k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v
+                   for k, v in load_file(str(src / fname)).items()}
+        if not weight_map:
+            tensors.update({"mtp.fc.weight": np.zeros((2, 2), np.float32),
+                            "model.visual.patch_embed.weight": np.zeros((3,), np.float32),
+                            "stray.weight": np.zeros((4,), np.float32)})
+        save_file(tensors, str(tmp_path / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in tensors})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    with caplog.at_level("WARNING", logger="hyspec_jax.io.hf"):
+        _, model = load_pretrained(tmp_path)
+    assert_same_params(model, sharded_moe_loaded[1])
+    assert "ignoring 1 unexpected tensors" in caplog.text and "stray.weight" in caplog.text
+
+
+def test_progress_bar_only_when_asked_or_large(sharded_moe, capsys):
+    load_pretrained(sharded_moe[1])
+    assert capsys.readouterr().err == ""                  # small checkpoint, stderr not a terminal
+    load_pretrained(sharded_moe[1], progress=True)
+    assert "loading" in capsys.readouterr().err

@@ -240,25 +240,24 @@ class _Placer:
                  stats: LoadStats):
         self.dtype, self.sharding_of, self.stats = np.dtype(dtype), sharding_of, stats
 
-    def _convert(self, arr: np.ndarray) -> np.ndarray:
+    def _read(self, read: Reader, index, counted: bool) -> tuple[np.ndarray, int]:
+        """(the slice `index` of a tensor in the model dtype, the host bytes this read added to the count);
+        `counted`: the source is a host buffer already counted (the fused experts)."""
+        arr = read(index)
+        if not counted:
+            self.stats._hold(arr.nbytes)
         if arr.dtype == self.dtype:
-            return arr
+            return arr, 0 if counted else arr.nbytes
         out = arr.astype(self.dtype)
         self.stats._hold(out.nbytes)
-        self.stats._release(arr.nbytes)
-        return out
-
-    def _read(self, read: Reader, index) -> tuple[np.ndarray, int]:
-        """(the slice `index` of a tensor in the model dtype, the host bytes now held for it)"""
-        arr = read(index)
-        self.stats._hold(arr.nbytes)
-        out = self._convert(arr)
+        if not counted:
+            self.stats._release(arr.nbytes)
         return out, out.nbytes
 
-    def place(self, name: str, shape: tuple[int, ...], read: Reader) -> jax.Array:
+    def place(self, name: str, shape: tuple[int, ...], read: Reader, counted: bool = False) -> jax.Array:
         sharding = self.sharding_of(name, shape)
         if sharding is None:                      # the default device (jax.default_device honoured)
-            arr, held = self._read(read, None)
+            arr, held = self._read(read, None, counted)
             try:
                 return jax.device_put(arr)
             finally:
@@ -270,7 +269,7 @@ class _Placer:
             nonlocal held
             key = tuple((s.start, s.stop, s.step) for s in index)
             if key not in slices:
-                slices[key], n = self._read(read, index)
+                slices[key], n = self._read(read, index, counted)
                 held += n
             return slices[key]
         try:
@@ -311,8 +310,8 @@ def stream_params(expected: Mapping[str, nnx.Variable], files: list[Path] | Mapp
     pending: dict[str, tuple[np.ndarray, np.ndarray, set]] = {}   # prefix -> fused buffers, experts' parts left
     placed: set[str] = set()
 
-    def put(name: str, read: Reader) -> None:
-        expected[name].set_value(placer.place(name, tuple(expected[name].shape), read))
+    def put(name: str, read: Reader, counted: bool = False) -> None:
+        expected[name].set_value(placer.place(name, tuple(expected[name].shape), read, counted))
         placed.add(name)
 
     from tqdm import tqdm
@@ -357,7 +356,7 @@ def _fill_expert(g: _ExpertGroup, e: int, proj: str, t: _Tensor, f, pending, pla
     if not left:
         del pending[g.prefix]
         for name, buf in ((g.gate_up, gate_up), (g.down, down)):
-            put(name, lambda index, buf=buf: buf if index is None else buf[index])
+            put(name, lambda index, buf=buf: buf if index is None else buf[index], counted=True)
         placer.stats._release(gate_up.nbytes + down.nbytes)
 
 

@@ -56,7 +56,9 @@ each floor = max(bytes / bandwidth, FLOPs / peak). No floor for rest.
 Outputs (with --json OUT.json): OUT.json (run_metadata: device, versions, commit; the command; ceilings; per
 program: measured, each part's ms, kernels per call, by-rule ms, bytes, FLOPs, floor, the largest rest kernels) and
 OUT.md (tables). Rewritten after every program, so a run cut short leaves what it measured ("status":
-"partial"). With --max-seconds S no batch group is started (lowered / compiled) once S seconds have passed.
+"partial"). All programs are lowered (batch 1 first) and then compiled in parallel threads (--compile-workers),
+then measured one after another; with --max-seconds S no program is lowered once S seconds have passed (those
+compiled are still measured; the rest are listed as skipped).
 
 One H200 (kind nvidia-h200, timeout_s 600), from the repository root (bench/verify_scale.py's convention):
 
@@ -230,7 +232,7 @@ def device_events(data, module: str, ops: dict) -> list[tuple[int, int, str | No
     the CPU thunks of the host threads (the events naming an instruction)."""
     gpu = [p for p in data.planes if p.name.startswith("/device:GPU")]
 
-    def collect(lines, keep_unnamed: bool) -> list:
+    def collect(lines, keep_unnamed: bool, module: str | None = module) -> list:
         out = []
         for line in lines:
             for ev in line.events:
@@ -238,18 +240,24 @@ def device_events(data, module: str, ops: dict) -> list[tuple[int, int, str | No
                     warnings.simplefilter("ignore", DeprecationWarning)
                     stats = dict(ev.stats)
                 op, mod = _event_hlo(ev.name, stats, ops)
-                if (op is None and not keep_unnamed) or (mod is not None and mod != module):
+                if (op is None and not keep_unnamed) or (module and mod is not None and mod != module):
                     continue
                 out.append((int(ev.start_ns), int(ev.duration_ns), op, ev.name))
         return sorted(out)
 
-    if not gpu:
-        return collect([ln for p in data.planes if p.name.startswith("/host:CPU") for ln in p.lines], False)
-    lines = [ln for p in gpu for ln in p.lines]
-    events = collect([ln for ln in lines if ln.name.startswith("Stream")], True)
-    if not any(e[2] in ops for e in events):
-        events = collect([ln for ln in lines if ln.name == "XLA Ops"], False) or events
-    return events
+    def pick(module):
+        if not gpu:
+            return collect([ln for p in data.planes if p.name.startswith("/host:CPU") for ln in p.lines], False,
+                           module)
+        lines = [ln for p in gpu for ln in p.lines]
+        events = collect([ln for ln in lines if ln.name.startswith("Stream")], True, module)
+        if not any(e[2] in ops for e in events):
+            events = collect([ln for ln in lines if ln.name == "XLA Ops"], False, module) or events
+        return events
+
+    events = pick(module)
+    # a profiler that spells the module otherwise than the HLO text: only this program ran while tracing
+    return events if any(e[2] in ops for e in events) else pick(None)
 
 
 def attribute(events, ops: dict[str, HloOp], parts: dict[str, tuple], calls: int, measured_ms: float,
@@ -431,70 +439,69 @@ def _row(kind: str, B: int, N: int, timing, compiled, lower_s: float, compile_s:
                 if fl["program"]["floor_ms"] else None, **prof, **_xla_stats(compiled))
 
 
-def run_batch(args, cfg, B: int, *, mesh, graphdef, params, psh, dtype, max_len: int, ceilings: dict, bar,
-              deadline: float | None, on_row) -> list[int]:
-    """Compile the decode and every verify N of batch B in parallel, then time, trace and attribute each.
-    Returns the N measured (0 = the decode)."""
-    import jax
-    import jax.numpy as jnp
+class BatchPrograms:
+    """One batch: its committed state (read by the verifies), the decode and verify entry points and inputs.
+    `jobs()` are `compile_all`'s jobs, keyed (B, 0) for the decode and (B, N) for a verify; `measure(N, ...)`
+    times, traces and attributes one compiled program and returns its JSON row."""
 
-    from hyspec_jax import sharding as shd
+    def __init__(self, args, cfg, B: int, *, mesh, graphdef, params, psh, dtype, max_len: int):
+        import jax
+        import jax.numpy as jnp
 
-    copts = dict(args.xla_option) or None
-    state, ssh = random_state(cfg, B, max_len, args.prefix, dtype, args.seed, mesh, copts)
-    decode = shd.jit_extend(graphdef, mesh, psh, ssh, compiler_options=copts)
-    verify = jit_verify(graphdef, mesh, psh, ssh, cfg, B, method=args.method, kernel_impl=args.kernels,
-                        compiler_options=copts)
-    inputs = {N: shape_inputs(cfg, B, N, args.depth, args.seed, mesh, ssh) for N in args.nodes}
-    dec_tok = shape_inputs(cfg, B, 1, args.depth, args.seed, mesh, ssh)[2]
-    valid = jax.device_put(jnp.ones(dec_tok.shape, bool), dec_tok.sharding)
-    jobs = [(0, decode, (params, state, dec_tok, valid))]
-    jobs += [(N, verify, (params, state, inputs[N][0], inputs[N][1])) for N in args.nodes]
-    bar.set_description(f"B={B} compile")
-    progs = compile_all(jobs, args.compile_workers, bar, deadline=deadline)
-    bar.set_description(f"B={B} time")
-    done = []
-    if 0 in progs:
-        compiled, lower_s, compile_s = progs[0]
-        dstate, _ = random_state(cfg, B, max_len, args.prefix, dtype, args.seed, mesh, copts)
-        t, logits, dstate = time_decode(compiled, params, dstate, dec_tok, repeats=args.repeats, warmup=args.warmup)
-        finite = _finite(logits)
-        del logits
-        box = {"s": dstate}
+        from hyspec_jax import sharding as shd
 
-        def step():                            # the state is donated: feed it back (lengths grow by one a call)
-            logits, box["s"] = compiled(params, box["s"], dec_tok, valid)
-            jax.block_until_ready(logits)
+        self.args, self.cfg, self.B, self.mesh, self.params = args, cfg, B, mesh, params
+        self.dtype, self.max_len, self.copts = dtype, max_len, dict(args.xla_option) or None
+        self.state, ssh = random_state(cfg, B, max_len, args.prefix, dtype, args.seed, mesh, self.copts)
+        self.decode = shd.jit_extend(graphdef, mesh, psh, ssh, compiler_options=self.copts)
+        self.verify = jit_verify(graphdef, mesh, psh, ssh, cfg, B, method=args.method, kernel_impl=args.kernels,
+                                 compiler_options=self.copts)
+        self.inputs = {N: shape_inputs(cfg, B, N, args.depth, args.seed, mesh, ssh) for N in args.nodes}
+        self.dec_tok = shape_inputs(cfg, B, 1, args.depth, args.seed, mesh, ssh)[2]
+        self.valid = jax.device_put(jnp.ones(self.dec_tok.shape, bool), self.dec_tok.sharding)
 
-        prof = profile_program(compiled, step, calls=args.trace_calls, vocab=cfg.vocab_size,
-                               measured_ms=_ms(t.median_s))
-        fl = floors(traffic(cfg, params, state, batch=B, tokens=1, prefix=args.prefix, decode=True), ceilings)
-        on_row(_row("decode", B, 1, t, compiled, lower_s, compile_s, prof, fl, finite))
-        del box, dstate
-        done.append(0)
-        bar.update()
-    for N in args.nodes:
-        if N not in progs:
-            continue
-        compiled, lower_s, compile_s = progs[N]
-        tree, toks, _ = inputs[N]
-        t, (logits, cache) = time_verify(compiled, params, state, tree, toks, repeats=args.repeats,
+    def jobs(self) -> list:
+        B, p = self.B, self.params
+        return ([((B, 0), self.decode, (p, self.state, self.dec_tok, self.valid))]
+                + [((B, N), self.verify, (p, self.state, *self.inputs[N][:2])) for N in self.args.nodes])
+
+    def measure(self, N: int, prog, ceilings: dict) -> dict:
+        import jax
+
+        args, cfg, B, params = self.args, self.cfg, self.B, self.params
+        compiled, lower_s, compile_s = prog
+        if N == 0:
+            # a second copy of the state: the decode donates it (self.state stays the verifies' state)
+            dstate, _ = random_state(cfg, B, self.max_len, args.prefix, self.dtype, args.seed, self.mesh, self.copts)
+            t, logits, dstate = time_decode(compiled, params, dstate, self.dec_tok, repeats=args.repeats,
+                                            warmup=args.warmup)
+            finite = _finite(logits)
+            del logits
+            box = {"s": dstate}
+
+            def run():                         # the state is donated: feed it back (lengths grow by one a call)
+                logits, box["s"] = compiled(params, box["s"], self.dec_tok, self.valid)
+                jax.block_until_ready(logits)
+
+            prof = profile_program(compiled, run, calls=args.trace_calls, vocab=cfg.vocab_size,
+                                   measured_ms=_ms(t.median_s))
+            tr = traffic(cfg, params, self.state, batch=B, tokens=1, prefix=args.prefix, decode=True)
+            return _row("decode", B, 1, t, compiled, lower_s, compile_s, prof, floors(tr, ceilings), finite)
+        tree, toks, _ = self.inputs[N]
+        t, (logits, cache) = time_verify(compiled, params, self.state, tree, toks, repeats=args.repeats,
                                          warmup=args.warmup)
         finite = _finite(logits)
         del logits
-        prof = profile_program(compiled, lambda: jax.block_until_ready(compiled(params, state, tree, toks)),
+        prof = profile_program(compiled, lambda: jax.block_until_ready(compiled(params, self.state, tree, toks)),
                                calls=args.trace_calls, vocab=cfg.vocab_size, measured_ms=_ms(t.median_s))
-        fl = floors(traffic(cfg, params, state, batch=B, tokens=N, prefix=args.prefix, decode=False, cache=cache),
-                    ceilings)
-        del cache
-        on_row(_row("verify", B, N, t, compiled, lower_s, compile_s, prof, fl, finite))
-        done.append(N)
-        bar.update()
-    return done
+        tr = traffic(cfg, params, self.state, batch=B, tokens=N, prefix=args.prefix, decode=False, cache=cache)
+        return _row("verify", B, N, t, compiled, lower_s, compile_s, prof, floors(tr, ceilings), finite)
 
 
 def sweep(args, cfg, name: str, on_progress=None) -> dict:
-    """Ceilings, weights, then one group per batch (decode + every N); `on_progress(report)` after each program."""
+    """Ceilings, weights, every batch's state; then every program lowered (batch 1 first) and compiled in
+    parallel threads, then timed, traced and attributed one after another with nothing else running;
+    `on_progress(report)` after each program. With `args.max_seconds`, programs not lowered by then are skipped."""
     import jax
 
     from hyspec_jax.bench.report import portable_args, portable_command, run_metadata
@@ -511,9 +518,8 @@ def sweep(args, cfg, name: str, on_progress=None) -> dict:
     ceilings = measure_ceilings(dtype, args.matmul_size or (8192 if gpu else 512), args.copy_mib or
                                 (2048 if gpu else 64), args.repeats, args.warmup)
     mesh = make_mesh(1)
-    copts = dict(args.xla_option) or None
     t0 = time.perf_counter()
-    graphdef, params, psh = random_params(cfg, dtype, args.seed, mesh, copts)
+    graphdef, params, psh = random_params(cfg, dtype, args.seed, mesh, dict(args.xla_option) or None)
     jax.block_until_ready(params)
     leaves = jax.tree.leaves(params)
     report = dict(
@@ -527,22 +533,23 @@ def sweep(args, cfg, name: str, on_progress=None) -> dict:
                       compile_workers=args.compile_workers, compile_cache=args.compile_cache,
                       xla_options=dict(args.xla_option), max_seconds=args.max_seconds),
         ceilings=ceilings, init_s=round(time.perf_counter() - t0, 3), programs=[], skipped=[])
-    bar = progress_bar(2 * len(args.batch) * (1 + len(args.nodes)), not args.no_progress)
-
-    def on_row(row):
-        report["programs"].append(row)
-        report["wall_s"] = round(time.perf_counter() - t_start, 2)
-        if on_progress is not None:
-            on_progress(report)
-
+    batches = {B: BatchPrograms(args, cfg, B, mesh=mesh, graphdef=graphdef, params=params, psh=psh, dtype=dtype,
+                                max_len=max_len) for B in args.batch}
+    jobs = [j for B in args.batch for j in batches[B].jobs()]
+    bar = progress_bar(2 * len(jobs), not args.no_progress)              # compile + measure
     try:
-        for B in args.batch:
-            if deadline is not None and time.perf_counter() >= deadline:
-                report["skipped"] += [[B, n] for n in [1] + list(args.nodes)]
+        bar.set_description("compile")
+        progs = compile_all(jobs, args.compile_workers, bar, deadline=deadline)
+        bar.set_description("measure")
+        for (B, N), _, _ in jobs:
+            if (B, N) not in progs:
+                report["skipped"].append(f"decode B={B}" if N == 0 else f"verify B={B} N={N}")
                 continue
-            done = run_batch(args, cfg, B, mesh=mesh, graphdef=graphdef, params=params, psh=psh, dtype=dtype,
-                             max_len=max_len, ceilings=ceilings, bar=bar, deadline=deadline, on_row=on_row)
-            report["skipped"] += [[B, n or 1] for n in [0] + list(args.nodes) if n not in done]
+            report["programs"].append(batches[B].measure(N, progs.pop((B, N)), ceilings))
+            report["wall_s"] = round(time.perf_counter() - t_start, 2)
+            bar.update()
+            if on_progress is not None:
+                on_progress(report)
     finally:
         bar.close()
     if report["skipped"]:
@@ -620,8 +627,7 @@ def markdown(report: dict) -> str:
         "## All programs (ms per call)", "", summary_table(report), "",
     ]
     if report.get("skipped"):
-        lines += [f"Not measured ({report.get('stopped', 'run cut short')}): "
-                  + ", ".join(f"B={b} N={n}" for b, n in report["skipped"]), ""]
+        lines += [f"Not measured ({report.get('stopped', 'run cut short')}): " + ", ".join(report["skipped"]), ""]
     for r in report["programs"]:
         lines += [f"## {_name(r)}: {r['t_ms']:.3f} ms", "", part_table(r), ""]
     if not all(r["finite"] for r in report["programs"]):
@@ -673,8 +679,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--xla-option", type=_kv, action="append", default=[], metavar="KEY=VALUE",
                     help="XLA compiler option for every program (repeatable)")
     ap.add_argument("--max-seconds", type=float, metavar="S",
-                    help="start no new batch group once S seconds have passed since the start; the JSON then has "
-                         "status partial and lists the skipped (batch, N) (N=1: the decode)")
+                    help="lower and compile no further program once S seconds have passed since the start (those "
+                         "compiled are still measured); the JSON then has status partial and lists the skipped")
     ap.add_argument("--json", metavar="OUT.json", help="write OUT.json and OUT.md")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap

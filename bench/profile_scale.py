@@ -2,6 +2,7 @@
 
     hyspec bench profile-scale [--batch 1,8,32] [--nodes 8,32] [--prefix 512] [--kernels auto]
                                [--max-seconds S] [--json OUT.json] [--tiny | --config PATH] ...
+    hyspec bench profile-scale --merge A.json B.json --json OUT.json
     python -m hyspec_jax.bench.profile_scale ...        (same options)
 
 Programs, at the geometry of `hyspec bench verify-scale` (default Qwen3.8-27B; its random weights and committed
@@ -33,6 +34,7 @@ to the part most of its tagged instructions belong to, else rest; a matrix produ
 dropped (XLA:CPU's dot rewrites do) is dense (logits if vocabulary-sized) when it reads a weight (an operand of the
 `params…` arguments), else takes the part of its nearest tagged producer (three steps back at most). The time
 assigned by these rules is reported per part ("by-rule ms").
+
 Beside the parts: `unattributed` (device time of events naming no instruction of the program: copies, memsets),
 `overlap` (≤ 0: kernels that ran concurrently, counted once per part but once in the busy time) and `gaps`
 (measured − device busy time: launch latency, host work, idle). Parts + rest + unattributed + overlap + gaps =
@@ -60,11 +62,17 @@ OUT.md (tables). Rewritten after every program, so a run cut short leaves what i
 then measured one after another; with --max-seconds S no program is lowered once S seconds have passed (those
 compiled are still measured; the rest are listed as skipped).
 
-One H200 (kind nvidia-h200, timeout_s 600), from the repository root (bench/verify_scale.py's convention):
+One H200 (kind nvidia-h200, timeout_s 600), from the repository root (bench/verify_scale.py's convention). Nine
+programs of 64 layers: lowered one after another (batch 1 first), compiled 8 at a time, then measured; --max-seconds
+240 stops the lowering early enough that the compiles in flight, the measurements and the final write fit the call:
 
-    ln -sfn $PWD/bench hyspec_jax/bench; HYSPEC_GIT_COMMIT=<sha> PYTHONPATH=$PWD python3 -m \\
-        hyspec_jax.bench.profile_scale --max-seconds 420 --compile-cache .jax_cache \\
+    ln -sfn $PWD/bench hyspec_jax/bench; HYSPEC_GIT_COMMIT=<sha> PYTHONPATH=$PWD python3 -m \
+        hyspec_jax.bench.profile_scale --max-seconds 240 --compile-cache .jax_cache --no-progress \
         --json $OUT/profile_scale_h200.json
+
+If programs were skipped, run them in a further call on the warm machine (e.g. `--batch 32 --json
+$OUT/profile_scale_h200_b32.json`; .jax_cache keeps what was compiled), then, here, `--merge A.json B.json --json
+bench/results/profile_scale/profile_scale_h200.json` (no device).
 
 CPU smoke run: `--tiny`.
 """
@@ -623,7 +631,11 @@ def markdown(report: dict) -> str:
         "calls (`bench/profile_scale.py` says how kernels map to parts and how floors are counted).", "",
         f"Ceilings measured in this run: matmul {c['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s "
         f"({c['matmul_dtype']} {c['matmul_size']}³), bandwidth {c['bandwidth_bytes_per_s'] / 1e12:.3f} TB/s "
-        f"(x + 1 over {c['copy_bytes'] / 2 / 2**20:.0f} MiB).", "",
+        f"(x + 1 over {c['copy_bytes'] / 2 / 2**20:.0f} MiB)"
+        + ("; merged from runs whose ceilings were " + ", ".join(
+            f"{x['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s and {x['bandwidth_bytes_per_s'] / 1e12:.3f} TB/s"
+            for x in report["merged_ceilings"]) + " (each program against its own run's)"
+           if report.get("merged_ceilings") else "") + ".", "",
         "## All programs (ms per call)", "", summary_table(report), "",
     ]
     if report.get("skipped"):
@@ -633,6 +645,28 @@ def markdown(report: dict) -> str:
     if not all(r["finite"] for r in report["programs"]):
         lines += ["**WARNING: non-finite logits in at least one program (see the JSON `finite` fields).**", ""]
     return "\n".join(lines)
+
+
+def merge(paths: list[str]) -> dict:
+    """One report from runs of the same model and settings but other batches / nodes (a later run's program
+    wins). Each program keeps the floors of its own run's ceilings; `merged_ceilings` lists every run's."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    loose = {"batches", "nodes", "compile_workers", "compile_cache", "max_seconds"}        # may differ between runs
+    key = lambda r: (r["model"]["name"], {k: v for k, v in r["settings"].items() if k not in loose})
+    rows = {}
+    for p, r in zip(paths, reports):
+        if key(r) != key(reports[0]):
+            raise ValueError(f"{p}: model or settings differ from {paths[0]}; cannot merge")
+        rows.update({_name(x): x for x in r["programs"]})
+    base = dict(reports[0], merged_from=list(paths), merged_ceilings=[r["ceilings"] for r in reports])
+    base["programs"] = sorted(rows.values(), key=lambda x: (x["batch"], x["program"] != "decode", x["nodes"]))
+    base["skipped"] = sorted({x for r in reports for x in r.get("skipped", [])} - set(rows))
+    base["status"] = "partial" if base["skipped"] or any(r["status"] != "complete" and not r.get("skipped")
+                                                        for r in reports) else "complete"
+    if base["status"] == "complete":
+        base.pop("stopped", None)
+    base.pop("wall_s", None)
+    return base
 
 
 def write_outputs(report: dict, json_path: str | None) -> None:
@@ -682,6 +716,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="lower and compile no further program once S seconds have passed since the start (those "
                          "compiled are still measured); the JSON then has status partial and lists the skipped")
     ap.add_argument("--json", metavar="OUT.json", help="write OUT.json and OUT.md")
+    ap.add_argument("--merge", nargs="+", metavar="IN.json", help="merge earlier results (other batches / nodes) "
+                    "into --json; no device")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
 
@@ -698,12 +734,19 @@ def main(argv: list[str] | None = None) -> int:
     if any(x is not None and x < 1 for x in (args.matmul_size, args.copy_mib)):
         ap.error("--matmul-size and --copy-mib must be ≥ 1")
     try:
+        if args.merge:
+            if not args.json:
+                ap.error("--merge needs --json OUT.json")
+            report = merge(args.merge)
+            write_outputs(report, args.json)
+            print(summary_table(report))
+            return 0
         if args.compile_cache:
             from hyspec_jax.compilation import enable_compilation_cache
             enable_compilation_cache(Path(args.compile_cache).resolve())
         cfg, name = resolve_config(args.tiny, args.config)
         report = sweep(args, cfg, name, on_progress=lambda r: write_outputs(r, args.json))
-    except (ValueError, RuntimeError, OSError) as e:
+    except (ValueError, RuntimeError, OSError, KeyError) as e:
         print(f"hyspec bench profile-scale: error: {e}", file=sys.stderr)
         return 1
     write_outputs(report, args.json)

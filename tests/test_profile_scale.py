@@ -144,6 +144,20 @@ def test_cli_tiny(tmp_path, capsys):
     assert "| program | measured ms | floor ms |" in md and "## verify B=1 N=4" in md
     assert "| decode B=1 |" in capsys.readouterr().out
 
+    # --merge: another run's programs (here: the verify row as if N=8 had been measured by a second run)
+    other = dict(r, settings=dict(r["settings"], nodes=[8]), programs=[dict(ver, nodes=8, rows=8)],
+                 skipped=["verify B=1 N=16"], status="partial")
+    (tmp_path / "o.json").write_text(json.dumps(other))
+    merged = tmp_path / "m.json"
+    assert ps.main(["--merge", str(out), str(tmp_path / "o.json"), "--json", str(merged)]) == 0
+    m = json.loads(merged.read_text())
+    assert [ps._name(x) for x in m["programs"]] == ["decode B=1", "verify B=1 N=4", "verify B=1 N=8"]
+    assert m["skipped"] == ["verify B=1 N=16"] and m["status"] == "partial" and len(m["merged_ceilings"]) == 2
+    bad = dict(r, settings=dict(r["settings"], prefix=9))
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    assert ps.main(["--merge", str(out), str(tmp_path / "bad.json"), "--json", str(merged)]) == 1
+    assert "cannot merge" in capsys.readouterr().err
+
 
 def test_cli_errors(capsys):
     with pytest.raises(SystemExit) as e:

@@ -1,14 +1,17 @@
-"""Load benchmark of `hyspec serve`: bounded Poisson load on loopback; TTFT / TPOT / throughput per concurrency.
+"""Load benchmark of `hyspec serve` (an httpx async client): bounded Poisson load; what `vllm bench serve` reports.
 
 For each concurrency C: requests arrive as a Poisson process of rate --rate (default: infinite = all at once)
 and at most C are in flight (a semaphore bounds the load; arrivals wait for a free place). Each request is a
 streamed /v1/completions with `ignore_eos` (fixed output length) and `stream_options.include_usage`; the client
-records the time of every token-bearing SSE event (`return_token_ids`: also tokens with no text yet).
+records the time of every token-bearing SSE event (`return_token_ids`: also tokens with no text yet). Prompts
+are random words, or (--dataset heldout) the shipped held-out text pack as token ids.
 
   TTFT  time from sending the request to its first token
   TPOT  (latency − TTFT) / (output tokens − 1), per request
   ITL   gaps between token-bearing events (a speculative round may deliver several tokens in one event)
-  throughput  output tokens / wall time of the level (and requests/s)
+  E2EL  request latency
+  throughput  requests/s, output tokens/s and prompt + output tokens/s over the wall time of the level
+Each latency as mean, std, median (p50), p90 and p99.
 
 Either point it at a running server (--url) or let it start one per mode (--model, --modes ar,chain, --drafter):
 the server is started, warmed up (it compiles at start-up), measured, and stopped with SIGTERM.
@@ -34,7 +37,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
+
+import httpx
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact").split()
@@ -50,80 +54,53 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _summary(xs: list[float]) -> dict:
+    """mean, std, median (p50) and percentiles, as `vllm bench serve` reports them."""
     if not xs:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    return {"mean": statistics.fmean(xs), "p50": _pct(xs, 0.5), "p90": _pct(xs, 0.9), "p99": _pct(xs, 0.99)}
+        return {"mean": None, "std": None, "p50": None, "p90": None, "p99": None}
+    return {"mean": statistics.fmean(xs), "std": statistics.pstdev(xs), "p50": _pct(xs, 0.5), "p90": _pct(xs, 0.9),
+            "p99": _pct(xs, 0.99)}
 
 
-async def _http(host: str, port: int, method: str, path: str, body: bytes | None = None):
-    """One request on a fresh connection; returns (status, headers, reader, writer) after the head."""
-    reader, writer = await asyncio.open_connection(host, port)
-    head = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
-    if body is not None:
-        head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-    writer.write(head.encode() + b"\r\n" + (body or b""))
-    await writer.drain()
-    raw = await reader.readuntil(b"\r\n\r\n")
-    lines = raw.decode("latin-1").split("\r\n")
-    status = int(lines[0].split(" ")[1])
-    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
-    return status, headers, reader, writer
+def _client(base: str, api_key: str | None, concurrency: int) -> httpx.AsyncClient:
+    """One pooled async client per level (connections kept alive, as `vllm bench serve`'s aiohttp session)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    return httpx.AsyncClient(base_url=base, headers=headers, limits=limits, timeout=httpx.Timeout(None))
 
 
-async def _body(headers: dict, reader: asyncio.StreamReader):
-    """Yield body pieces (chunked or fixed length)."""
-    if headers.get("transfer-encoding") == "chunked":
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-            if size == 0:
-                return
-            yield await reader.readexactly(size)
-            await reader.readexactly(2)
-    n = int(headers.get("content-length", "0"))
-    yield await reader.readexactly(n)
+async def get_text(client: httpx.AsyncClient, path: str) -> str:
+    r = await client.get(path)
+    return r.text
 
 
-async def get_text(host: str, port: int, path: str) -> str:
-    status, headers, reader, writer = await _http(host, port, "GET", path)
-    out = b"".join([piece async for piece in _body(headers, reader)])
-    writer.close()
-    return out.decode()
-
-
-async def one_request(host: str, port: int, payload: dict) -> dict:
+async def one_request(client: httpx.AsyncClient, payload: dict) -> dict:
+    """One streamed completion: the time of every token-bearing SSE event, the usage, the status."""
     t0 = time.perf_counter()
-    status, headers, reader, writer = await _http(host, port, "POST", "/v1/completions", json.dumps(payload).encode())
     events: list[float] = []
     usage = None
     error = None
-    buf = b""
-    try:
-        if status != 200:
-            error = (b"".join([p async for p in _body(headers, reader)])).decode(errors="replace")
-            return {"status": status, "error": error[:200]}
-        async for piece in _body(headers, reader):
-            buf += piece
-            while b"\n\n" in buf:
-                event, buf = buf.split(b"\n\n", 1)
-                if not event.startswith(b"data: "):
-                    continue
-                data = event[6:]
-                if data == b"[DONE]":
-                    continue
-                obj = json.loads(data)
-                if "error" in obj:
-                    error = obj["error"].get("message")
-                    continue
-                if obj.get("usage"):
-                    usage = obj["usage"]
-                if obj.get("choices") and (obj["choices"][0].get("token_ids") or obj["choices"][0].get("text")):
-                    events.append(time.perf_counter())
-    finally:
-        writer.close()
+    async with client.stream("POST", "/v1/completions", json=payload) as r:
+        if r.status_code != 200:
+            body = (await r.aread()).decode(errors="replace")
+            return {"status": r.status_code, "error": body[:200]}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                continue
+            obj = json.loads(data)
+            if "error" in obj:
+                error = obj["error"].get("message")
+                continue
+            if obj.get("usage"):
+                usage = obj["usage"]
+            if obj.get("choices") and (obj["choices"][0].get("token_ids") or obj["choices"][0].get("text")):
+                events.append(time.perf_counter())
     t_end = time.perf_counter()
     n = usage["completion_tokens"] if usage else len(events)
     ttft = events[0] - t0 if events else None
-    return {"status": status, "error": error, "tokens": n, "prompt_tokens": usage["prompt_tokens"] if usage else None,
+    return {"status": 200, "error": error, "tokens": n, "prompt_tokens": usage["prompt_tokens"] if usage else None,
             "ttft": ttft, "latency": t_end - t0,
             "tpot": (t_end - t0 - ttft) / (n - 1) if ttft is not None and n > 1 else None,
             "itl": [b - a for a, b in zip(events, events[1:])]}
@@ -131,6 +108,16 @@ async def one_request(host: str, port: int, payload: dict) -> dict:
 
 def _prompt(rng: random.Random, words: int, i: int) -> str:
     return f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def heldout_prompts() -> list[list[int]]:
+    """The shipped held-out text pack (`bench/data/heldout_prompts.npz`, as `hyspec bench e2e` uses): windows of
+    token ids of the embedded model's tokenizer, sent as token-id prompts."""
+    import numpy as np
+
+    from hyspec_jax.bench.e2e import DEFAULT_PROMPTS
+    with np.load(DEFAULT_PROMPTS) as d:
+        return [[int(t) for t in row] for row in d["tokens"]]
 
 
 def _metric(text: str, name: str, **labels) -> float:
@@ -147,21 +134,23 @@ def _metric(text: str, name: str, **labels) -> float:
     return total
 
 
-async def run_level(host: str, port: int, *, concurrency: int, num_requests: int, rate: float, prompt_words: int,
-                    max_tokens: int, seed: int, temperature: float) -> dict:
+async def run_level(client: httpx.AsyncClient, *, concurrency: int, num_requests: int, rate: float,
+                    prompt_words: int, max_tokens: int, seed: int, temperature: float,
+                    dataset: list[list[int]] | None = None) -> dict:
     rng = random.Random(seed)
-    before = await get_text(host, port, "/metrics")
+    before = await get_text(client, "/metrics")
     sem = asyncio.Semaphore(concurrency)
     results: list[dict] = []
 
     async def worker(i: int, payload: dict):
         async with sem:
-            results.append(await one_request(host, port, payload))
+            results.append(await one_request(client, payload))
 
     tasks = []
     t0 = time.perf_counter()
     for i in range(num_requests):
-        payload = {"prompt": _prompt(rng, prompt_words, i), "max_tokens": max_tokens, "temperature": temperature,
+        prompt = dataset[i % len(dataset)] if dataset else _prompt(rng, prompt_words, i)
+        payload = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
                    "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "seed": i,
                    "return_token_ids": True}
         tasks.append(asyncio.create_task(worker(i, payload)))
@@ -169,17 +158,19 @@ async def run_level(host: str, port: int, *, concurrency: int, num_requests: int
             await asyncio.sleep(rng.expovariate(rate))
     await asyncio.gather(*tasks)
     wall = time.perf_counter() - t0
-    after = await get_text(host, port, "/metrics")
+    after = await get_text(client, "/metrics")
     ok = [r for r in results if r["status"] == 200 and not r.get("error")]
     d = lambda name, **kw: _metric(after, name, **kw) - _metric(before, name, **kw)  # noqa: E731
     drafts = d("vllm:spec_decode_num_drafts_total")
     out_tokens = sum(r["tokens"] for r in ok)
+    in_tokens = sum(r["prompt_tokens"] or 0 for r in ok)
     return {
         "concurrency": concurrency, "rate": None if rate == float("inf") else rate, "requests": num_requests, "ok": len(ok),
         "errors": [r.get("error") or r["status"] for r in results if r not in ok][:5],
         "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in ok) if ok else None,
         "output_tokens": out_tokens, "wall_s": wall,
         "throughput_tok_s": out_tokens / wall, "throughput_req_s": len(ok) / wall,
+        "total_token_throughput": (in_tokens + out_tokens) / wall,
         "ttft_s": _summary([r["ttft"] for r in ok if r["ttft"] is not None]),
         "tpot_s": _summary([r["tpot"] for r in ok if r["tpot"] is not None]),
         "itl_s": _summary([x for r in ok for x in r["itl"]]),
@@ -207,7 +198,8 @@ def start_server(args, mode: str, log: Path) -> tuple[subprocess.Popen, int]:
             raise SystemExit(f"serve_load: mode {mode} needs --drafter")
         cmd += ["--drafter", args.drafter]
     with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        env = dict(os.environ, **({"HYSPEC_API_KEY": args.api_key} if args.api_key else {}))
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + args.startup_timeout
     while time.monotonic() < deadline:
         m = re.search(r"on http://[\d.]+:(\d+)", log.read_text(errors="replace"))
@@ -249,7 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated in-flight bounds (default 1,4,16)")
     p.add_argument("--num-requests", type=int, default=32, help="requests per concurrency level (default 32)")
     p.add_argument("--rate", type=float, default=float("inf"), help="Poisson arrival rate, requests/s (default inf)")
+    p.add_argument("--dataset", choices=("random", "heldout"), default="random",
+                   help="prompts: random words (default) or the shipped held-out text pack as token ids (the "
+                        "embedded model's tokenizer)")
     p.add_argument("--prompt-words", type=int, default=24, help="words per synthetic prompt (default 24)")
+    p.add_argument("--api-key", default=os.environ.get("HYSPEC_API_KEY"),
+                   help="Bearer key of the server (default $HYSPEC_API_KEY; started servers get it too)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos; default 64)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
@@ -260,36 +257,38 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(x) for x in args.concurrency.split(",") if x]
     rows: list[dict] = []
 
-    def measure(host: str, port: int, mode: str) -> None:
+    dataset = heldout_prompts() if args.dataset == "heldout" else None
+
+    def measure(base: str, mode: str | None) -> None:
         async def go():
-            for i in range(args.warmup):
-                await one_request(host, port, {"prompt": f"warm-up {i}", "max_tokens": 4, "stream": True,
+            async with _client(base, args.api_key, max(levels)) as client:
+                label = mode
+                if label is None:
+                    try:
+                        label = json.loads(await get_text(client, "/v1/models"))["data"][0].get("spec_mode")
+                    except Exception:  # noqa: BLE001 - only a label
+                        pass
+                for i in range(args.warmup):
+                    await one_request(client, {"prompt": f"warm-up {i}", "max_tokens": 4, "stream": True,
                                                "stream_options": {"include_usage": True}})
-            for c in levels:
-                row = await run_level(host, port, concurrency=c, num_requests=args.num_requests, rate=args.rate,
-                                      prompt_words=args.prompt_words, max_tokens=args.max_tokens, seed=args.seed,
-                                      temperature=args.temperature)
-                row["mode"] = mode
-                rows.append(row)
-                print_table([row], header=len(rows) == 1)
+                for c in levels:
+                    row = await run_level(client, concurrency=c, num_requests=args.num_requests, rate=args.rate,
+                                          prompt_words=args.prompt_words, max_tokens=args.max_tokens,
+                                          seed=args.seed, temperature=args.temperature, dataset=dataset)
+                    row["mode"] = label or "server"
+                    rows.append(row)
+                    print_table([row], header=len(rows) == 1)
         asyncio.run(go())
 
     if args.url:
-        u = urlsplit(args.url)
-        mode = "server"
-        try:
-            cards = json.loads(asyncio.run(get_text(u.hostname, u.port or 80, "/v1/models")))
-            mode = cards["data"][0].get("spec_mode", mode)
-        except Exception:  # noqa: BLE001 - only a label
-            pass
-        measure(u.hostname, u.port or 80, mode)
+        measure(args.url.rstrip("/"), None)
     else:
         import tempfile
         for mode in [m for m in args.modes.split(",") if m]:
             log = Path(tempfile.mkdtemp(prefix="serve_load_")) / f"server-{mode}.log"
             proc, port = start_server(args, mode, log)
             try:
-                measure("127.0.0.1", port, mode)
+                measure(f"http://127.0.0.1:{port}", mode)
             finally:
                 proc.send_signal(signal.SIGTERM)
                 try:

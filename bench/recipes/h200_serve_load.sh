@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# On the H200: `serve_load` against this checkout's server and — if BASE names another checkout's root (its
+# checkpoints/ linked to these) — against that one, up side by side (each with a fifth of the GPU memory) and driven
+# by the same client (this checkout's serve_load, httpx), alternated twice, at concurrency 1 / 8 / 32, for ar and
+# tree-ready (the embedded model and drafter). The server's packages travel as wheels:
+#   here:           bash bench/recipes/serve_wheels.sh download          (then carry .whl)
+#   on the H200:    BASE=_base bash bench/recipes/h200_serve_load.sh
+set -uo pipefail
+source bench/recipes/serve_wheels.sh install .whl || exit 1
+source bench/recipes/lib.sh
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.2
+SERVE=(--port 0 --max-batch 32 --max-queue 256 --max-model-len 1024 --prefill-chunk 128)
+LOAD=(--concurrency 1,8,32 --num-requests 64 --max-tokens 64)
+
+start() {   # start ROOT MODE LOG -> prints the port
+  (cd "$1" && source bench/recipes/lib.sh && exec python3 -m hyspec_jax.serve "${SERVE[@]}" --spec-mode "$2") \
+    > "$3" 2>&1 &
+  echo $! > "$3.pid"
+  for _ in $(seq 600); do
+    p=$(grep -o "on http://127.0.0.1:[0-9]*" "$3" | head -1 | grep -o "[0-9]*$") && [ -n "$p" ] && { echo "$p"; return; }
+    kill -0 "$(cat "$3.pid")" 2>/dev/null || { tail -5 "$3" >&2; return 1; }
+    sleep 1
+  done
+  return 1
+}
+
+for mode in ar tree-ready; do
+  roots=(new); PORT_new=$(start "$PWD" "$mode" "$OUT/server_new_$mode.log") || exit 1
+  if [ -n "${BASE:-}" ]; then roots+=(base); PORT_base=$(start "$BASE" "$mode" "$OUT/server_base_$mode.log") || exit 1; fi
+  for rep in 1 2; do
+    for r in "${roots[@]}"; do
+      port_var=PORT_$r
+      python3 -m hyspec_jax.bench.serve_load --url "http://127.0.0.1:${!port_var}" "${LOAD[@]}" \
+        --json "$OUT/serve_load_${r}_${mode}_$rep.json" 2>&1 | tail -4
+    done
+  done
+  for r in "${roots[@]}"; do kill -TERM "$(cat "$OUT/server_${r}_$mode.log.pid")"; done
+  wait
+done

@@ -1,7 +1,8 @@
 """Routed MoE at scale (issue [scale], item 4): one sparse-MoE block per layer, each execution form against its floor.
 
-    python -m hyspec_jax.bench.moe_scale [--tokens 1,8,32,256] [--forms gather,grouped,dense] [--layers L|fit]
-                                         [--repeats K] [--json OUT.json] [--tiny] ...
+    hyspec bench moe-scale [--tokens 1,8,32,256] [--forms gather,grouped,dense] [--layers L|fit]
+                           [--repeats K] [--json OUT.json] [--tiny] ...
+    python -m hyspec_jax.bench.moe_scale ...        (same options)
 
 The Qwen3-Next-80B-A3B geometry (docs/reference/target_model.md §15: hidden 2048, 512 experts, top 10,
 moe_intermediate 512, shared expert 512, norm_topk_prob; or `--tiny`), RANDOM weights drawn as the model's own
@@ -22,13 +23,18 @@ floor = max(bytes / bandwidth, FLOPs / matmul rate), with bandwidth and matmul r
 (bench/kernels.py `copy_bandwidth` / `matmul_peak`; --bandwidth / --matmul-rate override). The outputs of every
 form are compared with the dense form's (max |diff| / max |dense|), and every output is checked finite.
 
+A program whose first call takes more than --max-call-s (a ragged_dot the backend expands over all E groups
+costs E× the routed work) is timed by that one call; with --max-seconds S no further program is timed once S
+seconds have passed (status "partial", the rest listed as skipped).
+
 Outputs (--json OUT.json): OUT.json (run_metadata: device, versions, commit; the command; every number) and
 OUT.md (the table). Exit status 1 if an output is non-finite or a form disagrees with dense beyond 0.1.
 
-On the GPU machine (not pip-installed; bench/verify_scale.py's convention), one H200, ~1–2 minutes:
+On the GPU machine (not pip-installed; bench/verify_scale.py's convention), one H200, 8 layers (26 GB of bf16
+experts), --max-seconds keeping the run inside 3 minutes:
 
     ln -sfn $PWD/bench hyspec_jax/bench; HYSPEC_GIT_COMMIT=<sha> PYTHONPATH=$PWD python3 -m \\
-        hyspec_jax.bench.moe_scale --json $OUT/moe_scale_h200.json
+        hyspec_jax.bench.moe_scale --max-seconds 150 --json $OUT/moe_scale_h200.json
 
 CPU smoke run: `--tiny`.
 """
@@ -53,7 +59,7 @@ GIB = 2 ** 30
 
 
 class UsageError(Exception):
-    """A bad argument: reported as one line, exit status 2."""
+    """A request the device cannot meet (e.g. --layers fit without memory stats): one line, exit status 2."""
 
 
 def qwen3_next_80b_a3b():
@@ -228,7 +234,8 @@ def sweep(args, cfg, name: str) -> dict:
                                         dtype)) for T in args.tokens}
 
     # the routes each layer takes on the chained input (the floors count the distinct experts really chosen)
-    routes_fn = jax.jit(stack_fn(graphdef, None, with_routes=True))
+    # (dense: its cost is known whatever the backend does with ragged_dot)
+    routes_fn = jax.jit(stack_fn(graphdef, "dense", with_routes=True))
     distinct = {}
     for T in args.tokens:
         top_i = np.asarray(routes_fn(states, xs[T])[1])                 # [L, T, k]
@@ -253,6 +260,7 @@ def sweep(args, cfg, name: str) -> dict:
 
     rows = []
     outputs = {}
+    slow = {}                                 # form -> (T, seconds) of a call past --max-call-s
     for f, T, skip in plan:
         rule = moe.choose_form(T, cfg.num_experts, cfg.num_experts_per_tok)
         rule = rule if rule != "routed" else ("grouped" if gpu else "dense")
@@ -261,14 +269,31 @@ def sweep(args, cfg, name: str) -> dict:
         if skip:
             rows.append(dict(row, skipped=skip))
             continue
+        left = args.max_seconds - (time.perf_counter() - t_start) if args.max_seconds else float("inf")
+        if left <= 0:
+            rows.append(dict(row, skipped=f"--max-seconds {args.max_seconds:g} passed"))
+            continue
+        if f in slow and slow[f][1] * T / slow[f][0] > left:     # work grows with T: the call would not end in time
+            rows.append(dict(row, skipped=f"--max-seconds {args.max_seconds:g}: one call at T={slow[f][0]} took "
+                                          f"{slow[f][1]:.1f} s, ~{slow[f][1] * T / slow[f][0]:.0f} s expected here"))
+            continue
         compiled, lower_s, compile_s = programs[(f, T)]
-        timing, out = median_time(lambda: compiled(states, xs[T]), args.repeats, args.warmup)
+        call = lambda: compiled(states, xs[T])
+        t = time.perf_counter()
+        out = jax.block_until_ready(call())
+        first_s = time.perf_counter() - t
+        if first_s > args.max_call_s:        # e.g. a ragged_dot the backend expands over all E groups
+            slow[f] = (T, first_s)
+            times_s, spread, note = [first_s], float("nan"), f"one call only (> --max-call-s {args.max_call_s:g})"
+        else:
+            timing, out = median_time(call, args.repeats, args.warmup)
+            times_s, spread, note = list(timing.times_s), timing.spread, None
         out = np.asarray(out, np.float32)
         outputs[(f, T)] = out
-        t_ms = 1e3 * timing.median_s / layers
-        rows.append(dict(row, t_ms=t_ms, times_ms=[1e3 * t / layers for t in timing.times_s], spread=timing.spread,
+        t_ms = 1e3 * float(np.median(times_s)) / layers
+        rows.append(dict(row, t_ms=t_ms, times_ms=[1e3 * t / layers for t in times_s], spread=spread,
                          ratio=t_ms / row["floor_ms"], finite=bool(np.isfinite(out).all()),
-                         lower_s=lower_s, compile_s=compile_s))
+                         lower_s=lower_s, compile_s=compile_s, **({"note": note} if note else {})))
         print(f"[moe-scale] {f:>7} T={T:<4} {t_ms:8.3f} ms/layer  floor {row['floor_ms']:.3f}  "
               f"×{t_ms / row['floor_ms']:.2f}", file=sys.stderr)
     for r in rows:
@@ -279,7 +304,7 @@ def sweep(args, cfg, name: str) -> dict:
             x0 = np.asarray(xs[r["tokens"]], np.float32)
             r["max_rel_diff_vs_dense"] = float(np.max(np.abs(mine - dense)) / np.max(np.abs(dense - x0)))
     return {
-        "meta": run_metadata(), "command": portable_command("python -m hyspec_jax.bench.moe_scale", args.argv),
+        "meta": run_metadata(), "command": portable_command("hyspec bench moe-scale", args.argv),
         "argv": portable_args(args.argv),
         "model": {"name": name, "hidden_size": cfg.hidden_size, "num_experts": cfg.num_experts,
                   "top_k": cfg.num_experts_per_tok, "moe_intermediate_size": cfg.moe_intermediate_size,
@@ -292,7 +317,8 @@ def sweep(args, cfg, name: str) -> dict:
         "ceilings": {"bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": rate,
                      "measured": {"bandwidth": not args.bandwidth, "matmul_rate": not args.matmul_rate}},
         "init_s": init_s, "compile_wall_s": compile_wall_s, "rows": rows,
-        "wall_s": time.perf_counter() - t_start, "status": "complete",
+        "wall_s": time.perf_counter() - t_start,
+        "status": "partial" if any("max-seconds" in r.get("skipped", "") for r in rows) else "complete",
     }
 
 
@@ -322,7 +348,8 @@ def table(report: dict) -> str:
             lines.append(head + f"skipped: {r['skipped']} | {floor} | | " + tail + " |")
             continue
         diff = r.get("max_rel_diff_vs_dense")
-        lines.append(head + f"{r['t_ms']:.4f} | {floor} | {r['ratio']:.2f} | " + tail
+        lines.append(head + f"{r['t_ms']:.4f}" + (f" ({r['note']})" if r.get("note") else "")
+                     + f" | {floor} | {r['ratio']:.2f} | " + tail
                      + (f"{diff:.1e} |" if diff is not None else " |"))
     return "\n".join(lines)
 
@@ -378,7 +405,7 @@ def _layers(s: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m hyspec_jax.bench.moe_scale", description=__doc__,
+    ap = argparse.ArgumentParser(prog="hyspec bench moe-scale", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="a small geometry (CPU smoke run, tests)")
     ap.add_argument("--tokens", type=_ints, default=list(DEFAULT_TOKENS), metavar="T,..",
@@ -398,6 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bandwidth", type=float, metavar="TB/s", help="HBM bandwidth for the floors (default: measured)")
     ap.add_argument("--matmul-rate", type=float, metavar="TFLOP/s",
                     help="matmul rate for the floors (default: measured)")
+    ap.add_argument("--max-call-s", type=float, default=1.0, metavar="S",
+                    help="a program whose first call takes longer is timed by that one call (default 1)")
+    ap.add_argument("--max-seconds", type=float, metavar="S",
+                    help="time no further program once S seconds have passed since the start (status partial)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compile-workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)), metavar="W",
                     help="parallel XLA compiles (default min(8, cores/2))")
@@ -412,15 +443,14 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     if args.repeats < 1 or args.warmup < 1:
         ap.error("--repeats and --warmup must be ≥ 1")
-    for name in ("bandwidth", "matmul_rate"):
+    for name in ("bandwidth", "matmul_rate", "max_call_s", "max_seconds"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
     cfg, name = (tiny_config(), "tiny geometry") if args.tiny else (qwen3_next_80b_a3b(), "Qwen3-Next-80B-A3B geometry")
     try:
         report = sweep(args, cfg, name)
     except UsageError as e:
-        print(f"[moe-scale] error: {e}", file=sys.stderr)
-        return 2
+        ap.error(str(e))
     write_outputs(report, args.json)
     print(f"\n{markdown(report)}")
     bad = failures(report)

@@ -18,6 +18,10 @@ laid out, so they agree to rounding (tests/test_moe.py):
              top-k. E/k × the routed work; kept because it is the fastest on CPU beyond a handful of rows,
              where ragged_dot is lowered densely (see above).
 
+Expert parallel (experts sharded over the mesh's `model` axis, `hyspec_jax.sharding`): every form stays exact;
+XLA partitions "gather" as a masked local gather plus an all-reduce of the gathered weights [T, k, 2I, H] (not
+of the [T, H] outputs, as "dense" does), a communication cost a shard_map form would avoid.
+
 `choose_form` is the static rule the model applies per call (on the token count); bench/moe_scale.py
 measures each form against its HBM / compute floor at Qwen3-Next-80B-A3B geometry.
 """

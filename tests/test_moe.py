@@ -295,3 +295,33 @@ def test_bench_moe_scale_cli_errors(capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert "error:" in err and "Traceback" not in err
+
+
+def test_hyspec_bench_moe_scale_help(capsys):
+    from hyspec_jax import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "moe-scale", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "hyspec bench moe-scale" in out and "--gather-max-gib" in out
+
+
+def test_bench_moe_scale_slow_calls_and_deadline(tmp_path):
+    import json
+
+    from hyspec_jax.bench import moe_scale as ms
+
+    base = ["--tiny", "--tokens", "1,4", "--forms", "gather,dense", "--layers", "1", "--repeats", "2", "--warmup", "1"]
+    out = tmp_path / "slow.json"
+    # every first call is "slow": each program is timed by that one call, and said so
+    assert ms.main([*base, "--max-call-s", "1e-9", "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["status"] == "complete"
+    assert all(len(r["times_ms"]) == 1 and "one call only" in r["note"] for r in rep["rows"])
+    # a deadline already past: nothing is timed, the report is partial and says why
+    out = tmp_path / "late.json"
+    assert ms.main([*base, "--max-seconds", "1e-6", "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["status"] == "partial" and all("--max-seconds" in r["skipped"] for r in rep["rows"])
+    assert "skipped: --max-seconds" in out.with_suffix(".md").read_text()

@@ -933,6 +933,27 @@ def test_speculative_config_server_reports_chain(spec_server):
     assert "tokens=" not in log          # --disable-log-requests
 
 
+def test_serve_load_reports_what_vllm_bench_serve_does(spec_server, tmp_path):
+    """bench/serve_load.py (httpx) against a running server at a tiny size: every request ok, the summaries and
+    throughputs present and consistent; the held-out pack loads as token-id prompts."""
+    from hyspec_jax.bench import serve_load
+    out = tmp_path / "load.json"
+    assert serve_load.main(["--url", spec_server.base, "--concurrency", "1,2", "--num-requests", "3",
+                            "--max-tokens", "5", "--warmup", "0", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["ok"] == 3 and r["output_tokens"] == 15 and r["mode"] == "chain"
+        assert r["throughput_tok_s"] == pytest.approx(15 / r["wall_s"])
+        assert r["total_token_throughput"] > r["throughput_tok_s"]
+        for key in ("ttft_s", "tpot_s", "itl_s", "latency_s"):
+            assert set(r[key]) == {"mean", "std", "p50", "p90", "p99"} and r[key]["p50"] > 0
+        assert r["ttft_s"]["p99"] <= r["latency_s"]["p99"]
+        assert r["server"]["spec_drafts"] > 0 and r["server"]["compilations_after_startup"] == 0
+    pack = serve_load.heldout_prompts()
+    assert len(pack) == 96 and all(len(x) == 32 and all(isinstance(t, int) for t in x) for x in pack)
+
+
 def test_sigterm_drains_in_flight_requests_then_exits(server, oracle):
     """Last test of the module: SIGTERM stops the listener, lets the streaming request finish, exits 0."""
     prompt = "drain me"

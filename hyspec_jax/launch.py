@@ -41,8 +41,10 @@ def engine_from_args(args, model, model_dir, dtype, batch: int | None = None):
     from hyspec_jax.io.drafter_io import load_drafter
     from hyspec_jax.spec.budget import BudgetTable, model_id
     from hyspec_jax.spec.engine import SpecConfig, SpecEngine
-    from hyspec_jax.spec.options import recommended_settings
+    from hyspec_jax.spec.options import MTP_MODES, recommended_settings
     from hyspec_jax.tree import TreeExpansion
+    if getattr(args, "spec_mode", None) in MTP_MODES:
+        return _mtp_engine(args, model, model_dir, dtype)
     drafter_dir = getattr(args, "drafter", None)
     rec: dict = {}
     table_path = getattr(args, "budget_table", None)
@@ -81,3 +83,28 @@ def engine_from_args(args, model, model_dir, dtype, batch: int | None = None):
     table = BudgetTable.load(table_path) if table_path else None
     name = model_id(model.config, Path(model_dir).name)
     return SpecEngine(model, drafter, spec, slots=getattr(args, "slots", None), budget_table=table, model_name=name)
+
+
+def _mtp_engine(args, model, model_dir, dtype):
+    """`--spec-mode mtp|mtp-tree`: drafted by the model directory's own MTP head (`mtp.*` tensors; the loader's
+    `NoMTPHead` — a ValueError — says in one line when there is none)."""
+    from hyspec_jax.io.mtp_io import load_mtp
+    from hyspec_jax.spec.budget import BudgetTable, model_id
+    from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+    from hyspec_jax.tree import TreeExpansion
+    if getattr(args, "drafter", None) is not None:
+        raise ValueError(f"--spec-mode {args.spec_mode} drafts with the model's own MTP head: drop --drafter")
+    if getattr(args, "slots", None) is not None and args.slots < 1:
+        raise ValueError(f"--slots must be >= 1, got {args.slots}")
+    opt = lambda name, fallback=None: getattr(args, name, None) if getattr(args, name, None) is not None else fallback  # noqa: E731
+    spec_kw = dict(mode=args.spec_mode, chain_length=opt("chain_length"), verify_nodes=opt("verify_nodes"),
+                   capacity=opt("budget"), kernels=opt("kernels", "auto"))
+    if args.spec_mode == "mtp-tree":
+        spec_kw["tree"] = TreeExpansion(depth=opt("tree_depth", 4), top_k=opt("tree_topk", 2),
+                                        beam=opt("tree_beam", 4))
+    spec = SpecConfig(**spec_kw)
+    head = load_mtp(model_dir, model.config, dtype=dtype)
+    table_path = getattr(args, "budget_table", None)
+    table = BudgetTable.load(table_path) if table_path else None
+    return SpecEngine(model, head, spec, slots=getattr(args, "slots", None), budget_table=table,
+                      model_name=model_id(model.config, Path(model_dir).name))

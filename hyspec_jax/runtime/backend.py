@@ -223,18 +223,20 @@ class ARBackend(Backend):
 class SpecBackend(Backend):
     """Speculative decoding: one round (draft → select → verify → accept → commit) per step."""
 
-    def __init__(self, config: TargetConfig, graphdef, params, drafter_config: DrafterConfig, dgraph, dparams, *,
-                 mode: str, round_shapes: dict[bool, RoundShape], capacity: int, slots: int, kv_len: int,
+    def __init__(self, config: TargetConfig, graphdef, params, drafter_config: DrafterConfig | TargetConfig, dgraph,
+                 dparams, *, mode: str, round_shapes: dict[bool, RoundShape], capacity: int, slots: int, kv_len: int,
                  shapes: Sequence[tuple[int, int]]):
         """round_shapes: the frozen round shape of the greedy (False) and the sampling (True) flavour.
-        capacity: the batch-wide node budget C."""
+        capacity: the batch-wide node budget C. drafter_config: the DSpark drafter's, or the target's own for its
+        MTP head."""
         super().__init__(config, graphdef, params, slots=slots, kv_len=kv_len, shapes=shapes,
                          drafter_config=drafter_config)
         self.mode, self.dgraph, self.dparams = mode, dgraph, dparams
         self.round_shapes = dict(round_shapes)
         greedy = self.round_shapes[False]
         self.depth, self.verify_nodes = greedy.depth, greedy.verify_nodes
-        self.hint_width = greedy.gamma       # the block the round drafts; N may verify fewer of its slots
+        # the block the round drafts (N may verify fewer of its slots); the MTP head takes no hints
+        self.hint_width = 0 if greedy.drafter == "mtp" else greedy.gamma
         self.drafted = greedy.verify_nodes - 1
         self.capacity = int(capacity)
         self.tap_layers = greedy.tap_layers

@@ -24,7 +24,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hyspec_jax.compilation import DiskCachedJit
+from hyspec_jax.config import TargetConfig
 from hyspec_jax.models.drafter import Drafter
+from hyspec_jax.models.mtp import MTPHead, MTPState, init_mtp_state
 from hyspec_jax.models.target import TargetModel
 from hyspec_jax.sampling import SlotSampling, sample
 from hyspec_jax.state import DrafterState, TargetState, init_drafter_state, init_state
@@ -62,15 +64,22 @@ def scatter_target(state: TargetState, slots: jax.Array, sub: TargetState) -> Ta
                        lengths=_put(state.lengths, slots, sub.lengths, 0))
 
 
-def gather_drafter(dstate: DrafterState, slots: jax.Array, reset: jax.Array) -> DrafterState:
+def gather_drafter(dstate: DrafterState | MTPState, slots: jax.Array, reset: jax.Array) -> DrafterState | MTPState:
     idx = jnp.minimum(slots, dstate.batch - 1)
-    return DrafterState(keys=_rows(dstate.keys, idx, 1), values=_rows(dstate.values, idx, 1),
-                        lengths=jnp.where(reset, 0, _rows(dstate.lengths, idx, 0)))
+    kw = dict(keys=_rows(dstate.keys, idx, 1), values=_rows(dstate.values, idx, 1),
+              lengths=jnp.where(reset, 0, _rows(dstate.lengths, idx, 0)))
+    if isinstance(dstate, MTPState):
+        return MTPState(hidden=_rows(dstate.hidden, idx, 0), **kw)
+    return DrafterState(**kw)
 
 
-def scatter_drafter(dstate: DrafterState, slots: jax.Array, sub: DrafterState) -> DrafterState:
-    return DrafterState(keys=_put(dstate.keys, slots, sub.keys, 1), values=_put(dstate.values, slots, sub.values, 1),
-                        lengths=_put(dstate.lengths, slots, sub.lengths, 0))
+def scatter_drafter(dstate: DrafterState | MTPState, slots: jax.Array, sub: DrafterState | MTPState
+                    ) -> DrafterState | MTPState:
+    kw = dict(keys=_put(dstate.keys, slots, sub.keys, 1), values=_put(dstate.values, slots, sub.values, 1),
+              lengths=_put(dstate.lengths, slots, sub.lengths, 0))
+    if isinstance(dstate, MTPState):
+        return MTPState(hidden=_put(dstate.hidden, slots, sub.hidden, 0), **kw)
+    return DrafterState(**kw)
 
 
 def ar_prefill(graphdef: nnx.GraphDef, params: nnx.State, state: TargetState, anchor: jax.Array, slots: jax.Array,
@@ -89,13 +98,18 @@ def spec_prefill(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef,
                  state: TargetState, dstate: DrafterState, anchor: jax.Array, slots: jax.Array, tokens: jax.Array,
                  valid: jax.Array, reset: jax.Array, sampling: SlotSampling, *, tap_layers: tuple[int, ...]):
     """`ar_prefill` that also fills the slots' drafter context with the chunk's tap-layer features:
-    (first tokens [P], state, dstate, anchor)."""
+    (first tokens [P], state, dstate, anchor). With the MTP head (an `MTPState`): the chunk's tokens paired with the
+    target's final-norm hiddens (tap_layers = the last layer)."""
     target: TargetModel = nnx.merge(tgraph, tparams)
-    drafter: Drafter = nnx.merge(dgraph, dparams)
+    drafter: Drafter | MTPHead = nnx.merge(dgraph, dparams)
     sub = gather_target(state, slots, reset)
     dsub = gather_drafter(dstate, slots, reset)
     logits, taps, sub = target.extend(sub, tokens, valid, last_only=True, tap_layers=tap_layers)
-    dsub = drafter.append_context(dsub, taps, jnp.sum(valid, axis=1, dtype=I32))
+    if isinstance(dsub, MTPState):
+        dsub = drafter.append(dsub, target.model.embed_tokens.weight[...], tokens, target.model.norm(taps[0]),
+                              jnp.sum(valid, axis=1, dtype=I32))
+    else:
+        dsub = drafter.append_context(dsub, taps, jnp.sum(valid, axis=1, dtype=I32))
     first = sample(logits[:, 0], sampling, jnp.zeros((), I32), stochastic=True)
     return (first, scatter_target(state, slots, sub), scatter_drafter(dstate, slots, dsub),
             _put(anchor, slots, first, 0))
@@ -113,8 +127,14 @@ def ar_step(graphdef: nnx.GraphDef, params: nnx.State, state: TargetState, ancho
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "batch", "kv_len", "dtype"))
 def new_buffers(tcfg, dcfg, batch: int, kv_len: int, dtype):
-    """Empty target state, drafter context (None without a drafter) and anchors: one dispatch."""
-    dstate = None if dcfg is None else init_drafter_state(dcfg, batch, kv_len, dtype)
+    """Empty target state, drafter context (None without a drafter; an `MTPState` when dcfg is a TargetConfig:
+    the MTP head's config is the target's) and anchors: one dispatch."""
+    if dcfg is None:
+        dstate = None
+    elif isinstance(dcfg, TargetConfig):
+        dstate = init_mtp_state(dcfg, batch, kv_len, dtype)
+    else:
+        dstate = init_drafter_state(dcfg, batch, kv_len, dtype)
     return init_state(tcfg, batch, kv_len, dtype), dstate, jnp.zeros((batch,), I32)
 
 

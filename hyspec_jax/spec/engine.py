@@ -5,7 +5,8 @@
 the batch's acceptance statistics. The round itself is `hyspec_jax.spec.round`; the loop — admission into free
 slots, chunked prefill, pipelined rounds, exact stop / max_tokens handling — is `hyspec_jax.runtime.scheduler`,
 the same loop `hyspec serve` runs. Modes: `ar` (plain decoding, `generate.Generator`), `chain` (DSpark), `ready`
-(DSpark + ReaDy reader), `tree` (DSpark tree, Bole verification), `tree-ready`.
+(DSpark + ReaDy reader), `tree` (DSpark tree, Bole verification), `tree-ready`, `mtp` (the target's own MTP head,
+a chain of recursive steps), `mtp-tree` (that head expanded as a tree, Bole verification).
 
 Start-up: `SpecEngine.warmup()` / `compile_buckets(buckets)` compile every configured bucket (the round, greedy
 and sampling, and the prefill of every prompt bucket) through JAX's persistent compilation cache;
@@ -35,7 +36,8 @@ from hyspec_jax.runtime.backend import SpecBackend, batch_shapes, bucket, compil
 from hyspec_jax.runtime.scheduler import run_batch
 from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.spec.budget import BudgetTable
-from hyspec_jax.spec.options import KERNEL_IMPLS, MODES
+from hyspec_jax.models.mtp import MTPHead
+from hyspec_jax.spec.options import KERNEL_IMPLS, MODES, MTP_DEFAULT_STEPS, MTP_MODES
 from hyspec_jax.spec.round import RoundShape
 from hyspec_jax.spec.stats import prefix_survival, rounded
 from hyspec_jax.tree import TreeExpansion
@@ -69,11 +71,16 @@ class SpecConfig:
 
     @property
     def is_tree(self) -> bool:
-        return self.mode in ("tree", "tree-ready")
+        return self.mode in ("tree", "tree-ready", "mtp-tree")
 
     @property
     def uses_reader(self) -> bool:
         return self.mode in ("ready", "tree-ready")
+
+    @property
+    def uses_mtp(self) -> bool:
+        """Drafted by the target's own MTP head (`hyspec_jax.models.mtp`), not a DSpark drafter."""
+        return self.mode in MTP_MODES
 
 
 
@@ -133,7 +140,8 @@ HintFn = Callable[[int, list[int]], Sequence[int]]
 class SpecEngine:
     """Batched speculative generation with continuous admission between rounds."""
 
-    def __init__(self, target: TargetModel, drafter: Drafter | None, spec: SpecConfig, *, slots: int | None = None,
+    def __init__(self, target: TargetModel, drafter: Drafter | MTPHead | None, spec: SpecConfig, *,
+                 slots: int | None = None,
                  kv_len: int | None = None, budget_table: BudgetTable | None = None, model_name: str = ""):
         """slots / kv_len fix the bucket (default: powers of two from the request batch); budget_table: Bole's
         calibrated B_ver per bucket sets the verify width N when spec.verify_nodes is not given."""
@@ -150,7 +158,14 @@ class SpecEngine:
             self._gamma, self._tree, self._default_nodes = 0, None, 1
             return
         if drafter is None:
-            raise ValueError(f"spec mode {spec.mode!r} needs a drafter")
+            raise ValueError(f"spec mode {spec.mode!r} needs " + ("the model's MTP head" if spec.uses_mtp
+                                                                  else "a drafter"))
+        if spec.uses_mtp != isinstance(drafter, MTPHead):
+            raise ValueError(f"spec mode {spec.mode!r} needs " + ("the model's MTP head, not a DSpark drafter"
+                                                                  if spec.uses_mtp else "a DSpark drafter"))
+        if spec.uses_mtp:
+            self._init_mtp(drafter, spec)
+            return
         if spec.uses_reader and drafter.reader is None:
             raise ValueError(f"spec mode {spec.mode!r} needs a drafter with a ReaDy reader")
         dcfg = drafter.config
@@ -177,6 +192,26 @@ class SpecEngine:
             g = spec.chain_length or gamma
             if g > gamma:
                 raise ValueError(f"chain length {g} exceeds the drafter's {gamma} draft slots")
+            self._max_nodes = g + 1
+            self._tree, self._gamma = None, g
+            self._default_nodes = spec.verify_nodes or g + 1
+
+    def _init_mtp(self, head: MTPHead, spec: SpecConfig) -> None:
+        """The MTP modes: no block limits the depth (each step is one more head forward)."""
+        if dataclasses.replace(head.config, mtp_num_hidden_layers=0) != dataclasses.replace(self.config,
+                                                                                        mtp_num_hidden_layers=0):
+            raise ValueError("the MTP head was built for another target geometry")
+        self.drafter = head
+        self.dgraph, self.dparams = split_for_jit(head)
+        if spec.is_tree:
+            tspec = spec.tree or TreeExpansion(depth=4, top_k=2, beam=4)
+            if tspec.top_k > self.config.vocab_size:
+                raise ValueError(f"tree top-k {tspec.top_k} exceeds the vocabulary")
+            self._max_nodes = tspec.num_candidates
+            self._tree, self._gamma = tspec, tspec.depth
+            self._default_nodes = spec.verify_nodes or min(tspec.num_candidates, 16)
+        else:
+            g = spec.chain_length or MTP_DEFAULT_STEPS
             self._max_nodes = g + 1
             self._tree, self._gamma = None, g
             self._default_nodes = spec.verify_nodes or g + 1
@@ -211,11 +246,14 @@ class SpecEngine:
 
     def round_shape(self, stochastic: bool, verify_nodes: int) -> RoundShape:
         """The frozen static shape of a round of verify width N = verify_nodes."""
+        mtp = self.spec.uses_mtp
+        taps = (self.config.num_hidden_layers - 1,) if mtp else tuple(self.drafter.config.target_layer_ids)
         return RoundShape(tree=self._tree, gamma=self._gamma, verify_nodes=verify_nodes,
                           reader=self.spec.uses_reader, stochastic=stochastic,
-                          confidence_threshold=None if self._tree is not None else self.spec.confidence_threshold,
-                          method=self.spec.method, tap_layers=tuple(self.drafter.config.target_layer_ids),
-                          kernel_impl=self.spec.kernels)
+                          confidence_threshold=(None if self._tree is not None or mtp
+                                                else self.spec.confidence_threshold),
+                          method=self.spec.method, tap_layers=taps, kernel_impl=self.spec.kernels,
+                          drafter="mtp" if mtp else "dspark")
 
     def backend(self, slots: int, kv_len: int, shapes: Sequence[tuple[int, int]] | None = None) -> SpecBackend:
         """A backend of this engine's drafter and rounds for the bucket (slots, KV length): N from `nodes_for`,
@@ -225,7 +263,8 @@ class SpecEngine:
             raise ValueError("plain decoding (ar) runs on `generate.Generator`'s backend")
         N = self.nodes_for(slots, kv_len)
         shapes = shapes or batch_shapes(slots, self.max_prompt_len(kv_len))
-        return SpecBackend(self.config, self.tgraph, self.tparams, self.drafter.config, self.dgraph, self.dparams,
+        return SpecBackend(self.config, self.tgraph, self.tparams, self.drafter.config,   # MTP: the target's config
+                           self.dgraph, self.dparams,
                            mode=self.spec.mode, round_shapes={s: self.round_shape(s, N) for s in (False, True)},
                            capacity=self.spec.capacity or slots * N, slots=slots, kv_len=kv_len, shapes=shapes)
 

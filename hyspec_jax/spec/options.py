@@ -3,7 +3,9 @@ embedded drafter's recommended settings. No jax import here: `hyspec --help` sta
 
 from __future__ import annotations
 
-MODES = ("ar", "chain", "ready", "tree", "tree-ready")
+MODES = ("ar", "chain", "ready", "tree", "tree-ready", "mtp", "mtp-tree")
+MTP_MODES = ("mtp", "mtp-tree")     # drafted by the target checkpoint's own MTP head (no --drafter)
+MTP_DEFAULT_STEPS = 2               # mtp: recursive draft steps when --chain-length is not given (a default, unmeasured)
 KERNEL_IMPLS = ("reference", "auto", "pallas", "interpret")   # hyspec_jax.kernels impl of tree top-k, verify, commit
 
 RECOMMENDED_FILE = "recommended_modes.json"
@@ -15,10 +17,13 @@ def add_spec_arguments(p, *, default_mode: str | None = None) -> None:
                    "default with the embedded model: its drafter)")
     p.add_argument("--spec-mode", choices=MODES, default=default_mode,
                    help="ar = plain decoding; chain = DSpark; ready = DSpark + reader; tree = DSpark tree with Bole "
-                        "verification; tree-ready = both (default: " + (
+                        "verification; tree-ready = both; mtp = the model's own multi-token-prediction head "
+                        "(mtp.* tensors), a chain of --chain-length recursive steps; mtp-tree = that head expanded "
+                        "as a tree (--tree-depth/--tree-topk/--tree-beam) (default: " + (
                             default_mode or "the embedded model's measured best mode for this backend "
                             "(drafter/recommended_modes.json); chain with another --drafter; else ar") + ")")
-    p.add_argument("--chain-length", type=int, metavar="K", help="drafts per chain (default: the drafter's block)")
+    p.add_argument("--chain-length", type=int, metavar="K", help="drafts per chain (default: the drafter's block; "
+                   f"mtp: {MTP_DEFAULT_STEPS} recursive steps)")
     p.add_argument("--confidence-threshold", type=float, metavar="A",
                    help="chain: verify the drafts whose confidence survival is >= A (DSpark)")
     p.add_argument("--tree-depth", type=int, metavar="D", help="tree levels (default: recommended, else 4)")

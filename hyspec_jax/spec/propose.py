@@ -41,6 +41,16 @@ def _confidence(model: Drafter, h: jax.Array, e: jax.Array) -> jax.Array:
     return jnp.ones(h.shape[:-1], F32) if logit is None else jax.nn.sigmoid(logit)
 
 
+def draw(logits: jax.Array, sampling: SlotSampling | None, keys: jax.Array | None, k) -> tuple[jax.Array, jax.Array]:
+    """Draft k of a chain from logits [B, V]: (token [B], log q [B, V]). sampling None: the argmax, q one-hot;
+    else a draw from the warped q with fold_in(keys[b], k) (the q lossless rejection sampling needs)."""
+    if sampling is None:
+        return jnp.argmax(logits, axis=-1).astype(I32), _greedy_logp(logits)
+    logp = warp(logits, sampling.temperature, sampling.top_p, sampling.top_k)
+    sub = jax.vmap(lambda key: jax.random.fold_in(key, k))(keys)
+    return jax.vmap(jax.random.categorical)(sub, logp).astype(I32), logp
+
+
 # ------------------------------------------------------------------------------------------------
 # Chain
 # ------------------------------------------------------------------------------------------------
@@ -69,13 +79,7 @@ def chain_from_block(model: Drafter, block: DraftBlock, anchor: jax.Array, sampl
         U, h, k = xs
         bias, e, s = model.markov_step(prev, h, s)
         logits = U + bias
-        if sampling is None:
-            logp = _greedy_logp(logits)
-            tok = jnp.argmax(logits, axis=-1).astype(I32)
-        else:
-            logp = warp(logits, sampling.temperature, sampling.top_p, sampling.top_k)
-            sub = jax.vmap(lambda key: jax.random.fold_in(key, k))(keys)
-            tok = jax.vmap(jax.random.categorical)(sub, logp).astype(I32)
+        tok, logp = draw(logits, sampling, keys, k)
         return (tok, s), (tok, jnp.exp(logp), logits, _confidence(model, h, e))
 
     s0 = jnp.zeros((B, r), block.hidden.dtype)
@@ -220,5 +224,5 @@ def with_anchor(prop: TreeProposal, anchor: jax.Array) -> tuple[jax.Array, jax.A
                                                                               prop.token], 1))
 
 
-__all__ = ["ChainProposal", "TreeProposal", "chain_from_block", "propose_chain",
+__all__ = ["ChainProposal", "TreeProposal", "draw", "chain_from_block", "propose_chain",
            "tree_from_block", "propose_tree", "with_anchor"]

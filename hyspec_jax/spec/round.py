@@ -4,14 +4,16 @@ Per slot the device holds the target's committed state (`TargetState`), the draf
 (`DrafterState`, same committed length) and the anchor — the last token the target chose, not processed yet.
 One round (`spec_round`, compiled once per bucket: batch slots B, verify width N, KV length S; state donated):
 
-  draft    one DSpark block from the context K/V + anchor (`ready` modes: the reader reads TargetState.ssm)
+  draft    one DSpark block from the context K/V + anchor (`ready` modes: the reader reads TargetState.ssm);
+           `mtp` modes: the target's MTP head, step by step (`spec.mtp_propose`), from its own K/V cache
   build    chain [anchor, x₀..x_{γ−1}] (optionally cut by DSpark's confidence) or a beam tree (`spec.select`)
   select   Bole's batch-shared budget: anchor + root child of every active slot, then the batch-wide best
            scores, ≤ N per row, ≤ C in all (`spec.budget.select_nodes`); compacted to a [B, N] forest
   verify   one target forward over the forest from the committed state, with the drafter's tap layers
   accept   greedy matching or lossless recursive rejection sampling (`spec.accept`)
   commit   target: factorized commit of the root-to-accepted path (`spec.commit.commit`); drafter: context
-           K/V of the path's target taps (anchor + accepted drafts) appended; next anchor = the bonus token.
+           K/V of the path's target taps (anchor + accepted drafts) appended (MTP: the path's tokens paired with
+           the target's final-norm hiddens, `MTPHead.append`); next anchor = the bonus token.
 
 Everything static about a round is one frozen `RoundShape`, passed to every program and never mutated. The three
 phases (`round_draft`, `round_verify`, `round_commit`) are also jitted alone for profiling
@@ -35,6 +37,7 @@ from hyspec_jax.sampling import SlotSampling, slot_keys
 from hyspec_jax.spec.accept import accept
 from hyspec_jax.spec.budget import confident_length, root_floor, select_nodes
 from hyspec_jax.spec.commit import commit
+from hyspec_jax.spec.mtp_propose import mtp_candidates
 from hyspec_jax.spec.propose import chain_from_block
 from hyspec_jax.spec.select import chain_candidates, tree_candidates
 from hyspec_jax.state import DrafterState, TargetState
@@ -56,6 +59,8 @@ class RoundShape:
     method: str
     tap_layers: tuple[int, ...]
     kernel_impl: str = "reference"
+    drafter: str = "dspark"     # "dspark": a DSpark block drafter; "mtp": the target's own MTP head
+                                # (tap_layers then = the last layer, whose final-norm output feeds the head)
 
     @property
     def depth(self) -> int:
@@ -85,10 +90,14 @@ def round_draft(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, 
     target: TargetModel = nnx.merge(tgraph, tparams)
     drafter: Drafter = nnx.merge(dgraph, dparams)
     heads = target_heads(target)
-    N, D = shape.verify_nodes, shape.depth
     samp = sampling if shape.stochastic else None
     dkeys = _fold(slot_keys(sampling.seed, steps), 0)
 
+    if shape.drafter == "mtp":
+        with jax.named_scope("drafter_forward"):
+            cand = mtp_candidates(drafter, heads, dstate, anchor, shape.tree, shape.gamma, samp,
+                                  dkeys if samp is not None else None, kernel_impl=shape.kernel_impl)
+        return _select(cand, active, capacity, samp, shape)
     with jax.named_scope("drafter_forward"):
         block = drafter.draft(dstate, anchor, heads, state.ssm if shape.reader else None,
                               num_slots=shape.gamma)   # the slots a chain / tree reads (no unused LM heads)
@@ -108,6 +117,12 @@ def round_draft(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, 
         with jax.named_scope("tree_build"):
             cand = tree_candidates(drafter, block, anchor, shape.tree, samp, dkeys if samp is not None else None,
                                    kernel_impl=shape.kernel_impl)
+    return _select(cand, active, capacity, samp, shape)
+
+
+def _select(cand, active: jax.Array, capacity: jax.Array, samp: SlotSampling | None, shape: RoundShape):
+    """The budget's [B, N] forest from the candidates: (tokens, tree, child_q or None)."""
+    N, D = shape.verify_nodes, shape.depth
     valid = cand.valid & active[:, None]
     forced = root_floor(cand.score, cand.parent, valid, active)
     sel = select_nodes(cand.score, cand.parent, cand.depth, valid, forced, N, capacity)
@@ -122,15 +137,19 @@ def round_verify(tgraph: nnx.GraphDef, tparams: nnx.State, state: TargetState, t
                  tokens: jax.Array, *, shape: RoundShape):
     """Round phase 2 — the target's verify forward over the forest: (logits, taps, TreeCache)."""
     target: TargetModel = nnx.merge(tgraph, tparams)
-    return target.verify(state, tree, tokens, method=shape.method, tap_layers=shape.tap_layers,
-                         kernel_impl=shape.kernel_impl)
+    logits, taps, cache = target.verify(state, tree, tokens, method=shape.method, tap_layers=shape.tap_layers,
+                                        kernel_impl=shape.kernel_impl)
+    if shape.drafter == "mtp":   # the head reads the hidden after the target's final norm
+        taps = target.model.norm(taps)
+    return logits, taps, cache
 
 
 def round_commit(dgraph: nnx.GraphDef, dparams: nnx.State, state: TargetState, dstate: DrafterState,
                  anchor: jax.Array, active: jax.Array, sampling: SlotSampling, steps: jax.Array,
                  tokens: jax.Array, tree: tree_lib.Tree, child_q: jax.Array | None, logits: jax.Array,
-                 taps: jax.Array, cache, *, shape: RoundShape):
-    """Round phase 3 — accept, then commit target and drafter: `spec_round`'s return value."""
+                 taps: jax.Array, cache, embed: jax.Array | None = None, *, shape: RoundShape):
+    """Round phase 3 — accept, then commit target and drafter: `spec_round`'s return value. embed: the target's
+    embedding table (the MTP head's commit embeds the accepted path; unused by DSpark)."""
     drafter: Drafter = nnx.merge(dgraph, dparams)
     B = anchor.shape[0]
     D = shape.depth
@@ -144,10 +163,13 @@ def round_commit(dgraph: nnx.GraphDef, dparams: nnx.State, state: TargetState, d
     path, length = tree_lib.path_to(tree, node)                                   # [B, D+1], [B]
     src = jnp.maximum(path, 0)
     path_taps = jnp.take_along_axis(taps, src[None, :, :, None], axis=2)          # [L, B, D+1, H]
-    new_dstate = drafter.append_context(dstate, path_taps, length)
+    path_tokens = jnp.take_along_axis(tokens, src, axis=1)                        # anchor, accepted drafts
+    if shape.drafter == "mtp":
+        new_dstate = drafter.append(dstate, embed, path_tokens, path_taps[0], length)
+    else:
+        new_dstate = drafter.append_context(dstate, path_taps, length)
 
     m = acc.num_accepted
-    path_tokens = jnp.take_along_axis(tokens, src, axis=1)                        # anchor, accepted drafts
     out = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((B, 1), I32)], axis=1)
     out = jnp.where(jnp.arange(D + 1)[None] == m[:, None], acc.bonus[:, None], out)
     count = jnp.where(active, m + 1, 0)
@@ -176,9 +198,12 @@ def spec_round(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, d
                                             sampling, steps, capacity, hint, shape=shape)
     with jax.named_scope("verify"):
         logits, taps, cache = round_verify(tgraph, tparams, state, tree, tokens, shape=shape)
+    embed = None
+    if shape.drafter == "mtp":
+        embed = nnx.merge(tgraph, tparams).model.embed_tokens.weight[...]
     with jax.named_scope("commit"):
         return round_commit(dgraph, dparams, state, dstate, anchor, active, sampling, steps, tokens, tree, child_q,
-                            logits, taps, cache, shape=shape)
+                            logits, taps, cache, embed, shape=shape)
 
 
 def spec_round_io(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,

@@ -22,6 +22,8 @@ of softmax probabilities).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -76,25 +78,45 @@ def chain_candidates(prop: ChainProposal, anchor: jax.Array, length: jax.Array |
 def tree_candidates(model: Drafter, block: DraftBlock, anchor: jax.Array, expansion: TreeExpansion,
                     sampling: SlotSampling | None = None, keys: jax.Array | None = None,
                     kernel_impl: str = "reference") -> Candidates:
-    """Beam expansion of the draft tree from one block (see the module docstring for the scores).
-
-    Level d (depth d+1) expands every kept node v of level d−1 into its top_k children under
-    U_d + B(token(v)) — greedy rows by logits, sampling rows by top_k draws without replacement from the
-    warped q (Gumbel-top-k, children in draw order) — and keeps the best `beam` by score (stable: ties keep
-    parent-major, draw order). sampling None: all rows greedy. keys [B] per-slot PRNG keys (sampling).
-    kernel_impl: the greedy levels' top-k (`hyspec_jax.kernels.biased_topk`: "auto" takes the kernel on a GPU).
-    """
+    """Beam expansion of the DSpark draft tree from one block (`expand_candidates`): the children of a node at
+    depth d are scored under U_d + B(token(node)), the block's base logits plus the Markov bias."""
     B, G, V = block.logits.shape
+    if expansion.depth > G:
+        raise ValueError(f"tree depth {expansion.depth} exceeds the {G} draft slots of the block")
+    r = model.config.markov_rank if model.markov_head is not None else 0
+
+    def level(d: int, tok: jax.Array, s: jax.Array):
+        h = jnp.broadcast_to(block.hidden[:, d, None], tok.shape + (block.hidden.shape[-1],))
+        bias, _, s_next = model.markov_step(tok, h, s)
+        return block.logits[:, d], None if jnp.ndim(bias) == 0 else bias, s_next
+
+    return expand_candidates(level, jnp.zeros((B, 1, r), block.hidden.dtype), anchor, expansion, V, sampling, keys,
+                             kernel_impl)
+
+
+def expand_candidates(level: Callable, carry, anchor: jax.Array, expansion: TreeExpansion, vocab: int,
+                      sampling: SlotSampling | None = None, keys: jax.Array | None = None,
+                      kernel_impl: str = "reference") -> Candidates:
+    """Beam expansion of a draft tree whose logits come from `level` (see the module docstring for the scores).
+
+    `level(d, tokens [B, W], carry) -> (base [B, V], bias [B, W, V] or None, carry')` gives the logits
+    base + bias of the children of the W beam nodes at depth d (d = 0: the anchor) and a per-node carry
+    (a pytree of [B, W, ...] arrays: the drafter's own state of each node, e.g. a Markov RNN state or an MTP
+    hidden); each kept child receives its parent's carry'. The first carry is the anchor's ([B, 1, ...]).
+    Level d expands every kept node of depth d into its top_k children — greedy rows by logits, sampling rows
+    by top_k draws without replacement from the warped q (Gumbel-top-k, children in draw order) — and keeps the
+    best `beam` by score (stable: ties keep parent-major, draw order). sampling None: all rows greedy. keys [B]
+    per-slot PRNG keys (sampling). kernel_impl: the greedy levels' top-k (`hyspec_jax.kernels.biased_topk`:
+    "auto" takes the kernel on a GPU).
+    """
+    B, V = anchor.shape[0], vocab
     D, k = expansion.depth, expansion.top_k
     chex.assert_shape(anchor, (B,))
-    if D > G:
-        raise ValueError(f"tree depth {D} exceeds the {G} draft slots of the block")
     if k > V:
         raise ValueError(f"top_k {k} exceeds the vocabulary ({V})")
     stochastic = sampling is not None
     if stochastic and keys is None:
         raise ValueError("sampling needs per-slot PRNG keys")
-    r = model.config.markov_rank if model.markov_head is not None else 0
     widths = expansion.widths()
     offsets = np.cumsum([1] + list(widths))            # first candidate index of each level
     rows = jnp.arange(B)[:, None]
@@ -107,15 +129,13 @@ def tree_candidates(model: Drafter, block: DraftBlock, anchor: jax.Array, expans
     logscore = jnp.zeros((B, 1), F32)
     logrho = jnp.zeros((B, 1), F32)
     bvalid = jnp.ones((B, 1), bool)
-    s = jnp.zeros((B, 1, r), block.hidden.dtype)
     out = dict(token=[tok], parent=[jnp.full((B, 1), -1, I32)], depth=[jnp.zeros((B, 1), I32)],
                valid=[bvalid], score=[logscore], q=[])
     for d in range(D):
         W = tok.shape[1]
-        h = jnp.broadcast_to(block.hidden[:, d, None], (B, W, block.hidden.shape[-1]))
-        bias, _, s_next = model.markov_step(tok, h, s)
+        base, bias, carry_next = level(d, tok, carry)
         if stochastic:
-            logits = (block.logits[:, d, None, :] + bias).astype(F32)                 # [B, W, V]
+            logits = (base[:, None, :] + (0.0 if bias is None else bias)).astype(F32)  # [B, W|1, V]
             logq = jax.nn.log_softmax(logits, axis=-1)
             wl = warp(logits, sampling.temperature[:, None], sampling.top_p[:, None], sampling.top_k[:, None])
             logq = jnp.where(greedy, logq, wl)
@@ -127,8 +147,7 @@ def tree_candidates(model: Drafter, block: DraftBlock, anchor: jax.Array, expans
         else:
             # greedy: only the k children's log q are needed — top logits less the row's log-sum-exp, not a
             # [B, W, V] log-softmax and a gather; on a GPU one kernel a level (a launch-bound round)
-            top, child, lse = biased_topk(block.logits[:, d], None if jnp.ndim(bias) == 0 else bias, k,
-                                          impl=kernel_impl)
+            top, child, lse = biased_topk(base, bias, k, impl=kernel_impl)
             clogq = top - lse[..., None]
         cvalid = bvalid[..., None] & (top > -jnp.inf) & (clogq > -jnp.inf)
         crho = logrho[..., None] + clogq
@@ -145,7 +164,7 @@ def tree_candidates(model: Drafter, block: DraftBlock, anchor: jax.Array, expans
         take = lambda x: jnp.take_along_axis(x.reshape(B, W * k), order, axis=1)  # noqa: E731
         tok, logscore, logrho = take(child).astype(I32), take(score), take(crho)
         bvalid = take(cvalid)
-        s = s_next[rows, par]
+        carry = jax.tree.map(lambda x: x[rows, par], carry_next)
         out["token"].append(tok)
         out["parent"].append(jnp.where(bvalid, par + int(offsets[d] - W), -1))
         out["depth"].append(jnp.where(bvalid, d + 1, 0).astype(I32))
@@ -159,4 +178,4 @@ def tree_candidates(model: Drafter, block: DraftBlock, anchor: jax.Array, expans
                       score=cat("score"), child_q=child_q)
 
 
-__all__ = ["Candidates", "chain_candidates", "tree_candidates"]
+__all__ = ["Candidates", "chain_candidates", "tree_candidates", "expand_candidates"]

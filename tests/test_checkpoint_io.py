@@ -417,45 +417,27 @@ def test_sharded_checkpoint_streams_onto_a_mesh(sharded_moe, sharded_moe_loaded,
 
 
 class _ReadLog:
-    """safe_open, recording which files are open at once, every read of tensor data (not of headers), and the
-    bytes of the arrays those reads returned that are still alive (weak references), at their most."""
+    """hf._ShardReader, recording which files are open at once, every read of tensor data, and the bytes of the
+    arrays those reads returned that are still alive (weak references), at their most."""
 
     def __init__(self, monkeypatch):
         self.open, self.max_open, self.reads = 0, 0, []
         self.live, self.peak_live = {}, 0
-        real = hf.safe_open
         log = self
 
-        class Handle:
-            def __init__(self, path, framework):
-                self.path, self.f = path, real(path, framework=framework)
-
-            def __enter__(self):
-                self.f.__enter__()
+        class Logged(hf._ShardReader):
+            def __init__(self, path):
+                super().__init__(path)
                 log.open += 1
                 log.max_open = max(log.max_open, log.open)
-                return self
 
-            def __exit__(self, *exc):
+            def close(self):
                 log.open -= 1
-                return self.f.__exit__(*exc)
+                super().close()
 
-            def keys(self):
-                return self.f.keys()
-
-            def get_tensor(self, key):
-                return log._read(self.path, key, self.f.get_tensor(key))
-
-            def get_slice(self, key):
-                sl, path = self.f.get_slice(key), self.path
-
-                class Slice:
-                    get_shape, get_dtype = sl.get_shape, sl.get_dtype
-
-                    def __getitem__(self, index):
-                        return log._read(path, key, sl[index])
-                return Slice()
-        monkeypatch.setattr(hf, "safe_open", Handle)
+            def read(self, t, index):
+                return log._read(self.path, t.raw_key, super().read(t, index))
+        monkeypatch.setattr(hf, "_ShardReader", Logged)
 
     def _read(self, path, key, arr):
         self.reads.append((path, key))
@@ -464,6 +446,17 @@ class _ReadLog:
         weakref.finalize(arr, self.live.pop, n, None)
         self.peak_live = max(self.peak_live, sum(self.live.values()))
         return arr
+
+
+def test_row_ranges_are_read_directly_other_slices_lazily():
+    shape = (6, 4, 2)
+    assert hf._row_range(None, shape) == (0, 6)
+    assert hf._row_range((slice(None),) * 3, shape) == (0, 6)
+    assert hf._row_range((slice(2, 4),), shape) == (2, 4)
+    assert hf._row_range((slice(2, 4), slice(0, 4), slice(None)), shape) == (2, 4)
+    assert hf._row_range((slice(None), slice(0, 2)), shape) is None
+    assert hf._row_range((slice(0, 6, 2),), shape) is None
+    assert hf._row_range(None, ()) == (0, 1) and hf._row_range((), ()) == (0, 1)
 
 
 def test_shards_are_read_one_at_a_time(sharded_moe, monkeypatch):

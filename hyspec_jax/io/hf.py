@@ -17,12 +17,12 @@ layer's experts are stored together). `LoadStats.peak_host_bytes` counts exactly
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import math
 import re
+import struct
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -113,12 +113,13 @@ class LoadStats:
 @dataclasses.dataclass(frozen=True)
 class _Tensor:
     """One tensor of a checkpoint, known from its file's header (nothing read): canonical name, name on disk,
-    shape, dtype, and its file (None: the in-memory `array`)."""
+    shape, dtype, and its file and data offset (file None: the in-memory `array`)."""
     key: str
     raw_key: str
     shape: tuple[int, ...]
     dtype: np.dtype
     file: Path | None = None
+    offset: int = 0                         # where its bytes start in the file
     array: np.ndarray | None = None
 
     @property
@@ -132,25 +133,46 @@ def _dtype(name: str, raw_key: str, path: Path) -> np.dtype:
     return np.dtype(_DTYPES[name])
 
 
+def _header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and the file offset its data starts at:
+    an 8-byte little-endian length, then that many bytes of JSON."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > size - 8:
+                raise ValueError(f"header length {n} past the end of the file")
+            header = json.loads(fh.read(n))
+    except (struct.error, ValueError) as e:
+        raise CheckpointError(f"{path}: not a safetensors file ({e})") from None
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
 def _scan(files: list[Path], rename: Callable[[str], str | None]) -> list[tuple[Path | None, list[_Tensor]]]:
-    """Every file's tensors from its header alone (no tensor data is read), under canonical names; names that
-    `rename` maps to None are left out. A name present twice is an error (which one would load is arbitrary)."""
+    """Every file's tensors from its header alone (no tensor data is read), under canonical names, in the order
+    of their bytes in the file; names that `rename` maps to None are left out. A name present twice is an
+    error (which one would load is arbitrary)."""
     out, seen = [], {}
     for path in files:
+        header, base = _header(path)
         tensors = []
-        with safe_open(str(path), framework="numpy") as f:
-            for raw_key in f.keys():
-                key = rename(raw_key)
-                if key is None:
-                    continue
-                if key in seen:
-                    raise CheckpointError(f"tensor {key!r} is stored twice: as {seen[key][0]!r} in {seen[key][1]} "
-                                          f"and as {raw_key!r} in {path}")
-                seen[key] = (raw_key, path)
-                sl = f.get_slice(raw_key)
-                tensors.append(_Tensor(key, raw_key, tuple(int(d) for d in sl.get_shape()),
-                                       _dtype(sl.get_dtype(), raw_key, path), file=path))
-        out.append((path, tensors))
+        for raw_key, info in header.items():
+            key = rename(raw_key)
+            if key is None:
+                continue
+            if key in seen:
+                raise CheckpointError(f"tensor {key!r} is stored twice: as {seen[key][0]!r} in {seen[key][1]} "
+                                      f"and as {raw_key!r} in {path}")
+            seen[key] = (raw_key, path)
+            start, stop = info["data_offsets"]
+            t = _Tensor(key, raw_key, tuple(int(d) for d in info["shape"]), _dtype(info["dtype"], raw_key, path),
+                        file=path, offset=base + int(start))
+            if stop - start != t.nbytes or base + stop > path.stat().st_size:
+                raise CheckpointError(f"tensor {raw_key!r} in {path}: its byte range does not fit its shape "
+                                      f"{t.shape} / dtype or the file")
+            tensors.append(t)
+        out.append((path, sorted(tensors, key=lambda t: t.offset)))
     return out
 
 
@@ -279,10 +301,67 @@ class _Placer:
             self.stats._release(held)
 
 
-def _file_reader(f, t: _Tensor) -> Reader:
+def _row_range(index: tuple[slice, ...] | None, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """(start, stop) rows when `index` selects whole rows of a C-ordered tensor (all of every later dimension,
+    contiguous bytes), else None."""
+    if not shape:
+        return (0, 1) if not index else None
+    index = tuple(index or ())
+    dims = index + (slice(None),) * (len(shape) - len(index))
+    for sl, dim in zip(dims[1:], shape[1:]):
+        if sl.indices(dim) != (0, dim, 1):
+            return None
+    start, stop, step = dims[0].indices(shape[0])
+    return (start, max(start, stop)) if step == 1 else None
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """np.empty on a 64-byte boundary: XLA's CPU client then adopts the buffer as the device array without a
+    copy (on a GPU it is copied to the device either way)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    off = -raw.ctypes.data % 64
+    return raw[off:off + nbytes].view(dtype).reshape(shape)
+
+
+class _ShardReader:
+    """Reads the tensors of one safetensors file: whole tensors and whole-row ranges (the usual tensor-parallel
+    split) by plain reads at their byte offsets, straight into the result (faster than faulting in a memory
+    map), other slices through safetensors' lazy `get_slice`, which reads only the slice."""
+
+    def __init__(self, path: Path):
+        self.path, self.fh, self._lazy = path, open(path, "rb", buffering=0), None
+
+    def close(self) -> None:
+        self.fh.close()
+        if self._lazy is not None:
+            self._lazy.__exit__(None, None, None)
+
+    def read(self, t: _Tensor, index: tuple[slice, ...] | None) -> np.ndarray:
+        rows = _row_range(index, t.shape)
+        if rows is None:
+            if self._lazy is None:
+                self._lazy = safe_open(str(self.path), framework="numpy")
+                self._lazy.__enter__()
+            return self._lazy.get_slice(t.raw_key)[index]
+        start, stop = rows
+        out = _aligned_empty((stop - start, *t.shape[1:]) if t.shape else (), t.dtype)
+        buf = memoryview(out.reshape(-1).view(np.uint8))
+        row_bytes = t.nbytes // t.shape[0] if t.shape else t.nbytes
+        self.fh.seek(t.offset + start * row_bytes)
+        got = 0
+        while got < len(buf):
+            n = self.fh.readinto(buf[got:])
+            if not n:
+                raise CheckpointError(f"{self.path}: the file ends inside tensor {t.raw_key!r}")
+            got += n
+        return out
+
+
+def _reader(shard: _ShardReader | None, t: _Tensor) -> Reader:
     if t.array is not None:
         return lambda index: t.array if index is None else t.array[index]
-    return lambda index: f.get_tensor(t.raw_key) if index is None else f.get_slice(t.raw_key)[index]
+    return lambda index: shard.read(t, index)
 
 
 def stream_params(expected: Mapping[str, nnx.Variable], files: list[Path] | Mapping[str, np.ndarray], *,
@@ -318,16 +397,21 @@ def stream_params(expected: Mapping[str, nnx.Variable], files: list[Path] | Mapp
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {Path(str(where)).name}", disable=not progress,
               file=sys.stderr, leave=False) as bar:
         for path, tensors in load:
-            with (safe_open(str(path), framework="numpy") if path is not None else contextlib.nullcontext()) as f:
+            shard = _ShardReader(path) if path is not None and tensors else None
+            try:
                 for t in tensors:
                     m = _PER_EXPERT.match(t.key)
                     if m is None:
-                        put(t.key, _file_reader(f, t))
+                        put(t.key, _reader(shard, t))
                     else:
-                        _fill_expert(fused[m.group(1)], int(m.group(2)), m.group(3), t, f, pending, placer, put)
+                        _fill_expert(fused[m.group(1)], int(m.group(2)), m.group(3), _reader(shard, t), pending,
+                                     placer, put)
                     stats.tensors += 1
                     stats.bytes_read += t.nbytes
                     bar.update(t.nbytes)
+            finally:
+                if shard is not None:
+                    shard.close()
     missing = sorted(set(expected) - placed)
     if missing or pending:                  # _plan checked completeness: this would be a bug here, not on disk
         raise AssertionError(f"streamed load left {missing[:3]} unset, {sorted(pending)[:3]} unfused")
@@ -335,18 +419,18 @@ def stream_params(expected: Mapping[str, nnx.Variable], files: list[Path] | Mapp
     return stats
 
 
-def _fill_expert(g: _ExpertGroup, e: int, proj: str, t: _Tensor, f, pending, placer: _Placer, put) -> None:
+def _fill_expert(g: _ExpertGroup, e: int, proj: str, read: Reader, pending, placer: _Placer, put) -> None:
     """Copy one expert's projection into its MoE layer's fused buffers (allocated in the model dtype at the
     layer's first expert tensor); place both once every part is there, and free them."""
+    arr = read(None)
+    placer.stats._hold(arr.nbytes)
     if g.prefix not in pending:
         E, I = g.experts, g.intermediate
-        H = t.shape[1] if proj != "down_proj" else t.shape[0]
+        H = arr.shape[1] if proj != "down_proj" else arr.shape[0]
         gate_up, down = np.empty((E, 2 * I, H), placer.dtype), np.empty((E, H, I), placer.dtype)
         placer.stats._hold(gate_up.nbytes + down.nbytes)
         pending[g.prefix] = (gate_up, down, {(x, p) for x in range(E) for p in ("gate_proj", "up_proj", "down_proj")})
     gate_up, down, left = pending[g.prefix]
-    arr = _file_reader(f, t)(None)
-    placer.stats._hold(arr.nbytes)
     I = g.intermediate
     target = {"gate_proj": gate_up[e, :I], "up_proj": gate_up[e, I:], "down_proj": down[e]}[proj]
     target[...] = arr

@@ -6,13 +6,14 @@ Parameter paths of `TargetModel` equal HF keys, so the mapping is only about pre
   (`mlp.experts.gate_up_proj` [E,2I,H], `mlp.experts.down_proj` [E,H,I]); saved per expert, as
   `save_pretrained` does.
 
-Loading is streamed (`stream_params`): first every shard's header is read (names, shapes, dtypes; no data) and
-checked against the config, so a missing or misshapen tensor fails before any data is read; then the shards
-are read one at a time, and each tensor is converted and placed straight into its final placement — the
-default device, or its `hyspec_jax.sharding` layout on a mesh, where each device's slice is read on its own
-(safetensors' lazy `get_slice`). The host never holds more than the tensor in flight, plus, for per-expert
-checkpoints, the fused expert buffers of the MoE layers whose experts are not all read yet (one layer, when a
-layer's experts are stored together). `LoadStats.peak_host_bytes` counts exactly those host buffers.
+Loading is streamed (`stream_params`): first every shard's header is read (names, shapes, dtypes, offsets; no
+data) and checked against the config, so a missing or misshapen tensor fails before any data is read; then the
+shards are read one at a time, in file order, and each tensor is converted and placed straight into its final
+placement — the default device, or its `hyspec_jax.sharding` layout on a mesh, where each device's slice is read
+on its own (whole rows by a plain read at their offset, other slices through safetensors' lazy `get_slice`).
+The host never holds more than the tensor in flight, plus, for per-expert checkpoints, the fused expert
+buffers of the MoE layers whose experts are not all read yet (one layer, when a layer's experts are stored
+together). `LoadStats.peak_host_bytes` counts exactly those host buffers.
 """
 
 from __future__ import annotations

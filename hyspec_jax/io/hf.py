@@ -468,11 +468,11 @@ def load_pretrained(model_dir: str | Path, dtype=jnp.float32, mesh: jax.sharding
     cfg = TargetConfig.from_pretrained(model_dir)
     files = _weight_files(model_dir)
     model = abstract_model(cfg, dtype)
-    sharding_of = lambda name, shape: None    # noqa: E731
     if mesh is not None:
         from hyspec_jax.sharding import param_spec     # sharding imports the models; only a mesh load needs it
 
-        sharding_of = lambda name, shape: jax.sharding.NamedSharding(mesh, param_spec(name, shape, cfg, mesh))  # noqa: E731
+    def sharding_of(name: str, shape: tuple[int, ...]) -> jax.sharding.Sharding | None:
+        return None if mesh is None else jax.sharding.NamedSharding(mesh, param_spec(name, shape, cfg, mesh))
     tied = cfg.tie_word_embeddings
 
     def rename(raw_key: str) -> str | None:

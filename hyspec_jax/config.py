@@ -82,7 +82,7 @@ class TargetConfig:
     mlp_only_layers: tuple[int, ...] = ()
     eos_token_id: tuple[int, ...] = ()
     # multi-token-prediction head shipped as `mtp.*` tensors (0 = none declared); Qwen3.5 configs say
-    # mtp_num_hidden_layers, Qwen3-Next num_nextn_predict_layers (docs/reference/drafters.md §5)
+    # mtp_num_hidden_layers, Qwen3-Next num_nextn_predict_layers (docs/reference/drafters.md §10)
     mtp_num_hidden_layers: int = 0
 
     def __post_init__(self):

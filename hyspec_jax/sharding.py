@@ -217,7 +217,15 @@ def param_rule(name: str, rules=PARAM_RULES) -> tuple[str | None, ...]:
 
 def param_spec(name: str, shape: Sequence[int], cfg: TargetConfig, mesh: Mesh, *, rules=PARAM_RULES,
                axis_rules: Mapping[str, str | None] = LOGICAL_AXIS_RULES) -> P:
-    """PartitionSpec of one parameter by HF name (also usable by a loader to place tensors as they load)."""
+    """PartitionSpec of one parameter by HF name (also usable by a loader to place tensors as they load).
+
+    Scanned layers (`models.target.scan_layers`), `model.scanned.{p}.…` [blocks, ...], take the rule of the layer
+    at block position p with the block axis replicated."""
+    scanned = re.fullmatch(r"model\.scanned\.(\d+)\.(.*)", name)
+    if scanned:
+        inner = param_spec(f"model.layers.{scanned.group(1)}.{scanned.group(2)}", shape[1:], cfg, mesh,
+                           rules=rules, axis_rules=axis_rules)
+        return P(None, *inner)
     return logical_to_spec(param_rule(name, rules), shape, mesh, units=logical_units(cfg),
                            axis_rules=axis_rules, name=name)
 

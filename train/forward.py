@@ -58,7 +58,7 @@ def train_forward(model: TargetModel, tokens: jax.Array, *, tap_layers: tuple[in
     valid = jnp.ones((B, T), bool)
     want = () if state_slots is None else tuple(state_slots)
 
-    def gdn_mixer(j, mix, h):
+    def gdn_mixer(mix, h, j, carry):
         qkv, z, b, a = mix.project(h)
         window = jnp.zeros((B, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), qkv.dtype)
         conv_out = gdn.causal_conv(qkv, window, mix.conv_weight)
@@ -69,18 +69,19 @@ def train_forward(model: TargetModel, tokens: jax.Array, *, tap_layers: tuple[in
         else:
             o, _ = gdn.chunked_prefill(S0, q, k, v, g, beta, chunk_size=C, method=method)
             states = None
-        return mix.output(o, z, x.dtype), states
+        return mix.output(o, z, x.dtype), carry, states
 
-    def attn_mixer(j, att, h):
+    def attn_mixer(att, h, j, carry):
         q, gate, k, v = att.qkv(h, positions)
-        return att.out(attend(q, k, v, causal), gate), None
+        return att.out(attend(q, k, v, causal), gate), carry, None
 
-    hidden, taps, gdn_aux, _ = model._stack(x, gdn_mixer, attn_mixer, tuple(tap_layers))
+    if want and model.is_scanned:
+        raise ValueError("train_forward with state_slots needs an unscanned model (models.target.unscan_layers)")
+    hidden, tap_stack, _, gdn_aux, _ = model._stack(x, gdn_mixer, attn_mixer, tuple(tap_layers))
     logits = model.logits(hidden)
-    tap_stack = jnp.stack([taps[i] for i in tap_layers]) if tap_layers else None
     states = None
     if want:
-        by_slot = dict(enumerate(gdn_aux))
+        by_slot = dict(enumerate(gdn_aux))          # a per-slot list: only the wanted slots return states
         states = jnp.stack([by_slot[s] for s in want])
     return logits, hidden, tap_stack, states
 

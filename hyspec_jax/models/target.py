@@ -7,6 +7,7 @@ state: no mutation hides inside modules, so one function serves serving, trainin
 
 from __future__ import annotations
 
+import dataclasses
 
 import chex
 import jax
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hyspec_jax import gdn, kernels
-from hyspec_jax.config import LINEAR, TargetConfig
+from hyspec_jax.config import FULL, LINEAR, TargetConfig
 from hyspec_jax.models.layers import (MLP, Attention, GatedDeltaNet, Linear, RMSNorm, SparseMoe, _normal,
                                       attend, dense)
 from hyspec_jax import tree as tree_lib
@@ -68,24 +69,69 @@ class TargetModel(nnx.Module):
             return dense(h.astype(w.dtype), w)
         return self.lm_head(h).astype(F32)
 
-    def _stack(self, x: jax.Array, gdn_mixer, attn_mixer, tap_layers: tuple[int, ...]):
-        """The decoder stack with pluggable mixers: `gdn_mixer(slot, module, h)` / `attn_mixer(slot, module, h)`
-        return (y, aux). Returns (final-norm hidden, taps dict, gdn aux list, attn aux list)."""
+    @property
+    def is_scanned(self) -> bool:
+        return hasattr(self.model, "scanned")
+
+    def _layer(self, layer: DecoderLayer, x: jax.Array, j, carry, gdn_mixer, attn_mixer):
+        """One decoder layer: the mixer of its kind on the normed input, residual, MLP, residual."""
+        h = layer.input_layernorm(x)
+        mixer, module = (gdn_mixer, layer.linear_attn) if layer.is_linear else (attn_mixer, layer.self_attn)
+        y, carry, out = mixer(module, h, j, carry)
+        x = x + y
+        return x + layer.mlp(layer.post_attention_layernorm(x)), carry, out
+
+    def _stack(self, x: jax.Array, gdn_mixer, attn_mixer, tap_layers: tuple[int, ...], carry=None):
+        """The decoder stack with pluggable mixers `mixer(module, h, j, carry) -> (y, carry, out)`: j is the layer's
+        row in the state stacked per kind (a Python int when unrolled, traced under the scan), carry the state
+        arrays a layer updates in place (row j), out what the layer leaves for its kind's stacked output.
+
+        Returns (final-norm hidden, taps [len(tap_layers), ...] or None, carry, gdn outs, attn outs): outs
+        stacked over the layers of each kind (None when the mixers return None; unrolled only, a list when only
+        some layers return one). A scanned model (`scan_layers`) runs one block under `lax.scan`, an unscanned
+        one the Python loop; both compute the same thing."""
+        if self.is_scanned:
+            return self._scanned_stack(x, gdn_mixer, attn_mixer, tap_layers, carry)
         cfg = self.config
-        gdn_aux, attn_aux, taps = [], [], {}
+        outs = {True: [], False: []}
+        taps = {}
         for i, layer in enumerate(self.model.layers):
-            h = layer.input_layernorm(x)
-            if layer.is_linear:
-                y, aux = gdn_mixer(cfg.layer_slot(i), layer.linear_attn, h)
-                gdn_aux.append(aux)
-            else:
-                y, aux = attn_mixer(cfg.layer_slot(i), layer.self_attn, h)
-                attn_aux.append(aux)
-            x = x + y
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x, carry, out = self._layer(layer, x, cfg.layer_slot(i), carry, gdn_mixer, attn_mixer)
+            outs[layer.is_linear].append(out)
             if i in tap_layers:
                 taps[i] = x
-        return self.model.norm(x), taps, gdn_aux, attn_aux
+        tap_stack = jnp.stack([taps[i] for i in tap_layers]) if tap_layers else None
+        return self.model.norm(x), tap_stack, carry, _stack_outs(outs[True]), _stack_outs(outs[False])
+
+    def _scanned_stack(self, x, gdn_mixer, attn_mixer, tap_layers, carry):
+        plan = scan_plan(self.config)
+        per_kind = plan.per_block
+        graphdefs, stacked = zip(*(nnx.split(m) for m in self.model.scanned))
+        n_taps = len(tap_layers)
+        taps0 = jnp.zeros((n_taps, *x.shape), x.dtype) if n_taps else None
+
+        def block(c, xs):
+            x, carry, taps = c
+            b, params = xs
+            outs = []
+            for p, kind in enumerate(plan.kinds):
+                layer = nnx.merge(graphdefs[p], params[p])
+                j = b * per_kind[kind] + plan.rank[p]
+                x, carry, out = self._layer(layer, x, j, carry, gdn_mixer, attn_mixer)
+                outs.append(out)
+                for t, li in enumerate(tap_layers):
+                    if li % plan.period == p:      # row t when this block holds layer li, else dropped
+                        taps = taps.at[jnp.where(b == li // plan.period, t, n_taps)].set(x, mode="drop")
+            return (x, carry, taps), tuple(outs)
+
+        (x, carry, taps), outs = jax.lax.scan(block, (x, carry, taps0),
+                                              (jnp.arange(plan.blocks, dtype=jnp.int32), stacked))
+        by_kind = {}
+        for kind in (LINEAR, FULL):        # [blocks, ...] per position -> [blocks * per_kind, ...] in slot order
+            mine = [outs[p] for p, k in enumerate(plan.kinds) if k == kind]
+            by_kind[kind] = None if not mine or mine[0] is None else jax.tree.map(
+                lambda *a: jnp.stack(a, axis=1).reshape(-1, *a[0].shape[1:]), *mine)
+        return self.model.norm(x), taps, carry, by_kind[LINEAR], by_kind[FULL]
 
     def extend(self, state: TargetState, tokens: jax.Array, valid: jax.Array, *, last_only: bool = False,
                tap_layers: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, TargetState]:
@@ -106,35 +152,33 @@ class TargetModel(nnx.Module):
         write_pos = jnp.where(valid, positions, state.max_len)                    # invalid → dropped
         rows = jnp.arange(B)[:, None]
 
-        def gdn_mixer(j, mix, h):
+        def gdn_mixer(mix, h, j, carry):
             qkv, z, b, a = mix.project(h)
             qkv = jnp.where(valid[..., None], qkv, 0)       # HF zeroes padding before the conv
-            conv_out = gdn.causal_conv(qkv, state.conv[j], mix.conv_weight)
+            conv_j = carry.conv[j]
+            conv_out = gdn.causal_conv(qkv, conv_j, mix.conv_weight)
             q, k, v, g, beta = mix.mixer_inputs(conv_out, b, a, valid)
             if T == 1:
-                o, S = gdn.step(state.ssm[j], q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+                o, S = gdn.step(carry.ssm[j], q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
                 o = o[:, None]
             else:
-                o, S = gdn.chunked_prefill(state.ssm[j], q, k, v, g, beta)
-            return mix.output(o, z, x.dtype), (S, gdn.conv_window_after(qkv, state.conv[j], num_valid))
+                o, S = gdn.chunked_prefill(carry.ssm[j], q, k, v, g, beta)
+            carry = carry.replace(ssm=carry.ssm.at[j].set(S.astype(carry.ssm.dtype)),
+                                  conv=carry.conv.at[j].set(gdn.conv_window_after(qkv, conv_j, num_valid)))
+            return mix.output(o, z, x.dtype), carry, None
 
-        def attn_mixer(j, att, h):
+        def attn_mixer(att, h, j, carry):
             q, gate, k, v = att.qkv(h, positions)
-            kc = state.keys[j].at[rows, write_pos].set(k.astype(state.keys.dtype), mode="drop")
-            vc = state.values[j].at[rows, write_pos].set(v.astype(state.values.dtype), mode="drop")
-            return att.out(attend(q, kc, vc, attn_mask), gate), (kc, vc)
+            keys = carry.keys.at[j, rows, write_pos].set(k.astype(carry.keys.dtype), mode="drop")
+            values = carry.values.at[j, rows, write_pos].set(v.astype(carry.values.dtype), mode="drop")
+            carry = carry.replace(keys=keys, values=values)
+            return att.out(attend(q, keys[j], values[j], attn_mask), gate), carry, None
 
-        x, taps, gdn_aux, attn_aux = self._stack(x, gdn_mixer, attn_mixer, tap_layers)
+        x, taps, new_state, _, _ = self._stack(x, gdn_mixer, attn_mixer, tap_layers, state)
         if last_only:
             x = jnp.take_along_axis(x, jnp.maximum(num_valid - 1, 0)[:, None, None], axis=1)
-        new_state = TargetState(
-            ssm=jnp.stack([a[0] for a in gdn_aux]) if gdn_aux else state.ssm,
-            conv=jnp.stack([a[1] for a in gdn_aux]) if gdn_aux else state.conv,
-            keys=jnp.stack([a[0] for a in attn_aux]) if attn_aux else state.keys,
-            values=jnp.stack([a[1] for a in attn_aux]) if attn_aux else state.values,
-            lengths=state.lengths + num_valid)
-        hidden = jnp.stack([taps[i] for i in tap_layers]) if tap_layers else x
-        return self.logits(x), hidden, new_state
+        new_state = new_state.replace(lengths=state.lengths + num_valid)
+        return self.logits(x), (taps if tap_layers else x), new_state
 
     def verify(self, state: TargetState, tree: Tree, tokens: jax.Array, *, method: gdn.InverseMethod = "squaring",
                tap_layers: tuple[int, ...] = (), kernel_impl: str = "reference"
@@ -158,7 +202,7 @@ class TargetModel(nnx.Module):
         valid = tree.valid
         x = self.model.embed_tokens(tokens)
 
-        def gdn_mixer(j, mix, h):
+        def gdn_mixer(mix, h, j, carry):
             qkv, z, b, a = mix.project(h)
             qkv = jnp.where(valid[..., None], qkv, 0)
             conv_out = gdn.gathered_conv(qkv, state.conv[j], mix.conv_weight, taps_idx)
@@ -170,29 +214,112 @@ class TargetModel(nnx.Module):
                 o, fac = kernels.tree_solve(state.ssm[j], q, k, v, g, beta, mask, tree.envelope.path_nodes,
                                             impl=kernel_impl, method="neumann" if method == "neumann" else "auto",
                                             reference_method=method)
-            return mix.output(o, z, x.dtype), (fac, qkv)
+            return mix.output(o, z, x.dtype), carry, (fac, qkv)
 
-        def attn_mixer(j, att, h):
+        def attn_mixer(att, h, j, carry):
             q, gate, k, v = att.qkv(h, positions)
+            k, v = k.astype(state.keys.dtype), v.astype(state.values.dtype)
             if kernel_impl == "reference":
-                keys = jnp.concatenate([state.keys[j], k.astype(state.keys.dtype)], axis=1)
-                values = jnp.concatenate([state.values[j], v.astype(state.values.dtype)], axis=1)
-                return att.out(attend(q, keys, values, attn_mask), gate), (k, v)
+                keys = jnp.concatenate([state.keys[j], k], axis=1)
+                values = jnp.concatenate([state.values[j], v], axis=1)
+                return att.out(attend(q, keys, values, attn_mask), gate), carry, (k, v)
             # the cache is read in place, never concatenated
-            o = kernels.tree_attention(q, state.keys[j], state.values[j], prefix_mask, k.astype(state.keys.dtype),
-                                       v.astype(state.values.dtype), mask, impl=kernel_impl)
-            return att.out(o, gate), (k, v)
+            o = kernels.tree_attention(q, state.keys[j], state.values[j], prefix_mask, k, v, mask, impl=kernel_impl)
+            return att.out(o, gate), carry, (k, v)
 
-        x, taps, gdn_aux, attn_aux = self._stack(x, gdn_mixer, attn_mixer, tap_layers)
-        stack = lambda xs: jnp.stack(xs) if xs else None
-        cache = TreeCache(
-            factors=gdn.SolveFactors(*(stack([a[0][f] for a in gdn_aux]) for f in range(3))),
-            conv_inputs=stack([a[1] for a in gdn_aux]),
-            keys=stack([a[0].astype(state.keys.dtype) for a in attn_aux]),
-            values=stack([a[1].astype(state.values.dtype) for a in attn_aux]),
-            mask=mask)
-        hidden = jnp.stack([taps[i] for i in tap_layers]) if tap_layers else x
-        return self.logits(x), hidden, cache
+        x, taps, _, gdn_out, attn_out = self._stack(x, gdn_mixer, attn_mixer, tap_layers)
+        (factors, conv_inputs) = gdn_out if gdn_out is not None else (None, None)
+        (keys, values) = attn_out if attn_out is not None else (None, None)
+        cache = TreeCache(factors=factors, conv_inputs=conv_inputs, keys=keys, values=values, mask=mask)
+        return self.logits(x), (taps if tap_layers else x), cache
+
+
+def _stack_outs(outs: list):
+    """Per-layer outputs of one kind -> stacked over layers (None: none; a list when only some are None)."""
+    if not outs or all(o is None for o in outs):
+        return None
+    if any(o is None for o in outs):
+        return outs
+    return jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Scanned layers
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ScanPlan:
+    """The repeating block of a hybrid stack: `period` layers (e.g. three GDN + one attention), `blocks` of them."""
+    period: int
+    blocks: int
+    kinds: tuple[str, ...]       # layer type of each position in the block
+    rank: tuple[int, ...]        # each position's row among its kind within the block
+
+    @property
+    def per_block(self) -> dict[str, int]:
+        return {k: self.kinds.count(k) for k in (LINEAR, FULL)}
+
+
+def scan_plan(cfg: TargetConfig) -> ScanPlan | None:
+    """The shortest period after which layer types and MLP kinds repeat, or None if the stack does not repeat
+    (then the layers run unrolled)."""
+    n = cfg.num_hidden_layers
+    signature = [(cfg.layer_types[i], cfg.is_sparse_layer(i)) for i in range(n)]
+    for period in range(1, n + 1):
+        if n % period == 0 and all(signature[i] == signature[i % period] for i in range(n)):
+            kinds = tuple(cfg.layer_types[:period])
+            rank = tuple(kinds[:p].count(kinds[p]) for p in range(period))
+            return ScanPlan(period, n // period, kinds, rank) if n // period > 1 else None
+    return None
+
+
+def scan_layers(model: TargetModel) -> TargetModel:
+    """Restack the decoder layers, in place, as `model.model.scanned[p]`: position p of the repeating block with
+    every parameter stacked over blocks [blocks, ...]; the forward then runs one block under `lax.scan` (compile
+    time independent of depth). Each source array is freed as soon as its stack exists, so the model is never
+    held twice; shardings carry over with the block axis replicated. Checkpoint names are unchanged: save
+    through `unscan_layers`. A stack that does not repeat (`scan_plan` None) is left unrolled."""
+    plan = scan_plan(model.config)
+    if plan is None or model.is_scanned:
+        return model
+    layers = list(model.model.layers)
+    scanned = []
+    for p in range(plan.period):
+        group = layers[p::plan.period]
+        graphdef, _ = nnx.split(group[0])
+        states = [nnx.split(layer)[1] for layer in group]
+        scanned.append(nnx.merge(graphdef, jax.tree.map(_stack_freeing, *states)))
+    del model.model.layers
+    model.model.scanned = nnx.List(scanned)
+    return model
+
+
+def unscan_layers(model: TargetModel) -> TargetModel:
+    """The inverse of `scan_layers`, in place (for saving and training, which address layers by index)."""
+    if not model.is_scanned:
+        return model
+    plan = scan_plan(model.config)
+    layers = [None] * model.config.num_hidden_layers
+    for p, stacked in enumerate(model.model.scanned):
+        graphdef, state = nnx.split(stacked)
+        for b in range(plan.blocks):
+            layers[b * plan.period + p] = nnx.merge(graphdef, jax.tree.map(lambda a: a[b], state))
+    del model.model.scanned
+    model.model.layers = nnx.List(layers)
+    return model
+
+
+def _stack_freeing(*arrays):
+    """Stack arrays along a new leading axis and free the sources (concrete device arrays only)."""
+    if not all(isinstance(a, jax.Array) for a in arrays) or any(isinstance(a, jax.core.Tracer) for a in arrays):
+        return jnp.stack(arrays)
+    sharding = arrays[0].sharding
+    out = jnp.stack(arrays)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        out = jax.device_put(out, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
+            None, *sharding.spec)))
+    for a in arrays:
+        a.delete()
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

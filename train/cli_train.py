@@ -1,4 +1,5 @@
-"""`hyspec build-corpus`, `hyspec train-target`, `hyspec train-drafter` (registered by hyspec_jax.cli).
+"""`hyspec build-corpus`, `hyspec train-target`, `hyspec train-drafter`, `hyspec train-mtp` (registered by
+hyspec_jax.cli).
 
 Heavy imports (jax, tokenizers) happen inside the commands, so `hyspec --help` stays fast.
 """
@@ -59,6 +60,21 @@ def cmd_train_drafter(args) -> int:
         eval_batch=args.eval_batch, ckpt_every=args.ckpt_every,
         time_budget_s=args.time_budget)
     summary = train_drafter(cfg)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def cmd_train_mtp(args) -> int:
+    from hyspec_jax.compilation import enable_compilation_cache
+    from hyspec_jax.train.mtp import MTPTrainConfig, train_mtp
+
+    enable_compilation_cache()
+    cfg = MTPTrainConfig(
+        target=args.target, corpus=args.corpus, out=args.out, data=args.data, from_target=not args.from_scratch,
+        seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr, seed=args.seed,
+        dtype=args.dtype, devices=args.devices, eval_every=args.eval_every, eval_windows=args.eval_windows,
+        ckpt_every=args.ckpt_every, time_budget_s=args.time_budget, export_dtype=args.export_dtype)
+    summary = train_mtp(cfg, install_into=args.install_into)
     print(json.dumps(summary, indent=1))
     return 0
 
@@ -182,6 +198,35 @@ def add_train_commands(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--ckpt-every", type=int, default=200)
     d.add_argument("--time-budget", type=float, default=0.0, metavar="S")
     d.set_defaults(func=cmd_train_drafter)
+
+    q = sub.add_parser("train-mtp", help="train the target's multi-token-prediction head (mtp.*, modes mtp / "
+                       "mtp-tree)",
+                       description="Next-next-token cross-entropy of a one-layer MTP head on the frozen target's "
+                                   "final-norm hiddens (Qwen3.5 / Qwen3-Next layout), AdamW, warm-up + cosine, data "
+                                   "parallel; resumes from OUT/ckpt; writes OUT/metrics.jsonl and the head as mtp.* "
+                                   "tensors into OUT/model (a copy of the target) or --install-into DIR.")
+    q.add_argument("--target", required=True, help="HF directory of the (frozen) target")
+    q.add_argument("--corpus", default=DEFAULT_CORPUS)
+    q.add_argument("--out", required=True)
+    q.add_argument("--data", metavar="DIR", help="target-generated continuations from `hyspec build-distill` "
+                   "(default: corpus windows); validation stays on the corpus validation split")
+    q.add_argument("--from-scratch", action="store_true",
+                   help="a fresh head even when the target directory has mtp.* tensors (default: start from them)")
+    q.add_argument("--install-into", metavar="DIR", help="write the head into this model directory (e.g. the "
+                   "target's own) instead of OUT/model")
+    q.add_argument("--export-dtype", default="float32", choices=("float32", "bfloat16"))
+    q.add_argument("--seq-len", type=int, default=256)
+    q.add_argument("--batch-size", type=int, default=16)
+    q.add_argument("--steps", type=int, default=1000)
+    q.add_argument("--lr", type=float, default=1e-3)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    q.add_argument("--devices", type=int, default=0)
+    q.add_argument("--eval-every", type=int, default=200)
+    q.add_argument("--eval-windows", type=int, default=32, help="validation windows per domain, each once")
+    q.add_argument("--ckpt-every", type=int, default=200)
+    q.add_argument("--time-budget", type=float, default=0.0, metavar="S")
+    q.set_defaults(func=cmd_train_mtp)
 
     x = sub.add_parser("build-distill", help="drafter distillation data: corpus prompts continued by the target",
                        description="Sample prompts from the corpus train split (deterministic) and let the frozen "

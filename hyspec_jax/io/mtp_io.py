@@ -4,7 +4,8 @@ Qwen3.5 checkpoints keep them at the top level (`mtp.fc.weight`) while the LM si
 Qwen3-Next under `mtp.` too. Names below `mtp.` are the `MTPHead` parameter paths: `fc.weight`,
 `pre_fc_norm_embedding.weight`, `pre_fc_norm_hidden.weight`, `layers.{i}.…` (a decoder layer in the target's
 names; routed experts per expert on disk or fused, as for the target), `norm.weight`. Only the shards that hold
-`mtp.` keys are opened (the index's weight map says which), and only those keys are read.
+`mtp.` keys are opened (the index's weight map says which), and only those keys are read. `save_mtp` adds a head
+(e.g. one trained by `hyspec train-mtp`) to a model directory in the same layout.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import json
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 from safetensors import safe_open
+from safetensors.numpy import save_file
 
-from hyspec_jax.config import TargetConfig
-from hyspec_jax.io.hf import CheckpointError, _weight_files, flat_params, stream_params
+from hyspec_jax.config import MTP_LAYERS_KEY, TargetConfig
+from hyspec_jax.io.hf import CheckpointError, _weight_files, flat_params, hf_tensors, stream_params
 from hyspec_jax.models.mtp import MTPHead, abstract_mtp
 
 PREFIX = "mtp."
@@ -77,4 +80,40 @@ def load_mtp(model_dir: str | Path, cfg: TargetConfig | None = None, dtype=jnp.f
     return head
 
 
-__all__ = ["NoMTPHead", "has_mtp", "load_mtp"]
+MTP_FILE = "mtp.safetensors"
+
+
+def save_mtp(head: MTPHead, model_dir: str | Path, dtype=None) -> Path:
+    """Add the head to a Hugging Face model directory as `mtp.*` tensors, the layout real Qwen checkpoints use (so
+    `load_mtp` reads both): its own shard `mtp.safetensors` (experts per expert, as the target's), the shard
+    listed in model.safetensors.index.json (created from a single-file checkpoint; earlier mtp.* entries
+    replaced), and the layer count under the family's config.json key. The target's tensors are not touched."""
+    model_dir = Path(model_dir)
+    cfg_path = model_dir / "config.json"
+    raw = json.loads(cfg_path.read_text())
+    files = _weight_files(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    weight_map: dict[str, str] = {}
+    if index.is_file():
+        weight_map = {k: f for k, f in json.loads(index.read_text()).get("weight_map", {}).items()
+                      if not k.startswith(PREFIX)}
+    else:
+        for path in files:
+            if path.name == MTP_FILE:
+                continue
+            with safe_open(str(path), framework="numpy") as f:
+                weight_map.update({k: path.name for k in f.keys() if not k.startswith(PREFIX)})
+    tensors = {}
+    for name, var in flat_params(head).items():
+        arr = np.asarray(var[...] if dtype is None else var[...].astype(dtype))
+        tensors.update({PREFIX + k: np.ascontiguousarray(a) for k, a in hf_tensors(name, arr)})
+    save_file(tensors, str(model_dir / MTP_FILE), metadata={"format": "pt"})
+    weight_map.update({k: MTP_FILE for k in tensors})
+    index.write_text(json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    text[MTP_LAYERS_KEY[TargetConfig.from_hf_dict(raw).model_type]] = head.num_layers
+    cfg_path.write_text(json.dumps(raw, indent=2) + "\n")
+    return model_dir / MTP_FILE
+
+
+__all__ = ["MTP_FILE", "NoMTPHead", "has_mtp", "load_mtp", "save_mtp"]

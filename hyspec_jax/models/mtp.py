@@ -161,6 +161,19 @@ class MTPHead(nnx.Module):
         return self.layer(i, x, positions, keys, values, mask)
 
 
+    def teacher_forced(self, embed: jax.Array, tokens: jax.Array, hidden: jax.Array) -> jax.Array:
+        """Training: the first step of the head at every position of whole windows, no cache. tokens [B,T], the
+        target's final-norm hidden [B,T,H] -> g [B,T−1,H], entry p from the pair (t_{p+1}, h_p) at position p
+        (its logits predict t_{p+2}); layer 0, causal over the window's pairs."""
+        B, T = tokens.shape
+        x = self.fuse(jnp.take(embed, tokens[:, 1:], axis=0), hidden[:, :-1])
+        positions = jnp.broadcast_to(jnp.arange(T - 1, dtype=jnp.int32), (B, T - 1))
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((T - 1, T - 1), bool)), (B, T - 1, T - 1))
+        cfg = self.config
+        empty = jnp.zeros((B, 0, cfg.num_key_value_heads, cfg.head_dim), x.dtype)
+        return self.layer(0, x, positions, empty, empty, mask)[0]
+
+
 def create_mtp(cfg: TargetConfig, *, seed: int = 0, dtype=F32) -> MTPHead:
     """A randomly initialised head (tests; training from scratch)."""
     return nnx.jit(lambda: MTPHead(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))()

@@ -1,0 +1,252 @@
+"""MTP head training on a frozen target (`hyspec train-mtp`): the head a Qwen3.5 / Qwen3-Next checkpoint ships as
+`mtp.*`, trained for a target that has none (the embedded model) or further trained from the one it has.
+
+Data: windows of the corpus train split, or target-generated continuations from `hyspec build-distill`
+(`train.distill.DistillSampler`). The frozen target runs `train.forward.train_forward` over each window inside
+the step, giving its final-norm hiddens h_p; the head's first step at every position p reads (t_{p+1}, h_p)
+(`MTPHead.teacher_forced`, causal over the window) and is trained on the next-next token:
+    L = mean_p CE(softmax(LM head(g_p)), t_{p+2}),
+the target's LM head and embedding frozen. Metrics: the loss, acc (argmax = t_{p+2}) and agree (argmax = the
+target's own argmax at p + 1: the greedy acceptance rate of the first draft, teacher-forced).
+Optimiser, mesh and checkpoints are the other trainers' (`train.common`: AdamW, warm-up + cosine, data parallel,
+orbax with the data position). The head is written into a model directory as `mtp.*` tensors
+(`io.mtp_io.save_mtp`), the layout `hyspec generate --spec-mode mtp` reads from real Qwen checkpoints.
+Heads of one layer only (every published head has one; a deeper head's later layers serve later draft steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from hyspec_jax.config import resolve_dtype
+from hyspec_jax.io.hf import load_pretrained
+from hyspec_jax.io.mtp_io import has_mtp, load_mtp, save_mtp
+from hyspec_jax.models.drafter import target_heads
+from hyspec_jax.models.mtp import create_mtp
+from hyspec_jax.train import common
+from hyspec_jax.train.distill import DistillSampler
+from hyspec_jax.train.forward import train_forward
+from hyspec_jax.train.target import WindowSampler, validation_windows
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass
+class MTPTrainConfig:
+    target: str
+    corpus: str
+    out: str
+    data: str | None = None            # distillation data dir (build-distill); None = corpus windows
+    from_target: bool = True           # start from the target directory's own mtp.* when it has them
+    seq_len: int = 256
+    batch_size: int = 16
+    steps: int = 1000
+    lr: float = 1e-3
+    warmup_frac: float = 0.04
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    chunk: int = 64                    # GDN chunk of the target's training forward
+    seed: int = 0
+    dtype: str = "auto"
+    devices: int = 0
+    log_every: int = 10
+    eval_every: int = 200
+    eval_windows: int = 32             # validation windows per domain (each evaluated once)
+    ckpt_every: int = 200
+    keep: int = 2
+    time_budget_s: float = 0.0
+    export_dtype: str = "float32"
+    progress: bool | None = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def mtp_loss(logits: jax.Array, tokens: jax.Array, target_logits: jax.Array) -> tuple[jax.Array, dict]:
+    """logits [B,T−1,V] of the pairs (t_{p+1}, h_p), tokens [B,T], the target's logits [B,T,V] -> (loss, metrics):
+    CE against t_{p+2} over p < T − 2; acc; agree with the target's argmax at p + 1."""
+    T = tokens.shape[1]
+    lg = logits[:, :T - 2].astype(F32)
+    labels = tokens[:, 2:]
+    logp = jax.nn.log_softmax(lg, axis=-1)
+    loss = -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+    pred = jnp.argmax(lg, axis=-1)
+    return loss, {"loss": loss, "acc": jnp.mean((pred == labels).astype(F32)),
+                  "agree": jnp.mean((pred == jnp.argmax(target_logits[:, 1:T - 1], axis=-1)).astype(F32))}
+
+
+class MTPTrainer:
+    def __init__(self, cfg: MTPTrainConfig):
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.mesh = common.make_mesh(cfg.devices)
+        n = self.mesh.devices.size
+        if cfg.batch_size % n:
+            raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the {n} devices")
+        if cfg.seq_len < 3:
+            raise ValueError("seq_len must be >= 3 (a pair and its next-next token)")
+        self.dt = resolve_dtype(cfg.dtype)
+        tcfg, target = load_pretrained(cfg.target, dtype=F32)
+        if cfg.from_target and has_mtp(cfg.target):
+            head = load_mtp(cfg.target, tcfg, dtype=F32)
+            self.hcfg = head.config
+        else:
+            self.hcfg = dataclasses.replace(tcfg, mtp_num_hidden_layers=1)
+            head = create_mtp(self.hcfg, seed=cfg.seed)
+        if head.num_layers != 1:
+            raise ValueError(f"{cfg.target}: an MTP head of {head.num_layers} layers; train-mtp trains one-layer heads")
+        self.tcfg = tcfg
+        self.t_graphdef, t_params = nnx.split(target)
+        self.h_graphdef, h_params = nnx.split(head)
+        self.num_trainable = int(sum(x.size for x in jax.tree.leaves(h_params)))
+
+        self.sampler = (DistillSampler(cfg.data, cfg.seq_len, cfg.seed) if cfg.data
+                        else WindowSampler(cfg.corpus, cfg.seq_len - 1, cfg.seed))
+        self.val = {d: w[:, :cfg.seq_len] for d, w in
+                    validation_windows(cfg.corpus, cfg.seq_len, cfg.eval_windows).items()}
+
+        self.tx = common.adamw_direction(weight_decay=cfg.weight_decay, clip=cfg.clip)
+        state = {"train": h_params, "opt": self.tx.init(h_params), "step": jnp.zeros((), jnp.int32)}
+        self.state_sh = common.tree_shardings(state, self.mesh, True)
+        self.state = jax.device_put(state, self.state_sh)
+        rep = common.replicated(self.mesh)
+        self.frozen = jax.device_put({"target": t_params, "heads": target_heads(target)}, rep)
+        self.batch_sh = common.batch_sharding(self.mesh)
+        self._build()
+        self.total_steps = cfg.steps
+        self.ckpt = common.Checkpoints(self.out / "ckpt", keep=cfg.keep)
+        self.start_step = 0
+        if self.ckpt.latest() is not None:
+            self._restore(self.ckpt.latest())
+
+    def _forward(self, train, frozen, tokens):
+        dt = self.dt
+        target = nnx.merge(self.t_graphdef, common.cast_compute(frozen["target"], dt))
+        t_logits, hidden, _, _ = train_forward(target, tokens, chunk=min(self.cfg.chunk, tokens.shape[1]))
+        t_logits, hidden = jax.lax.stop_gradient(t_logits), jax.lax.stop_gradient(hidden)
+        heads = jax.tree.map(lambda x: x.astype(dt), frozen["heads"])
+        head = nnx.merge(self.h_graphdef, common.cast_compute(train, dt))
+        g = head.teacher_forced(jax.lax.stop_gradient(heads.embed), tokens, hidden)
+        return mtp_loss(heads.logits(g), tokens, t_logits)
+
+    def _build(self) -> None:
+        tx = self.tx
+        rep = common.replicated(self.mesh)
+        frozen_sh = jax.tree.map(lambda _: rep, self.frozen)
+
+        def train_step(state, frozen, tokens, lr):
+            (_, metrics), grads = jax.value_and_grad(lambda t: self._forward(t, frozen, tokens),
+                                                     has_aux=True)(state["train"])
+            direction, opt = tx.update(grads, state["opt"], state["train"])
+            metrics["grad_norm"] = optax.global_norm(grads)
+            return {"train": common.apply_lr(state["train"], direction, lr), "opt": opt,
+                    "step": state["step"] + 1}, metrics
+
+        def eval_step(train, frozen, tokens):
+            return self._forward(train, frozen, tokens)[1]
+
+        self._train_fn = jax.jit(train_step, in_shardings=(self.state_sh, frozen_sh, self.batch_sh, rep),
+                                 out_shardings=(self.state_sh, rep), donate_argnums=(0,))
+        self._eval_fn = jax.jit(eval_step, in_shardings=(self.state_sh["train"], frozen_sh, self.batch_sh),
+                                out_shardings=rep)
+
+    def lr_at(self, step: int) -> float:
+        c = self.cfg
+        return common.warmup_cosine(step, c.lr, int(c.warmup_frac * self.total_steps), self.total_steps,
+                                    c.min_lr_ratio)
+
+    def train_step(self, step: int):
+        tokens = jax.device_put(self.sampler.batch(step, self.cfg.batch_size).astype(np.int32), self.batch_sh)
+        self.state, metrics = self._train_fn(self.state, self.frozen, tokens, jnp.float32(self.lr_at(step)))
+        return metrics
+
+    def evaluate(self) -> dict[str, dict[str, float]]:
+        """Per domain: loss, acc and agree over its fixed validation windows, batches of one window per device
+        (every window once, a remainder under the device count left out), averaged over the windows."""
+        out = {}
+        n = self.mesh.devices.size
+        for d, w in self.val.items():
+            usable = len(w) - len(w) % n
+            if usable == 0:
+                continue
+            sums = {"loss": 0.0, "acc": 0.0, "agree": 0.0}
+            for i in range(0, usable, n):
+                m = jax.device_get(self._eval_fn(self.state["train"], self.frozen,
+                                                 jax.device_put(w[i:i + n].astype(np.int32), self.batch_sh)))
+                for k in sums:
+                    sums[k] += float(m[k]) * n
+            out[d] = {**{k: round(v / usable, 5) for k, v in sums.items()}, "windows": usable}
+        return out
+
+    def _meta(self, step: int) -> dict:
+        return {"step": step, "total_steps": self.total_steps,
+                "data": {"seed": self.cfg.seed, "next_step": step, "seq_len": self.cfg.seq_len},
+                "train_config": self.cfg.to_dict(), "target_config": self.hcfg.to_hf_dict()}
+
+    def save(self, step: int) -> None:
+        self.ckpt.save(step, self.state, self._meta(step))
+
+    def _restore(self, step: int) -> None:
+        state, meta = self.ckpt.restore(step, common.abstract_with_shardings(self.state, self.state_sh))
+        if meta["target_config"] != json.loads(json.dumps(self.hcfg.to_hf_dict())):
+            raise ValueError(f"{self.out / 'ckpt'}: checkpoint of a head for another target; use a fresh --out")
+        self.state = state
+        self.start_step = int(meta["data"]["next_step"])
+        self.total_steps = int(meta.get("total_steps", self.cfg.steps))
+
+    def run(self, stop_after: int | None = None) -> dict:
+        cfg = self.cfg
+        stop = stop_after if stop_after is not None else 1 << 62
+        log = common.MetricsLog(self.out / "metrics.jsonl", total=self.total_steps, initial=self.start_step,
+                                desc="train-mtp", progress=cfg.progress)
+        log.write({"event": "start" if self.start_step == 0 else "resume", "step": self.start_step,
+                   "trainable_params": self.num_trainable, "train_config": cfg.to_dict()})
+        if self.start_step == 0 and cfg.eval_every:
+            log.write({"step": 0, "val": self.evaluate()})
+        clock = common.StepClock(cfg.time_budget_s, cfg.batch_size * cfg.seq_len, resumed=self.start_step > 0,
+                                 calibrate_after=5)
+        losses, val, step = common.train_steps(
+            self, cfg, log, clock, stop, lambda step: (self.lr_at(step), self.train_step(step)),
+            lambda lr, m: {"lr": lr, **{k: round(v, 5) for k, v in m.items()}})
+        log.close()
+        return {"losses": losses, "val": val, "step": step, "tokens_per_s": clock.throughput,
+                "trainable_params": self.num_trainable}
+
+    def head(self):
+        return nnx.merge(self.h_graphdef, jax.tree.map(jnp.asarray, common.to_host(self.state["train"])))
+
+    def export(self, model_dir: str | Path | None = None, dtype=None) -> Path:
+        """The head as `mtp.*` tensors in a model directory: `model_dir` itself when given (the target's files
+        untouched, its config.json told the layer count), else OUT/model, a copy of the target directory."""
+        if model_dir is None:
+            model_dir = self.out / "model"
+            if model_dir.exists():
+                shutil.rmtree(model_dir)
+            shutil.copytree(self.cfg.target, model_dir)
+        save_mtp(self.head(), model_dir, dtype=dtype)
+        return Path(model_dir)
+
+
+def train_mtp(cfg: MTPTrainConfig, install_into: str | Path | None = None) -> dict:
+    tr = MTPTrainer(cfg)
+    summary = tr.run()
+    dtype = None if cfg.export_dtype == "float32" else jnp.dtype(cfg.export_dtype)
+    summary["export"] = str(tr.export(install_into, dtype=dtype))
+    tr.ckpt.close()
+    summary.pop("losses")
+    (Path(cfg.out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+__all__ = ["MTPTrainConfig", "MTPTrainer", "mtp_loss", "train_mtp"]

@@ -527,7 +527,8 @@ def sweep(args, cfg, name: str, on_progress=None) -> dict:
                                 (2048 if gpu else 64), args.repeats, args.warmup)
     mesh = make_mesh(1)
     t0 = time.perf_counter()
-    graphdef, params, psh = random_params(cfg, dtype, args.seed, mesh, dict(args.xla_option) or None)
+    graphdef, params, psh = random_params(cfg, dtype, args.seed, mesh, dict(args.xla_option) or None,
+                                          scan=args.scan_layers)
     jax.block_until_ready(params)
     leaves = jax.tree.leaves(params)
     report = dict(
@@ -707,6 +708,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--matmul-size", type=int, metavar="N", help="ceiling: N×N×N product (default 8192 GPU, 512 CPU)")
     ap.add_argument("--copy-mib", type=int, metavar="M", help="ceiling: x + 1 over M MiB (default 2048 GPU, 64 CPU)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scan-layers", action="store_true",
+                    help="run the repeating block under lax.scan over stacked weights (models.target.scan_layers)")
     ap.add_argument("--compile-workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)), metavar="W",
                     help="parallel XLA compiles (default min(8, cores/2))")
     ap.add_argument("--compile-cache", metavar="DIR", help="JAX persistent compilation cache directory")

@@ -192,7 +192,7 @@ def fill_leaf(kind: str, scale, shape, dtype, sharding, *, seed: int, stream: in
     return fn(np.int32(seed), np.int32(stream), np.int32(index))
 
 
-def random_params(cfg, dtype, seed: int, mesh, compiler_options: dict | None = None):
+def random_params(cfg, dtype, seed: int, mesh, compiler_options: dict | None = None, *, scan: bool = False):
     """(graphdef, params, shardings): random weights distributed as the model's own initialiser draws them
     (`INIT_RULES`), built leaf by leaf on the device(s), each directly in its tensor-parallel layout (nothing
     passes through the host). One small program per distinct leaf signature (`_filler`): the compile count
@@ -202,7 +202,7 @@ def random_params(cfg, dtype, seed: int, mesh, compiler_options: dict | None = N
     from hyspec_jax import sharding as shd
     from hyspec_jax.models import target as target_lib
 
-    model = target_lib.abstract_model(cfg, dtype)
+    model = target_lib.abstract_model(cfg, dtype, scan=scan)
     graphdef, abstract = nnx.split(model)
     psh = shd.param_shardings(abstract, mesh, cfg)
     rules = param_init_rules(model)
@@ -563,7 +563,7 @@ def sweep(args, cfg, name: str, on_progress=None) -> dict:
     mesh = make_mesh(args.devices)
     t0 = time.perf_counter()
     copts = dict(args.xla_option) or None
-    graphdef, params, psh = random_params(cfg, dtype, args.seed, mesh, copts)
+    graphdef, params, psh = random_params(cfg, dtype, args.seed, mesh, copts, scan=args.scan_layers)
     jax.block_until_ready(params)
     init_s = time.perf_counter() - t0
     leaves = jax.tree.leaves(params)
@@ -842,6 +842,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--method", choices=("squaring", "neumann", "solve"), default="squaring",
                     help="GDN unit-lower inverse in the verify (default squaring)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scan-layers", action="store_true",
+                    help="run the repeating block under lax.scan over stacked weights (models.target.scan_layers)")
     ap.add_argument("--compile-workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)), metavar="W",
                     help="parallel XLA compiles (default min(8, cores/2))")
     ap.add_argument("--compile-cache", metavar="DIR", help="JAX persistent compilation cache directory")

@@ -325,15 +325,20 @@ def _stack_freeing(*arrays):
 # ------------------------------------------------------------------------------------------------
 # Functional entry points
 # ------------------------------------------------------------------------------------------------
-def create_model(cfg: TargetConfig, *, seed: int = 0, dtype=F32) -> TargetModel:
-    """A randomly initialised model (tests, the labelled random demo, training from scratch)."""
+def create_model(cfg: TargetConfig, *, seed: int = 0, dtype=F32, scan: bool = False) -> TargetModel:
+    """A randomly initialised model (tests, the labelled random demo, training from scratch); scan: with the
+    repeating block stacked (`scan_layers`)."""
     # One compiled init instead of one eager dispatch (and compile) per parameter shape.
-    return nnx.jit(lambda: TargetModel(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))()
+    return nnx.jit(lambda: _maybe_scan(TargetModel(cfg, dtype=dtype, rngs=nnx.Rngs(seed)), scan))()
 
 
-def abstract_model(cfg: TargetConfig, dtype=F32) -> TargetModel:
+def abstract_model(cfg: TargetConfig, dtype=F32, *, scan: bool = False) -> TargetModel:
     """Shapes only, no allocation (loading fills it)."""
-    return nnx.eval_shape(lambda: TargetModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: _maybe_scan(TargetModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)), scan))
+
+
+def _maybe_scan(model: TargetModel, scan: bool) -> TargetModel:
+    return scan_layers(model) if scan else model
 
 
 def extend(graphdef: nnx.GraphDef, params: nnx.State, state: TargetState, tokens: jax.Array,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 log = logging.getLogger("hyspec.serve")
 
-from hyspec_jax.spec.options import MODES, add_spec_arguments  # noqa: E402
+from hyspec_jax.spec.options import MODES, TREE_MODES, add_spec_arguments  # noqa: E402
 
 API_KEY_ENV = ("HYSPEC_API_KEY", "VLLM_API_KEY")
 DEFAULT_MAX_MODEL_LEN = 2048      # a model config without max_position_embeddings
@@ -103,7 +103,7 @@ def apply_speculative_config(args) -> None:
     k = cfg.get("num_speculative_tokens")
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
         raise ValueError(f"--speculative-config: num_speculative_tokens must be a positive integer, got {k!r}")
-    depth_flag = "tree_depth" if mode in ("tree", "tree-ready") else "chain_length"
+    depth_flag = "tree_depth" if mode in TREE_MODES else "chain_length"
     for key, dest, value in (("method", "spec_mode", method), ("model", "drafter", cfg.get("model")),
                              ("num_speculative_tokens", depth_flag, k)):
         if value is None:

@@ -161,3 +161,17 @@ def test_cli_mtp_mode_without_head_fails_in_one_line(model_dirs, capsys):
     assert e.value.code != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no MTP head" in err[0] and "Traceback" not in err[0]
+
+
+def test_vllm_speculative_config_maps_onto_the_mtp_modes():
+    """The server's vLLM form `{"method": "mtp", "num_speculative_tokens": k}`: k recursive steps (chain length);
+    for mtp-tree, the tree depth."""
+    import argparse
+
+    from hyspec_jax.serve.server import apply_speculative_config
+    for method, dest in (("mtp", "chain_length"), ("mtp-tree", "tree_depth")):
+        args = argparse.Namespace(speculative_config=json.dumps({"method": method, "num_speculative_tokens": 3}),
+                                  spec_mode=None, drafter=None, chain_length=None, tree_depth=None)
+        apply_speculative_config(args)
+        assert args.spec_mode == method and getattr(args, dest) == 3
+        assert (args.chain_length, args.tree_depth).count(None) == 1

@@ -37,7 +37,7 @@ from hyspec_jax.runtime.scheduler import run_batch
 from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.spec.budget import BudgetTable
 from hyspec_jax.models.mtp import MTPHead
-from hyspec_jax.spec.options import KERNEL_IMPLS, MODES, MTP_DEFAULT_STEPS, MTP_MODES
+from hyspec_jax.spec.options import KERNEL_IMPLS, MODES, MTP_DEFAULT_STEPS, MTP_MODES, TREE_MODES
 from hyspec_jax.spec.round import RoundShape
 from hyspec_jax.spec.stats import prefix_survival, rounded
 from hyspec_jax.tree import TreeExpansion
@@ -71,7 +71,7 @@ class SpecConfig:
 
     @property
     def is_tree(self) -> bool:
-        return self.mode in ("tree", "tree-ready", "mtp-tree")
+        return self.mode in TREE_MODES
 
     @property
     def uses_reader(self) -> bool:

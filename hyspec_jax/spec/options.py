@@ -4,6 +4,7 @@ embedded drafter's recommended settings. No jax import here: `hyspec --help` sta
 from __future__ import annotations
 
 MODES = ("ar", "chain", "ready", "tree", "tree-ready", "mtp", "mtp-tree")
+TREE_MODES = ("tree", "tree-ready", "mtp-tree")   # a draft tree verified by Bole's solve (tree options apply)
 MTP_MODES = ("mtp", "mtp-tree")     # drafted by the target checkpoint's own MTP head (no --drafter)
 MTP_DEFAULT_STEPS = 2               # mtp: recursive draft steps when --chain-length is not given (a default, unmeasured)
 KERNEL_IMPLS = ("reference", "auto", "pallas", "interpret")   # hyspec_jax.kernels impl of tree top-k, verify, commit

@@ -1,6 +1,6 @@
 """Routed MoE at scale (issue [scale], item 4): one sparse-MoE block per layer, each execution form against its floor.
 
-    hyspec bench moe-scale [--tokens 1,8,32,256] [--forms gather,grouped,dense] [--layers L|fit]
+    hyspec bench moe-scale [--tokens 1,8,32,256] [--forms gather,dense] [--layers L|fit]
                            [--repeats K] [--json OUT.json] [--tiny] ...
     python -m hyspec_jax.bench.moe_scale ...        (same options)
 
@@ -14,8 +14,7 @@ per layer = median program time / L (`calibrate.median_time`: warm-up calls, the
 
 Token counts stand for decode of B = 1 / 8 / 32 requests and a verify of 256 rows. Forms (`hyspec_jax.moe`):
 gather (only the chosen experts' weights gathered; skipped where that copy would exceed --gather-max-gib),
-grouped (expert-sorted assignments, `jax.lax.ragged_dot_general`), dense (every expert, the form the model
-used before routing). "rule" marks the form `moe.choose_form` picks for T (on CPU its "routed" is dense).
+dense (every expert). "rule" marks the form `moe.choose_form` picks for T.
 
 Floors per layer, from the routes the run really took (every layer's top-k of its own input): bytes = the
 distinct experts chosen × one expert's bytes + router + shared expert; FLOPs = 2·T·(k·3·I·H + E·H + 3·S·H);
@@ -23,18 +22,17 @@ floor = max(bytes / bandwidth, FLOPs / matmul rate), with bandwidth and matmul r
 (bench/kernels.py `copy_bandwidth` / `matmul_peak`; --bandwidth / --matmul-rate override). The outputs of every
 form are compared with the dense form's (max |diff| / max |dense|), and every output is checked finite.
 
-A program whose first call takes more than --max-call-s (a ragged_dot the backend expands over all E groups
-costs E× the routed work) is timed by that one call; with --max-seconds S no further program is timed once S
+A program whose first call takes more than --max-call-s is timed by that one call; with --max-seconds S no further program is timed once S
 seconds have passed (status "partial", the rest listed as skipped).
 
 Outputs (--json OUT.json): OUT.json (run_metadata: device, versions, commit; the command; every number) and
 OUT.md (the table). Exit status 1 if an output is non-finite or a form disagrees with dense beyond 0.1.
 
-On the GPU machine (not pip-installed; bench/verify_scale.py's convention), one H200, 8 layers (26 GB of bf16
-experts), --max-seconds keeping the run inside 3 minutes:
+On the GPU machine (not pip-installed; bench/verify_scale.py's convention), one H100 or H200, 8 layers (24 GiB of
+bf16 experts), --max-seconds keeping the run inside 3 minutes:
 
     ln -sfn $PWD/bench hyspec_jax/bench; HYSPEC_GIT_COMMIT=<sha> PYTHONPATH=$PWD python3 -m \\
-        hyspec_jax.bench.moe_scale --max-seconds 150 --json $OUT/moe_scale_h200.json
+        hyspec_jax.bench.moe_scale --max-seconds 150 --json $OUT/moe_scale.json
 
 CPU smoke run: `--tiny`.
 """
@@ -234,7 +232,6 @@ def sweep(args, cfg, name: str) -> dict:
                                         dtype)) for T in args.tokens}
 
     # the routes each layer takes on the chained input (the floors count the distinct experts really chosen)
-    # (dense: its cost is known whatever the backend does with ragged_dot)
     routes_fn = jax.jit(stack_fn(graphdef, "dense", with_routes=True))
     distinct = {}
     for T in args.tokens:
@@ -263,7 +260,6 @@ def sweep(args, cfg, name: str) -> dict:
     slow = {}                                 # form -> (T, seconds) of a call past --max-call-s
     for f, T, skip in plan:
         rule = moe.choose_form(T, cfg.num_experts, cfg.num_experts_per_tok)
-        rule = rule if rule != "routed" else ("grouped" if gpu else "dense")
         row = {"form": f, "tokens": T, "role": TOKEN_ROLE.get(T, f"{T} rows"), "rule_picks": f == rule,
                **floors(cfg, T, distinct[T], itemsize, bandwidth, rate)}
         if skip:
@@ -282,7 +278,7 @@ def sweep(args, cfg, name: str) -> dict:
         t = time.perf_counter()
         out = jax.block_until_ready(call())
         first_s = time.perf_counter() - t
-        if first_s > args.max_call_s:        # e.g. a ragged_dot the backend expands over all E groups
+        if first_s > args.max_call_s:        # a call this slow: repeating it would spend the run's time
             slow[f] = (T, first_s)
             times_s, spread, note = [first_s], float("nan"), f"one call only (> --max-call-s {args.max_call_s:g})"
         else:
@@ -410,8 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tiny", action="store_true", help="a small geometry (CPU smoke run, tests)")
     ap.add_argument("--tokens", type=_ints, default=list(DEFAULT_TOKENS), metavar="T,..",
                     help="rows per call (default 1,8,32,256)")
-    ap.add_argument("--forms", type=_forms, default=["gather", "grouped", "dense"], metavar="F,..",
-                    help="execution forms (default gather,grouped,dense)")
+    ap.add_argument("--forms", type=_forms, default=["gather", "dense"], metavar="F,..",
+                    help="execution forms (default gather,dense)")
     ap.add_argument("--layers", type=_layers, default="8", metavar="L|fit",
                     help="distinct layers per program (default 8; 'fit': as many as the device memory holds)")
     ap.add_argument("--reserve-gib", type=float, default=8.0, metavar="G",

@@ -275,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "verify-scale: T_ver(N)/T_dec and B_ver of the Qwen3.8-27B geometry, 1 or D GPUs; "
                    "profile-scale: T_dec and T_ver split into dense, GDN, attention, norms, logits and the rest, "
                    "each against its floor (profiler trace); "
-                   "moe-scale: one sparse-MoE block per layer in each execution form (gather, grouped, dense) at "
+                   "moe-scale: one sparse-MoE block per layer in each execution form (gather, dense) at "
                    "Qwen3-Next-80B-A3B geometry against its floor")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
     b.set_defaults(func=cmd_bench)

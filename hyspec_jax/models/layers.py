@@ -95,7 +95,7 @@ class MLP(nnx.Module):
 class Experts(nnx.Module):
     """All routed experts, fused as transformers holds them in memory: gate_up [E, 2I, H] (gate rows first),
     down [E, H, I]. The loader also accepts the per-expert on-disk form. Only the chosen experts run
-    (`hyspec_jax.moe`: a gather of their weights for few rows, a grouped matmul for many)."""
+    (`hyspec_jax.moe`: a gather of their weights for few rows, every expert densely for many)."""
 
     def __init__(self, num: int, hidden: int, inter: int, *, dtype=F32, rngs: nnx.Rngs):
         self.gate_up_proj = _normal(rngs, (num, 2 * inter, hidden), dtype)

@@ -4,7 +4,7 @@
 # by the same client (this checkout's serve_load, httpx), alternated twice, at concurrency 1 / 8 / 32, for ar and
 # tree-ready (the embedded model and drafter). The server's packages travel as wheels:
 #   here:           bash bench/recipes/serve_wheels.sh download          (then carry .whl)
-#   on the H200:    BASE=_base bash bench/recipes/h200_serve_load.sh
+#   on the H200:    BASE=_base bash bench/recipes/h200_serve_load.sh     (MODES=ar: plain decoding only)
 set -uo pipefail
 source bench/recipes/serve_wheels.sh install .whl || exit 1
 source bench/recipes/lib.sh
@@ -24,7 +24,7 @@ start() {   # start ROOT MODE LOG -> prints the port
   return 1
 }
 
-for mode in ar tree-ready; do
+for mode in ${MODES:-ar tree-ready}; do
   roots=(new); PORT_new=$(start "$PWD" "$mode" "$OUT/server_new_$mode.log") || exit 1
   if [ -n "${BASE:-}" ]; then roots+=(base); PORT_base=$(start "$BASE" "$mode" "$OUT/server_base_$mode.log") || exit 1; fi
   for rep in 1 2; do

@@ -8,7 +8,8 @@
 WHEELS=(fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 pydantic==2.14.4 pydantic_core==2.50.5
         annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5 typing_extensions==4.16.0
         h11==0.16.0 anyio==4.16.0 sniffio==1.3.1 httpx==0.29.0 httpcore==1.0.9 idna==3.21
-        certifi==2026.10.19.post1 click==8.5.1 prometheus_client==0.26.0 Jinja2==3.1.6 MarkupSafe==3.0.4)
+        certifi==2026.10.19.post1 click==8.5.1 prometheus_client==0.26.0 Jinja2==3.1.6 MarkupSafe==3.0.4
+        opentelemetry-api==1.45.3)
 _cmd=${1:-}
 _dir=${2:-.whl}
 case "$_cmd" in

@@ -13,7 +13,7 @@ SERVE=(--port 0 --max-batch 32 --max-queue 256 --max-model-len 1024 --prefill-ch
 LOAD=(--concurrency 1,8,32 --num-requests 64 --max-tokens 64)
 
 start() {   # start ROOT MODE LOG -> prints the port
-  (cd "$1" && source bench/recipes/lib.sh && exec python3 -m hyspec_jax.serve "${SERVE[@]}" --spec-mode "$2") \
+  (cd "$1" && export PYTHONPATH=/tmp/site && source bench/recipes/lib.sh && exec python3 -m hyspec_jax.serve "${SERVE[@]}" --spec-mode "$2") \
     > "$3" 2>&1 &
   echo $! > "$3.pid"
   for _ in $(seq 600); do

@@ -19,14 +19,19 @@ dense (every expert). "rule" marks the form `moe.choose_form` picks for T.
 Floors per layer, from the routes the run really took (every layer's top-k of its own input): bytes = the
 distinct experts chosen × one expert's bytes + router + shared expert; FLOPs = 2·T·(k·3·I·H + E·H + 3·S·H);
 floor = max(bytes / bandwidth, FLOPs / matmul rate), with bandwidth and matmul rate measured in the same run
-(bench/kernels.py `copy_bandwidth` / `matmul_peak`; --bandwidth / --matmul-rate override). The outputs of every
-form are compared with the dense form's (max |diff| / max |dense|), and every output is checked finite.
+(bench/kernels.py `copy_bandwidth` / `matmul_peak`; --bandwidth / --matmul-rate override). Every output is checked
+finite and compared with the dense form's twice (max |diff| / max |dense block|): the first layer's block alone on
+the same input — the forms' own arithmetic, ~1 bf16 ulp apart — and after all L layers, reported only: there the
+bf16 rounding of the residual stream x (an ulp of |x| is large beside one block's output) and the top-k choices it
+flips compound to several percent in any form (in bf16 on CPU, gather and dense land equally far from an fp32 run
+of the same weights).
 
 A program whose first call takes more than --max-call-s is timed by that one call; with --max-seconds S no further program is timed once S
 seconds have passed (status "partial", the rest listed as skipped).
 
 Outputs (--json OUT.json): OUT.json (run_metadata: device, versions, commit; the command; every number) and
-OUT.md (the table). Exit status 1 if an output is non-finite or a form disagrees with dense beyond 0.1.
+OUT.md (the table). Exit status 1 if an output is non-finite or a form's one block differs from dense's by more
+than BLOCK_TOL.
 
 On the GPU machine (not pip-installed; bench/verify_scale.py's convention), one H100 or H200, 8 layers (24 GiB of
 bf16 experts), --max-seconds keeping the run inside 3 minutes:
@@ -54,6 +59,7 @@ from hyspec_jax.bench.calibrate import _ints, median_time
 DEFAULT_TOKENS = (1, 8, 32, 256)
 TOKEN_ROLE = {1: "decode B=1", 8: "decode B=8", 32: "decode B=32", 256: "verify 256 rows"}
 GIB = 2 ** 30
+BLOCK_TOL = 2 ** -5       # one block vs dense, relative max: 8 bf16 ulps; a wrong expert or weight is O(1)
 
 
 class UsageError(Exception):
@@ -169,6 +175,13 @@ def stack_fn(graphdef, form: str | None, with_routes: bool = False):
         return (x, jnp.stack(routes)) if with_routes else x
 
     return run
+
+
+def block_fn(graphdef, form: str):
+    """(state, x [T, H]) -> one layer's block output alone (no residual), in the given form."""
+    from flax import nnx
+
+    return lambda st, x: nnx.merge(graphdef, st)(x, form=form)
 
 
 def form_table(forms: list[str], tokens: list[int], cfg, itemsize: int, gather_max_gib: float):
@@ -292,13 +305,17 @@ def sweep(args, cfg, name: str) -> dict:
                          lower_s=lower_s, compile_s=compile_s, **({"note": note} if note else {})))
         print(f"[moe-scale] {f:>7} T={T:<4} {t_ms:8.3f} ms/layer  floor {row['floor_ms']:.3f}  "
               f"×{t_ms / row['floor_ms']:.2f}", file=sys.stderr)
+    # the first layer's block alone on the same input, per timed form (small one-layer programs)
+    one = {job: np.asarray(jax.jit(block_fn(graphdef, job[0]))(states[0], xs[job[1]]), np.float32)
+           for job in outputs}
     for r in rows:
-        dense = outputs.get(("dense", r["tokens"]))
-        mine = outputs.get((r["form"], r["tokens"]))
-        if dense is not None and mine is not None:
+        job, ref = (r["form"], r["tokens"]), ("dense", r["tokens"])
+        if job in outputs and ref in outputs:
+            r["block_rel_diff_vs_dense"] = float(np.max(np.abs(one[job] - one[ref])) / np.max(np.abs(one[ref])))
             # the chained residual stream: x + Σ blocks; compare the blocks' sum, not the input it carries
             x0 = np.asarray(xs[r["tokens"]], np.float32)
-            r["max_rel_diff_vs_dense"] = float(np.max(np.abs(mine - dense)) / np.max(np.abs(dense - x0)))
+            dense = outputs[ref]
+            r["max_rel_diff_vs_dense"] = float(np.max(np.abs(outputs[job] - dense)) / np.max(np.abs(dense - x0)))
     return {
         "meta": run_metadata(), "command": portable_command("hyspec bench moe-scale", args.argv),
         "argv": portable_args(args.argv),
@@ -323,8 +340,9 @@ def failures(report: dict) -> list[str]:
     for r in report["rows"]:
         if "t_ms" in r and not r["finite"]:
             bad.append(f"{r['form']} T={r['tokens']}: non-finite output")
-        if r.get("max_rel_diff_vs_dense", 0.0) > 0.1:
-            bad.append(f"{r['form']} T={r['tokens']}: differs from dense by {r['max_rel_diff_vs_dense']:.3g}")
+        if r.get("block_rel_diff_vs_dense", 0.0) > BLOCK_TOL:
+            bad.append(f"{r['form']} T={r['tokens']}: one block differs from dense's by "
+                       f"{r['block_rel_diff_vs_dense']:.3g} (> {BLOCK_TOL:g})")
     return bad
 
 
@@ -333,7 +351,7 @@ def failures(report: dict) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 def table(report: dict) -> str:
     lines = ["| T (role) | form | ms / layer | floor ms (memory / compute) | × floor | distinct experts | "
-             "dense floor ms | vs dense |",
+             "dense floor ms | vs dense: 1 block / all layers |",
              "|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         form = r["form"] + (" (rule)" if r["rule_picks"] else "")
@@ -343,10 +361,11 @@ def table(report: dict) -> str:
         if "skipped" in r:
             lines.append(head + f"skipped: {r['skipped']} | {floor} | | " + tail + " |")
             continue
-        diff = r.get("max_rel_diff_vs_dense")
+        diff = (f"{r['block_rel_diff_vs_dense']:.1e} / {r['max_rel_diff_vs_dense']:.1e}"
+                if "max_rel_diff_vs_dense" in r else None)
         lines.append(head + f"{r['t_ms']:.4f}" + (f" ({r['note']})" if r.get("note") else "")
                      + f" | {floor} | {r['ratio']:.2f} | " + tail
-                     + (f"{diff:.1e} |" if diff is not None else " |"))
+                     + (f"{diff} |" if diff is not None else " |"))
     return "\n".join(lines)
 
 
@@ -365,7 +384,9 @@ def markdown(report: dict) -> str:
         f"Floor: max(bytes / {c['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, FLOPs / "
         f"{c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s) ({'measured in this run' if all(c['measured'].values()) else 'given'}); "
         "bytes = the distinct experts the layer's routes chose + router + shared expert. Dense floor: every "
-        "expert. \"vs dense\": max |out − dense| / max |dense blocks|. (rule): the form `moe.choose_form` picks.", "",
+        "expert. \"vs dense\": max |out − dense| / max |dense block(s)|, for the first layer's block alone on the "
+        "same input, then after all layers (there the bf16 rounding of the residual stream, and the top-k choices "
+        "it flips, compound in any form). (rule): the form `moe.choose_form` picks.", "",
         table(report), "",
     ])
 

@@ -13,10 +13,10 @@ laid out, so they agree to rounding (tests/test_moe.py):
              top-k. Reads every expert once whatever T — the many-row form.
 
 A third form, expert-sorted assignments through `jax.lax.ragged_dot_general`, was measured and removed: on one
-H100 (bench/moe_scale.py) XLA's lowering expanded it over all E experts, slower than dense at every row count
-(3.4 vs 1.1 ms a layer at T=1, 15.4 vs 2.5 at T=256) and less accurate (10% off dense after 8 bf16 layers). If
-many-row sparse MoE must get nearer its floor, a grouped-GEMM kernel (e.g. jax.experimental.pallas.ops.gpu's
-ragged_dot_mgpu) is the route.
+H100 (bench/results/moe_scale_h100.md) XLA's lowering of it did work over all E experts, slower than dense at
+every row count (3.4 vs 1.1 ms a layer at T=1, 15.4 vs 2.5 at T=256) and no more accurate (0.11-0.12 off dense
+after 8 bf16 layers, gather 0.06-0.09). If many-row sparse MoE must get nearer its floor, a grouped-GEMM kernel
+(e.g. jax.experimental.pallas.ops.gpu's ragged_dot_mgpu) is the route.
 
 Expert parallel (experts sharded over the mesh's `model` axis, `hyspec_jax.sharding`): both forms stay exact;
 XLA partitions "gather" as a masked local gather plus an all-reduce of the gathered weights [T, k, 2I, H] (not

@@ -13,7 +13,7 @@ laid out, so they agree to rounding (tests/test_moe.py):
              top-k. Reads every expert once whatever T — the many-row form.
 
 A third form, expert-sorted assignments through `jax.lax.ragged_dot_general`, was measured and removed: on one
-H100 (bench/results/moe_scale_h100.md) XLA's lowering of it did work over all E experts, slower than dense at
+H100 (bench/results/moe/moe_scale_h100.md) XLA's lowering of it did work over all E experts, slower than dense at
 every row count (3.4 vs 1.1 ms a layer at T=1, 15.4 vs 2.5 at T=256) and no more accurate (0.11-0.12 off dense
 after 8 bf16 layers, gather 0.06-0.09). If many-row sparse MoE must get nearer its floor, a grouped-GEMM kernel
 (e.g. jax.experimental.pallas.ops.gpu's ragged_dot_mgpu) is the route.
@@ -47,7 +47,7 @@ def route(logits: jax.Array, top_k: int, normalise: bool, accumulate=jnp.float32
 def choose_form(tokens: int, num_experts: int, top_k: int) -> str:
     """The form for a call of `tokens` rows (static: shapes are static under jit): "gather" while the T·k
     routed assignments are at most E/4, "dense" above."""
-    # Measured on one H100 at E=512, k=10 (bench/results/moe_scale_h100.md): gather 0.13 vs dense 1.14 ms a
+    # Measured on one H100 at E=512, k=10 (bench/results/moe/moe_scale_h100.md): gather 0.13 vs dense 1.14 ms a
     # layer at T=1 (10 routes), 0.50 vs 1.19 at T=8 (80), but 1.69 vs 1.24 at T=32 (320). Gather reads T·k
     # expert copies, dense all E once; E/4 puts the switch between 80 and 320 routes.
     return "gather" if 4 * tokens * top_k <= num_experts else "dense"

@@ -133,7 +133,7 @@ def test_forms_agree_on_leading_batch_dims_and_default_rule(dtype):
 def test_choose_form_follows_the_measured_crossover():
     """gather while the T·k routes are at most E/4, dense above: at Qwen3-Next-80B's E=512, k=10 that is
     gather for decode B=1 and B=8 (10 and 80 routes), dense from B=32 (320) on — the H100 measurement in
-    bench/results/moe_scale_h100.md (gather 8.5× faster than dense at T=1, 2.4× at T=8, 1.4× slower at T=32)."""
+    bench/results/moe/moe_scale_h100.md (gather 8.5× faster than dense at T=1, 2.4× at T=8, 1.4× slower at T=32)."""
     assert [moe.choose_form(T, 512, 10) for T in (1, 8, 12, 13, 32, 256)] == \
         ["gather", "gather", "gather", "dense", "dense", "dense"]
     assert moe.choose_form(1, 4, 1) == "gather" and moe.choose_form(2, 4, 1) == "dense"   # the boundary T·k = E/4

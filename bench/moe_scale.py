@@ -26,8 +26,8 @@ bf16 rounding of the residual stream x (an ulp of |x| is large beside one block'
 flips compound to several percent in any form (in bf16 on CPU, gather and dense land equally far from an fp32 run
 of the same weights).
 
-A program whose first call takes more than --max-call-s is timed by that one call; with --max-seconds S no further program is timed once S
-seconds have passed (status "partial", the rest listed as skipped).
+A program whose first call takes more than --max-call-s is timed by that one call; with --max-seconds S no
+further program is timed once S seconds have passed (status "partial", the rest listed as skipped).
 
 Outputs (--json OUT.json): OUT.json (run_metadata: device, versions, commit; the command; every number) and
 OUT.md (the table). Exit status 1 if an output is non-finite or a form's one block differs from dense's by more

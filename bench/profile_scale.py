@@ -540,7 +540,8 @@ def sweep(args, cfg, name: str, on_progress=None) -> dict:
                       batches=args.batch, nodes=args.nodes, kernels=args.kernels, method=args.method,
                       repeats=args.repeats, warmup=args.warmup, trace_calls=args.trace_calls, seed=args.seed,
                       compile_workers=args.compile_workers, compile_cache=args.compile_cache,
-                      xla_options=dict(args.xla_option), max_seconds=args.max_seconds),
+                      xla_options=dict(args.xla_option), max_seconds=args.max_seconds,
+                      scan_layers=args.scan_layers, command_buffers=args.keep_command_buffers),
         ceilings=ceilings, init_s=round(time.perf_counter() - t0, 3), programs=[], skipped=[])
     batches = {B: BatchPrograms(args, cfg, B, mesh=mesh, graphdef=graphdef, params=params, psh=psh, dtype=dtype,
                                 max_len=max_len) for B in args.batch}
@@ -721,6 +722,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", metavar="OUT.json", help="write OUT.json and OUT.md")
     ap.add_argument("--merge", nargs="+", metavar="IN.json", help="merge earlier results (other batches / nodes) "
                     "into --json; no device")
+    ap.add_argument("--keep-command-buffers", action="store_true",
+                    help="keep XLA's CUDA graphs (default: off for the run, so the trace names each kernel's "
+                         "instruction; with them every kernel is unattributed)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
 
@@ -736,6 +740,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--max-seconds must be > 0, got {args.max_seconds}")
     if any(x is not None and x < 1 for x in (args.matmul_size, args.copy_mib)):
         ap.error("--matmul-size and --copy-mib must be ≥ 1")
+    if not args.merge and not args.keep_command_buffers:
+        # XLA runs a GPU program's kernels inside CUDA graphs (command buffers); a trace then names only the graph
+        # (`hlo_op` "command_buffer…"), never the instruction, and nothing can be attributed. Set before jax
+        # starts its backend; every program of the run, timed and traced, runs without them (said in the report).
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
     try:
         if args.merge:
             if not args.json:

@@ -1,7 +1,10 @@
 """The OpenAI-compatible API on FastAPI: routes, requests → engine requests, responses and SSE streams.
 
 Generation requests become `EngineRequest`s of the one request loop (`hyspec_jax.runtime.scheduler`, on its own
-thread); their sinks hand tokens to the request's asyncio queue. A client that goes away (`http.disconnect`)
+thread); their sinks hand tokens to the request's asyncio queue, all of a device call's at once (`Handoff`: one
+event-loop wake-up per step, not one per request). A stream writes one SSE chunk per choice with every token that
+arrived since its last write (several steps' when the event loop is behind), as the hand-written server's socket
+writes coalesced them. A client that goes away (`http.disconnect`)
 aborts its engine requests, which frees their slots at the next step. `logprobs` / `echo` are scored after the
 tokens are known by one no-cache target forward (`hyspec_jax.runtime.scoring`), so they are the target's,
 whatever mode decoded.
@@ -16,6 +19,7 @@ import logging
 import random
 import time
 import uuid
+from collections import deque
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -79,6 +83,52 @@ def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
+class ChunkTemplate:
+    """`_sse` of a one-choice stream chunk with everything but the choice rendered once per request: the hot path
+    (a chunk per choice per step) renders only the small choice object. Bytes equal `_sse` of the whole chunk."""
+
+    _MARK = "\x00choice\x00"
+
+    def __init__(self, head: dict, tail: dict):
+        text = json.dumps({**head, "choices": [self._MARK], **tail}, ensure_ascii=False)
+        pre, post = text.split(json.dumps(self._MARK))
+        self.pre, self.post = b"data: " + pre.encode(), post.encode() + b"\n\n"
+
+    def __call__(self, choice: dict) -> bytes:
+        return self.pre + json.dumps(choice, ensure_ascii=False).encode() + self.post
+
+
+class Handoff:
+    """Engine events from the request loop's thread to the asyncio side, one wake-up per device call: sinks
+    `put` (loop thread), the scheduler's `on_batch` calls `flush` after a step's sink calls, and the event loop
+    then moves every pending event into its request's queue. Without it each request's sink woke the event loop
+    (`call_soon_threadsafe`) on its own, in the middle of the loop's host work for the step."""
+
+    def __init__(self):
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._items: deque = deque()
+        self._armed = False
+
+    def put(self, queue: asyncio.Queue, item) -> None:
+        self._items.append((queue, item))
+
+    def flush(self) -> None:
+        # _deliver clears _armed before it pops: an item put after its last pop always arms a new delivery
+        if self._items and not self._armed and self.loop is not None:
+            self._armed = True
+            try:
+                self.loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError:      # the event loop is closed (shutdown): nobody is listening any more
+                self._armed = False
+
+    def _deliver(self) -> None:
+        self._armed = False
+        items = self._items
+        while items:
+            queue, item = items.popleft()
+            queue.put_nowait(item)
+
+
 def _params(req: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> GenParams:
     """The sampling fields both endpoints share, with the checks a model cannot express."""
     for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
@@ -126,6 +176,8 @@ class OpenAIServer:
         self.scheduler, self.tokenizer, self.chat, self.model = scheduler, tokenizer, chat, model
         self.metrics, self.options, self.scorer, self.version = metrics, options, scorer, version
         self.draining = False
+        self.handoff = Handoff()
+        scheduler.on_batch = self.handoff.flush
         # requests without a seed: random seeds, or with --seed a reproducible sequence of them
         self._seeds = random.Random(seed) if seed is not None else random.SystemRandom()
 
@@ -219,8 +271,9 @@ class OpenAIServer:
         """Submit n engine requests per prompt; returns the choices (index = prompt · n + j) and their queue."""
         if self.draining:
             raise APIError(503, "the server is shutting down")
-        loop = asyncio.get_running_loop()
+        self.handoff.loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+        put = self.handoff.put
         stops = params.stop_token_ids | extra_stops | (frozenset() if params.ignore_eos else self.model.eos_token_ids)
         choices = []
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
@@ -229,7 +282,7 @@ class OpenAIServer:
                 c = Choice(len(choices), p, ChoiceText(self.tokenizer, params.stop, stops))
 
                 def sink(toks, finish, i=c.index):
-                    loop.call_soon_threadsafe(queue.put_nowait, (i, toks, finish))
+                    put(queue, (i, toks, finish))
                 c.engine = EngineRequest(prompt_ids=ids, max_tokens=max_tokens[p], sink=sink,
                                          temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                          seed=seed + c.index, stop_token_ids=stops)
@@ -251,8 +304,9 @@ class OpenAIServer:
         return choices, queue
 
     async def events(self, request: Request, choices: list[Choice], queue: asyncio.Queue) -> AsyncIterator[Choice]:
-        """Feed engine events into the choices; yields every choice that changed. Ends early (returns) when the
-        client disconnects; always aborts what is still running."""
+        """Feed engine events into the choices; yields every choice that changed, once for all the events queued
+        by then (a caller that fell behind sends several steps' tokens in one chunk). Ends early (returns) when
+        the client disconnects; always aborts what is still running."""
         async def watch():
             while True:
                 msg = await request.receive()
@@ -262,17 +316,24 @@ class OpenAIServer:
         watcher = asyncio.create_task(watch())
         try:
             while any(c.text.finish is None for c in choices):
-                i, toks, finish = await queue.get()
-                if i is None:
-                    return
-                c = choices[i]
-                if c.text.finish is not None:
-                    continue
-                if finish == "error":
-                    raise APIError(500, "the engine failed while generating")
-                if c.text.feed(toks, finish):
-                    self.scheduler.abort(c.engine, "stop")
-                yield c
+                changed: dict[int, Choice] = {}
+                item = await queue.get()
+                while True:
+                    i, toks, finish = item
+                    if i is None:
+                        return
+                    c = choices[i]
+                    if c.text.finish is None:
+                        if finish == "error":
+                            raise APIError(500, "the engine failed while generating")
+                        if c.text.feed(toks, finish):
+                            self.scheduler.abort(c.engine, "stop")
+                        changed[i] = c
+                    if queue.empty():
+                        break
+                    item = queue.get_nowait()
+                for c in changed.values():
+                    yield c
         finally:
             watcher.cancel()
             for c in choices:
@@ -387,14 +448,14 @@ class OpenAIServer:
         async def stream() -> AsyncIterator[bytes]:
             usage_field = {"usage": None} if params.include_usage else {}
             first = [True] * len(choices)
+            render = ChunkTemplate({"id": rid, "object": "text_completion", "created": created, "model": model},
+                                   usage_field)
 
             async def chunk(c: Choice, text: str, ids: list[int], finish) -> bytes:
-                lp = await logprobs_of(c, ids, first[c.index])
+                lp = None if k is None else await logprobs_of(c, ids, first[c.index])
                 extra = token_fields(c, ids, first[c.index])
                 first[c.index] = False
-                return _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                             "choices": [{"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish,
-                                          **extra}], **usage_field})
+                return render({"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish, **extra})
             try:
                 for c in choices:
                     if echo_text[c.prompt]:
@@ -475,14 +536,16 @@ class OpenAIServer:
 
         async def stream() -> AsyncIterator[bytes]:
             usage_field = {"usage": None} if params.include_usage else {}
+            render = ChunkTemplate({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                    "model": model}, usage_field)
 
             async def chunk(c: Choice, delta: dict, finish, tids=None) -> bytes:
                 ch = {"index": c.index, "delta": delta,
-                      "logprobs": await logprobs_of(c, tids) if tids else None, "finish_reason": finish}
+                      "logprobs": await logprobs_of(c, tids) if tids and k is not None else None,
+                      "finish_reason": finish}
                 if params.return_token_ids and tids is not None:
                     ch["token_ids"] = tids
-                return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                             "choices": [ch], **usage_field})
+                return render(ch)
             try:
                 for c in choices:
                     yield await chunk(c, {"role": "assistant", "content": ""}, None)

@@ -18,7 +18,9 @@ Two drivers: the server runs the loop on its own thread (`start`, `submit`, `abo
 `run_until_idle` runs it on the caller's thread until every submitted request has finished (`hyspec generate`,
 `Generator.generate`, `SpecEngine.generate`). Requests talk to their owner through
 `sink(token_ids, finish_reason | None)`, called on the loop's thread; an optional `LoopObserver` sees every event
-(the server's metrics).
+(the server's metrics). `on_batch()`, where given, is called on the loop's thread after the sink calls of each
+device call (a prefill, a step), so that a front end on another thread can take a whole step's tokens with one
+wake-up, after the loop's host work for that step (not one per request, competing with it for the GIL).
 """
 
 from __future__ import annotations
@@ -118,10 +120,12 @@ class EngineRequest:
 class Scheduler:
     """The request loop over one backend (see the module docstring)."""
 
-    def __init__(self, backend: Backend, observer: LoopObserver | None = None, *, max_queue: int = 1 << 30):
+    def __init__(self, backend: Backend, observer: LoopObserver | None = None, *, max_queue: int = 1 << 30,
+                 on_batch: Callable[[], None] | None = None):
         self.backend = backend
         self.observer = observer or LoopObserver()
         self.max_queue = max_queue
+        self.on_batch = on_batch
         B = backend.slots
         self.slots: list[EngineRequest | None] = [None] * B
         self.waiting: deque[EngineRequest] = deque()
@@ -242,7 +246,16 @@ class Scheduler:
     def _iterate(self) -> None:
         if self._slot_lists()[1]:
             self._prefill()
+            self._batch_done()
         self._step()
+        self._batch_done()
+
+    def _batch_done(self) -> None:
+        if self.on_batch is not None:
+            try:
+                self.on_batch()
+            except Exception:  # noqa: BLE001
+                log.exception("on_batch failed")
 
     def _changed(self) -> None:
         """The slots' requests or their phase changed: drop what was derived from them."""
@@ -271,6 +284,7 @@ class Scheduler:
         self.slots = [None] * len(self.slots)
         self._inflight = None
         self._changed()
+        self._batch_done()
 
     def _reap(self) -> None:
         """Free the slots of aborted requests (called with the lock held)."""

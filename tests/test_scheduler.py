@@ -124,3 +124,27 @@ def test_abort_frees_the_slot_for_the_next_request():
     assert reqs[0].finished and reqs[0].finish_reason == "abort" and reasons == {1: "length"}
     assert got[0] == [500 + k for k in range(len(got[0]))] and 4 <= len(got[0]) < 50
     assert got[1] == [600 + k for k in range(50)]
+
+
+def test_on_batch_follows_every_device_calls_sink_calls():
+    """on_batch (the server's one wake-up per step) comes after each prefill's and step's sink calls: no token is
+    left waiting for a wake-up, and a step's tokens for every request are handed over together."""
+    be = ScriptedBackend(3)
+    log: list = []
+    sched = Scheduler(be, on_batch=lambda: log.append("batch"))
+    for i, prompt in enumerate(([5], [6], [7])):
+        sched.submit(EngineRequest(prompt_ids=prompt, max_tokens=7,
+                                   sink=lambda toks, reason, i=i: log.append((i, list(toks), reason))))
+    sched.run_until_idle()
+    assert log[-1] == "batch"
+    tokens = [e for e in log if e != "batch"]
+    assert sorted(t for _, toks, _ in tokens for t in toks) == sorted(p * 100 + k for p in (5, 6, 7) for k in range(7))
+    # between two wake-ups: at most one event per request (a step gives each request its tokens in one call)
+    batch: list = []
+    for e in log:
+        if e == "batch":
+            assert len({i for i, _, _ in batch}) == len(batch), batch
+            batch = []
+        else:
+            batch.append(e)
+    assert log.count("batch") < len(tokens)      # fewer wake-ups than sink calls: three requests per step

@@ -293,6 +293,88 @@ def test_chat_template_fallback_is_chatml(tmp_path):
     assert t.render(msgs) == "[system]: be brief\n[user]: hi\n[assistant]: "
 
 
+def test_stream_chunk_template_renders_what_a_whole_chunk_does():
+    from hyspec_jax.serve.app import ChunkTemplate, _sse
+    head = {"id": "cmpl-x", "object": "text_completion", "created": 7, "model": "m \"q\" ✓"}
+    for tail in ({}, {"usage": None}):
+        render = ChunkTemplate(head, tail)
+        for choice in ({"index": 0, "text": "héllo \n\"x\"", "logprobs": None, "finish_reason": None},
+                       {"index": 3, "delta": {}, "logprobs": None, "finish_reason": "stop", "token_ids": [1, 2]}):
+            assert render(choice) == _sse({**head, "choices": [choice], **tail})
+
+
+def test_handoff_wakes_the_event_loop_once_per_flush_and_loses_nothing():
+    """Items put from another thread reach their queues in order, with at most one wake-up per flush (a whole
+    step's tokens for every request in one), also when puts race the event loop's delivery."""
+    import asyncio
+    import threading
+
+    from hyspec_jax.serve.app import Handoff
+
+    class Counted(Handoff):
+        wakeups = 0
+
+        def _deliver(self):
+            Counted.wakeups += 1
+            super()._deliver()
+
+    async def main():
+        h = Counted()
+        h.loop = asyncio.get_running_loop()
+        queues = [asyncio.Queue(), asyncio.Queue()]
+        steps, done = 2000, threading.Event()
+
+        def producer():
+            for k in range(steps):
+                for q in queues:
+                    h.put(q, k)
+                h.flush()
+            done.set()
+        threading.Thread(target=producer).start()
+        got = [[], []]
+        while len(got[0]) < steps or len(got[1]) < steps:
+            for q, g in zip(queues, got):
+                while not q.empty():
+                    g.append(q.get_nowait())
+            await asyncio.sleep(0)
+        assert done.wait(10)
+        assert got == [list(range(steps))] * 2
+        assert 1 <= Counted.wakeups <= steps
+    asyncio.run(main())
+
+
+def test_stream_events_coalesce_what_is_queued():
+    """Events queued for a choice by the time its stream runs are sent as one chunk with all their tokens."""
+    import asyncio
+    import types
+
+    from hyspec_jax.serve.app import Choice, FrontOptions, OpenAIServer, ServedModel
+
+    aborted = []
+    sched = types.SimpleNamespace(abort=lambda er, reason="abort": aborted.append(reason))
+    model = ServedModel(name=NAME, root="", max_model_len=CONTEXT, vocab_size=TOK.get_vocab_size(),
+                        eos_token_ids=frozenset(), mode="ar", created=0)
+    srv = OpenAIServer(scheduler=sched, tokenizer=TOK, chat=None, model=model, metrics=None, options=FrontOptions())
+
+    class Req:
+        async def receive(self):
+            await asyncio.sleep(3600)
+
+    async def main():
+        choices = [Choice(0, 0, ChoiceText(TOK, (), frozenset()))]
+        choices[0].engine = types.SimpleNamespace(finished=True)
+        queue: asyncio.Queue = asyncio.Queue()
+        ids = enc("hello")
+        for k, t in enumerate(ids):
+            queue.put_nowait((0, [t], "length" if k == len(ids) - 1 else None))
+        chunks = []
+        async for c in srv.events(Req(), choices, queue):
+            chunks.append(c.text.take())
+        return chunks
+    assert asyncio.run(main()) == [("hello", enc("hello"))]
+    assert aborted == []
+
+
 # ------------------------------------------------------------------------------------------------
 # The server
 # ------------------------------------------------------------------------------------------------

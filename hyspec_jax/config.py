@@ -83,7 +83,8 @@ class TargetConfig:
     eos_token_id: tuple[int, ...] = ()
     # multi-token-prediction head shipped as `mtp.*` tensors (0 = none declared); Qwen3.5 configs say
     # mtp_num_hidden_layers, Qwen3-Next num_nextn_predict_layers (docs/reference/drafters.md §10)
-    mtp_num_hidden_layers: int = 0
+    # not part of the target's identity (`spec.budget.model_id`): the head leaves the target's programs unchanged
+    mtp_num_hidden_layers: int = dataclasses.field(default=0, metadata={"identity": False})
 
     def __post_init__(self):
         if self.model_type not in _FAMILIES:

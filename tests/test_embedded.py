@@ -103,13 +103,14 @@ def test_recommendation_bounded_by_slots(monkeypatch, target):
 
 
 def test_serve_speculative_mode_uses_the_embedded_drafter(target):
-    """`hyspec serve --spec-mode M` without --model / --drafter serves the embedded model with its drafter; with
-    --model it still asks for --drafter."""
+    """`hyspec serve --spec-mode M` without a model directory serves the embedded model with its drafter; with one
+    it still asks for --drafter (the server builds its engine through `launch.engine_from_args`)."""
     from hyspec_jax.serve import server
     p = argparse.ArgumentParser()
     server.add_arguments(p)
     args = p.parse_args(["--spec-mode", "tree-ready", "--max-batch", "2", "--max-model-len", "256"])
-    assert server._embedded_drafter(args)
-    backend = server.build_backend(args, target, default_model_dir())
+    backend = server.build_backend(args, target, default_model_dir(), 256)
     assert backend.mode == "tree-ready" and backend.round_shapes[False].reader
-    assert not server._embedded_drafter(p.parse_args(["--model", str(default_model_dir()), "--spec-mode", "chain"]))
+    with pytest.raises(ValueError, match="--drafter"):
+        server.build_backend(p.parse_args(["--model", str(default_model_dir()), "--spec-mode", "chain"]), target,
+                             default_model_dir(), 256)

@@ -135,8 +135,10 @@ def b_ver(t_ver: dict[int, float], t_dec: float, eps: float) -> tuple[int, bool]
 
 def model_id(config: Any, name: str = "") -> str:
     """A stable id of a target model: its directory name (if any) and a hash of its config."""
-    if dataclasses.is_dataclass(config):
-        raw = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
+    if dataclasses.is_dataclass(config):      # fields marked identity=False (e.g. an MTP head's size) left out
+        skip = {f.name for f in dataclasses.fields(config) if not f.metadata.get("identity", True)}
+        raw = json.dumps({k: v for k, v in dataclasses.asdict(config).items() if k not in skip}, sort_keys=True,
+                         default=str)
     else:
         raw = json.dumps(config, sort_keys=True, default=str)
     digest = hashlib.sha256(raw.encode()).hexdigest()[:12]

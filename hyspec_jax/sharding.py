@@ -122,6 +122,12 @@ STATE_RULES: Mapping[str, tuple[str | None, ...]] = {
     "keys": (None, "batch", None, "kv_heads", None),         # [La, B, S, KVH, hd]
     "values": (None, "batch", None, "kv_heads", None),
     "lengths": ("batch",),                                   # [B]
+    "pending": gdn.DeferredUpdates(                          # deferred commit's rows (None: off)
+        log_decay=(None, "batch", "gdn_value_heads"),                  # c   [Lg, B, HV]
+        row_decay=(None, "batch", "gdn_value_heads", None),            # c_i [Lg, B, HV, P]
+        keys=(None, "batch", "gdn_value_heads", None, None),           # k_i [Lg, B, HV, P, dk]
+        values=(None, "batch", "gdn_value_heads", None, None),         # v_i [Lg, B, HV, P, dv]
+        count=(None, "batch")),                                        # [Lg, B]
 }
 
 # TreeCache field -> logical axes (the transient output of a tree verify).

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from hyspec_jax.config import ConfigError, DrafterConfig
+from hyspec_jax.gdn import DeferredUpdates
 from hyspec_jax.models.layers import MLP, Linear, RMSNorm, apply_rope, attend, dense, rope_cos_sin
 from hyspec_jax.models.reader import Reader, ReaderConfig, select_states
 from hyspec_jax.models.target import Embedding, TargetModel
@@ -248,10 +249,12 @@ class Drafter(nnx.Module):
         return jnp.concatenate([anchor[..., None], mask], axis=-1)
 
     def draft(self, dstate: DrafterState, anchor: jax.Array, heads: TargetHeads,
-              ssm: jax.Array | None = None, num_slots: int | None = None) -> DraftBlock:
+              ssm: jax.Array | None = None, num_slots: int | None = None,
+              pending: DeferredUpdates | None = None) -> DraftBlock:
         """The parallel stage for one block per slot, anchored at position dstate.lengths.
 
-        ssm: the target's committed GDN states TargetState.ssm [Lg,B,HV,dk,dv] (read by the reader only).
+        ssm: the target's committed GDN states TargetState.ssm [Lg,B,HV,dk,dv] (read by the reader only);
+        pending: TargetState.pending when the target defers its commit (`reader.select_states` folds it).
         num_slots: return only the first draft slots (default all γ): the whole block still runs (its slots
         attend to each other), but the vocabulary projection of slots nobody reads is skipped.
         """
@@ -259,7 +262,7 @@ class Drafter(nnx.Module):
         chex.assert_shape(anchor, (B,))
         if self.reader is not None and ssm is None:
             raise ValueError("this drafter has a ReaDy reader: pass the target's committed ssm state")
-        states = None if self.reader is None else select_states(self.reader_config, ssm)[:, None]  # [B,1,M,dk,dv]
+        states = None if self.reader is None else select_states(self.reader_config, ssm, pending)[:, None]  # [B,1,M,dk,dv]
         x = heads.embed_tokens(self.block_tokens(anchor))[:, None]          # [B,1,bs,d]
         h = self.block_hidden(x, dstate.lengths[:, None], dstate.keys, dstate.values, dstate.lengths, states)
         h = h[:, 0, self.config.logits_start:]

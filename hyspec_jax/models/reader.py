@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hyspec_jax import gdn
 from hyspec_jax.config import LINEAR, ConfigError, TargetConfig
 from hyspec_jax.models.layers import Linear, RMSNorm
 
@@ -112,10 +113,14 @@ class ReaderConfig:
         return cls(**kw)
 
 
-def select_states(cfg: ReaderConfig, ssm: jax.Array) -> jax.Array:
+def select_states(cfg: ReaderConfig, ssm: jax.Array, pending: gdn.DeferredUpdates | None = None) -> jax.Array:
     """The states a reader reads, (layer, head) flattened: ssm [Lg,B,HV,dk,dv] -> [B,M,dk,dv]
-    (or per block [Lg,B,A,HV,dk,dv] -> [B,A,M,dk,dv])."""
-    s = ssm[jnp.asarray(cfg.source_slots)]                       # [Ls, B, (A,) HV, dk, dv]
+    (or per block [Lg,B,A,HV,dk,dv] -> [B,A,M,dk,dv]). pending: TargetState.pending (deferred commit), folded
+    into the source layers only (the committed state of the others is never formed)."""
+    src = jnp.asarray(cfg.source_slots)
+    s = ssm[src]                                                 # [Ls, B, (A,) HV, dk, dv]
+    if pending is not None:
+        s = jax.vmap(gdn.deferred_fold)(s, jax.tree.map(lambda x: x[src], pending))
     chex.assert_equal(s.shape[-3:], (cfg.num_heads, cfg.key_dim, cfg.value_dim))
     s = jnp.moveaxis(s, 0, -4)                                   # [B, (A,) Ls, HV, dk, dv]
     return s.reshape(s.shape[:-4] + (cfg.num_reads, cfg.key_dim, cfg.value_dim))

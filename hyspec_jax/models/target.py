@@ -19,7 +19,7 @@ from hyspec_jax.config import FULL, LINEAR, TargetConfig
 from hyspec_jax.models.layers import (MLP, Attention, GatedDeltaNet, Linear, RMSNorm, SparseMoe, _normal,
                                       attend, dense)
 from hyspec_jax import tree as tree_lib
-from hyspec_jax.state import TargetState, TreeCache
+from hyspec_jax.state import TargetState, TreeCache, committed_ssm, empty_pending, settle_pending
 from hyspec_jax.tree import Tree
 
 F32 = jnp.float32
@@ -141,8 +141,14 @@ class TargetModel(nnx.Module):
         token only. hidden is the final-norm hidden [B,T|1,H], or with tap_layers the outputs of those decoder
         layers stacked [len(tap_layers), B, T, H] (drafter taps, all T positions).
         T == 1 uses the one-token GDN step, T > 1 the chunked closed form.
+        Deferred commit (`state.pending`): every layer starts from its checkpoint folded with its rows; T > 1
+        writes the new states and empties the rows; T == 1 (a decoding step) appends its one row per layer
+        instead, writing no state unless some slot's ring is full (`state.settle_pending`).
         """
         B, T = tokens.shape
+        deferred_step = state.pending is not None and T == 1
+        if deferred_step:
+            state = settle_pending(state, 1)
         chex.assert_shape(valid, (B, T))
         x = self.model.embed_tokens(tokens)
         positions = state.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
@@ -158,13 +164,18 @@ class TargetModel(nnx.Module):
             conv_j = carry.conv[j]
             conv_out = gdn.causal_conv(qkv, conv_j, mix.conv_weight)
             q, k, v, g, beta = mix.mixer_inputs(conv_out, b, a, valid)
+            conv = carry.conv.at[j].set(gdn.conv_window_after(qkv, conv_j, num_valid))
+            S0 = committed_ssm(carry, j)           # carry.pending is only replaced after the whole stack
+            if deferred_step:                      # the one-node solve's factors are the row to append
+                o, fac = gdn.masked_solve(S0, q, k, v, g, beta, gdn.chain_mask(B, 1), method="squaring",
+                                          path_nodes=1)
+                return mix.output(o, z, x.dtype), carry.replace(conv=conv), fac
             if T == 1:
-                o, S = gdn.step(carry.ssm[j], q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+                o, S = gdn.step(S0, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
                 o = o[:, None]
             else:
-                o, S = gdn.chunked_prefill(carry.ssm[j], q, k, v, g, beta)
-            carry = carry.replace(ssm=carry.ssm.at[j].set(S.astype(carry.ssm.dtype)),
-                                  conv=carry.conv.at[j].set(gdn.conv_window_after(qkv, conv_j, num_valid)))
+                o, S = gdn.chunked_prefill(S0, q, k, v, g, beta)
+            carry = carry.replace(ssm=carry.ssm.at[j].set(S.astype(carry.ssm.dtype)), conv=conv)
             return mix.output(o, z, x.dtype), carry, None
 
         def attn_mixer(att, h, j, carry):
@@ -174,7 +185,13 @@ class TargetModel(nnx.Module):
             carry = carry.replace(keys=keys, values=values)
             return att.out(attend(q, keys[j], values[j], attn_mask), gate), carry, None
 
-        x, taps, new_state, _, _ = self._stack(x, gdn_mixer, attn_mixer, tap_layers, state)
+        x, taps, new_state, factors, _ = self._stack(x, gdn_mixer, attn_mixer, tap_layers, state)
+        if deferred_step:
+            path = jnp.zeros((B, 1), jnp.int32)
+            new_state = new_state.replace(pending=jax.vmap(gdn.deferred_append, in_axes=(0, 0, None, None))(
+                state.pending, factors, path, num_valid))
+        elif state.pending is not None:
+            new_state = new_state.replace(pending=empty_pending(state.pending))
         if last_only:
             x = jnp.take_along_axis(x, jnp.maximum(num_valid - 1, 0)[:, None, None], axis=1)
         new_state = new_state.replace(lengths=state.lengths + num_valid)
@@ -207,11 +224,12 @@ class TargetModel(nnx.Module):
             qkv = jnp.where(valid[..., None], qkv, 0)
             conv_out = gdn.gathered_conv(qkv, state.conv[j], mix.conv_weight, taps_idx)
             q, k, v, g, beta = mix.mixer_inputs(conv_out, b, a, valid)
+            S0 = committed_ssm(state, j)               # deferred commit: checkpoint + rows, folded on the fly
             if kernel_impl == "reference":
-                o, fac = gdn.masked_solve(state.ssm[j], q, k, v, g, beta, mask, method=method,
+                o, fac = gdn.masked_solve(S0, q, k, v, g, beta, mask, method=method,
                                           path_nodes=tree.envelope.path_nodes)
             else:
-                o, fac = kernels.tree_solve(state.ssm[j], q, k, v, g, beta, mask, tree.envelope.path_nodes,
+                o, fac = kernels.tree_solve(S0, q, k, v, g, beta, mask, tree.envelope.path_nodes,
                                             impl=kernel_impl, method="neumann" if method == "neumann" else "auto",
                                             reference_method=method)
             return mix.output(o, z, x.dtype), carry, (fac, qkv)

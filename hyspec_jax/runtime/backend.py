@@ -112,9 +112,12 @@ class Backend(abc.ABC):
     hint_width = 0         # token-hint columns a step takes: the draft block's slots (0: no drafts to steer)
 
     def __init__(self, config: TargetConfig, graphdef, params, *, slots: int, kv_len: int,
-                 shapes: Sequence[tuple[int, int]], drafter_config: DrafterConfig | None = None):
+                 shapes: Sequence[tuple[int, int]], drafter_config: DrafterConfig | None = None,
+                 deferred_rows: int = 0):
         """graphdef, params: the target as `compilation.split_for_jit` returns it. kv_len: positions per slot.
-        shapes: the static (rows, T) prefill shapes (`prefill_shapes`, or one (slots, T) per prompt bucket)."""
+        shapes: the static (rows, T) prefill shapes (`prefill_shapes`, or one (slots, T) per prompt bucket).
+        deferred_rows: the deferred commit's row capacity P per slot and GDN layer (0: every step writes the
+        state; `TargetState.pending`)."""
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if not shapes:
@@ -123,7 +126,9 @@ class Backend(abc.ABC):
         leaves = jax.tree.leaves(params)
         self.dtype = leaves[0].dtype if leaves else F32
         self.slots, self.kv_len, self.shapes = slots, kv_len, list(shapes)
-        self.state, self.dstate, self.anchor = new_buffers(config, drafter_config, slots, kv_len, self.dtype)
+        self.deferred_rows = int(deferred_rows)
+        self.state, self.dstate, self.anchor = new_buffers(config, drafter_config, slots, kv_len, self.dtype,
+                                                           self.deferred_rows)
 
     @property
     def overshoot(self) -> int:
@@ -225,12 +230,15 @@ class SpecBackend(Backend):
 
     def __init__(self, config: TargetConfig, graphdef, params, drafter_config: DrafterConfig | TargetConfig, dgraph,
                  dparams, *, mode: str, round_shapes: dict[bool, RoundShape], capacity: int, slots: int, kv_len: int,
-                 shapes: Sequence[tuple[int, int]]):
+                 shapes: Sequence[tuple[int, int]], deferred_rows: int = 0):
         """round_shapes: the frozen round shape of the greedy (False) and the sampling (True) flavour.
         capacity: the batch-wide node budget C. drafter_config: the DSpark drafter's, or the target's own for its
-        MTP head."""
+        MTP head. deferred_rows: as `Backend` (a round commits up to depth + 1 rows: P must hold them)."""
+        depth = round_shapes[False].depth
+        if 0 < deferred_rows < depth + 1:
+            raise ValueError(f"deferred_rows {deferred_rows} cannot hold one round's accepted path ({depth + 1} rows)")
         super().__init__(config, graphdef, params, slots=slots, kv_len=kv_len, shapes=shapes,
-                         drafter_config=drafter_config)
+                         drafter_config=drafter_config, deferred_rows=deferred_rows)
         self.mode, self.dgraph, self.dparams = mode, dgraph, dparams
         self.round_shapes = dict(round_shapes)
         greedy = self.round_shapes[False]

@@ -51,17 +51,23 @@ def _put(full: jax.Array, slots: jax.Array, part: jax.Array, axis: int) -> jax.A
 
 
 def gather_target(state: TargetState, slots: jax.Array, reset: jax.Array) -> TargetState:
+    """The slots' rows; a reset row (a request's first chunk) starts empty — its deferred rows too (zeros: an
+    empty ring), so a slot freed mid-ring carries nothing into the next request; `extend` folds the others'."""
     idx = jnp.minimum(slots, state.batch - 1)
+    pending = None if state.pending is None else jax.tree.map(
+        lambda x: _reset(_rows(x, idx, 1), reset, 1), state.pending)
     return TargetState(ssm=_reset(_rows(state.ssm, idx, 1), reset, 1),
                        conv=_reset(_rows(state.conv, idx, 1), reset, 1),
                        keys=_rows(state.keys, idx, 1), values=_rows(state.values, idx, 1),
-                       lengths=jnp.where(reset, 0, _rows(state.lengths, idx, 0)))
+                       lengths=jnp.where(reset, 0, _rows(state.lengths, idx, 0)), pending=pending)
 
 
 def scatter_target(state: TargetState, slots: jax.Array, sub: TargetState) -> TargetState:
+    pending = None if state.pending is None else jax.tree.map(
+        lambda full, part: _put(full, slots, part, 1), state.pending, sub.pending)
     return TargetState(ssm=_put(state.ssm, slots, sub.ssm, 1), conv=_put(state.conv, slots, sub.conv, 1),
                        keys=_put(state.keys, slots, sub.keys, 1), values=_put(state.values, slots, sub.values, 1),
-                       lengths=_put(state.lengths, slots, sub.lengths, 0))
+                       lengths=_put(state.lengths, slots, sub.lengths, 0), pending=pending)
 
 
 def gather_drafter(dstate: DrafterState | MTPState, slots: jax.Array, reset: jax.Array) -> DrafterState | MTPState:
@@ -125,17 +131,18 @@ def ar_step(graphdef: nnx.GraphDef, params: nnx.State, state: TargetState, ancho
     return jnp.where(active, tok, anchor), state
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "batch", "kv_len", "dtype"))
-def new_buffers(tcfg, dcfg, batch: int, kv_len: int, dtype):
-    """Empty target state, drafter context (None without a drafter; an `MTPState` when dcfg is a TargetConfig:
-    the MTP head's config is the target's) and anchors: one dispatch."""
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "batch", "kv_len", "dtype", "deferred_rows"))
+def new_buffers(tcfg, dcfg, batch: int, kv_len: int, dtype, deferred_rows: int = 0):
+    """Empty target state (deferred_rows > 0: with the deferred commit's rings), drafter context (None without a
+    drafter; an `MTPState` when dcfg is a TargetConfig: the MTP head's config is the target's) and anchors: one
+    dispatch."""
     if dcfg is None:
         dstate = None
     elif isinstance(dcfg, TargetConfig):
         dstate = init_mtp_state(dcfg, batch, kv_len, dtype)
     else:
         dstate = init_drafter_state(dcfg, batch, kv_len, dtype)
-    return init_state(tcfg, batch, kv_len, dtype), dstate, jnp.zeros((batch,), I32)
+    return init_state(tcfg, batch, kv_len, dtype, deferred_rows), dstate, jnp.zeros((batch,), I32)
 
 
 # Anchors are never donated: in plain decoding the anchor array a step returns is also what the host reads, and the

@@ -4,6 +4,10 @@ Given the node each request accepted, one batched op over the stacked GDN layers
 states from the verify factors, S_a = e^{Γ_a} S₀ + Σ_j D_aj k_j V'_jᵀ; the conv windows are gathered from
 the accepted path's raw inputs; the path's attention K/V are compacted to consecutive positions after the
 committed prefix. Rejected branches cost nothing and nothing is rolled back. node = −1 keeps the state.
+
+Deferred commit (`TargetState.pending`, SpecConfig.deferred_rows): the path's factor rows (k_j, V'_j, Γ_j) are
+appended to each slot's ring instead (`gdn.deferred_append`), and no state is written unless a ring could not take
+the path (`state.settle_pending` folds first): ReplaySSM's checkpoint-plus-accepted-steps, for trees as for chains.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import jax.numpy as jnp
 
 from hyspec_jax import gdn, kernels
 from hyspec_jax import tree as tree_lib
-from hyspec_jax.state import TargetState, TreeCache
+from hyspec_jax.state import TargetState, TreeCache, settle_pending
 from hyspec_jax.tree import Tree
 
 
@@ -27,7 +31,14 @@ def commit(state: TargetState, cache: TreeCache, tree: Tree, node: jax.Array, ke
     chex.assert_shape(node, (B,))
     path, length = tree_lib.path_to(tree, node)                                 # [B, d+1], [B]
 
-    if kernel_impl == "reference":
+    pending = None
+    if state.pending is not None:
+        # the factors are relative to the folded state the verify read: fold first if the path may not fit
+        state = settle_pending(state, path.shape[1])
+        ssm = state.ssm
+        pending = jax.vmap(gdn.deferred_append, in_axes=(0, 0, None, None))(state.pending, cache.factors, path,
+                                                                             length)
+    elif kernel_impl == "reference":
         ssm = jax.vmap(gdn.node_state, in_axes=(0, 0, None, None))(state.ssm, cache.factors, cache.mask, node)
     else:
         keys = jnp.moveaxis(cache.factors.keys, 2, 3)          # [Lg,B,N,HV,dk]: expanded keys as key heads
@@ -52,4 +63,5 @@ def commit(state: TargetState, cache: TreeCache, tree: Tree, node: jax.Array, ke
     if cache.keys is not None:
         keys = jax.vmap(place)(state.keys, cache.keys)
         values = jax.vmap(place)(state.values, cache.values)
-    return TargetState(ssm=ssm, conv=conv, keys=keys, values=values, lengths=state.lengths + length)
+    return TargetState(ssm=ssm, conv=conv, keys=keys, values=values, lengths=state.lengths + length,
+                       pending=pending)

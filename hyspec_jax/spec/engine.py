@@ -54,6 +54,9 @@ class SpecConfig:
     confidence_threshold: float | None = None  # chain: DSpark confidence-scheduled length
     method: str = "squaring"                 # tree-solve inverse method
     kernels: str = "auto"                # Pallas top-k, tree solve, tree attention, commit where supported (GPU)
+    # Deferred GDN commit: P accepted rows per slot and GDN layer kept beside a checkpoint state, folded when full
+    # (`TargetState.pending`); 0 = every round writes the state. Must hold a round's path (depth + 1 rows).
+    deferred_rows: int = 0
 
     def __post_init__(self):
         if self.kernels not in KERNEL_IMPLS:
@@ -68,6 +71,8 @@ class SpecConfig:
             raise ValueError("capacity must be >= 1")
         if self.confidence_threshold is not None and not 0.0 <= self.confidence_threshold <= 1.0:
             raise ValueError("confidence_threshold must be in [0, 1]")
+        if self.deferred_rows < 0:
+            raise ValueError("deferred_rows must be >= 0")
 
     @property
     def is_tree(self) -> bool:
@@ -266,7 +271,8 @@ class SpecEngine:
         return SpecBackend(self.config, self.tgraph, self.tparams, self.drafter.config,   # MTP: the target's config
                            self.dgraph, self.dparams,
                            mode=self.spec.mode, round_shapes={s: self.round_shape(s, N) for s in (False, True)},
-                           capacity=self.spec.capacity or slots * N, slots=slots, kv_len=kv_len, shapes=shapes)
+                           capacity=self.spec.capacity or slots * N, slots=slots, kv_len=kv_len, shapes=shapes,
+                           deferred_rows=self.spec.deferred_rows)
 
     def _bucket_for(self, prompts, plist) -> tuple[int, int]:
         """The bucket a request batch runs in: (slots B, KV length S). One rule for `generate` and the profilers."""

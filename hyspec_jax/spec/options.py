@@ -35,6 +35,10 @@ def add_spec_arguments(p, *, default_mode: str | None = None) -> None:
                    "(default: recommended, else --budget-table's B_ver, else chain length + 1 / min(tree nodes, 16))")
     p.add_argument("--budget", type=int, metavar="C", help="batch-wide node budget (default: N x batch slots)")
     p.add_argument("--budget-table", metavar="FILE", help="calibration table from `hyspec calibrate`")
+    p.add_argument("--deferred-rows", type=int, metavar="P", default=0,
+                   help="deferred GDN commit: keep each request's accepted rows (P per GDN layer, at least a "
+                        "round's depth + 1) beside a checkpoint state and write the state only when they run out, "
+                        "instead of every round (default 0: write every round)")
     p.add_argument("--kernels", choices=KERNEL_IMPLS[:2], default="auto",
                    help="tree build, GDN tree verification and commit: auto (default) = the Pallas top-k, "
                         "tree-solve, tree-attention and path-commit kernels on an NVIDIA GPU where the shape is "

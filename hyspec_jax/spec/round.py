@@ -100,7 +100,8 @@ def round_draft(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, 
         return _select(cand, active, capacity, samp, shape)
     with jax.named_scope("drafter_forward"):
         block = drafter.draft(dstate, anchor, heads, state.ssm if shape.reader else None,
-                              num_slots=shape.gamma)   # the slots a chain / tree reads (no unused LM heads)
+                              num_slots=shape.gamma,   # the slots a chain / tree reads (no unused LM heads)
+                              pending=state.pending if shape.reader else None)
     if hint is not None:
         G, V = block.logits.shape[1], block.logits.shape[2]
         h = hint[:, :G]

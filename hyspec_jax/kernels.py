@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from hyspec_jax import cpu_kernels, gdn
 from hyspec_jax.attention import attend_prefix_tree
-from pallas_kernels import gdn_commit, gdn_tree_split_mgpu, gdn_tree_solve, topk
+from pallas_kernels import gdn_commit, gdn_tree_split_mgpu, gdn_tree_solve, tile_dim_ok, topk
 from pallas_kernels import tree_attention as tree_attention_kernel
 from pallas_kernels.gdn_tree_solve import SolveConfig
 
@@ -144,14 +144,15 @@ def _pad_tree(n_pad, q, k, v, g, beta, mask):
     return q, k, v, g, beta, m
 
 
-def _kernel_forward(S0, q, k, v, g, beta, mask, path_nodes, cfg):
+def _kernel_forward(S0, q, k, v, g, beta, mask, path_nodes, cfg, deferred=None):
     config, interpret = cfg
     B, N = q.shape[:2]
     HV = v.shape[2]
     n_pad = _padded_n(N)
     qp, kp, vp, gp, bp, mp = _pad_tree(n_pad, q, k, v, g, beta, mask)
-    o, gamma, vc = gdn_tree_solve.tree_solve_pallas(S0, qp, kp, vp, gp, bp, mp, path_nodes=min(path_nodes, N),
-                                                    config=config, interpret=interpret)
+    o, gamma, vc = gdn_tree_solve.tree_solve_pallas(S0, qp, kp, vp, gp, bp, mp, deferred,
+                                                    path_nodes=min(path_nodes, N), config=config,
+                                                    interpret=interpret)
     if n_pad != N:
         o, gamma, vc = o[:, :N], gamma[..., :N], vc[:, :, :N]
     keys = jnp.moveaxis(_expand(k, HV), 2, 1).astype(F32)       # factors.keys as the reference has them
@@ -229,8 +230,14 @@ def _split_mgpu_refusal(q, v, block_v: int, precision: str | None, impl: Impl) -
 @jax.named_scope("gdn_state")
 def tree_solve(S0, q, k, v, g, beta, mask, path_nodes: int | None = None, *, impl: Impl = "auto",
                method: str = "auto", block_v: int | None = None, precision: str | None = None,
-               reference_method: str = "solve"):
+               reference_method: str = "solve", deferred: gdn.DeferredUpdates | None = None):
     """Closed-form GDN tree solve with gdn.masked_solve's contract; returns (o fp32, SolveFactors).
+
+    deferred: the state is S0 with these committed rows pending (`gdn.DeferredUpdates`, heads first, keys at
+    value heads; the engine's `TargetState.pending` of one layer). The one-launch kernel forms merge them into the
+    state tile they load (`tree_solve_pallas(deferred=...)`: the merged state is never written); everywhere else
+    (reference, the split forms, a ring the kernel does not tile) they are folded first (`gdn.deferred_fold`).
+    The merged kernel path is for serving: not differentiable.
 
     q, k: [B,N,HK,dk] or already expanded [B,N,HV,dk]. impl: "auto" (kernel iff GPU and supported),
     "reference", "pallas" (kernel or ValueError), "interpret" (kernel in Pallas interpret mode, CPU tests).
@@ -242,6 +249,8 @@ def tree_solve(S0, q, k, v, g, beta, mask, path_nodes: int | None = None, *, imp
     """
     N = q.shape[1]
     path_nodes = N if path_nodes is None else int(path_nodes)
+    if deferred is not None and impl == "reference":
+        S0, deferred = gdn.deferred_fold(S0, deferred), None
     if impl == "reference":
         return _reference(S0, q, k, v, g, beta, mask, path_nodes, reference_method)
     if method == "auto":
@@ -258,10 +267,24 @@ def tree_solve(S0, q, k, v, g, beta, mask, path_nodes: int | None = None, *, imp
     elif method == "split_mgpu" and ok and (refusal := _split_mgpu_refusal(q, v, block_v, precision, impl)):
         ok, why = False, refusal
     interpret = _use_kernel(impl, ok, "tree_solve", why)
+    merge = (deferred is not None and interpret is not None and method not in ("split", "split_mgpu")
+             and tile_dim_ok(deferred.row_decay.shape[-1]))
+    if deferred is not None and not merge:
+        S0, deferred = gdn.deferred_fold(S0, deferred), None
     if interpret is None:
         return _reference(S0, q, k, v, g, beta, mask, path_nodes, reference_method)
     config = solve_config(method, block_v, precision or _default_precision(q.dtype))
+    if merge:
+        return _kernel_forward(S0, q, k, v, g, beta, mask, path_nodes, (config, interpret),
+                               _kernel_deferred(deferred, q.shape[2]))
     return _kernel_solve(S0, q, k, v, g, beta, mask, path_nodes, (config, interpret))
+
+
+def _kernel_deferred(pend: gdn.DeferredUpdates, key_heads: int) -> tuple:
+    """`gdn.DeferredUpdates` of one layer in `tree_solve_pallas`' layout: keys [B,P,HK,dk] at the key heads the
+    kernel is given (the rows' keys are the same within a value-head group)."""
+    r = pend.keys.shape[1] // key_heads
+    return (pend.log_decay, pend.row_decay, jnp.moveaxis(pend.keys[:, ::r], 1, 2), pend.values, pend.count)
 
 
 @jax.named_scope("gdn_state")

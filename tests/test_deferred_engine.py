@@ -193,3 +193,27 @@ def test_target_programs_with_rings_equal_eager_unrolled_and_scanned():
         assert [c.tolist() for c in counts] == [[1, 1], [4, 2], [3, 2]]
         for a, b in zip(got, eager):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# The verify's kernel path: the tree-solve kernel merges the rows into its state tile (Pallas interpret mode)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key_heads", [2, 4])      # q/k at key heads (the kernel maps them) or already expanded
+def test_tree_solve_kernel_merges_pending_rows(key_heads):
+    from hyspec_jax import gdn, kernels
+    from tests.test_deferred_commit import expand, random_round, rel
+    B, N, HV, dk, dv, depth, P = 2, 16, 4, 16, 16, 4, 16
+    S_base = jnp.asarray(np.random.default_rng(1).standard_normal((B, HV, dk, dv)) * 0.5, jnp.float32)
+    pend = gdn.deferred_empty(B, HV, P, dk, dv)
+    rng = np.random.default_rng(2)
+    for rnd in range(2):          # round 2 verifies from S_base + round 1's rows (5 and 1 of 16)
+        par, mask, (q, k, v, g, beta) = random_round(30 + rnd, B, N, key_heads, HV, dk, dv, depth)
+        o_ref, fac_ref = gdn.masked_solve(gdn.deferred_fold(S_base, pend), expand(q, HV), expand(k, HV), v, g, beta,
+                                          mask)
+        o, fac = kernels.tree_solve(S_base, q, k, v, g, beta, mask, depth, impl="interpret", method="inverse",
+                                    deferred=pend)
+        assert rel(o, o_ref) < 1e-4 and rel(fac.corrected, fac_ref.corrected) < 1e-4
+        from pallas_kernels import trees
+        path, length = trees.paths_to(par, np.array([int(rng.integers(1, N)), 0]), depth - 1)
+        pend = gdn.deferred_append(pend, fac_ref, jnp.asarray(path), jnp.asarray(length))
+    assert int(pend.count[0]) > 1

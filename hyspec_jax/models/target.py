@@ -19,7 +19,8 @@ from hyspec_jax.config import FULL, LINEAR, TargetConfig
 from hyspec_jax.models.layers import (MLP, Attention, GatedDeltaNet, Linear, RMSNorm, SparseMoe, _normal,
                                       attend, dense)
 from hyspec_jax import tree as tree_lib
-from hyspec_jax.state import TargetState, TreeCache, committed_ssm, empty_pending, settle_pending
+from hyspec_jax.state import (TargetState, TreeCache, committed_ssm, empty_pending, pending_layer,
+                              settle_pending)
 from hyspec_jax.tree import Tree
 
 F32 = jnp.float32
@@ -224,14 +225,15 @@ class TargetModel(nnx.Module):
             qkv = jnp.where(valid[..., None], qkv, 0)
             conv_out = gdn.gathered_conv(qkv, state.conv[j], mix.conv_weight, taps_idx)
             q, k, v, g, beta = mix.mixer_inputs(conv_out, b, a, valid)
-            S0 = committed_ssm(state, j)               # deferred commit: checkpoint + rows, folded on the fly
-            if kernel_impl == "reference":
-                o, fac = gdn.masked_solve(S0, q, k, v, g, beta, mask, method=method,
+            if kernel_impl == "reference":         # deferred commit: checkpoint + rows, folded on the fly
+                o, fac = gdn.masked_solve(committed_ssm(state, j), q, k, v, g, beta, mask, method=method,
                                           path_nodes=tree.envelope.path_nodes)
-            else:
-                o, fac = kernels.tree_solve(S0, q, k, v, g, beta, mask, tree.envelope.path_nodes,
+            else:                                  # the one-launch kernels merge the rows into their state tile
+                o, fac = kernels.tree_solve(state.ssm[j], q, k, v, g, beta, mask, tree.envelope.path_nodes,
                                             impl=kernel_impl, method="neumann" if method == "neumann" else "auto",
-                                            reference_method=method)
+                                            reference_method=method,
+                                            deferred=None if state.pending is None else pending_layer(
+                                                state.pending, j))
             return mix.output(o, z, x.dtype), carry, (fac, qkv)
 
         def attn_mixer(att, h, j, carry):

@@ -110,3 +110,22 @@ def _decode_jaxpr_size(layers: int, scanned: bool) -> int:
 def test_scanned_program_does_not_grow_with_depth():
     assert _decode_jaxpr_size(16, True) == _decode_jaxpr_size(8, True)
     assert _decode_jaxpr_size(16, False) > 1.5 * _decode_jaxpr_size(8, False)
+
+
+def test_scanned_model_shards_like_its_layers():
+    """A scanned parameter takes its layer's rule with the block axis replicated, and the sharded scanned decode
+    equals the single-device one."""
+    from hyspec_jax import sharding as shd
+    cfg = _cfg((LIN, FULL) * 2)
+    model = create_model(cfg, seed=3, scan=True)
+    mesh = shd.make_mesh(1, 2)
+    specs = {".".join(map(str, p)): s.get_value().spec
+             for p, s in nnx.to_flat_state(shd.param_shardings(model, mesh))}
+    assert specs["model.scanned.1.self_attn.q_proj.weight"] == jax.sharding.PartitionSpec(None, "model")
+    assert specs["model.scanned.0.linear_attn.out_proj.weight"] == jax.sharding.PartitionSpec(None, None, "model")
+    g, p = nnx.split(model)
+    state = init_state(cfg, 2, 16)
+    tokens, valid = jnp.ones((2, 3), jnp.int32), jnp.ones((2, 3), bool)
+    want, _ = extend_jit(g, p, state, tokens, valid)
+    got, _ = extend_jit(g, shd.shard_params(model, mesh), init_state(cfg, 2, 16), tokens, valid)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)

@@ -35,7 +35,8 @@ import numpy as np
 from hyspec_jax.spec.stats import prefix_survival   # the engine's statistics (SpecStats) use the same
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "heldout_prompts.npz"
-MODES = ("ar", "chain", "ready", "tree", "tree-ready")
+MODES = ("ar", "chain", "ready", "tree", "tree-ready", "mtp", "mtp-tree")
+DEFAULT_MODES = MODES[:5]   # the MTP modes need a model directory with `mtp.*` tensors
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", required=True, metavar="OUT.json", help="results (a .md report and .png plots next to it)")
     p.add_argument("--model", default=None, help="target directory (default: the embedded model)")
     p.add_argument("--drafter", default=None, help="drafter directory (default: MODEL/drafter)")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=MODES)
     p.add_argument("--batch", nargs="+", type=int, default=[1, 8])
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="prompt pack (.npz: tokens, domain, domains)")
     p.add_argument("--prompts-per-domain", type=int, default=4)
@@ -53,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="float32 (default): greedy output is exactly plain decoding's, so equality is checkable")
     p.add_argument("--tree-depth", type=int, default=None, help="tree levels (default: the drafter's γ)")
+    p.add_argument("--mtp-steps", type=int, default=None,
+                   help="mtp: recursive draft steps of the MTP head (default: the engine's)")
     p.add_argument("--tree-topk", type=int, default=4)
     p.add_argument("--tree-beam", type=int, default=6)
     p.add_argument("--verify-nodes", type=int, default=32, help="tree modes: verified nodes per request (N)")
@@ -87,15 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     tokens, domain, names = load_prompts(a.prompts)
     per = {d: [list(map(int, tokens[i])) for i in np.flatnonzero(domain == k)[:a.prompts_per_domain]]
            for k, d in enumerate(names)}
-    needs_drafter = any(m != "ar" for m in a.modes) or a.sweep_nodes
+    needs_drafter = any(m not in ("ar", "mtp", "mtp-tree") for m in a.modes) or a.sweep_nodes
     target, drafters = load_models(model_dir, drafter_dir, dt, needs_drafter)
-    gamma = drafters[False].config.num_draft_tokens if needs_drafter else 0
+    if any(m in ("mtp", "mtp-tree") for m in a.modes):
+        from hyspec_jax.io.mtp_io import load_mtp
+        drafters["mtp"] = load_mtp(model_dir, target.config, dtype=dt)
+    gamma = drafters[False].config.num_draft_tokens if needs_drafter else (a.tree_depth or 4)
     depth = a.tree_depth or gamma
     params = SamplingParams(max_tokens=a.max_tokens)
 
     def engine(mode: str, batch: int, nodes: int | None = None):
         return make_engine(target, drafters, mode, batch, kernels=a.kernels,
-                           tree=TreeExpansion(depth, a.tree_topk, a.tree_beam), verify_nodes=nodes or a.verify_nodes)
+                           tree=TreeExpansion(depth, a.tree_topk, a.tree_beam), verify_nodes=nodes or a.verify_nodes,
+                           mtp_steps=a.mtp_steps)
 
     def run_pass(eng, batch: int, domains) -> tuple[dict, float]:
         out, secs = {}, {}
@@ -205,12 +212,19 @@ def load_models(model_dir: Path, drafter_dir: Path, dtype, with_drafter: bool) -
     return target, drafters
 
 
-def make_engine(target, drafters: dict, mode: str, batch: int, *, kernels: str, tree, verify_nodes: int):
+def make_engine(target, drafters: dict, mode: str, batch: int, *, kernels: str, tree, verify_nodes: int,
+                mtp_steps: int | None = None):
     """The engine of one benchmarked mode (`tree` / `verify_nodes` used by the tree modes); None for a reader
-    mode when the drafter has no reader."""
+    mode when the drafter has no reader. The MTP modes draft with `drafters["mtp"]`, the model's own head."""
     from hyspec_jax.spec.engine import SpecConfig, SpecEngine
     if mode == "ar":
         return SpecEngine(target, None, SpecConfig(mode="ar"), slots=batch)
+    if mode == "mtp":
+        return SpecEngine(target, drafters["mtp"], SpecConfig(mode=mode, kernels=kernels, chain_length=mtp_steps),
+                          slots=batch)
+    if mode == "mtp-tree":
+        return SpecEngine(target, drafters["mtp"], SpecConfig(mode=mode, kernels=kernels, tree=tree,
+                                                              verify_nodes=verify_nodes), slots=batch)
     d = drafters[mode in ("ready", "tree-ready")]
     if d is None:
         return None

@@ -149,7 +149,7 @@ def _generate(args) -> int:
     dtype = resolve_dtype(args.dtype)
     cfg, model = load_pretrained(model_dir, dtype=dtype)
     stops = tuple(sorted(set(cfg.eos_token_id) | set(special_token_ids(model_dir))))
-    gen = Generator.from_model(model)
+    gen = Generator.from_model(model, getattr(args, "deferred_rows", 0) or 0)
     engine = engine_from_args(args, model, model_dir, dtype, batch=len(prompts))   # None: plain decoding
     encoded = [tokenizer.encode(p).ids for p in prompts]
     params = [SamplingParams(max_tokens=base.max_tokens, temperature=base.temperature, top_p=base.top_p,

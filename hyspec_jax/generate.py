@@ -60,9 +60,14 @@ class Generator:
     """Batched autoregressive generation with a target model split into (graphdef, params): a synchronous driver
     of the request loop (`hyspec_jax.runtime`) over an `ARBackend`."""
 
-    def __init__(self, config: TargetConfig, graphdef: nnx.GraphDef, params: nnx.State):
+    def __init__(self, config: TargetConfig, graphdef: nnx.GraphDef, params: nnx.State, deferred_rows: int = 0):
+        """deferred_rows: P > 0 — a decoding step appends its GDN rows to each slot's ring and writes the states only
+        when a ring is full (`TargetState.pending`); 0 — every step writes them."""
         # cheap to pass on every step: GraphDef hashed once, params a plain dict (hyspec_jax.compilation)
         self.config, self.graphdef, self.params = config, static_graphdef(graphdef), pure_params(params)
+        if deferred_rows < 0:
+            raise ValueError("deferred_rows must be >= 0")
+        self.deferred_rows = int(deferred_rows)
         leaves = jax.tree.leaves(params)
         self.dtype = leaves[0].dtype if leaves else jnp.float32
         self.watch = CompileWatch()
@@ -73,18 +78,18 @@ class Generator:
         return self.watch.since
 
     @classmethod
-    def from_model(cls, model) -> "Generator":
+    def from_model(cls, model, deferred_rows: int = 0) -> "Generator":
         graphdef, params = nnx.split(model)
-        return cls(model.config, graphdef, params)
+        return cls(model.config, graphdef, params, deferred_rows)
 
     def new_state(self, batch: int, max_len: int) -> TargetState:
-        return init_state(self.config, batch, max_len, self.dtype)
+        return init_state(self.config, batch, max_len, self.dtype, self.deferred_rows)
 
     def backend(self, slots: int, kv_len: int, shapes: Sequence[tuple[int, int]] | None = None) -> ARBackend:
         """A backend for the bucket (slots, KV length); prefill shapes default to all `slots` rows of every prompt
         bucket the KV length holds."""
         return ARBackend(self.config, self.graphdef, self.params, slots=slots, kv_len=kv_len,
-                         shapes=shapes or batch_shapes(slots, kv_len - 1))
+                         shapes=shapes or batch_shapes(slots, kv_len - 1), deferred_rows=self.deferred_rows)
 
     def compile_buckets(self, buckets: Iterable[tuple[int, int]], prompt_lengths: Sequence[int] | None = None,
                         progress: bool = True, cache: bool = True, stochastic: Sequence[bool] = (False, True)) -> int:

@@ -226,7 +226,7 @@ def build_backend(args, target, model_dir: Path, max_model_len: int):
     if engine is None:
         if args.drafter and args.spec_mode == "ar":
             raise ValueError("--drafter is only used with a speculative --spec-mode (chain, ready, tree, tree-ready)")
-        return Generator.from_model(target).backend(args.max_batch, max_model_len, shapes)
+        return Generator.from_model(target, args.deferred_rows or 0).backend(args.max_batch, max_model_len, shapes)
     return engine.backend(args.max_batch, max_model_len + engine.overshoot, shapes)
 
 

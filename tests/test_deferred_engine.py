@@ -26,8 +26,8 @@ ROWS = 8     # depth 4: a round appends ≤ 5 rows, so the ring folds about ever
 _committed = jax.jit(lambda st: fold_pending(st).ssm)
 
 
-def _recording(eng: SpecEngine, log: list, states: list | None = None):
-    """Record, before every round, each slot's pending row count and whether it is active (and into `states`
+def _recording(eng, log: list, states: list | None = None):
+    """Wrap the backends `eng.backend` makes (a SpecEngine, a Generator) to record, before every step, each slot's pending row count and whether it is active (and into `states`
     the committed GDN states: checkpoints folded with their rows)."""
     make = eng.backend
 
@@ -76,6 +76,23 @@ def test_deferred_greedy_equals_autoregressive(mode, hinted, models, reference):
         assert _drops(log) >= 3, log
         # slots at different fold phases in one round
         assert any(len(set(c[a].tolist())) > 1 for c, a in log), log
+
+
+def test_deferred_plain_decoding_equals_autoregressive(models, reference):
+    """`ar` with a 4-row ring: each step appends one row per GDN layer, the batch folds every ~4 steps, and the
+    committed states equal the eager decoder's before every step (state oracle: the model-level test below)."""
+    target, _ = models
+    prompts, params, ref = reference
+    log, states, eager_log, eager_states = [], [], [], []
+    eng = SpecEngine(target, None, SpecConfig(mode="ar", deferred_rows=4), slots=SLOTS, kv_len=KV)
+    _recording(eng._ar, log, states)
+    assert [r.token_ids for r in eng.generate(prompts, params)] == ref
+    eager = SpecEngine(target, None, SpecConfig(mode="ar"), slots=SLOTS, kv_len=KV)
+    _recording(eager._ar, eager_log, eager_states)
+    eager.generate(prompts, params)
+    assert len(states) == len(eager_states) and _drops(log) >= 3 and max(c.max() for c, _ in log) == 4
+    for s, e in zip(states, eager_states):
+        np.testing.assert_allclose(s, e, rtol=1e-5, atol=1e-6)
 
 
 def test_slot_reused_after_a_request_ends_mid_ring(models, reference):
@@ -217,3 +234,13 @@ def test_tree_solve_kernel_merges_pending_rows(key_heads):
         path, length = trees.paths_to(par, np.array([int(rng.integers(1, N)), 0]), depth - 1)
         pend = gdn.deferred_append(pend, fac_ref, jnp.asarray(path), jnp.asarray(length))
     assert int(pend.count[0]) > 1
+
+
+def test_rings_shard_like_the_state():
+    """sharding.STATE_RULES covers the rings: slots over "data", GDN value heads over "model", as `ssm`."""
+    from hyspec_jax import sharding
+    from tests.test_engine import TCFG
+    mesh = sharding.make_mesh(2, 2)
+    sh = sharding.state_shardings(TCFG, jax.eval_shape(lambda: init_state(TCFG, 4, 16, deferred_rows=8)), mesh)
+    assert tuple(sh.pending.keys.spec)[:3] == tuple(sh.ssm.spec)[:3] == (None, "data", "model")
+    assert tuple(sh.pending.count.spec) == (None, "data")

@@ -159,7 +159,7 @@ class SpecEngine:
         self.watch = CompileWatch()
         if spec.mode == "ar":
             self.drafter = None
-            self._ar = Generator(self.config, self.tgraph, self.tparams)
+            self._ar = Generator(self.config, self.tgraph, self.tparams, deferred_rows=spec.deferred_rows)
             self._gamma, self._tree, self._default_nodes = 0, None, 1
             return
         if drafter is None:

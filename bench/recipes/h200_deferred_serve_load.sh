@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# On the H200: the deferred GDN commit (`--deferred-rows P`) against the eager commit, end to end through the server.
+# For each mode, one server per ring size (P = 0: eager; default P = 32, from bench/results/kernels/deferred_h200.md:
+# the 32-row ring beat the 16-row one and the eager commit at B 1 / 8 / 32), up side by side (each with a fifth of the
+# GPU memory) and driven by this checkout's serve_load, alternated twice, at concurrency 1 / 8 / 32 (the embedded
+# model and drafter, greedy). The server's packages travel as wheels:
+#   here:           bash bench/recipes/serve_wheels.sh download          (then carry .whl)
+#   on the H200:    bash bench/recipes/h200_deferred_serve_load.sh       (MODES="ar chain tree-ready", ROWS="0 32")
+set -uo pipefail
+source bench/recipes/serve_wheels.sh install .whl || exit 1
+source bench/recipes/lib.sh
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.2
+SERVE=(--port 0 --max-batch 32 --max-queue 256 --max-model-len 1024 --prefill-chunk 128)
+LOAD=(--concurrency 1,8,32 --num-requests 64 --max-tokens 64)
+
+start() {   # start MODE ROWS LOG -> prints the port
+  (export PYTHONPATH=/tmp/site && source bench/recipes/lib.sh && exec python3 -m hyspec_jax.serve "${SERVE[@]}" \
+    --spec-mode "$1" --deferred-rows "$2") > "$3" 2>&1 &
+  echo $! > "$3.pid"
+  for _ in $(seq 600); do
+    p=$(grep -o "on http://127.0.0.1:[0-9]*" "$3" | head -1 | grep -o "[0-9]*$") && [ -n "$p" ] && { echo "$p"; return; }
+    kill -0 "$(cat "$3.pid")" 2>/dev/null || { tail -5 "$3" >&2; return 1; }
+    sleep 1
+  done
+  return 1
+}
+
+for mode in ${MODES:-ar chain tree-ready}; do
+  declare -A PORT=()
+  for rows in ${ROWS:-0 32}; do
+    PORT[$rows]=$(start "$mode" "$rows" "$OUT/server_${mode}_p$rows.log") || exit 1
+  done
+  for rep in 1 2; do
+    for rows in ${ROWS:-0 32}; do
+      python3 -m hyspec_jax.bench.serve_load --url "http://127.0.0.1:${PORT[$rows]}" "${LOAD[@]}" \
+        --json "$OUT/serve_load_${mode}_p${rows}_$rep.json" 2>&1 | tail -4
+    done
+  done
+  for rows in ${ROWS:-0 32}; do kill -TERM "$(cat "$OUT/server_${mode}_p$rows.log.pid")"; done
+  wait
+  unset PORT
+done

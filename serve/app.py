@@ -20,11 +20,11 @@ import random
 import time
 import uuid
 from collections import deque
-from typing import AsyncIterator
+from typing import AsyncGenerator, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
@@ -36,7 +36,7 @@ from hyspec_jax.serve.protocol import (APIError, ChatCompletionRequest, Completi
                                        Message, TokenizeRequest, error_body, unknown_fields, unsupported,
                                        validation_error)
 from hyspec_jax.serve.text import ChoiceText
-from hyspec_jax.serve.transport import SCOPE_REQUEST_ID, SCOPE_TOKENS, FrontDoor
+from hyspec_jax.serve.transport import SCOPE_BODY_SEND, SCOPE_REQUEST_ID, SCOPE_TOKENS, FrontDoor
 
 log = logging.getLogger("hyspec.serve")
 
@@ -79,8 +79,11 @@ class GenParams:
     return_token_ids: bool
 
 
+_json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(ensure_ascii=False) builds an encoder per call
+
+
 def _sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + _json(obj).encode() + b"\n\n"
 
 
 class ChunkTemplate:
@@ -95,7 +98,30 @@ class ChunkTemplate:
         self.pre, self.post = b"data: " + pre.encode(), post.encode() + b"\n\n"
 
     def __call__(self, choice: dict) -> bytes:
-        return self.pre + json.dumps(choice, ensure_ascii=False).encode() + self.post
+        return self.pre + _json(choice).encode() + self.post
+
+
+class EventStream(Response):
+    """An SSE response of an async iterator of chunks. Unlike Starlette's StreamingResponse it runs no second task
+    listening for the disconnect (`OpenAIServer.events` watches for it and ends the stream) and sends its chunks
+    to the front door's `send` (`SCOPE_BODY_SEND`), past the wrappers that look at the response start only; the
+    start and the last message go down the whole chain."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncGenerator[bytes, None]):
+        self.chunks, self.status_code, self.background = chunks, 200, None
+        self.init_headers({"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        body = scope.get(SCOPE_BODY_SEND, send)
+        try:
+            async for chunk in self.chunks:
+                await body({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            await self.chunks.aclose()       # its cleanup (aborting what still runs) now, not at garbage collection
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class Handoff:
@@ -474,7 +500,7 @@ class OpenAIServer:
                 yield _sse(e.body())
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return EventStream(stream())
 
     # --- /v1/chat/completions ------------------------------------------------------------------------------
     async def chat_completions(self, request: Request, req: ChatCompletionRequest):
@@ -563,7 +589,7 @@ class OpenAIServer:
                 yield _sse(e.body())
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return EventStream(stream())
 
     # --- small endpoints ---------------------------------------------------------------------------------
     def model_card(self) -> dict:

@@ -1,10 +1,15 @@
-"""What sits between the socket and the routes: a read deadline on uvicorn's h11 connections, and one ASGI
+"""What sits between the socket and the routes: a read deadline on uvicorn's HTTP/1.1 connections, and one ASGI
 middleware for the API key, the body size limit, the request id and the access log.
 
 uvicorn closes an idle keep-alive connection (`timeout_keep_alive`) but starts no timer while a request is being
 received: a client that sends half a request head, or a body shorter than its Content-Length, would hold its
 connection forever. `read_deadline_protocol` closes a connection whose request is not fully received within
 `read_timeout` seconds of its first byte (of the connection, for its first request).
+
+The protocol is uvicorn's httptools one (llhttp, in C) where httptools is installed, else its h11 one: a streamed
+response writes one chunk per token step, and h11's pure-Python state machine costs several times httptools' per
+chunk on the event loop. The request head limit (`h11_max_incomplete_event_size`, `--max-header-bytes`) is h11's
+own; on httptools it is enforced here, with h11's answer (400, connection closed).
 """
 
 from __future__ import annotations
@@ -18,7 +23,13 @@ import uuid
 from typing import Callable
 
 import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
+
+try:
+    import httptools
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:          # uvicorn without its [standard] extras: h11 only
+    httptools = None
 
 log = logging.getLogger("hyspec.serve")
 access_log = logging.getLogger("hyspec.serve.access")
@@ -26,15 +37,44 @@ access_log = logging.getLogger("hyspec.serve.access")
 REQUEST_ID = "x-request-id"
 SCOPE_TOKENS = "hyspec.tokens"          # (prompt, completion) tokens of a generation, set by the route
 SCOPE_REQUEST_ID = "hyspec.request_id"
+SCOPE_BODY_SEND = "hyspec.body_send"    # the server's own `send`, for a streamed response's body messages
 
 
-def read_deadline_protocol(read_timeout: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a deadline on receiving each request (head and body)."""
+class _ReadDeadline:
+    """The deadline timer of a connection protocol (mixed into uvicorn's; `loop`, `transport` are theirs)."""
 
-    class ReadDeadlineH11Protocol(H11Protocol):
+    read_timeout: float
+    _deadline: asyncio.TimerHandle | None = None
+
+    def _arm(self) -> None:
+        if self._deadline is None:
+            self._deadline = self.loop.call_later(self.read_timeout, self._expire)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():
+            log.info("closing a connection whose request did not arrive within %gs", self.read_timeout)
+            self.transport.close()
+
+
+class _HeadTooLarge(Exception):
+    pass
+
+
+def read_deadline_protocol(read_timeout: float, prefer_httptools: bool = True) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP/1.1 protocol (httptools where installed and preferred, else h11) with a deadline on
+    receiving each request (head and body)."""
+    if prefer_httptools and httptools is not None:
+        return _httptools_protocol(read_timeout)
+
+    class ReadDeadlineH11Protocol(_ReadDeadline, H11Protocol):
         def connection_made(self, transport: asyncio.Transport) -> None:   # type: ignore[override]
             super().connection_made(transport)
-            self._deadline: asyncio.TimerHandle | None = None
             self._arm()
 
         def data_received(self, data: bytes) -> None:
@@ -51,22 +91,52 @@ def read_deadline_protocol(read_timeout: float) -> type[H11Protocol]:
             self._disarm()
             super().connection_lost(exc)
 
-        def _arm(self) -> None:
-            if self._deadline is None:
-                self._deadline = self.loop.call_later(read_timeout, self._expire)
-
-        def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
-
-        def _expire(self) -> None:
-            self._deadline = None
-            if not self.transport.is_closing():
-                log.info("closing a connection whose request did not arrive within %gs", read_timeout)
-                self.transport.close()
-
+    ReadDeadlineH11Protocol.read_timeout = read_timeout
     return ReadDeadlineH11Protocol
+
+
+def _httptools_protocol(read_timeout: float) -> type[asyncio.Protocol]:
+    class ReadDeadlineHttpToolsProtocol(_ReadDeadline, HttpToolsProtocol):
+        # llhttp calls on_message_begin at a request's first byte and on_message_complete after its last body
+        # byte: the deadline runs in between (and from the connection's start until its first request begins)
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            limit = self.config.h11_max_incomplete_event_size
+            self._max_head = DEFAULT_MAX_INCOMPLETE_EVENT_SIZE if limit is None else limit
+            self._head = 0
+
+        def connection_made(self, transport: asyncio.Transport) -> None:   # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._head = 0
+            self._arm()
+
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def _count(self, n: int) -> None:
+            self._head += n
+            if self._head > self._max_head:
+                raise _HeadTooLarge()     # the parser raises HttpParserCallbackError: uvicorn answers 400, closes
+
+        def on_message_complete(self) -> None:
+            self._disarm()
+            super().on_message_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    ReadDeadlineHttpToolsProtocol.read_timeout = read_timeout
+    return ReadDeadlineHttpToolsProtocol
 
 
 class BodyTooLarge(Exception):
@@ -84,7 +154,12 @@ async def _send_json(send, status: int, body: dict, headers: list[tuple[bytes, b
 class FrontDoor:
     """Pure ASGI middleware (outermost): request id (the client's `X-Request-Id` or a new one, echoed in the
     response), Bearer API key on /v1/* (401), request body limit (413), one access-log line per request
-    (method, path, status, prompt + completion tokens, latency) and the status of every error response."""
+    (method, path, status, prompt + completion tokens, latency) and the status of every error response.
+
+    It also leaves the `send` it was given in the scope (`SCOPE_BODY_SEND`): a streamed response, once its start
+    went down the whole chain, sends its chunks there (its last message goes down the chain again). The layers
+    between here and the route (this one, CORS, Starlette's exception handlers) act on the start message only, and
+    a token stream's chunks would otherwise pass each of their wrappers one by one."""
 
     def __init__(self, app, *, api_key: str | None, max_body_bytes: int, log_requests: bool,
                  on_error: Callable[[int], None], error_body: Callable[[int, str], dict]):
@@ -98,6 +173,7 @@ class FrontDoor:
         headers = dict(scope.get("headers") or [])
         rid = headers.get(REQUEST_ID.encode(), b"").decode("latin-1")[:128] or uuid.uuid4().hex
         scope[SCOPE_REQUEST_ID] = rid
+        scope[SCOPE_BODY_SEND] = send
         extra = [(REQUEST_ID.encode(), rid.encode("latin-1"))]
         status = {"code": 0}
 

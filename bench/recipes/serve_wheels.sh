@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The server's Python packages as wheels that travel with a GPU run (the GPU machine has no network; its image
 # lacks fastapi, starlette, uvicorn, pydantic, pydantic-core, ...; uvloop travels too: without it uvicorn runs on
-# plain asyncio). The versions are those of the project venv that passed tests/test_server.py; CPython 3.12,
-# manylinux x86_64 (the GPU image's Python).
+# plain asyncio; httptools too: without it uvicorn speaks HTTP through h11, slower per streamed chunk). The versions
+# are those of the project venv that passed tests/test_server.py; CPython 3.12, manylinux x86_64 (the GPU image's
+# Python).
 #   here (network):        bash bench/recipes/serve_wheels.sh download [DIR]     (default DIR: .whl)
 #   on the GPU machine:    source bench/recipes/serve_wheels.sh install [DIR]    (installs into /tmp/site and
 #                          puts it on PYTHONPATH; DIR must travel with the run: `carry` it)
@@ -10,7 +11,7 @@ WHEELS=(fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 pydantic==2.14.4 pyda
         annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5 typing_extensions==4.16.0
         h11==0.16.0 anyio==4.16.0 sniffio==1.3.1 httpx==0.29.0 httpcore==1.0.9 idna==3.21
         certifi==2026.10.19.post1 click==8.5.1 prometheus_client==0.26.0 Jinja2==3.1.6 MarkupSafe==3.0.4
-        opentelemetry-api==1.45.3 uvloop==0.23.0)
+        opentelemetry-api==1.45.3 uvloop==0.23.0 httptools==0.9.0)
 _cmd=${1:-}
 _dir=${2:-.whl}
 case "$_cmd" in
@@ -22,7 +23,7 @@ case "$_cmd" in
   install)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       --find-links "$_dir" "$_dir"/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" \
-      && python3 -c "import fastapi, uvicorn, uvloop, pydantic, httpx, prometheus_client, jinja2" ;;
+      && python3 -c "import fastapi, uvicorn, uvloop, httptools, pydantic, httpx, prometheus_client, jinja2" ;;
   *)
     echo "usage: serve_wheels.sh download|install [DIR]" >&2; false ;;
 esac

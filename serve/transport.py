@@ -98,20 +98,30 @@ def read_deadline_protocol(read_timeout: float, prefer_httptools: bool = True) -
 def _httptools_protocol(read_timeout: float) -> type[asyncio.Protocol]:
     class ReadDeadlineHttpToolsProtocol(_ReadDeadline, HttpToolsProtocol):
         # llhttp calls on_message_begin at a request's first byte and on_message_complete after its last body
-        # byte: the deadline runs in between (and from the connection's start until its first request begins)
+        # byte: the deadline runs in between (and from the connection's start until its first request begins).
+        # The head limit, two ways: the bytes of a head still incomplete after a read (httptools buffers a header
+        # until its end, so a never-ending one would grow until the deadline), and the url and headers of a
+        # complete one (both reset per request)
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             limit = self.config.h11_max_incomplete_event_size
             self._max_head = DEFAULT_MAX_INCOMPLETE_EVENT_SIZE if limit is None else limit
-            self._head = 0
+            self._in_head, self._head_read, self._head_parsed = True, 0, 0
 
         def connection_made(self, transport: asyncio.Transport) -> None:   # type: ignore[override]
             super().connection_made(transport)
             self._arm()
 
+        def data_received(self, data: bytes) -> None:
+            in_head = self._in_head
+            super().data_received(data)
+            if in_head and self._in_head and not self.transport.is_closing():
+                self._head_read += len(data)
+                if self._head_read > self._max_head:
+                    self.send_400_response("Request head too large.")   # writes, then closes
+
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._head = 0
             self._arm()
 
         def on_url(self, url: bytes) -> None:
@@ -123,12 +133,17 @@ def _httptools_protocol(read_timeout: float) -> type[asyncio.Protocol]:
             super().on_header(name, value)
 
         def _count(self, n: int) -> None:
-            self._head += n
-            if self._head > self._max_head:
-                raise _HeadTooLarge()     # the parser raises HttpParserCallbackError: uvicorn answers 400, closes
+            self._head_parsed += n
+            if self._head_parsed > self._max_head:
+                raise _HeadTooLarge()   # feed_data raises HttpParserCallbackError: uvicorn answers 400, closes
+
+        def on_headers_complete(self) -> None:
+            self._in_head, self._head_read, self._head_parsed = False, 0, 0
+            super().on_headers_complete()
 
         def on_message_complete(self) -> None:
             self._disarm()
+            self._in_head = True
             super().on_message_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:

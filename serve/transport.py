@@ -106,16 +106,17 @@ def _httptools_protocol(read_timeout: float) -> type[asyncio.Protocol]:
             super().__init__(*args, **kwargs)
             limit = self.config.h11_max_incomplete_event_size
             self._max_head = DEFAULT_MAX_INCOMPLETE_EVENT_SIZE if limit is None else limit
-            self._in_head, self._head_read, self._head_parsed = True, 0, 0
+            self._in_head, self._head_read, self._head_parsed, self._heads = True, 0, 0, 0
 
         def connection_made(self, transport: asyncio.Transport) -> None:   # type: ignore[override]
             super().connection_made(transport)
             self._arm()
 
         def data_received(self, data: bytes) -> None:
-            in_head = self._in_head
+            in_head, heads = self._in_head, self._heads
             super().data_received(data)
-            if in_head and self._in_head and not self.transport.is_closing():
+            # all of it head bytes: in a head before and after, and no head completed in between
+            if in_head and self._in_head and heads == self._heads and not self.transport.is_closing():
                 self._head_read += len(data)
                 if self._head_read > self._max_head:
                     self.send_400_response("Request head too large.")   # writes, then closes
@@ -139,6 +140,7 @@ def _httptools_protocol(read_timeout: float) -> type[asyncio.Protocol]:
 
         def on_headers_complete(self) -> None:
             self._in_head, self._head_read, self._head_parsed = False, 0, 0
+            self._heads += 1
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:

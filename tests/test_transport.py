@@ -136,3 +136,12 @@ def test_httptools_refuses_a_complete_head_over_the_limit():
         await task
         return out
     assert asyncio.run(main()).startswith(b"HTTP/1.1 400")
+
+
+def test_a_whole_request_in_one_read_is_not_a_long_head(port):
+    """A request whose head and body (over the head limit) arrive in one read is served."""
+    body = b"b" * (HEAD_LIMIT * 4)
+    with _connect(port) as s:
+        s.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        out = _read_response(s)
+        assert out.startswith(b"HTTP/1.1 200") and b"3:%d;" % len(body) in out

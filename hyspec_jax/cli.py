@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hyspec_jax.compilation import enable_compilation_cache
 from hyspec_jax.config import ConfigError
-from hyspec_jax.launch import UsageError, engine_from_args, resolve_model_dir
+from hyspec_jax.launch import UsageError, engine_from_args, resolve_model_dir, shard_target
 
 
 def _fail(msg: str) -> "NoReturn":  # noqa: F821
@@ -148,6 +148,7 @@ def _generate(args) -> int:
     from hyspec_jax.config import resolve_dtype
     dtype = resolve_dtype(args.dtype)
     cfg, model = load_pretrained(model_dir, dtype=dtype)
+    shard_target(model, args.tensor_parallel_size)
     stops = tuple(sorted(set(cfg.eos_token_id) | set(special_token_ids(model_dir))))
     gen = Generator.from_model(model, getattr(args, "deferred_rows", 0) or 0)
     engine = engine_from_args(args, model, model_dir, dtype, batch=len(prompts))   # None: plain decoding
@@ -243,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (prompt i uses S+i)")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="parameter dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="shard the target over N devices (heads, MLP, experts; default 1)")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming text")
     g.add_argument("--stats", action="store_true", help="after generating, print acceptance statistics to stderr "
                    "(mode, rounds, tau, accepted per position, prefix survival, tokens/s, compilations after "

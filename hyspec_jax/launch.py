@@ -109,3 +109,20 @@ def _mtp_engine(args, model, model_dir, dtype):
     table = BudgetTable.load(table_path) if table_path else None
     return SpecEngine(model, head, spec, slots=getattr(args, "slots", None), budget_table=table,
                       model_name=model_id(model.config, Path(model_dir).name))
+
+
+def shard_target(model, tensor_parallel: int) -> None:
+    """`--tensor-parallel-size N` (N > 1): the target's weights sharded in place over a (1, N) mesh of the first N
+    devices (`sharding.PARAM_RULES`); the request loop's buffers and a drafter follow the weights
+    (`sharding.place_buffers`), so every program runs over the mesh."""
+    import jax
+    from flax import nnx
+
+    from hyspec_jax import sharding as shd
+    if tensor_parallel < 1:
+        raise UsageError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel}")
+    if tensor_parallel > jax.device_count():
+        raise UsageError(f"--tensor-parallel-size {tensor_parallel} but only {jax.device_count()} "
+                         f"{jax.default_backend()} device(s) are visible")
+    if tensor_parallel > 1:
+        nnx.update(model, shd.shard_params(model, shd.make_mesh(1, tensor_parallel)))

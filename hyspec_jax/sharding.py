@@ -391,3 +391,31 @@ __all__ = ["DATA", "MODEL", "LOGICAL_AXIS_RULES", "PARAM_RULES", "STATE_RULES", 
            "make_mesh", "logical_units", "logical_to_spec", "param_rule", "param_spec", "param_shardings",
            "shard_params", "state_shardings", "shard_state", "init_state_sharded", "cache_shardings",
            "batch_sharding", "jit_extend", "jit_verify", "describe"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Placement that follows the weights (the request loop's buffers, a drafter)
+# ------------------------------------------------------------------------------------------------
+def params_mesh(params) -> Mesh | None:
+    """The mesh the target's weights are sharded over (`shard_params`), or None when they sit on one device:
+    the request loop places its buffers to match, and every jitted program then runs over the mesh."""
+    for x in jax.tree.leaves(params):
+        sh = getattr(x, "sharding", None)
+        if isinstance(sh, NamedSharding) and sh.mesh.size > 1:
+            return sh.mesh
+    return None
+
+
+def replicate(tree, mesh: Mesh):
+    """Every leaf replicated over the mesh (a drafter beside a tensor-parallel target)."""
+    return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+def place_buffers(config: TargetConfig, params, state: TargetState, *others):
+    """(state, *others) placed like the weights `params`: the state by `STATE_RULES`, the others replicated;
+    unchanged when the weights sit on one device."""
+    mesh = params_mesh(params)
+    if mesh is None:
+        return (state, *others)
+    return (jax.device_put(state, state_shardings(config, state, mesh)),
+            *(None if o is None else replicate(o, mesh) for o in others))

@@ -28,6 +28,7 @@ import numpy as np
 
 from hyspec_jax.config import DrafterConfig, TargetConfig
 from hyspec_jax.runtime.programs import ar_prefill_jit, ar_step_jit, new_buffers, spec_prefill_jit
+from hyspec_jax.sharding import place_buffers
 from hyspec_jax.sampling import SlotSampling
 from hyspec_jax.spec.round import RoundShape, pack_round_inputs, spec_round_io_jit, unpack_round_outputs
 
@@ -127,8 +128,8 @@ class Backend(abc.ABC):
         self.dtype = leaves[0].dtype if leaves else F32
         self.slots, self.kv_len, self.shapes = slots, kv_len, list(shapes)
         self.deferred_rows = int(deferred_rows)
-        self.state, self.dstate, self.anchor = new_buffers(config, drafter_config, slots, kv_len, self.dtype,
-                                                           self.deferred_rows)
+        self.state, self.dstate, self.anchor = place_buffers(
+            config, params, *new_buffers(config, drafter_config, slots, kv_len, self.dtype, self.deferred_rows))
 
     @property
     def overshoot(self) -> int:

@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from hyspec_jax.compilation import CompileWatch, split_for_jit
+from hyspec_jax.sharding import params_mesh, replicate
 from hyspec_jax.generate import Generator, use_compilation_cache, validate_prompts
 from hyspec_jax.models.drafter import Drafter
 from hyspec_jax.models.target import TargetModel
@@ -183,6 +184,8 @@ class SpecEngine:
             drafter = _without_reader(drafter)
         self.drafter = drafter
         self.dgraph, self.dparams = split_for_jit(drafter)
+        if (mesh := params_mesh(self.tparams)) is not None:      # beside a tensor-parallel target
+            self.dparams = replicate(self.dparams, mesh)
         gamma = dcfg.num_draft_tokens
         if spec.is_tree:
             tspec = spec.tree or TreeExpansion(depth=min(gamma, 4), top_k=2, beam=4)
@@ -208,6 +211,8 @@ class SpecEngine:
             raise ValueError("the MTP head was built for another target geometry")
         self.drafter = head
         self.dgraph, self.dparams = split_for_jit(head)
+        if (mesh := params_mesh(self.tparams)) is not None:      # beside a tensor-parallel target
+            self.dparams = replicate(self.dparams, mesh)
         if spec.is_tree:
             tspec = spec.tree or TreeExpansion(depth=4, top_k=2, beam=4)
             if tspec.top_k > self.config.vocab_size:

@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, metavar="S",
                    help="seed of the requests that send none (default: a random seed per request)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="devices per model replica; only 1 is served today (checked against the devices)")
+                   help="devices the model is sharded over (tensor parallel: heads, MLP, experts; default 1)")
     p.add_argument("--gpu-memory-utilization", type=float, metavar="F",
                    help="fraction of GPU memory JAX preallocates (XLA_PYTHON_CLIENT_MEM_FRACTION; default JAX's)")
     p.add_argument("--max-logprobs", type=int, default=20, metavar="K",
@@ -176,9 +176,6 @@ def check_devices(tp: int) -> None:
     n = len(jax.devices())
     if tp > n:
         raise ValueError(f"--tensor-parallel-size {tp} but only {n} {jax.default_backend()} device(s) are visible")
-    if tp > 1:
-        raise ValueError(f"--tensor-parallel-size {tp}: sharded serving is not implemented yet (one device per "
-                         "server; run one server per device)")
 
 
 class CompileCounter:
@@ -239,7 +236,7 @@ def run(args) -> int:
     from hyspec_jax.compilation import enable_compilation_cache
     from hyspec_jax.config import TargetConfig, resolve_dtype
     from hyspec_jax.io.hf import load_pretrained
-    from hyspec_jax.launch import resolve_model_dir
+    from hyspec_jax.launch import resolve_model_dir, shard_target
     from hyspec_jax.runtime.scheduler import Scheduler
     from hyspec_jax.runtime.scoring import Scorer
     from hyspec_jax.serve.app import FrontOptions, OpenAIServer, ServedModel, build_app
@@ -259,6 +256,7 @@ def run(args) -> int:
     counter = CompileCounter()
     t0 = time.perf_counter()
     cfg, target = load_pretrained(model_dir, dtype=dtype)
+    shard_target(target, args.tensor_parallel_size)      # the loop's buffers and the scorer follow the weights
     backend = build_backend(args, target, model_dir, max_model_len)
     _progress(f"loaded {model_dir} ({cfg.model_type}, {cfg.num_hidden_layers} layers) in "
               f"{time.perf_counter() - t0:.1f}s; mode {backend.mode}, {backend.slots} slots, context "

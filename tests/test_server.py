@@ -995,7 +995,7 @@ def test_stalled_clients_are_closed_and_the_connection_cap_answers_503(server):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2"),
+    (["--tensor-parallel-size", "64"], "--tensor-parallel-size 64 but only"),
     (["--speculative-config", "{bad"], "--speculative-config is not valid JSON"),
     (["--speculative-config", '{"method": "medusa"}'], "method 'medusa' is not one of"),
     (["--speculative-config", '{"method": "chain"}', "--spec-mode", "tree"], "disagrees with --spec-mode"),

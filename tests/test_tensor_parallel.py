@@ -73,3 +73,21 @@ def test_generate_cli_tensor_parallel(capsys):
         cli.main(argv[:1] + ["--tensor-parallel-size", "64"] + argv[1:])
     assert exit_info.value.code != 0
     assert "--tensor-parallel-size 64 but only" in capsys.readouterr().err
+
+
+def test_server_backend_tensor_parallel(reference):
+    """The server's engine over a tensor-parallel target (`hyspec serve -tp 2` shards before building it): the
+    request loop gives the same greedy tokens as one device."""
+    import argparse
+
+    from hyspec_jax.runtime.scheduler import run_batch
+    from hyspec_jax.serve import server
+    ar, chain, _ = reference
+    p = argparse.ArgumentParser()
+    server.add_arguments(p)
+    args = p.parse_args(["--spec-mode", "chain", "--max-batch", "4", "--max-model-len", "64"])
+    target = _models(2)
+    backend = server.build_backend(args, target, default_model_dir(), 64)
+    assert backend.state.ssm.sharding.mesh.shape["model"] == 2
+    _, outs, _ = run_batch(backend, PROMPTS, [SamplingParams(max_tokens=8)] * len(PROMPTS))
+    assert outs == chain

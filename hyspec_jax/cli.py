@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -118,6 +119,11 @@ def format_stats(st: dict) -> str:
 
 
 def cmd_generate(args) -> int:
+    from hyspec_jax.launch import init_distributed
+    init_distributed(args.coordinator_address, args.num_processes, args.process_id)
+    import jax
+    if jax.process_index() != 0:      # every process runs the same loop; one prints it
+        sys.stdout = open(os.devnull, "w")
     from hyspec_jax.compilation import program_cache
     with program_cache():      # traced programs on disk too: a second `generate` skips tracing its programs
         return _generate(args)
@@ -246,6 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parameter dtype (auto: bfloat16 on GPU, float32 on CPU)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="shard the target over N devices (heads, MLP, experts; default 1)")
+    g.add_argument("--coordinator-address", metavar="HOST:PORT",
+                   help="multi-host: JAX's coordinator (process 0's address); every process runs the same command "
+                        "with its --process-id (env HYSPEC_COORDINATOR / HYSPEC_NUM_PROCESSES / HYSPEC_PROCESS_ID)")
+    g.add_argument("--num-processes", type=int, metavar="N", help="multi-host: processes in all")
+    g.add_argument("--process-id", type=int, metavar="I", help="multi-host: this process (0 prints the output)")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming text")
     g.add_argument("--stats", action="store_true", help="after generating, print acceptance statistics to stderr "
                    "(mode, rounds, tau, accepted per position, prefix survival, tokens/s, compilations after "

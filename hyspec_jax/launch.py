@@ -126,3 +126,25 @@ def shard_target(model, tensor_parallel: int) -> None:
                          f"{jax.default_backend()} device(s) are visible")
     if tensor_parallel > 1:
         nnx.update(model, shd.shard_params(model, shd.make_mesh(1, tensor_parallel)))
+
+
+def init_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """JAX's multi-controller runtime (one process per host, a global mesh over every process's devices) from the
+    flags, else from HYSPEC_COORDINATOR / HYSPEC_NUM_PROCESSES / HYSPEC_PROCESS_ID; nothing when neither names a
+    coordinator. Every process then runs the same command on the same inputs (the programs are SPMD); CPU
+    processes talk over gloo. Must run before JAX starts its backend."""
+    import os
+    coordinator = coordinator or os.environ.get("HYSPEC_COORDINATOR")
+    if not coordinator:
+        return
+    n = num_processes if num_processes is not None else os.environ.get("HYSPEC_NUM_PROCESSES")
+    pid = process_id if process_id is not None else os.environ.get("HYSPEC_PROCESS_ID")
+    if n is None or pid is None:
+        raise UsageError("a coordinator address needs --num-processes and --process-id "
+                         "(or HYSPEC_NUM_PROCESSES / HYSPEC_PROCESS_ID)")
+    n, pid = int(n), int(pid)
+    if not 0 <= pid < n:
+        raise UsageError(f"--process-id {pid} is not in [0, {n})")
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")   # CPU processes: collectives over TCP
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=n, process_id=pid)

@@ -53,6 +53,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
@@ -276,7 +277,7 @@ def param_shardings(model_or_params, mesh: Mesh, cfg: TargetConfig | None = None
 def shard_params(model_or_params, mesh: Mesh, cfg: TargetConfig | None = None, **kw):
     """The params placed on the mesh (returns the params state; the model, if given, is left untouched)."""
     params, cfg = _split_model(model_or_params, cfg)
-    return jax.device_put(params, param_shardings(params, mesh, cfg, **kw))
+    return jax.device_put(_global_source(params), param_shardings(params, mesh, cfg, **kw))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -406,9 +407,15 @@ def params_mesh(params) -> Mesh | None:
     return None
 
 
+def _global_source(tree):
+    """What `device_put` onto a mesh takes: the arrays themselves, or, when the mesh spans processes (whose
+    devices this one cannot address), their host values — equal on every process, which each runs the same."""
+    return jax.tree.map(np.asarray, tree) if jax.process_count() > 1 else tree
+
+
 def replicate(tree, mesh: Mesh):
     """Every leaf replicated over the mesh (a drafter beside a tensor-parallel target)."""
-    return jax.device_put(tree, NamedSharding(mesh, P()))
+    return jax.device_put(_global_source(tree), NamedSharding(mesh, P()))
 
 
 def place_buffers(config: TargetConfig, params, state: TargetState, *others):
@@ -417,5 +424,5 @@ def place_buffers(config: TargetConfig, params, state: TargetState, *others):
     mesh = params_mesh(params)
     if mesh is None:
         return (state, *others)
-    return (jax.device_put(state, state_shardings(config, state, mesh)),
+    return (jax.device_put(_global_source(state), state_shardings(config, state, mesh)),
             *(None if o is None else replicate(o, mesh) for o in others))

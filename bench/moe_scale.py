@@ -45,12 +45,10 @@ CPU smoke run: `--tiny`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 
@@ -392,14 +390,8 @@ def markdown(report: dict) -> str:
 
 
 def write_outputs(report: dict, json_path: str | None) -> None:
-    if not json_path:
-        return
-    p = Path(json_path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=str))
-    os.replace(tmp, p)
-    p.with_suffix(".md").write_text(markdown(report))
+    from hyspec_jax.bench.report import write_report
+    write_report(report, json_path, markdown)
 
 
 # ------------------------------------------------------------------------------------------------

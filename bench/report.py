@@ -132,3 +132,18 @@ def save_png(fig, path, dpi: int = 120) -> None:
     buf.seek(0)
     img = Image.open(buf).convert("RGB")
     img.quantize(colors=128, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(path, optimize=True)
+
+
+def write_report(report: dict, json_path, markdown) -> Path | None:
+    """`report` as JSON at json_path (written whole or not at all: a run cut short keeps its last complete
+    file) and `markdown(report)` beside it as .md; None without a path. Returns the JSON's path."""
+    import json
+    if not json_path:
+        return None
+    p = Path(json_path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    os.replace(tmp, p)
+    p.with_suffix(".md").write_text(markdown(report))
+    return p

@@ -771,15 +771,9 @@ def plot(report: dict, path: Path) -> bool:
 
 
 def write_outputs(report: dict, json_path: str | None) -> None:
-    if not json_path:
-        return
-    p = Path(json_path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=str))
-    os.replace(tmp, p)
-    p.with_suffix(".md").write_text(markdown(report))
-    if report["batches"]:
+    from hyspec_jax.bench.report import write_report
+    p = write_report(report, json_path, markdown)
+    if p is not None and report["batches"]:
         plot(report, p.with_suffix(".png"))
 
 

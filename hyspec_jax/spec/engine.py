@@ -182,46 +182,41 @@ class SpecEngine:
                              f"{self.config.num_hidden_layers}")
         if drafter.reader is not None and not spec.uses_reader:
             drafter = _without_reader(drafter)
-        self.drafter = drafter
-        self.dgraph, self.dparams = split_for_jit(drafter)
-        if (mesh := params_mesh(self.tparams)) is not None:      # beside a tensor-parallel target
-            self.dparams = replicate(self.dparams, mesh)
         gamma = dcfg.num_draft_tokens
-        if spec.is_tree:
-            tspec = spec.tree or TreeExpansion(depth=min(gamma, 4), top_k=2, beam=4)
-            if tspec.depth > gamma:
-                raise ValueError(f"tree depth {tspec.depth} exceeds the drafter's {gamma} draft slots")
-            if tspec.top_k > self.config.vocab_size:
-                raise ValueError(f"tree top-k {tspec.top_k} exceeds the vocabulary")
-            self._max_nodes = tspec.num_candidates
-            self._tree, self._gamma = tspec, tspec.depth
-            self._default_nodes = spec.verify_nodes or min(tspec.num_candidates, 16)
-        else:
-            g = spec.chain_length or gamma
-            if g > gamma:
-                raise ValueError(f"chain length {g} exceeds the drafter's {gamma} draft slots")
-            self._max_nodes = g + 1
-            self._tree, self._gamma = None, g
-            self._default_nodes = spec.verify_nodes or g + 1
+        self._set_drafter(drafter)
+        self._set_draft_shape(spec, TreeExpansion(depth=min(gamma, 4), top_k=2, beam=4), gamma, limit=gamma)
 
     def _init_mtp(self, head: MTPHead, spec: SpecConfig) -> None:
         """The MTP modes: no block limits the depth (each step is one more head forward)."""
         if dataclasses.replace(head.config, mtp_num_hidden_layers=0) != dataclasses.replace(self.config,
                                                                                         mtp_num_hidden_layers=0):
             raise ValueError("the MTP head was built for another target geometry")
-        self.drafter = head
-        self.dgraph, self.dparams = split_for_jit(head)
+        self._set_drafter(head)
+        self._set_draft_shape(spec, TreeExpansion(depth=4, top_k=2, beam=4), MTP_DEFAULT_STEPS)
+
+    def _set_drafter(self, drafter) -> None:
+        self.drafter = drafter
+        self.dgraph, self.dparams = split_for_jit(drafter)
         if (mesh := params_mesh(self.tparams)) is not None:      # beside a tensor-parallel target
             self.dparams = replicate(self.dparams, mesh)
+
+    def _set_draft_shape(self, spec: SpecConfig, default_tree: TreeExpansion, default_chain: int,
+                         limit: int | None = None) -> None:
+        """The draft's shape: the tree (spec.tree or default_tree) or the chain (spec.chain_length or
+        default_chain), at most `limit` deep (a DSpark block's draft slots), and the default verify width."""
         if spec.is_tree:
-            tspec = spec.tree or TreeExpansion(depth=4, top_k=2, beam=4)
+            tspec = spec.tree or default_tree
+            if limit is not None and tspec.depth > limit:
+                raise ValueError(f"tree depth {tspec.depth} exceeds the drafter's {limit} draft slots")
             if tspec.top_k > self.config.vocab_size:
                 raise ValueError(f"tree top-k {tspec.top_k} exceeds the vocabulary")
             self._max_nodes = tspec.num_candidates
             self._tree, self._gamma = tspec, tspec.depth
             self._default_nodes = spec.verify_nodes or min(tspec.num_candidates, 16)
         else:
-            g = spec.chain_length or MTP_DEFAULT_STEPS
+            g = spec.chain_length or default_chain
+            if limit is not None and g > limit:
+                raise ValueError(f"chain length {g} exceeds the drafter's {limit} draft slots")
             self._max_nodes = g + 1
             self._tree, self._gamma = None, g
             self._default_nodes = spec.verify_nodes or g + 1

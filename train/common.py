@@ -130,6 +130,44 @@ def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+class ResumableTrainer:
+    """Save and resume of a trainer (target, drafter, MTP head): its state with JSON metadata — the data position,
+    the run's config and the configs that identify what is trained. A subclass sets `ckpt`, `state`, `state_sh`,
+    `cfg`, `out`, `total_steps` and returns `identity()`: {meta key: JSON-able config} that a resumed run must
+    match; `data_meta` / `extra_meta` / `check_resume` add to it."""
+
+    def identity(self) -> dict:
+        raise NotImplementedError
+
+    def extra_meta(self) -> dict:
+        return {}
+
+    def data_meta(self, step: int) -> dict:
+        return {"seed": self.cfg.seed, "next_step": step, "seq_len": self.cfg.seq_len}
+
+    def check_resume(self, meta: dict) -> None:
+        """Raise ValueError when the checkpoint's data position cannot continue under this run's settings."""
+
+    def _meta(self, step: int) -> dict:
+        return {"step": step, "total_steps": self.total_steps, "data": self.data_meta(step),
+                "train_config": self.cfg.to_dict(), **self.identity(), **self.extra_meta()}
+
+    def save(self, step: int) -> None:
+        self.ckpt.save(step, self.state, self._meta(step))
+
+    def _restore(self, step: int) -> None:
+        import json
+        state, meta = self.ckpt.restore(step, abstract_with_shardings(self.state, self.state_sh))
+        for key, value in self.identity().items():
+            if meta.get(key) != json.loads(json.dumps(value)):
+                raise ValueError(f"{self.out / 'ckpt'}: checkpoint of another {key.replace('_', ' ')}; "
+                                 "use a fresh --out")
+        self.check_resume(meta)
+        self.state = state
+        self.start_step = int(meta["data"]["next_step"])
+        self.total_steps = int(meta.get("total_steps", self.cfg.steps))
+
+
 # ------------------------------------------------------------------------------------------------
 # Logging
 # ------------------------------------------------------------------------------------------------

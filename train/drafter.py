@@ -216,7 +216,7 @@ def apply_lora(params: Any, lora: dict | None, alpha: float) -> Any:
 # ------------------------------------------------------------------------------------------------
 # Trainer
 # ------------------------------------------------------------------------------------------------
-class DrafterTrainer:
+class DrafterTrainer(common.ResumableTrainer):
     def __init__(self, cfg: DrafterTrainConfig, *, drafter_cfg: DrafterConfig | None = None):
         self.cfg = cfg
         self.out = Path(cfg.out)
@@ -406,22 +406,11 @@ class DrafterTrainer:
         return out
 
     # --- checkpoints ----------------------------------------------------------------------------------
-    def _meta(self, step: int) -> dict:
-        return {"step": step, "total_steps": self.total_steps,
-                "data": {"seed": self.cfg.seed, "next_step": step, "seq_len": self.cfg.seq_len},
-                "train_config": self.cfg.to_dict(), "drafter_config": self.dcfg.to_hf_dict(),
-                "reader_config": None if self.rcfg is None else self.rcfg.to_dict()}
+    def identity(self) -> dict:
+        return {"drafter_config": self.dcfg.to_hf_dict()}
 
-    def save(self, step: int) -> None:
-        self.ckpt.save(step, self.state, self._meta(step))
-
-    def _restore(self, step: int) -> None:
-        state, meta = self.ckpt.restore(step, common.abstract_with_shardings(self.state, self.state_sh))
-        if meta["drafter_config"] != json.loads(json.dumps(self.dcfg.to_hf_dict())):
-            raise ValueError(f"{self.out / 'ckpt'}: checkpoint of another drafter config; use a fresh --out")
-        self.state = state
-        self.start_step = int(meta["data"]["next_step"])
-        self.total_steps = int(meta.get("total_steps", self.cfg.steps))
+    def extra_meta(self) -> dict:
+        return {"reader_config": None if self.rcfg is None else self.rcfg.to_dict()}
 
     # --- loop -----------------------------------------------------------------------------------------
     def run(self, stop_after: int | None = None) -> dict:

@@ -85,7 +85,7 @@ def mtp_loss(logits: jax.Array, tokens: jax.Array, target_logits: jax.Array) -> 
                   "agree": jnp.mean((pred == jnp.argmax(target_logits[:, 1:T - 1], axis=-1)).astype(F32))}
 
 
-class MTPTrainer:
+class MTPTrainer(common.ResumableTrainer):
     def __init__(self, cfg: MTPTrainConfig):
         self.cfg = cfg
         self.out = Path(cfg.out)
@@ -189,21 +189,8 @@ class MTPTrainer:
             out[d] = {**{k: round(v / usable, 5) for k, v in sums.items()}, "windows": usable}
         return out
 
-    def _meta(self, step: int) -> dict:
-        return {"step": step, "total_steps": self.total_steps,
-                "data": {"seed": self.cfg.seed, "next_step": step, "seq_len": self.cfg.seq_len},
-                "train_config": self.cfg.to_dict(), "target_config": self.hcfg.to_hf_dict()}
-
-    def save(self, step: int) -> None:
-        self.ckpt.save(step, self.state, self._meta(step))
-
-    def _restore(self, step: int) -> None:
-        state, meta = self.ckpt.restore(step, common.abstract_with_shardings(self.state, self.state_sh))
-        if meta["target_config"] != json.loads(json.dumps(self.hcfg.to_hf_dict())):
-            raise ValueError(f"{self.out / 'ckpt'}: checkpoint of a head for another target; use a fresh --out")
-        self.state = state
-        self.start_step = int(meta["data"]["next_step"])
-        self.total_steps = int(meta.get("total_steps", self.cfg.steps))
+    def identity(self) -> dict:
+        return {"target_config": self.hcfg.to_hf_dict()}
 
     def run(self, stop_after: int | None = None) -> dict:
         cfg = self.cfg

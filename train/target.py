@@ -225,7 +225,7 @@ def _compiled(graphdef: nnx.GraphDef, hyper: tuple, dtype_name: str, mesh, fsdp:
     }
 
 
-class TargetTrainer:
+class TargetTrainer(common.ResumableTrainer):
     def __init__(self, cfg: TargetTrainConfig, model_cfg: TargetConfig | None = None):
         from tokenizers import Tokenizer
         from hyspec_jax.train.tokenizer_train import EOS, IM_END
@@ -270,27 +270,18 @@ class TargetTrainer:
             self._restore(latest)
 
     # --- checkpoints ----------------------------------------------------------------------------
-    def _meta(self, step: int) -> dict:
-        return {"step": step, "total_steps": self.total_steps,
-                "data": {"sampler": "WindowSampler", "seed": self.cfg.seed, "next_step": step,
-                         "seq_len": self.cfg.seq_len, "batch_size": self.cfg.batch_size},
-                "train_config": self.cfg.to_dict(), "model_config": self.model_cfg.to_hf_dict()}
+    def identity(self) -> dict:
+        return {"model_config": self.model_cfg.to_hf_dict()}
 
-    def save(self, step: int) -> None:
-        self.ckpt.save(step, self.state, self._meta(step))
+    def data_meta(self, step: int) -> dict:
+        return {"sampler": "WindowSampler", "seed": self.cfg.seed, "next_step": step, "seq_len": self.cfg.seq_len,
+                "batch_size": self.cfg.batch_size}
 
-    def _restore(self, step: int) -> None:
-        abstract = common.abstract_with_shardings(self.state, self.state_sh)
-        state, meta = self.ckpt.restore(step, abstract)
-        if meta["model_config"] != json.loads(json.dumps(self.model_cfg.to_hf_dict())):
-            raise ValueError(f"{self.out / 'ckpt'}: checkpoint of another model config; use a fresh --out")
+    def check_resume(self, meta: dict) -> None:
         for k in ("seq_len", "batch_size", "seed"):
             if meta["data"][k] != getattr(self.cfg, k):
                 raise ValueError(f"cannot resume: checkpoint has {k}={meta['data'][k]}, run asks "
                                  f"{getattr(self.cfg, k)}")
-        self.state = state
-        self.start_step = int(meta["data"]["next_step"])
-        self.total_steps = int(meta.get("total_steps", self.cfg.steps))
 
     # --- loop -----------------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:

@@ -13,22 +13,11 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=0.2
 SERVE=(--port 0 --max-batch 32 --max-queue 256 --max-model-len 1024 --prefill-chunk 128)
 LOAD=(--concurrency 1,8,32 --num-requests 64 --max-tokens 64)
 
-start() {   # start MODE ROWS LOG -> prints the port
-  (export PYTHONPATH=/tmp/site && source bench/recipes/lib.sh && exec python3 -m hyspec_jax.serve "${SERVE[@]}" \
-    --spec-mode "$1" --deferred-rows "$2") > "$3" 2>&1 &
-  echo $! > "$3.pid"
-  for _ in $(seq 600); do
-    p=$(grep -o "on http://127.0.0.1:[0-9]*" "$3" | head -1 | grep -o "[0-9]*$") && [ -n "$p" ] && { echo "$p"; return; }
-    kill -0 "$(cat "$3.pid")" 2>/dev/null || { tail -5 "$3" >&2; return 1; }
-    sleep 1
-  done
-  return 1
-}
 
 for mode in ${MODES:-ar chain tree-ready}; do
   declare -A PORT=()
   for rows in ${ROWS:-0 32}; do
-    PORT[$rows]=$(start "$mode" "$rows" "$OUT/server_${mode}_p$rows.log") || exit 1
+    PORT[$rows]=$(start_server "$PWD" "$OUT/server_${mode}_p$rows.log" "${SERVE[@]}" --spec-mode "$mode" --deferred-rows "$rows") || exit 1
   done
   for rep in 1 2; do
     for rows in ${ROWS:-0 32}; do

@@ -12,21 +12,10 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=0.2
 SERVE=(--port 0 --max-batch 32 --max-queue 256 --max-model-len 1024 --prefill-chunk 128)
 LOAD=(--concurrency 1,8,32 --num-requests 64 --max-tokens 64)
 
-start() {   # start ROOT MODE LOG -> prints the port
-  (cd "$1" && export PYTHONPATH=/tmp/site && source bench/recipes/lib.sh && exec python3 -m hyspec_jax.serve "${SERVE[@]}" --spec-mode "$2") \
-    > "$3" 2>&1 &
-  echo $! > "$3.pid"
-  for _ in $(seq 600); do
-    p=$(grep -o "on http://127.0.0.1:[0-9]*" "$3" | head -1 | grep -o "[0-9]*$") && [ -n "$p" ] && { echo "$p"; return; }
-    kill -0 "$(cat "$3.pid")" 2>/dev/null || { tail -5 "$3" >&2; return 1; }
-    sleep 1
-  done
-  return 1
-}
 
 for mode in ${MODES:-ar tree-ready}; do
-  roots=(new); PORT_new=$(start "$PWD" "$mode" "$OUT/server_new_$mode.log") || exit 1
-  if [ -n "${BASE:-}" ]; then roots+=(base); PORT_base=$(start "$BASE" "$mode" "$OUT/server_base_$mode.log") || exit 1; fi
+  roots=(new); PORT_new=$(start_server "$PWD" "$OUT/server_new_$mode.log" "${SERVE[@]}" --spec-mode "$mode") || exit 1
+  if [ -n "${BASE:-}" ]; then roots+=(base); PORT_base=$(start_server "$BASE" "$OUT/server_base_$mode.log" "${SERVE[@]}" --spec-mode "$mode") || exit 1; fi
   for rep in 1 2; do
     for r in "${roots[@]}"; do
       port_var=PORT_$r

@@ -3,6 +3,8 @@ precision casts, optax schedules, orbax checkpoints with the data position, JSON
 
 from __future__ import annotations
 
+import abc
+
 import json
 import math
 import sys
@@ -130,14 +132,15 @@ def abstract_with_shardings(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-class ResumableTrainer:
+class ResumableTrainer(abc.ABC):
     """Save and resume of a trainer (target, drafter, MTP head): its state with JSON metadata — the data position,
     the run's config and the configs that identify what is trained. A subclass sets `ckpt`, `state`, `state_sh`,
     `cfg`, `out`, `total_steps` and returns `identity()`: {meta key: JSON-able config} that a resumed run must
     match; `data_meta` / `extra_meta` / `check_resume` add to it."""
 
+    @abc.abstractmethod
     def identity(self) -> dict:
-        raise NotImplementedError
+        """{checkpoint metadata key: JSON-able config} identifying what is trained."""
 
     def extra_meta(self) -> dict:
         return {}
@@ -156,7 +159,6 @@ class ResumableTrainer:
         self.ckpt.save(step, self.state, self._meta(step))
 
     def _restore(self, step: int) -> None:
-        import json
         state, meta = self.ckpt.restore(step, abstract_with_shardings(self.state, self.state_sh))
         for key, value in self.identity().items():
             if meta.get(key) != json.loads(json.dumps(value)):
@@ -166,6 +168,26 @@ class ResumableTrainer:
         self.state = state
         self.start_step = int(meta["data"]["next_step"])
         self.total_steps = int(meta.get("total_steps", self.cfg.steps))
+
+    def run_steps(self, desc: str, start_fields: dict, stop_after: int | None = None) -> dict:
+        """The loop of the trainers whose step is `lr_at` + `train_step` (drafter, MTP head): the start / resume
+        record (start_fields after the step), an evaluation at step 0, `train_steps` under the time budget.
+        Returns the summary (losses of this call, last validation, throughput)."""
+        cfg = self.cfg
+        stop = stop_after if stop_after is not None else 1 << 62
+        log = MetricsLog(self.out / "metrics.jsonl", total=self.total_steps, initial=self.start_step, desc=desc,
+                         progress=cfg.progress)
+        log.write({"event": "start" if self.start_step == 0 else "resume", "step": self.start_step, **start_fields})
+        if self.start_step == 0 and cfg.eval_every:
+            log.write({"step": 0, "val": self.evaluate()})
+        clock = StepClock(cfg.time_budget_s, cfg.batch_size * cfg.seq_len, resumed=self.start_step > 0,
+                          calibrate_after=5)
+        losses, val, step = train_steps(
+            self, cfg, log, clock, stop, lambda step: (self.lr_at(step), self.train_step(step)),
+            lambda lr, m: {"lr": lr, **{k: round(v, 5) for k, v in m.items()}})
+        log.close()
+        return {"losses": losses, "val": val, "step": step, "tokens_per_s": clock.throughput,
+                "trainable_params": self.num_trainable}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -193,22 +193,8 @@ class MTPTrainer(common.ResumableTrainer):
         return {"target_config": self.hcfg.to_hf_dict()}
 
     def run(self, stop_after: int | None = None) -> dict:
-        cfg = self.cfg
-        stop = stop_after if stop_after is not None else 1 << 62
-        log = common.MetricsLog(self.out / "metrics.jsonl", total=self.total_steps, initial=self.start_step,
-                                desc="train-mtp", progress=cfg.progress)
-        log.write({"event": "start" if self.start_step == 0 else "resume", "step": self.start_step,
-                   "trainable_params": self.num_trainable, "train_config": cfg.to_dict()})
-        if self.start_step == 0 and cfg.eval_every:
-            log.write({"step": 0, "val": self.evaluate()})
-        clock = common.StepClock(cfg.time_budget_s, cfg.batch_size * cfg.seq_len, resumed=self.start_step > 0,
-                                 calibrate_after=5)
-        losses, val, step = common.train_steps(
-            self, cfg, log, clock, stop, lambda step: (self.lr_at(step), self.train_step(step)),
-            lambda lr, m: {"lr": lr, **{k: round(v, 5) for k, v in m.items()}})
-        log.close()
-        return {"losses": losses, "val": val, "step": step, "tokens_per_s": clock.throughput,
-                "trainable_params": self.num_trainable}
+        return self.run_steps("train-mtp", {"trainable_params": self.num_trainable,
+                                            "train_config": self.cfg.to_dict()}, stop_after)
 
     def head(self):
         return nnx.merge(self.h_graphdef, jax.tree.map(jnp.asarray, common.to_host(self.state["train"])))

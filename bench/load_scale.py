@@ -8,7 +8,7 @@ Qwen3.5-9B geometry, written here, onto the device(s).
    `model-0000i-of-0000n.safetensors` shards of at most `--shard-size` (default 5GB, transformers' default)
    and model.safetensors.index.json, through `hyspec_jax.io.hf.write_safetensors`, the writer of
    `save_pretrained`: only one shard's tensors exist at a time, the model is never built. Geometry: the
-   Qwen3.5 "9B-style" row of docs/reference/target_model.md §15 (`qwen35_9b`; `--tiny`: the small geometry
+   Qwen3.5 "9B-style" row of docs/reference/target_model.md §15 (`spec.memory.qwen35_9b`; `--tiny`: the small geometry
    of `verify_scale`; `--config`: any config.json). Weights: bf16 N(0, 0.02) values copied from one fixed
    random pool at random offsets (the load time does not depend on the values; drawing 9e9 normals would take
    minutes). After each shard is written it is synced to disk and dropped from the page cache
@@ -66,22 +66,6 @@ class UsageError(Exception):
 # ------------------------------------------------------------------------------------------------
 # Geometry
 # ------------------------------------------------------------------------------------------------
-def qwen35_9b():
-    """The Qwen3.5 "9B-style" geometry, the numbers of docs/reference/target_model.md §15 (transformers'
-    `Qwen3_5TextConfig` defaults, whose docstring cites Qwen3.5-9B): hidden 4096, 32 layers (24 GDN + 8 full
-    attention, interval 4), attention 16 / 4 KV / head_dim 256, GDN 16 key / 32 value heads of 128 / 128,
-    conv 4, dense MLP 12288, vocab 248320, untied."""
-    from hyspec_jax.config import FULL, LINEAR, TargetConfig
-
-    n, interval = 32, 4
-    return TargetConfig(
-        model_type="qwen3_5_text", vocab_size=248320, hidden_size=4096, num_hidden_layers=n,
-        num_attention_heads=16, num_key_value_heads=4, head_dim=256, intermediate_size=12288,
-        layer_types=tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)),
-        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_conv_kernel_dim=4, rope_theta=1e7, partial_rotary_factor=0.25)
-
-
 def resolve_config(tiny: bool, config: str | None):
     from hyspec_jax.config import TargetConfig
 
@@ -92,6 +76,7 @@ def resolve_config(tiny: bool, config: str | None):
         p = Path(config)
         return (TargetConfig.from_pretrained(p) if p.is_dir() else
                 TargetConfig.from_hf_dict(json.loads(p.read_text()))), str(p)
+    from hyspec_jax.spec.memory import qwen35_9b
     return qwen35_9b(), "Qwen3.5-9B geometry"
 
 

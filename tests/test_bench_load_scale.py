@@ -78,7 +78,8 @@ def test_sizes_and_the_9b_geometry():
     assert ls.parse_size("200KB") == 200_000 and ls.parse_size("1000") == 1000
     with pytest.raises(Exception, match="size"):
         ls.parse_size("5XB")
-    cfg = ls.qwen35_9b()
+    from hyspec_jax.spec.memory import qwen35_9b
+    cfg = qwen35_9b()
     n = sum(math.prod(v.shape) for v in flat_params(abstract_model(cfg)).values())
     assert 8.5e9 < n < 9.5e9, n                               # a 9B model
     assert cfg.layer_types.count(FULL) == 8 and cfg.conv_dim == 8192

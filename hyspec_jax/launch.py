@@ -128,6 +128,17 @@ def shard_target(model, tensor_parallel: int) -> None:
         nnx.update(model, shd.shard_params(model, shd.make_mesh(1, tensor_parallel)))
 
 
+def add_distributed_arguments(parser) -> None:
+    """The multi-host flags of a command that runs under `init_distributed` (argparse parser or group)."""
+    parser.add_argument("--coordinator-address", metavar="HOST:PORT",
+                        help="multi-host: JAX's coordinator (process 0's address); every process runs the same "
+                             "command with its --process-id (env HYSPEC_COORDINATOR / HYSPEC_NUM_PROCESSES / "
+                             "HYSPEC_PROCESS_ID)")
+    parser.add_argument("--num-processes", type=int, metavar="N", help="multi-host: processes in all")
+    parser.add_argument("--process-id", type=int, metavar="I", help="multi-host: this process (0 prints and writes "
+                        "the logs)")
+
+
 def init_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
     """JAX's multi-controller runtime (one process per host, a global mesh over every process's devices) from the
     flags, else from HYSPEC_COORDINATOR / HYSPEC_NUM_PROCESSES / HYSPEC_PROCESS_ID; nothing when neither names a

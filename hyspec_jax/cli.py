@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hyspec_jax.compilation import enable_compilation_cache
 from hyspec_jax.config import ConfigError
-from hyspec_jax.launch import UsageError, engine_from_args, resolve_model_dir, shard_target
+from hyspec_jax.launch import UsageError, check_parallel, engine_from_args, resolve_model_dir, shard_target
 
 
 def _fail(msg: str) -> "NoReturn":  # noqa: F821
@@ -138,6 +138,7 @@ def _generate(args) -> int:
                               top_k=args.top_k, seed=args.seed)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    check_parallel(args.tensor_parallel_size, args.data_parallel_size, args.slots)   # before anything loads
     model_dir, label = resolve_model_dir(args.model)
     if label:
         print(f"[hyspec] using a {label}", file=sys.stderr)
@@ -154,7 +155,7 @@ def _generate(args) -> int:
     from hyspec_jax.config import resolve_dtype
     dtype = resolve_dtype(args.dtype)
     cfg, model = load_pretrained(model_dir, dtype=dtype)
-    shard_target(model, args.tensor_parallel_size)
+    shard_target(model, args.tensor_parallel_size, args.data_parallel_size)
     stops = tuple(sorted(set(cfg.eos_token_id) | set(special_token_ids(model_dir))))
     gen = Generator.from_model(model, getattr(args, "deferred_rows", 0) or 0)
     engine = engine_from_args(args, model, model_dir, dtype, batch=len(prompts))   # None: plain decoding
@@ -252,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parameter dtype (auto: bfloat16 on GPU, float32 on CPU)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="shard the target over N devices (heads, MLP, experts; default 1)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="D",
+                   help="D replicas of the (sharded) target, each decoding its share of the slots; uses D x N "
+                        "devices, and --slots must be a multiple of D (default 1)")
     g.add_argument("--coordinator-address", metavar="HOST:PORT",
                    help="multi-host: JAX's coordinator (process 0's address); every process runs the same command "
                         "with its --process-id (env HYSPEC_COORDINATOR / HYSPEC_NUM_PROCESSES / HYSPEC_PROCESS_ID)")

@@ -56,6 +56,14 @@ class GenerationResult:
     decode_steps_per_second: float = 0.0  # batch decode steps/s after the first (compiling) step
 
 
+def default_slots(requests: int, params) -> int:
+    """The slots of a batch of `requests` when none are asked for: bucket(requests, 1), rounded up to a multiple
+    of the weights' data-parallel replicas (`sharding.data_parallel_size`; each replica decodes an equal share)."""
+    from hyspec_jax.sharding import data_parallel_size
+    replicas = data_parallel_size(params)
+    return -(-bucket(requests, 1) // replicas) * replicas
+
+
 class Generator:
     """Batched autoregressive generation with a target model split into (graphdef, params): a synchronous driver
     of the request loop (`hyspec_jax.runtime`) over an `ARBackend`."""
@@ -95,7 +103,7 @@ class Generator:
                         progress: bool = True, cache: bool = True, stochastic: Sequence[bool] = (False, True)) -> int:
         """Compile every program of the (batch slots, KV length) buckets — the prefill of each prompt bucket T < S
         (of prompt_lengths; default: all of them, `prompt_buckets`) and the decode step — then mark start-up. A
-        request batch of n prompts runs in slots bucket(n, 1), prompt bucket bucket(longest prompt), KV
+        request batch of n prompts runs in slots default_slots(n), prompt bucket bucket(longest prompt), KV
         bucket(T + max_tokens, 128). cache: use JAX's persistent compilation cache. stochastic: the sampling
         flavours of the decode step to compile (greedy batches and sampling ones run separate programs). Returns
         the number of programs compiled."""
@@ -109,18 +117,18 @@ class Generator:
     def warmup(self, batch: int = 1, kv_len: int = 128, progress: bool = True, cache: bool = True,
                stochastic: Sequence[bool] = (False, True)) -> int:
         """Start-up compile of one bucket (batch slots, KV length) with every prompt bucket; see compile_buckets."""
-        return self.compile_buckets([(bucket(batch, 1), kv_len)], progress=progress, cache=cache,
+        return self.compile_buckets([(default_slots(batch, self.params), kv_len)], progress=progress, cache=cache,
                                     stochastic=stochastic)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  on_tokens: Callable[[int, list[int]], None] | None = None, *, slots: int | None = None,
                  kv_len: int | None = None) -> list[GenerationResult]:
         """Generate for a batch of ragged prompts. `on_tokens(request_index, new_ids)` streams tokens. slots /
-        kv_len fix the bucket (default: bucket(#prompts, 1) slots, KV bucket(prompt bucket + max_tokens, 128))."""
+        kv_len fix the bucket (default: `default_slots(#prompts)`, KV bucket(prompt bucket + max_tokens, 128))."""
         if not prompts:
             return []
         plist = validate_prompts(prompts, params, self.config.vocab_size)
-        B = slots or bucket(len(prompts), 1)
+        B = slots or default_slots(len(prompts), self.params)
         T = bucket(max(len(p) for p in prompts))
         need = T + max(p.max_tokens for p in plist)
         S = kv_len or bucket(need, 128)

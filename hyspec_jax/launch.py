@@ -111,21 +111,34 @@ def _mtp_engine(args, model, model_dir, dtype):
                       model_name=model_id(model.config, Path(model_dir).name))
 
 
-def shard_target(model, tensor_parallel: int) -> None:
-    """`--tensor-parallel-size N` (N > 1): the target's weights sharded in place over a (1, N) mesh of the first N
-    devices (`sharding.PARAM_RULES`); the request loop's buffers and a drafter follow the weights
-    (`sharding.place_buffers`), so every program runs over the mesh."""
+def check_parallel(tensor_parallel: int, data_parallel: int = 1, slots: int | None = None,
+                   slots_flag: str = "--slots") -> None:
+    """`--tensor-parallel-size T` / `--data-parallel-size D` against the visible devices (D·T of them), and the
+    slots against D (each data-parallel replica decodes an equal share). Before anything loads."""
     import jax
+    for flag, n in (("--tensor-parallel-size", tensor_parallel), ("--data-parallel-size", data_parallel)):
+        if n < 1:
+            raise UsageError(f"{flag} must be >= 1, got {n}")
+    need, have = tensor_parallel * data_parallel, jax.device_count()
+    if need > have:
+        asked = (f"--tensor-parallel-size {tensor_parallel}" if data_parallel == 1 else
+                 f"--data-parallel-size {data_parallel} x --tensor-parallel-size {tensor_parallel} = {need} devices")
+        raise UsageError(f"{asked} but only {have} {jax.default_backend()} device(s) are visible")
+    if slots is not None and slots % data_parallel:
+        raise UsageError(f"{slots_flag} {slots} is not a multiple of --data-parallel-size {data_parallel}")
+
+
+def shard_target(model, tensor_parallel: int, data_parallel: int = 1) -> None:
+    """`--tensor-parallel-size T` / `--data-parallel-size D` (D·T > 1): the target's weights placed in place on a
+    (D, T) mesh of the first D·T devices — sharded over "model" by `sharding.PARAM_RULES`, replicated over
+    "data". The request loop's buffers and a drafter follow the weights (`sharding.place_buffers`): slots split
+    over "data", so every program runs over the mesh and each replica decodes its own slots."""
     from flax import nnx
 
     from hyspec_jax import sharding as shd
-    if tensor_parallel < 1:
-        raise UsageError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel}")
-    if tensor_parallel > jax.device_count():
-        raise UsageError(f"--tensor-parallel-size {tensor_parallel} but only {jax.device_count()} "
-                         f"{jax.default_backend()} device(s) are visible")
-    if tensor_parallel > 1:
-        nnx.update(model, shd.shard_params(model, shd.make_mesh(1, tensor_parallel)))
+    check_parallel(tensor_parallel, data_parallel)
+    if tensor_parallel * data_parallel > 1:
+        nnx.update(model, shd.shard_params(model, shd.make_mesh(data_parallel, tensor_parallel)))
 
 
 def add_distributed_arguments(parser) -> None:

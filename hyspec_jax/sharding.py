@@ -47,6 +47,7 @@ place each checkpoint tensor as it is read.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from collections.abc import Mapping, Sequence
@@ -414,15 +415,46 @@ def _global_source(tree):
 
 
 def replicate(tree, mesh: Mesh):
-    """Every leaf replicated over the mesh (a drafter beside a tensor-parallel target)."""
+    """Every leaf replicated over the mesh (a drafter beside a sharded target)."""
     return jax.device_put(_global_source(tree), NamedSharding(mesh, P()))
 
 
+def data_parallel_size(params) -> int:
+    """Data-parallel replicas of the weights `params` (the "data" axis of their mesh; 1 on one device): the
+    request loop's slot count is a multiple of it, each replica decoding its own share of the slots."""
+    mesh = params_mesh(params)
+    return 1 if mesh is None else mesh.shape.get(DATA, 1)
+
+
+# The drafter's per-slot buffers (`DrafterState`, `MTPState`) by field -> logical axes: slots only. The drafter is
+# replicated over "model" (its weights are), so its buffers are too.
+SLOT_RULES: Mapping[str, tuple[str | None, ...]] = {
+    "keys": (None, "batch", None, None, None),     # [L, B, S, KVH, hd]
+    "values": (None, "batch", None, None, None),
+    "hidden": ("batch", None),                     # MTP: [B, H]
+    "lengths": ("batch",),                         # [B]
+}
+
+
+def slot_shardings(tree, mesh: Mesh, *, axis_rules: Mapping[str, str | None] = LOGICAL_AXIS_RULES):
+    """Shardings of a per-slot buffer: a drafter state (by `SLOT_RULES`) or a [B, ...] array (the anchors) —
+    slots over "data" when divisible, everything else replicated."""
+    if isinstance(tree, jax.Array | np.ndarray):
+        return batch_sharding(mesh, tree.shape[0], tree.ndim, axis_rules=axis_rules)
+    fields = [f.name for f in dataclasses.fields(tree)]
+    return _field_shardings(tree, {f: SLOT_RULES[f] for f in fields}, mesh, axis_rules, type(tree))
+
+
 def place_buffers(config: TargetConfig, params, state: TargetState, *others):
-    """(state, *others) placed like the weights `params`: the state by `STATE_RULES`, the others replicated;
-    unchanged when the weights sit on one device."""
+    """(state, *others) placed like the weights `params`: the state by `STATE_RULES`, the others (a drafter's
+    state, the anchors) by `SLOT_RULES`; with data-parallel replicas every buffer's slots are split over "data".
+    Unchanged when the weights sit on one device."""
     mesh = params_mesh(params)
     if mesh is None:
         return (state, *others)
+    replicas = mesh.shape.get(DATA, 1)
+    if state.batch % replicas:
+        raise ValueError(f"{state.batch} slots do not split over {replicas} data-parallel replicas: "
+                         f"use a multiple of {replicas}")
     return (jax.device_put(_global_source(state), state_shardings(config, state, mesh)),
-            *(None if o is None else replicate(o, mesh) for o in others))
+            *(None if o is None else jax.device_put(_global_source(o), slot_shardings(o, mesh)) for o in others))

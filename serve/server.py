@@ -1,8 +1,9 @@
 """`hyspec serve`: load the model, compile every bucket, serve the OpenAI API on uvicorn until SIGTERM (then drain).
 
 The launch flags follow `vllm serve` where they mean the same here (`MODEL` positional, `--speculative-config`,
-`--tensor-parallel-size`, `--max-model-len`, `--gpu-memory-utilization`, `--dtype`, `--seed`, `--max-num-seqs`,
-`--served-model-name`, `--api-key`, `--allowed-origins`, `--disable-log-requests`, `--max-logprobs`).
+`--tensor-parallel-size`, `--data-parallel-size`, `--max-model-len`, `--gpu-memory-utilization`, `--dtype`, `--seed`,
+`--max-num-seqs`, `--served-model-name`, `--api-key`, `--allowed-origins`, `--disable-log-requests`,
+`--max-logprobs`).
 Light at import (argparse only) so that `hyspec --help` stays fast; JAX is imported by `run`.
 """
 
@@ -55,6 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seed of the requests that send none (default: a random seed per request)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="devices the model is sharded over (tensor parallel: heads, MLP, experts; default 1)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="D",
+                   help="replicas of the (sharded) model, each decoding its share of the slots: D x N devices; "
+                        "--max-batch must be a multiple of D (default 1)")
+    from hyspec_jax.launch import add_distributed_arguments
+    add_distributed_arguments(p)      # process 0 serves HTTP and schedules; the others run the same device calls
     p.add_argument("--gpu-memory-utilization", type=float, metavar="F",
                    help="fraction of GPU memory JAX preallocates (XLA_PYTHON_CLIENT_MEM_FRACTION; default JAX's)")
     p.add_argument("--max-logprobs", type=int, default=20, metavar="K",
@@ -171,11 +177,10 @@ def check_args(args) -> None:
         args.api_key = next((os.environ[k] for k in API_KEY_ENV if os.environ.get(k)), None)
 
 
-def check_devices(tp: int) -> None:
-    import jax
-    n = len(jax.devices())
-    if tp > n:
-        raise ValueError(f"--tensor-parallel-size {tp} but only {n} {jax.default_backend()} device(s) are visible")
+def check_devices(args) -> None:
+    """The parallel sizes against the visible devices and the slots (`launch.check_parallel`), before loading."""
+    from hyspec_jax.launch import check_parallel
+    check_parallel(args.tensor_parallel_size, args.data_parallel_size, args.max_batch, "--max-batch")
 
 
 class CompileCounter:
@@ -232,7 +237,10 @@ def run(args) -> int:
     check_args(args)
     if args.gpu_memory_utilization is not None:
         os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{args.gpu_memory_utilization:g}"
-    check_devices(args.tensor_parallel_size)
+    from hyspec_jax.launch import init_distributed
+    init_distributed(args.coordinator_address, args.num_processes, args.process_id)   # before JAX starts
+    check_devices(args)
+    import jax
     from hyspec_jax.compilation import enable_compilation_cache
     from hyspec_jax.config import TargetConfig, resolve_dtype
     from hyspec_jax.io.hf import load_pretrained
@@ -256,7 +264,7 @@ def run(args) -> int:
     counter = CompileCounter()
     t0 = time.perf_counter()
     cfg, target = load_pretrained(model_dir, dtype=dtype)
-    shard_target(target, args.tensor_parallel_size)      # the loop's buffers and the scorer follow the weights
+    shard_target(target, args.tensor_parallel_size, args.data_parallel_size)   # the loop's buffers, the scorer follow
     backend = build_backend(args, target, model_dir, max_model_len)
     _progress(f"loaded {model_dir} ({cfg.model_type}, {cfg.num_hidden_layers} layers) in "
               f"{time.perf_counter() - t0:.1f}s; mode {backend.mode}, {backend.slots} slots, context "
@@ -268,6 +276,19 @@ def run(args) -> int:
         scorer = Scorer(backend.graphdef, backend.params, max_model_len, args.max_logprobs)
         scorer.compile(lambda s: _progress(f"  compiled {s}"))
     _progress(f"warm-up done in {time.perf_counter() - t0:.1f}s ({counter.count} programs)")
+    channel = None
+    if jax.process_count() > 1:
+        # multi-host (runtime/multihost.py): process 0 serves and schedules, sending each device call to the
+        # others, which run it on their copy of the same backend; every program above compiled on every process
+        from hyspec_jax.runtime.multihost import BroadcastBackend, BroadcastScorer, Channel, follow
+        channel = Channel()
+        if jax.process_index() != 0:
+            _progress(f"process {jax.process_index()} of {jax.process_count()}: following process 0")
+            follow(backend, channel, scorer)
+            _progress("stopped")
+            return 0
+        backend = BroadcastBackend(backend, channel)
+        scorer = None if scorer is None else BroadcastScorer(scorer, channel)
 
     chat = ChatTemplate(model_dir, tokenizer)
     name = args.served_model_name or model_dir.name
@@ -286,7 +307,11 @@ def run(args) -> int:
     server = OpenAIServer(scheduler=scheduler, tokenizer=tokenizer, chat=chat, model=model, metrics=metrics,
                           options=options, scorer=scorer, version=_version(), seed=args.seed)
     scheduler.start()
-    return _serve(args, server, build_app(server), chat)
+    try:
+        return _serve(args, server, build_app(server), chat)
+    finally:
+        if channel is not None:
+            backend.stop()      # the followers return (after the scheduler's last call)
 
 
 def _version() -> str:

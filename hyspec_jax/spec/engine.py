@@ -30,7 +30,7 @@ from flax import nnx
 
 from hyspec_jax.compilation import CompileWatch, split_for_jit
 from hyspec_jax.sharding import params_mesh, replicate
-from hyspec_jax.generate import Generator, use_compilation_cache, validate_prompts
+from hyspec_jax.generate import Generator, default_slots, use_compilation_cache, validate_prompts
 from hyspec_jax.models.drafter import Drafter
 from hyspec_jax.models.target import TargetModel
 from hyspec_jax.runtime.backend import SpecBackend, batch_shapes, bucket, compile_backends
@@ -276,7 +276,7 @@ class SpecEngine:
 
     def _bucket_for(self, prompts, plist) -> tuple[int, int]:
         """The bucket a request batch runs in: (slots B, KV length S). One rule for `generate` and the profilers."""
-        B = self.slots or bucket(len(prompts), 1)
+        B = self.slots or default_slots(len(prompts), self.tparams)
         need = max(len(p) for p in prompts) + max(p.max_tokens for p in plist) + self.overshoot
         S = self.kv_len or bucket(need, 128)
         if need > S:
@@ -297,7 +297,8 @@ class SpecEngine:
         """Start-up compile: for every (batch slots, KV length) bucket, the prefill of every prompt bucket
         (prompt_lengths rounded up to powers of two ≥ 16; default: every one the KV length holds) and the round
         (greedy and/or sampling); then mark start-up (`compilations_after_startup` counts from here). A `generate`
-        call runs in (self.slots or bucket(#prompts, 1), self.kv_len or bucket(prompt + max_tokens + γ + 2, 128)).
+        call runs in (self.slots or default_slots(#prompts), self.kv_len or bucket(prompt + max_tokens + γ + 2,
+        128)).
         cache: use JAX's persistent compilation cache. Returns the number of programs compiled."""
         if cache:
             use_compilation_cache()
@@ -312,8 +313,10 @@ class SpecEngine:
         return watch.since
 
     def warmup(self, progress: bool = True, cache: bool = True, **kw) -> int:
-        """Start-up compile of the configured bucket (slots, kv_len; unset: 1 slot, KV 128); see compile_buckets."""
-        return self.compile_buckets([(self.slots or 1, self.kv_len or 128)], progress=progress, cache=cache, **kw)
+        """Start-up compile of the configured bucket (slots, kv_len; unset: the slots of 1 request, KV 128); see
+        compile_buckets."""
+        slots = self.slots or default_slots(1, self.tparams)
+        return self.compile_buckets([(slots, self.kv_len or 128)], progress=progress, cache=cache, **kw)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  on_tokens: Callable[[int, list[int]], None] | None = None,

@@ -245,12 +245,8 @@ def run(args) -> int:
     from hyspec_jax.config import TargetConfig, resolve_dtype
     from hyspec_jax.io.hf import load_pretrained
     from hyspec_jax.launch import resolve_model_dir, shard_target
-    from hyspec_jax.runtime.scheduler import Scheduler
     from hyspec_jax.runtime.scoring import Scorer
-    from hyspec_jax.serve.app import FrontOptions, OpenAIServer, ServedModel, build_app
-    from hyspec_jax.serve.chat import ChatTemplate
-    from hyspec_jax.serve.metrics import ServerMetrics
-    from hyspec_jax.tokenizer import load_tokenizer, special_token_ids
+    from hyspec_jax.tokenizer import load_tokenizer
 
     model_dir, label = resolve_model_dir(args.model)
     if label:
@@ -290,6 +286,21 @@ def run(args) -> int:
         backend = BroadcastBackend(backend, channel)
         scorer = None if scorer is None else BroadcastScorer(scorer, channel)
 
+    try:
+        return _lead(args, backend, scorer, cfg, model_dir, tokenizer, counter, max_model_len)
+    finally:
+        if channel is not None:
+            channel.close()     # the followers return (after the scheduler's last call), also when this failed
+
+
+def _lead(args, backend, scorer, cfg, model_dir: Path, tokenizer, counter: CompileCounter, max_model_len: int) -> int:
+    """The request loop on its thread behind the OpenAI API, until SIGTERM (across hosts: on process 0 only)."""
+    from hyspec_jax.runtime.scheduler import Scheduler
+    from hyspec_jax.serve.app import FrontOptions, OpenAIServer, ServedModel, build_app
+    from hyspec_jax.serve.chat import ChatTemplate
+    from hyspec_jax.serve.metrics import ServerMetrics
+    from hyspec_jax.tokenizer import special_token_ids
+
     chat = ChatTemplate(model_dir, tokenizer)
     name = args.served_model_name or model_dir.name
     metrics = ServerMetrics(name, spec_depth=backend.depth)
@@ -307,11 +318,7 @@ def run(args) -> int:
     server = OpenAIServer(scheduler=scheduler, tokenizer=tokenizer, chat=chat, model=model, metrics=metrics,
                           options=options, scorer=scorer, version=_version(), seed=args.seed)
     scheduler.start()
-    try:
-        return _serve(args, server, build_app(server), chat)
-    finally:
-        if channel is not None:
-            backend.stop()      # the followers return (after the scheduler's last call)
+    return _serve(args, server, build_app(server), chat)
 
 
 def _version() -> str:

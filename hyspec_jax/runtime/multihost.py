@@ -137,10 +137,6 @@ class BroadcastBackend:
     def collect(self, handle) -> StepResult:
         return self.inner.collect(handle)       # a read of this process's copy: nothing to send
 
-    def stop(self) -> None:
-        """Tell the followers to return (process 0 is done serving)."""
-        self.channel.close()
-
 
 class BroadcastScorer:
     """Process 0's `runtime.scoring.Scorer`: each scoring call first sent to the followers."""

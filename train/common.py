@@ -1,5 +1,10 @@
 """Shared training machinery: device mesh and sharding rules (data parallel + FSDP of parameters), mixed
-precision casts, optax schedules, orbax checkpoints with the data position, JSONL metrics + progress bar."""
+precision casts, optax schedules, orbax checkpoints with the data position, JSONL metrics + progress bar.
+
+Multi-host (`jax.distributed`, `launch.init_distributed`): the mesh spans every process's devices; every process
+runs the same steps, places parameters and optimizer state from identical host values (`put_global`) and reads
+only its own rows of each global batch (`global_batch`); orbax writes a checkpoint from all of them, process 0
+alone the metrics, progress bar and exported files."""
 
 from __future__ import annotations
 
@@ -26,10 +31,15 @@ DATA = "data"
 # Devices, mesh, sharding
 # ------------------------------------------------------------------------------------------------
 def make_mesh(num_devices: int | None = None) -> Mesh:
+    """A data mesh over the first `num_devices` of every process's devices (0 / None: all of them)."""
     devs = jax.devices()
     n = len(devs) if num_devices in (None, 0) else num_devices
     if n > len(devs):
         raise ValueError(f"asked for {n} devices, only {len(devs)} present")
+    if jax.process_count() > 1 and n != len(devs):
+        # a process without a device in the mesh would hold no rows of the batch and no shard of the state
+        raise ValueError(f"across {jax.process_count()} processes the mesh takes all {len(devs)} devices "
+                         f"(--devices 0), not {n}")
     return Mesh(np.asarray(devs[:n]), (DATA,))
 
 
@@ -57,6 +67,42 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def is_primary() -> bool:
+    """The process that writes metrics, progress and exported files (every process when there is one)."""
+    return jax.process_index() == 0
+
+
+def put_global(tree: Any, shardings: Any) -> Any:
+    """A tree placed on (possibly multi-process) shardings from values equal on every process."""
+    from hyspec_jax.sharding import _global_source
+    return jax.device_put(_global_source(tree), shardings)
+
+
+def process_rows(sharding: NamedSharding, rows: int) -> tuple[int, int]:
+    """[lo, hi): the rows of a global batch of `rows` split over the data axis that this process's devices hold
+    (all of them with one process)."""
+    shape = (rows,) + (1,) * max(len(sharding.spec) - 1, 0)
+    spans = sorted({(s[0].start or 0, rows if s[0].stop is None else s[0].stop)
+                    for s in sharding.addressable_devices_indices_map(shape).values()})
+    lo, hi = spans[0][0], spans[-1][1]
+    if sum(b - a for a, b in spans) != hi - lo:
+        raise ValueError(f"this process's rows of the batch are not contiguous: {spans}")
+    return lo, hi
+
+
+def global_batch(read: Callable[[int, int], np.ndarray], rows: int, sharding: NamedSharding) -> jax.Array:
+    """The global batch [rows, ...] split over the data axis, each process reading only its own rows:
+    read(lo, hi) -> rows [lo, hi) of the batch every process names alike (e.g. a pure function of the step)."""
+    lo, hi = process_rows(sharding, rows)
+    local = np.asarray(read(lo, hi))
+    return jax.make_array_from_process_local_data(sharding, local, (rows, *local.shape[1:]))
+
+
+def batch_from_host(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """`global_batch` of an array every process holds whole (validation windows): each places its own rows."""
+    return global_batch(lambda lo, hi: x[lo:hi], len(x), sharding)
 
 
 def cast_compute(params: Any, dtype) -> Any:
@@ -199,16 +245,21 @@ class MetricsLog:
     def __init__(self, path: str | Path, total: int, initial: int = 0, desc: str = "train",
                  progress: bool | None = None):
         self.path = Path(path)
+        self.t0 = time.perf_counter()
+        self.f = None
+        self.bar = None
+        if not is_primary():        # multi-host: one process logs for all (they run the same steps)
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.f = open(self.path, "a")
-        self.t0 = time.perf_counter()
         show = sys.stderr.isatty() if progress is None else progress
-        self.bar = None
         if show:
             from tqdm import tqdm
             self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
 
     def write(self, record: dict) -> None:
+        if self.f is None:
+            return
         record = {"time": round(time.perf_counter() - self.t0, 3), **record}
         self.f.write(json.dumps(record) + "\n")
         self.f.flush()
@@ -222,7 +273,8 @@ class MetricsLog:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        self.f.close()
+        if self.f is not None:
+            self.f.close()
 
 
 class StepClock:
@@ -261,6 +313,12 @@ class StepClock:
                     log.bar.total = total_steps
         if self.budget_s and now - self.t_start >= self.budget_s * 1.05:
             self.budget_hit = True
+        if self.budget_s and jax.process_count() > 1:
+            # every process must take the same number of steps: process 0's clock decides for all
+            from jax.experimental import multihost_utils
+            total_steps, hit = (int(x) for x in multihost_utils.broadcast_one_to_all(
+                np.asarray([total_steps, self.budget_hit], np.int32)))
+            self.budget_hit = bool(hit)
         return total_steps
 
 
@@ -326,4 +384,12 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def to_host(tree: Any) -> Any:
-    return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
+    """Host copies of a tree's arrays; arrays sharded across processes are gathered (a collective: every process
+    calls it at the same point)."""
+    from jax.experimental import multihost_utils
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+    return jax.tree.map(one, tree)

@@ -183,11 +183,12 @@ class DistillSampler:
     def tokens(self) -> int:
         return int(self.seqs.size)
 
-    def batch(self, step: int, batch_size: int) -> np.ndarray:
+    def batch(self, step: int, batch_size: int, rows: slice = slice(None)) -> np.ndarray:
+        """Rows `rows` of the global batch (`WindowSampler.batch`: a process reads only its own rows)."""
         rng = np.random.default_rng([self.seed, step, 31])
-        rows = rng.integers(0, self.seqs.shape[0], batch_size)
-        offs = rng.integers(0, self.seqs.shape[1] - self.seq_len + 1, batch_size)
-        return np.stack([np.asarray(self.seqs[r, o:o + self.seq_len]) for r, o in zip(rows, offs)]).astype(np.int32)
+        seqs = rng.integers(0, self.seqs.shape[0], batch_size)[rows]
+        offs = rng.integers(0, self.seqs.shape[1] - self.seq_len + 1, batch_size)[rows]
+        return np.stack([np.asarray(self.seqs[r, o:o + self.seq_len]) for r, o in zip(seqs, offs)]).astype(np.int32)
 
 
 __all__ = ["sample_prompts", "load_prompts", "generate_continuations", "merge_distill", "DistillSampler"]

@@ -284,10 +284,9 @@ class DrafterTrainer(common.ResumableTrainer):
         self.tx = common.adamw_direction(weight_decay=0.0, clip=cfg.clip)
         state = {"train": trainable, "opt": self.tx.init(trainable), "step": jnp.zeros((), jnp.int32)}
         self.state_sh = common.tree_shardings(state, self.mesh, True)
-        self.state = jax.device_put(state, self.state_sh)
+        self.state = common.put_global(state, self.state_sh)
         rep = common.replicated(self.mesh)
-        self.frozen = jax.device_put({"target": t_params, "drafter": frozen_d,
-                                      "heads": self.heads_host}, rep)
+        self.frozen = common.put_global({"target": t_params, "drafter": frozen_d, "heads": self.heads_host}, rep)
         self.batch_sh = common.batch_sharding(self.mesh)
         self._build()
         self.total_steps = cfg.steps
@@ -366,8 +365,9 @@ class DrafterTrainer(common.ResumableTrainer):
                                     c.min_lr_ratio)
 
     def train_step(self, step: int):
-        tokens = jax.device_put(self.sampler.batch(step, self.cfg.batch_size), self.batch_sh)
-        anchors = jax.device_put(self.anchors_for(step, self.cfg.batch_size), self.batch_sh)
+        b = self.cfg.batch_size
+        tokens = common.global_batch(lambda lo, hi: self.sampler.batch(step, b, slice(lo, hi)), b, self.batch_sh)
+        anchors = common.global_batch(lambda lo, hi: self.anchors_for(step, b)[lo:hi], b, self.batch_sh)
         self.state, metrics = self._train_fn(self.state, self.frozen, tokens, anchors, jnp.float32(self.lr_at(step)))
         return metrics
 
@@ -389,8 +389,8 @@ class DrafterTrainer(common.ResumableTrainer):
                 n -= n % n_dev
                 anchors = np.concatenate([self.anchors_for(i + j, 1, aligned=True, stream=11) for j in range(n)])
                 m = jax.device_get(self._eval_fn(self.state["train"], self.frozen,
-                                                 jax.device_put(w[i:i + n], self.batch_sh),
-                                                 jax.device_put(anchors, self.batch_sh)))       # one transfer
+                                                 common.batch_from_host(w[i:i + n], self.batch_sh),
+                                                 common.batch_from_host(anchors, self.batch_sh)))  # one transfer
                 m = {k: float(v) for k, v in m.items()}
                 for k in ("loss", "ce", "l1", "conf"):
                     num[k] += m[k] * m["weight"]
@@ -429,15 +429,19 @@ class DrafterTrainer(common.ResumableTrainer):
 
     def export(self, out_dir: str | Path | None = None, dtype=None) -> Path:
         """The drafter directory. Stage 2 with a reader keeps its LoRA unmerged in reader/ (loaded with the
-        reader only), so the directory still holds the stage-1 DSpark drafter for chain / tree modes."""
+        reader only), so the directory still holds the stage-1 DSpark drafter for chain / tree modes. Every
+        process gathers the weights; process 0 writes."""
         out_dir = Path(out_dir) if out_dir is not None else self.out / "drafter"
         train = common.to_host(self.state["train"])
         if self.cfg.stage == "ready2" and "reader" in train:
             base = jax.tree.map(jnp.asarray, common.to_host(self.frozen["drafter"]))
             model = nnx.merge(self.d_graphdef, jax.tree.map(jnp.asarray, train["reader"]), base)
-            save_drafter(model, out_dir, dtype=dtype, lora=train["lora"], lora_alpha=self.cfg.lora_alpha)
+            if common.is_primary():
+                save_drafter(model, out_dir, dtype=dtype, lora=train["lora"], lora_alpha=self.cfg.lora_alpha)
         else:
-            save_drafter(self.drafter(), out_dir, dtype=dtype)
+            model = self.drafter()
+            if common.is_primary():
+                save_drafter(model, out_dir, dtype=dtype)
         return out_dir
 
 
@@ -448,7 +452,8 @@ def train_drafter(cfg: DrafterTrainConfig) -> dict:
     summary["export"] = str(tr.export(dtype=dtype))
     tr.ckpt.close()
     summary.pop("losses")
-    (Path(cfg.out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if common.is_primary():
+        (Path(cfg.out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 

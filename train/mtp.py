@@ -119,9 +119,9 @@ class MTPTrainer(common.ResumableTrainer):
         self.tx = common.adamw_direction(weight_decay=cfg.weight_decay, clip=cfg.clip)
         state = {"train": h_params, "opt": self.tx.init(h_params), "step": jnp.zeros((), jnp.int32)}
         self.state_sh = common.tree_shardings(state, self.mesh, True)
-        self.state = jax.device_put(state, self.state_sh)
+        self.state = common.put_global(state, self.state_sh)
         rep = common.replicated(self.mesh)
-        self.frozen = jax.device_put({"target": t_params, "heads": target_heads(target)}, rep)
+        self.frozen = common.put_global({"target": t_params, "heads": target_heads(target)}, rep)
         self.batch_sh = common.batch_sharding(self.mesh)
         self._build()
         self.total_steps = cfg.steps
@@ -167,7 +167,9 @@ class MTPTrainer(common.ResumableTrainer):
                                     c.min_lr_ratio)
 
     def train_step(self, step: int):
-        tokens = jax.device_put(self.sampler.batch(step, self.cfg.batch_size).astype(np.int32), self.batch_sh)
+        b = self.cfg.batch_size
+        tokens = common.global_batch(lambda lo, hi: self.sampler.batch(step, b, slice(lo, hi)).astype(np.int32), b,
+                                     self.batch_sh)
         self.state, metrics = self._train_fn(self.state, self.frozen, tokens, jnp.float32(self.lr_at(step)))
         return metrics
 
@@ -183,7 +185,7 @@ class MTPTrainer(common.ResumableTrainer):
             sums = {"loss": 0.0, "acc": 0.0, "agree": 0.0}
             for i in range(0, usable, n):
                 m = jax.device_get(self._eval_fn(self.state["train"], self.frozen,
-                                                 jax.device_put(w[i:i + n].astype(np.int32), self.batch_sh)))
+                                                 common.batch_from_host(w[i:i + n].astype(np.int32), self.batch_sh)))
                 for k in sums:
                     sums[k] += float(m[k]) * n
             out[d] = {**{k: round(v / usable, 5) for k, v in sums.items()}, "windows": usable}
@@ -201,13 +203,18 @@ class MTPTrainer(common.ResumableTrainer):
 
     def export(self, model_dir: str | Path | None = None, dtype=None) -> Path:
         """The head as `mtp.*` tensors in a model directory: `model_dir` itself when given (the target's files
-        untouched, its config.json told the layer count), else OUT/model, a copy of the target directory."""
+        untouched, its config.json told the layer count), else OUT/model, a copy of the target directory. Every
+        process gathers the head; process 0 writes."""
+        head = self.head()
         if model_dir is None:
             model_dir = self.out / "model"
+            if not common.is_primary():
+                return model_dir
             if model_dir.exists():
                 shutil.rmtree(model_dir)
             shutil.copytree(self.cfg.target, model_dir)
-        save_mtp(self.head(), model_dir, dtype=dtype)
+        if common.is_primary():
+            save_mtp(head, model_dir, dtype=dtype)
         return Path(model_dir)
 
 
@@ -218,7 +225,8 @@ def train_mtp(cfg: MTPTrainConfig, install_into: str | Path | None = None) -> di
     summary["export"] = str(tr.export(install_into, dtype=dtype))
     tr.ckpt.close()
     summary.pop("losses")
-    (Path(cfg.out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if common.is_primary():
+        (Path(cfg.out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 

@@ -109,14 +109,16 @@ class WindowSampler:
     def tokens(self) -> int:
         return int(sum(s.size for s in self.shards))
 
-    def batch(self, step: int, batch_size: int) -> np.ndarray:
+    def batch(self, step: int, batch_size: int, rows: slice = slice(None)) -> np.ndarray:
+        """Rows `rows` of the global batch of `batch_size` windows (a process reads only its own rows; the
+        draws, cheap, are made for all of them so every process sees the same batch)."""
         rng = np.random.default_rng([self.seed, step])
         which = rng.choice(len(self.shards), size=batch_size, p=self.probs)
-        out = np.empty((batch_size, self.seq_len + 1), np.int32)
-        for i, d in enumerate(which):
-            s = self.shards[d]
-            start = int(rng.integers(0, s.size - self.seq_len - 1 + 1))
-            out[i] = s[start:start + self.seq_len + 1]
+        starts = [int(rng.integers(0, self.shards[d].size - self.seq_len - 1 + 1)) for d in which]
+        picked = range(batch_size)[rows]
+        out = np.empty((len(picked), self.seq_len + 1), np.int32)
+        for i, r in enumerate(picked):
+            out[i] = self.shards[which[r]][starts[r]:starts[r] + self.seq_len + 1]
         return out
 
 
@@ -262,7 +264,7 @@ class TargetTrainer(common.ResumableTrainer):
         self._train_fn, self._eval_fn = fns["train"], fns["eval"]
         self.total_steps = cfg.steps     # may shrink once, under a time budget (then saved with the checkpoint)
         self.batch_sh = common.batch_sharding(self.mesh)
-        self.state = jax.device_put(_init_fn(self.model_cfg, cfg.seed, hyper[:2], opts)(), self.state_sh)
+        self.state = common.put_global(_init_fn(self.model_cfg, cfg.seed, hyper[:2], opts)(), self.state_sh)
         self.ckpt = common.Checkpoints(self.out / "ckpt", keep=cfg.keep)
         self.start_step = 0
         latest = self.ckpt.latest()
@@ -292,7 +294,8 @@ class TargetTrainer(common.ResumableTrainer):
         return self._train_fn(state, batch, jnp.float32(self.lr_at(step)))
 
     def batch(self, step: int) -> jax.Array:
-        return jax.device_put(self.sampler.batch(step, self.cfg.batch_size), self.batch_sh)
+        b = self.cfg.batch_size
+        return common.global_batch(lambda lo, hi: self.sampler.batch(step, b, slice(lo, hi)), b, self.batch_sh)
 
     def evaluate(self) -> dict[str, dict[str, float]]:
         out = {}
@@ -314,8 +317,8 @@ class TargetTrainer(common.ResumableTrainer):
         return out
 
     def _eval_masked(self, chunk: np.ndarray, mask: np.ndarray):
-        return self._eval_fn(self.state["params"], jax.device_put(chunk, self.batch_sh),
-                             jax.device_put(mask, self.batch_sh))
+        return self._eval_fn(self.state["params"], common.batch_from_host(chunk, self.batch_sh),
+                             common.batch_from_host(mask, self.batch_sh))
 
     def run(self, stop_after: int | None = None) -> dict:
         """Train from the current step to the total (cfg.steps, or fewer under a time budget), or only up to
@@ -357,13 +360,17 @@ class TargetTrainer(common.ResumableTrainer):
         return nnx.merge(self.graphdef, jax.tree.map(jnp.asarray, params))
 
     def export(self, out_dir: str | Path | None = None) -> Path:
+        """The Hugging Face directory (every process gathers the weights; process 0 writes)."""
         from hyspec_jax.io.hf import save_pretrained
         from tokenizers import Tokenizer
         from hyspec_jax.train.tokenizer_train import generation_config
 
         out_dir = Path(out_dir) if out_dir is not None else self.out / "hf"
         dtype = {"bfloat16": jnp.bfloat16, "float32": F32}[self.cfg.export_dtype]
-        save_pretrained(self.model(), out_dir, max_shard_bytes=int(self.cfg.export_shard_mb * (1 << 20)), dtype=dtype)
+        model = self.model()
+        if not common.is_primary():
+            return out_dir
+        save_pretrained(model, out_dir, max_shard_bytes=int(self.cfg.export_shard_mb * (1 << 20)), dtype=dtype)
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(self.tok_dir / f, out_dir / f)
         tok = Tokenizer.from_file(str(self.tok_dir / "tokenizer.json"))
@@ -378,7 +385,8 @@ def train_target(cfg: TargetTrainConfig, export: bool = True) -> dict:
         summary["export"] = str(trainer.export())
     trainer.ckpt.close()
     summary.pop("losses")
-    (Path(cfg.out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if common.is_primary():
+        (Path(cfg.out) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 

@@ -80,6 +80,7 @@ class GenParams:
 
 
 _json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(ensure_ascii=False) builds an encoder per call
+_json_str = json.encoder.encode_basestring             # what that encoder does with a str (C; no escapes of non-ASCII)
 
 
 def _sse(obj) -> bytes:
@@ -100,12 +101,24 @@ class ChunkTemplate:
     def __call__(self, choice: dict) -> bytes:
         return self.pre + _json(choice).encode() + self.post
 
+    def text(self, index: int, key: str, text: str, token_ids: list[int] | None) -> bytes:
+        """The chunk of a choice's next text without logprobs, as `self` renders {"index": index, key: text,
+        "logprobs": None, "finish_reason": None[, "token_ids": token_ids]} — key "text" (completions) or
+        "delta" ({"content": text}, chat) — without building and encoding the dict: once per token per stream."""
+        value = _json_str(text) if key == "text" else '{"content": ' + _json_str(text) + "}"
+        ids = "" if token_ids is None else ', "token_ids": [' + ", ".join(map(str, token_ids)) + "]"
+        return (self.pre + f'{{"index": {index}, "{key}": {value}, "logprobs": null, "finish_reason": null{ids}}}'
+                .encode() + self.post)
+
 
 class EventStream(Response):
     """An SSE response of an async iterator of chunks. Unlike Starlette's StreamingResponse it runs no second task
     listening for the disconnect (`OpenAIServer.events` watches for it and ends the stream) and sends its chunks
     to the front door's `send` (`SCOPE_BODY_SEND`), past the wrappers that look at the response start only; the
-    start and the last message go down the whole chain."""
+    start and the last message go down the whole chain. The chunks are written by a task of its own: a token
+    step then resumes that task's few frames, not the twenty-odd coroutines of the ASGI stack above this call
+    (uvicorn's cycle, the middleware, Starlette's and FastAPI's routing), each of which a wake-up of this
+    coroutine would pass through twice."""
 
     media_type = "text/event-stream"
 
@@ -115,13 +128,44 @@ class EventStream(Response):
 
     async def __call__(self, scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        body = scope.get(SCOPE_BODY_SEND, send)
+        await asyncio.get_running_loop().create_task(self._pump(scope.get(SCOPE_BODY_SEND, send)))
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _pump(self, body) -> None:
+        # (a cancelled __call__ cancels this task too: it awaits it)
         try:
             async for chunk in self.chunks:
                 await body({"type": "http.response.body", "body": chunk, "more_body": True})
         finally:
             await self.chunks.aclose()       # its cleanup (aborting what still runs) now, not at garbage collection
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class Inbox:
+    """A request's engine events on the event loop: `put_nowait` (`Handoff` delivering, the disconnect watcher),
+    `take` (the request's coroutine) returns every event that arrived since its last call. asyncio.Queue does
+    the same one item at a time, with more Python per item."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self):
+        self.items: list = []
+        self.waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self.items.append(item)
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def take(self) -> list:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
 
 
 class Handoff:
@@ -135,7 +179,7 @@ class Handoff:
         self._items: deque = deque()
         self._armed = False
 
-    def put(self, queue: asyncio.Queue, item) -> None:
+    def put(self, queue: Inbox, item) -> None:
         self._items.append((queue, item))
 
     def flush(self) -> None:
@@ -293,12 +337,12 @@ class OpenAIServer:
 
     # --- generation --------------------------------------------------------------------------------------
     def start(self, prompts: list[list[int]], params: GenParams, max_tokens: list[int], extra_stops: frozenset[int]
-              ) -> tuple[list[Choice], asyncio.Queue]:
+              ) -> tuple[list[Choice], Inbox]:
         """Submit n engine requests per prompt; returns the choices (index = prompt · n + j) and their queue."""
         if self.draining:
             raise APIError(503, "the server is shutting down")
         self.handoff.loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = Inbox()
         put = self.handoff.put
         stops = params.stop_token_ids | extra_stops | (frozenset() if params.ignore_eos else self.model.eos_token_ids)
         choices = []
@@ -329,7 +373,7 @@ class OpenAIServer:
             raise APIError(503, "the server is shutting down") from None
         return choices, queue
 
-    async def events(self, request: Request, choices: list[Choice], queue: asyncio.Queue) -> AsyncIterator[Choice]:
+    async def events(self, request: Request, choices: list[Choice], queue: Inbox) -> AsyncIterator[Choice]:
         """Feed engine events into the choices; yields every choice that changed, once for all the events queued
         by then (a caller that fell behind sends several steps' tokens in one chunk). Ends early (returns) when
         the client disconnects; always aborts what is still running."""
@@ -340,12 +384,11 @@ class OpenAIServer:
                     queue.put_nowait((None, [], "disconnect"))
                     return
         watcher = asyncio.create_task(watch())
+        open_ = len(choices)
         try:
-            while any(c.text.finish is None for c in choices):
+            while open_:
                 changed: dict[int, Choice] = {}
-                item = await queue.get()
-                while True:
-                    i, toks, finish = item
+                for i, toks, finish in await queue.take():
                     if i is None:
                         return
                     c = choices[i]
@@ -354,10 +397,9 @@ class OpenAIServer:
                             raise APIError(500, "the engine failed while generating")
                         if c.text.feed(toks, finish):
                             self.scheduler.abort(c.engine, "stop")
+                        if c.text.finish is not None:
+                            open_ -= 1
                         changed[i] = c
-                    if queue.empty():
-                        break
-                    item = queue.get_nowait()
                 for c in changed.values():
                     yield c
         finally:
@@ -491,7 +533,10 @@ class OpenAIServer:
                     if c.text.finish is not None:
                         yield await chunk(c, text, ids, c.text.finish)
                     elif text or (ids and (params.return_token_ids or k is not None)):
-                        yield await chunk(c, text, ids, None)
+                        if k is None and not first[c.index]:     # the common case, per token: no dict, no await
+                            yield render.text(c.index, "text", text, ids if params.return_token_ids else None)
+                        else:
+                            yield await chunk(c, text, ids, None)
                 u = usage()
                 if params.include_usage:
                     yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -578,7 +623,10 @@ class OpenAIServer:
                 async for c in self.events(request, choices, queue):
                     text, tids = c.text.take()
                     if text or (tids and (params.return_token_ids or k is not None)):
-                        yield await chunk(c, {"content": text}, None, tids)
+                        if k is None:     # the common case, per token: no dict, no await
+                            yield render.text(c.index, "delta", text, tids if params.return_token_ids else None)
+                        else:
+                            yield await chunk(c, {"content": text}, None, tids)
                     if c.text.finish is not None:
                         yield await chunk(c, {}, c.text.finish, [])
                 u = usage()

@@ -10,9 +10,16 @@ request loop's thread observes, the HTTP thread renders.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
+import threading
+
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from hyspec_jax.runtime.scheduler import LoopObserver
 
@@ -26,6 +33,40 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 disable_created_metrics()   # no `_created` series: vLLM's exposition has none either
+
+
+class StepHistogram:
+    """A histogram observed a whole device step's values at once (`observe_many`), exposed with the samples of
+    prometheus_client's Histogram (a collector of its registry). That Histogram takes a lock and walks its
+    buckets in Python per value: on the request loop's thread, once per request per step, competing with the
+    event loop for the GIL."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...], model_name: str,
+                 registry: CollectorRegistry):
+        self.name, self.doc, self.model_name = name, doc, model_name
+        self.bounds = [float(b) for b in buckets] + [math.inf]
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+        self.lock = threading.Lock()
+        registry.register(self)
+
+    def observe_many(self, values: list[float]) -> None:
+        counts, bounds = self.counts, self.bounds
+        with self.lock:
+            for v in values:
+                counts[bisect.bisect_left(bounds, v)] += 1      # the first bucket with v <= le
+            self.sum += sum(values)
+
+    def observe(self, value: float) -> None:
+        self.observe_many([value])
+
+    def collect(self):
+        with self.lock:
+            counts, total = list(self.counts), self.sum
+        fam = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
+        fam.add_metric([self.model_name], [(floatToGoString(b), c) for b, c in
+                                           zip(self.bounds, itertools.accumulate(counts))], total)
+        yield fam
 
 
 class ServerMetrics(LoopObserver):
@@ -50,8 +91,11 @@ class ServerMetrics(LoopObserver):
                             "finished_reason")
         self.ttft = one(Histogram, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                         buckets=TTFT_BUCKETS)
-        self.itl = one(Histogram, "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                       buckets=ITL_BUCKETS)
+        # observed per request per step: by the step (`step_done`), the generation counter too
+        self.itl = StepHistogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                                 ITL_BUCKETS, model_name, r)
+        self._step_itl: list[float] = []
+        self._step_tokens = 0
         self.e2e = one(Histogram, "vllm:e2e_request_latency_seconds",
                        "Histogram of e2e request latency in seconds.", buckets=REQUEST_BUCKETS)
         self.queue_time = one(Histogram, "vllm:request_queue_time_seconds",
@@ -100,8 +144,16 @@ class ServerMetrics(LoopObserver):
         if ttft is not None:
             self.ttft.observe(ttft)
         if itl is not None:
-            self.itl.observe(itl)
-        self.generation_tokens.inc(n)
+            self._step_itl.append(itl)
+        self._step_tokens += n
+
+    def step_done(self) -> None:
+        if self._step_itl:
+            self.itl.observe_many(self._step_itl)
+            self._step_itl = []
+        if self._step_tokens:
+            self.generation_tokens.inc(self._step_tokens)
+            self._step_tokens = 0
 
     def finished(self, reason: str, e2e_seconds: float, aborted: bool) -> None:
         self.e2e.observe(e2e_seconds)

@@ -301,6 +301,50 @@ def test_stream_chunk_template_renders_what_a_whole_chunk_does():
         for choice in ({"index": 0, "text": "héllo \n\"x\"", "logprobs": None, "finish_reason": None},
                        {"index": 3, "delta": {}, "logprobs": None, "finish_reason": "stop", "token_ids": [1, 2]}):
             assert render(choice) == _sse({**head, "choices": [choice], **tail})
+        for text in ("", "héllo \n\"x\" \\ \u2028 \x01 ✓"):
+            for ids in (None, [], [5, 123456]):
+                extra = {} if ids is None else {"token_ids": ids}
+                base = {"index": 2, "logprobs": None, "finish_reason": None, **extra}
+                assert render.text(2, "text", text, ids) == render({"index": 2, "text": text, **base})
+                assert render.text(2, "delta", text, ids) == render({"index": 2, "delta": {"content": text}, **base})
+
+
+def test_step_histogram_exposes_what_prometheus_histogram_does():
+    """The ITL histogram, observed a step at a time, renders the samples of prometheus_client's own Histogram fed
+    the same values one by one (bucket edges included)."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from hyspec_jax.serve.metrics import ITL_BUCKETS, StepHistogram
+    values = [0.0, 0.01, 0.0100001, 0.3, 79.9, 80.0, 81.0, 1e-4, 2.5]
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    h = StepHistogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                      ITL_BUCKETS, "m", ours)
+    h.observe_many(values[:4])
+    h.observe_many([])
+    h.observe_many(values[4:])
+    ref = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                    ("model_name",), registry=theirs, buckets=ITL_BUCKETS).labels(model_name="m")
+    for v in values:
+        ref.observe(v)
+    assert generate_latest(ours) == generate_latest(theirs)
+
+
+def test_inbox_wakes_a_waiting_take_with_everything_put():
+    import asyncio
+
+    from hyspec_jax.serve.app import Inbox
+
+    async def main():
+        box = Inbox()
+        waiter = asyncio.create_task(box.take())
+        await asyncio.sleep(0)
+        loop = asyncio.get_running_loop()
+        loop.call_soon(box.put_nowait, 1)
+        loop.call_soon(box.put_nowait, 2)
+        first = await waiter
+        box.put_nowait(3)
+        return first, await box.take(), box.items
+    assert asyncio.run(main()) == ([1, 2], [3], [])
 
 
 def test_handoff_wakes_the_event_loop_once_per_flush_and_loses_nothing():
@@ -309,7 +353,7 @@ def test_handoff_wakes_the_event_loop_once_per_flush_and_loses_nothing():
     import asyncio
     import threading
 
-    from hyspec_jax.serve.app import Handoff
+    from hyspec_jax.serve.app import Handoff, Inbox
 
     class Counted(Handoff):
         wakeups = 0
@@ -321,7 +365,7 @@ def test_handoff_wakes_the_event_loop_once_per_flush_and_loses_nothing():
     async def main():
         h = Counted()
         h.loop = asyncio.get_running_loop()
-        queues = [asyncio.Queue(), asyncio.Queue()]
+        queues = [Inbox(), Inbox()]
         steps, done = 2000, threading.Event()
 
         def producer():
@@ -334,8 +378,8 @@ def test_handoff_wakes_the_event_loop_once_per_flush_and_loses_nothing():
         got = [[], []]
         while len(got[0]) < steps or len(got[1]) < steps:
             for q, g in zip(queues, got):
-                while not q.empty():
-                    g.append(q.get_nowait())
+                if q.items:
+                    g += await q.take()
             await asyncio.sleep(0)
         assert done.wait(10)
         assert got == [list(range(steps))] * 2
@@ -348,7 +392,7 @@ def test_stream_events_coalesce_what_is_queued():
     import asyncio
     import types
 
-    from hyspec_jax.serve.app import Choice, FrontOptions, OpenAIServer, ServedModel
+    from hyspec_jax.serve.app import Choice, FrontOptions, Inbox, OpenAIServer, ServedModel
 
     aborted = []
     sched = types.SimpleNamespace(abort=lambda er, reason="abort": aborted.append(reason))
@@ -363,7 +407,7 @@ def test_stream_events_coalesce_what_is_queued():
     async def main():
         choices = [Choice(0, 0, ChoiceText(TOK, (), frozenset()))]
         choices[0].engine = types.SimpleNamespace(finished=True)
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = Inbox()
         ids = enc("hello")
         for k, t in enumerate(ids):
             queue.put_nowait((0, [t], "length" if k == len(ids) - 1 else None))

@@ -69,6 +69,10 @@ class LoopObserver:
     def tokens(self, n: int, ttft: float | None, itl: float | None) -> None:
         """n tokens given to a request; ttft for its first, else itl since its last."""
 
+    def step_done(self) -> None:
+        """The events of one device call (a prefill, a step) are all reported: an observer may record them now,
+        once per call rather than once per request."""
+
     def finished(self, reason: str, e2e_seconds: float, aborted: bool) -> None:
         """A request ended: "stop" / "length" / "abort" / "error"."""
 
@@ -251,6 +255,7 @@ class Scheduler:
         self._batch_done()
 
     def _batch_done(self) -> None:
+        self.observer.step_done()
         if self.on_batch is not None:
             try:
                 self.on_batch()

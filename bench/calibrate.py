@@ -1,7 +1,9 @@
-"""Bole's offline calibration (Algorithm 3, steps 1–5): the verification budget of every bucket.
+"""Bole's offline calibration (Algorithm 3, steps 1–5): the verification budget of every bucket, and the round
+times of every verify width the engine chooses between.
 
     hyspec calibrate [--model DIR] [--batch 1,4,8] [--kv-len 1024] [--nodes 1,2,4,8,16,32,64]
                      [--depth 8] [--eps 0.1] [--repeats 20] [--out FILE] [--json]
+                     [--drafter DIR] [--spec-mode M] [speculative options of `hyspec generate`]
     python -m hyspec_jax.bench.calibrate ...          (same options)
 
 For each bucket (batch slots B, KV length S) it measures
@@ -13,6 +15,14 @@ each as the median of `repeats` timed calls after a warm-up call (block_until_re
 committed tokens), and stores B_ver = max{N : T_ver(N) ≤ (1+ε)·T_dec} in a JSON table keyed by device kind,
 model and bucket (`hyspec_jax.spec.budget.BudgetTable`; existing entries of other buckets are kept).
 `hyspec generate --budget-table FILE` then verifies B_ver nodes per slot.
+
+With a drafter — the speculative engine `hyspec generate` builds from the same options (the embedded model: its
+drafter and recommended settings) — it also times the engine's own round program (draft, select, verify with the
+kernels it runs, accept, commit) at every width bucket w of `hyspec_jax.spec.width` (w = 1: plain decoding) for
+every slot; each timed call is one round's dispatch and host read, after a prefill of the slots with half the KV
+length (a power of two), as the median of `repeats` rounds after a warm-up round. They go to the entry's
+`t_round_ms` under the round's signature (mode, draft shape, kernels, deferred commit); the engine then chooses
+the width of every round from them (`SpecConfig.adaptive_width`).
 """
 
 from __future__ import annotations
@@ -52,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="parameter dtype (auto: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--out", metavar="FILE", help="budget table to create or update (default: DIR/budget.json)")
     p.add_argument("--json", action="store_true", help="print the new entries as JSON")
+    from hyspec_jax.spec.options import add_spec_arguments
+    add_spec_arguments(p)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -191,6 +203,44 @@ def calibrate(model, *, model_name: str, batches: list[int], kv_lens: list[int],
     return entries
 
 
+def calibrate_rounds(engine, *, batches: list[int], kv_lens: list[int], repeats: int,
+                     log=print) -> dict[tuple[int, int], tuple[str, dict[str, float]]]:
+    """The engine's round time at every width bucket (see the module docstring): {(B, S): (round signature,
+    {width: ms})}."""
+    from hyspec_jax.spec.width import round_signature
+
+    out = {}
+    for B in batches:
+        for S in kv_lens:
+            T = 1 << max(0, (S // 2).bit_length() - 1)            # the prefix: the power of two ≤ S / 2
+            be = engine.width_backend(B, S, None, shapes=[(B, T)])
+            room = S - be.overshoot - T - (repeats + 1) * (be.depth + 1)
+            if T > engine.max_prompt_len(S) or room < 0:
+                raise ValueError(f"kv_len {S} too short for a {T}-token prefix and {repeats + 1} rounds of "
+                                 f"{be.depth + 1} tokens")
+            widest = be.widths[max(be.widths)][False]
+            sig = round_signature(engine.spec.mode, widest, engine.spec.deferred_rows)
+            rng = np.random.default_rng(B * 7919 + S)
+            z = np.zeros(B, np.float32)
+            samp = be.sampling(z, np.ones(B, np.float32), z.astype(np.int32), z.astype(np.uint32))
+            active = np.ones(B, bool)
+            ms = {}
+            for w in sorted(be.widths):
+                be.prefill(np.arange(B, dtype=np.int32), rng.integers(0, engine.config.vocab_size, (B, T)),
+                           np.ones((B, T), bool), np.ones(B, bool), samp)          # fresh slots every width
+                be.force = [w]
+                steps = np.zeros(B, np.int32)
+
+                def one_round():
+                    steps[:] += 1
+                    return be.collect(be.dispatch(active, samp, steps, False))
+                t = median_time(one_round, repeats)[0].median_s
+                ms[str(w)] = round(1e3 * t, 4)
+                log(f"[calibrate] B={B} S={S} {sig} width {w:<4d} round {ms[str(w)]:8.3f} ms")
+            out[(B, S)] = (sig, ms)
+    return out
+
+
 def run(args) -> int:
     """`hyspec calibrate`."""
     from hyspec_jax.launch import UsageError, resolve_model_dir
@@ -211,9 +261,19 @@ def run(args) -> int:
     cfg, model = load_pretrained(model_dir, dtype=dtype)
     out = Path(args.out) if args.out else Path(model_dir) / "budget.json"
     table = BudgetTable.load(out) if out.is_file() else BudgetTable()
+    log = lambda s: print(s, file=sys.stderr)  # noqa: E731
     entries = calibrate(model, model_name=model_id(cfg, Path(model_dir).name), batches=args.batch,
                         kv_lens=args.kv_len, nodes=args.nodes, depth=args.depth, eps=args.eps,
-                        repeats=args.repeats, log=lambda s: print(s, file=sys.stderr))
+                        repeats=args.repeats, log=log)
+    from hyspec_jax.launch import engine_from_args
+    engine = engine_from_args(args, model, model_dir, dtype)
+    if engine is None:
+        log("[calibrate] plain decoding (no drafter): no round times")
+    else:
+        rounds = calibrate_rounds(engine, batches=args.batch, kv_lens=args.kv_len, repeats=args.repeats, log=log)
+        for e in entries:
+            sig, ms = rounds[(e["batch"], e["kv_len"])]
+            e["t_round_ms"] = {sig: ms}
     for e in entries:
         table.add(e)
     out.parent.mkdir(parents=True, exist_ok=True)

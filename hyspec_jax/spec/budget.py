@@ -19,9 +19,11 @@ verify width): a node is eligible only if fewer than N nodes of its row rank abo
 prefix of the row's order. Whether a node is kept depends only on the nodes ranked above it — never on its
 own token or its descendants — which is what lossless tree sampling needs (`spec.select`).
 
-Note on the data layout: verify runs over a dense [B, N] forest, so with C < B·N capacity is redistributed
-between rows but the forward still costs B·N nodes; a flat ragged forest (Bole's packing) would need a
-target verify over per-node slot ids.
+Data layout: verify runs over a dense [B, N] forest, so its cost is that of B·N nodes whatever C is. The
+engine makes that cost follow the capacity by choosing N per round from a small set of width buckets, one
+compiled round each (`spec.width`): width w selects C = slots · w nodes (per row: the anchor and its w − 1 best
+candidates, `width_gains`), and the round at width w costs what the calibration measured for it. A flat ragged
+forest (Bole's packing, cost exactly C) would need a target verify over per-node slot ids.
 """
 
 from __future__ import annotations
@@ -110,6 +112,23 @@ def select_nodes(score: jax.Array, parent: jax.Array, depth: jax.Array, valid: j
                      depth=jnp.where(sel_valid, jnp.take_along_axis(depth_p, take, axis=1), 0), kept=kept)
 
 
+def width_gains(score: jax.Array, valid: jax.Array, active: jax.Array, widths: tuple[int, ...]) -> jax.Array:
+    """The drafter's expected accepted drafts of every row at each verify width w (fp32 [B, len(widths)]).
+
+    Width w verifies the selection `select_nodes` makes at row capacity w and batch capacity slots · w: every
+    active row keeps its anchor and its w − 1 best other candidates (the best root child first — scores never
+    increase down a path, so it is the row's best non-anchor node — then the rest by score, ancestor-closed
+    by the same argument). Bole's objective for that selection is Σ ρ(v) over its non-anchor nodes: each
+    node's path probability under the drafter is its estimate of the node being on the accepted path.
+    score [B, M] log scores (node 0 = anchor); inactive rows and width 1 give 0."""
+    B, M = score.shape
+    k = max(1, min(max(widths) - 1, M - 1))
+    s = jnp.where(valid & (jnp.arange(M)[None] > 0) & active[:, None], score, -jnp.inf).astype(F32)
+    best = jax.lax.top_k(s, k)[0] if M > 1 else jnp.full((B, 1), -jnp.inf, F32)
+    csum = jnp.concatenate([jnp.zeros((B, 1), F32), jnp.cumsum(jnp.exp(best), axis=1)], axis=1)   # [B, k + 1]
+    return csum[:, [min(w - 1, k) for w in widths]]
+
+
 def confident_length(confidence: jax.Array, threshold: float | jax.Array, min_length: int = 1) -> jax.Array:
     """DSpark's confidence-scheduled chain length: the number of leading draft slots whose prefix survival
     a_k = Π_{i≤k} c_i is ≥ threshold (at least min_length). confidence [B,G] -> [B] int32.
@@ -174,21 +193,25 @@ class BudgetTable:
                                          sort_keys=True) + "\n")
 
     def add(self, entry: dict[str, Any]) -> str:
+        """Add or replace a bucket's entry; the round times of other rounds an older entry held are kept."""
         key = bucket_key(entry["device_kind"], entry["model"], entry["batch"], entry["kv_len"], entry["max_depth"])
-        self.entries[key] = entry
+        rounds = {**(self.entries.get(key, {}).get("t_round_ms") or {}), **(entry.get("t_round_ms") or {})}
+        self.entries[key] = {**entry, **({"t_round_ms": rounds} if rounds else {})}
         return key
 
-    def lookup(self, device_kind: str, model: str, batch: int, kv_len: int, depth: int | None = None
-               ) -> dict[str, Any] | None:
+    def lookup(self, device_kind: str, model: str, batch: int, kv_len: int, depth: int | None = None,
+               round_signature: str | None = None) -> dict[str, Any] | None:
         """The entry of this bucket, else the smallest calibrated bucket covering it (batch ≥, kv_len ≥),
-        preferring the given tree depth; None when no calibrated bucket covers it."""
+        preferring the given tree depth; None when no calibrated bucket covers it. round_signature: only
+        entries holding round times of that round (`t_round_ms`, `spec.width.round_signature`)."""
         cands = [e for e in self.entries.values()
                  if e["device_kind"] == device_kind and e["model"] == model and e["batch"] >= batch
-                 and e["kv_len"] >= kv_len]
+                 and e["kv_len"] >= kv_len
+                 and (round_signature is None or round_signature in (e.get("t_round_ms") or {}))]
         if not cands:
             return None
         return min(cands, key=lambda e: (depth is not None and e["max_depth"] != depth, e["batch"], e["kv_len"]))
 
 
-__all__ = ["Selection", "root_floor", "select_nodes", "confident_length", "b_ver", "model_id", "bucket_key",
+__all__ = ["Selection", "root_floor", "select_nodes", "width_gains", "confident_length", "b_ver", "model_id", "bucket_key",
            "BudgetTable"]

@@ -41,6 +41,7 @@ from hyspec_jax.models.mtp import MTPHead
 from hyspec_jax.spec.options import KERNEL_IMPLS, MODES, MTP_DEFAULT_STEPS, MTP_MODES, TREE_MODES
 from hyspec_jax.spec.round import RoundShape
 from hyspec_jax.spec.stats import prefix_survival, rounded
+from hyspec_jax.spec.width import WidthBackend, round_seconds, round_signature, width_buckets
 from hyspec_jax.tree import TreeExpansion
 
 
@@ -58,6 +59,9 @@ class SpecConfig:
     # Deferred GDN commit: P accepted rows per slot and GDN layer kept beside a checkpoint state, folded when full
     # (`TargetState.pending`); 0 = every round writes the state. Must hold a round's path (depth + 1 rows).
     deferred_rows: int = 0
+    # The verify width chosen each round (`spec.width`) from the budget table's calibrated round times of the
+    # bucket — between plain decoding and verify_nodes; without them (or False) every round verifies N nodes.
+    adaptive_width: bool = True
 
     def __post_init__(self):
         if self.kernels not in KERNEL_IMPLS:
@@ -260,12 +264,36 @@ class SpecEngine:
                           method=self.spec.method, tap_layers=taps, kernel_impl=self.spec.kernels,
                           drafter="mtp" if mtp else "dspark")
 
+    def round_seconds(self, slots: int, kv_len: int) -> dict[int, float] | None:
+        """The calibrated round time of every width bucket of this bucket (`spec.width.round_seconds`), or None."""
+        if self.budget_table is None or self.spec.mode == "ar":
+            return None
+        widths = width_buckets(self.nodes_for(slots, kv_len))
+        sig = round_signature(self.spec.mode, self.round_shape(False, max(widths)), self.spec.deferred_rows)
+        e = self.budget_table.lookup(jax.devices()[0].device_kind, self.model_name, slots, kv_len, self._gamma, sig)
+        return round_seconds(e, sig, widths)
+
+    def width_backend(self, slots: int, kv_len: int, seconds: dict[int, float] | None = None,
+                      shapes: Sequence[tuple[int, int]] | None = None) -> WidthBackend:
+        """A backend with one round per width bucket up to `nodes_for` (`spec.width`): the width chosen each
+        round from `seconds` (calibrated round time per width), fixed at the widest without them."""
+        widths = width_buckets(self.nodes_for(slots, kv_len))
+        rounds = {w: {s: dataclasses.replace(self.round_shape(s, w), gain_widths=widths) for s in (False, True)}
+                  for w in widths}
+        shapes = shapes or batch_shapes(slots, self.max_prompt_len(kv_len))
+        return WidthBackend(self.config, self.tgraph, self.tparams, self.drafter.config, self.dgraph, self.dparams,
+                            mode=self.spec.mode, widths=rounds, seconds=seconds, user_capacity=self.spec.capacity,
+                            slots=slots, kv_len=kv_len, shapes=shapes, deferred_rows=self.spec.deferred_rows)
+
     def backend(self, slots: int, kv_len: int, shapes: Sequence[tuple[int, int]] | None = None) -> SpecBackend:
-        """A backend of this engine's drafter and rounds for the bucket (slots, KV length): N from `nodes_for`,
-        capacity spec.capacity or slots · N; prefill shapes (default: all `slots` rows of every prompt bucket the
-        KV length holds)."""
+        """A backend of this engine's drafter and rounds for the bucket (slots, KV length): with
+        spec.adaptive_width and calibrated round times of the bucket, the width chosen each round
+        (`width_backend`); else N from `nodes_for`, capacity spec.capacity or slots · N. Prefill shapes
+        (default: all `slots` rows of every prompt bucket the KV length holds)."""
         if self.spec.mode == "ar":
             raise ValueError("plain decoding (ar) runs on `generate.Generator`'s backend")
+        if self.spec.adaptive_width and (seconds := self.round_seconds(slots, kv_len)) is not None:
+            return self.width_backend(slots, kv_len, seconds, shapes)
         N = self.nodes_for(slots, kv_len)
         shapes = shapes or batch_shapes(slots, self.max_prompt_len(kv_len))
         return SpecBackend(self.config, self.tgraph, self.tparams, self.drafter.config,   # MTP: the target's config

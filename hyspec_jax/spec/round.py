@@ -35,7 +35,7 @@ from hyspec_jax.models.drafter import DraftBlock, Drafter, target_heads
 from hyspec_jax.models.target import TargetModel
 from hyspec_jax.sampling import SlotSampling, slot_keys
 from hyspec_jax.spec.accept import accept
-from hyspec_jax.spec.budget import confident_length, root_floor, select_nodes
+from hyspec_jax.spec.budget import confident_length, root_floor, select_nodes, width_gains
 from hyspec_jax.spec.commit import commit
 from hyspec_jax.spec.mtp_propose import mtp_candidates
 from hyspec_jax.spec.propose import chain_from_block
@@ -44,6 +44,7 @@ from hyspec_jax.state import DrafterState, TargetState
 from hyspec_jax.tree import TreeExpansion
 
 I32 = jnp.int32
+GAIN_SCALE = 1000   # host_out carries expected accepted drafts in thousandths (one int32 array each way)
 HINT_BIAS = 1.0e3   # added to the drafter's base logits at hinted tokens (see `spec_round`)
 
 
@@ -61,6 +62,15 @@ class RoundShape:
     kernel_impl: str = "reference"
     drafter: str = "dspark"     # "dspark": a DSpark block drafter; "mtp": the target's own MTP head
                                 # (tap_layers then = the last layer, whose final-norm output feeds the head)
+    # verify widths whose expected accepted drafts `spec_round_io` reports (`budget.width_gains`; the
+    # per-round width choice of `spec.width` reads them); () = none
+    gain_widths: tuple[int, ...] = ()
+
+    @property
+    def plain(self) -> bool:
+        """Width 1: the round verifies the anchor alone — plain decoding, no draft (the drafter's context is
+        still appended from the target's taps, so a later round drafts from an up-to-date context)."""
+        return self.verify_nodes == 1
 
     @property
     def depth(self) -> int:
@@ -87,7 +97,21 @@ def round_draft(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, 
                 shape: RoundShape):
     """Round phase 1 — draft, build, select (see `spec_round`): (tokens [B, N], tree, child_q [B, N, …] or
     None) — the [B, N] forest the target verifies and, when sampling, the draft distribution of each node."""
+    return _draft(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, sampling, steps, capacity, hint,
+                  shape=shape)[:3]
+
+
+def _draft(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, sampling, steps, capacity, hint=None, *,
+           shape: RoundShape):
+    """`round_draft`, and the expected accepted drafts [B, len(shape.gain_widths)] (None without gain widths)."""
     target: TargetModel = nnx.merge(tgraph, tparams)
+    if shape.plain:   # nothing drafted: the forest is the anchor alone
+        B = anchor.shape[0]
+        tree = tree_lib.Tree(parent=jnp.full((B, 1), -1, I32), valid=active[:, None],
+                             depth=jnp.zeros((B, 1), I32), envelope=tree_lib.TreeShape(1, 0))
+        child_q = (jnp.zeros((B, 1, target.config.vocab_size), jnp.float32) if shape.stochastic else None)
+        gains = jnp.full((B, len(shape.gain_widths)), -1.0, jnp.float32) if shape.gain_widths else None
+        return anchor.astype(I32)[:, None], tree, child_q, gains
     drafter: Drafter = nnx.merge(dgraph, dparams)
     heads = target_heads(target)
     samp = sampling if shape.stochastic else None
@@ -122,16 +146,17 @@ def round_draft(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, 
 
 
 def _select(cand, active: jax.Array, capacity: jax.Array, samp: SlotSampling | None, shape: RoundShape):
-    """The budget's [B, N] forest from the candidates: (tokens, tree, child_q or None)."""
+    """The budget's [B, N] forest from the candidates: (tokens, tree, child_q or None, gains or None)."""
     N, D = shape.verify_nodes, shape.depth
     valid = cand.valid & active[:, None]
+    gains = width_gains(cand.score, valid, active, shape.gain_widths) if shape.gain_widths else None
     forced = root_floor(cand.score, cand.parent, valid, active)
     sel = select_nodes(cand.score, cand.parent, cand.depth, valid, forced, N, capacity)
     tokens = jnp.where(sel.valid, jnp.take_along_axis(cand.token, sel.index, axis=1), 0)
     tree = tree_lib.Tree(parent=sel.parent, valid=sel.valid, depth=sel.depth,
                          envelope=tree_lib.TreeShape(N, D))
     child_q = None if samp is None else _gather(cand.child_q, sel.index)
-    return tokens, tree, child_q
+    return tokens, tree, child_q, gains
 
 
 def round_verify(tgraph: nnx.GraphDef, tparams: nnx.State, state: TargetState, tree: tree_lib.Tree,
@@ -193,10 +218,17 @@ def spec_round(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, d
     The three phases are `round_draft` → `round_verify` → `round_commit` (composed here into one program;
     `SpecEngine.phase_times` jits and times them one by one).
     """
+    return _round(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, sampling, steps, capacity, hint,
+                  shape=shape)[:6]
+
+
+def _round(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, sampling, steps, capacity, hint=None, *,
+           shape: RoundShape):
+    """`spec_round`'s outputs, then the expected accepted drafts per gain width (None without gain widths)."""
     # named scopes: each phase's kernels carry its name in profiles and in the compiled HLO's op names
     with jax.named_scope("draft"):
-        tokens, tree, child_q = round_draft(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active,
-                                            sampling, steps, capacity, hint, shape=shape)
+        tokens, tree, child_q, gains = _draft(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active,
+                                              sampling, steps, capacity, hint, shape=shape)
     with jax.named_scope("verify"):
         logits, taps, cache = round_verify(tgraph, tparams, state, tree, tokens, shape=shape)
     embed = None
@@ -204,7 +236,7 @@ def spec_round(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, d
         embed = nnx.merge(tgraph, tparams).model.embed_tokens.weight[...]
     with jax.named_scope("commit"):
         return round_commit(dgraph, dparams, state, dstate, anchor, active, sampling, steps, tokens, tree, child_q,
-                            logits, taps, cache, embed, shape=shape)
+                            logits, taps, cache, embed, shape=shape) + (gains,)
 
 
 def spec_round_io(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
@@ -213,14 +245,17 @@ def spec_round_io(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef
     """`spec_round` with its per-round host inputs packed in one int32 array and its host outputs in another, so
     a round moves one array each way (each transfer costs tens of µs of host time beside a GPU: a visible part
     of a launch-bound batch-1 round). host_in [B, 3 + g]: active (0/1), steps, capacity (read from row 0),
-    then g hint columns (g = 0: no hints). Returns (state, dstate, anchor, host_out [B, D + 3]: the committed
-    tokens [D + 1], count, accepted)."""
+    then g hint columns (g = 0: no hints). Returns (state, dstate, anchor, host_out [B, G + D + 3]: the expected
+    accepted drafts at each of the G = len(shape.gain_widths) widths in units of 1/GAIN_SCALE (−1: not
+    drafted), then the committed tokens [D + 1], count, accepted)."""
     hint = host_in[:, 3:] if host_in.shape[1] > 3 else None
-    state, dstate, anchor, toks, count, acc = spec_round(
+    state, dstate, anchor, toks, count, acc, gains = _round(
         tgraph, tparams, dgraph, dparams, state, dstate, anchor, host_in[:, 0] > 0, sampling, host_in[:, 1],
         host_in[0, 2], hint, shape=shape)
-    host_out = jnp.concatenate([toks.astype(I32), count.astype(I32)[:, None], acc.astype(I32)[:, None]], axis=1)
-    return state, dstate, anchor, host_out
+    cols = [toks.astype(I32), count.astype(I32)[:, None], acc.astype(I32)[:, None]]
+    if gains is not None:
+        cols.insert(0, jnp.round(gains * GAIN_SCALE).astype(I32))
+    return state, dstate, anchor, jnp.concatenate(cols, axis=1)
 
 
 def pack_round_inputs(active: np.ndarray, steps: np.ndarray, capacity: int, hint: np.ndarray | None) -> np.ndarray:
@@ -234,9 +269,16 @@ def pack_round_inputs(active: np.ndarray, steps: np.ndarray, capacity: int, hint
     return host
 
 
-def unpack_round_outputs(host_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens [B, D + 1], count [B], accepted [B]) from `spec_round_io`'s host_out."""
-    return host_out[:, :-2], host_out[:, -2], host_out[:, -1]
+def unpack_round_outputs(host_out: np.ndarray, gains: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens [B, D + 1], count [B], accepted [B]) from `spec_round_io`'s host_out of a round with `gains` gain
+    widths."""
+    return host_out[:, gains:-2], host_out[:, -2], host_out[:, -1]
+
+
+def unpack_round_gains(host_out: np.ndarray, gains: int) -> np.ndarray:
+    """The expected accepted drafts [B, gains] (fp, −1: not drafted) from `spec_round_io`'s host_out."""
+    g = host_out[:, :gains].astype(np.float64)
+    return np.where(g < 0, -1.0, g / GAIN_SCALE)
 
 
 # the named scopes of `spec_round` (`SpecEngine.round_kernels` counts kernels by them)

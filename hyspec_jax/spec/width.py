@@ -1,0 +1,183 @@
+"""The verify width chosen each round: from the calibrated round costs and the drafter's ρ, the number of nodes
+per request that maximizes the whole batch's expected tokens per second — down to a chain, or to plain decoding.
+
+The verify forward runs over a dense [B, N] forest (`hyspec_jax.tree`), so its cost is that of B·N nodes. The
+engine compiles one round per width bucket w ∈ {1, 2, 4, …, N_max} (`width_buckets`; w = 1 is plain decoding:
+no draft, the anchor alone is verified) and picks one bucket per round, so the verify's cost follows the
+batch-total capacity C = slots · w the round selects (`spec.budget.width_gains` says which nodes).
+
+The choice (`choose_width`): for every width with a calibrated round time T(B, w) (`hyspec calibrate`: the
+engine's own round programs, `t_round_ms` in the budget table),
+
+    rate(w) = live · (1 + κ · g(w)) / T(B, w),       g(1) = 0,
+
+where g(w) is the mean over live requests of the expected accepted drafts at width w — Σ ρ(v) over the nodes
+width w selects, reported by every drafting round (`RoundShape.gain_widths`) — and κ the measured ratio of
+accepted drafts to the drafter's estimate at the width that ran (ρ is the drafter's belief, not a calibrated
+probability). Plain decoding therefore wins whenever no width's expected tokens pay for its extra time.
+
+Rounds are pipelined (the next is dispatched before the host reads the last), so a round's width is chosen from
+the estimates of the rounds read so far. A plain round drafts nothing and so reports no ρ: after `probe_every`
+plain rounds in a row one round runs at the narrowest speculative width to refresh the estimates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from hyspec_jax.runtime.backend import SpecBackend, StepResult, start_host_copy
+from hyspec_jax.spec.round import (RoundShape, pack_round_inputs, spec_round_io_jit, unpack_round_gains,
+                                   unpack_round_outputs)
+
+
+def width_buckets(max_width: int) -> tuple[int, ...]:
+    """The compiled widths: 1 (plain decoding), the powers of two below max_width, and max_width."""
+    if max_width < 1:
+        raise ValueError(f"max_width must be >= 1, got {max_width}")
+    out, w = [], 1
+    while w < max_width:
+        out.append(w)
+        w *= 2
+    return tuple(out + [max_width])
+
+
+def round_signature(mode: str, shape: RoundShape, deferred_rows: int) -> str:
+    """What a calibrated round time depends on beside the bucket (device, model, B, S): the mode, the draft's
+    shape, the kernels and the deferred commit — the key of `t_round_ms` in a budget-table entry."""
+    draft = (f"tree={shape.tree.depth}x{shape.tree.top_k}x{shape.tree.beam}" if shape.tree is not None
+             else f"chain={shape.gamma}")
+    return f"{mode}|{draft}|kernels={shape.kernel_impl}|deferred={deferred_rows}"
+
+
+def round_seconds(entry: Mapping | None, signature: str, widths: Sequence[int]) -> dict[int, float] | None:
+    """{width: seconds} of the calibrated round times of a budget-table entry for this round signature, when
+    every one of `widths` was calibrated (else None: the round runs at its fixed width)."""
+    if entry is None:
+        return None
+    ms = (entry.get("t_round_ms") or {}).get(signature) or {}
+    if not all(str(w) in ms for w in widths):
+        return None
+    return {int(w): float(ms[str(w)]) / 1e3 for w in widths}
+
+
+def choose_width(seconds: Mapping[int, float], gain: Mapping[int, float], live: int) -> int:
+    """The width of highest expected tokens per second, live · (1 + gain[w]) / seconds[w] (gain[1] = 0; a
+    width without a gain counts none); ties go to the narrower width."""
+    if not seconds:
+        raise ValueError("no calibrated round times")
+    live = max(1, int(live))
+    rate = {w: live * (1.0 + (0.0 if w == 1 else max(0.0, gain.get(w, 0.0)))) / t for w, t in seconds.items()}
+    return max(sorted(rate), key=lambda w: (rate[w], -w))
+
+
+@dataclasses.dataclass
+class WidthChooser:
+    """The host's per-round choice (see the module docstring): the latest per-request gains of each width and
+    κ, the accepted / estimated ratio (exponentially weighted sums, `decay` per round that drafted)."""
+    seconds: dict[int, float]
+    probe_every: int = 16      # plain rounds in a row before one speculative round refreshes ρ (a setting)
+    decay: float = 0.9         # weight of the past in κ's sums per drafted round (a setting)
+    gain: dict[int, float] = dataclasses.field(default_factory=dict)
+    _accepted: float = 0.0
+    _estimated: float = 0.0
+    _plain_run: int = 0
+
+    @property
+    def kappa(self) -> float:
+        return self._accepted / self._estimated if self._estimated > 0 else 1.0
+
+    def next(self, live: int) -> int:
+        """The width of the next round for `live` decoding requests."""
+        spec = sorted(w for w in self.seconds if w > 1)
+        if not spec:
+            return 1
+        if not self.gain:                      # nothing drafted yet: draft at the widest width to learn ρ
+            return spec[-1]
+        if self._plain_run >= self.probe_every:
+            self._plain_run = 0                # one probe (the rounds in flight are not read yet)
+            return spec[0]
+        # κ·g can pass w − 1 (a few lucky rounds): no width accepts more drafts than it verifies
+        return choose_width(self.seconds, {w: min(self.kappa * g, w - 1) for w, g in self.gain.items()}, live)
+
+    def observe(self, width: int, gains: np.ndarray, accepted: np.ndarray, active: np.ndarray) -> None:
+        """A collected round: its width, gains [B, len(widths)] (−1: not drafted) in the order of
+        `sorted(seconds)`, accepted drafts [B], active slots [B]."""
+        active = np.asarray(active, bool)
+        if width == 1 or not active.any():
+            self._plain_run += width == 1
+            return
+        self._plain_run = 0
+        g = np.asarray(gains, np.float64)[active]
+        if (g < 0).any():
+            return
+        self.gain = {w: float(v) for w, v in zip(sorted(self.seconds), g.mean(axis=0))}
+        k = sorted(self.seconds).index(width)
+        self._accepted = self.decay * self._accepted + float(np.asarray(accepted)[active].sum())
+        self._estimated = self.decay * self._estimated + float(g[:, k].sum())
+
+
+class WidthBackend(SpecBackend):
+    """A `SpecBackend` with one round per width bucket, the width chosen per round by a `WidthChooser` (or taken
+    from `force`: calibration and tests). Its reported depth / verify_nodes are the widest round's."""
+
+    def __init__(self, *args, widths: dict[int, dict[bool, RoundShape]], seconds: dict[int, float] | None,
+                 user_capacity: int | None = None, **kw):
+        """widths: {w: {flavour: round shape}} (every shape reporting the same gain widths, sorted(widths));
+        seconds: calibrated round time per width (None: no choice, the widest width runs unless forced);
+        user_capacity: a fixed batch-wide node budget (default slots · w)."""
+        super().__init__(*args, round_shapes=widths[max(widths)], capacity=user_capacity or 1, **kw)
+        self.widths = dict(widths)
+        self.user_capacity = user_capacity
+        self.chooser = WidthChooser(seconds) if seconds else None
+        self.force: list[int] | None = None     # widths to cycle through instead of choosing
+        self.history: list[int] = []            # the width of every dispatched round
+        self._warm_all = False
+        self.capacity = self.slots * max(widths) if user_capacity is None else int(user_capacity)
+
+    def describe_step(self) -> str:
+        return f"{self.mode} round N in {sorted(self.widths)}"
+
+    def compile(self, progress=None, stochastic=(False, True), prompt_lengths=None) -> None:
+        self._warm_all = True       # each flavour's step call runs the round of every width
+        try:
+            super().compile(progress, stochastic=stochastic, prompt_lengths=prompt_lengths)
+        finally:
+            self._warm_all = False
+
+    def next_width(self, live: int) -> int:
+        if self.force:
+            return self.force[len(self.history) % len(self.force)]
+        return self.chooser.next(live) if self.chooser is not None else max(self.widths)
+
+    def dispatch(self, active, sampling, steps, stochastic, hint=None):
+        active = np.asarray(active, bool)
+        if self._warm_all:
+            for w in sorted(self.widths)[:-1]:
+                self.collect(self._run(w, active, sampling, steps, stochastic, hint))
+            return self._run(max(self.widths), active, sampling, steps, stochastic, hint)
+        w = self.next_width(int(active.sum()))
+        self.history.append(w)
+        return self._run(w, active, sampling, steps, stochastic, hint)
+
+    def _run(self, w, active, sampling, steps, stochastic, hint):
+        shape = self.widths[w][bool(stochastic)]
+        cap = self.user_capacity or self.slots * w
+        self.state, self.dstate, self.anchor, host_out = spec_round_io_jit(
+            self.graphdef, self.params, self.dgraph, self.dparams, self.state, self.dstate, self.anchor, sampling,
+            pack_round_inputs(active, steps, cap, hint), shape=shape)
+        start_host_copy(host_out)
+        return host_out, w, active.copy(), len(shape.gain_widths)
+
+    def collect(self, handle) -> StepResult:
+        host_out, w, active, G = handle
+        out = np.asarray(host_out)
+        toks, count, acc = unpack_round_outputs(out, G)
+        if self.chooser is not None and G:
+            self.chooser.observe(w, unpack_round_gains(out, G), acc, active)
+        return StepResult(tokens=toks, count=count, accepted=acc, drafted=w - 1)
+
+
+__all__ = ["width_buckets", "round_signature", "round_seconds", "choose_width", "WidthChooser", "WidthBackend"]

@@ -1,0 +1,288 @@
+"""The batch-wide node selection against a brute-force optimum, the expected accepted drafts per verify width, the
+per-round width choice (`spec.width`), and the engine with the width changing across rounds against plain
+decoding (greedy outputs equal, the sampling distribution unchanged).
+
+The models, prompts, hints and the sampling oracle are test_engine's (one tiny random target and drafter).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hyspec_jax import tree as T
+from hyspec_jax.sampling import SamplingParams
+from hyspec_jax.spec.budget import BudgetTable, root_floor, select_nodes, width_gains
+from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+from hyspec_jax.spec.width import (WidthBackend, WidthChooser, choose_width, round_seconds, round_signature,
+                                   width_buckets)
+from hyspec_jax.tree import TreeExpansion
+from tests.test_engine import (GAMMA, SAMPLES, SETTINGS, SLOTS, KV, SV, _chisq_pvalue, _cli, _hint,  # noqa: F401
+                               _spec, model_dirs, models, reference, small)
+
+pytestmark = pytest.mark.usefixtures("quick_compiles")
+
+
+# ------------------------------------------------------------------------------------------------
+# Selection: brute force over every node subset of small forests
+# ------------------------------------------------------------------------------------------------
+def _forest(rng, B, M):
+    parent = np.full((B, M), -1, np.int32)
+    valid = np.zeros((B, M), bool)
+    score = np.full((B, M), -np.inf, np.float32)
+    for b in range(B):
+        n = int(rng.integers(1, M + 1))
+        p = T.random_parents(rng, n, max_depth=3, roots=1)
+        parent[b, :n], valid[b, :n] = p, True
+        score[b, 0] = 0.0
+        for i in range(1, n):
+            score[b, i] = score[b, p[i]] + np.log(rng.uniform(0.05, 1.0))   # distinct: one optimum
+    depth = np.stack([T.parent_depths(np.where(v, p, -1)) for p, v in zip(parent, valid)])
+    return score, parent, depth, valid
+
+
+def _brute_force(score, parent, valid, active, C, row_cap):
+    """max Σ exp(score) over node sets that are ancestor-closed, hold every active row's anchor and best root
+    child, at most row_cap per row and at most max(C, floor) in all; inactive rows keep nothing."""
+    B, M = score.shape
+    nodes = [(b, i) for b in range(B) for i in range(M) if valid[b, i] and active[b]]
+    floor = set()
+    for b in range(B):
+        if active[b]:
+            floor.add((b, 0))
+            kids = [i for i in range(M) if valid[b, i] and parent[b, i] == 0]
+            if kids:
+                floor.add((b, max(kids, key=lambda i: score[b, i])))
+    best = -1.0
+    for r in range(len(nodes) + 1):
+        for sub in itertools.combinations(nodes, r):
+            s = set(sub)
+            if not floor <= s or len(s) > max(C, len(floor)):
+                continue
+            if any(sum(1 for (bb, _) in s if bb == b) > row_cap for b in range(B)):
+                continue
+            if any(parent[b, i] >= 0 and (b, parent[b, i]) not in s for b, i in s):
+                continue
+            best = max(best, sum(float(np.exp(score[b, i])) for b, i in s))
+    return best
+
+
+@functools.partial(jax.jit, static_argnames="row_cap")
+def _select(score, parent, depth, valid, active, capacity, row_cap=3):
+    forced = root_floor(score, parent, valid & active[:, None], active)
+    return select_nodes(score, parent, depth, valid & active[:, None], forced, row_cap, capacity).kept
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_batch_selection_is_the_brute_force_optimum(seed):
+    """top-C by ρ over the whole batch, each live row keeping its root child, ancestor-closed: the kept set's
+    total ρ is the best any admissible set reaches."""
+    rng = np.random.default_rng(seed)
+    B, M = 3, 5
+    score, parent, depth, valid = _forest(rng, B, M)
+    active = rng.random(B) < 0.8
+    active[0] = True
+    C = int(rng.integers(1, 8))
+    kept = np.asarray(_select(*map(jnp.asarray, (score, parent, depth, valid, active)), jnp.int32(C)))
+    got = float(np.exp(score[kept]).sum())
+    assert got == pytest.approx(_brute_force(score, parent, valid, active, C, 3), rel=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_width_gains_are_the_selection_at_each_width(seed):
+    """width_gains(w) = Σ ρ over the non-anchor nodes `select_nodes` keeps at row capacity w and batch capacity
+    slots · w (the brute-force optimum too)."""
+    rng = np.random.default_rng(100 + seed)
+    B, M = 4, 9
+    score, parent, depth, valid = _forest(rng, B, M)
+    active = np.array([True, True, False, True])
+    widths = (1, 2, 4, 8)
+    g = np.asarray(width_gains(jnp.asarray(score), jnp.asarray(valid), jnp.asarray(active), widths))
+    assert g.shape == (B, len(widths)) and (g[~active] == 0).all() and (g[:, 0] == 0).all()
+    for k, w in enumerate(widths):
+        kept = np.asarray(_select(*map(jnp.asarray, (score, parent, depth, valid, active)), jnp.int32(B * w),
+                                  row_cap=w))
+        for b in range(B):
+            nonroot = kept[b] & (np.arange(M) > 0)
+            assert g[b, k] == pytest.approx(float(np.exp(score[b, nonroot]).sum()), rel=1e-5, abs=1e-7)
+    sub = np.array([True, False, False, False])   # one row: brute force at width 4
+    assert g[0, 2] + 1 == pytest.approx(_brute_force(score[:1], parent[:1], valid[:1], sub[:1], 4, 4), rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# The width choice
+# ------------------------------------------------------------------------------------------------
+def test_width_buckets():
+    assert width_buckets(1) == (1,)
+    assert width_buckets(8) == (1, 2, 4, 8)
+    assert width_buckets(6) == (1, 2, 4, 6)
+    with pytest.raises(ValueError):
+        width_buckets(0)
+
+
+def test_choice_is_plain_when_verification_is_costly_and_rho_low():
+    seconds = {1: 1.0e-3, 2: 1.6e-3, 4: 2.0e-3, 8: 3.0e-3}
+    gain = {2: 0.3, 4: 0.5, 8: 0.7}               # at most 1.7 tokens a round for 3x the time
+    assert choose_width(seconds, gain, live=8) == 1
+
+
+def test_choice_is_wide_when_rho_high_and_verification_cheap():
+    seconds = {1: 1.0e-3, 2: 1.05e-3, 4: 1.1e-3, 8: 1.2e-3}
+    gain = {2: 0.95, 4: 2.5, 8: 4.0}
+    assert choose_width(seconds, gain, live=8) == 8
+    # a chain-like middle: width 8 costs more than its last nodes are worth
+    assert choose_width({**seconds, 8: 2.0e-3}, gain, live=8) == 4
+
+
+def test_chooser_learns_rho_probes_and_corrects_by_acceptance():
+    seconds = {1: 1.0, 2: 1.5, 4: 2.0}
+    ch = WidthChooser(seconds, probe_every=3)
+    assert ch.next(2) == 4                         # nothing known: draft wide to learn ρ
+    active = np.array([True, True, False])
+    gains = np.array([[0, 0.2, 0.3], [0, 0.2, 0.3], [-1, -1, -1]])
+    ch.observe(4, gains, np.array([0, 0, 0]), active)
+    assert ch.gain == pytest.approx({1: 0.0, 2: 0.2, 4: 0.3})
+    assert ch.next(2) == 1                         # 1.3 tokens for 2x the time: plain decoding
+    for _ in range(3):
+        ch.observe(1, np.full((3, 3), -1.0), np.zeros(3), active)
+    assert ch.next(2) == 2                         # probe after probe_every plain rounds
+    ch.observe(2, np.array([[0, 0.9, 2.9]] * 3), np.array([2, 2, 2]), np.ones(3, bool))
+    # κ = accepted / estimated over the drafted rounds: (0 + 6) / (0.9·… ) > 1 — the drafter underestimates
+    assert ch.kappa == pytest.approx(6 / (0.9 * 0.6 + 2.7))
+    assert ch.next(3) == 4
+
+
+def test_round_seconds_from_a_table_entry():
+    sig = "tree|tree=4x2x4|kernels=auto|deferred=0"
+    e = {"t_round_ms": {sig: {"1": 1.0, "2": 2.0, "4": 3.0}}}
+    assert round_seconds(e, sig, (1, 2, 4)) == {1: 1e-3, 2: 2e-3, 4: 3e-3}
+    assert round_seconds(e, sig, (1, 2, 4, 8)) is None          # a width not calibrated
+    assert round_seconds(e, "chain|chain=4|kernels=auto|deferred=0", (1, 2)) is None
+    assert round_seconds(None, sig, (1,)) is None
+
+
+# ------------------------------------------------------------------------------------------------
+# The engine, the width changing across rounds
+# ------------------------------------------------------------------------------------------------
+def _forced(eng, widths, made: list):
+    """Make `eng` run its rounds on width backends cycling through `widths`."""
+    def backend(slots, kv_len, shapes=None):
+        be = eng.width_backend(slots, kv_len, None, shapes)
+        be.force = list(widths)
+        made.append(be)
+        return be
+    eng.backend = backend
+    return eng
+
+
+@pytest.mark.parametrize("mode,widths", [("tree", (8, 1, 2, 4, 1, 1, 8)), ("chain", (5, 1, 2, 4)),
+                                         ("tree-ready", (1, 4, 8, 2))])
+@pytest.mark.parametrize("hinted", [True, False])
+def test_greedy_equals_autoregressive_as_the_width_changes(mode, widths, hinted, models, reference):
+    target, drafter = models
+    prompts, params, ref = reference
+    made = []
+    eng = _forced(SpecEngine(target, drafter, _spec(mode), slots=SLOTS, kv_len=KV), widths, made)
+    right = lambda i, out: ref[i][len(out):len(out) + GAMMA]   # noqa: E731  (every hinted draft right)
+    out = eng.generate(prompts, params, hint=right if hinted else None)
+    assert [r.token_ids for r in out] == ref
+    (be,) = made
+    assert set(be.history) == set(widths) and len(be.history) >= len(widths)
+    if hinted:
+        assert eng.last_stats.tau > 1.5
+
+
+def _table(eng, ms: dict) -> BudgetTable:
+    table = BudgetTable()
+    table.add(dict(device_kind=jax.devices()[0].device_kind, model="m", batch=SLOTS, kv_len=KV, max_depth=4,
+                   b_ver=8, t_round_ms={round_signature("tree", eng.round_shape(False, 8), 0): ms}))
+    return table
+
+
+@pytest.mark.parametrize("hinted", [False, True])
+def test_engine_chooses_the_width_from_the_calibrated_table(hinted, models, reference):
+    """With round times for its signature in the table, the engine's backend chooses the width each round, and
+    the output equals plain decoding. Verification 2.5x a decode and more: after its first (widest) round plain
+    decoding wins, with a probe every 4 plain rounds. Verification nearly free and the oracle hints making every
+    draft right: the widest tree wins."""
+    target, drafter = models
+    prompts, params, ref = reference
+    spec = _spec("tree")
+    base = SpecEngine(target, drafter, spec, slots=SLOTS, kv_len=KV)
+    ms = {"1": 1.0, "2": 1.2, "4": 1.4, "8": 1.5} if hinted else {"1": 1.0, "2": 2.5, "4": 5.0, "8": 9.0}
+    eng = SpecEngine(target, drafter, spec, slots=SLOTS, kv_len=KV, budget_table=_table(base, ms), model_name="m")
+    made = []
+    make = eng.backend
+
+    def backend(*a, **kw):
+        made.append(make(*a, **kw))
+        made[-1].chooser.probe_every = 4
+        return made[-1]
+    eng.backend = backend
+    right = lambda i, out: ref[i][len(out):len(out) + GAMMA]   # noqa: E731  (every hinted draft right)
+    out = eng.generate(prompts, params, hint=right if hinted else None)
+    assert [r.token_ids for r in out] == ref
+    (be,) = made
+    assert isinstance(be, WidthBackend)
+    hist = be.history
+    assert hist[0] == 8               # nothing read yet: draft wide to learn ρ
+    if hinted:
+        assert 1 not in hist and hist.count(8) >= len(hist) // 2, hist
+    else:
+        assert hist.count(1) > len(hist) // 2 and 2 in hist and set(hist[2:]) <= {1, 2}, hist   # [1]: maybe dispatched before [0] was read
+    # off: the fixed width
+    off = SpecEngine(target, drafter, SpecConfig(mode="tree", tree=spec.tree, verify_nodes=8, adaptive_width=False),
+                     slots=SLOTS, kv_len=KV, budget_table=_table(base, ms), model_name="m")
+    assert not isinstance(off.backend(SLOTS, KV), WidthBackend)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_sampling_matches_autoregressive_distribution_as_the_width_changes(mode, small):
+    target, drafter, prompt, exact, greedy = small
+    spec = (SpecConfig(mode="tree", tree=TreeExpansion(depth=2, top_k=3, beam=3), verify_nodes=5) if mode == "tree"
+            else SpecConfig(mode="chain", chain_length=2))
+    made = []
+    eng = _forced(SpecEngine(target, drafter, spec, slots=256, kv_len=128),
+                  (1, 5, 2) if mode == "tree" else (1, 3, 2), made)
+    params = [SamplingParams(max_tokens=3, seed=i, **(SETTINGS[i % 3 - 1] if i % 3 else {}))
+              for i in range(SAMPLES)]
+    out = eng.generate([prompt] * SAMPLES, params)
+    seqs = np.array([r.token_ids for r in out])
+    assert len(set(made[0].history)) >= 2
+    assert (seqs[0::3] == np.array(greedy)).all()
+    for j in range(2):
+        s = seqs[j + 1::3]
+        code = s[:, 0] * SV * SV + s[:, 1] * SV + s[:, 2]
+        assert _chisq_pvalue(code, exact[j]) > 1e-3, (mode, SETTINGS[j])
+
+
+def test_cli_calibrate_times_the_engines_rounds_and_the_engine_uses_them(model_dirs, capsys, models, reference):
+    """`hyspec calibrate --drafter … --spec-mode tree` times the engine's round at every width bucket; an engine of
+    the same options then chooses its width each round from the table, its output still plain decoding's."""
+    out = model_dirs / "rounds.json"
+    argv = ["calibrate", "--model", str(model_dirs / "target"), "--batch", str(SLOTS), "--kv-len", str(KV),
+            "--nodes", "1,2", "--depth", "4", "--repeats", "2", "--out", str(out), "--json",
+            "--drafter", str(model_dirs / "drafter"), "--spec-mode", "tree", "--tree-depth", "4", "--tree-topk", "2",
+            "--tree-beam", "4", "--verify-nodes", "8", "--kernels", "reference"]
+    (entry,) = _cli(capsys, argv)[0]
+    target, drafter = models
+    spec = SpecConfig(mode="tree", tree=TreeExpansion(4, 2, 4), verify_nodes=8, kernels="reference")
+    eng = SpecEngine(target, drafter, spec, slots=SLOTS, kv_len=KV, budget_table=BudgetTable.load(out),
+                     model_name=entry["model"])
+    sig = round_signature("tree", eng.round_shape(False, 8), 0)
+    assert set(entry["t_round_ms"]) == {sig} and set(entry["t_round_ms"][sig]) == {"1", "2", "4", "8"}
+    assert all(t > 0 for t in entry["t_round_ms"][sig].values())
+    assert eng.round_seconds(SLOTS, KV) == {int(w): t / 1e3 for w, t in entry["t_round_ms"][sig].items()}
+    assert isinstance(eng.backend(SLOTS, KV), WidthBackend)
+    prompts, params, ref = reference
+    assert [r.token_ids for r in eng.generate(prompts, params)] == ref
+    # a second calibration of another round keeps the first one's times
+    _cli(capsys, argv[:16] + ["--drafter", str(model_dirs / "drafter"), "--spec-mode", "chain",
+                               "--kernels", "reference"])
+    (e2,) = BudgetTable.load(out).entries.values()
+    assert sig in e2["t_round_ms"] and len(e2["t_round_ms"]) == 2

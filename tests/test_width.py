@@ -286,3 +286,15 @@ def test_cli_calibrate_times_the_engines_rounds_and_the_engine_uses_them(model_d
                                "--kernels", "reference"])
     (e2,) = BudgetTable.load(out).entries.values()
     assert sig in e2["t_round_ms"] and len(e2["t_round_ms"]) == 2
+
+
+@pytest.mark.parametrize("mode,widths", [("mtp", (4, 1, 2, 1)), ("mtp-tree", (1, 8, 2, 4))])
+def test_mtp_greedy_equals_autoregressive_as_the_width_changes(mode, widths):
+    """The MTP head's cache is appended on plain rounds too (its drafts stay the target's: output == ar)."""
+    from tests.test_mtp_engine import _spec as mtp_spec
+    from tests.test_mtp_engine import greedy_setup
+    target, head, prompts, params, ref = greedy_setup.__wrapped__()
+    made = []
+    eng = _forced(SpecEngine(target, head, mtp_spec(mode), slots=4, kv_len=128), widths, made)
+    assert [r.token_ids for r in eng.generate(prompts, params)] == ref
+    assert set(made[0].history) == set(widths) and eng.last_stats.tau > 1.0, eng.last_stats

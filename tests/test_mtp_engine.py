@@ -73,6 +73,15 @@ def test_greedy_equals_autoregressive(mode, greedy_setup):
     assert one[0].token_ids == ref[3]
 
 
+@pytest.mark.parametrize("mode", ["mtp", "mtp-tree"])
+def test_deferred_commit_greedy_equals_autoregressive(mode, greedy_setup):
+    """[batch]'s deferred GDN commit under the MTP modes: a ring of 5 rows holds one round's accepted path (up to
+    4 rows) but rarely two, so the state folds inside every generation; outputs stay AR's."""
+    target, head, prompts, params, ref = greedy_setup
+    eng = SpecEngine(target, head, _spec(mode, deferred_rows=5), slots=4, kv_len=128)
+    assert [r.token_ids for r in eng.generate(prompts, params)] == ref
+
+
 def test_mtp_mode_rejects_a_dspark_drafter_and_vice_versa(small, greedy_setup):
     target, drafter = small[0], small[1]
     with pytest.raises(ValueError, match="MTP head"):
@@ -175,3 +184,48 @@ def test_vllm_speculative_config_maps_onto_the_mtp_modes():
         apply_speculative_config(args)
         assert args.spec_mode == method and getattr(args, dest) == 3
         assert (args.chain_length, args.tree_depth).count(None) == 1
+
+
+def test_server_mtp_modes_equal_ar(model_dirs, tmp_path):
+    """`hyspec serve DIR --spec-mode mtp|mtp-tree` on a directory with `mtp.*` tensors: greedy completions through
+    the official openai client, streamed and not, equal `hyspec generate`'s plain decoding."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import openai
+    root, _ = model_dirs
+    prompts = (root / "prompts.txt").read_text().splitlines()
+    ar = subprocess.run([sys.executable, "-m", "hyspec_jax.cli", "generate", "--model", str(root / "with"),
+                         "--prompts-file", str(root / "prompts.txt"), "--max-tokens", "10", "--json"],
+                        capture_output=True, text=True, check=True)
+    want = [json.loads(line)["text"] for line in ar.stdout.splitlines() if line.strip()]
+    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")
+    for mode, extra in (("mtp", ["--chain-length", "3"]), ("mtp-tree", ["--tree-depth", "3", "--verify-nodes", "6"])):
+        log = tmp_path / f"{mode}.log"
+        with open(log, "wb") as f:
+            proc = subprocess.Popen([sys.executable, "-m", "hyspec_jax.serve", str(root / "with"), "--port", "0",
+                                     "--spec-mode", mode, "--max-batch", "4", "--max-model-len", "128",
+                                     "--prefill-chunk", "16", "--served-model-name", "m"] + extra,
+                                    stdout=f, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline, port = time.monotonic() + 300, None
+            while port is None and time.monotonic() < deadline:
+                m = re.search(r"on http://127\.0\.0\.1:(\d+)", log.read_text(errors="replace"))
+                port = int(m.group(1)) if m else None
+                assert proc.poll() is None, log.read_text(errors="replace")
+                time.sleep(0.2)
+            assert port is not None, log.read_text(errors="replace")
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+            got = [client.completions.create(model="m", prompt=p, max_tokens=10, temperature=0).choices[0].text
+                   for p in prompts]
+            assert got == want, mode
+            stream = client.completions.create(model="m", prompt=prompts[1], max_tokens=10, temperature=0,
+                                               stream=True)
+            assert "".join(c.choices[0].text for c in stream if c.choices) == want[1], mode
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)

@@ -271,7 +271,8 @@ def device_events(data, module: str, ops: dict) -> list[tuple[int, int, str | No
 def attribute(events, ops: dict[str, HloOp], parts: dict[str, tuple], calls: int, measured_ms: float,
               top: int = 10) -> dict:
     """Per call: each part's device time, kernels and time assigned by rule, the GDN sub-parts, unattributed,
-    overlap, gaps; the `top` largest rest kernels. Parts + extras sum to `measured_ms`."""
+    overlap, gaps; the `top` largest rest kernels, and the GDN part's kernels grouped by kind (the instruction name
+    without its `.N` suffix: one kind per layer's copy of an operation). Parts + extras sum to `measured_ms`."""
     from hyspec_jax.bench.report import busy_time_ns
 
     ns = dict.fromkeys(PARTS + ("unattributed",), 0)
@@ -279,6 +280,9 @@ def attribute(events, ops: dict[str, HloOp], parts: dict[str, tuple], calls: int
     count = dict.fromkeys(PARTS + ("unattributed",), 0)
     gdn = dict.fromkeys(GDN_PARTS, 0)
     rest: dict[str, int] = collections.Counter()
+    gdn_kind: dict[tuple, int] = collections.Counter()
+    gdn_kind_n: dict[tuple, int] = collections.Counter()
+    gdn_kind_op: dict[tuple, str] = {}
     kept = []
     for s, d, hlo, name in events:
         op = ops.get(hlo) if hlo else None
@@ -295,6 +299,11 @@ def attribute(events, ops: dict[str, HloOp], parts: dict[str, tuple], calls: int
         mixed[part] += d if mix else 0
         if part == "gdn" and sub:
             gdn[sub] += d
+        if part == "gdn":
+            kind = (re.sub(r"\.\d+$", "", hlo), op.opcode, sub)
+            gdn_kind[kind] += d
+            gdn_kind_n[kind] += 1
+            gdn_kind_op.setdefault(kind, op.op_name[:200])
         if part == "rest":
             rest[hlo] += d
     busy = busy_time_ns(kept)
@@ -306,7 +315,9 @@ def attribute(events, ops: dict[str, HloOp], parts: dict[str, tuple], calls: int
                 gdn_ms={p: per(gdn[p]) for p in GDN_PARTS}, device_busy_ms=per(busy),
                 device_sum_ms=per(sum(ns.values())),
                 rest_top=[dict(hlo=h, op_name=ops[h].op_name[:200], opcode=ops[h].opcode, ms=per(t))
-                          for h, t in rest.most_common(top)])
+                          for h, t in rest.most_common(top)],
+                gdn_top=[dict(kind=k[0], opcode=k[1], sub=k[2], op_name=gdn_kind_op[k], kernels=gdn_kind_n[k] / calls,
+                              ms=per(t)) for k, t in gdn_kind.most_common(top)])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -617,6 +628,10 @@ def part_table(r: dict) -> str:
         lines += ["", "Largest rest kernels: " + "; ".join(f"`{k['hlo']}` ({k['opcode']}, "
                                                           f"{k['op_name'] or 'no op_name'}) {k['ms']:.3f} ms"
                                                           for k in r["rest_top"][:5]) + "."]
+    if r.get("gdn_top"):
+        lines += ["", "Largest GDN kernels (by kind): " + "; ".join(
+            f"`{k['kind']}` ({k['opcode']}, {k['sub'] or 'no sub-part'}, {k['kernels']:.0f} a call, "
+            f"{k['op_name'] or 'no op_name'}) {k['ms']:.3f} ms" for k in r["gdn_top"][:5]) + "."]
     return "\n".join(lines)
 
 

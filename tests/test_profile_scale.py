@@ -94,6 +94,18 @@ def test_attribute_sums_to_measured():
     assert a["kernels"]["dense"] == 1 and a["rest_top"][0]["hlo"] == "copy.1"
 
 
+def test_gdn_kernels_grouped_by_kind():
+    """Each layer's copy of a GDN operation (`fusion.7`, `fusion.9`, ...) counts under one kind."""
+    ops = {h: ps.HloOp(h, "fusion", (4,), f"jit(f)/gdn_state/{h}", (), False) for h in ("fusion.7", "fusion.9")}
+    ops["solve.1"] = ps.HloOp("solve.1", "custom-call", (4,), "jit(f)/gdn_state/pallas", (), False)
+    parts = {h: ("gdn", "state", False) for h in ops}
+    events = [(0, 30, "fusion.7", "a"), (40, 50, "fusion.9", "b"), (100, 20, "solve.1", "c")]
+    a = ps.attribute(events, ops, parts, calls=1, measured_ms=0.0001)
+    top = a["gdn_top"]
+    assert [(k["kind"], k["kernels"]) for k in top] == [("fusion", 2), ("solve", 1)]
+    assert top[0]["ms"] == pytest.approx(80 / 1e6) and top[0]["sub"] == "state"
+
+
 def test_traffic_splits_the_weights():
     """dense + LM head + embedding + every non-matrix parameter = all parameter bytes; decode moves each state twice."""
     import jax

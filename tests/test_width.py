@@ -298,3 +298,26 @@ def test_mtp_greedy_equals_autoregressive_as_the_width_changes(mode, widths):
     eng = _forced(SpecEngine(target, head, mtp_spec(mode), slots=4, kv_len=128), widths, made)
     assert [r.token_ids for r in eng.generate(prompts, params)] == ref
     assert set(made[0].history) == set(widths) and eng.last_stats.tau > 1.0, eng.last_stats
+
+
+def test_every_width_is_compiled_at_start_up(models, reference):
+    """compile_buckets compiles the round of every width bucket: the width changing while serving compiles
+    nothing."""
+    target, drafter = models
+    prompts, params, ref = reference
+    spec = _spec("tree")
+    base = SpecEngine(target, drafter, spec, slots=SLOTS, kv_len=KV)
+    eng = SpecEngine(target, drafter, spec, slots=SLOTS, kv_len=KV, model_name="m",
+                     budget_table=_table(base, {"1": 1.0, "2": 1.5, "4": 2.0, "8": 2.5}))
+    eng.compile_buckets([(SLOTS, KV)], prompt_lengths=[max(map(len, prompts))], stochastic=(False,), progress=False,
+                        cache=False)
+    make = eng.backend
+
+    def backend(*a, **kw):
+        be = make(*a, **kw)
+        be.force = [8, 1, 2, 4]
+        return be
+    eng.backend = backend
+    assert [r.token_ids for r in eng.generate(prompts, params)] == ref
+    assert set(eng.last_stats.width_rounds) == {1, 2, 4, 8}, eng.last_stats.width_rounds
+    assert eng.compilations_after_startup == 0

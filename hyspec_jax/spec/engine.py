@@ -132,6 +132,8 @@ class SpecStats:
     compilations_after_startup: int = 0   # XLA compilations since the engine's start-up compile (warmup)
     # ReaDy's censored prefix survival over the requests of the call (`prefix_survival`; NaN: no round counts)
     prefix_survival: list[float] = dataclasses.field(default_factory=list)
+    # rounds run at each verify width, when the width was chosen each round (`spec.width`; else empty)
+    width_rounds: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -372,7 +374,9 @@ class SpecEngine:
             seconds=seconds, prefill_seconds=loop.prefill_seconds, round_seconds=seconds - loop.prefill_seconds,
             verify_nodes=be.verify_nodes, capacity=be.capacity,
             compilations_after_startup=self.compilations_after_startup,
-            prefix_survival=prefix_survival([r.accepted for r in reqs], D))
+            prefix_survival=prefix_survival([r.accepted for r in reqs], D),
+            width_rounds=({w: be.history.count(w) for w in sorted(set(be.history))}
+                          if isinstance(be, WidthBackend) else {}))
         return [SpecResult(list(map(int, p)), got[i], r.finish_reason, len(r.committed), list(r.committed),
                            list(r.accepted), loop.prefill_seconds, loop.warm_steps_per_second)
                 for i, (p, r) in enumerate(zip(prompts, reqs))]

@@ -321,3 +321,14 @@ def test_every_width_is_compiled_at_start_up(models, reference):
     assert [r.token_ids for r in eng.generate(prompts, params)] == ref
     assert set(eng.last_stats.width_rounds) == {1, 2, 4, 8}, eng.last_stats.width_rounds
     assert eng.compilations_after_startup == 0
+
+
+@pytest.mark.parametrize("mode,widths", [("tree", (8, 1, 4, 1, 2)), ("ready", (1, 5, 2))])
+def test_deferred_commit_with_the_width_changing(mode, widths, models, reference):
+    """The deferred commit's rings (8 rows: folds inside every generation) under rounds of changing width."""
+    target, drafter = models
+    prompts, params, ref = reference
+    made = []
+    eng = _forced(SpecEngine(target, drafter, _spec(mode, deferred_rows=8), slots=SLOTS, kv_len=KV), widths, made)
+    assert [r.token_ids for r in eng.generate(prompts, params, hint=_hint(ref))] == ref
+    assert set(made[0].history) == set(widths)

@@ -65,10 +65,14 @@ def _bind_checkout(root: Path) -> None:
     spec.loader.exec_module(mod)
 
 
-def make_backend(slots: int, step_s: float, tokens_per_step: int, token_ids: list[int], prefill_chunk: int = 128):
-    """A Backend whose device calls cost a GIL-free sleep: `dispatch` returns at once, `collect` waits until
-    step_s after the dispatch (a GPU step in flight while the host works), then gives tokens_per_step tokens of
-    the passage to every active slot (`accepted`/`drafted` as a speculative round's when tokens_per_step > 1)."""
+def make_backend(slots: int, step_s: float, tokens_per_step: int, token_ids: list[int], prefill_chunk: int = 128,
+                 host_s: float = 0.0):
+    """A Backend whose device calls cost a GIL-free sleep: `dispatch` returns after host_s of busy work holding
+    the GIL (what launching a jitted step costs the host) and queues a step of step_s on a serial "device" (it
+    starts when the device is free: a GPU step in flight while the host works), `collect` waits for it to end,
+    then gives tokens_per_step tokens of the passage to every active slot (`accepted`/`drafted` as a speculative
+    round's when tokens_per_step > 1). `device_idle` sums the time the device waited for a dispatch while a
+    decoding step was in flight or just done: the host's share of the step period."""
     import numpy as np
 
     from hyspec_jax.runtime.backend import Backend, StepResult, prefill_shapes
@@ -85,6 +89,9 @@ def make_backend(slots: int, step_s: float, tokens_per_step: int, token_ids: lis
             self.slots, self.kv_len, self.shapes = slots, 1 << 20, prefill_shapes(prefill_chunk, slots)
             self.pos = np.zeros(slots, np.int64)
             self.offsets = np.arange(n)
+            self.free_at = 0.0            # when the device ends its last queued step
+            self.device_idle = 0.0
+            self.device_steps = 0
 
         @staticmethod
         def sampling(*args):
@@ -93,8 +100,17 @@ def make_backend(slots: int, step_s: float, tokens_per_step: int, token_ids: lis
         def compile(self, progress=None) -> None:
             pass
 
+        def _queue(self, now: float) -> float:
+            """Queue one step on the device at `now`; returns when it ends."""
+            if now - self.free_at < 0.05:     # an idle gap between steps (a longer one: no requests, not counted)
+                self.device_idle += max(0.0, now - self.free_at)
+            self.free_at = max(now, self.free_at) + step_s
+            self.device_steps += 1
+            return self.free_at
+
         def prefill(self, slots_, tokens, valid, reset, sampling):
-            time.sleep(step_s)
+            now = time.perf_counter()
+            time.sleep(max(0.0, self._queue(now) - now))
             first = np.zeros(len(slots_), np.int32)
             for i, b in enumerate(slots_):
                 if b < slots:
@@ -105,11 +121,14 @@ def make_backend(slots: int, step_s: float, tokens_per_step: int, token_ids: lis
             return first
 
         def dispatch(self, active, sampling, steps, stochastic, hint=None):
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < host_s:
+                pass
             idx = (self.pos[:, None] + self.offsets) % L
             toks = cycle[idx]
             count = np.where(active, n, 0).astype(np.int32)
             self.pos += count
-            return time.perf_counter() + step_s, StepResult(
+            return self._queue(time.perf_counter()), StepResult(
                 tokens=toks, count=count, accepted=np.maximum(count - 1, 0) if n > 1 else None,
                 drafted=n - 1 if n > 1 else 0)
 
@@ -132,8 +151,14 @@ def serve_main(argv: list[str]) -> int:
     p.add_argument("--slots", type=int, default=32)
     p.add_argument("--step-ms", type=float, default=1.0)
     p.add_argument("--tokens-per-step", type=int, default=1)
+    p.add_argument("--host-us", type=float, default=0.0)
+    p.add_argument("--switch-interval-ms", type=float)
+    p.add_argument("--cprofile", type=Path, help="cProfile the server into PATH (written when it stops)")
+    p.add_argument("--stats", type=Path, help="on SIGUSR1, write the device's idle time and steps to PATH")
     p.add_argument("--max-model-len", type=int, default=1024)
     args = p.parse_args(argv)
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     _bind_checkout(args.root.resolve())
     import logging
 
@@ -153,14 +178,30 @@ def serve_main(argv: list[str]) -> int:
     logging.basicConfig(level=getattr(logging, sargs.log_level.upper()), format="[hyspec serve] %(message)s")
     tokenizer = load_tokenizer(args.tokenizer_dir)
     ids = tokenizer.encode(PASSAGE, add_special_tokens=False).ids
-    backend = make_backend(args.slots, args.step_ms / 1e3, args.tokens_per_step, ids)
+    backend = make_backend(args.slots, args.step_ms / 1e3, args.tokens_per_step, ids, host_s=args.host_us / 1e6)
     chat = ChatTemplate(args.tokenizer_dir, tokenizer)
     metrics = ServerMetrics("overhead", spec_depth=backend.depth)
     scheduler = Scheduler(backend, metrics, max_queue=sargs.max_queue)
     model = app_mod.ServedModel(name="overhead", root=str(args.tokenizer_dir), max_model_len=args.max_model_len,
                                 vocab_size=tokenizer.get_vocab_size(), eos_token_ids=frozenset(),
                                 mode=backend.mode, created=int(time.time()))
+    if args.stats is not None:      # the parent reads the device's idle time per level (SIGUSR1: write it now)
+        import signal as _signal
+        seq = [0]
+
+        def write_stats(*_):
+            seq[0] += 1
+            args.stats.write_text(json.dumps({"seq": seq[0], "device_idle_s": backend.device_idle,
+                                              "device_steps": backend.device_steps}))
+        _signal.signal(_signal.SIGUSR1, write_stats)
+    profiles = []
+    if args.cprofile is not None:      # Python 3.12's cProfile (sys.monitoring) sees every thread: one profile
+        import cProfile
+        profiles.append(cProfile.Profile())
+
     def started() -> None:
+        for prof in profiles:
+            prof.enable()
         scheduler.start()
         print(f"scheduler thread {scheduler._thread.native_id}", file=sys.stderr, flush=True)   # for thread_cpu
     if hasattr(app_mod, "build_app"):        # the FastAPI server
@@ -169,11 +210,19 @@ def serve_main(argv: list[str]) -> int:
                                     log_requests=not sargs.disable_log_requests, max_logprobs=0)
         server = app_mod.OpenAIServer(scheduler=scheduler, tokenizer=tokenizer, chat=chat, model=model,
                                       metrics=metrics, options=opts, scorer=None, version="overhead")
+        app = app_mod.build_app(server)
         started()
-        return server_mod._serve(sargs, server, app_mod.build_app(server), chat)
-    app = app_mod.OpenAIApp(scheduler=scheduler, tokenizer=tokenizer, chat=chat, model=model, metrics=metrics)
-    started()                   # the hand-written server (before the FastAPI rebuild)
-    return asyncio.run(server_mod._serve(sargs, app, scheduler, chat))
+        serve = lambda: server_mod._serve(sargs, server, app, chat)  # noqa: E731
+    else:                       # the hand-written server (before the FastAPI rebuild)
+        server = app_mod.OpenAIApp(scheduler=scheduler, tokenizer=tokenizer, chat=chat, model=model, metrics=metrics)
+        started()
+        serve = lambda: asyncio.run(server_mod._serve(sargs, server, scheduler, chat))  # noqa: E731
+    try:
+        return serve()
+    finally:
+        for prof in profiles:
+            prof.disable()
+            prof.dump_stats(str(args.cprofile))
 
 
 # --- the driver --------------------------------------------------------------------------------------------
@@ -200,11 +249,18 @@ def thread_cpu(pid: int, scheduler_tid: int) -> dict[str, float]:
 
 
 class ServerProc:
-    def __init__(self, label: str, root: Path, args, log_dir: Path):
+    def __init__(self, label: str, root: Path, args, log_dir: Path, cprofile: Path | None = None):
         self.label, self.log = label, log_dir / f"server_{label}.log"
         cmd = [sys.executable, "-m", "hyspec_jax.bench.serve_overhead", "--serve", "--root", str(root),
                "--tokenizer-dir", str(args.tokenizer_dir), "--slots", str(args.slots),
-               "--step-ms", str(args.step_ms), "--tokens-per-step", str(args.tokens_per_step)]
+               "--step-ms", str(args.step_ms), "--tokens-per-step", str(args.tokens_per_step),
+               "--host-us", str(args.host_us)]
+        if args.switch_interval_ms is not None:
+            cmd += ["--switch-interval-ms", str(args.switch_interval_ms)]
+        if cprofile is not None:
+            cmd += ["--cprofile", str(cprofile)]
+        self.stats = log_dir / f"stats_{label}.json"
+        cmd += ["--stats", str(self.stats)]
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         env.pop("HYSPEC_API_KEY", None)
         env.pop("VLLM_API_KEY", None)
@@ -224,6 +280,20 @@ class ServerProc:
                                  + self.log.read_text(errors="replace")[-3000:])
             time.sleep(0.2)
         self.spy: subprocess.Popen | None = None
+
+    def device_stats(self) -> dict:
+        """The scripted device's idle time and step count so far (SIGUSR1, then the file it writes)."""
+        old = json.loads(self.stats.read_text()).get("seq", 0) if self.stats.exists() else 0
+        self.proc.send_signal(signal.SIGUSR1)
+        for _ in range(500):
+            try:
+                got = json.loads(self.stats.read_text())
+                if got["seq"] > old:
+                    return got
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.01)
+        raise SystemExit(f"serve_overhead: the {self.label} server did not report its device statistics")
 
     def start_profile(self, path: Path, rate: int) -> None:
         spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
@@ -276,6 +346,20 @@ def summarize_profile(path: Path, rate: int, tokens: int, top: int = 25) -> dict
             "inclusive_us_per_token": {k: round(v * us, 2) for k, v in incl.most_common(top * 2)}}
 
 
+def summarize_cprofile(path: Path, tokens: int, top: int = 30) -> dict:
+    """cProfile stats -> the functions with the most own time, µs per generated token (cProfile's
+    own cost per call inflates functions called often; read it for where, not how much)."""
+    import pstats
+    st = pstats.Stats(str(path)).stats
+    rows = sorted(((tt, ct, nc, f"{Path(f).name}:{line}({name})") for (f, line, name), (cc, nc, tt, ct, _) in
+                   st.items()), reverse=True)[:top]
+    total = sum(v[2] for v in st.values())
+    return {"total_us_per_token": round(total * 1e6 / tokens, 2),
+            "top": [{"function": name, "own_us_per_token": round(tt * 1e6 / tokens, 2),
+                     "cum_us_per_token": round(ct * 1e6 / tokens, 2), "calls_per_token": round(nc / tokens, 3)}
+                    for tt, ct, nc, name in rows]}
+
+
 def measure(server: ServerProc, args, levels: list[int], profile_dir: Path | None, rep: int) -> list[dict]:
     from hyspec_jax.bench import serve_load as sl
     rows = []
@@ -292,15 +376,27 @@ def measure(server: ServerProc, args, levels: list[int], profile_dir: Path | Non
                     prof = profile_dir / f"{server.label}_c{c}_rep{rep}.txt"
                     server.start_profile(prof, args.profile_rate)
                 cpu0 = thread_cpu(server.proc.pid, server.scheduler_tid)
-                row = await sl.run_level(client, concurrency=c, num_requests=args.num_requests, rate=float("inf"),
-                                         prompt_words=24, max_tokens=args.max_tokens, seed=rep, temperature=0.0)
+                dev0 = server.device_stats()
+                try:
+                    row = await asyncio.wait_for(sl.run_level(
+                        client, concurrency=c, num_requests=args.num_requests, rate=float("inf"), prompt_words=24,
+                        max_tokens=args.max_tokens, seed=rep, temperature=0.0), args.level_timeout)
+                except asyncio.TimeoutError:
+                    raise SystemExit(f"serve_overhead: the {server.label} server did not finish concurrency {c} in "
+                                     f"{args.level_timeout:g}s (log: {server.log})") from None
                 cpu1 = thread_cpu(server.proc.pid, server.scheduler_tid)
+                dev1 = server.device_stats()
                 if prof is not None:
                     server.stop_profile()
                 n = max(row["output_tokens"], 1)
                 row["server_cpu_us_per_token"] = {k: round((cpu1.get(k, 0.0) - cpu0.get(k, 0.0)) * 1e6 / n, 1)
                                                   for k in ("main", "scheduler", "other")}
                 row["server_cpu_us_per_token"]["total"] = round(sum(row["server_cpu_us_per_token"].values()), 1)
+                steps = max(dev1["device_steps"] - dev0["device_steps"], 1)
+                idle = dev1["device_idle_s"] - dev0["device_idle_s"]
+                row["device"] = {"steps": steps, "idle_us_per_step": round(idle * 1e6 / steps, 1),
+                                 "busy_fraction": round(steps * args.step_ms / 1e3 / (steps * args.step_ms / 1e3
+                                                                                      + idle), 3)}
                 if prof is not None and prof.exists():
                     row["profile"] = {"file": prof.name, **summarize_profile(prof, args.profile_rate, n)}
                 row.update(server=server.label, rep=rep)
@@ -309,7 +405,8 @@ def measure(server: ServerProc, args, levels: list[int], profile_dir: Path | Non
                 print(f"{server.label:<5} rep {rep} c={c:<3} {row['ok']:>3} ok {row['throughput_tok_s']:>8.0f} tok/s  "
                       f"TPOT p50 {row['tpot_s']['p50'] * 1e3:6.2f} ms  ITL p50 {row['itl_s']['p50'] * 1e3:6.2f} ms  "
                       f"server CPU/token {cpu['total']:6.1f} us (loop {cpu['main']:.1f}, "
-                      f"scheduler {cpu['scheduler']:.1f})", file=sys.stderr, flush=True)
+                      f"scheduler {cpu['scheduler']:.1f})  device idle/step {row['device']['idle_us_per_step']:.0f} us",
+                      file=sys.stderr, flush=True)
     asyncio.run(go())
     return rows
 
@@ -327,7 +424,9 @@ def summary_table(rows: list[dict]) -> list[dict]:
                     "tpot_p50_ms": round(mean(lambda r: r["tpot_s"]["p50"]) * 1e3, 3),
                     "itl_p50_ms": round(mean(lambda r: r["itl_s"]["p50"]) * 1e3, 3),
                     "cpu_us_per_token": {k: round(mean(lambda r: r["server_cpu_us_per_token"][k]), 1)
-                                         for k in ("total", "main", "scheduler", "other")}})
+                                         for k in ("total", "main", "scheduler", "other")},
+                    "device_idle_us_per_step": round(mean(lambda r: r["device"]["idle_us_per_step"]), 1),
+                    "device_busy_fraction": round(mean(lambda r: r["device"]["busy_fraction"]), 3)})
     return out
 
 
@@ -345,13 +444,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="the scripted device step: a GIL-free wait after each dispatch (default 1 ms)")
     p.add_argument("--tokens-per-step", type=int, default=1,
                    help="tokens per slot per step (1: plain decoding; >1: a speculative round's; default 1)")
+    p.add_argument("--host-us", type=float, default=0.0,
+                   help="busy work holding the GIL in each dispatch, as launching a jitted step costs (default 0)")
     p.add_argument("--tokenizer-dir", type=Path, default=REPO / "checkpoints" / "default",
                    help="directory with tokenizer.json (default: the embedded model's)")
-    p.add_argument("--base", type=Path, metavar="DIR",
-                   help="another checkout's root: its server over the same backend too, alternated")
+    p.add_argument("--switch-interval-ms", type=float, metavar="MS",
+                   help="sys.setswitchinterval of the server processes (default: Python's, 5 ms)")
+    p.add_argument("--base", action="append", default=[], metavar="[LABEL=]DIR",
+                   help="another checkout's root: its server over the same backend too, alternated (repeatable; "
+                        "LABEL default: the directory name)")
     p.add_argument("--reps", type=int, default=2, help="alternated repetitions (default 2)")
+    p.add_argument("--level-timeout", type=float, default=600, help="seconds a level may take (default 600)")
     p.add_argument("--profile", type=Path, metavar="DIR", help="sample the servers with py-spy into DIR")
     p.add_argument("--profile-rate", type=int, default=1000, help="py-spy samples per second (default 1000)")
+    p.add_argument("--cprofile", type=Path, metavar="DIR",
+                   help="cProfile the servers into DIR (every thread, the whole server lifetime; a summary per "
+                        "generated token in the JSON; slows the servers down)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
     try:
@@ -362,33 +470,46 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--concurrency levels, --num-requests and --tokens-per-step must be >= 1, --max-tokens >= 2")
     if not (args.tokenizer_dir / "tokenizer.json").is_file():
         p.error(f"no tokenizer.json in {args.tokenizer_dir}")
-    if args.base is not None and not (args.base / "serve" / "app.py").is_file():
-        p.error(f"--base {args.base}: not a checkout root (no serve/app.py)")
+    servers = [("new", REPO)]
+    for j, item in enumerate(args.base):
+        label, _, root = item.rpartition("=") if "=" in item else (Path(item).name, "", item)
+        if not (Path(root) / "serve" / "app.py").is_file():
+            p.error(f"--base {root}: not a checkout root (no serve/app.py)")
+        servers.append((label, Path(root).resolve()))
     if args.profile is not None:
         if not (shutil.which("py-spy") or Path(sys.executable).with_name("py-spy").exists()):
             p.error("--profile needs py-spy (pip install py-spy)")
         args.profile.mkdir(parents=True, exist_ok=True)
-    servers = [("new", REPO)] + ([("base", args.base.resolve())] if args.base is not None else [])
+    if args.cprofile is not None:
+        args.cprofile.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="serve_overhead_"))
     rows: list[dict] = []
+    cprofiles = []
     for rep in range(1, args.reps + 1):
         for label, root in servers:
-            srv = ServerProc(label, root, args, log_dir)
+            cprof = None if args.cprofile is None else args.cprofile / f"{label}_rep{rep}"
+            srv = ServerProc(label, root, args, log_dir, cprof)
             try:
-                rows += measure(srv, args, levels, args.profile, rep)
+                got = measure(srv, args, levels, args.profile, rep)
             finally:
                 srv.stop()
+            rows += got
+            if cprof is not None and cprof.exists():
+                tokens = sum(r["output_tokens"] for r in got) + 8      # + the warm-up requests'
+                cprofiles.append({"server": label, "rep": rep, "file": cprof.name, **summarize_cprofile(cprof, tokens)})
     from hyspec_jax.bench.report import git_commit
     table = summary_table(rows)
     for t in table:
         print(f"{t['server']:<5} c={t['concurrency']:<3} {t['tok_s_mean']:>8.0f} tok/s {t['tok_s']}  "
               f"TPOT p50 {t['tpot_p50_ms']:.2f} ms  ITL p50 {t['itl_p50_ms']:.2f} ms  "
-              f"CPU/token {t['cpu_us_per_token']}", file=sys.stderr)
+              f"CPU/token {t['cpu_us_per_token']}  device idle/step {t['device_idle_us_per_step']} us "
+              f"(busy {t['device_busy_fraction']:.2f})", file=sys.stderr)
     if args.json:
         meta = {"bench": "serve_overhead", "command": "python -m hyspec_jax.bench.serve_overhead " + " ".join(argv),
                 "commit": git_commit(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "server_logs": str(log_dir)}
-        args.json.write_text(json.dumps({"meta": meta, "summary": table, "results": rows}, indent=2, default=str)
+        args.json.write_text(json.dumps({"meta": meta, "summary": table, "results": rows, "cprofile": cprofiles},
+                                        indent=2, default=str)
                              + "\n")
     return 0
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from hyspec_jax.compilation import enable_compilation_cache
 from hyspec_jax.config import ConfigError
-from hyspec_jax.launch import UsageError, check_parallel, engine_from_args, resolve_model_dir, shard_target
+from hyspec_jax.launch import (UsageError, add_distributed_arguments, check_parallel, engine_from_args, resolve_model_dir,
+                               shard_target)
 
 
 def _fail(msg: str) -> "NoReturn":  # noqa: F821
@@ -256,11 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="D",
                    help="D replicas of the (sharded) target, each decoding its share of the slots; uses D x N "
                         "devices, and --slots must be a multiple of D (default 1)")
-    g.add_argument("--coordinator-address", metavar="HOST:PORT",
-                   help="multi-host: JAX's coordinator (process 0's address); every process runs the same command "
-                        "with its --process-id (env HYSPEC_COORDINATOR / HYSPEC_NUM_PROCESSES / HYSPEC_PROCESS_ID)")
-    g.add_argument("--num-processes", type=int, metavar="N", help="multi-host: processes in all")
-    g.add_argument("--process-id", type=int, metavar="I", help="multi-host: this process (0 prints the output)")
+    add_distributed_arguments(g)
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming text")
     g.add_argument("--stats", action="store_true", help="after generating, print acceptance statistics to stderr "
                    "(mode, rounds, tau, accepted per position, prefix survival, tokens/s, compilations after "

@@ -148,8 +148,8 @@ def add_distributed_arguments(parser) -> None:
                              "command with its --process-id (env HYSPEC_COORDINATOR / HYSPEC_NUM_PROCESSES / "
                              "HYSPEC_PROCESS_ID)")
     parser.add_argument("--num-processes", type=int, metavar="N", help="multi-host: processes in all")
-    parser.add_argument("--process-id", type=int, metavar="I", help="multi-host: this process (0 prints and writes "
-                        "the logs)")
+    parser.add_argument("--process-id", type=int, metavar="I",
+                        help="multi-host: this process (0 prints, writes the logs and, for a server, serves HTTP)")
 
 
 def init_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:

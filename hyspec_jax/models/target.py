@@ -160,24 +160,33 @@ class TargetModel(nnx.Module):
         rows = jnp.arange(B)[:, None]
 
         def gdn_mixer(mix, h, j, carry):
+            """out: (new state or None, new conv window or None, deferred row or None). Unrolled (j a Python
+            int) the layer's new state and window go out, stacked once after the stack; under the scan they are
+            written into the carry at row j. (Unrolled, a chain of per-layer updates of the stacked arrays made
+            XLA copy the whole state once per layer: 12 more kernels and a state-sized copy each per step.)"""
             qkv, z, b, a = mix.project(h)
             qkv = jnp.where(valid[..., None], qkv, 0)       # HF zeroes padding before the conv
             conv_j = carry.conv[j]
             conv_out = gdn.causal_conv(qkv, conv_j, mix.conv_weight)
             q, k, v, g, beta = mix.mixer_inputs(conv_out, b, a, valid)
-            conv = carry.conv.at[j].set(gdn.conv_window_after(qkv, conv_j, num_valid))
+            conv = gdn.conv_window_after(qkv, conv_j, num_valid)
             S0 = committed_ssm(carry, j)           # carry.pending is only replaced after the whole stack
+            S = fac = None
             if deferred_step:                      # the one-node solve's factors are the row to append
                 o, fac = gdn.masked_solve(S0, q, k, v, g, beta, gdn.chain_mask(B, 1), method="squaring",
                                           path_nodes=1)
-                return mix.output(o, z, x.dtype), carry.replace(conv=conv), fac
-            if T == 1:
+            elif T == 1:
                 o, S = gdn.step(S0, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
                 o = o[:, None]
             else:
                 o, S = gdn.chunked_prefill(S0, q, k, v, g, beta)
-            carry = carry.replace(ssm=carry.ssm.at[j].set(S.astype(carry.ssm.dtype)), conv=conv)
-            return mix.output(o, z, x.dtype), carry, None
+            S = None if S is None else S.astype(carry.ssm.dtype)
+            if isinstance(j, int):
+                return mix.output(o, z, x.dtype), carry, (S, conv, fac)
+            carry = carry.replace(conv=carry.conv.at[j].set(conv))
+            if S is not None:
+                carry = carry.replace(ssm=carry.ssm.at[j].set(S))
+            return mix.output(o, z, x.dtype), carry, (None, None, fac)
 
         def attn_mixer(att, h, j, carry):
             q, gate, k, v = att.qkv(h, positions)
@@ -186,7 +195,12 @@ class TargetModel(nnx.Module):
             carry = carry.replace(keys=keys, values=values)
             return att.out(attend(q, keys[j], values[j], attn_mask), gate), carry, None
 
-        x, taps, new_state, factors, _ = self._stack(x, gdn_mixer, attn_mixer, tap_layers, state)
+        x, taps, new_state, gdn_out, _ = self._stack(x, gdn_mixer, attn_mixer, tap_layers, state)
+        ssm, conv, factors = gdn_out if gdn_out is not None else (None, None, None)
+        if conv is not None:                       # unrolled: the layers' new states, stacked
+            new_state = new_state.replace(conv=conv)
+        if ssm is not None:
+            new_state = new_state.replace(ssm=ssm)
         if deferred_step:
             path = jnp.zeros((B, 1), jnp.int32)
             new_state = new_state.replace(pending=jax.vmap(gdn.deferred_append, in_axes=(0, 0, None, None))(

@@ -260,6 +260,7 @@ class ServerProc:
         if cprofile is not None:
             cmd += ["--cprofile", str(cprofile)]
         self.stats = log_dir / f"stats_{label}.json"
+        self.stats.unlink(missing_ok=True)       # a previous repetition's server wrote one
         cmd += ["--stats", str(self.stats)]
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         env.pop("HYSPEC_API_KEY", None)

@@ -142,19 +142,35 @@ def test_choice_is_wide_when_rho_high_and_verification_cheap():
 def test_chooser_learns_rho_probes_and_corrects_by_acceptance():
     seconds = {1: 1.0, 2: 1.5, 4: 2.0}
     ch = WidthChooser(seconds, probe_every=3)
-    assert ch.next(2) == 4                         # nothing known: draft wide to learn ρ
+    assert ch.next(2) == 2                         # nothing known: the cheapest drafting round tells every gain
     active = np.array([True, True, False])
     gains = np.array([[0, 0.2, 0.3], [0, 0.2, 0.3], [-1, -1, -1]])
-    ch.observe(4, gains, np.array([0, 0, 0]), active)
+    ch.observe(2, gains, np.array([1, 0, 0]), active)
     assert ch.gain == pytest.approx({1: 0.0, 2: 0.2, 4: 0.3})
-    assert ch.next(2) == 1                         # 1.3 tokens for 2x the time: plain decoding
+    assert ch.kappa == pytest.approx(1 / 0.4)
+    assert ch.next(2) == 1                         # at most 1.75 tokens for 2x the time: plain decoding
     for _ in range(3):
         ch.observe(1, np.full((3, 3), -1.0), np.zeros(3), active)
     assert ch.next(2) == 2                         # probe after probe_every plain rounds
-    ch.observe(2, np.array([[0, 0.9, 2.9]] * 3), np.array([2, 2, 2]), np.ones(3, bool))
-    # κ = accepted / estimated over the drafted rounds: (0 + 6) / (0.9·… ) > 1 — the drafter underestimates
-    assert ch.kappa == pytest.approx(6 / (0.9 * 0.6 + 2.7))
+    ch.observe(2, np.array([[0, 0.9, 2.9]] * 3), np.array([1, 1, 1]), np.ones(3, bool))
+    # κ = accepted / estimated over the drafted rounds, each weighted by decay per later drafted round
+    assert ch.kappa == pytest.approx((0.9 * 1 + 3) / (0.9 * 0.4 + 2.7))
     assert ch.next(3) == 4
+
+
+def test_chooser_backs_off_probing_while_plain_decoding_wins():
+    ch = WidthChooser({1: 1.0, 2: 3.0, 4: 5.0}, probe_every=2, max_probe_every=8)
+    low = np.array([[0, 0.1, 0.2]])
+    one = np.ones(1, bool)
+    assert ch.next(1) == 2
+    ch.observe(2, low, np.zeros(1), one)
+    widths = []
+    for _ in range(30):
+        w = ch.next(1)
+        widths.append(w)
+        ch.observe(w, low if w > 1 else np.full((1, 3), -1.0), np.zeros(1), one)
+    probes = [i for i, w in enumerate(widths) if w > 1]
+    assert np.diff(probes).tolist() == [5, 9, 9], widths     # after 2, 4, 8, 8 plain rounds
 
 
 def test_round_seconds_from_a_table_entry():
@@ -230,7 +246,7 @@ def test_engine_chooses_the_width_from_the_calibrated_table(hinted, models, refe
     (be,) = made
     assert isinstance(be, WidthBackend)
     hist = be.history
-    assert hist[0] == 8               # nothing read yet: draft wide to learn ρ
+    assert hist[0] == 2               # nothing read yet: the cheapest drafting round
     if hinted:
         assert 1 not in hist and hist.count(8) >= len(hist) // 2, hist
     else:

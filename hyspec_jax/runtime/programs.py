@@ -8,7 +8,8 @@ and its anchor — the last token the target chose, not processed yet — on the
   padding row, dropped): the slots' rows are gathered (reset for a request's first chunk), extended by the target
   (`spec_prefill`: with the drafter's tap layers, whose features are appended to the slot's drafter context),
   scattered back, and the sampled next token (PRNG step 0) becomes the slot's anchor.
-- `ar_step`: one plain decoding step of every slot (inactive slots keep their state and anchor).
+- `ar_step`: one plain decoding step of every slot (inactive slots keep their state and anchor); `spec_step` the
+  same beside a drafter, whose context it appends.
 
 Sampling parameters are per-row device arrays (`SlotSampling`) and the PRNG key of a slot is
 fold_in(key(seed), step) with the slot's own step counter, so neither the parameters nor the batch composition
@@ -129,6 +130,26 @@ def ar_step(graphdef: nnx.GraphDef, params: nnx.State, state: TargetState, ancho
     logits, _, state = model.extend(state, anchor[:, None], active[:, None])
     tok = sample(logits[:, 0], sampling, steps, stochastic)
     return jnp.where(active, tok, anchor), state
+
+
+def spec_step(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
+              state: TargetState, dstate: DrafterState | MTPState, anchor: jax.Array, active: jax.Array,
+              sampling: SlotSampling, steps: jax.Array, *, tap_layers: tuple[int, ...], stochastic: bool | None):
+    """`ar_step` beside a drafter: one plain decoding step of every active slot that also appends the anchor's
+    tap-layer features to the slot's drafter context (as `spec_prefill` does for a chunk), so a later speculative
+    round drafts from an up-to-date context. The speculative backends' width-1 round (`spec.width`): plain
+    decoding at the decoding step's cost. Returns (next anchor [B], state, dstate)."""
+    target: TargetModel = nnx.merge(tgraph, tparams)
+    drafter: Drafter | MTPHead = nnx.merge(dgraph, dparams)
+    logits, taps, state = target.extend(state, anchor[:, None], active[:, None], tap_layers=tap_layers)
+    n = active.astype(I32)
+    if isinstance(dstate, MTPState):
+        dstate = drafter.append(dstate, target.model.embed_tokens.weight[...], anchor[:, None],
+                                target.model.norm(taps[0]), n)
+    else:
+        dstate = drafter.append_context(dstate, taps, n)
+    tok = sample(logits[:, 0], sampling, steps, stochastic)
+    return jnp.where(active, tok, anchor), state, dstate
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "batch", "kv_len", "dtype", "deferred_rows"))

@@ -33,6 +33,7 @@ from hyspec_jax import tree as tree_lib
 from hyspec_jax.compilation import DiskCachedJit
 from hyspec_jax.models.drafter import DraftBlock, Drafter, target_heads
 from hyspec_jax.models.target import TargetModel
+from hyspec_jax.runtime.programs import spec_step
 from hyspec_jax.sampling import SlotSampling, slot_keys
 from hyspec_jax.spec.accept import accept
 from hyspec_jax.spec.budget import confident_length, root_floor, select_nodes, width_gains
@@ -68,8 +69,9 @@ class RoundShape:
 
     @property
     def plain(self) -> bool:
-        """Width 1: the round verifies the anchor alone — plain decoding, no draft (the drafter's context is
-        still appended from the target's taps, so a later round drafts from an up-to-date context)."""
+        """Width 1: plain decoding — no draft, one decoding step (`runtime.programs.spec_step`) that still
+        appends the drafter's context from the target's taps, so a later round drafts from an up-to-date
+        context."""
         return self.verify_nodes == 1
 
     @property
@@ -105,13 +107,6 @@ def _draft(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, samp
            shape: RoundShape):
     """`round_draft`, and the expected accepted drafts [B, len(shape.gain_widths)] (None without gain widths)."""
     target: TargetModel = nnx.merge(tgraph, tparams)
-    if shape.plain:   # nothing drafted: the forest is the anchor alone
-        B = anchor.shape[0]
-        tree = tree_lib.Tree(parent=jnp.full((B, 1), -1, I32), valid=active[:, None],
-                             depth=jnp.zeros((B, 1), I32), envelope=tree_lib.TreeShape(1, 0))
-        child_q = (jnp.zeros((B, 1, target.config.vocab_size), jnp.float32) if shape.stochastic else None)
-        gains = jnp.full((B, len(shape.gain_widths)), -1.0, jnp.float32) if shape.gain_widths else None
-        return anchor.astype(I32)[:, None], tree, child_q, gains
     drafter: Drafter = nnx.merge(dgraph, dparams)
     heads = target_heads(target)
     samp = sampling if shape.stochastic else None
@@ -225,6 +220,12 @@ def spec_round(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, d
 def _round(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, sampling, steps, capacity, hint=None, *,
            shape: RoundShape):
     """`spec_round`'s outputs, then the expected accepted drafts per gain width (None without gain widths)."""
+    if shape.plain:   # width 1: a plain decoding step (nothing drafted, so no gains: −1)
+        B = anchor.shape[0]
+        bonus, state, dstate = spec_step(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, sampling,
+                                         steps, tap_layers=shape.tap_layers, stochastic=shape.stochastic)
+        gains = jnp.full((B, len(shape.gain_widths)), -1.0, jnp.float32) if shape.gain_widths else None
+        return (state, dstate, bonus, bonus[:, None], active.astype(I32), jnp.zeros((B,), I32), gains)
     # named scopes: each phase's kernels carry its name in profiles and in the compiled HLO's op names
     with jax.named_scope("draft"):
         tokens, tree, child_q, gains = _draft(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active,

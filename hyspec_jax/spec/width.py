@@ -17,8 +17,11 @@ accepted drafts to the drafter's estimate at the width that ran (ρ is the draft
 probability). Plain decoding therefore wins whenever no width's expected tokens pay for its extra time.
 
 Rounds are pipelined (the next is dispatched before the host reads the last), so a round's width is chosen from
-the estimates of the rounds read so far. A plain round drafts nothing and so reports no ρ: after `probe_every`
-plain rounds in a row one round runs at the narrowest speculative width to refresh the estimates.
+the estimates of the rounds read so far. Every drafting round drafts the whole candidate tree, whatever its width,
+so one round at the narrowest speculative width tells the gains of every width: the first round runs there. A plain
+round drafts nothing and so reports no ρ: after `probe_every` plain rounds in a row one narrowest round refreshes
+the estimates, and while plain decoding keeps winning the interval doubles (up to `max_probe_every`), so probing
+costs little where speculation does not pay.
 """
 
 from __future__ import annotations
@@ -79,11 +82,14 @@ class WidthChooser:
     κ, the accepted / estimated ratio (exponentially weighted sums, `decay` per round that drafted)."""
     seconds: dict[int, float]
     probe_every: int = 16      # plain rounds in a row before one speculative round refreshes ρ (a setting)
+    max_probe_every: int = 256  # the interval doubles up to this while probes find plain decoding best (a setting)
     decay: float = 0.9         # weight of the past in κ's sums per drafted round (a setting)
     gain: dict[int, float] = dataclasses.field(default_factory=dict)
     _accepted: float = 0.0
     _estimated: float = 0.0
     _plain_run: int = 0
+    _interval: int = 0         # the current probe interval (0: probe_every)
+    _probing: bool = False     # a probe was dispatched and not yet read
 
     @property
     def kappa(self) -> float:
@@ -94,11 +100,15 @@ class WidthChooser:
         spec = sorted(w for w in self.seconds if w > 1)
         if not spec:
             return 1
-        if not self.gain:                      # nothing drafted yet: draft at the widest width to learn ρ
-            return spec[-1]
-        if self._plain_run >= self.probe_every:
-            self._plain_run = 0                # one probe (the rounds in flight are not read yet)
+        if not self.gain:                      # nothing drafted yet: the cheapest drafting round tells every gain
             return spec[0]
+        if self._plain_run >= (self._interval or self.probe_every):
+            self._plain_run = 0                # one probe (the rounds in flight are not read yet)
+            self._probing = True
+            return spec[0]
+        return self._best(live)
+
+    def _best(self, live: int) -> int:
         # κ·g can pass w − 1 (a few lucky rounds): no width accepts more drafts than it verifies
         return choose_width(self.seconds, {w: min(self.kappa * g, w - 1) for w, g in self.gain.items()}, live)
 
@@ -109,7 +119,6 @@ class WidthChooser:
         if width == 1 or not active.any():
             self._plain_run += width == 1
             return
-        self._plain_run = 0
         g = np.asarray(gains, np.float64)[active]
         if (g < 0).any():
             return
@@ -117,6 +126,11 @@ class WidthChooser:
         k = sorted(self.seconds).index(width)
         self._accepted = self.decay * self._accepted + float(np.asarray(accepted)[active].sum())
         self._estimated = self.decay * self._estimated + float(g[:, k].sum())
+        if self._probing:                      # a probe read: back off while plain decoding still wins
+            self._probing = False
+            plain = self._best(int(active.sum())) == 1
+            self._interval = min(2 * (self._interval or self.probe_every), self.max_probe_every) if plain else 0
+        self._plain_run = 0
 
 
 class WidthBackend(SpecBackend):

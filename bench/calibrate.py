@@ -9,8 +9,8 @@ times of every verify width the engine chooses between.
 For each bucket (batch slots B, KV length S) it measures
   T_dec(B, S)      one-token decode of every slot (`TargetModel.extend`, T = 1, state donated and fed back),
   T_ver(N | B, S)  the complete target verify forward over a [B, N] forest (`TargetModel.verify`, logits and
-                   commit factors; tree template: a seeded random tree of depth min(d, N−1), the same for
-                   every row), for every node capacity N,
+                   commit factors, with the kernels of --kernels; tree template: a seeded random tree of depth
+                   min(d, N−1), the same for every row), for every node capacity N,
 each as the median of `repeats` timed calls after a warm-up call (block_until_ready; the prefix holds S/2
 committed tokens), and stores B_ver = max{N : T_ver(N) ≤ (1+ε)·T_dec} in a JSON table keyed by device kind,
 model and bucket (`hyspec_jax.spec.budget.BudgetTable`; existing entries of other buckets are kept).
@@ -158,8 +158,9 @@ def template_tree(rng: np.random.Generator, nodes: int, depth: int, batch: int):
 
 
 def calibrate(model, *, model_name: str, batches: list[int], kv_lens: list[int], nodes: list[int], depth: int,
-              eps: float, repeats: int, log=print) -> list[dict]:
-    """Measure every bucket; returns table entries (see module docstring)."""
+              eps: float, repeats: int, kernel_impl: str = "reference", log=print) -> list[dict]:
+    """Measure every bucket; returns table entries (see module docstring). kernel_impl: the verify's kernels
+    (`hyspec_jax.kernels`; `hyspec calibrate` passes --kernels, auto by default, as the engine runs)."""
     import functools
 
     import jax
@@ -175,7 +176,8 @@ def calibrate(model, *, model_name: str, batches: list[int], kv_lens: list[int],
     dtype = jax.tree.leaves(params)[0].dtype
     device_kind = jax.devices()[0].device_kind
     decode = functools.partial(target_lib.extend_jit, graphdef)              # state donated
-    verify = jax.jit(functools.partial(target_lib.verify, graphdef))
+    verify = jax.jit(lambda p, st, tree, toks: nnx.merge(graphdef, p).verify(st, tree, toks,
+                                                                             kernel_impl=kernel_impl)[::2])
     rng = np.random.default_rng(0)
     entries = []
     for B in batches:
@@ -264,7 +266,7 @@ def run(args) -> int:
     log = lambda s: print(s, file=sys.stderr)  # noqa: E731
     entries = calibrate(model, model_name=model_id(cfg, Path(model_dir).name), batches=args.batch,
                         kv_lens=args.kv_len, nodes=args.nodes, depth=args.depth, eps=args.eps,
-                        repeats=args.repeats, log=log)
+                        repeats=args.repeats, kernel_impl=args.kernels, log=log)
     from hyspec_jax.launch import engine_from_args
     engine = engine_from_args(args, model, model_dir, dtype)
     if engine is None:

@@ -34,7 +34,9 @@ def add_spec_arguments(p, *, default_mode: str | None = None) -> None:
     p.add_argument("--verify-nodes", type=int, metavar="N", help="verified nodes per request, anchor included "
                    "(default: recommended, else --budget-table's B_ver, else chain length + 1 / min(tree nodes, 16))")
     p.add_argument("--budget", type=int, metavar="C", help="batch-wide node budget (default: N x batch slots)")
-    p.add_argument("--budget-table", metavar="FILE", help="calibration table from `hyspec calibrate`")
+    p.add_argument("--budget-table", metavar="FILE", help="calibration table from `hyspec calibrate` (B_ver per "
+                   "bucket; where it holds this engine's round times, the verify width is chosen every round, "
+                   "from plain decoding to --verify-nodes; default with the embedded model: its own table)")
     p.add_argument("--deferred-rows", type=int, metavar="P", default=0,
                    help="deferred GDN commit: keep each request's accepted rows (P per GDN layer, at least a "
                         "round's depth + 1) beside a checkpoint state and write the state only when they run out, "

@@ -15,6 +15,10 @@ One round (`spec_round`, compiled once per bucket: batch slots B, verify width N
            K/V of the path's target taps (anchor + accepted drafts) appended (MTP: the path's tokens paired with
            the target's final-norm hiddens, `MTPHead.append`); next anchor = the bonus token.
 
+Width 1 (`RoundShape.plain`) is plain decoding: one decoding step that appends the drafter's context, nothing
+drafted. With `RoundShape.gain_widths` a round also reports, per slot, the drafter's expected accepted drafts at each
+of those widths (`budget.width_gains`), from which `spec.width` chooses the width of later rounds.
+
 Everything static about a round is one frozen `RoundShape`, passed to every program and never mutated. The three
 phases (`round_draft`, `round_verify`, `round_commit`) are also jitted alone for profiling
 (`hyspec_jax.bench.phases`).

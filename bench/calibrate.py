@@ -20,9 +20,9 @@ With a drafter — the speculative engine `hyspec generate` builds from the same
 drafter and recommended settings) — it also times the engine's own round program (draft, select, verify with the
 kernels it runs, accept, commit) at every width bucket w of `hyspec_jax.spec.width` (w = 1: plain decoding) for
 every slot; each timed call is one round's dispatch and host read, after a prefill of the slots with half the KV
-length (a power of two), as the median of `repeats` rounds after a warm-up round. They go to the entry's
-`t_round_ms` under the round's signature (mode, draft shape, kernels, deferred commit); the engine then chooses
-the width of every round from them (`SpecConfig.adaptive_width`).
+length (a power of two), as the median of `repeats` rounds after a warm-up round, the widths interleaved. They go
+to the entry's `t_round_ms` under the round's signature (mode, draft shape, kernels, deferred commit); the engine
+then chooses the width of every round from them (`SpecConfig.adaptive_width`).
 """
 
 from __future__ import annotations
@@ -208,7 +208,9 @@ def calibrate(model, *, model_name: str, batches: list[int], kv_lens: list[int],
 def calibrate_rounds(engine, *, batches: list[int], kv_lens: list[int], repeats: int,
                      log=print) -> dict[tuple[int, int], tuple[str, dict[str, float]]]:
     """The engine's round time at every width bucket (see the module docstring): {(B, S): (round signature,
-    {width: ms})}."""
+    {width: ms})}. The widths are interleaved — each repeat prefills the slots afresh (untimed), then times one
+    round of every width, in an order rotated by the repeat — so a drift of the machine's speed (another
+    process, clocks) moves every width alike."""
     from hyspec_jax.spec.width import round_signature
 
     out = {}
@@ -216,28 +218,28 @@ def calibrate_rounds(engine, *, batches: list[int], kv_lens: list[int], repeats:
         for S in kv_lens:
             T = 1 << max(0, (S // 2).bit_length() - 1)            # the prefix: the power of two ≤ S / 2
             be = engine.width_backend(B, S, None, shapes=[(B, T)])
-            room = S - be.overshoot - T - (repeats + 1) * (be.depth + 1)
-            if T > engine.max_prompt_len(S) or room < 0:
-                raise ValueError(f"kv_len {S} too short for a {T}-token prefix and {repeats + 1} rounds of "
+            widths = sorted(be.widths)
+            if T > engine.max_prompt_len(S) or S - be.overshoot - T - len(widths) * (be.depth + 1) < 0:
+                raise ValueError(f"kv_len {S} too short for a {T}-token prefix and {len(widths)} rounds of "
                                  f"{be.depth + 1} tokens")
-            widest = be.widths[max(be.widths)][False]
-            sig = round_signature(engine.spec.mode, widest, engine.spec.deferred_rows)
+            sig = round_signature(engine.spec.mode, be.widths[widths[-1]][False], engine.spec.deferred_rows)
             rng = np.random.default_rng(B * 7919 + S)
             z = np.zeros(B, np.float32)
             samp = be.sampling(z, np.ones(B, np.float32), z.astype(np.int32), z.astype(np.uint32))
-            active = np.ones(B, bool)
-            ms = {}
-            for w in sorted(be.widths):
+            active, steps = np.ones(B, bool), np.zeros(B, np.int32)
+            times: dict[int, list[float]] = {w: [] for w in widths}
+            for r in range(repeats + 1):                          # r = 0: the warm-up (compiles), untimed
                 be.prefill(np.arange(B, dtype=np.int32), rng.integers(0, engine.config.vocab_size, (B, T)),
-                           np.ones((B, T), bool), np.ones(B, bool), samp)          # fresh slots every width
-                be.force = [w]
-                steps = np.zeros(B, np.int32)
-
-                def one_round():
-                    steps[:] += 1
-                    return be.collect(be.dispatch(active, samp, steps, False))
-                t = median_time(one_round, repeats)[0].median_s
-                ms[str(w)] = round(1e3 * t, 4)
+                           np.ones((B, T), bool), np.ones(B, bool), samp)
+                for w in widths[r % len(widths):] + widths[:r % len(widths)]:
+                    be.force = [w]
+                    steps += 1
+                    t0 = time.perf_counter()
+                    be.collect(be.dispatch(active, samp, steps, False))     # blocks on the host read
+                    if r:
+                        times[w].append(time.perf_counter() - t0)
+            ms = {str(w): round(1e3 * statistics.median(times[w]), 4) for w in widths}
+            for w in widths:
                 log(f"[calibrate] B={B} S={S} {sig} width {w:<4d} round {ms[str(w)]:8.3f} ms")
             out[(B, S)] = (sig, ms)
     return out

@@ -677,8 +677,10 @@ async def parse(request: Request, model: type[BaseModel]):
         raise validation_error(e.errors(include_url=False)) from None
 
 
-def build_app(server: OpenAIServer) -> FastAPI:
-    """The FastAPI application of `server`, wrapped in CORS (with allowed origins) and the front door."""
+def build_app(server: OpenAIServer) -> FrontDoor:
+    """The FastAPI application of `server` (CORS inside it, with allowed origins) behind the front door. The front
+    door wraps the whole application rather than being one of its middleware, so the `send` it leaves for token
+    streams (`SCOPE_BODY_SEND`) is uvicorn's own, not Starlette's error-middleware wrapper of it."""
     app = FastAPI(title="hyspec serve", version=server.version, docs_url=None, redoc_url=None)
     opts = server.options
 
@@ -745,7 +747,5 @@ def build_app(server: OpenAIServer) -> FastAPI:
         from starlette.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=list(opts.allowed_origins), allow_credentials=True,
                            allow_methods=["*"], allow_headers=["*"])
-    app.add_middleware(FrontDoor, api_key=opts.api_key, max_body_bytes=opts.max_body_bytes,
-                       log_requests=opts.log_requests, on_error=server.metrics.request_error,
-                       error_body=error_body)
-    return app
+    return FrontDoor(app, api_key=opts.api_key, max_body_bytes=opts.max_body_bytes, log_requests=opts.log_requests,
+                     on_error=server.metrics.request_error, error_body=error_body)

@@ -169,14 +169,16 @@ async def _send_json(send, status: int, body: dict, headers: list[tuple[bytes, b
 
 
 class FrontDoor:
-    """Pure ASGI middleware (outermost): request id (the client's `X-Request-Id` or a new one, echoed in the
-    response), Bearer API key on /v1/* (401), request body limit (413), one access-log line per request
-    (method, path, status, prompt + completion tokens, latency) and the status of every error response.
+    """Pure ASGI wrapper of the whole application (outside FastAPI's own middleware): request id (the client's
+    `X-Request-Id` or a new one, echoed in the response), Bearer API key on /v1/* (401), request body limit (413),
+    one access-log line per request (method, path, status, prompt + completion tokens, latency) and the status of
+    every error response (also a 500 of Starlette's error middleware, which runs inside it).
 
-    It also leaves the `send` it was given in the scope (`SCOPE_BODY_SEND`): a streamed response, once its start
-    went down the whole chain, sends its chunks there (its last message goes down the chain again). The layers
-    between here and the route (this one, CORS, Starlette's exception handlers) act on the start message only, and
-    a token stream's chunks would otherwise pass each of their wrappers one by one."""
+    It also leaves the `send` it was given — uvicorn's — in the scope (`SCOPE_BODY_SEND`): a streamed response,
+    once its start went down the whole chain, sends its chunks there (its last message goes down the chain again).
+    The layers between here and the route (this one, Starlette's error middleware, CORS, the exception handlers)
+    act on the start message only, and a token stream's chunks would otherwise pass each of their wrappers one by
+    one."""
 
     def __init__(self, app, *, api_key: str | None, max_body_bytes: int, log_requests: bool,
                  on_error: Callable[[int], None], error_body: Callable[[int, str], dict]):

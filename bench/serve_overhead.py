@@ -508,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         meta = {"bench": "serve_overhead", "command": "python -m hyspec_jax.bench.serve_overhead " + " ".join(argv),
                 "commit": git_commit(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "server_logs": str(log_dir)}
+                "cpu_count": os.cpu_count(), "python": sys.version.split()[0]}
+        print(f"server logs: {log_dir}", file=sys.stderr)
         args.json.write_text(json.dumps({"meta": meta, "summary": table, "results": rows, "cprofile": cprofiles},
                                         indent=2, default=str)
                              + "\n")

@@ -1,25 +1,29 @@
 """Host overhead of `hyspec serve` per token, without a device: the real server over an instant backend.
 
     python -m hyspec_jax.bench.serve_overhead [--concurrency 1,8,32] [--num-requests 64] [--max-tokens 64]
-        [--step-ms 1] [--tokens-per-step 1] [--base DIR] [--reps 2] [--profile DIR] [--json OUT.json]
+        [--step-ms 1] [--tokens-per-step 1] [--host-us 0] [--base [LABEL=]DIR ...] [--reps 2]
+        [--profile DIR | --cprofile DIR] [--json OUT.json]
 
 On a GPU the embedded model's decoding step is short (1-2 ms at batch 32), so the server's Python work per token
 (the event loop: queue hand-off, detokenisation, SSE rendering, HTTP writes; the request loop's thread: the
 scheduler's bookkeeping) decides throughput at high concurrency, and both compete for one GIL. This measures that
 work alone: a server process built exactly as `hyspec serve` builds it (the real app, metrics, scheduler thread
-and uvicorn / the HTTP server of the checkout) over a scripted backend whose "device step" is a sleep of
---step-ms that releases the GIL (the host waits for a GPU the same way), giving --tokens-per-step tokens per slot
-per step (1: plain decoding; more: a speculative round's accepted tokens). The tokens are a fixed passage of the
-embedded model's tokenizer, so detokenisation costs what real text costs.
+and uvicorn / the HTTP server of the checkout) over a scripted backend whose "device" runs one step at a time,
+each a wait of --step-ms that releases the GIL (the host waits for a GPU the same way), giving --tokens-per-step
+tokens per slot per step (1: plain decoding; more: a speculative round's accepted tokens); --host-us adds busy
+work holding the GIL to each dispatch (launching a jitted step). The tokens are a fixed passage of the embedded
+model's tokenizer, so detokenisation costs what real text costs.
 
 The load is `bench/serve_load.py`'s (the same client, streamed /v1/completions, `ignore_eos`), level by level.
 Beside its numbers each level reports the server process's CPU time per generated token, split by thread (the
-event loop's main thread, the request loop's `hyspec-scheduler` thread, the rest), read from /proc.
+event loop's main thread, the request loop's thread, the rest), read from /proc, and how long the device waited
+for the host per step (its next step dispatched after the last one ended).
 
 --base DIR also runs the server of another checkout (its `serve/` and `hyspec_jax/`, e.g. the commit the
 current server replaced) over the same backend, alternated with this one --reps times: like for like.
 --profile DIR samples each server with py-spy (`pip install py-spy`; all threads, only while holding the GIL)
-during the levels and writes the collapsed stacks plus a summary (µs per token by thread and function).
+during the levels and writes the collapsed stacks plus a summary (µs per token by thread and function);
+--cprofile DIR runs each server under cProfile (every thread, its whole life) and summarises it per token.
 
 A benchmark, not a test: it asserts nothing about speed. Linux only (/proc).
 """
@@ -442,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
     p.add_argument("--slots", type=int, default=32, help="server batch slots (default 32)")
     p.add_argument("--step-ms", type=float, default=1.0,
-                   help="the scripted device step: a GIL-free wait after each dispatch (default 1 ms)")
+                   help="the scripted device's step: a GIL-free wait, one step at a time (default 1 ms)")
     p.add_argument("--tokens-per-step", type=int, default=1,
                    help="tokens per slot per step (1: plain decoding; >1: a speculative round's; default 1)")
     p.add_argument("--host-us", type=float, default=0.0,

@@ -282,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks and memory reports (JSON + a readable table)",
                        description="Benchmarks. `hyspec bench WHICH --help` for each one's options.")
     b.add_argument("which", choices=("memory", "kernels", "kernel-resources", "verify-scale", "e2e", "budget-report",
-                                     "round-profile", "topk", "profile-scale", "moe-scale", "load-scale"),
+                                     "round-profile", "topk", "profile-scale", "moe-scale", "load-scale",
+                                     "serve-compile"),
                    help="budget-report: throughput vs node budget and eps from an e2e sweep + a calibration table; e2e: Spec-Bench-style tokens/s, tau and prefix survival per domain and mode vs ar; round-profile: wall vs GPU busy time and GPU launches per round, per mode (profiler trace); topk: the tree build's per-level top-k kernel tilings vs XLA (GPU); memory: transient verify memory, "
                    "Bole's factorized design vs per-node snapshots; kernels: GDN tree kernels vs baselines (GPU); "
                    "kernel-resources: registers, shared memory, launch shape and one launch's time of each Pallas kernel "
@@ -292,7 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "each against its floor (profiler trace); "
                    "moe-scale: one sparse-MoE block per layer in each execution form (gather, dense) at "
                    "Qwen3-Next-80B-A3B geometry against its floor; "
-                   "load-scale: write a sharded bf16 checkpoint (default the 9B geometry) and time its streamed load")
+                   "load-scale: write a sharded bf16 checkpoint (default the 9B geometry) and time its streamed load; "
+                   "serve-compile: hyspec serve's whole start-up program set at a geometry (default 27B), compiled "
+                   "cold and from the persistent cache")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
     b.set_defaults(func=cmd_bench)
 

@@ -58,7 +58,7 @@ class Scorer:
 
     def compile(self, progress: Callable[[str], None] | None = None) -> None:
         for t in self.buckets:
-            self._run(np.zeros(t, np.int32), 1)
+            self._run(np.zeros(t, np.int32), t)     # t tokens: the bucket-t program (1 token ran bucket 16 only)
             if progress:
                 progress(f"score [1x{t}]")
 

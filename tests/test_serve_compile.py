@@ -1,0 +1,28 @@
+"""`hyspec bench serve-compile` at a tiny size: both phases run in their own processes over one cache, every
+program of the server's start-up set is timed, and the cached phase reads what the cold one wrote."""
+
+from __future__ import annotations
+
+import json
+
+from hyspec_jax.bench import serve_compile
+
+
+def test_tiny_run_times_every_program_cold_and_cached(tmp_path):
+    out = tmp_path / "sc.json"
+    assert serve_compile.main(["--tiny", "--max-batch", "4", "--max-model-len", "64", "--prefill-chunk", "32",
+                               "--max-logprobs", "2", "--no-progress", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    cold, cached = report["phases"]["cold"], report["phases"]["cached"]
+    names = [p["program"] for p in cold["programs"]]
+    # 2 prefill shapes, the decoding step of both sampling flavours, the scorer's 3 prompt buckets
+    assert names == ["prefill [2x16]", "prefill [1x32]", "decode [4, greedy]", "decode [4, sampling]",
+                     "score [1x16]", "score [1x32]", "score [1x64]"]
+    assert [p["program"] for p in cached["programs"]] == names
+    assert cached["total_s"] < cold["total_s"]
+    assert "from the persistent cache" in out.with_suffix(".md").read_text()
+
+
+def test_bad_sizes_fail_in_one_line(capsys):
+    assert serve_compile.main(["--tiny", "--max-batch", "0"]) == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0

@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed generates (the median is reported)")
     p.add_argument("--rounds", type=int, default=1, help="turns of every checkout, one after another")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--model", default=None, help="target directory (default: each checkout's embedded model)")
+    p.add_argument("--model", default=None, help="target directory, its drafter in MODEL/drafter (default: each "
+                                                 "checkout's embedded model)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -150,11 +151,13 @@ def measure(a: argparse.Namespace) -> dict:
     if a.dtype == "float32":
         jax.config.update("jax_default_matmul_precision", "highest")     # as `hyspec bench e2e`
     dt = jnp.float32 if a.dtype == "float32" else jnp.bfloat16
-    _, target = load_pretrained(Path(a.model) if a.model else default_model_dir(), dtype=dt)
+    model_dir = Path(a.model) if a.model else default_model_dir()
+    _, target = load_pretrained(model_dir, dtype=dt)
     drafter = None
-    if a.spec_mode != "ar":
+    if a.spec_mode != "ar":       # the model's drafter (a checkout of code alone has no default one)
         from hyspec_jax.io.drafter_io import load_drafter
-        drafter = load_drafter(default_drafter_dir(), dtype=dt, with_reader="ready" in a.spec_mode)
+        drafter = load_drafter(model_dir / "drafter" if a.model else default_drafter_dir(), dtype=dt,
+                               with_reader="ready" in a.spec_mode)
     root = Path(hyspec_jax.__file__).resolve().parent.parent
     return {"checkout": root.name, "commit": _commit(root), "mode": a.spec_mode,
             "device": jax.devices()[0].device_kind, "jax": jax.__version__,

@@ -58,7 +58,7 @@ def _decode(target, mode: str):
 
 @pytest.fixture(scope="module")
 def targets():
-    return {layout: _target(*layout) for layout in ((1, 1), (1, 2), (2, 2))}     # (tp, dp)
+    return {layout: _target(*layout) for layout in ((1, 1), (1, 2), (2, 1), (2, 2))}     # (tp, dp)
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +144,20 @@ def test_server_data_parallel(targets, one_device, capsys):
     assert server.main(["--port", "0", "--data-parallel-size", "2", "--max-batch", "3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["hyspec serve: error: --max-batch 3 is not a multiple of --data-parallel-size 2"]
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain"])
+@pytest.mark.parametrize("layout", [(2, 1), (2, 2)])      # (tp, dp)
+def test_start_up_compile_covers_the_layouts_the_programs_return(targets, one_device, mode, layout):
+    """Over a mesh XLA may hand a buffer back in another layout than it was placed in (a size-1 axis dropped, the
+    conv window's channels split over "model"); the start-up compile repeats its pass until nothing new compiles,
+    so decoding after it compiles nothing (the server logged "compilation while serving" on the first request)."""
+    from hyspec_jax.compilation import CompileWatch
+    prompts = PROMPTS + PROMPTS[:2]             # 6 requests in 4 slots: prefills after decoding steps
+    params = [SamplingParams(max_tokens=8)] * len(prompts)
+    backend = _engine(targets[layout], mode).backend(SLOTS, KV)
+    backend.compile()
+    watch = CompileWatch()
+    _, outs, _ = run_batch(backend, prompts, params)
+    assert watch.since == 0
+    assert outs == one_device[mode] + one_device[mode][:2]

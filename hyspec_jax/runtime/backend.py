@@ -158,7 +158,24 @@ class Backend(abc.ABC):
     def compile(self, progress: Callable[[str], None] | None = None, stochastic: Sequence[bool] = (False, True),
                 prompt_lengths: Sequence[int] | None = None) -> None:
         """Compile (run with no-op inputs: padding rows, no active slot) every prefill shape — those whose T is
-        one of prompt_lengths' buckets, default all — and the step of each sampling flavour."""
+        one of prompt_lengths' buckets, default all — and the step of each sampling flavour.
+
+        Over a mesh the pass repeats until it compiles nothing: XLA may return a buffer in another layout than it
+        was placed in (a size-1 mesh axis dropped, the conv window's channels split over "model"), and the
+        programs are compiled per input layout — without the repeat the first prefill after a step compiled
+        while serving."""
+        from hyspec_jax.compilation import CompileWatch
+        from hyspec_jax.sharding import params_mesh
+        self._compile_pass(progress, stochastic, prompt_lengths)
+        if params_mesh(self.params) is None:
+            return
+        for _ in range(3):
+            watch = CompileWatch()
+            self._compile_pass(None, stochastic, prompt_lengths)
+            if watch.since == 0:
+                return
+
+    def _compile_pass(self, progress, stochastic, prompt_lengths) -> None:
         B = self.slots
         wanted = None if prompt_lengths is None else {bucket(n) for n in prompt_lengths}
         for rows, t in self.shapes:

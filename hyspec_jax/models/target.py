@@ -160,10 +160,14 @@ class TargetModel(nnx.Module):
         rows = jnp.arange(B)[:, None]
 
         def gdn_mixer(mix, h, j, carry):
-            """out: (new state or None, new conv window or None, deferred row or None). Unrolled (j a Python
-            int) the layer's new state and window go out, stacked once after the stack; under the scan they are
-            written into the carry at row j. (Unrolled, a chain of per-layer updates of the stacked arrays made
-            XLA copy the whole state once per layer: 12 more kernels and a state-sized copy each per step.)"""
+            """Writes the layer's new state into the carry at row j; out: (new conv window when unrolled, else
+            None — written into the carry too; deferred row or None). Measured with `bench/dispatch_cost.py`:
+            when the state update's own computation fused into the row update, that fusion read the stacked
+            array it updated and XLA copied the whole stack before each GDN layer (12 more kernels a decoding
+            step of the embedded model); the barrier keeps them apart, so the row is written in place. Stacking
+            per-layer states after the stack instead copies the whole state once a step (slower with a large
+            state); the conv windows are small, and unrolled they are stacked: their in-place updates still
+            drew copies."""
             qkv, z, b, a = mix.project(h)
             qkv = jnp.where(valid[..., None], qkv, 0)       # HF zeroes padding before the conv
             conv_j = carry.conv[j]
@@ -180,13 +184,13 @@ class TargetModel(nnx.Module):
                 o = o[:, None]
             else:
                 o, S = gdn.chunked_prefill(S0, q, k, v, g, beta)
-            S = None if S is None else S.astype(carry.ssm.dtype)
-            if isinstance(j, int):
-                return mix.output(o, z, x.dtype), carry, (S, conv, fac)
-            carry = carry.replace(conv=carry.conv.at[j].set(conv))
             if S is not None:
-                carry = carry.replace(ssm=carry.ssm.at[j].set(S))
-            return mix.output(o, z, x.dtype), carry, (None, None, fac)
+                carry = carry.replace(ssm=carry.ssm.at[j].set(jax.lax.optimization_barrier(
+                    S.astype(carry.ssm.dtype))))
+            if isinstance(j, int):
+                return mix.output(o, z, x.dtype), carry, (conv, fac)
+            carry = carry.replace(conv=carry.conv.at[j].set(conv))
+            return mix.output(o, z, x.dtype), carry, (None, fac)
 
         def attn_mixer(att, h, j, carry):
             q, gate, k, v = att.qkv(h, positions)
@@ -196,11 +200,9 @@ class TargetModel(nnx.Module):
             return att.out(attend(q, keys[j], values[j], attn_mask), gate), carry, None
 
         x, taps, new_state, gdn_out, _ = self._stack(x, gdn_mixer, attn_mixer, tap_layers, state)
-        ssm, conv, factors = gdn_out if gdn_out is not None else (None, None, None)
-        if conv is not None:                       # unrolled: the layers' new states, stacked
+        conv, factors = gdn_out if gdn_out is not None else (None, None)
+        if conv is not None:                       # unrolled: the layers' new conv windows, stacked
             new_state = new_state.replace(conv=conv)
-        if ssm is not None:
-            new_state = new_state.replace(ssm=ssm)
         if deferred_step:
             path = jnp.zeros((B, 1), jnp.int32)
             new_state = new_state.replace(pending=jax.vmap(gdn.deferred_append, in_axes=(0, 0, None, None))(

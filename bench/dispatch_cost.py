@@ -374,12 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     from hyspec_jax.bench.report import portable_command, run_metadata
     report = {**run_metadata(), "command": portable_command("python -m hyspec_jax.bench.dispatch_cost", argv or sys.argv[1:]),
               "mode": a.spec_mode, "runs": runs}
-    out = Path(a.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    md = markdown(report)
-    out.with_suffix(".md").write_text(md)
-    print(md)
+    from hyspec_jax.bench.report import write_report
+    write_report(report, a.json, markdown)
+    print(markdown(report))
     return 0
 
 

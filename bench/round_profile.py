@@ -15,7 +15,6 @@ The profiler slows the host, so the traced wall time is reported separately from
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -122,12 +121,9 @@ def main(argv: list[str] | None = None) -> int:
               "max_tokens": a.max_tokens, "prompt_index": a.prompt_index,
               "tree": {"depth": depth, "top_k": a.tree_topk, "beam": a.tree_beam, "verify_nodes": a.verify_nodes},
               "modes": rows}
-    out = Path(a.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    md = markdown(report)
-    out.with_suffix(".md").write_text(md)
-    print(md)
+    from hyspec_jax.bench.report import write_report
+    write_report(report, a.json, markdown)
+    print(markdown(report))
     return 0
 
 

@@ -33,18 +33,19 @@ def _select(score, parent, depth, valid, active, capacity):
     return forced, sel
 
 
-def _forest(rng):
-    """Random candidate forests (anchor = node 0, topological order) with path-monotone scores and ties."""
-    parent = np.full((B, M), -1, np.int32)
-    valid = np.zeros((B, M), bool)
-    score = np.full((B, M), -np.inf, np.float32)
-    for b in range(B):
-        n = int(rng.integers(1, M + 1))
-        p = T.random_parents(rng, n, max_depth=4, roots=1)
+def _forest(rng, batch: int = B, nodes: int = M, max_depth: int = 4, tie_rate: float = 0.25):
+    """Random candidate forests (anchor = node 0, topological order) with path-monotone scores; a share
+    `tie_rate` of the steps adds nothing (ties on purpose; 0: distinct scores, one optimum)."""
+    parent = np.full((batch, nodes), -1, np.int32)
+    valid = np.zeros((batch, nodes), bool)
+    score = np.full((batch, nodes), -np.inf, np.float32)
+    for b in range(batch):
+        n = int(rng.integers(1, nodes + 1))
+        p = T.random_parents(rng, n, max_depth=max_depth, roots=1)
         parent[b, :n], valid[b, :n] = p, True
         score[b, 0] = 0.0
         for i in range(1, n):
-            step = 0.0 if rng.random() < 0.25 else np.log(rng.uniform(0.05, 1.0))   # ties on purpose
+            step = 0.0 if rng.random() < tie_rate else np.log(rng.uniform(0.05, 1.0))
             score[b, i] = score[b, p[i]] + step
     depth = np.stack([T.parent_depths(np.where(v, p, -1)) for p, v in zip(parent, valid)])
     return score, parent, depth, valid

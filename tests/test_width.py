@@ -22,6 +22,7 @@ from hyspec_jax.spec.engine import SpecConfig, SpecEngine
 from hyspec_jax.spec.width import (WidthBackend, WidthChooser, choose_width, round_seconds, round_signature,
                                    width_buckets)
 from hyspec_jax.tree import TreeExpansion
+from tests.test_budget import _forest as budget_forest
 from tests.test_engine import (GAMMA, SAMPLES, SETTINGS, SLOTS, KV, SV, _chisq_pvalue, _cli, _hint,  # noqa: F401
                                _spec, model_dirs, models, reference, small)
 
@@ -32,18 +33,8 @@ pytestmark = pytest.mark.usefixtures("quick_compiles")
 # Selection: brute force over every node subset of small forests
 # ------------------------------------------------------------------------------------------------
 def _forest(rng, B, M):
-    parent = np.full((B, M), -1, np.int32)
-    valid = np.zeros((B, M), bool)
-    score = np.full((B, M), -np.inf, np.float32)
-    for b in range(B):
-        n = int(rng.integers(1, M + 1))
-        p = T.random_parents(rng, n, max_depth=3, roots=1)
-        parent[b, :n], valid[b, :n] = p, True
-        score[b, 0] = 0.0
-        for i in range(1, n):
-            score[b, i] = score[b, p[i]] + np.log(rng.uniform(0.05, 1.0))   # distinct: one optimum
-    depth = np.stack([T.parent_depths(np.where(v, p, -1)) for p, v in zip(parent, valid)])
-    return score, parent, depth, valid
+    """Small random forests with distinct scores (one optimum for the brute force)."""
+    return budget_forest(rng, B, M, max_depth=3, tie_rate=0.0)
 
 
 def _brute_force(score, parent, valid, active, C, row_cap):

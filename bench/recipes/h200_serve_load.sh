@@ -6,11 +6,7 @@
 #   here:           bash bench/recipes/serve_wheels.sh download          (then carry .whl)
 #   on the H200:    BASE=_base bash bench/recipes/h200_serve_load.sh     (MODES=ar: plain decoding only)
 set -uo pipefail
-source bench/recipes/serve_wheels.sh install .whl || exit 1
-source bench/recipes/lib.sh
-export XLA_PYTHON_CLIENT_MEM_FRACTION=0.2
-SERVE=(--port 0 --max-batch 32 --max-queue 256 --max-model-len 1024 --prefill-chunk 128)
-LOAD=(--concurrency 1,8,32 --num-requests 64 --max-tokens 64)
+source bench/recipes/serve_common.sh || exit 1
 
 
 for mode in ${MODES:-ar tree-ready}; do

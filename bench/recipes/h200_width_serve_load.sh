@@ -10,15 +10,16 @@
 #   here:           bash bench/recipes/serve_wheels.sh download          (then carry .whl)
 #   on the H200:    bash bench/recipes/h200_width_serve_load.sh          (both steps in one command), or, to stay
 #                   under a 10-minute command: STEPS=calibrate …; then STEPS=serve MODES=ar …; STEPS=serve
-#                   MODES=tree-ready … on the same machine ($TABLE lives outside the checkout, which each call
-#                   re-copies).
-# Knobs: STEPS ("calibrate serve"), TABLE (/tmp/hyspec_width_table.json), SLOTS (64), MODES ("ar tree-ready"),
+#                   MODES=tree-ready … on the same machine ($TABLE is under the ignored out/, which a device
+#                   call keeps between calls on a warm machine).
+# Knobs: STEPS ("calibrate serve"), TABLE (out/hyspec_width_table.json), SLOTS (64), MODES ("ar tree-ready"),
 # DATASETS ("random heldout"), REPS (1), REQUESTS (64 a level). Each command's files (calibration, table, server
 # logs, serve_load JSON) come back in one archive, $OUT/width_<steps>_<modes>.tgz.
 set -uo pipefail
 source bench/recipes/serve_wheels.sh install .whl || exit 1
 source bench/recipes/lib.sh
-STEPS=${STEPS:-calibrate serve}; MODES=${MODES:-ar tree-ready}; TABLE=${TABLE:-/tmp/hyspec_width_table.json}
+STEPS=${STEPS:-calibrate serve}; MODES=${MODES:-ar tree-ready}; TABLE=${TABLE:-out/hyspec_width_table.json}
+mkdir -p "$(dirname "$TABLE")"
 SLOTS=${SLOTS:-64}; LEN=1024; RES=$(mktemp -d)
 if [[ " $STEPS " == *" calibrate "* ]]; then
   "${H[@]}" calibrate --spec-mode tree-ready --batch "$SLOTS" --kv-len $((LEN + 16)) --nodes 1,32 --repeats 20 \

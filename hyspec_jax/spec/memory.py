@@ -104,24 +104,23 @@ def qwen35_9b() -> TargetConfig:
     `Qwen3_5TextConfig` defaults, whose docstring cites Qwen3.5-9B): hidden 4096, 32 layers (24 GDN + 8 full
     attention, interval 4), attention 16 / 4 KV / head_dim 256, GDN 16 key / 32 value heads of 128 / 128,
     conv 4, dense MLP 12288, vocab 248320, untied."""
-    n, interval = 32, 4
-    return TargetConfig(
-        model_type="qwen3_5_text", vocab_size=248320, hidden_size=4096, num_hidden_layers=n,
-        num_attention_heads=16, num_key_value_heads=4, head_dim=256, intermediate_size=12288,
-        layer_types=tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)),
-        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_conv_kernel_dim=4, rope_theta=1e7, partial_rotary_factor=0.25)
+    return _qwen35_geometry(hidden=4096, layers=32, heads=16, intermediate=12288, value_heads=32)
 
 
 def qwen38_27b() -> TargetConfig:
     """Qwen3.8-27B geometry (docs/reference/target_model.md §15), built from the numbers there."""
-    n, interval = 64, 4
+    return _qwen35_geometry(hidden=5120, layers=64, heads=24, intermediate=17408, value_heads=48)
+
+
+def _qwen35_geometry(*, hidden: int, layers: int, heads: int, intermediate: int, value_heads: int) -> TargetConfig:
+    """What the published Qwen3.5 / 3.8 geometries share (a full-attention layer every 4th, 4 KV heads of 256,
+    16 GDN key heads, GDN heads of 128, conv 4, vocab 248320) around the sizes that differ."""
     return TargetConfig(
-        model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, num_hidden_layers=n,
-        num_attention_heads=24, num_key_value_heads=4, head_dim=256, intermediate_size=17408,
-        layer_types=tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)),
-        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_conv_kernel_dim=4, rope_theta=1e7, partial_rotary_factor=0.25)
+        model_type="qwen3_5_text", vocab_size=248320, hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=4, head_dim=256, intermediate_size=intermediate,
+        layer_types=tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(layers)),
+        linear_num_key_heads=16, linear_num_value_heads=value_heads, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, rope_theta=1e7, partial_rotary_factor=0.25)
 
 
 def memory_table(cfg: TargetConfig | None = None, nodes: tuple[int, ...] = (32, 64, 128), batch: int = 1,

@@ -236,7 +236,7 @@ def test_engine_chooses_the_width_from_the_calibrated_table(hinted, models, refe
     assert [r.token_ids for r in out] == ref
     (be,) = made
     assert isinstance(be, WidthBackend)
-    hist = be.history
+    hist = list(be.history)
     assert hist[0] == 2               # nothing read yet: the cheapest drafting round
     if hinted:
         assert 1 not in hist and hist.count(8) >= len(hist) // 2, hist

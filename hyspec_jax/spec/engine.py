@@ -375,8 +375,7 @@ class SpecEngine:
             verify_nodes=be.verify_nodes, capacity=be.capacity,
             compilations_after_startup=self.compilations_after_startup,
             prefix_survival=prefix_survival([r.accepted for r in reqs], D),
-            width_rounds=({w: be.history.count(w) for w in sorted(set(be.history))}
-                          if isinstance(be, WidthBackend) else {}))
+            width_rounds=dict(sorted(be.width_counts.items())) if isinstance(be, WidthBackend) else {})
         return [SpecResult(list(map(int, p)), got[i], r.finish_reason, len(r.committed), list(r.committed),
                            list(r.accepted), loop.prefill_seconds, loop.warm_steps_per_second)
                 for i, (p, r) in enumerate(zip(prompts, reqs))]

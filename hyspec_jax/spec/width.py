@@ -26,6 +26,7 @@ costs little where speculation does not pay.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Mapping, Sequence
 
@@ -35,6 +36,7 @@ from hyspec_jax.runtime.backend import SpecBackend, StepResult, start_host_copy
 from hyspec_jax.spec.round import (RoundShape, pack_round_inputs, spec_round_io_jit, unpack_round_gains,
                                    unpack_round_outputs)
 
+HISTORY = 4096   # recent round widths a WidthBackend keeps
 
 def width_buckets(max_width: int) -> tuple[int, ...]:
     """The compiled widths: 1 (plain decoding), the powers of two below max_width, and max_width."""
@@ -147,7 +149,10 @@ class WidthBackend(SpecBackend):
         self.user_capacity = user_capacity
         self.chooser = WidthChooser(seconds) if seconds else None
         self.force: list[int] | None = None     # widths to cycle through instead of choosing
-        self.history: list[int] = []            # the width of every dispatched round
+        # a server runs rounds without end: the recent widths for inspection, counts for the stats
+        self.history: collections.deque[int] = collections.deque(maxlen=HISTORY)
+        self.width_counts: collections.Counter[int] = collections.Counter()
+        self.rounds = 0                         # rounds dispatched
         self._warm_all = False
         self.capacity = self.slots * max(widths) if user_capacity is None else int(user_capacity)
 
@@ -163,7 +168,7 @@ class WidthBackend(SpecBackend):
 
     def next_width(self, live: int) -> int:
         if self.force:
-            return self.force[len(self.history) % len(self.force)]
+            return self.force[self.rounds % len(self.force)]
         return self.chooser.next(live) if self.chooser is not None else max(self.widths)
 
     def dispatch(self, active, sampling, steps, stochastic, hint=None):
@@ -174,6 +179,8 @@ class WidthBackend(SpecBackend):
             return self._run(max(self.widths), active, sampling, steps, stochastic, hint)
         w = self.next_width(int(active.sum()))
         self.history.append(w)
+        self.width_counts[w] += 1
+        self.rounds += 1
         return self._run(w, active, sampling, steps, stochastic, hint)
 
     def _run(self, w, active, sampling, steps, stochastic, hint):

@@ -1,0 +1,599 @@
+"""Does the target's committed GDN state carry anything beyond the drafter's taps? `hyspec bench reader-probe`.
+
+On a trained target, its DSpark + ReaDy drafter and the corpus validation split (long windows, the target's
+training length by default), with every stride-aligned anchor a of every window (the block sees context < a,
+the reader the committed state after tokens 0 .. a − 1, as `hyspec train-drafter` trains and evaluates it):
+
+(a) teacher-forced τ̂ per block (`train.drafter.drafter_loss`, the trainer's definition: 1 + the accepted prefix of
+    argmax draft = argmax target, previous tokens the corpus's) of three drafters:
+      dspark        the drafter without its reader (the stage-1 weights chain / tree modes use);
+      ready         with the reader fed its own window's committed states (stage-2 LoRA merged, as served);
+      ready_swapped the same anchors, the states of another window of the same domain (the batch rolled by one);
+    per domain and pooled, binned by prefix length a, each with a standard error clustered by window (blocks of
+    one window are not independent) and the paired differences ready − dspark and ready − ready_swapped.
+
+(b) the no-training bound: closed-form ridge probes, fitted on the first half of each domain's windows (the ridge
+    penalty chosen on the last quarter of those) and scored on the second half, predicting the target's final-norm
+    hidden state at t + j (t = a − 1, the last context position; j = 1 .. horizons; its logits are this hidden
+    times the LM head, so this is the ridge of the logits), scored by top-1 agreement of the probe's logits with
+    the target's and by R² of the hidden state, from
+      base                 the drafter's view at t: its tapped layer outputs at t and the embedding of token a
+                           (the block's first input);
+      base + Sᵀq[layers]   plus o = S_L(t)ᵀ q_L(t + j) per value head of GDN layer L: S the committed state after t,
+                           q the target's TRUE query at t + j (an oracle: the most any reader of that state could
+                           extract with a perfect query);
+      ... swapped          the same with S from another window: q alone leaks the future tokens t + 2 .. t + j,
+                           so own − swapped is what the state itself adds.
+    Layers: the reader's source layers together, and each probed GDN layer alone (untapped layers included).
+
+States come from `train.forward.train_forward` (committed states at every stride boundary); queries from the
+target's own layer modules (input norm, projection, causal conv, `mixer_inputs`) applied to the layer's input (the
+previous layer's output); o from `gdn.step` with the identity gates (g = 0, β = 0: the state unchanged, o = Sᵀq).
+
+    hyspec bench reader-probe --json bench/results/ready_scale/reader_probe_cpu.json --windows 32
+
+On a GPU machine (package not installed): `ln -sfn $PWD/bench hyspec_jax/bench; ln -sfn $PWD/train
+hyspec_jax/train; PYTHONPATH=$PWD python3 -m hyspec_jax.bench.reader_probe --json $OUT/reader_probe.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+F32 = np.float32
+VARIANTS = ("dspark", "ready", "ready_swapped")
+
+
+# ------------------------------------------------------------------------------------------------
+# Configuration
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ProbeConfig:
+    model: str
+    drafter: str
+    corpus: str
+    seq_len: int = 512
+    windows: int = 64                      # per domain (fewer where the validation shard is shorter)
+    batch: int = 4                         # windows per forward (>= 2: the swapped states come from the batch)
+    stride: int = 8                        # GDN chunk = anchor stride (the trainer's state_stride)
+    bins: tuple[int, ...] = (32, 128, 256, 448)
+    horizons: int = 3
+    probe_layers: tuple[int, ...] | None = None  # GDN layers probed alone (default: sources + untapped GDN)
+    lambdas: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 1.0, 10.0)   # ridge penalty per sample (standardised X)
+    domains: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if self.batch < 2:
+            raise ValueError("--batch must be >= 2 (the swapped states are another window of the batch)")
+        if self.seq_len % self.stride or self.seq_len < 2 * self.stride:
+            raise ValueError(f"--seq-len {self.seq_len} must be a multiple of --stride {self.stride}, >= 2 strides")
+        if list(self.bins) != sorted(set(self.bins)) or (self.bins and self.bins[0] <= 0):
+            raise ValueError("--bins must be increasing positive prefix lengths")
+        if self.horizons < 1 or self.windows < 2:
+            raise ValueError("--horizons must be >= 1 and --windows >= 2")
+
+
+def bin_labels(bins: tuple[int, ...]) -> list[str]:
+    """Bin i holds prefix lengths [edge_i, edge_{i+1}): '<32', '32-127', ..., '448+'."""
+    e = list(bins)
+    return ([f"<{e[0]}"] if e else []) + [f"{lo}-{hi - 1}" for lo, hi in itertools.pairwise(e)] + \
+        ([f"{e[-1]}+"] if e else ["all"])
+
+
+def bin_of(prefix: np.ndarray, bins: tuple[int, ...]) -> np.ndarray:
+    """Index of each prefix length's bin (every length >= 0 falls in exactly one)."""
+    return np.searchsorted(np.asarray(bins, np.int64), np.asarray(prefix), side="right")
+
+
+def anchors_for(seq_len: int, stride: int) -> np.ndarray:
+    """Every stride-aligned anchor of a window (`DrafterTrainer.anchors_for`'s aligned candidates)."""
+    return np.arange(stride, seq_len - 1, stride, dtype=np.int32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Statistics
+# ------------------------------------------------------------------------------------------------
+def cluster_mean(values: np.ndarray, clusters: np.ndarray) -> tuple[float, float]:
+    """Mean of values and its standard error with clusters (windows) as the independent units:
+    sqrt(G/(G−1) · Σ_g (Σ_{i∈g} (v_i − mean))²) / n. NaN SE with one cluster."""
+    v = np.asarray(values, np.float64)
+    n = v.size
+    if n == 0:
+        return float("nan"), float("nan")
+    m = float(v.mean())
+    _, inv = np.unique(clusters, return_inverse=True)
+    g = int(inv.max()) + 1
+    if g < 2:
+        return m, float("nan")
+    s = np.bincount(inv, weights=v - m, minlength=g)
+    return m, float(np.sqrt(g / (g - 1) * np.sum(s * s)) / n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ridge:
+    w: np.ndarray          # [D, K] on standardised inputs
+    x_mean: np.ndarray
+    x_scale: np.ndarray
+    y_mean: np.ndarray
+    lam: float
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        return ((x - self.x_mean) / self.x_scale).astype(F32) @ self.w.astype(F32) + self.y_mean
+
+
+def _standardiser(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    mean = x.mean(0, dtype=np.float64)
+    scale = x.std(0, dtype=np.float64)
+    return mean.astype(F32), np.where(scale > 1e-8, scale, 1.0).astype(F32)
+
+
+def _solve(gram: np.ndarray, xty: np.ndarray, lam_total: float) -> np.ndarray:
+    a = gram + lam_total * np.eye(gram.shape[0])
+    return np.linalg.solve(a, xty)
+
+
+def ridge_fit(x: np.ndarray, y: np.ndarray, lam: float) -> Ridge:
+    """Closed-form ridge on standardised columns: w = (XᵀX + λ n I)⁻¹ Xᵀ(Y − Ȳ)."""
+    mean, scale = _standardiser(x)
+    xs = ((x - mean) / scale).astype(F32)
+    y_mean = y.mean(0, dtype=np.float64).astype(F32)
+    gram = (xs.T @ xs).astype(np.float64)
+    w = _solve(gram, (xs.T @ (y - y_mean)).astype(np.float64), lam * len(x))
+    return Ridge(w, mean, scale, y_mean, lam)
+
+
+def ridge_select(x: np.ndarray, y: np.ndarray, held: np.ndarray, lambdas: tuple[float, ...]) -> Ridge:
+    """λ with the least squared error on the held-out rows (`held`, bool) when fitted on the others, then refit on
+    all rows with it."""
+    if len(lambdas) == 1 or not held.any() or held.all():
+        return ridge_fit(x, y, lambdas[0])
+    mean, scale = _standardiser(x)
+    xs = ((x - mean) / scale).astype(F32)
+    a, b = ~held, held
+    y_mean = y[a].mean(0, dtype=np.float64).astype(F32)
+    gram_a = (xs[a].T @ xs[a]).astype(np.float64)
+    xty_a = (xs[a].T @ (y[a] - y_mean)).astype(np.float64)
+    errs = []
+    for lam in lambdas:
+        w = _solve(gram_a, xty_a, lam * int(a.sum())).astype(F32)
+        errs.append(float(np.sum((xs[b] @ w + y_mean - y[b]) ** 2)))
+    return ridge_fit(x, y, lambdas[int(np.argmin(errs))])
+
+
+# ------------------------------------------------------------------------------------------------
+# Model side (JAX)
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Models:
+    tcfg: object
+    dcfg: object
+    rcfg: object
+    t_graphdef: object
+    t_params: object
+    heads: object
+    dspark: tuple          # (graphdef, params): no reader
+    ready: tuple           # (graphdef, params): reader + its stage-2 LoRA merged
+    probe_layers: tuple[int, ...]
+
+
+def default_probe_layers(tcfg, dcfg, rcfg) -> tuple[int, ...]:
+    """The reader's source layers and every GDN layer the drafter does not tap (the ones a reader could add to)."""
+    untapped = [i for i in tcfg.gdn_layers if i not in dcfg.target_layer_ids]
+    return tuple(sorted(set(rcfg.source_layers) | set(untapped)))
+
+
+def load_models(model_dir, drafter_dir, probe_layers: tuple[int, ...] | None = None) -> Models:
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from hyspec_jax.config import LINEAR
+    from hyspec_jax.io.drafter_io import load_drafter
+    from hyspec_jax.io.hf import load_pretrained
+    from hyspec_jax.models.drafter import target_heads
+    from hyspec_jax.models.target import unscan_layers
+
+    tcfg, target = load_pretrained(model_dir, dtype=jnp.float32)
+    if target.is_scanned:
+        target = unscan_layers(target)
+    ready = load_drafter(drafter_dir, with_reader=True)
+    if ready.reader is None:
+        raise ValueError(f"{drafter_dir}: the drafter has no reader (reader/)")
+    dspark = load_drafter(drafter_dir, with_reader=False)
+    dcfg, rcfg = ready.config, ready.reader_config
+    layers = default_probe_layers(tcfg, dcfg, rcfg) if probe_layers is None else tuple(probe_layers)
+    bad = [i for i in layers if not (0 <= i < tcfg.num_hidden_layers and tcfg.layer_types[i] == LINEAR)]
+    if bad:
+        raise ValueError(f"probe layers {bad} are not GDN layers of the target")
+    t_graphdef, t_params = nnx.split(target)
+    return Models(tcfg, dcfg, rcfg, t_graphdef, t_params, target_heads(target), nnx.split(dspark), nnx.split(ready),
+                  layers)
+
+
+def states_before(states, anchors, stride: int, roll: int = 0):
+    """Chunk states [Ls, nC, B, HV, dk, dv] (`train_forward`) -> per anchor [B, A, Ls·HV, dk, dv]: the committed
+    state after tokens 0 .. a − 1 (the layout `DrafterTrainer._forward` feeds the reader); roll > 0 takes them from
+    the window `roll` rows earlier in the batch instead (the swapped-state control)."""
+    import jax
+    import jax.numpy as jnp
+    if roll:
+        states = jnp.roll(states, roll, axis=2)
+    c = anchors // stride - 1
+    picked = jax.vmap(lambda s_b, c_b: s_b[:, c_b], in_axes=(2, 0), out_axes=1)(states, c)   # [Ls, B, A, ...]
+    picked = jnp.moveaxis(picked, 0, 2)                                                       # [B, A, Ls, ...]
+    return picked.reshape(picked.shape[:2] + (-1,) + picked.shape[-2:])
+
+
+def block_metrics(out, target_logits, anchors):
+    """Per block (row b, anchor a) τ̂ and first-slot acceptance, each block scored alone by `drafter_loss`."""
+    import jax
+
+    from hyspec_jax.train.drafter import STAGE_DEFAULTS, drafter_loss
+    _, ce, l1, conf = STAGE_DEFAULTS["dspark"]
+
+    def one(o, tl, a):
+        m = drafter_loss(jax.tree.map(lambda x: x[None, None], o), tl[None], a[None, None], ce=ce, l1=l1,
+                         conf=conf, decay=4.0)[1]
+        return m["tau"], m["acc0"]
+    per_anchor = jax.vmap(one, in_axes=(0, None, 0))
+    return jax.vmap(per_anchor, in_axes=(0, 0, 0))(out, target_logits, anchors)
+
+
+def gdn_inputs(target, layer: int, x_in, valid):
+    """GDN layer `layer`'s (q, k, v, g, β) over a whole window from its input x_in [B, T, H] (the previous layer's
+    output): the layer's own input norm, projection, causal conv from the empty window and `mixer_inputs`, as
+    `train_forward` runs them; valid False turns every position into an identity step (g = 0, β = 0)."""
+    import jax.numpy as jnp
+
+    from hyspec_jax import gdn
+    cfg = target.config
+    lay = target.model.layers[layer]
+    mix = lay.linear_attn
+    qkv, _, b, a = mix.project(lay.input_layernorm(x_in))
+    window = jnp.zeros((x_in.shape[0], cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), qkv.dtype)
+    return mix.mixer_inputs(gdn.causal_conv(qkv, window, mix.conv_weight), b, a, valid)
+
+
+def make_pass(m: Models, stride: int, horizons: int):
+    """The jitted per-batch measurement: tokens [B, T] -> dict of host-bound arrays (module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from hyspec_jax import gdn
+    from hyspec_jax.models.drafter import forward_train
+    from hyspec_jax.train.drafter import gather_positions
+    from hyspec_jax.train.forward import train_forward
+
+    tcfg, dcfg, rcfg = m.tcfg, m.dcfg, m.rcfg
+    d_taps = tuple(dcfg.target_layer_ids)
+    tap_layers = tuple(sorted(set(d_taps) | {L - 1 for L in m.probe_layers if L > 0}))
+    src_slots = tuple(rcfg.source_slots)
+    slots = tuple(dict.fromkeys(src_slots + tuple(tcfg.layer_slot(L) for L in m.probe_layers)))
+    d_graph, r_graph = m.dspark[0], m.ready[0]
+    J = horizons
+
+    def run(t_params, d_params, r_params, heads, tokens, anchors):
+        target = nnx.merge(m.t_graphdef, t_params)
+        B, T = tokens.shape
+        logits, hidden, taps, states = train_forward(target, tokens, tap_layers=tap_layers, chunk=stride,
+                                                     state_slots=slots)
+        dtaps = taps[jnp.asarray([tap_layers.index(i) for i in d_taps])]
+        src = states[jnp.asarray([slots.index(s) for s in src_slots])]
+        outs = {
+            "dspark": forward_train(d_graph, d_params, heads, dtaps, tokens, anchors),
+            "ready": forward_train(r_graph, r_params, heads, dtaps, tokens, anchors,
+                                   reader_states=states_before(src, anchors, stride)),
+            "ready_swapped": forward_train(r_graph, r_params, heads, dtaps, tokens, anchors,
+                                           reader_states=states_before(src, anchors, stride, roll=1)),
+        }
+        res = {}
+        for k in VARIANTS:
+            res[f"tau_{k}"], res[f"acc0_{k}"] = block_metrics(outs[k], logits, anchors)
+
+        # ---- ridge features, t = a − 1 ----------------------------------------------------------------------
+        t_idx = (anchors - 1)[:, :, None]                                                   # [B, A, 1]
+        tapped = gather_positions(jnp.moveaxis(dtaps, 0, 2), t_idx)[:, :, 0]                # [B, A, L, H]
+        first = heads.embed_tokens(gather_positions(tokens, anchors[:, :, None])[:, :, 0])  # token a
+        res["base"] = jnp.concatenate([tapped.reshape(B, anchors.shape[1], -1), first], -1)
+        fut = t_idx + jnp.arange(1, J + 1)                                                   # [B, A, J]
+        res["y_hidden"] = gather_positions(hidden, fut)                                      # [B, A, J, H]
+        res["y_top"] = jnp.argmax(gather_positions(logits, fut), -1)                         # [B, A, J]
+        no_step = jnp.zeros((B, T), bool)                 # identity gates: gdn.step then leaves S as it is
+        sq = []
+        for L in m.probe_layers:
+            x_in = target.model.embed_tokens(tokens) if L == 0 else taps[tap_layers.index(L - 1)]
+            at = [gather_positions(x, fut) for x in gdn_inputs(target, L, x_in, no_step)]   # [B, A, J, HV, ...]
+            own = states_before(states[slots.index(tcfg.layer_slot(L))][None], anchors, stride)
+            per = []
+            for roll in (0, 1):
+                S = own if roll == 0 else jnp.roll(own, 1, axis=0)                           # [B, A, HV, dk, dv]
+                S = jnp.broadcast_to(S[:, :, None], (B, S.shape[1], J) + S.shape[2:])
+                flat = lambda x: x.reshape((-1,) + x.shape[3:])
+                o, _ = gdn.step(flat(S), *map(flat, at))
+                per.append(o.reshape(B, -1, J, o.shape[-2] * o.shape[-1]))
+            sq.append(jnp.stack(per))                                                        # [2, B, A, J, HV·dv]
+        res["sq"] = jnp.stack(sq)                                                            # [P, 2, B, A, J, D]
+        return res
+
+    return jax.jit(run)
+
+
+# ------------------------------------------------------------------------------------------------
+# The measurement
+# ------------------------------------------------------------------------------------------------
+def collect(cfg: ProbeConfig, m: Models, windows: dict[str, np.ndarray], progress: bool = True) -> dict:
+    """Run every window once (batches padded with the domain's first windows, whose outputs are dropped)."""
+    import jax
+    import jax.numpy as jnp
+
+    fn = make_pass(m, cfg.stride, cfg.horizons)
+    anchors_1 = anchors_for(cfg.seq_len, cfg.stride)
+    anchors = jnp.asarray(np.broadcast_to(anchors_1, (cfg.batch, anchors_1.size)))
+    rows: dict[str, list] = {}
+    meta: list[tuple[str, int]] = []
+    t0 = time.perf_counter()
+    done = 0
+    total = sum(len(w) for w in windows.values())
+    for d, w in windows.items():
+        w = w[:, :cfg.seq_len]
+        for i in range(0, len(w), cfg.batch):
+            idx = list(range(i, min(i + cfg.batch, len(w))))
+            n = len(idx)
+            pad = [j % len(w) for j in range(cfg.batch - n)]          # donors for the swap, outputs dropped
+            if len(w) < 2:
+                raise ValueError(f"domain {d}: fewer than 2 windows of {cfg.seq_len} tokens")
+            toks = jnp.asarray(w[idx + pad])
+            out = jax.device_get(fn(m.t_params, m.dspark[1], m.ready[1], m.heads, toks, anchors))
+            for k, v in out.items():
+                v = np.asarray(v)
+                rows.setdefault(k, []).append(v[:, :, :n] if k == "sq" else v[:n])
+            meta += [(d, j) for j in idx]
+            done += n
+            if progress:
+                el = time.perf_counter() - t0
+                print(f"  {d}: {done}/{total} windows, {el:.0f} s", file=sys.stderr, flush=True)
+    data = {k: np.concatenate(v, axis=2 if k == "sq" else 0) for k, v in rows.items()}
+    data["domain"] = np.array([d for d, _ in meta])
+    data["window"] = np.array([j for _, j in meta])
+    data["anchors"] = anchors_1
+    data["seconds"] = time.perf_counter() - t0
+    return data
+
+
+def tau_report(data: dict, bins: tuple[int, ...]) -> dict:
+    """(a): per domain (+ pooled) and prefix bin: blocks, windows, τ̂ ± SE of each variant, paired differences."""
+    labels = bin_labels(bins)
+    W, A = data["tau_dspark"].shape
+    b_of = np.broadcast_to(bin_of(data["anchors"], bins), (W, A))
+    win = np.broadcast_to(np.arange(W)[:, None], (W, A))
+    dom = np.broadcast_to(data["domain"][:, None], (W, A))
+    out = {}
+    for d in [*dict.fromkeys(data["domain"]), "pooled"]:
+        sel_d = np.ones((W, A), bool) if d == "pooled" else dom == d
+        per = {}
+        for bi, lab in [*enumerate(labels), (None, "all")]:
+            sel = sel_d & (True if bi is None else b_of == bi)
+            if not sel.any():
+                continue
+            r = {"blocks": int(sel.sum()), "windows": int(np.unique(win[sel]).size)}
+            for k in VARIANTS:
+                r[k], r[k + "_se"] = cluster_mean(data[f"tau_{k}"][sel], win[sel])
+                r["acc0_" + k] = float(data[f"acc0_{k}"][sel].mean())
+            for name, a, b in (("ready_minus_dspark", "ready", "dspark"),
+                               ("ready_minus_swapped", "ready", "ready_swapped")):
+                r[name], r[name + "_se"] = cluster_mean(data[f"tau_{a}"][sel] - data[f"tau_{b}"][sel], win[sel])
+            per[lab] = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}
+        out[d] = per
+    return out
+
+
+def feature_sets(m: Models) -> dict[str, tuple[tuple[int, ...], int]]:
+    """name -> (probe-layer rows of `sq`, own 0 / swapped 1); "base" uses none."""
+    src = tuple(m.probe_layers.index(L) for L in m.rcfg.source_layers)
+    sets: dict[str, tuple[tuple[int, ...], int]] = {"base": ((), 0)}
+    tag = ",".join(map(str, m.rcfg.source_layers))
+    sets[f"+Sq[{tag}] (reader sources)"] = (src, 0)
+    sets[f"+Sq[{tag}] swapped"] = (src, 1)
+    for p, L in enumerate(m.probe_layers):
+        kind = "tapped" if L in m.dcfg.target_layer_ids else "untapped"
+        sets[f"+Sq[{L}] ({kind})"] = ((p,), 0)
+        sets[f"+Sq[{L}] swapped"] = ((p,), 1)
+    return sets
+
+
+def ridge_report(data: dict, m: Models, cfg: ProbeConfig, progress: bool = True) -> dict:
+    """(b): per horizon j and feature set: λ, and per prefix bin (+ all) top-1 agreement ± SE, its paired gain over
+    base ± SE, R² of the hidden state; fitted on each domain's first half of windows, scored on the second."""
+    import jax
+    import jax.numpy as jnp
+
+    W, A = data["tau_dspark"].shape
+    dom, win = data["domain"], data["window"]
+    n_dom = {d: int(np.sum(dom == d)) for d in dict.fromkeys(dom)}
+    half = np.array([win[i] < (n_dom[dom[i]] + 1) // 2 for i in range(W)])           # fit windows
+    held = np.array([win[i] >= (3 * ((n_dom[dom[i]] + 1) // 2)) // 4 for i in range(W)]) & half
+    rows = lambda sel: np.repeat(sel, A)                                              
+    fit, test, held_r = rows(half), rows(~half), rows(held)[rows(half)]
+    win_r = np.repeat(np.arange(W), A)
+    b_of = np.tile(bin_of(data["anchors"], cfg.bins), W)
+    labels = bin_labels(cfg.bins)
+    base = data["base"].reshape(W * A, -1)
+    logits_of = jax.jit(lambda h, hd: hd.logits(h))
+    sets = feature_sets(m)
+    out: dict = {"fit_windows": int(half.sum()), "test_windows": int((~half).sum()),
+                 "fit_rows": int(fit.sum()), "test_rows": int(test.sum()), "horizons": {}}
+    for j in range(cfg.horizons):
+        y = data["y_hidden"][:, :, j].reshape(W * A, -1)
+        top = data["y_top"][:, :, j].reshape(-1)
+        res, base_hit = {}, None
+        for name, (layers, swap) in sets.items():
+            x = np.concatenate([base] + [data["sq"][p, swap][:, :, j].reshape(W * A, -1) for p in layers], -1)
+            r = ridge_select(x[fit], y[fit], held_r, cfg.lambdas)
+            pred = r.predict(x[test])
+            hit = np.concatenate([np.asarray(jnp.argmax(logits_of(jnp.asarray(pred[s:s + 4096]), m.heads), -1))
+                                  for s in range(0, len(pred), 4096)]) == top[test]
+            base_hit = hit if name == "base" else base_hit
+            sq_err = np.sum((pred - y[test]) ** 2, -1)
+            sq_tot = np.sum((y[test] - y[test].mean(0)) ** 2, -1)
+            per = {}
+            for bi, lab in [*enumerate(labels), (None, "all")]:
+                sel = np.ones(hit.size, bool) if bi is None else b_of[test] == bi
+                if not sel.any():
+                    continue
+                t1, t1_se = cluster_mean(hit[sel].astype(F32), win_r[test][sel])
+                g, g_se = cluster_mean(hit[sel].astype(F32) - base_hit[sel], win_r[test][sel])
+                per[lab] = {"rows": int(sel.sum()), "top1": round(t1, 5), "top1_se": round(t1_se, 5),
+                            "gain_vs_base": round(g, 5), "gain_se": round(g_se, 5),
+                            "r2": round(1.0 - float(sq_err[sel].sum() / sq_tot[sel].sum()), 5)}
+            res[name] = {"lambda": r.lam, "features": int(x.shape[1]), "bins": per}
+            if progress:
+                print(f"  ridge j={j + 1} {name}: top-1 {per['all']['top1']:.4f} (λ {r.lam:g})", file=sys.stderr,
+                      flush=True)
+        out["horizons"][str(j + 1)] = res
+    return out
+
+
+def run(cfg: ProbeConfig, progress: bool = True) -> dict:
+    from hyspec_jax.bench.report import portable_path, run_metadata
+    from hyspec_jax.train.target import validation_windows
+
+    m = load_models(cfg.model, cfg.drafter, cfg.probe_layers)
+    windows = validation_windows(cfg.corpus, cfg.seq_len, cfg.windows)
+    if cfg.domains:
+        missing = sorted(set(cfg.domains) - set(windows))
+        if missing:
+            raise ValueError(f"domains {missing} have no validation window of {cfg.seq_len} tokens")
+        windows = {d: windows[d] for d in cfg.domains}
+    windows = {d: w for d, w in windows.items() if len(w) >= 2}
+    if not windows:
+        raise ValueError(f"{cfg.corpus}: no domain has 2 validation windows of {cfg.seq_len} tokens")
+    data = collect(cfg, m, windows, progress)
+    t1 = time.perf_counter()
+    ridge = ridge_report(data, m, cfg, progress)
+    conf = dataclasses.asdict(cfg)
+    for k in ("model", "drafter", "corpus"):
+        conf[k] = portable_path(conf[k])
+    conf["probe_layers"] = list(m.probe_layers)
+    return {**run_metadata(), "config": conf,
+            "target": {"layers": m.tcfg.num_hidden_layers, "gdn_layers": list(m.tcfg.gdn_layers)},
+            "drafter": {"taps": list(m.dcfg.target_layer_ids), "block_size": m.dcfg.block_size,
+                        "reader_sources": list(m.rcfg.source_layers), "reader_rank": m.rcfg.rank},
+            "windows": {d: int(np.sum(data["domain"] == d)) for d in windows},
+            "anchors_per_window": int(data["anchors"].size),
+            "seconds": {"forward": round(float(data["seconds"]), 1), "ridge": round(time.perf_counter() - t1, 1)},
+            "tau": tau_report(data, cfg.bins), "ridge": ridge}
+
+
+# ------------------------------------------------------------------------------------------------
+# Report
+# ------------------------------------------------------------------------------------------------
+def _pm(v, se, digits=3) -> str:
+    return f"{v:.{digits}f}" if math.isnan(se) else f"{v:.{digits}f} ± {se:.{digits}f}"
+
+
+def markdown(report: dict) -> str:
+    from hyspec_jax.bench.report import short_commit
+    c = report["config"]
+    lines = [f"# ReaDy reader probe ({report['device_kind']}, fp32)", "",
+             f"`{report.get('command', '')}` — commit {short_commit(report['commit'])}, jax {report['jax']}; target "
+             f"`{c['model']}`, drafter `{c['drafter']}` (taps {report['drafter']['taps']}, reader sources "
+             f"{report['drafter']['reader_sources']}); corpus validation windows of {c['seq_len']} tokens: "
+             + ", ".join(f"{d} {n}" for d, n in report["windows"].items())
+             + f"; every anchor a multiple of {c['stride']} ({report['anchors_per_window']} a window); "
+             f"± is one standard error clustered by window; forward {report['seconds']['forward']} s, ridge "
+             f"{report['seconds']['ridge']} s.", "",
+             "## (a) Teacher-forced τ̂ by prefix length", "",
+             ("| domain | prefix | blocks | windows | dspark | ready (own state) | ready (swapped state) | "
+              "ready − dspark | ready − swapped |"),
+             "|---|---|---|---|---|---|---|---|---|"]
+    for d, per in report["tau"].items():
+        for lab, r in per.items():
+            name = f"**{d}**" if d == "pooled" else d
+            lines.append(f"| {name} | {lab} | {r['blocks']} | {r['windows']} | {_pm(r['dspark'], r['dspark_se'])} | "
+                         f"{_pm(r['ready'], r['ready_se'])} | {_pm(r['ready_swapped'], r['ready_swapped_se'])} | "
+                         f"{_pm(r['ready_minus_dspark'], r['ready_minus_dspark_se'], 4)} | "
+                         f"{_pm(r['ready_minus_swapped'], r['ready_minus_swapped_se'], 4)} |")
+    rd = report["ridge"]
+    lines += ["", "## (b) Ridge probe of the target's next-token logits at t + j (no training)", "",
+              (f"Fitted on {rd['fit_windows']} windows ({rd['fit_rows']} anchors), scored on {rd['test_windows']} "
+               f"others ({rd['test_rows']} anchors). Cells: top-1 agreement with the target's argmax; in brackets the "
+               "paired gain over `base` ± SE. R² of the final-norm hidden state in the last column (all prefixes)."),
+              ""]
+    for j, res in rd["horizons"].items():
+        labels = list(next(iter(res.values()))["bins"])
+        lines += [f"### j = {j}", "", "| features | λ | " + " | ".join(labels) + " | R² |",
+                  "|---|---|" + "---|" * len(labels) + "---|"]
+        for name, r in res.items():
+            cells = []
+            for lab in labels:
+                b = r["bins"][lab]
+                cells.append(f"{b['top1']:.3f}" if name == "base" else
+                             f"{b['top1']:.3f} ({b['gain_vs_base']:+.3f} ± {b['gain_se']:.3f})")
+            lines.append(f"| {name} | {r['lambda']:g} | " + " | ".join(cells) + f" | {r['bins']['all']['r2']:.3f} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hyspec bench reader-probe", description=__doc__.split("\n")[0],
+                                epilog=__doc__.split("\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", required=True, metavar="OUT.json", help="results (a .md table next to it)")
+    p.add_argument("--model", default=None, help="target directory (default: the embedded model)")
+    p.add_argument("--drafter", default=None, help="drafter directory with reader/ (default: MODEL/drafter)")
+    p.add_argument("--corpus", default="train/data/corpus", help="corpus of `hyspec build-corpus` (validation split)")
+    p.add_argument("--seq-len", type=int, default=512, help="window length (default 512, the target's training length)")
+    p.add_argument("--windows", type=int, default=64, help="validation windows per domain (default 64)")
+    p.add_argument("--batch", type=int, default=4, help="windows per forward, >= 2 (default 4)")
+    p.add_argument("--stride", type=int, default=8, help="anchor stride = GDN state chunk (default 8)")
+    p.add_argument("--bins", type=int, nargs="*", default=[32, 128, 256, 448], help="prefix-length bin edges")
+    p.add_argument("--horizons", type=int, default=3, help="ridge: positions t+1 .. t+J (default 3)")
+    p.add_argument("--probe-layers", type=int, nargs="+", default=None,
+                   help="GDN layers probed alone (default: the reader's sources and every untapped GDN layer)")
+    p.add_argument("--lambdas", type=float, nargs="+", default=[1e-3, 1e-2, 1e-1, 1.0, 10.0],
+                   help="ridge penalties per fitted row on standardised features (chosen on held-out fit windows)")
+    p.add_argument("--domains", nargs="+", default=None, help="only these corpus domains")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    a = build_parser().parse_args(argv)
+    try:
+        if a.model is None:
+            from hyspec_jax.embedded import default_model_dir
+            a.model = default_model_dir()
+            if a.model is None:
+                raise ValueError("no embedded model in this installation: pass --model")
+        drafter = Path(a.drafter) if a.drafter else Path(a.model) / "drafter"
+        for what, p in (("--model", Path(a.model)), ("--drafter", drafter), ("--corpus", Path(a.corpus))):
+            if not p.is_dir():
+                raise ValueError(f"{what} {p}: no such directory")
+        cfg = ProbeConfig(model=str(a.model), drafter=str(drafter), corpus=str(a.corpus), seq_len=a.seq_len,
+                          windows=a.windows, batch=a.batch, stride=a.stride, bins=tuple(a.bins), horizons=a.horizons,
+                          probe_layers=None if a.probe_layers is None else tuple(a.probe_layers),
+                          lambdas=tuple(a.lambdas), domains=None if a.domains is None else tuple(a.domains))
+        report = run(cfg, progress=not a.quiet)
+    except (ValueError, OSError) as e:   # ConfigError, CheckpointError: ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    from hyspec_jax.bench.report import portable_command, write_report
+    report["command"] = portable_command("hyspec bench reader-probe", argv)
+    write_report(report, a.json, markdown)
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,9 +17,10 @@ the reader the committed state after tokens 0 .. a − 1, as `hyspec train-draft
     hidden state at t + j (t = a − 1, the last context position; j = 1 .. horizons; its logits are this hidden
     times the LM head, so this is the ridge of the logits), scored by top-1 agreement of the probe's logits with
     the target's and by R² of the hidden state, from
-      base                 the drafter's view at t: its tapped layer outputs at t and the embedding of token a
-                           (the block's first input);
-      base + Sᵀq[layers]   plus o = S_L(t)ᵀ q_L(t + j) per value head of GDN layer L: S the committed state after t,
+      taps                 the tapped layer outputs at t and the embedding of token a (the block's first input);
+      draft                taps plus the DSpark drafter's own final hidden for the slot predicting t + j (its
+                           whole view: it attends to every tapped position < a);
+      ... +Sq[layers]      plus o = S_L(t)ᵀ q_L(t + j) per value head of GDN layer L: S the committed state after t,
                            q the target's TRUE query at t + j (an oracle: the most any reader of that state could
                            extract with a perfect query);
       ... swapped          the same with S from another window: q alone leaks the future tokens t + 2 .. t + j,
@@ -246,6 +247,20 @@ def block_metrics(out, target_logits, anchors):
     return jax.vmap(per_anchor, in_axes=(0, 0, 0))(out, target_logits, anchors)
 
 
+def dspark_hidden(graphdef, params, heads, taps, tokens, anchors):
+    """The drafter's final hidden of every block slot [B, A, G, H] (no reader): what `forward_train` turns into
+    its base logits (slot k predicts the target's logits at a + k), the whole of the drafter's view of the context
+    (it attends to every tapped position < a)."""
+    import jax.numpy as jnp
+    from flax import nnx
+    model = nnx.merge(graphdef, params)
+    B, T = tokens.shape
+    ck, cv = model.context_kv(taps, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)))
+    x = heads.embed_tokens(model.block_tokens(jnp.take_along_axis(tokens, anchors, axis=1)))
+    h = model.block_hidden(x, anchors, ck, cv, jnp.full((B,), T, jnp.int32))
+    return h[:, :, model.config.logits_start:]
+
+
 def gdn_inputs(target, layer: int, x_in, valid):
     """GDN layer `layer`'s (q, k, v, g, β) over a whole window from its input x_in [B, T, H] (the previous layer's
     output): the layer's own input norm, projection, causal conv from the empty window and `mixer_inputs`, as
@@ -297,6 +312,7 @@ def make_pass(m: Models, stride: int, horizons: int):
         res = {}
         for k in VARIANTS:
             res[f"tau_{k}"], res[f"acc0_{k}"] = block_metrics(outs[k], logits, anchors)
+        res["draft"] = dspark_hidden(d_graph, d_params, heads, dtaps, tokens, anchors)[:, :, :J]   # [B,A,J,H]
 
         # ---- ridge features, t = a − 1 ----------------------------------------------------------------------
         t_idx = (anchors - 1)[:, :, None]                                                   # [B, A, 1]
@@ -395,23 +411,26 @@ def tau_report(data: dict, bins: tuple[int, ...]) -> dict:
     return out
 
 
-def feature_sets(m: Models) -> dict[str, tuple[tuple[int, ...], int]]:
-    """name -> (probe-layer rows of `sq`, own 0 / swapped 1); "base" uses none."""
+def feature_sets(m: Models) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """name -> (base features "taps" or "draft", probe-layer rows of `sq`, own 0 / swapped 1)."""
     src = tuple(m.probe_layers.index(L) for L in m.rcfg.source_layers)
-    sets: dict[str, tuple[tuple[int, ...], int]] = {"base": ((), 0)}
     tag = ",".join(map(str, m.rcfg.source_layers))
-    sets[f"+Sq[{tag}] (reader sources)"] = (src, 0)
-    sets[f"+Sq[{tag}] swapped"] = (src, 1)
+    sets: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    for base in ("taps", "draft"):
+        sets[base] = (base, (), 0)
+        sets[f"{base} +Sq[{tag}]"] = (base, src, 0)
+        sets[f"{base} +Sq[{tag}] swapped"] = (base, src, 1)
     for p, L in enumerate(m.probe_layers):
-        kind = "tapped" if L in m.dcfg.target_layer_ids else "untapped"
-        sets[f"+Sq[{L}] ({kind})"] = ((p,), 0)
-        sets[f"+Sq[{L}] swapped"] = ((p,), 1)
+        if (p,) != src:
+            sets[f"draft +Sq[{L}]"] = ("draft", (p,), 0)
+            sets[f"draft +Sq[{L}] swapped"] = ("draft", (p,), 1)
     return sets
 
 
 def ridge_report(data: dict, m: Models, cfg: ProbeConfig, progress: bool = True) -> dict:
     """(b): per horizon j and feature set: λ, and per prefix bin (+ all) top-1 agreement ± SE, its paired gain over
-    base ± SE, R² of the hidden state; fitted on each domain's first half of windows, scored on the second."""
+    its base features (and, with own states, over the same features with swapped states) ± SE, R² of the hidden
+    state; fitted on each domain's first half of windows, scored on the second."""
     import jax
     import jax.numpy as jnp
 
@@ -420,40 +439,51 @@ def ridge_report(data: dict, m: Models, cfg: ProbeConfig, progress: bool = True)
     n_dom = {d: int(np.sum(dom == d)) for d in dict.fromkeys(dom)}
     half = np.array([win[i] < (n_dom[dom[i]] + 1) // 2 for i in range(W)])           # fit windows
     held = np.array([win[i] >= (3 * ((n_dom[dom[i]] + 1) // 2)) // 4 for i in range(W)]) & half
-    rows = lambda sel: np.repeat(sel, A)                                              
+    rows = lambda sel: np.repeat(sel, A)
     fit, test, held_r = rows(half), rows(~half), rows(held)[rows(half)]
-    win_r = np.repeat(np.arange(W), A)
-    b_of = np.tile(bin_of(data["anchors"], cfg.bins), W)
+    win_t = np.repeat(np.arange(W), A)[test]
+    b_t = np.tile(bin_of(data["anchors"], cfg.bins), W)[test]
     labels = bin_labels(cfg.bins)
-    base = data["base"].reshape(W * A, -1)
+    bases = {"taps": data["base"].reshape(W * A, -1)}
     logits_of = jax.jit(lambda h, hd: hd.logits(h))
     sets = feature_sets(m)
     out: dict = {"fit_windows": int(half.sum()), "test_windows": int((~half).sum()),
                  "fit_rows": int(fit.sum()), "test_rows": int(test.sum()), "horizons": {}}
+
+    def paired(a, b, sel):
+        return cluster_mean(a[sel].astype(F32) - b[sel], win_t[sel])
+
     for j in range(cfg.horizons):
+        bases["draft"] = np.concatenate([bases["taps"], data["draft"][:, :, j].reshape(W * A, -1)], -1)
         y = data["y_hidden"][:, :, j].reshape(W * A, -1)
-        top = data["y_top"][:, :, j].reshape(-1)
-        res, base_hit = {}, None
-        for name, (layers, swap) in sets.items():
-            x = np.concatenate([base] + [data["sq"][p, swap][:, :, j].reshape(W * A, -1) for p in layers], -1)
+        top = data["y_top"][:, :, j].reshape(-1)[test]
+        res, hits = {}, {}
+        for name, (base, layers, swap) in sets.items():
+            x = np.concatenate([bases[base]] + [data["sq"][p, swap][:, :, j].reshape(W * A, -1) for p in layers], -1)
             r = ridge_select(x[fit], y[fit], held_r, cfg.lambdas)
             pred = r.predict(x[test])
-            hit = np.concatenate([np.asarray(jnp.argmax(logits_of(jnp.asarray(pred[s:s + 4096]), m.heads), -1))
-                                  for s in range(0, len(pred), 4096)]) == top[test]
-            base_hit = hit if name == "base" else base_hit
+            hits[name] = np.concatenate([np.asarray(jnp.argmax(logits_of(jnp.asarray(pred[s:s + 4096]), m.heads), -1))
+                                         for s in range(0, len(pred), 4096)]) == top
             sq_err = np.sum((pred - y[test]) ** 2, -1)
             sq_tot = np.sum((y[test] - y[test].mean(0)) ** 2, -1)
             per = {}
             for bi, lab in [*enumerate(labels), (None, "all")]:
-                sel = np.ones(hit.size, bool) if bi is None else b_of[test] == bi
+                sel = np.ones(top.size, bool) if bi is None else b_t == bi
                 if not sel.any():
                     continue
-                t1, t1_se = cluster_mean(hit[sel].astype(F32), win_r[test][sel])
-                g, g_se = cluster_mean(hit[sel].astype(F32) - base_hit[sel], win_r[test][sel])
+                t1, t1_se = cluster_mean(hits[name][sel].astype(F32), win_t[sel])
                 per[lab] = {"rows": int(sel.sum()), "top1": round(t1, 5), "top1_se": round(t1_se, 5),
-                            "gain_vs_base": round(g, 5), "gain_se": round(g_se, 5),
                             "r2": round(1.0 - float(sq_err[sel].sum() / sq_tot[sel].sum()), 5)}
-            res[name] = {"lambda": r.lam, "features": int(x.shape[1]), "bins": per}
+                if name != base:
+                    g, g_se = paired(hits[name], hits[base], sel)
+                    per[lab].update(gain_vs_base=round(g, 5), gain_se=round(g_se, 5))
+            res[name] = {"base": base, "lambda": r.lam, "features": int(x.shape[1]), "bins": per}
+            if name.endswith(" swapped") and name[:-len(" swapped")] in res:
+                own = name[:-len(" swapped")]
+                for lab, b in res[own]["bins"].items():
+                    sel = np.ones(top.size, bool) if lab == "all" else b_t == labels.index(lab)
+                    g, g_se = paired(hits[own], hits[name], sel)
+                    b.update(gain_vs_swapped=round(g, 5), gain_vs_swapped_se=round(g_se, 5))
             if progress:
                 print(f"  ridge j={j + 1} {name}: top-1 {per['all']['top1']:.4f} (λ {r.lam:g})", file=sys.stderr,
                       flush=True)
@@ -524,8 +554,12 @@ def markdown(report: dict) -> str:
     rd = report["ridge"]
     lines += ["", "## (b) Ridge probe of the target's next-token logits at t + j (no training)", "",
               (f"Fitted on {rd['fit_windows']} windows ({rd['fit_rows']} anchors), scored on {rd['test_windows']} "
-               f"others ({rd['test_rows']} anchors). Cells: top-1 agreement with the target's argmax; in brackets the "
-               "paired gain over `base` ± SE. R² of the final-norm hidden state in the last column (all prefixes)."),
+               f"others ({rd['test_rows']} anchors). `taps`: the tapped layers at t = a − 1 and the embedding of token "
+               "a; `draft`: plus the DSpark drafter's own hidden state for the slot predicting t + j; `+Sq[L]`: plus "
+               "S_L(t)ᵀ q_L(t + j) with the target's true future query; `swapped`: S from another window. Cells: "
+               "top-1 agreement with the target's argmax, then the paired gain over the base features and, for own "
+               "states, over the swapped ones (± SE, clustered by window). R²: the final-norm hidden state, all "
+               "prefixes."),
               ""]
     for j, res in rd["horizons"].items():
         labels = list(next(iter(res.values()))["bins"])
@@ -535,8 +569,13 @@ def markdown(report: dict) -> str:
             cells = []
             for lab in labels:
                 b = r["bins"][lab]
-                cells.append(f"{b['top1']:.3f}" if name == "base" else
-                             f"{b['top1']:.3f} ({b['gain_vs_base']:+.3f} ± {b['gain_se']:.3f})")
+                cell = f"{b['top1']:.3f}"
+                if "gain_vs_base" in b:
+                    cell += f" (base {b['gain_vs_base']:+.3f} ± {b['gain_se']:.3f}"
+                    if "gain_vs_swapped" in b:
+                        cell += f"; swap {b['gain_vs_swapped']:+.3f} ± {b['gain_vs_swapped_se']:.3f}"
+                    cell += ")"
+                cells.append(cell)
             lines.append(f"| {name} | {r['lambda']:g} | " + " | ".join(cells) + f" | {r['bins']['all']['r2']:.3f} |")
         lines.append("")
     return "\n".join(lines) + "\n"

@@ -128,8 +128,13 @@ def test_swapped_states_are_another_windows_and_change_the_drafts(tiny):
                 np.testing.assert_array_equal(np.asarray(own[b, i, s * hv:(s + 1) * hv]),
                                               np.asarray(states[s, a // STRIDE - 1, b]))
     assert not np.allclose(np.asarray(own), np.asarray(swapped))
+    # the drafter's hidden the ridge reads is the one forward_train turns into its base logits
+    gd, pd = m.dspark
+    h = R.dspark_hidden(gd, pd, m.heads, taps, tokens, anchors)
+    np.testing.assert_allclose(np.asarray(m.heads.logits(h)), np.asarray(
+        forward_train(gd, pd, m.heads, taps, tokens, anchors).base_logits), atol=1e-5)
     g, p = m.ready
-    run = lambda st: forward_train(g, p, m.heads, taps, tokens, anchors, reader_states=st).logits  # noqa: E731
+    run = lambda st: forward_train(g, p, m.heads, taps, tokens, anchors, reader_states=st).logits
     assert np.abs(np.asarray(run(own)) - np.asarray(run(swapped))).max() > 1e-3
 
 
@@ -196,8 +201,11 @@ def test_command_writes_its_json_and_table(tiny, tmp_path, capsys):
     assert set(rep["tau"]["pooled"]) == {"<16", "16+", "all"}
     assert set(rep["ridge"]["horizons"]) == {"1", "2"}
     sets = rep["ridge"]["horizons"]["1"]
-    assert "base" in sets and "+Sq[1,2] swapped" in sets and "+Sq[1] (untapped)" in sets and "+Sq[2] (tapped)" in sets
+    assert {"taps", "draft", "taps +Sq[1,2]", "draft +Sq[1,2] swapped", "draft +Sq[1]",
+            "draft +Sq[2] swapped"} <= set(sets)
     assert all(0 <= r["bins"]["all"]["top1"] <= 1 for r in sets.values())
+    own = sets["draft +Sq[1]"]["bins"]["all"]
+    assert "gain_vs_base" in own and "gain_vs_swapped" in own and "gain_vs_base" not in sets["draft"]["bins"]["all"]
     assert out.with_suffix(".md").read_text().startswith("# ReaDy reader probe")
     capsys.readouterr()
     assert R.main(["--json", str(out), "--model", str(root / "nope")]) == 1

@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Benchmarks. `hyspec bench WHICH --help` for each one's options.")
     b.add_argument("which", choices=("memory", "kernels", "kernel-resources", "verify-scale", "e2e", "budget-report",
                                      "round-profile", "topk", "profile-scale", "moe-scale", "load-scale",
-                                     "serve-compile", "reader-probe"),
+                                     "serve-compile", "oneshot", "reader-probe"),
                    help="budget-report: throughput vs node budget and eps from an e2e sweep + a calibration table; e2e: Spec-Bench-style tokens/s, tau and prefix survival per domain and mode vs ar; round-profile: wall vs GPU busy time and GPU launches per round, per mode (profiler trace); topk: the tree build's per-level top-k kernel tilings vs XLA (GPU); memory: transient verify memory, "
                    "Bole's factorized design vs per-node snapshots; kernels: GDN tree kernels vs baselines (GPU); "
                    "kernel-resources: registers, shared memory, launch shape and one launch's time of each Pallas kernel "
@@ -296,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "load-scale: write a sharded bf16 checkpoint (default the 9B geometry) and time its streamed load; "
                    "serve-compile: hyspec serve's whole start-up program set at a geometry (default 27B), compiled "
                    "cold and from the persistent cache; "
+                   "oneshot: one fresh `hyspec generate` process per prompt and mode (what a one-shot call costs); "
                    "reader-probe: ReaDy's reader at long context: teacher-forced τ̂ with its own / another window's "
                    "GDN states by prefix length, and a ridge bound of what the states add beyond the taps")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")

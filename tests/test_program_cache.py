@@ -118,3 +118,57 @@ def test_unusable_stored_program_falls_back(cache):
     with pytest.warns(RuntimeWarning, match="program cache unused for t_bad"):
         out = fresh(jnp.float32(2.0), x, _state(), power=1)
     assert _same(out, plain)
+
+
+@pytest.mark.parametrize("stored", [True, False], ids=["program-cache", "plain-jit"])
+def test_precompile_on_another_thread_leaves_the_call_nothing_to_compile(tmp_path, monkeypatch, stored):
+    """`precompile` over abstract arguments (`compilation.abstract`) on a background thread prepares exactly the
+    program the real call runs: the call compiles nothing more, its outputs are the plain jit's, and donation is
+    kept. Committed arguments (a stored program's outputs) and uncommitted ones each find their program."""
+    monkeypatch.setenv(C.CACHE_ENV, str(tmp_path / "xla"))
+    monkeypatch.setenv(C.PROGRAM_CACHE_ENV, "1" if stored else "0")
+    import threading
+    x = jnp.arange(4, dtype=jnp.float32) / 3
+    with C.program_cache(stored):
+        for commit in (False, True):
+            s = _state(5 if commit else 6)
+            if commit:
+                s = jax.device_put(s, jax.devices()[0])
+            plain = jax.jit(step, static_argnames=("power",))(jnp.float32(0.25), x, s, power=2)
+            f = C.DiskCachedJit(step, name=f"t_pre{commit}", static_argnames=("power",), donate_argnames=("state",))
+            args = jax.tree.map(C.abstract, (jnp.float32(0.25), x, s))
+            t = threading.Thread(target=f.precompile, args=args, kwargs=dict(power=2))
+            t.start()
+            t.join()
+            watch = C.CompileWatch()
+            out = f(jnp.float32(0.25), x, s, power=2)
+            assert watch.since == 0
+            assert _same(out, plain)
+            assert all(leaf.is_deleted() for leaf in jax.tree.leaves(s))
+
+
+def test_a_call_waits_for_the_precompile_of_its_program(cache):
+    """A call that arrives while another thread prepares its program waits and runs that program (one compile
+    in all), rather than compiling a second copy beside it."""
+    import threading
+    x = jnp.arange(4, dtype=jnp.float32)
+    f = C.DiskCachedJit(step, name="t_wait", static_argnames=("power",))
+    gate, entered = threading.Event(), threading.Event()
+    real_program = f._program
+
+    def slow_program(*a):           # hold the precompile inside its load until the call is waiting
+        entered.set()
+        gate.wait(10)
+        return real_program(*a)
+
+    f._program = slow_program
+    args = jax.tree.map(C.abstract, (jnp.float32(1.0), x, _state()))
+    t = threading.Thread(target=f.precompile, args=args, kwargs=dict(power=1))
+    t.start()
+    entered.wait(10)
+    watch = C.CompileWatch()
+    threading.Timer(0.2, gate.set).start()
+    out = f(jnp.float32(1.0), x, _state(), power=1)
+    t.join()
+    assert watch.since == 1
+    assert _same(out, jax.jit(step, static_argnames=("power",))(jnp.float32(1.0), x, _state(), power=1))

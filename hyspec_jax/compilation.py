@@ -285,6 +285,11 @@ def enable_program_cache(on: bool = True) -> bool:
     return ok
 
 
+def program_cache_on() -> bool:
+    """Whether `DiskCachedJit` programs go through the on-disk program cache now."""
+    return bool(_program_cache["on"])
+
+
 @contextlib.contextmanager
 def program_cache(on: bool = True):
     """`enable_program_cache(on)` for the duration of a `with` block (then as before)."""
@@ -528,5 +533,5 @@ class CompileWatch:
 
 __all__ = ["BACKEND_COMPILE_EVENT", "CACHE_ENV", "compilation_cache_dir", "enable_compilation_cache", "install",
            "compile_count", "on_compile", "CompileWatch", "split_for_jit", "static_graphdef",
-           "pure_params", "DiskCachedJit", "abstract", "enable_program_cache", "program_cache", "program_cache_dir", "source_digest",
+           "pure_params", "DiskCachedJit", "abstract", "enable_program_cache", "program_cache", "program_cache_on", "program_cache_dir", "source_digest",
            "PROGRAM_CACHE_ENV"]

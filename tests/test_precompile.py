@@ -1,7 +1,7 @@
 """`Backend.precompile`: the step programs of a one-shot generation load on a background thread while its prompts
 prefill. The program it prepares is the one the first step runs (the step then compiles nothing), for plain
-decoding, a speculative round and every width of a width backend, with the program cache on and off; and
-`run_batch`, which starts it, still returns plain decoding's tokens.
+decoding, a speculative round and every width of a width backend; off (no program cache: a server, a benchmark)
+it runs nothing; and `run_batch`, which starts it, still returns plain decoding's tokens.
 
 The models and prompts are test_engine's (one tiny random target and drafter).
 """
@@ -20,15 +20,14 @@ from tests.test_engine import KV, SLOTS, _spec, models, reference  # noqa: F401
 pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
-@pytest.fixture(params=["program-cache", "plain-jit"])
-def program_cache(request, tmp_path, monkeypatch):
+@pytest.fixture
+def program_cache(tmp_path, monkeypatch):
     monkeypatch.setenv(C.CACHE_ENV, str(tmp_path / "xla"))
-    on = request.param == "program-cache"
-    monkeypatch.setenv(C.PROGRAM_CACHE_ENV, "1" if on else "0")
-    with C.program_cache(on) as got:
-        if on and not got:
+    monkeypatch.delenv(C.PROGRAM_CACHE_ENV, raising=False)
+    with C.program_cache() as on:
+        if not on:
             pytest.skip("program cache unavailable (flatbuffers missing?)")
-        yield got
+        yield tmp_path / "programs"
 
 
 def _backend(kind, models, slots=SLOTS):
@@ -69,8 +68,15 @@ def test_the_first_step_runs_the_program_precompile_prepared(kind, models, progr
     assert watch.since == 0, names          # the programs that compiled anyway
 
 
+def test_without_the_program_cache_nothing_runs_beside_the_steps(models, tmp_path, monkeypatch):
+    monkeypatch.setenv(C.PROGRAM_CACHE_ENV, "0")
+    with C.program_cache(False):
+        be = _backend("tree-ready", models)
+        assert be.step_calls(False) and be.precompile([False]) is None
+
+
 @pytest.mark.parametrize("mode", ["ar", "tree-ready"])
-def test_run_batch_with_precompile_equals_plain_decoding(mode, models, reference):
+def test_run_batch_with_precompile_equals_plain_decoding(mode, models, reference, program_cache):
     target, drafter = models
     prompts, params, ref = reference
     be = (Generator.from_model(target).backend(SLOTS, KV) if mode == "ar"

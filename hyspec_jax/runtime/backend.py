@@ -218,12 +218,16 @@ class Backend(abc.ABC):
         arguments, dynamic keyword arguments) over no-op inputs; none known here (`precompile` then does nothing)."""
         return []
 
-    def precompile(self, stochastic: Sequence[bool]) -> threading.Thread:
-        """Load or compile the step programs of these sampling flavours (in this order) on a background thread, and
-        return the started thread. A one-shot generation starts it before its first prefill, so the step programs
-        load while the prompt runs instead of after it; a step that needs a program still loading waits for it
-        (`DiskCachedJit.precompile`). The programs see only shapes: the buffers stay this thread's."""
-        from hyspec_jax.compilation import abstract
+    def precompile(self, stochastic: Sequence[bool]) -> threading.Thread | None:
+        """With the program cache on (`compilation.program_cache`: `hyspec generate`), load or compile the step
+        programs of these sampling flavours (in this order) on a background thread, and return the started
+        thread; else None. A one-shot generation starts it before its first prefill, so the step programs load
+        while the prompt runs instead of after it; a step that needs a program still loading waits for it
+        (`DiskCachedJit.precompile`). The programs see only shapes: the buffers stay this thread's. Off (a
+        server, a benchmark: they compile at start-up) nothing runs beside their timed steps."""
+        from hyspec_jax.compilation import abstract, program_cache_on
+        if not program_cache_on():
+            return None
         calls = [(fn, static, jax.tree.map(abstract, dynamic))
                  for flavour in stochastic for fn, static, dynamic in self.step_calls(flavour)]
 

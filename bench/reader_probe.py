@@ -19,12 +19,17 @@ the reader the committed state after tokens 0 .. a − 1, as `hyspec train-draft
     the target's and by R² of the hidden state, from
       taps                 the tapped layer outputs at t and the embedding of token a (the block's first input);
       draft                taps plus the DSpark drafter's own final hidden for the slot predicting t + j (its
-                           whole view: it attends to every tapped position < a);
+                           whole view: it attends to every tapped position < a); these fit the residual of the
+                           target's hidden from the drafter's (one LM head reads both), so with nothing to add they
+                           keep the drafter's own prediction;
       ... +Sq[layers]      plus o = S_L(t)ᵀ q_L(t + j) per value head of GDN layer L: S the committed state after t,
                            q the target's TRUE query at t + j (an oracle: the most any reader of that state could
                            extract with a perfect query);
       ... swapped          the same with S from another window: q alone leaks the future tokens t + 2 .. t + j,
-                           so own − swapped is what the state itself adds.
+                           so own − swapped is what the state itself adds;
+      draft +Sq̂[sources]   the reader's source states read by q̂, the target's query at t + j predicted by a ridge
+                           from the draft features (fitted on the fit windows, states read in a second pass): what a
+                           reader whose query imitates the target's could extract without the future tokens.
     Layers: the reader's source layers together, and each probed GDN layer alone (untapped layers included).
 
 States come from `train.forward.train_forward` (committed states at every stride boundary); queries from the
@@ -276,13 +281,26 @@ def gdn_inputs(target, layer: int, x_in, valid):
     return mix.mixer_inputs(gdn.causal_conv(qkv, window, mix.conv_weight), b, a, valid)
 
 
+def state_readout(S, q):
+    """o = Sᵀq through `gdn.step` with identity gates (g = 0, β = 0, k = v = 0: S left as it is).
+    S [B, A, HV, dk, dv], q [B, A, J, HV, dk] -> [B, A, J, HV·dv]."""
+    import jax.numpy as jnp
+
+    from hyspec_jax import gdn
+    B, A, J, HV, dk = q.shape
+    S = jnp.broadcast_to(S[:, :, None], (B, A, J) + S.shape[2:]).reshape((-1,) + S.shape[2:])
+    zero = jnp.zeros((B * A * J, HV), jnp.float32)
+    o, _ = gdn.step(S, q.reshape(-1, HV, dk), jnp.zeros_like(q).reshape(-1, HV, dk),
+                    jnp.zeros((B * A * J, HV, S.shape[-1]), jnp.float32), zero, zero)
+    return o.reshape(B, A, J, -1)
+
+
 def make_pass(m: Models, stride: int, horizons: int):
     """The jitted per-batch measurement: tokens [B, T] -> dict of host-bound arrays (module docstring)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from hyspec_jax import gdn
     from hyspec_jax.models.drafter import forward_train
     from hyspec_jax.train.drafter import gather_positions
     from hyspec_jax.train.forward import train_forward
@@ -322,22 +340,40 @@ def make_pass(m: Models, stride: int, horizons: int):
         fut = t_idx + jnp.arange(1, J + 1)                                                   # [B, A, J]
         res["y_hidden"] = gather_positions(hidden, fut)                                      # [B, A, J, H]
         res["y_top"] = jnp.argmax(gather_positions(logits, fut), -1)                         # [B, A, J]
-        no_step = jnp.zeros((B, T), bool)                 # identity gates: gdn.step then leaves S as it is
-        sq = []
+        sq, qs = [], []
         for L in m.probe_layers:
             x_in = target.model.embed_tokens(tokens) if L == 0 else taps[tap_layers.index(L - 1)]
-            at = [gather_positions(x, fut) for x in gdn_inputs(target, L, x_in, no_step)]   # [B, A, J, HV, ...]
+            q = gather_positions(gdn_inputs(target, L, x_in, jnp.ones((B, T), bool))[0], fut)  # [B, A, J, HV, dk]
             own = states_before(states[slots.index(tcfg.layer_slot(L))][None], anchors, stride)
-            per = []
-            for roll in (0, 1):
-                S = own if roll == 0 else jnp.roll(own, 1, axis=0)                           # [B, A, HV, dk, dv]
-                S = jnp.broadcast_to(S[:, :, None], (B, S.shape[1], J) + S.shape[2:])
-                flat = lambda x: x.reshape((-1,) + x.shape[3:])
-                o, _ = gdn.step(flat(S), *map(flat, at))
-                per.append(o.reshape(B, -1, J, o.shape[-2] * o.shape[-1]))
-            sq.append(jnp.stack(per))                                                        # [2, B, A, J, HV·dv]
+            sq.append(jnp.stack([state_readout(own, q), state_readout(jnp.roll(own, 1, axis=0), q)]))
+            qs.append(q.reshape(q.shape[:3] + (-1,)))
         res["sq"] = jnp.stack(sq)                                                            # [P, 2, B, A, J, D]
+        res["q"] = jnp.stack(qs)                                                             # [P, B, A, J, HV·dk]
         return res
+
+    return jax.jit(run)
+
+
+def make_readout(m: Models, stride: int, layers: tuple[int, ...]):
+    """Jitted: (target params, tokens [B, T], anchors, queries [P, B, A, J, HV, dk]) -> [P, 2, B, A, J, HV·dv]:
+    the committed state of each of `layers` after a − 1 (own window, then the batch rolled by one) read by the
+    given queries."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from hyspec_jax.train.forward import train_forward
+    slots = tuple(m.tcfg.layer_slot(L) for L in layers)
+
+    def run(t_params, tokens, anchors, queries):
+        target = nnx.merge(m.t_graphdef, t_params)
+        states = train_forward(target, tokens, chunk=stride, state_slots=slots)[3]
+        out = []
+        for p in range(len(layers)):
+            own = states_before(states[p][None], anchors, stride)
+            out.append(jnp.stack([state_readout(own, queries[p]), state_readout(jnp.roll(own, 1, axis=0),
+                                                                                 queries[p])]))
+        return jnp.stack(out)
 
     return jax.jit(run)
 
@@ -345,8 +381,31 @@ def make_pass(m: Models, stride: int, horizons: int):
 # ------------------------------------------------------------------------------------------------
 # The measurement
 # ------------------------------------------------------------------------------------------------
+def batches(windows: dict[str, np.ndarray], seq_len: int, batch: int):
+    """(domain, window indices, tokens [batch, seq_len]): every window once, the last batch of a domain filled with
+    its first windows (swap donors whose outputs are dropped)."""
+    for d, w in windows.items():
+        if len(w) < 2:
+            raise ValueError(f"domain {d}: fewer than 2 windows of {seq_len} tokens")
+        w = w[:, :seq_len]
+        for i in range(0, len(w), batch):
+            idx = list(range(i, min(i + batch, len(w))))
+            pad = [j % len(w) for j in range(batch - len(idx))]
+            yield d, idx, w[idx + pad]
+
+
+def _cat(rows: dict[str, list]) -> dict[str, np.ndarray]:
+    """Batches joined along the window axis (axis 2 of `sq`-like [P, 2, B, ...] arrays, 1 of `q`, else 0)."""
+    axis = {"sq": 2, "sqhat": 2, "q": 1}
+    return {k: np.concatenate(v, axis=axis.get(k, 0)) for k, v in rows.items()}
+
+
+def _keep(k: str, v: np.ndarray, n: int) -> np.ndarray:
+    return v[:, :, :n] if k in ("sq", "sqhat") else v[:, :n] if k == "q" else v[:n]
+
+
 def collect(cfg: ProbeConfig, m: Models, windows: dict[str, np.ndarray], progress: bool = True) -> dict:
-    """Run every window once (batches padded with the domain's first windows, whose outputs are dropped)."""
+    """Run every window once (`batches`)."""
     import jax
     import jax.numpy as jnp
 
@@ -356,32 +415,71 @@ def collect(cfg: ProbeConfig, m: Models, windows: dict[str, np.ndarray], progres
     rows: dict[str, list] = {}
     meta: list[tuple[str, int]] = []
     t0 = time.perf_counter()
-    done = 0
     total = sum(len(w) for w in windows.values())
-    for d, w in windows.items():
-        w = w[:, :cfg.seq_len]
-        for i in range(0, len(w), cfg.batch):
-            idx = list(range(i, min(i + cfg.batch, len(w))))
-            n = len(idx)
-            pad = [j % len(w) for j in range(cfg.batch - n)]          # donors for the swap, outputs dropped
-            if len(w) < 2:
-                raise ValueError(f"domain {d}: fewer than 2 windows of {cfg.seq_len} tokens")
-            toks = jnp.asarray(w[idx + pad])
-            out = jax.device_get(fn(m.t_params, m.dspark[1], m.ready[1], m.heads, toks, anchors))
-            for k, v in out.items():
-                v = np.asarray(v)
-                rows.setdefault(k, []).append(v[:, :, :n] if k == "sq" else v[:n])
-            meta += [(d, j) for j in idx]
-            done += n
-            if progress:
-                el = time.perf_counter() - t0
-                print(f"  {d}: {done}/{total} windows, {el:.0f} s", file=sys.stderr, flush=True)
-    data = {k: np.concatenate(v, axis=2 if k == "sq" else 0) for k, v in rows.items()}
+    for d, idx, toks in batches(windows, cfg.seq_len, cfg.batch):
+        out = jax.device_get(fn(m.t_params, m.dspark[1], m.ready[1], m.heads, jnp.asarray(toks), anchors))
+        for k, v in out.items():
+            rows.setdefault(k, []).append(_keep(k, np.asarray(v), len(idx)))
+        meta += [(d, j) for j in idx]
+        if progress:
+            print(f"  {d}: {len(meta)}/{total} windows, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    data = _cat(rows)
     data["domain"] = np.array([d for d, _ in meta])
     data["window"] = np.array([j for _, j in meta])
     data["anchors"] = anchors_1
     data["seconds"] = time.perf_counter() - t0
     return data
+
+
+def fit_split(data: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Per window: fit (the first half of its domain's windows) and held (the last quarter of those: the ridge
+    penalty's held-out rows)."""
+    dom, win = data["domain"], data["window"]
+    n_dom = {d: int(np.sum(dom == d)) for d in dict.fromkeys(dom)}
+    half = np.array([w < (n_dom[d] + 1) // 2 for d, w in zip(dom, win)])
+    held = np.array([w >= (3 * ((n_dom[d] + 1) // 2)) // 4 for d, w in zip(dom, win)]) & half
+    return half, held
+
+
+def learned_query_readout(cfg: ProbeConfig, m: Models, windows: dict[str, np.ndarray], data: dict,
+                          progress: bool = True) -> None:
+    """data["sqhat"] [P, 2, W, A, J, HV·dv] for the reader's source layers: their states (own, swapped) read by
+    q̂ — the target's query at t + j predicted by a ridge from the drafter's view (`draft` features), fitted on the
+    fit windows: what a reader whose query imitates the target's could extract without the future tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    t0 = time.perf_counter()
+    W, A = data["tau_dspark"].shape
+    half, held = fit_split(data)
+    fit, held_r = np.repeat(half, A), np.repeat(held, A)[np.repeat(half, A)]
+    src = [m.probe_layers.index(L) for L in m.rcfg.source_layers]
+    hv, dk = m.tcfg.linear_num_value_heads, m.tcfg.linear_key_head_dim
+    qhat = np.zeros((len(src), W * A, cfg.horizons, hv * dk), F32)
+    for j in range(cfg.horizons):
+        x = draft_features(data, j)
+        for i, p in enumerate(src):
+            y = data["q"][p][:, :, j].reshape(W * A, -1)
+            qhat[i, :, j] = ridge_select(x[fit], y[fit], held_r, cfg.lambdas).predict(x)
+    qhat = qhat.reshape(len(src), W, A, cfg.horizons, hv, dk)
+    fn = make_readout(m, cfg.stride, tuple(m.rcfg.source_layers))
+    anchors = jnp.asarray(np.broadcast_to(data["anchors"], (cfg.batch, A)))
+    where = {(d, w): i for i, (d, w) in enumerate(zip(data["domain"], data["window"]))}
+    out = []
+    for d, idx, toks in batches(windows, cfg.seq_len, cfg.batch):
+        rows = [where[(d, i)] for i in idx] + [where[(d, i % len(windows[d]))] for i in range(cfg.batch - len(idx))]
+        q = jnp.asarray(qhat[:, rows])
+        out.append(np.asarray(jax.device_get(fn(m.t_params, jnp.asarray(toks), anchors, q)))[:, :, :len(idx)])
+    data["sqhat"] = np.concatenate(out, axis=2)
+    data["seconds_qhat"] = time.perf_counter() - t0
+    if progress:
+        print(f"  learned-query readout: {data['seconds_qhat']:.0f} s", file=sys.stderr, flush=True)
+
+
+def draft_features(data: dict, j: int) -> np.ndarray:
+    """The drafter's view for horizon j (0-based): taps at t, token a's embedding, its hidden for slot j."""
+    W, A = data["tau_dspark"].shape
+    return np.concatenate([data["base"].reshape(W * A, -1), data["draft"][:, :, j].reshape(W * A, -1)], -1)
 
 
 def tau_report(data: dict, bins: tuple[int, ...]) -> dict:
@@ -411,40 +509,40 @@ def tau_report(data: dict, bins: tuple[int, ...]) -> dict:
     return out
 
 
-def feature_sets(m: Models) -> dict[str, tuple[str, tuple[int, ...], int]]:
-    """name -> (base features "taps" or "draft", probe-layer rows of `sq`, own 0 / swapped 1)."""
+def feature_sets(m: Models) -> dict[str, tuple[str, str, tuple[int, ...], int]]:
+    """name -> (base features "taps" or "draft", readout "sq" (true query) or "sqhat" (learned query), its layer
+    rows, own 0 / swapped 1); the bases alone have no rows."""
     src = tuple(m.probe_layers.index(L) for L in m.rcfg.source_layers)
     tag = ",".join(map(str, m.rcfg.source_layers))
-    sets: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    sets: dict[str, tuple[str, str, tuple[int, ...], int]] = {}
     for base in ("taps", "draft"):
-        sets[base] = (base, (), 0)
-        sets[f"{base} +Sq[{tag}]"] = (base, src, 0)
-        sets[f"{base} +Sq[{tag}] swapped"] = (base, src, 1)
+        sets[base] = (base, "sq", (), 0)
+        sets[f"{base} +Sq[{tag}]"] = (base, "sq", src, 0)
+        sets[f"{base} +Sq[{tag}] swapped"] = (base, "sq", src, 1)
     for p, L in enumerate(m.probe_layers):
         if (p,) != src:
-            sets[f"draft +Sq[{L}]"] = ("draft", (p,), 0)
-            sets[f"draft +Sq[{L}] swapped"] = ("draft", (p,), 1)
+            sets[f"draft +Sq[{L}]"] = ("draft", "sq", (p,), 0)
+            sets[f"draft +Sq[{L}] swapped"] = ("draft", "sq", (p,), 1)
+    sets[f"draft +Sq̂[{tag}]"] = ("draft", "sqhat", tuple(range(len(src))), 0)
+    sets[f"draft +Sq̂[{tag}] swapped"] = ("draft", "sqhat", tuple(range(len(src))), 1)
     return sets
 
 
 def ridge_report(data: dict, m: Models, cfg: ProbeConfig, progress: bool = True) -> dict:
     """(b): per horizon j and feature set: λ, and per prefix bin (+ all) top-1 agreement ± SE, its paired gain over
     its base features (and, with own states, over the same features with swapped states) ± SE, R² of the hidden
-    state; fitted on each domain's first half of windows, scored on the second."""
+    state; fitted on each domain's first half of windows, scored on the second. `draft` sets fit the residual of
+    the target's hidden from the drafter's own (both are read by the same LM head), so with no signal they fall
+    back to the drafter's own prediction."""
     import jax
     import jax.numpy as jnp
 
     W, A = data["tau_dspark"].shape
-    dom, win = data["domain"], data["window"]
-    n_dom = {d: int(np.sum(dom == d)) for d in dict.fromkeys(dom)}
-    half = np.array([win[i] < (n_dom[dom[i]] + 1) // 2 for i in range(W)])           # fit windows
-    held = np.array([win[i] >= (3 * ((n_dom[dom[i]] + 1) // 2)) // 4 for i in range(W)]) & half
-    rows = lambda sel: np.repeat(sel, A)
-    fit, test, held_r = rows(half), rows(~half), rows(held)[rows(half)]
+    half, held = fit_split(data)
+    fit, test, held_r = np.repeat(half, A), np.repeat(~half, A), np.repeat(held, A)[np.repeat(half, A)]
     win_t = np.repeat(np.arange(W), A)[test]
     b_t = np.tile(bin_of(data["anchors"], cfg.bins), W)[test]
     labels = bin_labels(cfg.bins)
-    bases = {"taps": data["base"].reshape(W * A, -1)}
     logits_of = jax.jit(lambda h, hd: hd.logits(h))
     sets = feature_sets(m)
     out: dict = {"fit_windows": int(half.sum()), "test_windows": int((~half).sum()),
@@ -454,14 +552,18 @@ def ridge_report(data: dict, m: Models, cfg: ProbeConfig, progress: bool = True)
         return cluster_mean(a[sel].astype(F32) - b[sel], win_t[sel])
 
     for j in range(cfg.horizons):
-        bases["draft"] = np.concatenate([bases["taps"], data["draft"][:, :, j].reshape(W * A, -1)], -1)
+        bases = {"taps": data["base"].reshape(W * A, -1), "draft": draft_features(data, j)}
+        offsets = {"taps": 0.0, "draft": data["draft"][:, :, j].reshape(W * A, -1)}
         y = data["y_hidden"][:, :, j].reshape(W * A, -1)
         top = data["y_top"][:, :, j].reshape(-1)[test]
         res, hits = {}, {}
-        for name, (base, layers, swap) in sets.items():
-            x = np.concatenate([bases[base]] + [data["sq"][p, swap][:, :, j].reshape(W * A, -1) for p in layers], -1)
-            r = ridge_select(x[fit], y[fit], held_r, cfg.lambdas)
-            pred = r.predict(x[test])
+        for name, (base, source, layers, swap) in sets.items():
+            if source not in data:
+                continue
+            x = np.concatenate([bases[base]] + [data[source][p, swap][:, :, j].reshape(W * A, -1) for p in layers], -1)
+            off = offsets[base]
+            r = ridge_select(x[fit], (y - off)[fit], held_r, cfg.lambdas)
+            pred = r.predict(x[test]) + (off[test] if base == "draft" else 0.0)
             hits[name] = np.concatenate([np.asarray(jnp.argmax(logits_of(jnp.asarray(pred[s:s + 4096]), m.heads), -1))
                                          for s in range(0, len(pred), 4096)]) == top
             sq_err = np.sum((pred - y[test]) ** 2, -1)
@@ -507,6 +609,7 @@ def run(cfg: ProbeConfig, progress: bool = True) -> dict:
         raise ValueError(f"{cfg.corpus}: no domain has 2 validation windows of {cfg.seq_len} tokens")
     data = collect(cfg, m, windows, progress)
     t1 = time.perf_counter()
+    learned_query_readout(cfg, m, windows, data, progress)
     ridge = ridge_report(data, m, cfg, progress)
     conf = dataclasses.asdict(cfg)
     for k in ("model", "drafter", "corpus"):
@@ -518,7 +621,9 @@ def run(cfg: ProbeConfig, progress: bool = True) -> dict:
                         "reader_sources": list(m.rcfg.source_layers), "reader_rank": m.rcfg.rank},
             "windows": {d: int(np.sum(data["domain"] == d)) for d in windows},
             "anchors_per_window": int(data["anchors"].size),
-            "seconds": {"forward": round(float(data["seconds"]), 1), "ridge": round(time.perf_counter() - t1, 1)},
+            "seconds": {"forward": round(float(data["seconds"]), 1),
+                        "learned_query": round(float(data["seconds_qhat"]), 1),
+                        "ridge": round(time.perf_counter() - t1 - float(data["seconds_qhat"]), 1)},
             "tau": tau_report(data, cfg.bins), "ridge": ridge}
 
 
@@ -538,8 +643,8 @@ def markdown(report: dict) -> str:
              f"{report['drafter']['reader_sources']}); corpus validation windows of {c['seq_len']} tokens: "
              + ", ".join(f"{d} {n}" for d, n in report["windows"].items())
              + f"; every anchor a multiple of {c['stride']} ({report['anchors_per_window']} a window); "
-             f"± is one standard error clustered by window; forward {report['seconds']['forward']} s, ridge "
-             f"{report['seconds']['ridge']} s.", "",
+             f"± is one standard error clustered by window; forward {report['seconds']['forward']} s, learned-query "
+             f"readout {report['seconds']['learned_query']} s, ridge {report['seconds']['ridge']} s.", "",
              "## (a) Teacher-forced τ̂ by prefix length", "",
              ("| domain | prefix | blocks | windows | dspark | ready (own state) | ready (swapped state) | "
               "ready − dspark | ready − swapped |"),
@@ -555,8 +660,9 @@ def markdown(report: dict) -> str:
     lines += ["", "## (b) Ridge probe of the target's next-token logits at t + j (no training)", "",
               (f"Fitted on {rd['fit_windows']} windows ({rd['fit_rows']} anchors), scored on {rd['test_windows']} "
                f"others ({rd['test_rows']} anchors). `taps`: the tapped layers at t = a − 1 and the embedding of token "
-               "a; `draft`: plus the DSpark drafter's own hidden state for the slot predicting t + j; `+Sq[L]`: plus "
-               "S_L(t)ᵀ q_L(t + j) with the target's true future query; `swapped`: S from another window. Cells: "
+               "a; `draft`: plus the DSpark drafter's own hidden state for the slot predicting t + j (fitting the "
+               "residual from it); `+Sq[L]`: plus S_L(t)ᵀ q_L(t + j) with the target's true future query; `+Sq̂`: "
+               "with that query predicted from the `draft` features; `swapped`: S from another window. Cells: "
                "top-1 agreement with the target's argmax, then the paired gain over the base features and, for own "
                "states, over the swapped ones (± SE, clustered by window). R²: the final-norm hidden state, all "
                "prefixes."),

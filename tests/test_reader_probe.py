@@ -167,6 +167,12 @@ def test_query_and_state_readout_are_the_targets_own(tiny):
                         S_a = np.asarray(states[p, a // STRIDE - 1, (b - swap) % 3], np.float64)
                         want = np.einsum("hkv,hk->hv", S_a, np.asarray(q[b, a - 1 + j], np.float64)).reshape(-1)
                         np.testing.assert_allclose(out["sq"][p, swap, b, i, j - 1], want, atol=1e-5, rtol=1e-4)
+        np.testing.assert_allclose(out["q"][p], np.asarray(q[np.arange(3)[:, None, None], np.asarray(
+            anchors)[:, :, None] - 1 + np.arange(1, 3)]).reshape(3, 3, 2, -1), atol=1e-6)
+    # the second pass's readout with the true queries is the first pass's
+    qs = jnp.asarray(out["q"]).reshape(out["q"].shape[:4] + (m.tcfg.linear_num_value_heads, -1))
+    again = R.make_readout(m, STRIDE, m.probe_layers)(m.t_params, tokens, anchors, qs)
+    np.testing.assert_allclose(np.asarray(again), out["sq"], atol=1e-6, rtol=1e-5)
     # the targets: the final-norm hidden and the argmax at a − 1 + j
     logits, hidden = train_forward(target, tokens)[:2]
     a0 = int(anchors[0, 0])
@@ -202,7 +208,7 @@ def test_command_writes_its_json_and_table(tiny, tmp_path, capsys):
     assert set(rep["ridge"]["horizons"]) == {"1", "2"}
     sets = rep["ridge"]["horizons"]["1"]
     assert {"taps", "draft", "taps +Sq[1,2]", "draft +Sq[1,2] swapped", "draft +Sq[1]",
-            "draft +Sq[2] swapped"} <= set(sets)
+            "draft +Sq[2] swapped", "draft +Sq̂[1,2]", "draft +Sq̂[1,2] swapped"} <= set(sets)
     assert all(0 <= r["bins"]["all"]["top1"] <= 1 for r in sets.values())
     own = sets["draft +Sq[1]"]["bins"]["all"]
     assert "gain_vs_base" in own and "gain_vs_swapped" in own and "gain_vs_base" not in sets["draft"]["bins"]["all"]

@@ -6,7 +6,8 @@ compilation caches, which one untimed call per checkout and mode fills first), t
 times per trial:
 
 - **call**: the generation itself (`stats.seconds` of `--json`: from the first prefill to the last token, program
-  loads included) — the "tok/s incl. compile" that `hyspec generate` prints;
+  loads included) — the "tok/s incl. compile" that `hyspec generate` prints; of it, the prefill (with its
+  program's load);
 - **process**: the whole command, imports and weight loading included (the same in every mode but the drafter's).
 
 Modes and checkouts alternate inside every repeat (prompt by prompt), so a machine's drift hits all alike. Prompts:
@@ -72,8 +73,9 @@ def trial(root: Path, mode: str, prompt: str, a: argparse.Namespace) -> dict:
         last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
         raise RuntimeError(f"{root.name} {mode}: {last}")
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"call_s": res["stats"]["seconds"], "process_s": wall, "tokens": res["stats"]["new_tokens"],
-            "mode": res["stats"].get("mode", mode)}
+    st = res["stats"]
+    return {"call_s": st["seconds"], "prefill_s": st["prefill_seconds"], "process_s": wall,
+            "tokens": st["new_tokens"], "mode": st.get("mode", mode)}
 
 
 def summarize(trials: list[dict]) -> dict:
@@ -83,6 +85,7 @@ def summarize(trials: list[dict]) -> dict:
     return {"trials": len(trials), "tokens": tokens, "call_tok_s": round(tokens / call, 2),
             "process_tok_s": round(tokens / proc, 2),
             "median_call_s": round(statistics.median(t["call_s"] for t in trials), 4),
+            "median_prefill_s": round(statistics.median(t["prefill_s"] for t in trials), 4),
             "median_process_s": round(statistics.median(t["process_s"] for t in trials), 4),
             "ran_mode": sorted({t["mode"] for t in trials})}
 
@@ -95,14 +98,16 @@ def markdown(r: dict) -> str:
              f"{r['prompts']} held-out prompts × {r['repeats']} repeats per row, each a fresh process (caches filled "
              "by one untimed call first). *call*: the generation (prefill + decode, program loads included); "
              "*process*: the whole command. Ratios against the first mode of the same checkout.", "",
-             "| checkout | mode | ran | call tok/s | ratio | median call s | process tok/s | ratio | median process s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| checkout | mode | ran | call tok/s | ratio | median call s | of it prefill s | process tok/s | ratio | "
+             "median process s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c in r["checkouts"]:
         base = c["modes"][r["modes"][0]]
         for m in r["modes"]:
             s = c["modes"][m]
             lines.append(f"| {c['label']} | {m} | {', '.join(s['ran_mode'])} | {s['call_tok_s']:.1f} | "
                          f"{s['call_tok_s'] / base['call_tok_s']:.2f}x | {s['median_call_s']:.3f} | "
+                         f"{s['median_prefill_s']:.3f} | "
                          f"{s['process_tok_s']:.1f} | {s['process_tok_s'] / base['process_tok_s']:.2f}x | "
                          f"{s['median_process_s']:.3f} |")
     return "\n".join(lines) + "\n"

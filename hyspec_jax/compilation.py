@@ -285,11 +285,6 @@ def enable_program_cache(on: bool = True) -> bool:
     return ok
 
 
-def program_cache_on() -> bool:
-    """Whether `DiskCachedJit` programs go through the on-disk program cache now."""
-    return bool(_program_cache["on"])
-
-
 @contextlib.contextmanager
 def program_cache(on: bool = True):
     """`enable_program_cache(on)` for the duration of a `with` block (then as before)."""
@@ -352,47 +347,28 @@ class DiskCachedJit:
         self.jit = jax.jit(fn, static_argnames=self.static_argnames, donate_argnames=self.donate_argnames)
         self._programs: dict = {}
         self._warned = False
-        self._loading: dict = {}          # key → threading.Event while `precompile` prepares it on another thread
-        self._precompiled: dict = {}      # key → program that `precompile` prepared and no call has run yet
-        self._loading_lock = threading.Lock()
 
     def __getattr__(self, item):          # lower / trace / _cache_size ...: the plain jit's
         return getattr(self.jit, item)
 
-    def _bind(self, args, kwargs):
+    def __call__(self, *args, **kwargs):
+        if not _program_cache["on"]:
+            return self.jit(*args, **kwargs)
         import jax
         import numpy as np
         bound = self.signature.bind(*args, **kwargs)
         static = tuple((k, v) for k, v in bound.arguments.items() if k in self.static_argnames)
         names = tuple(k for k in bound.arguments if k not in self.static_argnames)
         leaves, treedef = jax.tree.flatten([bound.arguments[k] for k in names])
-        try:            # arrays (jax / numpy / ShapeDtypeStruct): attribute reads, ~50 µs for a round's ~150 leaves
+        try:            # arrays (jax / numpy): attribute reads, ~50 µs for the ~150 leaves of a round
             avals = tuple((x.shape, x.dtype) for x in leaves)
         except AttributeError:
             avals = tuple((np.shape(x), _dtype(x)) for x in leaves)
-        return (static, names, treedef, avals), static, names, treedef, leaves
-
-    def _wait_loading(self, key) -> None:
-        event = self._loading.get(key)
-        if event is not None:
-            event.wait()
-
-    def __call__(self, *args, **kwargs):
-        if not _program_cache["on"]:
-            if self._loading:
-                self._wait_loading(self._bind(args, kwargs)[0])
-            return self.jit(*args, **kwargs)
-        import jax
-        key, static, names, treedef, leaves = self._bind(args, kwargs)
+        key = (static, names, treedef, avals)
         prog = self._programs.get(key)
         first = prog is None
         if first:
-            if self._loading:
-                self._wait_loading(key)
-            prog = self._precompiled.pop(key, None)
-            if prog is None:
-                prog = self._program(static, names, treedef, leaves)
-            self._programs[key] = prog
+            prog = self._programs[key] = self._program(static, names, treedef, leaves)
         if prog is not False:
             call, out_tree = prog
             try:
@@ -404,32 +380,6 @@ class DiskCachedJit:
                     raise
                 self._programs[key] = self._fail(e)
         return self.jit(*args, **kwargs)
-
-    def precompile(self, *args, **kwargs) -> None:
-        """Load (program cache) or trace, and compile, the program of these arguments without running it, so that
-        the first call only runs it. Array arguments may be `abstract(x)`. Safe on another thread: a call with
-        the same arguments meanwhile waits for it (start-up work overlapped with a prefill, `Backend.precompile`).
-        Any failure is left to the first call, which then does the work itself."""
-        key, static, names, treedef, leaves = self._bind(args, kwargs)
-        stored = _program_cache["on"]
-        with self._loading_lock:        # off, the plain jit's own cache knows what is compiled
-            if key in self._loading or stored and (key in self._programs or key in self._precompiled):
-                return
-            event = self._loading[key] = threading.Event()
-        try:
-            if stored:
-                prog = self._program(static, names, treedef, leaves)
-                if prog is not False:
-                    prog[0].lower(*leaves).compile()
-                self._precompiled[key] = prog
-            else:
-                self.jit.lower(*args, **kwargs).compile()
-        except Exception:  # noqa: BLE001 - the call will redo it and report what is wrong
-            pass
-        finally:
-            with self._loading_lock:
-                del self._loading[key]
-            event.set()
 
     def _program(self, static, names, treedef, leaves):
         try:
@@ -454,7 +404,7 @@ class DiskCachedJit:
         from jax import export
 
         from hyspec_jax import cpu_kernels
-        if any(getattr(x, "sharding", None) is not None and len(x.sharding.device_set) > 1 for x in leaves):
+        if any(isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 for x in leaves):
             raise ValueError("sharded inputs")
         platform = jax.default_backend()
         avals = [jax.ShapeDtypeStruct(np.shape(x), _dtype(x)) for x in leaves]
@@ -486,18 +436,6 @@ class DiskCachedJit:
         if platform == "cpu":
             cpu_kernels.available()       # the native kernel's FFI target must be registered before it runs
         return jax.jit(exp.call, donate_argnums=tuple(donated)), out_tree
-
-
-def abstract(x):
-    """`x` as a `jax.ShapeDtypeStruct` for ahead-of-time lowering (`DiskCachedJit.precompile`): a committed jax
-    array keeps its sharding (an uncommitted one or a host array has none) and its weak type — as jit sees them,
-    so the program compiled for the abstract value is the one the real call finds (a mismatch compiles another)."""
-    import jax
-    import numpy as np
-    if isinstance(x, jax.Array):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed else None,
-                                    weak_type=x.weak_type)
-    return jax.ShapeDtypeStruct(np.shape(x), _dtype(x))
 
 
 def _dtype(x):
@@ -533,5 +471,5 @@ class CompileWatch:
 
 __all__ = ["BACKEND_COMPILE_EVENT", "CACHE_ENV", "compilation_cache_dir", "enable_compilation_cache", "install",
            "compile_count", "on_compile", "CompileWatch", "split_for_jit", "static_graphdef",
-           "pure_params", "DiskCachedJit", "abstract", "enable_program_cache", "program_cache", "program_cache_on", "program_cache_dir", "source_digest",
+           "pure_params", "DiskCachedJit", "enable_program_cache", "program_cache", "program_cache_dir", "source_digest",
            "PROGRAM_CACHE_ENV"]

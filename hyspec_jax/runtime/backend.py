@@ -19,7 +19,6 @@ import abc
 import dataclasses
 import functools
 import sys
-import threading
 import time
 from typing import Callable, Sequence
 
@@ -29,7 +28,7 @@ import numpy as np
 
 from hyspec_jax.config import DrafterConfig, TargetConfig
 from hyspec_jax.runtime.programs import ar_prefill_jit, ar_step_jit, new_buffers, spec_prefill_jit
-from hyspec_jax.sharding import params_mesh, place_buffers
+from hyspec_jax.sharding import place_buffers
 from hyspec_jax.sampling import SlotSampling
 from hyspec_jax.spec.round import RoundShape, pack_round_inputs, spec_round_io_jit, unpack_round_outputs
 
@@ -129,14 +128,8 @@ class Backend(abc.ABC):
         self.dtype = leaves[0].dtype if leaves else F32
         self.slots, self.kv_len, self.shapes = slots, kv_len, list(shapes)
         self.deferred_rows = int(deferred_rows)
-        buffers = place_buffers(config, params,
-                                *new_buffers(config, drafter_config, slots, kv_len, self.dtype, self.deferred_rows))
-        if params_mesh(params) is None:
-            # committed to the weights' device from the start, as every program's outputs are (a stored program
-            # commits them): the first step then runs the program `precompile` prepared, not a second one
-            device = next(iter(leaves[0].devices())) if leaves else jax.devices()[0]
-            buffers = jax.device_put(buffers, device)
-        self.state, self.dstate, self.anchor = buffers
+        self.state, self.dstate, self.anchor = place_buffers(
+            config, params, *new_buffers(config, drafter_config, slots, kv_len, self.dtype, self.deferred_rows))
 
     @property
     def overshoot(self) -> int:
@@ -197,47 +190,12 @@ class Backend(abc.ABC):
                 progress(f"prefill [{rows}x{t}] {time.perf_counter() - t0:.1f}s")
         for flavour in stochastic:
             t0 = time.perf_counter()
-            self.collect(self.dispatch(np.zeros(B, bool), self._noop_sampling(flavour), np.zeros(B, np.int32),
-                                       bool(flavour)))
+            samp = self.sampling(np.full(B, 1.0 if flavour else 0.0, np.float32), np.ones(B, np.float32),
+                                 np.zeros(B, np.int32), np.zeros(B, np.uint32))
+            self.collect(self.dispatch(np.zeros(B, bool), samp, np.zeros(B, np.int32), bool(flavour)))
             if progress:
                 progress(f"{self.describe_step()} [{B}, {'sampling' if flavour else 'greedy'}] "
                          f"{time.perf_counter() - t0:.1f}s")
-
-    def _noop_sampling(self, stochastic: bool) -> SlotSampling:
-        B = self.slots
-        return self.sampling(np.full(B, 1.0 if stochastic else 0.0, np.float32), np.ones(B, np.float32),
-                             np.zeros(B, np.int32), np.zeros(B, np.uint32))
-
-    def noop_step(self, stochastic: bool) -> tuple:
-        """Inputs of a step with no active slot: (active, sampling, steps, stochastic)."""
-        B = self.slots
-        return np.zeros(B, bool), self._noop_sampling(stochastic), np.zeros(B, np.int32), bool(stochastic)
-
-    def step_calls(self, stochastic: bool) -> list[tuple[Callable, dict, dict]]:
-        """The step programs a dispatch of this sampling flavour may run, each as (jitted function, static keyword
-        arguments, dynamic keyword arguments) over no-op inputs; none known here (`precompile` then does nothing)."""
-        return []
-
-    def precompile(self, stochastic: Sequence[bool]) -> threading.Thread | None:
-        """With the program cache on (`compilation.program_cache`: `hyspec generate`), load or compile the step
-        programs of these sampling flavours (in this order) on a background thread, and return the started
-        thread; else None. A one-shot generation starts it before its first prefill, so the step programs load
-        while the prompt runs instead of after it; a step that needs a program still loading waits for it
-        (`DiskCachedJit.precompile`). The programs see only shapes: the buffers stay this thread's. Off (a
-        server, a benchmark: they compile at start-up) nothing runs beside their timed steps."""
-        from hyspec_jax.compilation import abstract, program_cache_on
-        if not program_cache_on():
-            return None
-        calls = [(fn, static, jax.tree.map(abstract, dynamic))
-                 for flavour in stochastic for fn, static, dynamic in self.step_calls(flavour)]
-
-        def work() -> None:
-            for fn, static, dynamic in calls:
-                fn.precompile(**static, **dynamic)
-
-        thread = threading.Thread(target=work, name="hyspec-precompile", daemon=True)
-        thread.start()
-        return thread
 
     def describe_step(self) -> str:
         return "decode"
@@ -271,21 +229,12 @@ class ARBackend(Backend):
             np.array(tokens, np.int32), np.array(valid, bool), np.array(reset, bool), sampling)
         return np.asarray(first)
 
-    def step_calls(self, stochastic):
-        return [self.step_call(*self.noop_step(stochastic))]
-
-    def step_call(self, active, sampling, steps, stochastic, hint=None):
-        """The program one step of these inputs runs: (jitted function, static kwargs, dynamic kwargs)."""
-        return ar_step_jit, dict(graphdef=self.graphdef, stochastic=bool(stochastic)), dict(
-            params=self.params, state=self.state, anchor=self.anchor, active=active, sampling=sampling,
-            steps=np.array(steps, np.int32))
-
     def dispatch(self, active, sampling, steps, stochastic, hint=None):
         if hint is not None:
             raise ValueError("token hints need a speculative mode")
         active = np.array(active, bool)
-        fn, static, dynamic = self.step_call(active, sampling, steps, stochastic)
-        self.anchor, self.state = fn(**static, **dynamic)
+        self.anchor, self.state = ar_step_jit(self.graphdef, self.params, self.state, self.anchor, active, sampling,
+                                              np.array(steps, np.int32), stochastic=bool(stochastic))
         start_host_copy(self.anchor)
         return self.anchor, active
 
@@ -332,21 +281,11 @@ class SpecBackend(Backend):
             sampling, tap_layers=self.tap_layers)
         return np.asarray(first)
 
-    def step_calls(self, stochastic):
-        return [self.step_call(*self.noop_step(stochastic))]
-
-    def step_call(self, active, sampling, steps, stochastic, hint=None, *, shape: RoundShape | None = None,
-                  capacity: int | None = None):
-        """The round of this flavour (or of `shape`, with a batch-wide node budget `capacity`)."""
-        return spec_round_io_jit, dict(tgraph=self.graphdef, dgraph=self.dgraph,
-                                       shape=shape or self.round_shapes[bool(stochastic)]), dict(
-            tparams=self.params, dparams=self.dparams, state=self.state, dstate=self.dstate, anchor=self.anchor,
-            sampling=sampling, host_in=pack_round_inputs(np.asarray(active, bool), steps, capacity or self.capacity,
-                                                        hint))
-
     def dispatch(self, active, sampling, steps, stochastic, hint=None):
-        fn, static, dynamic = self.step_call(active, sampling, steps, stochastic, hint)
-        self.state, self.dstate, self.anchor, host_out = fn(**static, **dynamic)
+        self.state, self.dstate, self.anchor, host_out = spec_round_io_jit(
+            self.graphdef, self.params, self.dgraph, self.dparams, self.state, self.dstate, self.anchor, sampling,
+            pack_round_inputs(np.asarray(active, bool), steps, self.capacity, hint),
+            shape=self.round_shapes[bool(stochastic)])
         start_host_copy(host_out)     # the host reads it: start its copy now
         return host_out
 

@@ -471,8 +471,5 @@ def run_batch(backend: Backend, prompts: Sequence[Sequence[int]], params: Sequen
                             hint=None if hint is None else (lambda i=i: hint(i, list(outs[i]))))
         sched.submit(req)
         reqs.append(req)
-    # the step programs load on another thread while the prompts prefill (a one-shot call pays their start-up
-    # overlapped); the first step's flavour first: it samples if any request does
-    backend.precompile(sorted({p.temperature > 0 for p in params}, reverse=True))
     sched.run_until_idle()      # on this thread: an error propagates as it is
     return reqs, outs, sched

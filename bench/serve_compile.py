@@ -12,9 +12,8 @@ random DSpark drafter of `DrafterConfig.from_target`'s default shape) — and ti
 fresh process: `cold` with an empty persistent compilation cache, then `cached` reading what the cold run wrote.
 The [scale] targets: the whole set ≤ 120 s cold and ≤ 20 s from the cache.
 
-Each phase's weights are built before its clock starts; the programs compile as the server's start-up does
-(`serve.server.compile_start_up`: `--compile-workers` threads at once, then each run once on padding inputs); a
-program's time is the time since the previous one finished.
+Each phase's weights are built before its clock starts; a program's time is its first call (trace, lower,
+compile or cache read, and one run on padding inputs), as the server's start-up log reports it.
 """
 
 from __future__ import annotations
@@ -47,8 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="as the server's option: > 0 compiles the scoring forward of every prompt bucket (default 20)")
     ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                     help="weights (auto: bfloat16 on GPU, float32 on CPU)")
-    ap.add_argument("--compile-workers", type=int, default=None, metavar="W",
-                    help="as the server's option: threads compiling at once (default: half the cores, at most 8)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache-dir", metavar="DIR", help="persistent compilation cache of both phases (default: a new "
                     "empty temporary directory, removed afterwards)")
@@ -110,15 +107,13 @@ def run_phase(args) -> dict:
         programs.append(dict(program=re.sub(r"\s+[\d.]+s$", "", msg), seconds=now - last[0]))
         last[0] = now
         bar.update(1)
-    from hyspec_jax.compilation import default_compile_workers
-    from hyspec_jax.serve.server import compile_start_up
-    workers = args.compile_workers or default_compile_workers()
     t0 = last[0] = time.perf_counter()
-    compile_start_up(backend, scorer, workers, done)
+    backend.compile(done)
+    if scorer is not None:
+        scorer.compile(done)
     total_s = time.perf_counter() - t0
     bar.close()
-    return dict(phase=args.phase, geometry=name, compile_workers=workers,
-                parameters=sum(x.size for x in jax.tree.leaves(params)),
+    return dict(phase=args.phase, geometry=name, parameters=sum(x.size for x in jax.tree.leaves(params)),
                 dtype=str(jax.tree.leaves(params)[0].dtype), mode=backend.mode, slots=backend.slots,
                 kv_len=backend.kv_len, shapes=[list(s) for s in backend.shapes], init_s=init_s, total_s=total_s,
                 programs=programs, meta=run_metadata())
@@ -142,8 +137,7 @@ def markdown(report: dict) -> str:
              f"`{report['command']}`", "",
              f"commit {meta['commit']}, jax {meta['jax']}; mode {c['mode']}, {c['slots']} slots, KV {c['kv_len']}, "
              f"prefill shapes {c['shapes']}; {c['parameters'] / 1e9:.2f} B parameters (random). Each phase in its "
-             f"own process; a program's time is its first call (trace, lower, compile or cache read, one run); with "
-             f"{c.get('compile_workers', 1)} compile threads, the time since the previous program finished.", "",
+             f"own process; a program's time is its first call (trace, lower, compile or cache read, one run).", "",
              f"| phase | programs | total s | target s | weights built (s, not counted) |",
              "|---|---:|---:|---:|---:|",
              f"| cold (empty cache) | {len(c['programs'])} | {c['total_s']:.1f} | ≤ {TARGET_COLD_S:.0f} | "
@@ -159,8 +153,8 @@ def markdown(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    for name in ("max_batch", "max_model_len", "compile_workers"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
+    for name in ("max_batch", "max_model_len"):
+        if getattr(args, name) < 1:
             print(f"serve-compile: error: --{name.replace('_', '-')} must be ≥ 1", file=sys.stderr)
             return 2
     if args.phase:                                   # a child: one phase, its result to --phase-out

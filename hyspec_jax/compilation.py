@@ -453,45 +453,6 @@ def _leaf_owners(names, treedef) -> list[str]:
     return owners
 
 
-def default_compile_workers() -> int:
-    """Threads that compile a start-up program set (`compile_ahead`): half the host's cores, at most 8."""
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
-
-
-def compile_ahead(calls: Sequence[tuple[str, Callable, dict]], workers: int,
-                  progress: Callable[[str], None] | None = None) -> int:
-    """Compile these programs — (label, jitted function, keyword arguments) each, as `Backend.program_calls` and
-    `Scorer.program_calls` give them — before their first calls: lowered one after another on this thread
-    (tracing holds the GIL), then compiled, or read from the persistent cache, by `workers` threads at once
-    (XLA's compile releases it), so that a start-up set of large programs compiles in about the time of its
-    slowest few rather than of all of them in turn. The first calls then find them compiled (`jax.jit` keeps
-    what `lower(...).compile()` made for the same arguments). progress(f"{label} {seconds}s") as each is done.
-    Nothing is done with one worker, or with the program cache on (its first calls run stored programs, not
-    these): returns the number of programs compiled here."""
-    if workers <= 1 or not calls or _program_cache["on"]:
-        return 0
-    import time
-    from concurrent.futures import ThreadPoolExecutor, as_completed
-
-    lowered = []
-    for label, fn, kwargs in calls:
-        t0 = time.perf_counter()
-        lowered.append((label, fn.lower(**kwargs), time.perf_counter() - t0))
-
-    def compile_one(item) -> tuple[str, float]:
-        label, low, lower_s = item
-        t0 = time.perf_counter()
-        low.compile()
-        return label, lower_s + time.perf_counter() - t0
-
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hyspec-compile") as pool:
-        for done in as_completed([pool.submit(compile_one, item) for item in lowered]):
-            label, seconds = done.result()
-            if progress:
-                progress(f"{label} {seconds:.1f}s")
-    return len(lowered)
-
-
 class CompileWatch:
     """Counts this process's compilations since `mark()` (initially: since construction)."""
 
@@ -509,7 +470,6 @@ class CompileWatch:
 
 
 __all__ = ["BACKEND_COMPILE_EVENT", "CACHE_ENV", "compilation_cache_dir", "enable_compilation_cache", "install",
-           "compile_count", "on_compile", "CompileWatch", "split_for_jit", "compile_ahead", "default_compile_workers",
-           "static_graphdef",
+           "compile_count", "on_compile", "CompileWatch", "split_for_jit", "static_graphdef",
            "pure_params", "DiskCachedJit", "enable_program_cache", "program_cache", "program_cache_dir", "source_digest",
            "PROGRAM_CACHE_ENV"]

@@ -85,9 +85,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
                    help="on SIGTERM, seconds to let in-flight requests finish (default 60)")
     p.add_argument("--no-compilation-cache", action="store_true", help="do not use JAX's persistent compile cache")
-    p.add_argument("--compile-workers", type=int, default=None, metavar="W",
-                   help="threads that compile the start-up programs at once (default: half the cores, at most 8; "
-                        "1 = one after another)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -157,8 +154,6 @@ def check_args(args) -> None:
     apply_speculative_config(args)
     if args.max_batch < 1:
         raise ValueError("--max-batch / --max-num-seqs must be >= 1")
-    if args.compile_workers is not None and args.compile_workers < 1:
-        raise ValueError("--compile-workers must be >= 1")
     if args.max_queue < 0:
         raise ValueError("--max-queue must be >= 0")
     if args.max_model_len is not None and args.max_model_len < 2:
@@ -211,19 +206,6 @@ class CompileCounter:
 
 def _progress(msg: str) -> None:
     print(f"[hyspec serve] {msg}", file=sys.stderr, flush=True)
-
-
-def compile_start_up(backend, scorer, workers: int | None, progress) -> None:
-    """Every program a request can reach, before the server listens: the backend's prefills and steps and the
-    scorer's buckets, compiled by `workers` threads at once (`compilation.compile_ahead`; default half the
-    cores, at most 8), then each run once."""
-    from hyspec_jax.compilation import compile_ahead, default_compile_workers
-    calls = backend.program_calls() + ([] if scorer is None else scorer.program_calls())
-    if compile_ahead(calls, default_compile_workers() if workers is None else workers, progress):
-        progress = None                 # reported as they compiled
-    backend.compile(progress)
-    if scorer is not None:
-        scorer.compile(progress)
 
 
 def build_backend(args, target, model_dir: Path, max_model_len: int):
@@ -284,10 +266,11 @@ def run(args) -> int:
               f"{time.perf_counter() - t0:.1f}s; mode {backend.mode}, {backend.slots} slots, context "
               f"{max_model_len}, prefill shapes {backend.shapes}; compiling")
     t0 = time.perf_counter()
+    backend.compile(lambda s: _progress(f"  compiled {s}"))
     scorer = None
     if args.max_logprobs > 0:
         scorer = Scorer(backend.graphdef, backend.params, max_model_len, args.max_logprobs)
-    compile_start_up(backend, scorer, args.compile_workers, lambda s: _progress(f"  compiled {s}"))
+        scorer.compile(lambda s: _progress(f"  compiled {s}"))
     _progress(f"warm-up done in {time.perf_counter() - t0:.1f}s ({counter.count} programs)")
     channel = None
     if jax.process_count() > 1:

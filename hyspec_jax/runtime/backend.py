@@ -82,9 +82,8 @@ def _default_backend() -> str:
 
 
 def compile_backends(backends: Sequence["Backend"], prompt_lengths: Sequence[int] | None = None,
-                     stochastic: Sequence[bool] = (False, True), progress: bool = True, workers: int = 1) -> None:
-    """Start-up compile of every program of these backends (`Backend.compile`, `workers` threads) under one
-    progress bar (stderr)."""
+                     stochastic: Sequence[bool] = (False, True), progress: bool = True) -> None:
+    """Start-up compile of every program of these backends (`Backend.compile`) under one progress bar (stderr)."""
     from tqdm import tqdm
     total = sum(len(be.shapes) if prompt_lengths is None else len({bucket(n) for n in prompt_lengths})
                 for be in backends) + len(backends) * len(stochastic)
@@ -94,7 +93,7 @@ def compile_backends(backends: Sequence["Backend"], prompt_lengths: Sequence[int
         def step(msg: str, be=be) -> None:
             bar.set_postfix_str(f"slots {be.slots}, kv {be.kv_len}, {msg}")
             bar.update(1)
-        be.compile(step, stochastic=stochastic, prompt_lengths=prompt_lengths, workers=workers)
+        be.compile(step, stochastic=stochastic, prompt_lengths=prompt_lengths)
     bar.close()
 
 
@@ -157,20 +156,16 @@ class Backend(abc.ABC):
         return SlotSampling.of(temperature, top_p, top_k, seed)
 
     def compile(self, progress: Callable[[str], None] | None = None, stochastic: Sequence[bool] = (False, True),
-                prompt_lengths: Sequence[int] | None = None, workers: int = 1) -> None:
+                prompt_lengths: Sequence[int] | None = None) -> None:
         """Compile (run with no-op inputs: padding rows, no active slot) every prefill shape — those whose T is
-        one of prompt_lengths' buckets, default all — and the step of each sampling flavour. workers > 1: compiled
-        first by that many threads at once (`compilation.compile_ahead`; progress reports them as they finish),
-        then run.
+        one of prompt_lengths' buckets, default all — and the step of each sampling flavour.
 
         Over a mesh the pass repeats until it compiles nothing: XLA may return a buffer in another layout than it
         was placed in (a size-1 mesh axis dropped, the conv window's channels split over "model"), and the
         programs are compiled per input layout — without the repeat the first prefill after a step compiled
         while serving."""
-        from hyspec_jax.compilation import CompileWatch, compile_ahead
+        from hyspec_jax.compilation import CompileWatch
         from hyspec_jax.sharding import params_mesh
-        if compile_ahead(self.program_calls(stochastic, prompt_lengths), workers, progress):
-            progress = None             # reported as they compiled
         self._compile_pass(progress, stochastic, prompt_lengths)
         if params_mesh(self.params) is None:
             return
@@ -181,62 +176,26 @@ class Backend(abc.ABC):
                 return
 
     def _compile_pass(self, progress, stochastic, prompt_lengths) -> None:
-        for rows, t in self._wanted_shapes(prompt_lengths):
+        B = self.slots
+        wanted = None if prompt_lengths is None else {bucket(n) for n in prompt_lengths}
+        for rows, t in self.shapes:
+            if wanted is not None and t not in wanted:
+                continue
             t0 = time.perf_counter()
-            self.prefill(*self._noop_prefill(rows, t))
+            z = np.zeros(rows, np.float32)
+            self.prefill(np.full(rows, B, np.int32), np.zeros((rows, t), np.int32), np.zeros((rows, t), bool),
+                         np.zeros(rows, bool), self.sampling(z, np.ones(rows, np.float32), z.astype(np.int32),
+                                                             z.astype(np.uint32)))
             if progress:
                 progress(f"prefill [{rows}x{t}] {time.perf_counter() - t0:.1f}s")
         for flavour in stochastic:
             t0 = time.perf_counter()
-            self.collect(self.dispatch(*self._noop_step(flavour)))
+            samp = self.sampling(np.full(B, 1.0 if flavour else 0.0, np.float32), np.ones(B, np.float32),
+                                 np.zeros(B, np.int32), np.zeros(B, np.uint32))
+            self.collect(self.dispatch(np.zeros(B, bool), samp, np.zeros(B, np.int32), bool(flavour)))
             if progress:
-                progress(f"{self._step_label(flavour)} {time.perf_counter() - t0:.1f}s")
-
-    # --- the same programs, for compiling ahead of time (`compilation.compile_ahead`) -------------------
-    def program_calls(self, stochastic: Sequence[bool] = (False, True),
-                      prompt_lengths: Sequence[int] | None = None) -> list[tuple[str, Callable, dict]]:
-        """Every program `compile` runs, as (label, jitted function, keyword arguments — its no-op inputs and this
-        backend's buffers): the prefill of each wanted shape, then the step of each sampling flavour. Lowering
-        one reads only the arguments' shapes; nothing runs and no buffer is donated."""
-        calls = [(f"prefill [{rows}x{t}]", *self.prefill_call(*self._noop_prefill(rows, t)))
-                 for rows, t in self._wanted_shapes(prompt_lengths)]
-        for flavour in stochastic:
-            calls += [(label, fn, kw) for label, (fn, kw) in self.step_calls(flavour)]
-        return calls
-
-    def step_calls(self, stochastic: bool) -> list[tuple[str, tuple[Callable, dict]]]:
-        """The programs a step of this flavour may run: (label, (jitted function, keyword arguments))."""
-        return [(self._step_label(stochastic), self.step_call(*self._noop_step(stochastic)))]
-
-    def _step_label(self, stochastic: bool) -> str:
-        return f"{self.describe_step()} [{self.slots}, {'sampling' if stochastic else 'greedy'}]"
-
-    def _wanted_shapes(self, prompt_lengths: Sequence[int] | None) -> list[tuple[int, int]]:
-        wanted = None if prompt_lengths is None else {bucket(n) for n in prompt_lengths}
-        return [(rows, t) for rows, t in self.shapes if wanted is None or t in wanted]
-
-    def _noop_prefill(self, rows: int, t: int) -> tuple:
-        """Inputs of a prefill of padding rows only: (slots, tokens, valid, reset, sampling)."""
-        z = np.zeros(rows, np.float32)
-        return (np.full(rows, self.slots, np.int32), np.zeros((rows, t), np.int32), np.zeros((rows, t), bool),
-                np.zeros(rows, bool), self.sampling(z, np.ones(rows, np.float32), z.astype(np.int32),
-                                                    z.astype(np.uint32)))
-
-    def _noop_step(self, stochastic: bool) -> tuple:
-        """Inputs of a step with no active slot: (active, sampling, steps, stochastic)."""
-        B = self.slots
-        samp = self.sampling(np.full(B, 1.0 if stochastic else 0.0, np.float32), np.ones(B, np.float32),
-                             np.zeros(B, np.int32), np.zeros(B, np.uint32))
-        return np.zeros(B, bool), samp, np.zeros(B, np.int32), bool(stochastic)
-
-    def prefill_call(self, slots, tokens, valid, reset, sampling) -> tuple[Callable, dict]:
-        """The program a prefill of these inputs runs, with its keyword arguments (host arrays copied: the
-        scheduler reuses its buffers)."""
-        raise NotImplementedError
-
-    def step_call(self, active, sampling, steps, stochastic, hint=None) -> tuple[Callable, dict]:
-        """The program a step of these inputs runs, with its keyword arguments."""
-        raise NotImplementedError
+                progress(f"{self.describe_step()} [{B}, {'sampling' if flavour else 'greedy'}] "
+                         f"{time.perf_counter() - t0:.1f}s")
 
     def describe_step(self) -> str:
         return "decode"
@@ -262,30 +221,22 @@ class ARBackend(Backend):
 
     mode = "ar"
 
-    def prefill_call(self, slots, tokens, valid, reset, sampling):
-        # host arrays go straight to the jitted call (a jnp.asarray is one more dispatch each)
-        return ar_prefill_jit, dict(
-            graphdef=self.graphdef, params=self.params, state=self.state, anchor=self.anchor,
-            slots=np.array(slots, np.int32), tokens=np.array(tokens, np.int32), valid=np.array(valid, bool),
-            reset=np.array(reset, bool), sampling=sampling)
-
     def prefill(self, slots, tokens, valid, reset, sampling) -> np.ndarray:
-        fn, kw = self.prefill_call(slots, tokens, valid, reset, sampling)
-        first, self.state, self.anchor = fn(**kw)
+        # host arrays go straight to the jitted call (a jnp.asarray is one more dispatch each); copies, since
+        # the scheduler reuses its buffers
+        first, self.state, self.anchor = ar_prefill_jit(
+            self.graphdef, self.params, self.state, self.anchor, np.array(slots, np.int32),
+            np.array(tokens, np.int32), np.array(valid, bool), np.array(reset, bool), sampling)
         return np.asarray(first)
-
-    def step_call(self, active, sampling, steps, stochastic, hint=None):
-        return ar_step_jit, dict(graphdef=self.graphdef, params=self.params, state=self.state, anchor=self.anchor,
-                                 active=np.array(active, bool), sampling=sampling, steps=np.array(steps, np.int32),
-                                 stochastic=bool(stochastic))
 
     def dispatch(self, active, sampling, steps, stochastic, hint=None):
         if hint is not None:
             raise ValueError("token hints need a speculative mode")
-        fn, kw = self.step_call(active, sampling, steps, stochastic)
-        self.anchor, self.state = fn(**kw)
+        active = np.array(active, bool)
+        self.anchor, self.state = ar_step_jit(self.graphdef, self.params, self.state, self.anchor, active, sampling,
+                                              np.array(steps, np.int32), stochastic=bool(stochastic))
         start_host_copy(self.anchor)
-        return self.anchor, kw["active"]
+        return self.anchor, active
 
     def collect(self, handle) -> StepResult:
         tokens, active = handle
@@ -323,30 +274,18 @@ class SpecBackend(Backend):
     def describe_step(self) -> str:
         return f"{self.mode} round N={self.verify_nodes}"
 
-    def prefill_call(self, slots, tokens, valid, reset, sampling):
-        return spec_prefill_jit, dict(
-            tgraph=self.graphdef, tparams=self.params, dgraph=self.dgraph, dparams=self.dparams, state=self.state,
-            dstate=self.dstate, anchor=self.anchor, slots=np.array(slots, np.int32),
-            tokens=np.array(tokens, np.int32), valid=np.array(valid, bool), reset=np.array(reset, bool),
-            sampling=sampling, tap_layers=self.tap_layers)
-
     def prefill(self, slots, tokens, valid, reset, sampling) -> np.ndarray:
-        fn, kw = self.prefill_call(slots, tokens, valid, reset, sampling)
-        first, self.state, self.dstate, self.anchor = fn(**kw)
+        first, self.state, self.dstate, self.anchor = spec_prefill_jit(
+            self.graphdef, self.params, self.dgraph, self.dparams, self.state, self.dstate, self.anchor,
+            np.array(slots, np.int32), np.array(tokens, np.int32), np.array(valid, bool), np.array(reset, bool),
+            sampling, tap_layers=self.tap_layers)
         return np.asarray(first)
 
-    def step_call(self, active, sampling, steps, stochastic, hint=None, *, shape: RoundShape | None = None,
-                  capacity: int | None = None):
-        """The round of this flavour (or of `shape`, with the batch-wide node budget `capacity`)."""
-        return spec_round_io_jit, dict(
-            tgraph=self.graphdef, tparams=self.params, dgraph=self.dgraph, dparams=self.dparams, state=self.state,
-            dstate=self.dstate, anchor=self.anchor, sampling=sampling,
-            host_in=pack_round_inputs(np.asarray(active, bool), steps, capacity or self.capacity, hint),
-            shape=shape or self.round_shapes[bool(stochastic)])
-
     def dispatch(self, active, sampling, steps, stochastic, hint=None):
-        fn, kw = self.step_call(active, sampling, steps, stochastic, hint)
-        self.state, self.dstate, self.anchor, host_out = fn(**kw)
+        self.state, self.dstate, self.anchor, host_out = spec_round_io_jit(
+            self.graphdef, self.params, self.dgraph, self.dparams, self.state, self.dstate, self.anchor, sampling,
+            pack_round_inputs(np.asarray(active, bool), steps, self.capacity, hint),
+            shape=self.round_shapes[bool(stochastic)])
         start_host_copy(host_out)     # the host reads it: start its copy now
         return host_out
 

@@ -56,32 +56,20 @@ class Scorer:
         self.graphdef, self.params, self.max_len, self.top_k = graphdef, params, max_len, top_k
         self.buckets = prompt_buckets(max_len)
 
-    def compile(self, progress: Callable[[str], None] | None = None, workers: int = 1) -> None:
-        """Compile (run once) the program of every length bucket; workers > 1: compiled first by that many threads
-        at once (`compilation.compile_ahead`; progress reports them as they finish)."""
-        from hyspec_jax.compilation import compile_ahead
-        if compile_ahead(self.program_calls(), workers, progress):
-            progress = None
+    def compile(self, progress: Callable[[str], None] | None = None) -> None:
         for t in self.buckets:
             self._run(np.zeros(t, np.int32), t)     # t tokens: the bucket-t program (1 token ran bucket 16 only)
             if progress:
                 progress(f"score [1x{t}]")
 
-    def program_calls(self) -> list[tuple[str, Callable, dict]]:
-        """(label, jitted function, keyword arguments) of every length bucket's program (`Backend.program_calls`)."""
-        return [(f"score [1x{t}]", score_jit, self._call_args(np.zeros(t, np.int32), t)) for t in self.buckets]
-
-    def _call_args(self, ids: np.ndarray, n: int) -> dict:
+    def _run(self, ids: np.ndarray, n: int):
         T = bucket(n)
         tokens = np.zeros((1, T), np.int32)
         tokens[0, :n] = ids[:n]
         valid = np.zeros((1, T), bool)
         valid[0, :n] = True
-        return dict(graphdef=self.graphdef, params=self.params, tokens=jnp.asarray(tokens), valid=jnp.asarray(valid),
-                    top_k=self.top_k)
-
-    def _run(self, ids: np.ndarray, n: int):
-        return jax.device_get(score_jit(**self._call_args(ids, n)))
+        out = score_jit(self.graphdef, self.params, jnp.asarray(tokens), jnp.asarray(valid), top_k=self.top_k)
+        return jax.device_get(out)
 
     def score(self, ids: list[int], start: int = 1) -> TokenScores:
         """Scores of ids[start:] (start >= 1) given the tokens before each."""

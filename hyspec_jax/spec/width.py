@@ -33,7 +33,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from hyspec_jax.runtime.backend import SpecBackend, StepResult, start_host_copy
-from hyspec_jax.spec.round import (RoundShape, unpack_round_gains,
+from hyspec_jax.spec.round import (RoundShape, pack_round_inputs, spec_round_io_jit, unpack_round_gains,
                                    unpack_round_outputs)
 
 HISTORY = 4096   # recent round widths a WidthBackend keeps
@@ -159,10 +159,10 @@ class WidthBackend(SpecBackend):
     def describe_step(self) -> str:
         return f"{self.mode} round N in {sorted(self.widths)}"
 
-    def compile(self, progress=None, stochastic=(False, True), prompt_lengths=None, workers: int = 1) -> None:
+    def compile(self, progress=None, stochastic=(False, True), prompt_lengths=None) -> None:
         self._warm_all = True       # each flavour's step call runs the round of every width
         try:
-            super().compile(progress, stochastic=stochastic, prompt_lengths=prompt_lengths, workers=workers)
+            super().compile(progress, stochastic=stochastic, prompt_lengths=prompt_lengths)
         finally:
             self._warm_all = False
 
@@ -183,20 +183,14 @@ class WidthBackend(SpecBackend):
         self.rounds += 1
         return self._run(w, active, sampling, steps, stochastic, hint)
 
-    def step_calls(self, stochastic: bool) -> list:
-        # every width's round: the chooser may pick any
-        return [(f"{self.mode} round N={w} [{self.slots}, {'sampling' if stochastic else 'greedy'}]",
-                 self._width_call(w, *self._noop_step(stochastic), None)) for w in sorted(self.widths)]
-
-    def _width_call(self, w, active, sampling, steps, stochastic, hint):
-        return self.step_call(active, sampling, steps, stochastic, hint, shape=self.widths[w][bool(stochastic)],
-                              capacity=self.user_capacity or self.slots * w)
-
     def _run(self, w, active, sampling, steps, stochastic, hint):
-        fn, kw = self._width_call(w, active, sampling, steps, stochastic, hint)
-        self.state, self.dstate, self.anchor, host_out = fn(**kw)
+        shape = self.widths[w][bool(stochastic)]
+        cap = self.user_capacity or self.slots * w
+        self.state, self.dstate, self.anchor, host_out = spec_round_io_jit(
+            self.graphdef, self.params, self.dgraph, self.dparams, self.state, self.dstate, self.anchor, sampling,
+            pack_round_inputs(active, steps, cap, hint), shape=shape)
         start_host_copy(host_out)
-        return host_out, w, active.copy(), len(kw["shape"].gain_widths)
+        return host_out, w, active.copy(), len(shape.gain_widths)
 
     def collect(self, handle) -> StepResult:
         host_out, w, active, G = handle

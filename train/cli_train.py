@@ -97,7 +97,7 @@ def cmd_build_distill(args) -> int:
     prompts = Path(args.prompts) if args.prompts else Path(args.out) / "prompts.npz"
     if not args.prompts:
         s = sample_prompts(args.corpus, prompts, per_domain=args.per_domain, prompt_len=args.prompt_len,
-                           seed=args.seed)
+                           seed=args.seed, split=args.split)
         print(f"[hyspec] {s['prompts']} prompts of {s['prompt_len']} tokens ({', '.join(s['domains'])}) "
               f"-> {prompts}", file=sys.stderr)
     if args.prompts_only:
@@ -243,7 +243,7 @@ def add_train_commands(sub: argparse._SubParsersAction) -> None:
     q.set_defaults(func=cmd_train_mtp)
 
     x = sub.add_parser("build-distill", help="drafter distillation data: corpus prompts continued by the target",
-                       description="Sample prompts from the corpus train split (deterministic) and let the frozen "
+                       description="Sample prompts from the corpus train split (--split; deterministic) and let the frozen "
                                    "target continue them (greedy by default). --prompts-only writes just the "
                                    "prompt pack; --prompts FILE reuses one (e.g. on a machine without the corpus).")
     x.add_argument("--target", help="HF directory of the target")
@@ -253,6 +253,8 @@ def add_train_commands(sub: argparse._SubParsersAction) -> None:
     x.add_argument("--prompts-only", action="store_true", help="write OUT/prompts.npz and stop")
     x.add_argument("--per-domain", type=int, default=1024, help="prompts per domain (default 1024)")
     x.add_argument("--prompt-len", type=int, default=32)
+    x.add_argument("--split", choices=("train", "validation"), default="train",
+                   help="corpus split the prompts come from (default train; validation: held-out evaluation packs)")
     x.add_argument("--gen-len", type=int, default=224, help="generated tokens per prompt (default 224)")
     x.add_argument("--batch-size", type=int, default=512)
     x.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

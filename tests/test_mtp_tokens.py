@@ -99,3 +99,21 @@ def test_distillation_data_keeps_ids_beyond_uint16(corpus, tmp_path):
     batch = DistillSampler(tmp_path / "distill", 10, seed=0).batch(0, 3)
     assert batch.dtype == np.int32 and batch.max() < V
     assert np.isin(batch, seqs).all()
+
+
+def test_held_out_packs_come_from_the_validation_split(tmp_path):
+    """`hyspec build-distill --prompts-only --split validation` (the long held-out evaluation packs) draws every
+    window from the validation shard; the default stays the train split."""
+    from hyspec_jax.train import cli_train
+    for split, lo in (("train", 0), ("validation", 1000)):
+        (tmp_path / "tokens" / split).mkdir(parents=True)
+        np.arange(lo, lo + 200, dtype=np.uint16).tofile(tmp_path / "tokens" / split / "x.bin")
+    for split, lo in (("validation", 1000), (None, 0)):
+        out = tmp_path / f"pack_{split}"
+        argv = ["build-distill", "--prompts-only", "--corpus", str(tmp_path), "--out", str(out), "--per-domain", "3",
+                "--prompt-len", "16"] + (["--split", split] if split else [])
+        assert cli_train.main(argv) == 0
+        tokens, _, _ = load_prompts(out / "prompts.npz")
+        assert tokens.shape == (3, 16)
+        assert (tokens >= lo).all() and (tokens < lo + 200).all()
+        assert (np.diff(tokens, axis=1) == 1).all()          # contiguous windows of the shard

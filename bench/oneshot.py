@@ -46,11 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def heldout_texts(per_domain: int) -> list[tuple[str, str]]:
-    """(domain, text) of the first `per_domain` held-out windows of every domain."""
+    """(domain, text) of the first `per_domain` held-out windows of every domain (token ids of the embedded model,
+    decoded with its tokenizer: any model re-encodes the text)."""
     import numpy as np
 
     from hyspec_jax.embedded import default_model_dir
     from hyspec_jax.tokenizer import load_tokenizer
+    if default_model_dir() is None:
+        raise ValueError("the held-out prompts need the embedded model's tokenizer, and none is installed")
     data = np.load(HERE / "data" / "heldout_prompts.npz")
     tok = load_tokenizer(default_model_dir())
     out = []
@@ -125,7 +128,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {r} is not a checkout (no hyspec_jax/)", file=sys.stderr)
             return 2
     from tqdm import tqdm
-    prompts = heldout_texts(a.prompts_per_domain)
+    try:
+        prompts = heldout_texts(a.prompts_per_domain)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     runs = {(i, m): [] for i in range(len(roots)) for m in a.modes}
     bar = tqdm(total=len(runs) * (1 + a.repeats * len(prompts)), desc="oneshot", unit="call",
                disable=a.no_progress, file=sys.stderr, dynamic_ncols=True)

@@ -135,25 +135,28 @@ class Ridge:
         return ((x - self.x_mean) / self.x_scale).astype(F32) @ self.w.astype(F32) + self.y_mean
 
 
-def _standardiser(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    mean = x.mean(0, dtype=np.float64)
+def _standardised(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(column means, column scales, the standardised x)."""
+    mean = x.mean(0, dtype=np.float64).astype(F32)
     scale = x.std(0, dtype=np.float64)
-    return mean.astype(F32), np.where(scale > 1e-8, scale, 1.0).astype(F32)
+    scale = np.where(scale > 1e-8, scale, 1.0).astype(F32)
+    return mean, scale, ((x - mean) / scale).astype(F32)
 
 
-def _solve(gram: np.ndarray, xty: np.ndarray, lam_total: float) -> np.ndarray:
-    a = gram + lam_total * np.eye(gram.shape[0])
-    return np.linalg.solve(a, xty)
-
-
-def ridge_fit(x: np.ndarray, y: np.ndarray, lam: float) -> Ridge:
-    """Closed-form ridge on standardised columns: w = (XᵀX + λ n I)⁻¹ Xᵀ(Y − Ȳ)."""
-    mean, scale = _standardiser(x)
-    xs = ((x - mean) / scale).astype(F32)
-    y_mean = y.mean(0, dtype=np.float64).astype(F32)
+def _solve(xs: np.ndarray, y: np.ndarray, y_mean: np.ndarray, lams: tuple[float, ...]) -> list[np.ndarray]:
+    """w = (XᵀX + λ n I)⁻¹ Xᵀ(Y − Ȳ) for each λ (one Gram matrix for all)."""
     gram = (xs.T @ xs).astype(np.float64)
-    w = _solve(gram, (xs.T @ (y - y_mean)).astype(np.float64), lam * len(x))
-    return Ridge(w, mean, scale, y_mean, lam)
+    xty = (xs.T @ (y - y_mean)).astype(np.float64)
+    eye = np.eye(gram.shape[0])
+    return [np.linalg.solve(gram + lam * len(xs) * eye, xty) for lam in lams]
+
+
+def ridge_fit(x: np.ndarray, y: np.ndarray, lam: float, standardised=None) -> Ridge:
+    """Closed-form ridge on standardised columns: w = (XᵀX + λ n I)⁻¹ Xᵀ(Y − Ȳ). standardised: `_standardised(x)`
+    when the caller has it."""
+    mean, scale, xs = standardised or _standardised(x)
+    y_mean = y.mean(0, dtype=np.float64).astype(F32)
+    return Ridge(_solve(xs, y, y_mean, (lam,))[0], mean, scale, y_mean, lam)
 
 
 def ridge_select(x: np.ndarray, y: np.ndarray, held: np.ndarray, lambdas: tuple[float, ...],
@@ -163,18 +166,16 @@ def ridge_select(x: np.ndarray, y: np.ndarray, held: np.ndarray, lambdas: tuple[
     the larger λ."""
     if len(lambdas) == 1 or not held.any() or held.all():
         return ridge_fit(x, y, lambdas[0])
-    mean, scale = _standardiser(x)
-    xs = ((x - mean) / scale).astype(F32)
+    std = _standardised(x)
+    xs = std[2]
     a, b = ~held, held
     y_mean = y[a].mean(0, dtype=np.float64).astype(F32)
-    gram_a = (xs[a].T @ xs[a]).astype(np.float64)
-    xty_a = (xs[a].T @ (y[a] - y_mean)).astype(np.float64)
     scores = []
-    for lam in lambdas:
-        pred = xs[b] @ _solve(gram_a, xty_a, lam * int(a.sum())).astype(F32) + y_mean
+    for w in _solve(xs[a], y[a], y_mean, lambdas):
+        pred = xs[b] @ w.astype(F32) + y_mean
         scores.append(-float(np.sum((pred - y[b]) ** 2)) if score is None else float(score(pred)))
     best = max(range(len(lambdas)), key=lambda i: (scores[i], lambdas[i]))
-    return ridge_fit(x, y, lambdas[best])
+    return ridge_fit(x, y, lambdas[best], std)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -271,17 +272,11 @@ def dspark_hidden(graphdef, params, heads, taps, tokens, anchors):
 
 def gdn_inputs(target, layer: int, x_in, valid):
     """GDN layer `layer`'s (q, k, v, g, β) over a whole window from its input x_in [B, T, H] (the previous layer's
-    output): the layer's own input norm, projection, causal conv from the empty window and `mixer_inputs`, as
-    `train_forward` runs them; valid False turns every position into an identity step (g = 0, β = 0)."""
-    import jax.numpy as jnp
-
-    from hyspec_jax import gdn
-    cfg = target.config
+    output): the layer's input norm, then `train.forward.window_mixer_inputs` as `train_forward` runs it; valid
+    False turns every position into an identity step (g = 0, β = 0)."""
+    from hyspec_jax.train.forward import window_mixer_inputs
     lay = target.model.layers[layer]
-    mix = lay.linear_attn
-    qkv, _, b, a = mix.project(lay.input_layernorm(x_in))
-    window = jnp.zeros((x_in.shape[0], cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), qkv.dtype)
-    return mix.mixer_inputs(gdn.causal_conv(qkv, window, mix.conv_weight), b, a, valid)
+    return window_mixer_inputs(lay.linear_attn, lay.input_layernorm(x_in), valid, target.config)[0]
 
 
 def state_readout(S, q):
@@ -296,6 +291,13 @@ def state_readout(S, q):
     o, _ = gdn.step(S, q.reshape(-1, HV, dk), jnp.zeros_like(q).reshape(-1, HV, dk),
                     jnp.zeros((B * A * J, HV, S.shape[-1]), jnp.float32), zero, zero)
     return o.reshape(B, A, J, -1)
+
+
+def own_and_swapped_readout(own, q):
+    """[2, ...]: `state_readout` of each window's own states, then of the states of the window one row earlier in
+    the batch (the swapped-state control)."""
+    import jax.numpy as jnp
+    return jnp.stack([state_readout(own, q), state_readout(jnp.roll(own, 1, axis=0), q)])
 
 
 def make_pass(m: Models, stride: int, horizons: int):
@@ -348,7 +350,7 @@ def make_pass(m: Models, stride: int, horizons: int):
             x_in = target.model.embed_tokens(tokens) if L == 0 else taps[tap_layers.index(L - 1)]
             q = gather_positions(gdn_inputs(target, L, x_in, jnp.ones((B, T), bool))[0], fut)  # [B, A, J, HV, dk]
             own = states_before(states[slots.index(tcfg.layer_slot(L))][None], anchors, stride)
-            sq.append(jnp.stack([state_readout(own, q), state_readout(jnp.roll(own, 1, axis=0), q)]))
+            sq.append(own_and_swapped_readout(own, q))
             qs.append(q.reshape(q.shape[:3] + (-1,)))
         res["sq"] = jnp.stack(sq)                                                            # [P, 2, B, A, J, D]
         res["q"] = jnp.stack(qs)                                                             # [P, B, A, J, HV·dk]
@@ -374,8 +376,7 @@ def make_readout(m: Models, stride: int, layers: tuple[int, ...]):
         out = []
         for p in range(len(layers)):
             own = states_before(states[p][None], anchors, stride)
-            out.append(jnp.stack([state_readout(own, queries[p]), state_readout(jnp.roll(own, 1, axis=0),
-                                                                                 queries[p])]))
+            out.append(own_and_swapped_readout(own, queries[p]))
         return jnp.stack(out)
 
     return jax.jit(run)

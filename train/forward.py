@@ -41,6 +41,14 @@ def _chunked_states(S0, q, k, v, g, beta, chunk: int, method: gdn.InverseMethod)
     return jnp.moveaxis(o, 0, 1).reshape(B, T, *o.shape[3:]), states
 
 
+def window_mixer_inputs(mix, h: jax.Array, valid: jax.Array, cfg) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    """A GDN mixer's (q, k, v, g, β) and its output gate z over a whole window h [B, T, H] (already input-normed),
+    its causal conv starting from the empty window; valid False makes a position an identity step."""
+    qkv, z, b, a = mix.project(h)
+    window = jnp.zeros((h.shape[0], cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), qkv.dtype)
+    return mix.mixer_inputs(gdn.causal_conv(qkv, window, mix.conv_weight), b, a, valid), z
+
+
 def train_forward(model: TargetModel, tokens: jax.Array, *, tap_layers: tuple[int, ...] = (), chunk: int = 64,
                   method: gdn.InverseMethod = "squaring", state_slots: tuple[int, ...] | None = None):
     """tokens [B,T] -> (logits [B,T,V] fp32, final-norm hidden [B,T,H], taps [L,B,T,H] or None,
@@ -59,10 +67,7 @@ def train_forward(model: TargetModel, tokens: jax.Array, *, tap_layers: tuple[in
     want = () if state_slots is None else tuple(state_slots)
 
     def gdn_mixer(mix, h, j, carry):
-        qkv, z, b, a = mix.project(h)
-        window = jnp.zeros((B, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), qkv.dtype)
-        conv_out = gdn.causal_conv(qkv, window, mix.conv_weight)
-        q, k, v, g, beta = mix.mixer_inputs(conv_out, b, a, valid)
+        (q, k, v, g, beta), z = window_mixer_inputs(mix, h, valid, cfg)
         S0 = jnp.zeros((B, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), F32)
         if j in want:
             o, states = _chunked_states(S0, q, k, v, g, beta, C, method)
@@ -86,4 +91,4 @@ def train_forward(model: TargetModel, tokens: jax.Array, *, tap_layers: tuple[in
     return logits, hidden, tap_stack, states
 
 
-__all__ = ["train_forward"]
+__all__ = ["train_forward", "window_mixer_inputs"]

@@ -1,0 +1,31 @@
+"""`hyspec bench oneshot`: one fresh `hyspec generate` process per prompt and mode, every call's times and tokens
+recorded, pooled rates and the table; a bad option exits 2 with one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hyspec_jax.bench import oneshot
+from hyspec_jax.embedded import default_model_dir
+
+
+@pytest.mark.skipif(default_model_dir() is None, reason="no embedded model")
+def test_oneshot_runs_fresh_processes_and_writes_its_report(tmp_path, capsys):
+    out = tmp_path / "oneshot.json"
+    assert oneshot.main(["--prompts-per-domain", "1", "--repeats", "1", "--modes", "ar", "--max-tokens", "3",
+                         "--no-progress", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    (c,) = r["checkouts"]
+    s = c["modes"]["ar"]
+    assert s["trials"] == r["prompts"] == 6 and s["ran_mode"] == ["ar"]
+    assert all(0 < t["tokens"] <= 3 and 0 < t["prefill_s"] <= t["call_s"] < t["process_s"] for t in s["runs"])
+    assert s["tokens"] == sum(t["tokens"] for t in s["runs"])
+    assert "| this checkout | ar | ar |" in out.with_suffix(".md").read_text()
+
+
+def test_bad_options_exit_2(capsys):
+    assert oneshot.main(["--repeats", "0"]) == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0
+    assert oneshot.main(["--base", "/nonexistent-checkout"]) == 2

@@ -159,7 +159,10 @@ def _generate(args) -> int:
     shard_target(model, args.tensor_parallel_size, args.data_parallel_size)
     stops = tuple(sorted(set(cfg.eos_token_id) | set(special_token_ids(model_dir))))
     gen = Generator.from_model(model, getattr(args, "deferred_rows", 0) or 0)
-    engine = engine_from_args(args, model, model_dir, dtype, batch=len(prompts))   # None: plain decoding
+    engine = engine_from_args(args, model, model_dir, dtype, batch=len(prompts),   # None: plain decoding
+                              new_tokens=args.max_tokens * len(prompts),
+                              note=lambda why: print(f"[hyspec] mode ar (default: {why}; --spec-mode to choose)",
+                                                     file=sys.stderr))
     encoded = [tokenizer.encode(p).ids for p in prompts]
     params = [SamplingParams(max_tokens=base.max_tokens, temperature=base.temperature, top_p=base.top_p,
                              top_k=base.top_k, seed=base.seed + i, stop_token_ids=stops)

@@ -28,20 +28,23 @@ def resolve_model_dir(arg: str | None) -> tuple[Path, str | None]:
     return random_demo_model_dir(), RANDOM_LABEL
 
 
-def engine_from_args(args, model, model_dir, dtype, batch: int | None = None):
+def engine_from_args(args, model, model_dir, dtype, batch: int | None = None, new_tokens: int | None = None,
+                     note=None):
     """The engine `hyspec generate` / `hyspec serve` asked for, or None for plain autoregressive decoding.
 
     With the embedded model (no --model) and no --drafter, its shipped drafter is used, and every option the
     user left unset takes the drafter's recommended value for this backend (explicit options always win).
-    batch: the number of requests decoded together (`--slots` wins): where the recommendation was measured
-    up to `max_slots` only and no --spec-mode was given, more slots decode plainly (e.g. on a 2-core CPU,
-    verification is nearly free for one request but not for eight)."""
+    Without --spec-mode, the recommendation's bounds (`spec.options.plain_decoding_reason`) can pick plain
+    decoding instead, before the drafter loads: batch, the number of requests decoded together (`--slots`
+    wins), beyond `max_slots` (e.g. on a 2-core CPU, verification is nearly free for one request but not for
+    eight); new_tokens, the new tokens a one-shot call asks for in all, below `min_new_tokens` (its start-up
+    would cost more than speculation saves). note(reason): told why plain decoding was picked."""
     import jax
 
     from hyspec_jax.io.drafter_io import load_drafter
     from hyspec_jax.spec.budget import BudgetTable, model_id
     from hyspec_jax.spec.engine import SpecConfig, SpecEngine
-    from hyspec_jax.spec.options import MTP_MODES, recommended_settings
+    from hyspec_jax.spec.options import MTP_MODES, plain_decoding_reason, recommended_settings
     from hyspec_jax.tree import TreeExpansion
     if getattr(args, "spec_mode", None) in MTP_MODES:
         return _mtp_engine(args, model, model_dir, dtype)
@@ -55,10 +58,11 @@ def engine_from_args(args, model, model_dir, dtype, batch: int | None = None):
             drafter_dir = shipped
             table_path = table_path or default_budget_table()   # the embedded model's own calibration
             rec = recommended_settings(shipped, jax.default_backend())
-            slots = getattr(args, "slots", None) or batch
-            too_many = rec.get("max_slots") is not None and slots is not None and slots > rec["max_slots"]
-            if getattr(args, "spec_mode", None) is None and (not rec or too_many):
-                return None     # nothing measured for this backend, or measured slower than ar at this batch
+            reason = plain_decoding_reason(rec, getattr(args, "slots", None) or batch, new_tokens)
+            if getattr(args, "spec_mode", None) is None and reason is not None:
+                if note is not None:
+                    note(reason)
+                return None     # measured slower than ar here (or not measured): the drafter never loads
     opt = lambda name, fallback=None: (getattr(args, name, None) if getattr(args, name, None) is not None  # noqa: E731
                                         else rec.get(name, fallback))
     mode = opt("spec_mode") or ("chain" if drafter_dir else "ar")

@@ -22,7 +22,8 @@ def add_spec_arguments(p, *, default_mode: str | None = None) -> None:
                         "(mtp.* tensors), a chain of --chain-length recursive steps; mtp-tree = that head expanded "
                         "as a tree (--tree-depth/--tree-topk/--tree-beam) (default: " + (
                             default_mode or "the embedded model's measured best mode for this backend "
-                            "(drafter/recommended_modes.json); chain with another --drafter; else ar") + ")")
+                            "(drafter/recommended_modes.json), ar outside its measured bounds (max_slots requests, "
+                            "min_new_tokens per call); chain with another --drafter; else ar") + ")")
     p.add_argument("--chain-length", type=int, metavar="K", help="drafts per chain (default: the drafter's block; "
                    f"mtp: {MTP_DEFAULT_STEPS} recursive steps)")
     p.add_argument("--confidence-threshold", type=float, metavar="A",
@@ -50,8 +51,10 @@ def add_spec_arguments(p, *, default_mode: str | None = None) -> None:
 
 def recommended_settings(drafter_dir, backend: str) -> dict:
     """The measured best speculative settings of a drafter for a backend ('cpu' / 'gpu'): its
-    recommended_modes.json (written from `hyspec bench e2e` results), or {}. "max_slots" (optional): the
-    largest number of concurrent requests at which the mode was measured faster than plain decoding."""
+    recommended_modes.json (written from `hyspec bench e2e` results), or {}. Two optional bounds of where the
+    mode was measured faster than plain decoding (`plain_decoding_reason`): "max_slots", the most concurrent
+    requests; "min_new_tokens", the fewest new tokens one `hyspec generate` call must ask for (`hyspec bench
+    oneshot`: below it, loading the mode's extra programs and drafter costs more than decoding saves)."""
     import json
     from pathlib import Path
 
@@ -60,4 +63,19 @@ def recommended_settings(drafter_dir, backend: str) -> dict:
         return {}
     rec = json.loads(path.read_text()).get(backend) or {}
     return {k: rec[k] for k in ("spec_mode", "tree_depth", "tree_topk", "tree_beam", "verify_nodes",
-                                "chain_length", "max_slots") if rec.get(k) is not None}
+                                "chain_length", "max_slots", "min_new_tokens") if rec.get(k) is not None}
+
+
+def plain_decoding_reason(rec: dict, slots: int | None = None, new_tokens: int | None = None) -> str | None:
+    """Why a default (no --spec-mode) run decodes plainly instead of taking the recommendation `rec`
+    (`recommended_settings`), or None when the recommendation applies. slots: concurrent requests (None: not
+    bounded); new_tokens: new tokens asked for in the whole call, max_tokens x prompts (None: a server, whose
+    start-up is not paid per request)."""
+    if not rec:
+        return "no speculative mode measured faster on this backend"
+    if rec.get("max_slots") is not None and slots is not None and slots > rec["max_slots"]:
+        return f"{slots} concurrent requests > max_slots {rec['max_slots']} of the recommendation"
+    if rec.get("min_new_tokens") is not None and new_tokens is not None and new_tokens < rec["min_new_tokens"]:
+        return (f"{new_tokens} new tokens < min_new_tokens {rec['min_new_tokens']}: loading "
+                f"{rec['spec_mode']}'s programs costs more than it saves")
+    return None

@@ -246,6 +246,48 @@ def path_to(tree: Tree, node: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.where(j < length[:, None], idx, -1), length
 
 
+@struct.dataclass
+class NodePacking:
+    """The valid nodes of a [B, N] forest as C packed rows (Bole's packed forest): the verify's row-wise work
+    (embedding, projections, norms, MLP, LM head) runs on C rows instead of B·N, so its cost follows the
+    batch-wide node budget C rather than the per-row envelope; the per-request parts (conv windows, the tree
+    solve, tree attention) read the same nodes back in the [B, N] layout.
+
+    index [C] int32: the flat node (b·N + n) of packed row i — every valid node, in row-major order, then
+    invalid ones to fill the C rows (their rows compute harmless values that `unpack` drops again)."""
+    index: jax.Array
+    batch: int = struct.field(pytree_node=False)
+    nodes: int = struct.field(pytree_node=False)
+
+    @property
+    def rows(self) -> int:
+        return self.index.shape[0]
+
+    def pack(self, x: jax.Array) -> jax.Array:
+        """x [B, N, ...] -> [1, C, ...] (one packed "row" of C tokens, the layout the dense layers take)."""
+        chex.assert_shape(x, (self.batch, self.nodes, ...))
+        return x.reshape((self.batch * self.nodes,) + x.shape[2:])[self.index][None]
+
+    def unpack(self, x: jax.Array) -> jax.Array:
+        """x [1, C, ...] -> [B, N, ...]: each packed row back at its node; nodes not packed are zero."""
+        chex.assert_shape(x, (1, self.rows, ...))
+        flat = jnp.zeros((self.batch * self.nodes,) + x.shape[2:], x.dtype).at[self.index].set(
+            x[0], unique_indices=True)
+        return flat.reshape((self.batch, self.nodes) + x.shape[2:])
+
+
+def pack_nodes(tree: Tree, rows: int) -> NodePacking:
+    """The packing of `tree`'s valid nodes into `rows` rows (C). The caller guarantees at most `rows` valid nodes
+    (the budget's selection keeps at most C, `spec.budget.select_nodes`); a valid node past the C-th would not
+    be computed."""
+    _check(tree)
+    B, N = tree.valid.shape
+    if not 0 < rows <= B * N:
+        raise ValueError(f"packed rows must be in [1, B·N = {B * N}], got {rows}")
+    order = jnp.argsort(~tree.valid.reshape(-1), stable=True)       # valid nodes first, each group in order
+    return NodePacking(order[:rows].astype(I32), B, N)
+
+
 # ------------------------------------------------------------------------------------------------
 # Host side: validation, packing ragged trees into one forest, random trees for tests
 # ------------------------------------------------------------------------------------------------

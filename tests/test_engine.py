@@ -164,6 +164,31 @@ def test_budget_floor_only_is_still_exact(models, reference):
     assert eng.last_stats.accepted_per_position[0] > 0.5 and eng.last_stats.accepted_per_position[1] == 0.0
 
 
+@pytest.mark.parametrize("mode", ["chain", "tree-ready"])
+def test_packed_verify_under_a_batch_budget_is_exact(models, reference, mode):
+    """A batch-wide budget C between the floor and slots · N: the round verifies the selection packed into C rows
+    (Bole's packed forest, `budget.packed_rows`) and the output is still exactly AR; the budget shares the nodes
+    across the batch (some round verifies more than C / slots drafts for one request)."""
+    target, drafter = models
+    prompts, params, ref = reference
+    C = 13
+    eng = SpecEngine(target, drafter, _spec(mode, capacity=C), slots=SLOTS, kv_len=KV)
+    be = eng.backend(SLOTS, KV)
+    assert {s.packed_rows for s in be.round_shapes.values()} == {C}
+    out = eng.generate(prompts, params, hint=_hint(ref))
+    assert [r.token_ids for r in out] == ref
+    assert max(c for r in out for c in r.committed) - 1 > C // SLOTS - 1
+
+
+def test_packed_rows_follow_the_budget():
+    from hyspec_jax.spec.budget import packed_rows
+    assert packed_rows(None, 4, 8) == 0                     # no budget: the dense forest
+    assert packed_rows(13, 4, 8) == 13
+    assert packed_rows(3, 4, 8) == 8                        # never below the floor: anchor + root child a slot
+    assert packed_rows(32, 4, 8) == 0 and packed_rows(40, 4, 8) == 0   # not below slots · N: nothing to pack
+    assert packed_rows(13, 4, 1) == 0                       # plain decoding verifies nothing
+
+
 def test_hints_with_fewer_verified_nodes_than_draft_slots(models, reference):
     """A verify width N below the drafter's block (N − 1 < γ): the hints still cover the whole block the round
     drafts, and the output is exactly AR with at most N − 1 drafts accepted a round."""

@@ -20,7 +20,7 @@ from hyspec_jax.state import init_state
 from tests import hf_oracle
 
 S_MAX = 48
-verify_jit = jax.jit(verify, static_argnames=("graphdef", "method"))
+verify_jit = jax.jit(verify, static_argnames=("graphdef", "method", "packed_rows"))
 commit_jit = jax.jit(commit)
 
 
@@ -190,3 +190,50 @@ def test_grad_through_verify_matches_grad_through_prefill(target):
     assert max(float(jnp.abs(x).max()) for x in flat_v) > 0
     for a, b in zip(flat_v, flat_e):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-3)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_packed_rows_verify_equals_the_dense_forest(target, scan):
+    """Bole's packed forest: the valid nodes of a [B, N] forest in C < B·N rows give the dense verify's logits, taps
+    and commit factors at every valid node (the row-wise layers see the same rows; only the products' shapes
+    differ), and a commit from either cache is the same state."""
+    from hyspec_jax.models.target import scan_layers
+    _, tcfg, graphdef, params = target
+    model = nnx.merge(graphdef, jax.tree.map(jnp.copy, params))     # scan_layers restacks in place
+    if scan:
+        scan_layers(model)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, tcfg.vocab_size, size=n) for n in (3, 7, 5)]
+    N, d = 8, 3
+    sizes = (8, 2, 5)                                      # 15 valid nodes of 24
+    parents = [tree_lib.random_parents(rng, n, min(d, n - 1)) for n in sizes]
+    tree = tree_lib.pack_forest(parents, tree_lib.TreeShape(N, d))
+    tokens = jnp.asarray(rng.integers(0, tcfg.vocab_size, size=(3, N)), jnp.int32)
+    state = _prefill(tcfg, graphdef, params, prompts)
+    taps = (0, 2)
+    dense = jax.jit(lambda s: model.verify(s, tree, tokens, tap_layers=taps))(state)
+    packed = jax.jit(lambda s: model.verify(s, tree, tokens, tap_layers=taps, packed_rows=16))(state)
+    valid = np.asarray(tree.valid)
+    assert valid.sum() == 15
+    np.testing.assert_allclose(np.asarray(packed[0])[valid], np.asarray(dense[0])[valid], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(packed[1])[:, valid], np.asarray(dense[1])[:, valid], atol=1e-5, rtol=1e-5)
+    # of the 9 invalid nodes, 1 fills the 16th packed row; the 8 never packed are zero
+    assert (~np.asarray(packed[0])[~valid].any(axis=-1)).sum() == 8
+    accepted = jnp.asarray([5, 1, 0], jnp.int32)
+    new_dense = commit_jit(state, dense[2], tree, accepted)
+    new_packed = commit_jit(state, packed[2], tree, accepted)
+    for a, b in zip(jax.tree.leaves(new_packed), jax.tree.leaves(new_dense)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+def test_pack_nodes_orders_valid_nodes_first_and_round_trips():
+    parents = [np.asarray([-1, 0, 0], np.int32), np.asarray([-1], np.int32), np.asarray([-1, 0], np.int32)]
+    tree = tree_lib.pack_forest(parents, tree_lib.TreeShape(4, 2))
+    p = tree_lib.pack_nodes(tree, 7)
+    np.testing.assert_array_equal(np.asarray(p.index)[:6], [0, 1, 2, 4, 8, 9])   # valid, row-major
+    x = jnp.arange(3 * 4 * 2, dtype=jnp.float32).reshape(3, 4, 2)
+    back = np.asarray(p.unpack(p.pack(x)))
+    valid = np.asarray(tree.valid)
+    np.testing.assert_array_equal(back[valid], np.asarray(x)[valid])
+    with pytest.raises(ValueError, match="packed rows"):
+        tree_lib.pack_nodes(tree, 13)

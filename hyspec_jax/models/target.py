@@ -215,7 +215,7 @@ class TargetModel(nnx.Module):
         return self.logits(x), (taps if tap_layers else x), new_state
 
     def verify(self, state: TargetState, tree: Tree, tokens: jax.Array, *, method: gdn.InverseMethod = "squaring",
-               tap_layers: tuple[int, ...] = (), kernel_impl: str = "reference"
+               tap_layers: tuple[int, ...] = (), kernel_impl: str = "reference", packed_rows: int = 0
                ) -> tuple[jax.Array, jax.Array, TreeCache]:
         """One forward over a forest of draft trees (tokens [B,N]) from the committed state, never writing it.
 
@@ -225,6 +225,10 @@ class TargetModel(nnx.Module):
         `kernels.tree_attention`). Attention: the committed prefix plus the node's ancestors, at
         positions prefix_len + depth. Returns (logits [B,N,V] fp32, hidden (final-norm [B,N,H] or stacked
         taps), TreeCache with the commit factors — never per-node states).
+
+        packed_rows C > 0: the row-wise work (embedding, projections, norms, MLP, LM head) runs on the valid nodes
+        packed into C rows (`tree.pack_nodes`; the forest must hold at most C valid nodes), the per-request parts
+        in the [B,N] layout; outputs as without packing at the valid nodes (invalid ones: filler or zero).
         """
         B, N = tokens.shape
         chex.assert_shape([tree.parent, tree.valid], (B, N))
@@ -234,10 +238,15 @@ class TargetModel(nnx.Module):
         prefix_mask = jnp.arange(state.max_len, dtype=jnp.int32)[None, :] < state.lengths[:, None]   # [B,S]
         attn_mask = jnp.concatenate([jnp.broadcast_to(prefix_mask[:, None], (B, N, state.max_len)), mask], -1)
         valid = tree.valid
-        x = self.model.embed_tokens(tokens)
+        packing = tree_lib.pack_nodes(tree, packed_rows) if packed_rows else None
+        pack = packing.pack if packing is not None else (lambda a: a)       # [B,N,...] -> the rows the layers see
+        unpack = packing.unpack if packing is not None else (lambda a: a)   # and back, for the per-request parts
+        x = self.model.embed_tokens(pack(tokens))
+        row_positions = pack(positions)
 
         def gdn_mixer(mix, h, j, carry):
             qkv, z, b, a = mix.project(h)
+            qkv, b, a = unpack(qkv), unpack(b), unpack(a)
             qkv = jnp.where(valid[..., None], qkv, 0)
             conv_out = gdn.gathered_conv(qkv, state.conv[j], mix.conv_weight, taps_idx)
             q, k, v, g, beta = mix.mixer_inputs(conv_out, b, a, valid)
@@ -250,24 +259,27 @@ class TargetModel(nnx.Module):
                                             reference_method=method,
                                             deferred=None if state.pending is None else pending_layer(
                                                 state.pending, j))
-            return mix.output(o, z, x.dtype), carry, (fac, qkv)
+            return mix.output(pack(o), z, x.dtype), carry, (fac, qkv)
 
         def attn_mixer(att, h, j, carry):
-            q, gate, k, v = att.qkv(h, positions)
-            k, v = k.astype(state.keys.dtype), v.astype(state.values.dtype)
+            q, gate, k, v = att.qkv(h, row_positions)
+            q, k, v = unpack(q), unpack(k).astype(state.keys.dtype), unpack(v).astype(state.values.dtype)
             if kernel_impl == "reference":
                 keys = jnp.concatenate([state.keys[j], k], axis=1)
                 values = jnp.concatenate([state.values[j], v], axis=1)
-                return att.out(attend(q, keys, values, attn_mask), gate), carry, (k, v)
+                return att.out(pack(attend(q, keys, values, attn_mask)), gate), carry, (k, v)
             # the cache is read in place, never concatenated
             o = kernels.tree_attention(q, state.keys[j], state.values[j], prefix_mask, k, v, mask, impl=kernel_impl)
-            return att.out(o, gate), carry, (k, v)
+            return att.out(pack(o), gate), carry, (k, v)
 
         x, taps, _, gdn_out, attn_out = self._stack(x, gdn_mixer, attn_mixer, tap_layers)
         (factors, conv_inputs) = gdn_out if gdn_out is not None else (None, None)
         (keys, values) = attn_out if attn_out is not None else (None, None)
         cache = TreeCache(factors=factors, conv_inputs=conv_inputs, keys=keys, values=values, mask=mask)
-        return self.logits(x), (taps if tap_layers else x), cache
+        logits = unpack(self.logits(x))
+        if tap_layers:
+            return logits, (jax.vmap(unpack)(taps) if packing is not None else taps), cache
+        return logits, unpack(x), cache
 
 
 def _stack_outs(outs: list):
@@ -385,9 +397,9 @@ def extend(graphdef: nnx.GraphDef, params: nnx.State, state: TargetState, tokens
 
 
 def verify(graphdef: nnx.GraphDef, params: nnx.State, state: TargetState, tree: Tree, tokens: jax.Array,
-           method: gdn.InverseMethod = "squaring") -> tuple[jax.Array, TreeCache]:
+           method: gdn.InverseMethod = "squaring", packed_rows: int = 0) -> tuple[jax.Array, TreeCache]:
     model = nnx.merge(graphdef, params)
-    logits, _, cache = model.verify(state, tree, tokens, method=method)
+    logits, _, cache = model.verify(state, tree, tokens, method=method, packed_rows=packed_rows)
     return logits, cache
 
 

@@ -19,11 +19,13 @@ verify width): a node is eligible only if fewer than N nodes of its row rank abo
 prefix of the row's order. Whether a node is kept depends only on the nodes ranked above it — never on its
 own token or its descendants — which is what lossless tree sampling needs (`spec.select`).
 
-Data layout: verify runs over a dense [B, N] forest, so its cost is that of B·N nodes whatever C is. The
-engine makes that cost follow the capacity by choosing N per round from a small set of width buckets, one
-compiled round each (`spec.width`): width w selects C = slots · w nodes (per row: the anchor and its w − 1 best
-candidates, `width_gains`), and the round at width w costs what the calibration measured for it. A flat ragged
-forest (Bole's packing, cost exactly C) would need a target verify over per-node slot ids.
+Data layout: the selection is a [B, N] forest. Without a batch-wide budget below B·N the verify runs over it
+as it is, and the engine makes its cost follow the capacity by choosing N per round from a small set of width
+buckets, one compiled round each (`spec.width`): width w selects C = slots · w nodes (per row: the anchor and its
+w − 1 best candidates, `width_gains`), and the round at width w costs what the calibration measured for it. With
+a budget C below slots · w (`--budget`), the verify packs the selected nodes into C rows (`packed_rows`, Bole's
+packed forest): its row-wise work — embedding, projections, norms, MLP, LM head — costs C rows, not B·N, while the
+per-request parts (conv windows, tree solve, tree attention) read the nodes in the [B, N] layout.
 """
 
 from __future__ import annotations
@@ -53,6 +55,17 @@ class Selection:
     parent: jax.Array  # [B, N] int32 parent in the compacted numbering (−1 for the anchor and padding)
     depth: jax.Array   # [B, N] int32
     kept: jax.Array    # [B, M] bool which candidates were kept
+
+
+def packed_rows(capacity: int | None, slots: int, width: int) -> int:
+    """Rows of a round's packed verify (`RoundShape.packed_rows`; 0 = the dense [slots, width] forest). A batch-wide
+    budget C below slots · width packs the selected nodes into max(C, 2 · slots) rows, so the verify's row-wise
+    work follows C (`tree.pack_nodes`): the selection keeps every active slot's anchor and best root child whatever
+    C is (`root_floor`), hence never fewer rows than that. Width 1 (plain decoding) verifies nothing."""
+    if capacity is None or width <= 1:
+        return 0
+    rows = max(int(capacity), 2 * slots)
+    return rows if rows < slots * width else 0
 
 
 def root_floor(score: jax.Array, parent: jax.Array, valid: jax.Array, active: jax.Array) -> jax.Array:
@@ -213,5 +226,5 @@ class BudgetTable:
         return min(cands, key=lambda e: (depth is not None and e["max_depth"] != depth, e["batch"], e["kv_len"]))
 
 
-__all__ = ["Selection", "root_floor", "select_nodes", "width_gains", "confident_length", "b_ver", "model_id", "bucket_key",
+__all__ = ["Selection", "packed_rows", "root_floor", "select_nodes", "width_gains", "confident_length", "b_ver", "model_id", "bucket_key",
            "BudgetTable"]

@@ -36,7 +36,7 @@ from hyspec_jax.models.target import TargetModel
 from hyspec_jax.runtime.backend import SpecBackend, batch_shapes, bucket, compile_backends
 from hyspec_jax.runtime.scheduler import run_batch
 from hyspec_jax.sampling import SamplingParams
-from hyspec_jax.spec.budget import BudgetTable
+from hyspec_jax.spec.budget import BudgetTable, packed_rows
 from hyspec_jax.models.mtp import MTPHead
 from hyspec_jax.spec.options import KERNEL_IMPLS, MODES, MTP_DEFAULT_STEPS, MTP_MODES, TREE_MODES
 from hyspec_jax.spec.round import RoundShape
@@ -255,8 +255,9 @@ class SpecEngine:
                 return max(1, min(int(e["b_ver"]), self._max_nodes))
         return self._default_nodes
 
-    def round_shape(self, stochastic: bool, verify_nodes: int) -> RoundShape:
-        """The frozen static shape of a round of verify width N = verify_nodes."""
+    def round_shape(self, stochastic: bool, verify_nodes: int, slots: int | None = None) -> RoundShape:
+        """The frozen static shape of a round of verify width N = verify_nodes (with `slots`: its verify packed
+        to spec.capacity rows where that budget is below slots · N, `budget.packed_rows`)."""
         mtp = self.spec.uses_mtp
         taps = (self.config.num_hidden_layers - 1,) if mtp else tuple(self.drafter.config.target_layer_ids)
         return RoundShape(tree=self._tree, gamma=self._gamma, verify_nodes=verify_nodes,
@@ -264,14 +265,15 @@ class SpecEngine:
                           confidence_threshold=(None if self._tree is not None or mtp
                                                 else self.spec.confidence_threshold),
                           method=self.spec.method, tap_layers=taps, kernel_impl=self.spec.kernels,
-                          drafter="mtp" if mtp else "dspark")
+                          drafter="mtp" if mtp else "dspark",
+                          packed_rows=0 if slots is None else packed_rows(self.spec.capacity, slots, verify_nodes))
 
     def round_seconds(self, slots: int, kv_len: int) -> dict[int, float] | None:
         """The calibrated round time of every width bucket of this bucket (`spec.width.round_seconds`), or None."""
         if self.budget_table is None or self.spec.mode == "ar":
             return None
         widths = width_buckets(self.nodes_for(slots, kv_len))
-        sig = round_signature(self.spec.mode, self.round_shape(False, max(widths)), self.spec.deferred_rows)
+        sig = round_signature(self.spec.mode, self.round_shape(False, max(widths), slots), self.spec.deferred_rows)
         e = self.budget_table.lookup(jax.devices()[0].device_kind, self.model_name, slots, kv_len, self._gamma, sig)
         return round_seconds(e, sig, widths)
 
@@ -280,7 +282,7 @@ class SpecEngine:
         """A backend with one round per width bucket up to `nodes_for` (`spec.width`): the width chosen each
         round from `seconds` (calibrated round time per width), fixed at the widest without them."""
         widths = width_buckets(self.nodes_for(slots, kv_len))
-        rounds = {w: {s: dataclasses.replace(self.round_shape(s, w), gain_widths=widths) for s in (False, True)}
+        rounds = {w: {s: dataclasses.replace(self.round_shape(s, w, slots), gain_widths=widths) for s in (False, True)}
                   for w in widths}
         shapes = shapes or batch_shapes(slots, self.max_prompt_len(kv_len))
         return WidthBackend(self.config, self.tgraph, self.tparams, self.drafter.config, self.dgraph, self.dparams,
@@ -300,7 +302,7 @@ class SpecEngine:
         shapes = shapes or batch_shapes(slots, self.max_prompt_len(kv_len))
         return SpecBackend(self.config, self.tgraph, self.tparams, self.drafter.config,   # MTP: the target's config
                            self.dgraph, self.dparams,
-                           mode=self.spec.mode, round_shapes={s: self.round_shape(s, N) for s in (False, True)},
+                           mode=self.spec.mode, round_shapes={s: self.round_shape(s, N, slots) for s in (False, True)},
                            capacity=self.spec.capacity or slots * N, slots=slots, kv_len=kv_len, shapes=shapes,
                            deferred_rows=self.spec.deferred_rows)
 

@@ -34,7 +34,8 @@ def add_spec_arguments(p, *, default_mode: str | None = None) -> None:
                    "else 4)")
     p.add_argument("--verify-nodes", type=int, metavar="N", help="verified nodes per request, anchor included "
                    "(default: recommended, else --budget-table's B_ver, else chain length + 1 / min(tree nodes, 16))")
-    p.add_argument("--budget", type=int, metavar="C", help="batch-wide node budget (default: N x batch slots)")
+    p.add_argument("--budget", type=int, metavar="C", help="batch-wide node budget (default: N x batch slots); "
+                   "below that, the verify runs on the selected nodes packed into C rows (Bole's packed forest)")
     p.add_argument("--budget-table", metavar="FILE", help="calibration table from `hyspec calibrate` (B_ver per "
                    "bucket; where it holds this engine's round times, the verify width is chosen every round, "
                    "from plain decoding to --verify-nodes; default with the embedded model: its own table)")

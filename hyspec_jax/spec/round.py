@@ -9,7 +9,8 @@ One round (`spec_round`, compiled once per bucket: batch slots B, verify width N
   build    chain [anchor, x₀..x_{γ−1}] (optionally cut by DSpark's confidence) or a beam tree (`spec.select`)
   select   Bole's batch-shared budget: anchor + root child of every active slot, then the batch-wide best
            scores, ≤ N per row, ≤ C in all (`spec.budget.select_nodes`); compacted to a [B, N] forest
-  verify   one target forward over the forest from the committed state, with the drafter's tap layers
+  verify   one target forward over the forest from the committed state, with the drafter's tap layers (with a
+           budget C below B·N on C packed rows, `RoundShape.packed_rows`)
   accept   greedy matching or lossless recursive rejection sampling (`spec.accept`)
   commit   target: factorized commit of the root-to-accepted path (`spec.commit.commit`); drafter: context
            K/V of the path's target taps (anchor + accepted drafts) appended (MTP: the path's tokens paired with
@@ -70,6 +71,9 @@ class RoundShape:
     # verify widths whose expected accepted drafts `spec_round_io` reports (`budget.width_gains`; the
     # per-round width choice of `spec.width` reads them); () = none
     gain_widths: tuple[int, ...] = ()
+    # > 0: the verify's row-wise work on the selected nodes packed into this many rows (`budget.packed_rows`), the
+    # round's batch-wide capacity capped to it; 0: the dense [B, N] forest
+    packed_rows: int = 0
 
     @property
     def plain(self) -> bool:
@@ -150,6 +154,8 @@ def _select(cand, active: jax.Array, capacity: jax.Array, samp: SlotSampling | N
     valid = cand.valid & active[:, None]
     gains = width_gains(cand.score, valid, active, shape.gain_widths) if shape.gain_widths else None
     forced = root_floor(cand.score, cand.parent, valid, active)
+    if shape.packed_rows:      # the packed verify computes packed_rows rows: never select more
+        capacity = jnp.minimum(capacity, shape.packed_rows)
     sel = select_nodes(cand.score, cand.parent, cand.depth, valid, forced, N, capacity)
     tokens = jnp.where(sel.valid, jnp.take_along_axis(cand.token, sel.index, axis=1), 0)
     tree = tree_lib.Tree(parent=sel.parent, valid=sel.valid, depth=sel.depth,
@@ -163,7 +169,7 @@ def round_verify(tgraph: nnx.GraphDef, tparams: nnx.State, state: TargetState, t
     """Round phase 2 — the target's verify forward over the forest: (logits, taps, TreeCache)."""
     target: TargetModel = nnx.merge(tgraph, tparams)
     logits, taps, cache = target.verify(state, tree, tokens, method=shape.method, tap_layers=shape.tap_layers,
-                                        kernel_impl=shape.kernel_impl)
+                                        kernel_impl=shape.kernel_impl, packed_rows=shape.packed_rows)
     if shape.drafter == "mtp":   # the head reads the hidden after the target's final norm
         taps = target.model.norm(taps)
     return logits, taps, cache

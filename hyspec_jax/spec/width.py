@@ -54,7 +54,8 @@ def round_signature(mode: str, shape: RoundShape, deferred_rows: int) -> str:
     shape, the kernels and the deferred commit — the key of `t_round_ms` in a budget-table entry."""
     draft = (f"tree={shape.tree.depth}x{shape.tree.top_k}x{shape.tree.beam}" if shape.tree is not None
              else f"chain={shape.gamma}")
-    return f"{mode}|{draft}|kernels={shape.kernel_impl}|deferred={deferred_rows}"
+    packed = f"|packed={shape.packed_rows}" if shape.packed_rows else ""
+    return f"{mode}|{draft}|kernels={shape.kernel_impl}|deferred={deferred_rows}{packed}"
 
 
 def round_seconds(entry: Mapping | None, signature: str, widths: Sequence[int]) -> dict[int, float] | None:

@@ -144,22 +144,22 @@ INIT_RULES = {
 }
 
 
-def param_init_rules(model) -> dict:
-    """{parameter path (tuple): (kind, scale)} from the (abstract) model's module classes and `INIT_RULES`.
-    A parameter with no rule is an error (add its rule), never a silent guess."""
+def param_init_rules(model, rules: dict | None = None) -> dict:
+    """{parameter path (tuple): (kind, scale)} from the (abstract) model's module classes and `rules` (default
+    `INIT_RULES`). A parameter with no rule is an error (add its rule), never a silent guess."""
     from flax import nnx
 
     nodes = list(nnx.iter_graph(model))
     owners = {tuple(p): type(n).__name__ for p, n in nodes if isinstance(n, nnx.Module)}
-    rules = {}
+    table, out = INIT_RULES if rules is None else rules, {}
     for p, n in nodes:
         if isinstance(n, nnx.Param):
             key = (owners.get(tuple(p[:-1])), p[-1])
-            if key not in INIT_RULES:
+            if key not in table:
                 raise KeyError(f"no init rule for parameter {'.'.join(map(str, p))} ({key[0]}.{key[1]}): "
                                "add one to verify_scale.INIT_RULES")
-            rules[tuple(p)] = INIT_RULES[key]
-    return rules
+            out[tuple(p)] = table[key]
+    return out
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,136 @@
+"""`hyspec bench round-scale` (bench/round_scale.py): the CPU tiny path end to end (the engine's round, its phases
+and the decoding step timed per batch and width), the projection arithmetic against the results file's own τ,
+the published drafter geometry, merge, and one-line errors."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hyspec_jax.bench import round_scale as rs
+
+ROOT = Path(__file__).resolve().parent.parent
+E2E = ROOT / "bench" / "results" / "e2e" / "e2e_h100_loop.json"
+FAST = ["--xla-option", "xla_backend_optimization_level=0"]     # CPU compile time dominates; same semantics
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("round_scale") / "rs.json"
+    argv = ["--tiny", "--batch", "2", "--nodes", "4,32", "--prefix", "6", "--repeats", "2", "--warmup", "1",
+            "--no-progress", "--json", str(out), *FAST]
+    assert rs.main(argv) == 0
+    return out, json.loads(out.read_text())
+
+
+def test_rows_and_outputs(run):
+    out, rep = run
+    assert rep["status"] == "complete" and not rep["skipped"]
+    assert "--tiny" in rep["command"] and rep["meta"]["commit"]
+    s = rep["settings"]
+    assert s["mode"] == "tree-ready" and s["tree"] == dict(depth=7, top_k=8, beam=16)
+    assert s["max_len"] == 6 + 32 and rep["drafter"]["gamma"] == 7 and rep["drafter"]["reader"] is not None
+    assert [d["batch"] for d in rep["decode"]] == [2] and rep["decode"][0]["t_ms"] > 0
+    assert [(r["batch"], r["nodes"]) for r in rep["rows"]] == [(2, 4), (2, 32)]
+    t_dec = {d["batch"]: d["t_ms"] for d in rep["decode"]}
+    for r in rep["rows"]:
+        assert r["depth"] == min(7, r["nodes"] - 1) and r["capacity"] == r["batch"] * r["nodes"]
+        assert r["t_round_ms"] > 0 and r["t_draft_ms"] > 0 and r["t_verify_ms"] > 0
+        assert r["phases"]["verify"]["finite"] and len(r["times_ms"]) == 2
+        assert r["t_dec_ms"] == t_dec[r["batch"]]
+        assert r["round_over_dec"] == pytest.approx(r["t_round_ms"] / r["t_dec_ms"], rel=1e-3)
+        # greedy: every active slot commits its accepted drafts and the bonus token
+        assert r["committed_per_round"] == pytest.approx(r["accepted_per_round"] + 1)
+    md = out.with_suffix(".md").read_text()
+    assert "PROJECTED" in md and "2610.20503" in md and "e2e_h100_loop.json" in md and "T_round / T_dec" in md
+
+
+def test_projection_arithmetic(run):
+    """speed-up = τ · T_dec / T_round at the published τ and at the τ the e2e results file holds for the same
+    mode, tree and N (read here straight from the file); no τ there, no projection."""
+    _, rep = run
+    e2e = json.loads(E2E.read_text())
+    assert e2e["meta"]["tree"] == dict(depth=7, top_k=8, beam=16, verify_nodes=32)
+    tau_emb = e2e["results"]["tree-ready@b1"]["mean_tau"]
+    assert rep["taus"]["published"] == 4.5285 and rep["taus"]["embedded"]["32"]["tau"] == tau_emb
+    for r in rep["rows"]:
+        p = r["projections"]
+        want = 4.5285 * r["t_dec_ms"] / r["t_round_ms"]
+        assert p["published"]["speedup"] == pytest.approx(want, rel=1e-3)
+        assert p["published"]["meets"] == (p["published"]["speedup"] >= 1.8)
+        if r["nodes"] == 32:
+            assert p["embedded"]["tau"] == tau_emb
+            assert p["embedded"]["speedup"] == pytest.approx(tau_emb * r["t_dec_ms"] / r["t_round_ms"], rel=1e-3)
+            assert p["embedded"]["meets"] == (p["embedded"]["speedup"] >= 1.8)
+        else:
+            assert p["embedded"] == dict(tau=None, speedup=None, meets=None)
+    assert rs.projected_speedup(4.0, 10.0, 20.0) == 2.0
+    with pytest.raises(ValueError):
+        rs.projected_speedup(4.0, 10.0, 0.0)
+
+
+def test_embedded_taus_matches_the_tree(tmp_path):
+    f = tmp_path / "e2e.json"
+    res = {"tree-ready@b8": dict(mode="tree-ready", batch=8, verify_nodes=32, mean_tau=3.1),
+           "tree-ready@b1": dict(mode="tree-ready", batch=1, verify_nodes=32, mean_tau=3.0),
+           "tree@b1": dict(mode="tree", batch=1, verify_nodes=32, mean_tau=2.0),
+           "ar@b1": dict(mode="ar", batch=1, verify_nodes=1)}
+    f.write_text(json.dumps(dict(meta=dict(tree=dict(depth=7, top_k=8, beam=16)), results=res)))
+    got = rs.embedded_taus(f, "tree-ready", (7, 8, 16), {8, 32})
+    assert list(got) == [32] and got[32]["tau"] == 3.0 and got[32]["entry"] == "tree-ready@b1"
+    assert rs.embedded_taus(f, "tree", (7, 8, 16), {32})[32]["tau"] == 2.0
+    assert rs.embedded_taus(f, "tree-ready", (7, 4, 6), {32}) == {}      # another tree: no τ
+
+
+def test_published_drafter_geometry():
+    from hyspec_jax.spec.memory import qwen38_27b
+
+    cfg, source = rs.drafter_config(qwen38_27b())
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.intermediate_size, cfg.vocab_size) == (5120, 5, 32, 8, 128, 17408, 248320)
+    assert cfg.target_layer_ids == (1, 16, 31, 46, 61) and cfg.block_size == 7 and cfg.num_draft_tokens == 7
+    assert "drafters.md" in source and "2610.20503" in source
+    assert rs.drafter_config(qwen38_27b(), block_size=16, layers=3)[0].block_size == 16
+
+
+def test_random_drafter_norms_are_one():
+    """The drafter's Qwen3 norms (not zero-centred) get weight 1, the matrices random draws, the reader its own."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from hyspec_jax.bench import verify_scale as vs
+    from hyspec_jax.models.reader import ReaderConfig
+
+    tcfg = vs.tiny_config()
+    dcfg, _ = rs.drafter_config(tcfg, tiny=True)
+    d = rs.random_drafter(dcfg, ReaderConfig.for_target(tcfg), jnp.float32, 0, vs.make_mesh(1))
+    assert np.all(np.asarray(d.layers[0].input_layernorm.weight[...]) == 1.0)
+    assert np.all(np.asarray(d.norm.weight[...]) == 1.0)
+    fc = np.asarray(d.fc.weight[...])
+    assert fc.std() == pytest.approx(0.02, rel=0.1)
+    assert np.asarray(d.reader.w_q[...]).std() == pytest.approx(1 / np.sqrt(dcfg.hidden_size), rel=0.1)
+    import jax
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.state(d)))
+
+
+def test_merge(run, tmp_path):
+    out, rep = run
+    a = dict(rep, rows=rep["rows"][:1], status="partial", skipped=["round B=2 N=32", "verify B=2 N=32"])
+    b = dict(rep, rows=rep["rows"][1:])
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    merged = tmp_path / "m.json"
+    assert rs.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--json", str(merged)]) == 0
+    m = json.loads(merged.read_text())
+    assert m["rows"] == rep["rows"] and m["decode"] == rep["decode"] and m["status"] == "complete"
+    assert merged.with_suffix(".md").is_file()
+
+
+def test_errors_are_one_line(tmp_path, capsys):
+    assert rs.main(["--tiny", "--no-progress", "--tau-from", str(tmp_path / "none.json")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hyspec bench round-scale: error:")
+    with pytest.raises(SystemExit) as e:
+        rs.main(["--tiny", "--tree-depth", "0"])
+    assert e.value.code == 2

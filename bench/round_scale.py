@@ -59,15 +59,21 @@ geometry; every time; the τ used and where it came from) and OUT.md, rewritten 
 combines runs of other batches (no device).
 
 One H200 (kind nvidia-h200, run with timeout_s 600), from the repository root (bench/verify_scale.py's convention;
-.jax_cache is git-ignored, so a warm machine keeps the compiles between calls):
+.jax_cache is git-ignored, so a warm machine keeps the compiles between calls). The programs run 64 unrolled layers
+(a round compiles about as long as a verify, 16–45 s each at this geometry: bench/results/README.md), and every
+program is compiled before any is timed, so the rounds and decoding steps come first (9 programs), then, on the
+warm machine, the whole set (the 9 from the cache, 12 phase programs new):
 
     ln -sfn $PWD/bench hyspec_jax/bench; HYSPEC_GIT_COMMIT=<sha> PYTHONPATH=$PWD python3 -m \\
-        hyspec_jax.bench.round_scale --max-seconds 330 --compile-cache .jax_cache --no-progress \\
-        --json $OUT/round_scale_h200.json
+        hyspec_jax.bench.round_scale --no-phases --compile-workers 2 --max-seconds 240 \\
+        --compile-cache .jax_cache --no-progress --json $OUT/round_scale_h200_rounds.json
+    ln -sfn $PWD/bench hyspec_jax/bench; HYSPEC_GIT_COMMIT=<sha> PYTHONPATH=$PWD python3 -m \\
+        hyspec_jax.bench.round_scale --compile-workers 2 --max-seconds 240 \\
+        --compile-cache .jax_cache --no-progress --json $OUT/round_scale_h200.json
 
-If programs were skipped, run them in a further call on the warm machine (e.g. `--batch 32 --json
-$OUT/round_scale_h200_b32.json`), then, here, `--merge A.json B.json --json
-bench/results/scale/round_scale_h200.json`. CPU smoke run: `--tiny`.
+If a call left programs out (listed as skipped), run them in a further call on the warm machine (e.g. `--batch 32
+--json $OUT/round_scale_h200_b32.json`), then, here, `--merge A.json B.json --json
+bench/results/scale/round_scale_h200.json` (a later file's rows win). CPU smoke run: `--tiny`.
 """
 
 from __future__ import annotations
@@ -520,7 +526,20 @@ def sweep(args, cfg, name: str, on_progress=None) -> dict:
         report["stopped"] = f"--max-seconds {args.max_seconds:g}: {len(report['skipped'])} program(s) not measured"
     report["status"] = "partial" if report["skipped"] else "complete"
     report["wall_s"] = round(time.perf_counter() - t_start, 2)
+    report["device_memory"] = device_memory()
     return report
+
+
+def device_memory() -> dict | None:
+    """The device allocator's peak and limit (bytes) over the run, where the backend reports them (GPU)."""
+    import jax
+
+    try:
+        m = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 — optional diagnostics, not every backend has them
+        return None
+    out = {k: int(m[k]) for k in ("peak_bytes_in_use", "bytes_limit") if k in m}
+    return out or None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -601,7 +620,10 @@ def markdown(report: dict) -> str:
         lines += [f"Not measured ({report.get('stopped', 'run cut short')}): " + ", ".join(report["skipped"]), ""]
     dec = ", ".join(f"B={x['batch']} {x['t_ms']:.3f} ms (compile {x['compile_s']:.0f} s)" for x in report["decode"])
     comp = ", ".join(f"B={r['batch']} N={r['nodes']} {r['compile_s']:.0f} s" for r in report["rows"])
-    lines += [f"T_dec: {dec or '—'}. Round compiles: {comp or '—'}.", ""]
+    mem = report.get("device_memory") or {}
+    lines += [f"T_dec: {dec or '—'}. Round compiles: {comp or '—'}."
+              + (f" Device memory: peak {_gib(mem['peak_bytes_in_use'])} of {_gib(mem['bytes_limit'])}."
+                 if {"peak_bytes_in_use", "bytes_limit"} <= set(mem) else ""), ""]
     if not all_finite(report):
         lines += ["**WARNING: non-finite verify logits in at least one row (see the JSON).**", ""]
     return "\n".join(lines)
@@ -610,7 +632,7 @@ def markdown(report: dict) -> str:
 def merge(paths: list[str]) -> dict:
     """One report from runs of the same models and settings but other batches / nodes (a later run's rows win)."""
     reports = [json.loads(Path(p).read_text()) for p in paths]
-    loose = {"batches", "nodes", "compile_workers", "compile_cache", "max_seconds"}
+    loose = {"batches", "nodes", "compile_workers", "compile_cache", "max_seconds", "phases"}
     key = lambda r: (r["model"]["name"], r["drafter"]["config"],  # noqa: E731
                      {k: v for k, v in r["settings"].items() if k not in loose})
     rows, dec = {}, {}

@@ -134,3 +134,11 @@ def test_errors_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         rs.main(["--tiny", "--tree-depth", "0"])
     assert e.value.code == 2
+
+
+def test_registered_in_the_cli(capsys):
+    from hyspec_jax import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "round-scale", "--help"])
+    assert e.value.code == 0 and "PROJECTIONS" in capsys.readouterr().out

@@ -117,20 +117,22 @@ DRAFTER_STREAM, DSTATE_STREAM = 1 << 20, 1 << 21     # fill_leaf streams apart f
 # The drafter: geometry, random weights, random context
 # ------------------------------------------------------------------------------------------------
 def drafter_config(tcfg, *, tiny: bool = False, path: str | None = None, layers: int | None = None,
-                   block_size: int = PUBLISHED_BLOCK, taps: tuple[int, ...] | None = None):
+                   block_size: int | None = None, taps: tuple[int, ...] | None = None):
     """(DrafterConfig, source): a drafter config.json (`path`), a small drafter of the tiny target (`tiny`), else
-    the published geometry (module docstring) beside `tcfg`. layers / block_size / taps override."""
+    the published geometry (module docstring) beside `tcfg`. layers / block_size / taps override (None: the
+    file's, else the published layers and block size)."""
     from hyspec_jax.config import DrafterConfig
 
     if path:
         p = Path(path)
         cfg = DrafterConfig.from_hf_dict(json.loads((p / "config.json" if p.is_dir() else p).read_text()))
-        over = {k: v for k, v in dict(num_hidden_layers=layers, target_layer_ids=taps).items() if v is not None}
-        cfg = dataclasses.replace(cfg, block_size=block_size, **over)
+        over = dict(num_hidden_layers=layers, target_layer_ids=taps, block_size=block_size)
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in over.items() if v is not None})
         if cfg.hidden_size != tcfg.hidden_size or cfg.vocab_size != tcfg.vocab_size:
             raise ValueError(f"{path}: drafter hidden {cfg.hidden_size} / vocab {cfg.vocab_size} do not match the "
                              f"target's {tcfg.hidden_size} / {tcfg.vocab_size}")
         return cfg, str(path)
+    block_size = block_size or PUBLISHED_BLOCK
     if tiny:
         n = layers or 2
         return DrafterConfig.from_target(
@@ -692,8 +694,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tree top-k, tree solve, tree attention, commit (default auto: the engine's default)")
     ap.add_argument("--prefix", type=int, default=512, metavar="P", help="committed tokens per slot (default 512)")
     ap.add_argument("--max-len", type=int, metavar="S", help="KV length (default prefix + max(max N, γ + 2))")
-    ap.add_argument("--block-size", type=int, default=PUBLISHED_BLOCK, metavar="G",
-                    help="drafter block size γ (default 7: ReaDy's Qwen3.8-27B setting)")
+    ap.add_argument("--block-size", type=int, metavar="G",
+                    help="drafter block size γ (default 7: ReaDy's Qwen3.8-27B setting; with --drafter-config: its own)")
     ap.add_argument("--draft-layers", type=int, metavar="L", help="drafter layers (default 5; --tiny 2)")
     ap.add_argument("--taps", type=_taps, metavar="I,..", help="tapped target layers (default: the z-lab rule)")
     ap.add_argument("--drafter-config", metavar="PATH", help="a drafter config.json (or its directory) instead of "
@@ -731,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     args.argv = argv
-    if min(args.repeats, args.warmup, args.tree_depth, args.tree_topk, args.tree_beam, args.block_size) < 1:
+    if min(args.repeats, args.warmup, args.tree_depth, args.tree_topk, args.tree_beam, args.block_size or 1) < 1:
         ap.error("--repeats, --warmup, --tree-depth, --tree-topk, --tree-beam and --block-size must be ≥ 1")
     if args.prefix < 0 or (args.draft_layers is not None and args.draft_layers < 1):
         ap.error("--prefix must be ≥ 0 and --draft-layers ≥ 1")

@@ -94,6 +94,23 @@ def test_published_drafter_geometry():
     assert rs.drafter_config(qwen38_27b(), block_size=16, layers=3)[0].block_size == 16
 
 
+def test_drafter_config_file(tmp_path):
+    """--drafter-config: the file's geometry and block size, unless a flag overrides; another target's is refused."""
+    import dataclasses
+
+    from hyspec_jax.bench import verify_scale as vs
+    from hyspec_jax.spec.memory import qwen38_27b
+
+    tiny = vs.tiny_config()
+    own = dataclasses.replace(rs.drafter_config(tiny, tiny=True)[0], block_size=5)
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps(own.to_hf_dict()))
+    assert rs.drafter_config(tiny, path=str(tmp_path))[0] == own
+    assert rs.drafter_config(tiny, path=str(f), block_size=3)[0].block_size == 3
+    with pytest.raises(ValueError, match="do not match"):
+        rs.drafter_config(qwen38_27b(), path=str(f))
+
+
 def test_random_drafter_norms_are_one():
     """The drafter's Qwen3 norms (not zero-centred) get weight 1, the matrices random draws, the reader its own."""
     import jax.numpy as jnp

@@ -78,7 +78,8 @@ def engine_from_args(args, model, model_dir, dtype, batch: int | None = None, ne
                    capacity=getattr(args, "budget", None), confidence_threshold=getattr(args, "confidence_threshold",
                                                                                         None),
                    kernels=getattr(args, "kernels", None) or "auto",
-                   deferred_rows=getattr(args, "deferred_rows", None) or 0)
+                   deferred_rows=getattr(args, "deferred_rows", None) or 0,
+                   packed_widths=bool(getattr(args, "packed_widths", None)))
     if mode in ("tree", "tree-ready"):
         spec_kw["tree"] = TreeExpansion(depth=opt("tree_depth", 4), top_k=opt("tree_topk", 2), beam=opt("tree_beam", 4))
     spec = SpecConfig(**spec_kw)
@@ -103,7 +104,8 @@ def _mtp_engine(args, model, model_dir, dtype):
         raise ValueError(f"--slots must be >= 1, got {args.slots}")
     opt = lambda name, fallback=None: getattr(args, name, None) if getattr(args, name, None) is not None else fallback  # noqa: E731
     spec_kw = dict(mode=args.spec_mode, chain_length=opt("chain_length"), verify_nodes=opt("verify_nodes"),
-                   capacity=opt("budget"), kernels=opt("kernels", "auto"), deferred_rows=opt("deferred_rows", 0))
+                   capacity=opt("budget"), kernels=opt("kernels", "auto"), deferred_rows=opt("deferred_rows", 0),
+                   packed_widths=bool(opt("packed_widths", False)))
     if args.spec_mode == "mtp-tree":
         spec_kw["tree"] = TreeExpansion(depth=opt("tree_depth", 4), top_k=opt("tree_topk", 2),
                                         beam=opt("tree_beam", 4))

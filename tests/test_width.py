@@ -17,7 +17,7 @@ import pytest
 
 from hyspec_jax import tree as T
 from hyspec_jax.sampling import SamplingParams
-from hyspec_jax.spec.budget import BudgetTable, root_floor, select_nodes, width_gains
+from hyspec_jax.spec.budget import BudgetTable, packed_gains, root_floor, select_nodes, width_gains
 from hyspec_jax.spec.engine import SpecConfig, SpecEngine
 from hyspec_jax.spec.width import (WidthBackend, WidthChooser, choose_width, round_seconds, round_signature,
                                    width_buckets)
@@ -103,6 +103,58 @@ def test_width_gains_are_the_selection_at_each_width(seed):
             assert g[b, k] == pytest.approx(float(np.exp(score[b, nonroot]).sum()), rel=1e-5, abs=1e-7)
     sub = np.array([True, False, False, False])   # one row: brute force at width 4
     assert g[0, 2] + 1 == pytest.approx(_brute_force(score[:1], parent[:1], valid[:1], sub[:1], 4, 4), rel=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_packed_gains_are_the_batch_selection_at_each_packed_width(seed):
+    """packed_gains(w), summed over the rows = Σ ρ over the non-anchor nodes `select_nodes` keeps at row capacity N
+    and batch capacity slots · w (the nodes the packed verify of width w runs); each row's entry is its share."""
+    rng = np.random.default_rng(200 + seed)
+    B, M, N = 4, 9, 6
+    score, parent, depth, valid = _forest(rng, B, M)
+    active = np.array([True, False, True, True])
+    widths = (1, 2, 3, 4)
+    g = np.asarray(packed_gains(jnp.asarray(score), jnp.asarray(valid), jnp.asarray(active), widths, N))
+    assert g.shape == (B, len(widths)) and (g[~active] == 0).all() and (g[:, 0] == 0).all()
+    for k, w in enumerate(widths[1:], 1):
+        kept = np.asarray(_select(*map(jnp.asarray, (score, parent, depth, valid, active)), jnp.int32(B * w),
+                                  row_cap=N))
+        for b in range(B):
+            nonroot = kept[b] & (np.arange(M) > 0)
+            assert g[b, k] == pytest.approx(float(np.exp(score[b, nonroot]).sum()), rel=1e-5, abs=1e-7)
+
+
+def test_packed_widths_greedy_equals_autoregressive(models, reference):
+    """Packed widths (a batch-wide budget of slots · w nodes at row capacity N, verified packed): every width's
+    round is packed (but the widest, which holds every node, and plain decoding), and the output is AR's as the
+    width changes."""
+    target, drafter = models
+    prompts, params, ref = reference
+    made = []
+    eng = _forced(SpecEngine(target, drafter, _spec("tree-ready", packed_widths=True), slots=SLOTS, kv_len=KV),
+                  (8, 2, 1, 4, 2), made)
+    out = eng.generate(prompts, params, hint=_hint(ref))
+    assert [r.token_ids for r in out] == ref
+    (be,) = made
+    shapes = {w: be.widths[w][False] for w in be.widths}
+    assert {w: s.packed_rows for w, s in shapes.items()} == {1: 0, 2: 2 * SLOTS, 4: 4 * SLOTS, 8: 0}
+    assert all(s.verify_nodes == 8 for w, s in shapes.items() if w > 1) and shapes[1].plain
+    assert all(s.packed_gains for s in shapes.values())
+    assert "|packed-widths" in round_signature("tree-ready", shapes[8], 0)
+    with pytest.raises(ValueError, match="drop the fixed budget"):
+        _spec("tree", packed_widths=True, capacity=12)
+
+
+def test_packed_chooser_bounds_the_gain_by_the_batch_budget():
+    """Packed: width w verifies slots · w nodes for the batch, so the gain per live request is bounded by
+    (slots · w − live) / live, not w − 1: with 2 of 8 slots live, width 2 can carry 7 drafts a request."""
+    seconds = {1: 1.0e-3, 2: 1.2e-3, 4: 2.0e-3}
+    per_row = WidthChooser(seconds)
+    packed = WidthChooser(seconds, packed_slots=8)
+    for c in (per_row, packed):
+        c.gain = {1: 0.0, 2: 6.0, 4: 7.0}
+    assert per_row._best(2) == 4          # width 2 capped at 1 draft a request
+    assert packed._best(2) == 2           # width 2 keeps its 6 expected drafts: the cheapest wins
 
 
 # ------------------------------------------------------------------------------------------------

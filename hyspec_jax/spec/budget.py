@@ -142,6 +142,33 @@ def width_gains(score: jax.Array, valid: jax.Array, active: jax.Array, widths: t
     return csum[:, [min(w - 1, k) for w in widths]]
 
 
+def packed_gains(score: jax.Array, valid: jax.Array, active: jax.Array, widths: tuple[int, ...],
+                 row_capacity: int) -> jax.Array:
+    """The drafter's expected accepted drafts of every row at each packed width w (fp32 [B, len(widths)]): width w
+    verifies the batch-wide selection of capacity C = slots · w at row capacity `row_capacity` (packed into C rows,
+    `packed_rows`) — every active row's anchor and best root child, then the batch's best other candidates, at most
+    row_capacity − 1 drafts a row. Row b's entry is Σ ρ over its drafts in that selection, so the mean over the live
+    rows is the batch's expected accepted drafts per request. Ties among equal scores are broken by row order here,
+    by depth in `select_nodes`: an estimate either way. score [B, M] log scores (node 0 = anchor)."""
+    B, M = score.shape
+    k = max(1, min(row_capacity - 1, M - 1))
+    s = jnp.where(valid & (jnp.arange(M)[None] > 0) & active[:, None], score, -jnp.inf).astype(F32)
+    best = jax.lax.top_k(s, k)[0] if M > 1 else jnp.full((B, 1), -jnp.inf, F32)       # [B, k], row's best first
+    rho = jnp.exp(best)                                                                 # 0 where −inf
+    # the floor: every live anchor, and the root child of every live row that drafted one
+    floor = jnp.sum(active, dtype=I32) + jnp.sum(jnp.isfinite(best[:, 0]), dtype=I32)
+    rest = best[:, 1:].reshape(-1)                                                      # beyond each root child
+    order = jnp.argsort(-rest, stable=True)
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(rest.shape[0], dtype=order.dtype)).reshape(B, k - 1)
+    out = []
+    for w in widths:
+        spare = jnp.maximum(B * w - floor, 0)
+        kept = (rank < spare) & jnp.isfinite(best[:, 1:])
+        row = jnp.where(jnp.isfinite(best[:, 0]) & (w > 1), rho[:, 0], 0.0) + jnp.sum(jnp.where(kept & (w > 1), rho[:, 1:], 0.0), axis=1)
+        out.append(jnp.where(active, row, 0.0))
+    return jnp.stack(out, axis=1)
+
+
 def confident_length(confidence: jax.Array, threshold: float | jax.Array, min_length: int = 1) -> jax.Array:
     """DSpark's confidence-scheduled chain length: the number of leading draft slots whose prefix survival
     a_k = Π_{i≤k} c_i is ≥ threshold (at least min_length). confidence [B,G] -> [B] int32.
@@ -226,5 +253,5 @@ class BudgetTable:
         return min(cands, key=lambda e: (depth is not None and e["max_depth"] != depth, e["batch"], e["kv_len"]))
 
 
-__all__ = ["Selection", "packed_rows", "root_floor", "select_nodes", "width_gains", "confident_length", "b_ver", "model_id", "bucket_key",
+__all__ = ["Selection", "packed_rows", "packed_gains", "root_floor", "select_nodes", "width_gains", "confident_length", "b_ver", "model_id", "bucket_key",
            "BudgetTable"]

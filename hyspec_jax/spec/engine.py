@@ -62,6 +62,9 @@ class SpecConfig:
     # The verify width chosen each round (`spec.width`) from the budget table's calibrated round times of the
     # bucket — between plain decoding and verify_nodes; without them (or False) every round verifies N nodes.
     adaptive_width: bool = True
+    # Packed widths (Bole's packed forest as the per-round choice): width w = a batch-wide budget of slots · w
+    # nodes at row capacity N, the verify packed into those rows (`budget.packed_rows`), instead of w nodes a row
+    packed_widths: bool = False
 
     def __post_init__(self):
         if self.kernels not in KERNEL_IMPLS:
@@ -78,6 +81,8 @@ class SpecConfig:
             raise ValueError("confidence_threshold must be in [0, 1]")
         if self.deferred_rows < 0:
             raise ValueError("deferred_rows must be >= 0")
+        if self.packed_widths and self.capacity is not None:
+            raise ValueError("packed widths choose the batch-wide budget every round: drop the fixed budget")
 
     @property
     def is_tree(self) -> bool:
@@ -273,7 +278,8 @@ class SpecEngine:
         if self.budget_table is None or self.spec.mode == "ar":
             return None
         widths = width_buckets(self.nodes_for(slots, kv_len))
-        sig = round_signature(self.spec.mode, self.round_shape(False, max(widths), slots), self.spec.deferred_rows)
+        sig = round_signature(self.spec.mode, self._width_shapes(slots, widths)[max(widths)][False],
+                              self.spec.deferred_rows)
         e = self.budget_table.lookup(jax.devices()[0].device_kind, self.model_name, slots, kv_len, self._gamma, sig)
         return round_seconds(e, sig, widths)
 
@@ -282,12 +288,23 @@ class SpecEngine:
         """A backend with one round per width bucket up to `nodes_for` (`spec.width`): the width chosen each
         round from `seconds` (calibrated round time per width), fixed at the widest without them."""
         widths = width_buckets(self.nodes_for(slots, kv_len))
-        rounds = {w: {s: dataclasses.replace(self.round_shape(s, w, slots), gain_widths=widths) for s in (False, True)}
-                  for w in widths}
+        rounds = self._width_shapes(slots, widths)
         shapes = shapes or batch_shapes(slots, self.max_prompt_len(kv_len))
         return WidthBackend(self.config, self.tgraph, self.tparams, self.drafter.config, self.dgraph, self.dparams,
                             mode=self.spec.mode, widths=rounds, seconds=seconds, user_capacity=self.spec.capacity,
                             slots=slots, kv_len=kv_len, shapes=shapes, deferred_rows=self.spec.deferred_rows)
+
+    def _width_shapes(self, slots: int, widths: tuple[int, ...]) -> dict[int, dict[bool, RoundShape]]:
+        """{w: {flavour: round shape}} of the width buckets: w nodes a row, or with spec.packed_widths a batch-wide
+        budget of slots · w nodes at row capacity max(widths), packed (width 1: plain decoding either way)."""
+        if not self.spec.packed_widths:
+            return {w: {s: dataclasses.replace(self.round_shape(s, w, slots), gain_widths=widths)
+                        for s in (False, True)} for w in widths}
+        N = max(widths)
+        return {w: {s: dataclasses.replace(self.round_shape(s, 1 if w == 1 else N), gain_widths=widths,
+                                           packed_gains=True,
+                                           packed_rows=packed_rows(slots * w, slots, N) if w > 1 else 0)
+                    for s in (False, True)} for w in widths}
 
     def backend(self, slots: int, kv_len: int, shapes: Sequence[tuple[int, int]] | None = None) -> SpecBackend:
         """A backend of this engine's drafter and rounds for the bucket (slots, KV length): with

@@ -39,6 +39,10 @@ def add_spec_arguments(p, *, default_mode: str | None = None) -> None:
     p.add_argument("--budget-table", metavar="FILE", help="calibration table from `hyspec calibrate` (B_ver per "
                    "bucket; where it holds this engine's round times, the verify width is chosen every round, "
                    "from plain decoding to --verify-nodes; default with the embedded model: its own table)")
+    p.add_argument("--packed-widths", action="store_true", default=None,
+                   help="with a calibrated table: the per-round choice picks a batch-wide node budget (slots x 1, 2, "
+                        "4, .. N) verified packed into that many rows (Bole's packed forest), instead of a width of "
+                        "nodes per request")
     p.add_argument("--deferred-rows", type=int, metavar="P", default=0,
                    help="deferred GDN commit: keep each request's accepted rows (P per GDN layer, at least a "
                         "round's depth + 1) beside a checkpoint state and write the state only when they run out, "

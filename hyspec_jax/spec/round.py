@@ -41,7 +41,7 @@ from hyspec_jax.models.target import TargetModel
 from hyspec_jax.runtime.programs import spec_step
 from hyspec_jax.sampling import SlotSampling, slot_keys
 from hyspec_jax.spec.accept import accept
-from hyspec_jax.spec.budget import confident_length, root_floor, select_nodes, width_gains
+from hyspec_jax.spec.budget import confident_length, packed_gains, root_floor, select_nodes, width_gains
 from hyspec_jax.spec.commit import commit
 from hyspec_jax.spec.mtp_propose import mtp_candidates
 from hyspec_jax.spec.propose import chain_from_block
@@ -74,6 +74,9 @@ class RoundShape:
     # > 0: the verify's row-wise work on the selected nodes packed into this many rows (`budget.packed_rows`), the
     # round's batch-wide capacity capped to it; 0: the dense [B, N] forest
     packed_rows: int = 0
+    # the gain widths are packed widths (`budget.packed_gains`: width w = a batch-wide budget of slots · w nodes at
+    # row capacity verify_nodes) instead of per-row widths (`budget.width_gains`)
+    packed_gains: bool = False
 
     @property
     def plain(self) -> bool:
@@ -152,7 +155,10 @@ def _select(cand, active: jax.Array, capacity: jax.Array, samp: SlotSampling | N
     """The budget's [B, N] forest from the candidates: (tokens, tree, child_q or None, gains or None)."""
     N, D = shape.verify_nodes, shape.depth
     valid = cand.valid & active[:, None]
-    gains = width_gains(cand.score, valid, active, shape.gain_widths) if shape.gain_widths else None
+    gains = None
+    if shape.gain_widths:
+        gains = (packed_gains(cand.score, valid, active, shape.gain_widths, N) if shape.packed_gains
+                 else width_gains(cand.score, valid, active, shape.gain_widths))
     forced = root_floor(cand.score, cand.parent, valid, active)
     if shape.packed_rows:      # the packed verify computes packed_rows rows: never select more
         capacity = jnp.minimum(capacity, shape.packed_rows)

@@ -54,7 +54,8 @@ def round_signature(mode: str, shape: RoundShape, deferred_rows: int) -> str:
     shape, the kernels and the deferred commit — the key of `t_round_ms` in a budget-table entry."""
     draft = (f"tree={shape.tree.depth}x{shape.tree.top_k}x{shape.tree.beam}" if shape.tree is not None
              else f"chain={shape.gamma}")
-    packed = f"|packed={shape.packed_rows}" if shape.packed_rows else ""
+    packed = (f"|packed={shape.packed_rows}" if shape.packed_rows else "") + ("|packed-widths" if shape.packed_gains
+                                                                              else "")
     return f"{mode}|{draft}|kernels={shape.kernel_impl}|deferred={deferred_rows}{packed}"
 
 
@@ -87,6 +88,7 @@ class WidthChooser:
     probe_every: int = 16      # plain rounds in a row before one speculative round refreshes ρ (a setting)
     max_probe_every: int = 256  # the interval doubles up to this while probes find plain decoding best (a setting)
     decay: float = 0.9         # weight of the past in κ's sums per drafted round (a setting)
+    packed_slots: int = 0      # > 0: packed widths (width w = slots · w nodes for the batch), else w nodes a row
     gain: dict[int, float] = dataclasses.field(default_factory=dict)
     _accepted: float = 0.0
     _estimated: float = 0.0
@@ -112,8 +114,11 @@ class WidthChooser:
         return self._best(live)
 
     def _best(self, live: int) -> int:
-        # κ·g can pass w − 1 (a few lucky rounds): no width accepts more drafts than it verifies
-        return choose_width(self.seconds, {w: min(self.kappa * g, w - 1) for w, g in self.gain.items()}, live)
+        # κ·g can pass what a width verifies (a few lucky rounds): w − 1 drafts a request, or packed, the batch's
+        # slots · w nodes less the live anchors, shared by the live requests
+        most = ((lambda w: (self.packed_slots * w - live) / max(live, 1)) if self.packed_slots
+                else (lambda w: w - 1))
+        return choose_width(self.seconds, {w: min(self.kappa * g, most(w)) for w, g in self.gain.items()}, live)
 
     def observe(self, width: int, gains: np.ndarray, accepted: np.ndarray, active: np.ndarray) -> None:
         """A collected round: its width, gains [B, len(widths)] (−1: not drafted) in the order of
@@ -148,7 +153,8 @@ class WidthBackend(SpecBackend):
         super().__init__(*args, round_shapes=widths[max(widths)], capacity=user_capacity or 1, **kw)
         self.widths = dict(widths)
         self.user_capacity = user_capacity
-        self.chooser = WidthChooser(seconds) if seconds else None
+        packed = widths[max(widths)][False].packed_gains
+        self.chooser = WidthChooser(seconds, packed_slots=self.slots if packed else 0) if seconds else None
         self.force: list[int] | None = None     # widths to cycle through instead of choosing
         # a server runs rounds without end: the recent widths for inspection, counts for the stats
         self.history: collections.deque[int] = collections.deque(maxlen=HISTORY)

@@ -13,7 +13,8 @@
 #                   MODES=tree-ready … on the same machine ($TABLE is under the ignored out/, which a device
 #                   call keeps between calls on a warm machine).
 # Knobs: STEPS ("calibrate serve"), TABLE (out/hyspec_width_table.json), SLOTS (64), MODES ("ar tree-ready"),
-# DATASETS ("random heldout"), REPS (1), REQUESTS (64 a level). Each command's files (calibration, table, server
+# DATASETS ("random heldout"), REPS (1), REQUESTS (64 a level), SPEC_EXTRA (more speculative options for calibrate and
+# the server, e.g. "--packed-widths": the batch-wide budgets family, its own entries in the same table). Each command's files (calibration, table, server
 # logs, serve_load JSON) come back in one archive, $OUT/width_<steps>_<modes>.tgz.
 set -uo pipefail
 source bench/recipes/serve_wheels.sh install .whl || exit 1
@@ -22,7 +23,7 @@ STEPS=${STEPS:-calibrate serve}; MODES=${MODES:-ar tree-ready}; TABLE=${TABLE:-o
 mkdir -p "$(dirname "$TABLE")"
 SLOTS=${SLOTS:-64}; LEN=1024; RES=$(mktemp -d)
 if [[ " $STEPS " == *" calibrate "* ]]; then
-  "${H[@]}" calibrate --spec-mode tree-ready --batch "$SLOTS" --kv-len $((LEN + 16)) --nodes 1,32 --repeats 20 \
+  "${H[@]}" calibrate --spec-mode tree-ready --batch "$SLOTS" --kv-len $((LEN + 16)) --nodes 1,32 --repeats 20 ${SPEC_EXTRA:-} \
     --out "$TABLE" --json > "$RES/calibrate.json" || exit 1
   cp "$TABLE" "$RES/budget_table.json"
 fi
@@ -32,7 +33,8 @@ if [[ " $STEPS " == *" serve "* ]]; then
   SERVE=(--port 0 --max-batch "$SLOTS" --max-queue 256 --max-model-len $LEN --prefill-chunk 128 --budget-table "$TABLE")
   LOAD=(--concurrency 1,4,8,16,32,64 --num-requests "${REQUESTS:-64}" --max-tokens 64)
   for mode in $MODES; do
-    PORT=$(start_server "$PWD" "$RES/server_$mode.log" "${SERVE[@]}" --spec-mode "$mode") || exit 1
+    extra=(); [ "$mode" != ar ] && extra=(${SPEC_EXTRA:-})
+    PORT=$(start_server "$PWD" "$RES/server_$mode.log" "${SERVE[@]}" --spec-mode "$mode" "${extra[@]}") || exit 1
     for rep in $(seq "${REPS:-1}"); do
       for data in ${DATASETS:-random heldout}; do
         echo "== $mode $data $rep"

@@ -93,8 +93,9 @@ from pathlib import Path
 import numpy as np
 
 from hyspec_jax.bench.calibrate import _ints, median_time, time_decode, time_verify
-from hyspec_jax.bench.verify_scale import (_finite, _kv, _ms, _xla_stats, compile_all, dense_weights, make_mesh,
-                                           progress_bar, random_params, random_state, resolve_config, shape_inputs)
+from hyspec_jax.bench.verify_scale import (_finite, _ms, _xla_stats, add_geometry_arguments, add_run_arguments,
+                                           compile_all, dense_weights, make_mesh, progress_bar, random_params,
+                                           random_state, resolve_config, shape_inputs)
 
 PARTS = ("dense", "gdn", "attention", "norm_act", "logits", "rest")
 LABELS = {"dense": "dense matmuls", "gdn": "GDN (conv, gates, state / solve)", "attention": "attention",
@@ -697,9 +698,7 @@ def write_outputs(report: dict, json_path: str | None) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hyspec bench profile-scale", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--tiny", action="store_true", help="a small geometry (CPU smoke run, tests)")
-    g.add_argument("--config", metavar="PATH", help="a config.json or model directory (default: Qwen3.8-27B)")
+    add_geometry_arguments(ap)
     ap.add_argument("--batch", type=_ints, default=list(DEFAULT_BATCH), metavar="B,..", help="batches (default 1,8,32)")
     ap.add_argument("--nodes", type=_ints, default=list(DEFAULT_NODES), metavar="N,..",
                     help="verified nodes per request, anchor included (default 8,32)")
@@ -713,28 +712,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=10, metavar="K", help="timed calls per program (default 10)")
     ap.add_argument("--warmup", type=int, default=2, metavar="W", help="untimed calls first (default 2)")
     ap.add_argument("--trace-calls", type=int, default=3, metavar="C", help="calls traced per program (default 3)")
-    ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
-                    help="weights / activations (auto: bfloat16 on GPU, float32 on CPU)")
     ap.add_argument("--matmul-size", type=int, metavar="N", help="ceiling: N×N×N product (default 8192 GPU, 512 CPU)")
     ap.add_argument("--copy-mib", type=int, metavar="M", help="ceiling: x + 1 over M MiB (default 2048 GPU, 64 CPU)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scan-layers", action="store_true",
-                    help="run the repeating block under lax.scan over stacked weights (models.target.scan_layers)")
-    ap.add_argument("--compile-workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)), metavar="W",
-                    help="parallel XLA compiles (default min(8, cores/2))")
-    ap.add_argument("--compile-cache", metavar="DIR", help="JAX persistent compilation cache directory")
-    ap.add_argument("--xla-option", type=_kv, action="append", default=[], metavar="KEY=VALUE",
-                    help="XLA compiler option for every program (repeatable)")
-    ap.add_argument("--max-seconds", type=float, metavar="S",
-                    help="lower and compile no further program once S seconds have passed since the start (those "
-                         "compiled are still measured); the JSON then has status partial and lists the skipped")
-    ap.add_argument("--json", metavar="OUT.json", help="write OUT.json and OUT.md")
-    ap.add_argument("--merge", nargs="+", metavar="IN.json", help="merge earlier results (other batches / nodes) "
-                    "into --json; no device")
     ap.add_argument("--keep-command-buffers", action="store_true",
                     help="keep XLA's CUDA graphs (default: off for the run, so the trace names each kernel's "
                          "instruction; with them every kernel is unattributed)")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_run_arguments(ap, max_seconds="lower and compile no further program once S seconds have passed since the "
+                      "start (those compiled are still measured); the JSON then has status partial and lists the "
+                      "skipped")
     return ap
 
 

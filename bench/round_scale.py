@@ -82,7 +82,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -90,8 +89,9 @@ from pathlib import Path
 import numpy as np
 
 from hyspec_jax.bench.calibrate import _ints, median_time
-from hyspec_jax.bench.verify_scale import (_count, _gib, _kv, _ms, _xla_stats, compile_all, fill_leaf, make_mesh,
-                                           progress_bar, random_params, random_state, resolve_config)
+from hyspec_jax.bench.verify_scale import (_count, _gib, _ms, _xla_stats, add_geometry_arguments,
+                                           add_run_arguments, compile_all, fill_leaf, make_mesh, progress_bar,
+                                           random_params, random_state, resolve_config)
 
 DEFAULT_BATCH, DEFAULT_NODES = (1, 8, 32), (8, 32)
 DEFAULT_TREE = (7, 8, 16)             # depth, top-k, beam: bench/recipes/lib.sh WIDE_TREE (the GPU default)
@@ -678,9 +678,8 @@ def _taps(s: str) -> tuple[int, ...]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hyspec bench round-scale", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--tiny", action="store_true", help="a small target and drafter (CPU smoke run, tests)")
-    g.add_argument("--config", metavar="PATH", help="target config.json or model directory (default: Qwen3.8-27B)")
+    add_geometry_arguments(ap, "a small target and drafter (CPU smoke run, tests)",
+                           "target config.json or model directory (default: Qwen3.8-27B)")
     ap.add_argument("--batch", type=_ints, default=list(DEFAULT_BATCH), metavar="B,..", help="batches (default 1,8,32)")
     ap.add_argument("--nodes", type=_ints, default=list(DEFAULT_NODES), metavar="N,..",
                     help="verify widths N, anchor included (default 8,32)")
@@ -708,23 +707,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-phases", action="store_true", help="time the round and the decoding step only")
     ap.add_argument("--repeats", type=int, default=10, metavar="K", help="timed calls per program (default 10)")
     ap.add_argument("--warmup", type=int, default=2, metavar="W", help="untimed calls first (default 2)")
-    ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
-                    help="weights / activations (auto: bfloat16 on GPU, float32 on CPU)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scan-layers", action="store_true",
-                    help="run the target's repeating block under lax.scan over stacked weights")
-    ap.add_argument("--compile-workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)), metavar="W",
-                    help="parallel XLA compiles (default min(8, cores/2))")
-    ap.add_argument("--compile-cache", metavar="DIR", help="JAX persistent compilation cache directory")
-    ap.add_argument("--xla-option", type=_kv, action="append", default=[], metavar="KEY=VALUE",
-                    help="XLA compiler option for every program (repeatable)")
-    ap.add_argument("--max-seconds", type=float, metavar="S",
-                    help="lower no further program once S seconds have passed since the start (those compiled are "
-                         "still measured); the JSON then has status partial and lists the skipped")
-    ap.add_argument("--json", metavar="OUT.json", help="write OUT.json and OUT.md")
-    ap.add_argument("--merge", nargs="+", metavar="IN.json", help="merge earlier results (other batches / nodes) "
-                    "into --json; no device")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_run_arguments(ap, max_seconds="lower no further program once S seconds have passed since the start (those "
+                      "compiled are still measured); the JSON then has status partial and lists the skipped")
     return ap
 
 

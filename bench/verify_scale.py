@@ -815,12 +815,38 @@ def _kv(s: str) -> tuple[str, str]:
     return k, v
 
 
+def add_geometry_arguments(ap: argparse.ArgumentParser, tiny: str = "a small geometry (CPU smoke run, tests)",
+                           config: str = "a config.json or model directory (default: Qwen3.8-27B)") -> None:
+    """--tiny | --config: the scale benchmarks' geometry (`resolve_config`)."""
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--tiny", action="store_true", help=tiny)
+    g.add_argument("--config", metavar="PATH", help=config)
+
+
+def add_run_arguments(ap: argparse.ArgumentParser, *, max_seconds: str, json: str = "write OUT.json and OUT.md",
+                      merge: str = "merge earlier results (other batches / nodes) into --json; no device") -> None:
+    """The options the scale benchmarks share: weights' dtype, seed, scanned layers, how their programs compile,
+    the time limit (`max_seconds`: what it stops), the output files and the progress bar."""
+    ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                    help="weights / activations (auto: bfloat16 on GPU, float32 on CPU)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scan-layers", action="store_true",
+                    help="run the repeating block under lax.scan over stacked weights (models.target.scan_layers)")
+    ap.add_argument("--compile-workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)), metavar="W",
+                    help="parallel XLA compiles (default min(8, cores/2))")
+    ap.add_argument("--compile-cache", metavar="DIR", help="JAX persistent compilation cache directory")
+    ap.add_argument("--xla-option", type=_kv, action="append", default=[], metavar="KEY=VALUE",
+                    help="XLA compiler option for every program (repeatable), e.g. xla_backend_optimization_level=0")
+    ap.add_argument("--max-seconds", type=float, metavar="S", help=max_seconds)
+    ap.add_argument("--json", metavar="OUT.json", help=json)
+    ap.add_argument("--merge", nargs="+", metavar="IN.json", help=merge)
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hyspec bench verify-scale", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--tiny", action="store_true", help="a small geometry (CPU smoke run, tests)")
-    g.add_argument("--config", metavar="PATH", help="a config.json or model directory (default: Qwen3.8-27B)")
+    add_geometry_arguments(ap)
     ap.add_argument("--devices", type=int, default=1, metavar="D", help="tensor-parallel width: a (1, D) mesh")
     ap.add_argument("--batch", type=_ints, default=list(DEFAULT_BATCH), metavar="B,..", help="batches (default 1,4,8)")
     ap.add_argument("--nodes", type=_ints, default=list(DEFAULT_NODES), metavar="N,..",
@@ -831,26 +857,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eps", type=float, default=0.3, metavar="E", help="B_ver tolerance ε (default 0.3)")
     ap.add_argument("--repeats", type=int, default=10, metavar="K", help="timed calls per program (default 10)")
     ap.add_argument("--warmup", type=int, default=2, metavar="W", help="untimed calls first (default 2)")
-    ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
-                    help="weights / activations (auto: bfloat16 on GPU, float32 on CPU)")
     ap.add_argument("--method", choices=("squaring", "neumann", "solve"), default="squaring",
                     help="GDN unit-lower inverse in the verify (default squaring)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scan-layers", action="store_true",
-                    help="run the repeating block under lax.scan over stacked weights (models.target.scan_layers)")
-    ap.add_argument("--compile-workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)), metavar="W",
-                    help="parallel XLA compiles (default min(8, cores/2))")
-    ap.add_argument("--compile-cache", metavar="DIR", help="JAX persistent compilation cache directory")
-    ap.add_argument("--xla-option", type=_kv, action="append", default=[], metavar="KEY=VALUE",
-                    help="XLA compiler option for every program (repeatable), e.g. xla_backend_optimization_level=0")
     ap.add_argument("--matmul-floor", action="store_true", help="also time the dense matmuls alone (floor)")
-    ap.add_argument("--max-seconds", type=float, metavar="S",
-                    help="start no new (batch, N) program once S seconds have passed since the start (programs "
-                         "already compiled are still timed); the JSON then has status partial and lists the "
-                         "skipped (batch, N). Batch 1 with N in {1, 64} is measured first")
-    ap.add_argument("--json", metavar="OUT.json", help="write OUT.json, OUT.md and OUT.png")
-    ap.add_argument("--merge", nargs="+", metavar="IN.json", help="re-render (and merge) earlier results; no device")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_run_arguments(ap, max_seconds="start no new (batch, N) program once S seconds have passed since the start "
+                      "(programs already compiled are still timed); the JSON then has status partial and lists the "
+                      "skipped (batch, N). Batch 1 with N in {1, 64} is measured first",
+                      json="write OUT.json, OUT.md and OUT.png", merge="re-render (and merge) earlier results; no device")
     return ap
 
 

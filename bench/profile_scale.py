@@ -95,7 +95,7 @@ import numpy as np
 from hyspec_jax.bench.calibrate import _ints, median_time, time_decode, time_verify
 from hyspec_jax.bench.verify_scale import (_finite, _ms, _xla_stats, add_geometry_arguments, add_run_arguments,
                                            compile_all, dense_weights, make_mesh, progress_bar, random_params,
-                                           random_state, resolve_config, shape_inputs)
+                                           random_state, resolve_config, settle_merged, shape_inputs)
 
 PARTS = ("dense", "gdn", "attention", "norm_act", "logits", "rest")
 LABELS = {"dense": "dense matmuls", "gdn": "GDN (conv, gates, state / solve)", "attention": "attention",
@@ -678,13 +678,7 @@ def merge(paths: list[str]) -> dict:
         rows.update({_name(x): x for x in r["programs"]})
     base = dict(reports[0], merged_from=list(paths), merged_ceilings=[r["ceilings"] for r in reports])
     base["programs"] = sorted(rows.values(), key=lambda x: (x["batch"], x["program"] != "decode", x["nodes"]))
-    base["skipped"] = sorted({x for r in reports for x in r.get("skipped", [])} - set(rows))
-    base["status"] = "partial" if base["skipped"] or any(r["status"] != "complete" and not r.get("skipped")
-                                                        for r in reports) else "complete"
-    if base["status"] == "complete":
-        base.pop("stopped", None)
-    base.pop("wall_s", None)
-    return base
+    return settle_merged(base, reports, set(rows))
 
 
 def write_outputs(report: dict, json_path: str | None) -> None:

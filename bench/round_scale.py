@@ -91,7 +91,7 @@ import numpy as np
 from hyspec_jax.bench.calibrate import _ints, median_time
 from hyspec_jax.bench.verify_scale import (_count, _gib, _ms, _xla_stats, add_geometry_arguments,
                                            add_run_arguments, compile_all, fill_leaf, make_mesh, progress_bar,
-                                           random_params, random_state, resolve_config)
+                                           random_params, random_state, resolve_config, settle_merged)
 
 DEFAULT_BATCH, DEFAULT_NODES = (1, 8, 32), (8, 32)
 DEFAULT_TREE = (7, 8, 16)             # depth, top-k, beam: bench/recipes/lib.sh WIDE_TREE (the GPU default)
@@ -648,13 +648,7 @@ def merge(paths: list[str]) -> dict:
     base["decode"] = [dec[k] for k in sorted(dec)]
     done = {f"decode B={b}" for b in dec} | {f"{k} B={b} N={n}" for (b, n), x in rows.items()
                                                for k in ("round", *x.get("phases", {}))}
-    base["skipped"] = sorted({x for r in reports for x in r.get("skipped", [])} - done)
-    base["status"] = "partial" if base["skipped"] or any(r["status"] != "complete" and not r.get("skipped")
-                                                        for r in reports) else "complete"
-    if base["status"] == "complete":
-        base.pop("stopped", None)
-    base.pop("wall_s", None)
-    return base
+    return settle_merged(base, reports, done)
 
 
 def write_outputs(report: dict, json_path: str | None) -> None:

@@ -777,6 +777,19 @@ def write_outputs(report: dict, json_path: str | None) -> None:
         plot(report, p.with_suffix(".png"))
 
 
+def settle_merged(base: dict, reports: list[dict], done: set) -> dict:
+    """A merged report's skipped programs (those no merged run measured: `done` names the measured ones as the
+    runs' `skipped` lists do) and its status — partial while anything is skipped, or a run stopped short without
+    saying what it skipped. Returns `base`."""
+    base["skipped"] = sorted({x for r in reports for x in r.get("skipped", [])} - done)
+    base["status"] = "partial" if base["skipped"] or any(r["status"] != "complete" and not r.get("skipped")
+                                                        for r in reports) else "complete"
+    if base["status"] == "complete":
+        base.pop("stopped", None)
+    base.pop("wall_s", None)
+    return base
+
+
 def merge(paths: list[str]) -> dict:
     """One report from several runs of the same model and settings but different batches (later wins)."""
     reports = [json.loads(Path(p).read_text()) for p in paths]

@@ -300,14 +300,16 @@ def test_engine_chooses_the_width_from_the_calibrated_table(hinted, models, refe
     assert not isinstance(off.backend(SLOTS, KV), WidthBackend)
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("mode", ["chain", "tree", "tree-packed"])
 def test_sampling_matches_autoregressive_distribution_as_the_width_changes(mode, small):
+    """tree-packed: the packed widths (batch-wide budgets, each round verified packed into its rows)."""
     target, drafter, prompt, exact, greedy = small
-    spec = (SpecConfig(mode="tree", tree=TreeExpansion(depth=2, top_k=3, beam=3), verify_nodes=5) if mode == "tree"
+    spec = (SpecConfig(mode="tree", tree=TreeExpansion(depth=2, top_k=3, beam=3), verify_nodes=5,
+                       packed_widths=mode == "tree-packed") if mode.startswith("tree")
             else SpecConfig(mode="chain", chain_length=2))
     made = []
     eng = _forced(SpecEngine(target, drafter, spec, slots=256, kv_len=128),
-                  (1, 5, 2) if mode == "tree" else (1, 3, 2), made)
+                  (1, 5, 2) if mode.startswith("tree") else (1, 3, 2), made)
     params = [SamplingParams(max_tokens=3, seed=i, **(SETTINGS[i % 3 - 1] if i % 3 else {}))
               for i in range(SAMPLES)]
     out = eng.generate([prompt] * SAMPLES, params)

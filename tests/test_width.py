@@ -384,12 +384,15 @@ def test_every_width_is_compiled_at_start_up(models, reference):
     assert eng.compilations_after_startup == 0
 
 
-@pytest.mark.parametrize("mode,widths", [("tree", (8, 1, 4, 1, 2)), ("ready", (1, 5, 2))])
-def test_deferred_commit_with_the_width_changing(mode, widths, models, reference):
-    """The deferred commit's rings (8 rows: folds inside every generation) under rounds of changing width."""
+@pytest.mark.parametrize("mode,widths,packed", [("tree", (8, 1, 4, 1, 2), False), ("ready", (1, 5, 2), False),
+                                                ("tree", (2, 8, 1, 4), True)])
+def test_deferred_commit_with_the_width_changing(mode, widths, packed, models, reference):
+    """The deferred commit's rings (8 rows: folds inside every generation) under rounds of changing width (packed:
+    the packed widths' rounds)."""
     target, drafter = models
     prompts, params, ref = reference
     made = []
-    eng = _forced(SpecEngine(target, drafter, _spec(mode, deferred_rows=8), slots=SLOTS, kv_len=KV), widths, made)
+    eng = _forced(SpecEngine(target, drafter, _spec(mode, deferred_rows=8, packed_widths=packed), slots=SLOTS,
+                             kv_len=KV), widths, made)
     assert [r.token_ids for r in eng.generate(prompts, params, hint=_hint(ref))] == ref
     assert set(made[0].history) == set(widths)

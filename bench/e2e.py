@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", choices=("reference", "auto"), default="auto",
                    help="tree build (top-k), GDN verify and commit of the speculative modes: the Pallas kernels "
                         "where supported on a GPU (auto, the default; pure JAX elsewhere), or pure JAX everywhere")
+    p.add_argument("--reader-state", choices=("own", "swapped"), default="own",
+                   help="ready modes: the reader reads its own request's committed state (default), or — ReaDy's "
+                        "swapped-state control — the state of the request one slot up (every batch >= 2)")
     p.add_argument("--no-plots", action="store_true")
     return p
 
@@ -73,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     if a.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if a.reader_state == "swapped" and min(a.batch) < 2:
+        parser.error("--reader-state swapped reads another request's state: every --batch must be >= 2")
     import jax
     import jax.numpy as jnp
     from tqdm.auto import tqdm
@@ -102,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     def engine(mode: str, batch: int, nodes: int | None = None):
         return make_engine(target, drafters, mode, batch, kernels=a.kernels,
                            tree=TreeExpansion(depth, a.tree_topk, a.tree_beam), verify_nodes=nodes or a.verify_nodes,
-                           mtp_steps=a.mtp_steps)
+                           mtp_steps=a.mtp_steps, reader_state=a.reader_state)
 
     def run_pass(eng, batch: int, domains) -> tuple[dict, float]:
         out, secs = {}, {}
@@ -126,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": portable_path(model_dir), "drafter": portable_path(drafter_dir) if needs_drafter else None,
             "dtype": a.dtype, "prompts": portable_path(a.prompts), "prompts_per_domain": a.prompts_per_domain,
             "max_tokens": a.max_tokens, "repeats": a.repeats, "repeat_order": "round-robin over modes",
-            "kernels": a.kernels,
+            "kernels": a.kernels, "reader_state": a.reader_state,
             "tree": {"depth": depth, "top_k": a.tree_topk, "beam": a.tree_beam, "verify_nodes": a.verify_nodes}}
     bar = tqdm(total=len(configs) * (1 + a.repeats), desc="bench e2e", unit="pass")
     # Every engine compiles first; then the repeats go round-robin over the configurations, so a drift of the
@@ -213,7 +218,7 @@ def load_models(model_dir: Path, drafter_dir: Path, dtype, with_drafter: bool) -
 
 
 def make_engine(target, drafters: dict, mode: str, batch: int, *, kernels: str, tree, verify_nodes: int,
-                mtp_steps: int | None = None):
+                mtp_steps: int | None = None, reader_state: str = "own"):
     """The engine of one benchmarked mode (`tree` / `verify_nodes` used by the tree modes); None for a reader
     mode when the drafter has no reader. The MTP modes draft with `drafters["mtp"]`, the model's own head."""
     from hyspec_jax.spec.engine import SpecConfig, SpecEngine
@@ -228,7 +233,7 @@ def make_engine(target, drafters: dict, mode: str, batch: int, *, kernels: str, 
     d = drafters[mode in ("ready", "tree-ready")]
     if d is None:
         return None
-    kw = dict(kernels=kernels)
+    kw = dict(kernels=kernels, reader_state=reader_state if mode in ("ready", "tree-ready") else "own")
     if mode.startswith("tree"):
         kw.update(tree=tree, verify_nodes=verify_nodes)
     return SpecEngine(target, d, SpecConfig(mode=mode, **kw), slots=batch)
@@ -269,7 +274,9 @@ def markdown(report: dict) -> str:
     lines = [f"# End-to-end speculative decoding ({m['device_kind']}, {m['dtype']}, greedy)", "",
              f"`{m['command']}` — commit {short_commit(m['commit'])}, jax {m['jax']}; {m['prompts_per_domain']} held-out "
              f"prompts per domain, {m['max_tokens']} new tokens, {m['repeats']} repeats (mean ± std; a speed-up's ± is "
-             f"the spread over repeats of its ratio to ar in the same repeat).", ""]
+             f"the spread over repeats of its ratio to ar in the same repeat)."
+             + (" **The ready modes' reader read the state of another request (one slot up): the swapped-state "
+                "control.**" if m.get("reader_state") == "swapped" else ""), ""]
     rows = [r for r in report["results"].values() if "domains" in r]
     domains = list(rows[0]["domains"]) if rows else []
     lines += ["| mode | batch | N | " + " | ".join(domains) + " | mean tok/s | speed-up | τ | == ar |",

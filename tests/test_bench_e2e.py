@@ -145,3 +145,42 @@ def test_round_profile_runs_and_reduces_traces(dirs):
     s = RP.summarize_events(ev, rounds=2, top=1)
     assert s["gpu_ops_per_round"] == 1.5 and s["gpu_busy_us_per_round"] == 25 / 1e3 / 2
     assert s["top_kernels"] == [{"name": "a", "per_round": 1.0, "us_per_round": 20 / 1e3 / 2}]
+
+
+def test_e2e_swapped_reader_state_is_lossless_and_labelled(dirs, capsys):
+    """ReaDy's swapped-state control: the ready modes' reader reads the slot one row up's state. Decoding stays
+    lossless (== ar), the report says so, its drafts differ from the own-state reader's, and batch 1 is refused."""
+    from hyspec_jax.bench.e2e import make_engine, load_models
+    out = dirs / "res" / "e2e_swapped.json"
+    rc = e2e_main(["--json", str(out), "--model", str(dirs / "target"), "--drafter", str(dirs / "drafter"),
+                   "--prompts", str(dirs / "prompts.npz"), "--prompts-per-domain", "3", "--batch", "3",
+                   "--max-tokens", "6", "--repeats", "1", "--modes", "ar", "ready", "--reader-state", "swapped",
+                   "--no-plots"])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    assert rep["meta"]["reader_state"] == "swapped"
+    assert all(e["equal_ar"] is True for e in rep["results"]["ready@b3"]["domains"].values())
+    assert "swapped-state control" in out.with_suffix(".md").read_text()
+    # the swap reaches the drafter: its first draft block differs from the own-state reader's
+    import jax.numpy as jnp
+    from hyspec_jax.spec.round import round_draft_jit
+    target, drafters = load_models(dirs / "target", dirs / "drafter", jnp.float32, True)
+    blocks = []
+    for state in ("own", "swapped"):
+        eng = make_engine(target, drafters, "ready", 3, kernels="reference", tree=None, verify_nodes=5,
+                          reader_state=state)
+        be = eng.backend(3, 128)
+        assert be.round_shapes[False].reader_swap == (state == "swapped")
+        rng = np.random.default_rng(0)
+        samp = be.sampling(np.zeros(3, np.float32), np.ones(3, np.float32), np.zeros(3, np.int32),
+                           np.zeros(3, np.uint32))
+        be.prefill(np.arange(3, dtype=np.int32), rng.integers(3, TCFG.vocab_size, (3, 16)), np.ones((3, 16), bool),
+                   np.ones(3, bool), samp)
+        toks, _, _ = round_draft_jit(be.graphdef, be.params, be.dgraph, be.dparams, be.state, be.dstate, be.anchor,
+                                     jnp.ones(3, bool), samp, jnp.zeros(3, jnp.int32), jnp.asarray(15, jnp.int32),
+                                     shape=be.round_shapes[False])
+        blocks.append(np.asarray(toks))
+    assert (blocks[0] != blocks[1]).any()
+    with pytest.raises(SystemExit):
+        e2e_main(["--json", str(out), "--batch", "1", "--reader-state", "swapped"])
+    assert "every --batch must be >= 2" in capsys.readouterr().err

@@ -65,6 +65,9 @@ class SpecConfig:
     # Packed widths (Bole's packed forest as the per-round choice): width w = a batch-wide budget of slots · w
     # nodes at row capacity N, the verify packed into those rows (`budget.packed_rows`), instead of w nodes a row
     packed_widths: bool = False
+    # The reader's state (ready modes): "own", or "swapped" — a control, not a serving option: every slot's reader
+    # reads the committed state of the slot one row up (ReaDy's swapped-state control; needs >= 2 slots)
+    reader_state: str = "own"
 
     def __post_init__(self):
         if self.kernels not in KERNEL_IMPLS:
@@ -81,6 +84,8 @@ class SpecConfig:
             raise ValueError("confidence_threshold must be in [0, 1]")
         if self.deferred_rows < 0:
             raise ValueError("deferred_rows must be >= 0")
+        if self.reader_state not in ("own", "swapped"):
+            raise ValueError(f"reader_state must be 'own' or 'swapped', got {self.reader_state!r}")
         if self.packed_widths and self.capacity is not None:
             raise ValueError("packed widths choose the batch-wide budget every round: drop the fixed budget")
 
@@ -271,6 +276,7 @@ class SpecEngine:
                                                 else self.spec.confidence_threshold),
                           method=self.spec.method, tap_layers=taps, kernel_impl=self.spec.kernels,
                           drafter="mtp" if mtp else "dspark",
+                          reader_swap=self.spec.uses_reader and self.spec.reader_state == "swapped",
                           packed_rows=0 if slots is None else packed_rows(self.spec.capacity, slots, verify_nodes))
 
     def round_seconds(self, slots: int, kv_len: int) -> dict[int, float] | None:

@@ -77,6 +77,8 @@ class RoundShape:
     # the gain widths are packed widths (`budget.packed_gains`: width w = a batch-wide budget of slots · w nodes at
     # row capacity verify_nodes) instead of per-row widths (`budget.width_gains`)
     packed_gains: bool = False
+    # the reader reads the slot one row up's committed state (the swapped-state control, `SpecConfig.reader_state`)
+    reader_swap: bool = False
 
     @property
     def plain(self) -> bool:
@@ -128,10 +130,13 @@ def _draft(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, samp
             cand = mtp_candidates(drafter, heads, dstate, anchor, shape.tree, shape.gamma, samp,
                                   dkeys if samp is not None else None, kernel_impl=shape.kernel_impl)
         return _select(cand, active, capacity, samp, shape)
+    ssm, pending = (state.ssm, state.pending) if shape.reader else (None, None)
+    if shape.reader_swap:      # every leaf of both has the slots on axis 1
+        ssm, pending = jax.tree.map(lambda x: jnp.roll(x, 1, axis=1), (ssm, pending))
     with jax.named_scope("drafter_forward"):
-        block = drafter.draft(dstate, anchor, heads, state.ssm if shape.reader else None,
+        block = drafter.draft(dstate, anchor, heads, ssm,
                               num_slots=shape.gamma,   # the slots a chain / tree reads (no unused LM heads)
-                              pending=state.pending if shape.reader else None)
+                              pending=pending)
     if hint is not None:
         G, V = block.logits.shape[1], block.logits.shape[2]
         h = hint[:, :G]

@@ -1,6 +1,7 @@
 """The embedded default model and its drafter: `hyspec generate` without --model / --drafter picks the shipped
 drafter with the settings it recommends for the backend; explicit options win; a backend with no measured
-speed-up stays on plain decoding."""
+speed-up, or a call outside the recommendation's measured bounds (max_slots, min_new_tokens), stays on plain
+decoding."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import jax.numpy as jnp
 import pytest
 
 from hyspec_jax import cli, launch
+from hyspec_jax.io import drafter_io
+from hyspec_jax.spec import options
 from hyspec_jax.embedded import default_budget_table, default_drafter_dir, default_model_dir
 from hyspec_jax.io.hf import load_pretrained
 from hyspec_jax.spec import engine as E
 from hyspec_jax.spec.budget import BudgetTable, b_ver, model_id
-from hyspec_jax.spec.options import RECOMMENDED_FILE, recommended_settings
+from hyspec_jax.spec.options import RECOMMENDED_FILE, plain_decoding_reason, recommended_settings
 
 pytestmark = pytest.mark.skipif(default_drafter_dir() is None, reason="no embedded drafter in this checkout")
 
@@ -100,6 +103,70 @@ def test_recommendation_bounded_by_slots(monkeypatch, target):
         eng = launch.engine_from_args(_args(argv=["--spec-mode", rec["spec_mode"]]), target, model_dir, jnp.float32,
                                  batch=k + 1)
         assert eng is not None and eng.spec.mode == rec["spec_mode"]
+
+
+def test_plain_decoding_reason_bounds():
+    rec = {"spec_mode": "tree-ready", "max_slots": 1, "min_new_tokens": 100}
+    assert plain_decoding_reason({}) is not None                              # nothing measured
+    assert plain_decoding_reason(rec, slots=1, new_tokens=100) is None
+    assert "max_slots" in plain_decoding_reason(rec, slots=2, new_tokens=100)
+    assert "99 new tokens < min_new_tokens 100" in plain_decoding_reason(rec, slots=1, new_tokens=99)
+    assert plain_decoding_reason(rec, slots=1) is None                        # a server: no per-call bound
+    del rec["min_new_tokens"]
+    assert plain_decoding_reason(rec, slots=1, new_tokens=1) is None          # no field: today's behaviour
+
+
+def _bounded(monkeypatch, **bounds) -> dict:
+    """The CPU recommendation with its bounds replaced by `bounds` (the gate reads it through options)."""
+    rec = {k: v for k, v in recommended_settings(default_drafter_dir(), "cpu").items()
+           if k not in ("max_slots", "min_new_tokens")}
+    assert rec, "the embedded drafter recommends a CPU mode"
+    rec.update(bounds)
+    monkeypatch.setattr(options, "recommended_settings", lambda drafter_dir, backend: dict(rec))
+    return rec
+
+
+def _no_drafter_load(*a, **kw):
+    raise AssertionError("the drafter was loaded")
+
+
+def test_recommendation_bounded_by_new_tokens(monkeypatch, target):
+    """Below `min_new_tokens` new tokens in the call, no --spec-mode decodes plainly, says why, and never loads
+    the drafter; at the bound the recommendation runs; an explicit --spec-mode runs below it too."""
+    model_dir = default_model_dir()
+    rec = _bounded(monkeypatch, min_new_tokens=100)
+    eng = launch.engine_from_args(_args(), target, model_dir, jnp.float32, batch=1, new_tokens=100)
+    assert eng is not None and eng.spec.mode == rec["spec_mode"]
+    eng = launch.engine_from_args(_args(argv=["--spec-mode", rec["spec_mode"]]), target, model_dir, jnp.float32,
+                                  batch=1, new_tokens=1)
+    assert eng is not None and eng.spec.mode == rec["spec_mode"]
+    assert eng.spec.verify_nodes == rec["verify_nodes"]        # the other options still come from the file
+    assert launch.engine_from_args(_args(), target, model_dir, jnp.float32, batch=1) is not None   # serve: no bound
+    notes = []
+    monkeypatch.setattr(drafter_io, "load_drafter", _no_drafter_load)
+    assert launch.engine_from_args(_args(), target, model_dir, jnp.float32, batch=1, new_tokens=99,
+                                   note=notes.append) is None
+    assert len(notes) == 1 and "99 new tokens < min_new_tokens 100" in notes[0]
+
+
+def test_recommendation_without_min_new_tokens_keeps_speculating(monkeypatch, target):
+    rec = _bounded(monkeypatch)
+    eng = launch.engine_from_args(_args(), target, default_model_dir(), jnp.float32, batch=1, new_tokens=1)
+    assert eng is not None and eng.spec.mode == rec["spec_mode"]
+
+
+def test_generate_counts_the_whole_call(monkeypatch, tmp_path, capsys):
+    """`hyspec generate` bounds max_tokens x prompts, runs plainly below the bound without loading the drafter,
+    and says so in one stderr line; the JSON stats say ar."""
+    _bounded(monkeypatch, min_new_tokens=5)
+    monkeypatch.setattr(drafter_io, "load_drafter", _no_drafter_load)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The cat\nA dog\n")
+    assert cli.main(["generate", "--prompts-file", str(prompts), "--max-tokens", "2", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["stats"]["mode"] for line in out.strip().splitlines()] == ["ar", "ar"]
+    (line,) = [ln for ln in err.splitlines() if "min_new_tokens" in ln]
+    assert line.startswith("[hyspec] mode ar (default: 4 new tokens < min_new_tokens 5")
 
 
 def test_serve_speculative_mode_uses_the_embedded_drafter(target):

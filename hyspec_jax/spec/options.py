@@ -82,5 +82,5 @@ def plain_decoding_reason(rec: dict, slots: int | None = None, new_tokens: int |
         return f"{slots} concurrent requests > max_slots {rec['max_slots']} of the recommendation"
     if rec.get("min_new_tokens") is not None and new_tokens is not None and new_tokens < rec["min_new_tokens"]:
         return (f"{new_tokens} new tokens < min_new_tokens {rec['min_new_tokens']}: loading "
-                f"{rec['spec_mode']}'s programs costs more than it saves")
+                f"{rec['spec_mode']}'s programs and drafter would cost more than speculation saves")
     return None

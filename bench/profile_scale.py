@@ -93,9 +93,9 @@ from pathlib import Path
 import numpy as np
 
 from hyspec_jax.bench.calibrate import _ints, median_time, time_decode, time_verify
-from hyspec_jax.bench.verify_scale import (_finite, _ms, _xla_stats, add_geometry_arguments, add_run_arguments,
+from hyspec_jax.bench.verify_scale import (_finite, _ms, _xla_stats, add_geometry_arguments, add_run_arguments, drive,
                                            compile_all, dense_weights, make_mesh, progress_bar, random_params,
-                                           random_state, resolve_config, settle_merged, shape_inputs)
+                                           random_state, settle_merged, shape_inputs)
 
 PARTS = ("dense", "gdn", "attention", "norm_act", "logits", "rest")
 LABELS = {"dense": "dense matmuls", "gdn": "GDN (conv, gates, state / solve)", "attention": "attention",
@@ -733,30 +733,8 @@ def main(argv: list[str] | None = None) -> int:
         # (`hlo_op` "command_buffer…"), never the instruction, and nothing can be attributed. Set before jax
         # starts its backend; every program of the run, timed and traced, runs without them (said in the report).
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
-    try:
-        if args.merge:
-            if not args.json:
-                ap.error("--merge needs --json OUT.json")
-            report = merge(args.merge)
-            write_outputs(report, args.json)
-            print(summary_table(report))
-            return 0
-        if args.compile_cache:
-            from hyspec_jax.compilation import enable_compilation_cache
-            enable_compilation_cache(Path(args.compile_cache).resolve())
-        cfg, name = resolve_config(args.tiny, args.config)
-        report = sweep(args, cfg, name, on_progress=lambda r: write_outputs(r, args.json))
-    except (ValueError, RuntimeError, OSError, KeyError) as e:
-        print(f"hyspec bench profile-scale: error: {e}", file=sys.stderr)
-        return 1
-    write_outputs(report, args.json)
-    print("\n" + summary_table(report))
-    if args.json:
-        print(f"\n[profile-scale] wrote {args.json} and its .md", file=sys.stderr)
-    if not all(r["finite"] for r in report["programs"]):
-        print("hyspec bench profile-scale: error: non-finite logits (see the JSON 'finite' fields)", file=sys.stderr)
-        return 1
-    return 0
+    return drive(ap, args, prog="hyspec bench profile-scale", merge=merge, sweep=sweep, write=write_outputs,
+                 summary=summary_table, finite=lambda r: all(x["finite"] for x in r["programs"]))
 
 
 if __name__ == "__main__":

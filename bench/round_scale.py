@@ -89,9 +89,9 @@ from pathlib import Path
 import numpy as np
 
 from hyspec_jax.bench.calibrate import _ints, median_time
-from hyspec_jax.bench.verify_scale import (_count, _gib, _ms, _xla_stats, add_geometry_arguments,
+from hyspec_jax.bench.verify_scale import (_count, _gib, _ms, _xla_stats, add_geometry_arguments, drive,
                                            add_run_arguments, compile_all, fill_leaf, make_mesh, progress_bar,
-                                           random_params, random_state, resolve_config, settle_merged)
+                                           random_params, random_state, settle_merged)
 
 DEFAULT_BATCH, DEFAULT_NODES = (1, 8, 32), (8, 32)
 DEFAULT_TREE = (7, 8, 16)             # depth, top-k, beam: bench/recipes/lib.sh WIDE_TREE (the GPU default)
@@ -719,30 +719,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--max-seconds must be > 0, got {args.max_seconds}")
     if args.published_tau <= 0 or args.target <= 0:
         ap.error("--published-tau and --target must be > 0")
-    try:
-        if args.merge:
-            if not args.json:
-                ap.error("--merge needs --json OUT.json")
-            report = merge(args.merge)
-            write_outputs(report, args.json)
-            print(summary_table(report) + "\n" + target_line(report))
-            return 0
-        if args.compile_cache:
-            from hyspec_jax.compilation import enable_compilation_cache
-            enable_compilation_cache(Path(args.compile_cache).resolve())
-        cfg, name = resolve_config(args.tiny, args.config)
-        report = sweep(args, cfg, name, on_progress=lambda r: write_outputs(r, args.json))
-    except (ValueError, RuntimeError, OSError, KeyError) as e:
-        print(f"hyspec bench round-scale: error: {e}", file=sys.stderr)
-        return 1
-    write_outputs(report, args.json)
-    print("\n" + summary_table(report) + "\n" + target_line(report))
-    if args.json:
-        print(f"\n[round-scale] wrote {args.json} and its .md", file=sys.stderr)
-    if not all_finite(report):
-        print("hyspec bench round-scale: error: non-finite verify logits (see the JSON)", file=sys.stderr)
-        return 1
-    return 0
+    return drive(ap, args, prog="hyspec bench round-scale", merge=merge, sweep=sweep, write=write_outputs,
+                 summary=lambda r: summary_table(r) + "\n" + target_line(r), finite=all_finite)
 
 
 if __name__ == "__main__":

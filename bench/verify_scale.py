@@ -777,6 +777,37 @@ def write_outputs(report: dict, json_path: str | None) -> None:
         plot(report, p.with_suffix(".png"))
 
 
+def drive(ap: argparse.ArgumentParser, args, *, prog: str, merge, sweep, write, summary, finite) -> int:
+    """A scale benchmark's run after its own argument checks: `--merge` (no device), or the compile cache, the
+    geometry and `sweep(args, cfg, name, on_progress)` — the report written after every program — then the
+    summary; one-line errors, and exit 1 when a program's logits are not finite (`finite(report)`)."""
+    name = prog.rsplit(" ", 1)[-1]
+    try:
+        if args.merge:
+            if not args.json:
+                ap.error("--merge needs --json OUT.json")
+            report = merge(args.merge)
+            write(report, args.json)
+            print(summary(report))
+            return 0
+        if args.compile_cache:
+            from hyspec_jax.compilation import enable_compilation_cache
+            enable_compilation_cache(Path(args.compile_cache).resolve())
+        cfg, geometry = resolve_config(args.tiny, args.config)
+        report = sweep(args, cfg, geometry, on_progress=lambda r: write(r, args.json))
+    except (ValueError, RuntimeError, OSError, KeyError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    write(report, args.json)
+    print("\n" + summary(report))
+    if args.json:
+        print(f"\n[{name}] wrote {args.json} and its .md", file=sys.stderr)
+    if not finite(report):
+        print(f"{prog}: error: non-finite logits (see the JSON)", file=sys.stderr)
+        return 1
+    return 0
+
+
 def settle_merged(base: dict, reports: list[dict], done: set) -> dict:
     """A merged report's skipped programs (those no merged run measured: `done` names the measured ones as the
     runs' `skipped` lists do) and its status — partial while anything is skipped, or a run stopped short without
@@ -876,7 +907,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(ap, max_seconds="start no new (batch, N) program once S seconds have passed since the start "
                       "(programs already compiled are still timed); the JSON then has status partial and lists the "
                       "skipped (batch, N). Batch 1 with N in {1, 64} is measured first",
-                      json="write OUT.json, OUT.md and OUT.png", merge="re-render (and merge) earlier results; no device")
+                      json="write OUT.json, OUT.md and OUT.png",
+                      merge="re-render (and merge) earlier results; no device")
     return ap
 
 

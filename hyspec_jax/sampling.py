@@ -1,7 +1,9 @@
-"""Sampling: temperature → top-k → top-p warping (Hugging Face order), per-slot parameters on device.
+"""Sampling: penalties (vLLM's), then temperature → top-k → top-p warping (Hugging Face order), per-slot
+parameters on device.
 
-`warp` is the single definition of the distribution a request samples from; speculative acceptance applies
-the same warping to target and draft so that rejection sampling stays lossless.
+`penalize` then `warp` is the single definition of the distribution a request samples from; speculative acceptance
+applies the same to the target's logits (penalties with each tree node's own history, `penalize_tree`) so that
+rejection sampling stays lossless.
 """
 
 from __future__ import annotations
@@ -26,8 +28,18 @@ class SamplingParams:
     top_k: int = 0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    # vLLM's penalties (`penalize`); the neutral values switch them off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        if not 0.0 < self.repetition_penalty <= 1e4:     # also rejects nan
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -36,6 +48,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def penalized(self) -> bool:
+        return penalized(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
 
 
 @jax.tree_util.register_dataclass
@@ -69,6 +85,103 @@ def _slot_sampling(slots: tuple[tuple[float, float, int, int], ...]) -> SlotSamp
     t, p, k, s = zip(*slots)
     host = (np.asarray(t, np.float32), np.asarray(p, np.float32), np.asarray(k, np.int32), np.asarray(s, np.uint32))
     return SlotSampling(*jax.device_put(host))
+
+
+def penalized(presence: float, frequency: float, repetition: float) -> bool:
+    """Whether these penalties change anything (the penalized program flavours run only then)."""
+    return presence != 0.0 or frequency != 0.0 or repetition != 1.0
+
+
+@jax.named_scope("penalties")
+def penalize(logits: jax.Array, counts: jax.Array, seen: jax.Array, presence: jax.Array, frequency: jax.Array,
+             repetition: jax.Array) -> jax.Array:
+    """vLLM's penalties (`apply_penalties`): fp32 logits [..., V].
+
+    counts [..., V]: occurrences of each token in the output so far; seen [..., V] bool: in the prompt or the
+    output. Parameters broadcast against logits[..., 0]. repetition r on every seen token (logit > 0: / r, else
+    · r), then frequency f and presence p over the output: logit −= f · count + p · (count > 0). Neutral
+    parameters (0, 0, 1) leave the logits bitwise unchanged."""
+    x = logits.astype(F32)
+    r = repetition[..., None]
+    x = jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
+    c = counts.astype(F32)
+    return x - frequency[..., None] * c - presence[..., None] * (c > 0).astype(F32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PenaltyCounts:
+    """Per-slot penalty history on the device (a backend's state beside the slots' committed state, donated by the
+    penalized programs): output counts and the seen set. A slot's anchor — emitted, not processed yet — is not
+    counted until the step that processes it (`add` of the anchor), so prefill never counts outputs."""
+
+    counts: jax.Array   # [B, V] int32
+    seen: jax.Array     # [B, V] bool
+
+    def add(self, tokens: jax.Array, mask: jax.Array, output: bool = True) -> "PenaltyCounts":
+        """Count tokens [B, K] where mask [B, K] (output=False: mark them seen only, a prompt's)."""
+        B, V = self.counts.shape
+        tok = jnp.where(mask, tokens, V)                  # index V: dropped
+        rows = jnp.arange(B)[:, None]
+        counts = self.counts.at[rows, tok].add(1, mode="drop") if output else self.counts
+        return PenaltyCounts(counts=counts, seen=self.seen.at[rows, tok].set(True, mode="drop"))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SlotPenalty:
+    """Per-slot penalty parameters as device arrays (like `SlotSampling`)."""
+
+    presence: jax.Array     # [B] f32
+    frequency: jax.Array    # [B] f32
+    repetition: jax.Array   # [B] f32
+
+    @classmethod
+    def of(cls, presence, frequency, repetition) -> "SlotPenalty":
+        return _slot_penalty(tuple((float(p), float(f), float(r)) for p, f, r in zip(presence, frequency, repetition)))
+
+    def apply(self, logits: jax.Array, hist: PenaltyCounts) -> jax.Array:
+        """`penalize` logits [B, V] with each slot's history."""
+        return penalize(logits, hist.counts, hist.seen, self.presence, self.frequency, self.repetition)
+
+
+@functools.lru_cache(maxsize=256)
+def _slot_penalty(slots: tuple[tuple[float, float, float], ...]) -> SlotPenalty:
+    return SlotPenalty(*jax.device_put(tuple(np.asarray(c, np.float32) for c in zip(*slots))))
+
+
+@jax.named_scope("penalties")
+def penalize_tree(logits: jax.Array, tokens: jax.Array, parent: jax.Array, hist: PenaltyCounts,
+                  penalty: SlotPenalty, depth: int) -> jax.Array:
+    """`penalize` the target's logits [B, N, V] at every node of a verified forest (node 0 = the anchor, counted
+    in `hist`): node v's history is the slot's plus the draft tokens on v's path from the anchor's child down to v
+    inclusive (the output if v is accepted). The base penalty broadcast over the nodes, then the ≤ depth path
+    tokens of each node recomputed with their total counts. tokens / parent [B, N]; depth: the deepest node."""
+    B, N, V = logits.shape
+    prm = lambda x: x[:, None]  # noqa: E731 - [B] -> [B, 1], against [B, N]
+    out = penalize(logits, hist.counts[:, None], hist.seen[:, None], prm(penalty.presence), prm(penalty.frequency),
+                   prm(penalty.repetition))
+    take = lambda x, i: jnp.take_along_axis(x, jnp.maximum(i, 0), axis=1)  # noqa: E731
+    a = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
+    toks, oks = [], []
+    for _ in range(depth):                   # v, its parent, ...: the drafts on v's path (the anchor has no parent)
+        up = take(parent, a)
+        ok = (a >= 0) & (up >= 0)
+        toks.append(jnp.where(ok, take(tokens, a), 0))
+        oks.append(ok)
+        a = jnp.where(ok, up, -1)
+    if not toks:
+        return out
+    path, ok = jnp.stack(toks, -1), jnp.stack(oks, -1)                          # [B, N, D]
+    in_path = jnp.sum((path[..., :, None] == path[..., None, :]) & ok[..., None, :], axis=-1)
+    flat = path.reshape(B, -1)
+    base = jnp.take_along_axis(hist.counts, flat, axis=1).reshape(path.shape)
+    raw = jnp.take_along_axis(logits, path, axis=2)
+    fixed = penalize(raw, base + in_path, jnp.ones_like(ok), prm(penalty.presence), prm(penalty.frequency),
+                     prm(penalty.repetition))
+    b = jnp.arange(B)[:, None, None]
+    n = jnp.arange(N)[None, :, None]
+    return out.at[b, n, jnp.where(ok, path, V)].set(fixed, mode="drop")
 
 
 @jax.named_scope("sampling")

@@ -13,6 +13,8 @@ goodness-of-fit test, p ≥ 1e-3 (fixed seeds: deterministic; a correct engine f
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -210,6 +212,65 @@ def test_confidence_scheduled_chain_is_exact(models, reference):
     assert [r.token_ids for r in out] == ref
     apos = eng.last_stats.accepted_per_position
     assert apos[0] > 0.5 and apos[1] == 0.0 and max(c for r in out for c in r.committed) == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# Penalties: the target's penalized distribution in every round
+# ------------------------------------------------------------------------------------------------
+MIXED = dict(repetition_penalty=0.6, frequency_penalty=-0.5, presence_penalty=0.5)
+PENALTIES = (dict(repetition_penalty=1.6, frequency_penalty=1.0), MIXED, {}, dict(presence_penalty=2.0), MIXED)
+
+
+@pytest.fixture(scope="module")
+def penalized_reference(models, reference):
+    """The reference prompts with different penalties per request (one without), and their AR outputs."""
+    target, _ = models
+    prompts, plain_params, plain = reference
+    params = [dataclasses.replace(p, **kw) for p, kw in zip(plain_params, PENALTIES)]
+    out = [r.token_ids for r in Generator.from_model(target).generate(prompts, params)]
+    # the penalties change every penalized request's output here (else the test below could not fail)
+    assert [i for i in range(len(out)) if out[i] != plain[i]] == [0, 1, 3, 4], (out, plain)
+    return prompts, params, out
+
+
+@pytest.mark.parametrize("mode", ["chain", "ready", "tree", "tree-ready"])
+def test_greedy_with_penalties_equals_autoregressive(mode, engines, penalized_reference):
+    """Each node's target distribution is penalized with its own path's history: greedy speculative decoding with
+    penalties is exactly AR decoding with the same penalties, in a ragged batch of different penalties."""
+    prompts, params, ref = penalized_reference
+    eng = engines(mode)
+    out = eng.generate(prompts, params, hint=_hint(ref))
+    assert [r.token_ids for r in out] == ref
+    assert eng.last_stats.tau > 2.0, eng.last_stats      # drafts were accepted under penalties
+    # without hints (pipelined rounds, the drafter's own proposals)
+    assert [r.token_ids for r in eng.generate(prompts, params)] == ref
+
+
+def test_penalize_tree_equals_penalizing_each_path():
+    """`penalize_tree` (base penalty + path correction) against penalizing each node with its path's full counts."""
+    from hyspec_jax.sampling import PenaltyCounts, SlotPenalty, penalize, penalize_tree
+    rng = np.random.default_rng(1)
+    B, N, V, Dp = 2, 7, 6, 3
+    parent = np.array([[-1, 0, 0, 1, 3, 2, 4], [-1, 0, 1, 2, 0, 4, 1]])
+    tokens = rng.integers(0, V, (B, N)).astype(np.int32)
+    tokens[0, 1:5] = [2, 4, 2, 2]              # a token repeated along a path
+    logits = rng.normal(size=(B, N, V)).astype(np.float32)
+    counts = rng.integers(0, 3, (B, V)).astype(np.int32)
+    seen = counts > 0
+    seen[:, 0] = True
+    pen = SlotPenalty.of([0.5, -1.0], [1.25, 0.3], [1.7, 0.8])
+    got = np.asarray(penalize_tree(jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(parent),
+                                   PenaltyCounts(jnp.asarray(counts), jnp.asarray(seen)), pen, Dp + 1))
+    for b in range(B):
+        for v in range(N):
+            c, sn, a = counts[b].copy(), seen[b].copy(), v
+            while parent[b, a] >= 0:
+                c[tokens[b, a]] += 1
+                sn[tokens[b, a]] = True
+                a = parent[b, a]
+            want = penalize(jnp.asarray(logits[b, v]), jnp.asarray(c), jnp.asarray(sn), pen.presence[b],
+                            pen.frequency[b], pen.repetition[b])
+            np.testing.assert_allclose(got[b, v], np.asarray(want), rtol=1e-6, err_msg=f"row {b} node {v}")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -55,6 +55,31 @@ def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return new
 
 
+def _hf_greedy_penalized(model, ids: list[int], n: int, repetition: float) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=3,
+                             pad_token_id=0, repetition_penalty=repetition)
+    new = out[0, len(ids):].tolist()
+    return new[:new.index(3) + 1] if 3 in new else new
+
+
+def _numpy_penalized_greedy(model, ids: list[int], n: int, presence: float, frequency: float,
+                            repetition: float) -> list[int]:
+    """The vLLM formula written out in numpy over transformers' logits of the whole sequence at every step."""
+    out: list[int] = []
+    for _ in range(n):
+        x = hf_oracle.logits(model, np.asarray([ids + out]))[0, -1].astype(np.float64)
+        seen = np.zeros(x.shape, bool)
+        seen[ids + out] = True
+        x = np.where(seen, np.where(x > 0, x / repetition, x * repetition), x)
+        counts = np.bincount(np.asarray(out, np.int64), minlength=x.size)
+        x = x - frequency * counts - presence * (counts > 0)
+        out.append(int(np.argmax(x)))
+        if out[-1] == 3:
+            break
+    return out
+
+
 def _run_cli(capsys, argv) -> list[dict]:
     assert cli.main(argv) == 0
     return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
@@ -68,6 +93,47 @@ def test_cli_greedy_equals_transformers(checkpoint, capsys):
     assert res["token_ids"] == _hf_greedy(model, res["prompt_token_ids"], 32)
     assert res["stats"]["new_tokens"] == len(res["token_ids"])
     assert {"seconds", "tokens_per_second"} <= set(res["stats"])
+
+
+def test_repetition_penalty_equals_transformers(checkpoint):
+    """Greedy AR with repetition_penalty (above and below 1) against transformers' `generate(repetition_penalty=)`,
+    in one ragged batch with an unpenalized request (which must stay transformers' plain greedy)."""
+    model, path = checkpoint
+    _, ours = load_pretrained(path)
+    tok = byte_level_tokenizer()
+    prompts = [tok.encode(p).ids for p in PROMPTS]
+    reps = (1.5, 0.7, 1.0)
+    params = [SamplingParams(max_tokens=24, stop_token_ids=(3,), repetition_penalty=r) for r in reps]
+    got = [r.token_ids for r in Generator.from_model(ours).generate(prompts, params)]
+    want = [_hf_greedy_penalized(model, ids, 24, r) for ids, r in zip(prompts, reps)]
+    assert got == want
+    assert got[0] != _hf_greedy(model, prompts[0], 24)     # the penalty changed something
+
+
+def test_presence_frequency_penalties_equal_numpy_formula(checkpoint):
+    """presence / frequency (no transformers equivalent) and all three together: vLLM's formula in numpy over
+    transformers' step-by-step logits."""
+    model, path = checkpoint
+    _, ours = load_pretrained(path)
+    tok = byte_level_tokenizer()
+    prompts = [tok.encode(p).ids for p in PROMPTS]
+    settings = ((0.0, 2.0, 1.0), (2.0, 0.0, 1.0), (-1.0, 1.5, 1.5))        # (presence, frequency, repetition)
+    cases = [(ids, st) for st in settings for ids in prompts]
+    params = [SamplingParams(max_tokens=20, stop_token_ids=(3,), presence_penalty=p, frequency_penalty=f,
+                             repetition_penalty=r) for _, (p, f, r) in cases]
+    got = [r.token_ids for r in Generator.from_model(ours).generate([c[0] for c in cases], params)]
+    assert got == [_numpy_penalized_greedy(model, ids, 20, *st) for ids, st in cases]
+    plain = [_hf_greedy(model, ids, 20) for ids in prompts]
+    changed = np.array([g != plain[i % len(prompts)] for i, g in enumerate(got)]).reshape(len(settings), -1)
+    assert changed.any(axis=1).all(), changed          # every setting changed some output
+
+
+def test_penalty_params_are_validated():
+    for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3.0), dict(repetition_penalty=0.0),
+                dict(repetition_penalty=float("nan"))):
+        with pytest.raises(ValueError, match="penalty"):
+            SamplingParams(**bad)
+    assert not SamplingParams().penalized and SamplingParams(presence_penalty=0.1).penalized
 
 
 def test_cli_prompts_file_batch_matches_single(checkpoint, capsys, tmp_path):

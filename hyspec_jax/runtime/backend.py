@@ -10,6 +10,10 @@ the device, and two kinds of call, each compiled once per static shape:
   decoding step (`ARBackend`) or one speculative round (`SpecBackend`: `hyspec_jax.spec.round`) for every active
   slot. Dispatch returns before the device finishes, so the loop can dispatch the next step before it reads this one.
 
+Both take an optional `penalty` (`SlotPenalty`, per row): the penalized flavour of the program, which also updates
+the backend's per-slot penalty history (`PenaltyCounts`, made on first use); without it the program is the
+unpenalized one. The loop passes it while any of the rows' requests has non-neutral penalties.
+
 The round's static shape is a frozen `RoundShape` per sampling flavour, fixed when the backend is built.
 """
 
@@ -29,7 +33,7 @@ import numpy as np
 from hyspec_jax.config import DrafterConfig, TargetConfig
 from hyspec_jax.runtime.programs import ar_prefill_jit, ar_step_jit, new_buffers, spec_prefill_jit
 from hyspec_jax.sharding import place_buffers
-from hyspec_jax.sampling import SlotSampling
+from hyspec_jax.sampling import PenaltyCounts, SlotPenalty, SlotSampling
 from hyspec_jax.spec.round import RoundShape, pack_round_inputs, spec_round_io_jit, unpack_round_outputs
 
 F32 = jnp.float32
@@ -130,6 +134,14 @@ class Backend(abc.ABC):
         self.deferred_rows = int(deferred_rows)
         self.state, self.dstate, self.anchor = place_buffers(
             config, params, *new_buffers(config, drafter_config, slots, kv_len, self.dtype, self.deferred_rows))
+        self._hist: PenaltyCounts | None = None      # the penalty history, made by the first penalized call
+
+    def penalty_hist(self) -> PenaltyCounts:
+        """The slots' penalty history [B, V] (zeros on first use: a penalized request's prefill resets its row)."""
+        if self._hist is None:
+            B, V = self.slots, self.config.vocab_size
+            self._hist = PenaltyCounts(counts=jnp.zeros((B, V), jnp.int32), seen=jnp.zeros((B, V), bool))
+        return self._hist
 
     @property
     def overshoot(self) -> int:
@@ -154,6 +166,11 @@ class Backend(abc.ABC):
     def sampling(temperature, top_p, top_k, seed) -> SlotSampling:
         """Per-row sampling parameters as device arrays, made once per distinct set (`SlotSampling.of`)."""
         return SlotSampling.of(temperature, top_p, top_k, seed)
+
+    @staticmethod
+    def penalty(presence, frequency, repetition) -> SlotPenalty:
+        """Per-row penalty parameters as device arrays, made once per distinct set (`SlotPenalty.of`)."""
+        return SlotPenalty.of(presence, frequency, repetition)
 
     def compile(self, progress: Callable[[str], None] | None = None, stochastic: Sequence[bool] = (False, True),
                 prompt_lengths: Sequence[int] | None = None) -> None:
@@ -203,13 +220,20 @@ class Backend(abc.ABC):
     # --- to implement ------------------------------------------------------------------------------
     @abc.abstractmethod
     def prefill(self, slots: np.ndarray, tokens: np.ndarray, valid: np.ndarray, reset: np.ndarray,
-                sampling: SlotSampling) -> np.ndarray:
+                sampling: SlotSampling, penalty: SlotPenalty | None = None) -> np.ndarray:
         """Run prompt chunks [P, T] into slots `slots` [P] (B = padding row); returns the sampled next tokens."""
 
     @abc.abstractmethod
     def dispatch(self, active: np.ndarray, sampling: SlotSampling, steps: np.ndarray, stochastic: bool,
-                 hint: np.ndarray | None = None):
+                 hint: np.ndarray | None = None, penalty: SlotPenalty | None = None):
         """Dispatch one step for every active slot (not waiting for it); returns the handle `collect` reads."""
+
+    def _penalized(self, fn, *args, penalty: SlotPenalty | None, **kw):
+        """fn(*args) or, with penalty, its penalized flavour (the history passed and taken back): fn's outputs."""
+        if penalty is None:
+            return fn(*args, **kw)
+        *out, self._hist = fn(*args, hist=self.penalty_hist(), penalty=penalty, **kw)
+        return tuple(out)
 
     @abc.abstractmethod
     def collect(self, handle) -> StepResult:
@@ -221,20 +245,21 @@ class ARBackend(Backend):
 
     mode = "ar"
 
-    def prefill(self, slots, tokens, valid, reset, sampling) -> np.ndarray:
+    def prefill(self, slots, tokens, valid, reset, sampling, penalty=None) -> np.ndarray:
         # host arrays go straight to the jitted call (a jnp.asarray is one more dispatch each); copies, since
         # the scheduler reuses its buffers
-        first, self.state, self.anchor = ar_prefill_jit(
-            self.graphdef, self.params, self.state, self.anchor, np.array(slots, np.int32),
-            np.array(tokens, np.int32), np.array(valid, bool), np.array(reset, bool), sampling)
+        first, self.state, self.anchor = self._penalized(
+            ar_prefill_jit, self.graphdef, self.params, self.state, self.anchor, np.array(slots, np.int32),
+            np.array(tokens, np.int32), np.array(valid, bool), np.array(reset, bool), sampling, penalty=penalty)
         return np.asarray(first)
 
-    def dispatch(self, active, sampling, steps, stochastic, hint=None):
+    def dispatch(self, active, sampling, steps, stochastic, hint=None, penalty=None):
         if hint is not None:
             raise ValueError("token hints need a speculative mode")
         active = np.array(active, bool)
-        self.anchor, self.state = ar_step_jit(self.graphdef, self.params, self.state, self.anchor, active, sampling,
-                                              np.array(steps, np.int32), stochastic=bool(stochastic))
+        self.anchor, self.state = self._penalized(
+            ar_step_jit, self.graphdef, self.params, self.state, self.anchor, active, sampling,
+            np.array(steps, np.int32), penalty=penalty, stochastic=bool(stochastic))
         start_host_copy(self.anchor)
         return self.anchor, active
 
@@ -274,18 +299,18 @@ class SpecBackend(Backend):
     def describe_step(self) -> str:
         return f"{self.mode} round N={self.verify_nodes}"
 
-    def prefill(self, slots, tokens, valid, reset, sampling) -> np.ndarray:
-        first, self.state, self.dstate, self.anchor = spec_prefill_jit(
-            self.graphdef, self.params, self.dgraph, self.dparams, self.state, self.dstate, self.anchor,
-            np.array(slots, np.int32), np.array(tokens, np.int32), np.array(valid, bool), np.array(reset, bool),
-            sampling, tap_layers=self.tap_layers)
+    def prefill(self, slots, tokens, valid, reset, sampling, penalty=None) -> np.ndarray:
+        first, self.state, self.dstate, self.anchor = self._penalized(
+            spec_prefill_jit, self.graphdef, self.params, self.dgraph, self.dparams, self.state, self.dstate,
+            self.anchor, np.array(slots, np.int32), np.array(tokens, np.int32), np.array(valid, bool),
+            np.array(reset, bool), sampling, penalty=penalty, tap_layers=self.tap_layers)
         return np.asarray(first)
 
-    def dispatch(self, active, sampling, steps, stochastic, hint=None):
-        self.state, self.dstate, self.anchor, host_out = spec_round_io_jit(
-            self.graphdef, self.params, self.dgraph, self.dparams, self.state, self.dstate, self.anchor, sampling,
-            pack_round_inputs(np.asarray(active, bool), steps, self.capacity, hint),
-            shape=self.round_shapes[bool(stochastic)])
+    def dispatch(self, active, sampling, steps, stochastic, hint=None, penalty=None):
+        self.state, self.dstate, self.anchor, host_out = self._penalized(
+            spec_round_io_jit, self.graphdef, self.params, self.dgraph, self.dparams, self.state, self.dstate,
+            self.anchor, sampling, pack_round_inputs(np.asarray(active, bool), steps, self.capacity, hint),
+            penalty=penalty, shape=self.round_shapes[bool(stochastic)])
         start_host_copy(host_out)     # the host reads it: start its copy now
         return host_out
 

@@ -103,6 +103,12 @@ def _sampling_host(temperature, top_p, top_k, seed) -> tuple[np.ndarray, ...]:
             np.array(seed, np.uint32))
 
 
+def _penalty_fields(penalty: "_Sampling | None") -> dict:
+    if penalty is None:
+        return {}
+    return dict(zip(("presence", "frequency", "repetition"), penalty.host))
+
+
 class BroadcastBackend:
     """Process 0's backend: the wrapped one, each device call first sent to the followers (see the module
     docstring). Everything else (slots, shapes, depth, compile, ...) is the wrapped backend's."""
@@ -117,22 +123,31 @@ class BroadcastBackend:
         host = _sampling_host(temperature, top_p, top_k, seed)
         return _Sampling(host, self.inner.sampling(*host))
 
-    def prefill(self, slots, tokens, valid, reset, sampling: _Sampling) -> np.ndarray:
+    def penalty(self, presence, frequency, repetition) -> _Sampling:
+        host = tuple(np.array(x, np.float32) for x in (presence, frequency, repetition))
+        return _Sampling(host, self.inner.penalty(*host))
+
+    def prefill(self, slots, tokens, valid, reset, sampling: _Sampling, penalty: _Sampling | None = None
+                ) -> np.ndarray:
         t, p, k, s = sampling.host
         with self.channel.lock:
             self.channel.send(PREFILL, slots=np.asarray(slots, np.int32), tokens=np.asarray(tokens, np.int32),
                               valid=np.asarray(valid, bool), reset=np.asarray(reset, bool), temperature=t, top_p=p,
-                              top_k=k, seed=s)
-            return self.inner.prefill(slots, tokens, valid, reset, sampling.device)
+                              top_k=k, seed=s, **_penalty_fields(penalty))
+            if penalty is None:
+                return self.inner.prefill(slots, tokens, valid, reset, sampling.device)
+            return self.inner.prefill(slots, tokens, valid, reset, sampling.device, penalty.device)
 
-    def dispatch(self, active, sampling: _Sampling, steps, stochastic, hint=None):
+    def dispatch(self, active, sampling: _Sampling, steps, stochastic, hint=None, penalty: _Sampling | None = None):
         t, p, k, s = sampling.host
         extra = {} if hint is None else {"hint": np.asarray(hint, np.int32)}
         with self.channel.lock:
             self.channel.send(DISPATCH, active=np.asarray(active, bool), steps=np.asarray(steps, np.int32),
                               stochastic=np.asarray(bool(stochastic)), temperature=t, top_p=p, top_k=k, seed=s,
-                              **extra)
-            return self.inner.dispatch(active, sampling.device, steps, stochastic, hint)
+                              **extra, **_penalty_fields(penalty))
+            if penalty is None:
+                return self.inner.dispatch(active, sampling.device, steps, stochastic, hint)
+            return self.inner.dispatch(active, sampling.device, steps, stochastic, hint, penalty.device)
 
     def collect(self, handle) -> StepResult:
         return self.inner.collect(handle)       # a read of this process's copy: nothing to send
@@ -165,10 +180,13 @@ def follow(backend: Backend, channel: Channel, scorer=None) -> None:
         calls += 1
         if op in (PREFILL, DISPATCH):
             samp = backend.sampling(a["temperature"], a["top_p"], a["top_k"], a["seed"])
+            # penalized calls run the penalized programs here too (their history is per-process device state)
+            pen = {} if "presence" not in a else {
+                "penalty": backend.penalty(a["presence"], a["frequency"], a["repetition"])}
             if op == PREFILL:
-                backend.prefill(a["slots"], a["tokens"], a["valid"], a["reset"], samp)
+                backend.prefill(a["slots"], a["tokens"], a["valid"], a["reset"], samp, **pen)
             else:
-                backend.dispatch(a["active"], samp, a["steps"], bool(a["stochastic"]), a.get("hint"))
+                backend.dispatch(a["active"], samp, a["steps"], bool(a["stochastic"]), a.get("hint"), **pen)
         elif op == SCORE:
             if scorer is None:
                 raise RuntimeError("process 0 scores logprobs but this process built no scorer")

@@ -11,6 +11,12 @@ and its anchor — the last token the target chose, not processed yet — on the
 - `ar_step`: one plain decoding step of every slot (inactive slots keep their state and anchor); `spec_step` the
   same beside a drafter, whose context it appends.
 
+Penalties (presence / frequency / repetition): a penalized flavour of each program, run only while a slot's request
+has non-neutral ones, takes the backend's per-slot `PenaltyCounts` (donated) and per-row `SlotPenalty` and penalizes
+the target's logits before sampling (`sampling.penalize`); prefill resets a first chunk's history and marks the
+chunk's tokens seen, a step counts the anchor it processes. Without them (None) the programs are exactly the
+unpenalized ones.
+
 Sampling parameters are per-row device arrays (`SlotSampling`) and the PRNG key of a slot is
 fold_in(key(seed), step) with the slot's own step counter, so neither the parameters nor the batch composition
 trigger a recompile or change a request's samples.
@@ -29,7 +35,7 @@ from hyspec_jax.config import TargetConfig
 from hyspec_jax.models.drafter import Drafter
 from hyspec_jax.models.mtp import MTPHead, MTPState, init_mtp_state
 from hyspec_jax.models.target import TargetModel
-from hyspec_jax.sampling import SlotSampling, sample
+from hyspec_jax.sampling import PenaltyCounts, SlotPenalty, SlotSampling, sample
 from hyspec_jax.state import DrafterState, TargetState, init_drafter_state, init_state
 
 I32 = jnp.int32
@@ -89,24 +95,52 @@ def scatter_drafter(dstate: DrafterState | MTPState, slots: jax.Array, sub: Draf
     return DrafterState(**kw)
 
 
+def _prefill_penalty(logits: jax.Array, slots: jax.Array, tokens: jax.Array, valid: jax.Array, reset: jax.Array,
+                     hist: PenaltyCounts | None, penalty: SlotPenalty | None):
+    """Prefill's penalties: (penalized last logits [P, V], updated history or None). The rows' histories (reset
+    for a first chunk) get the chunk's tokens as seen; no output is counted yet."""
+    if hist is None:
+        return logits, None
+    idx = jnp.minimum(slots, hist.counts.shape[0] - 1)
+    sub = PenaltyCounts(counts=_reset(_rows(hist.counts, idx, 0), reset, 0),
+                        seen=_reset(_rows(hist.seen, idx, 0), reset, 0))
+    sub = sub.add(tokens, valid, output=False)
+    hist = PenaltyCounts(counts=_put(hist.counts, slots, sub.counts, 0), seen=_put(hist.seen, slots, sub.seen, 0))
+    return penalty.apply(logits, sub), hist
+
+
+def _step_penalty(logits: jax.Array, anchor: jax.Array, active: jax.Array, hist: PenaltyCounts | None,
+                  penalty: SlotPenalty | None):
+    """A decoding step's penalties: the anchor it processes is counted, then logits [B, V] penalized."""
+    if hist is None:
+        return logits, None
+    hist = hist.add(anchor[:, None], active[:, None])
+    return penalty.apply(logits, hist), hist
+
+
 def ar_prefill(graphdef: nnx.GraphDef, params: nnx.State, state: TargetState, anchor: jax.Array, slots: jax.Array,
-               tokens: jax.Array, valid: jax.Array, reset: jax.Array, sampling: SlotSampling):
-    """Prompt chunks [P, T] into slots [P]: (first tokens [P], state, anchor). The first token is the warped draw
+               tokens: jax.Array, valid: jax.Array, reset: jax.Array, sampling: SlotSampling,
+               hist: PenaltyCounts | None = None, penalty: SlotPenalty | None = None):
+    """Prompt chunks [P, T] into slots [P]: (first tokens [P], state, anchor), then the penalty history when
+    penalized (hist: the backend's, penalty: the P rows' parameters). The first token is the warped draw
     of every row (`sample(stochastic=True)`: greedy rows get their argmax), so one program per prefill shape serves
     greedy and sampling requests with no run-time branch."""
     model: TargetModel = nnx.merge(graphdef, params)
     sub = gather_target(state, slots, reset)
     logits, _, sub = model.extend(sub, tokens, valid, last_only=True)
-    first = sample(logits[:, 0], sampling, jnp.zeros((), I32), stochastic=True)
-    return first, scatter_target(state, slots, sub), _put(anchor, slots, first, 0)
+    last, hist = _prefill_penalty(logits[:, 0], slots, tokens, valid, reset, hist, penalty)
+    first = sample(last, sampling, jnp.zeros((), I32), stochastic=True)
+    out = first, scatter_target(state, slots, sub), _put(anchor, slots, first, 0)
+    return out if hist is None else out + (hist,)
 
 
 def spec_prefill(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
                  state: TargetState, dstate: DrafterState, anchor: jax.Array, slots: jax.Array, tokens: jax.Array,
-                 valid: jax.Array, reset: jax.Array, sampling: SlotSampling, *, tap_layers: tuple[int, ...]):
+                 valid: jax.Array, reset: jax.Array, sampling: SlotSampling, hist: PenaltyCounts | None = None,
+                 penalty: SlotPenalty | None = None, *, tap_layers: tuple[int, ...]):
     """`ar_prefill` that also fills the slots' drafter context with the chunk's tap-layer features:
-    (first tokens [P], state, dstate, anchor). With the MTP head (an `MTPState`): the chunk's tokens paired with the
-    target's final-norm hiddens (tap_layers = the last layer)."""
+    (first tokens [P], state, dstate, anchor[, penalty history]). With the MTP head (an `MTPState`): the chunk's
+    tokens paired with the target's final-norm hiddens (tap_layers = the last layer)."""
     target: TargetModel = nnx.merge(tgraph, tparams)
     drafter: Drafter | MTPHead = nnx.merge(dgraph, dparams)
     sub = gather_target(state, slots, reset)
@@ -117,28 +151,34 @@ def spec_prefill(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef,
                               jnp.sum(valid, axis=1, dtype=I32))
     else:
         dsub = drafter.append_context(dsub, taps, jnp.sum(valid, axis=1, dtype=I32))
-    first = sample(logits[:, 0], sampling, jnp.zeros((), I32), stochastic=True)
-    return (first, scatter_target(state, slots, sub), scatter_drafter(dstate, slots, dsub),
-            _put(anchor, slots, first, 0))
+    last, hist = _prefill_penalty(logits[:, 0], slots, tokens, valid, reset, hist, penalty)
+    first = sample(last, sampling, jnp.zeros((), I32), stochastic=True)
+    out = (first, scatter_target(state, slots, sub), scatter_drafter(dstate, slots, dsub),
+           _put(anchor, slots, first, 0))
+    return out if hist is None else out + (hist,)
 
 
 def ar_step(graphdef: nnx.GraphDef, params: nnx.State, state: TargetState, anchor: jax.Array, active: jax.Array,
-            sampling: SlotSampling, steps: jax.Array, stochastic: bool | None):
-    """One decoding step of every active slot: (next anchor [B], state). stochastic (static): False — every
-    active slot greedy, a branch-free argmax program; True — the warped draw (`sampling.sample`)."""
+            sampling: SlotSampling, steps: jax.Array, stochastic: bool | None, hist: PenaltyCounts | None = None,
+            penalty: SlotPenalty | None = None):
+    """One decoding step of every active slot: (next anchor [B], state[, penalty history]). stochastic (static):
+    False — every active slot greedy, a branch-free argmax program; True — the warped draw (`sampling.sample`)."""
     model: TargetModel = nnx.merge(graphdef, params)
     logits, _, state = model.extend(state, anchor[:, None], active[:, None])
-    tok = sample(logits[:, 0], sampling, steps, stochastic)
-    return jnp.where(active, tok, anchor), state
+    last, hist = _step_penalty(logits[:, 0], anchor, active, hist, penalty)
+    tok = sample(last, sampling, steps, stochastic)
+    out = jnp.where(active, tok, anchor), state
+    return out if hist is None else out + (hist,)
 
 
 def spec_step(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
               state: TargetState, dstate: DrafterState | MTPState, anchor: jax.Array, active: jax.Array,
-              sampling: SlotSampling, steps: jax.Array, *, tap_layers: tuple[int, ...], stochastic: bool | None):
+              sampling: SlotSampling, steps: jax.Array, hist: PenaltyCounts | None = None,
+              penalty: SlotPenalty | None = None, *, tap_layers: tuple[int, ...], stochastic: bool | None):
     """`ar_step` beside a drafter: one plain decoding step of every active slot that also appends the anchor's
     tap-layer features to the slot's drafter context (as `spec_prefill` does for a chunk), so a later speculative
     round drafts from an up-to-date context. The speculative backends' width-1 round (`spec.width`): plain
-    decoding at the decoding step's cost. Returns (next anchor [B], state, dstate)."""
+    decoding at the decoding step's cost. Returns (next anchor [B], state, dstate[, penalty history])."""
     target: TargetModel = nnx.merge(tgraph, tparams)
     drafter: Drafter | MTPHead = nnx.merge(dgraph, dparams)
     logits, taps, state = target.extend(state, anchor[:, None], active[:, None], tap_layers=tap_layers)
@@ -148,8 +188,10 @@ def spec_step(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dp
                                 target.model.norm(taps[0]), n)
     else:
         dstate = drafter.append_context(dstate, taps, n)
-    tok = sample(logits[:, 0], sampling, steps, stochastic)
-    return jnp.where(active, tok, anchor), state, dstate
+    last, hist = _step_penalty(logits[:, 0], anchor, active, hist, penalty)
+    tok = sample(last, sampling, steps, stochastic)
+    out = jnp.where(active, tok, anchor), state, dstate
+    return out if hist is None else out + (hist,)
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "batch", "kv_len", "dtype", "deferred_rows"))
@@ -169,8 +211,8 @@ def new_buffers(tcfg, dcfg, batch: int, kv_len: int, dtype, deferred_rows: int =
 # Anchors are never donated: in plain decoding the anchor array a step returns is also what the host reads, and the
 # loop dispatches the next step before reading it.
 ar_prefill_jit = DiskCachedJit(ar_prefill, name="ar_prefill", static_argnames=("graphdef",),
-                               donate_argnames=("state",))
+                               donate_argnames=("state", "hist"))
 spec_prefill_jit = DiskCachedJit(spec_prefill, name="spec_prefill", static_argnames=("tgraph", "dgraph", "tap_layers"),
-                                 donate_argnames=("state", "dstate"))
+                                 donate_argnames=("state", "dstate", "hist"))
 ar_step_jit = DiskCachedJit(ar_step, name="ar_step", static_argnames=("graphdef", "stochastic"),
-                            donate_argnames=("state",))
+                            donate_argnames=("state", "hist"))

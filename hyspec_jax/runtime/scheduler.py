@@ -6,7 +6,8 @@ one of the backend's static prefill shapes); then dispatch or collect one decodi
 round) for every slot that is decoding. A long prompt therefore advances one chunk per iteration while the other
 slots keep decoding. Stop token ids and max_tokens are applied here, exactly, also inside a multi-token
 speculative round (`EngineRequest.emit` is the one home of that rule); stop strings are text, applied by the
-front end, which then aborts the request.
+front end, which then aborts the request. A device call whose rows include a request with penalties runs the
+backend's penalized flavour (the penalty history lives on the device, so pipelining is unchanged).
 
 Steps are pipelined: the next step is dispatched before the host reads the one in flight, so the host's work
 (dispatch, streaming, bookkeeping) overlaps the device's. A slot's outputs are used only while the request that
@@ -36,6 +37,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from hyspec_jax.runtime.backend import Backend, StepResult
+from hyspec_jax.sampling import penalized
 
 log = logging.getLogger("hyspec.runtime")
 
@@ -90,6 +92,9 @@ class EngineRequest:
     top_k: int = 0
     seed: int = 0
     stop_token_ids: frozenset[int] = frozenset()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     # token hints for the next drafts (tests, prompt lookup): called before each round with no arguments
     hint: Callable[[], Sequence[int]] | None = None
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
@@ -105,6 +110,10 @@ class EngineRequest:
     abort_reason: str | None = None     # set by abort(): "abort" (client left) or "stop" (stop string)
     committed: list[int] = dataclasses.field(default_factory=list)   # tokens committed per step (bonus incl.)
     accepted: list[int] = dataclasses.field(default_factory=list)    # drafts accepted per speculative round
+
+    @property
+    def penalized(self) -> bool:
+        return penalized(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
 
     @property
     def decoding(self) -> bool:
@@ -143,7 +152,11 @@ class Scheduler:
         self.top_p = np.ones(B, np.float32)
         self.top_k = np.zeros(B, np.int32)
         self.seed = np.zeros(B, np.uint32)
+        self.presence = np.zeros(B, np.float32)
+        self.frequency = np.zeros(B, np.float32)
+        self.repetition = np.ones(B, np.float32)
         self._sampling = None            # device SlotSampling of the step (rebuilt on changes)
+        self._penalty = None             # device SlotPenalty of the step, while a decoding request is penalized
         self._lists = None               # (decoding requests, any prefilling, active mask) until the slots change
         self._attention = False          # an abort or a submission waits for the loop's lock
         self._inflight: tuple[object, list[EngineRequest | None]] | None = None   # (handle, owners at dispatch)
@@ -264,7 +277,7 @@ class Scheduler:
 
     def _changed(self) -> None:
         """The slots' requests or their phase changed: drop what was derived from them."""
-        self._sampling = self._lists = None
+        self._sampling = self._lists = self._penalty = None
         self._occupancy()
 
     def _slot_lists(self) -> tuple[list[EngineRequest], bool, np.ndarray]:
@@ -317,6 +330,8 @@ class Scheduler:
                 self.slots[b] = r
                 self.temperature[b], self.top_p[b], self.top_k[b] = r.temperature, r.top_p, r.top_k
                 self.seed[b] = r.seed % (1 << 32)
+                self.presence[b], self.frequency[b] = r.presence_penalty, r.frequency_penalty
+                self.repetition[b] = r.repetition_penalty
                 self.steps[b] = 0
                 self._changed()
                 self.observer.admitted(time.perf_counter() - r.arrival)
@@ -377,8 +392,14 @@ class Scheduler:
             tokens[i, :len(chunk)], valid[i, :len(chunk)] = chunk, True
             b = r.slot
             temp[i], top_p[i], top_k[i], seed[i] = self.temperature[b], self.top_p[b], self.top_k[b], self.seed[b]
+        pen = {}
+        if any(r.penalized for r in chosen):
+            ix = [r.slot for r in chosen] + [0] * (rows - len(chosen))
+            pick = lambda x, neutral: np.where(np.arange(rows) < len(chosen), x[ix], neutral)  # noqa: E731
+            pen = {"penalty": be.penalty(pick(self.presence, 0.0), pick(self.frequency, 0.0),
+                                         pick(self.repetition, 1.0))}
         t0 = time.perf_counter()
-        first = be.prefill(slots, tokens, valid, reset, be.sampling(temp, top_p, top_k, seed))
+        first = be.prefill(slots, tokens, valid, reset, be.sampling(temp, top_p, top_k, seed), **pen)
         self.prefill_seconds += time.perf_counter() - t0
         self.observer.engine_call("prefill")
         for i, r in enumerate(chosen):
@@ -417,7 +438,12 @@ class Scheduler:
                 if r.hint is not None:
                     h = list(r.hint())[:G]
                     hint[r.slot, :len(h)] = h
-        handle = be.dispatch(active, self._sampling, self.steps, stochastic, hint)
+        pen = {}
+        if any(r.penalized for r in decoding):    # the unpenalized programs otherwise (no extra inputs)
+            if self._penalty is None:
+                self._penalty = be.penalty(self.presence, self.frequency, self.repetition)
+            pen = {"penalty": self._penalty}
+        handle = be.dispatch(active, self._sampling, self.steps, stochastic, hint, **pen)
         self.observer.engine_call("decode")
         return handle, list(self.slots)
 
@@ -468,6 +494,8 @@ def run_batch(backend: Backend, prompts: Sequence[Sequence[int]], params: Sequen
         req = EngineRequest(prompt_ids=list(map(int, prompt)), max_tokens=p.max_tokens, sink=sink,
                             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
                             stop_token_ids=frozenset(int(t) for t in p.stop_token_ids),
+                            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                            repetition_penalty=p.repetition_penalty,
                             hint=None if hint is None else (lambda i=i: hint(i, list(outs[i]))))
         sched.submit(req)
         reqs.append(req)

@@ -39,7 +39,7 @@ from hyspec_jax.compilation import DiskCachedJit
 from hyspec_jax.models.drafter import DraftBlock, Drafter, target_heads
 from hyspec_jax.models.target import TargetModel
 from hyspec_jax.runtime.programs import spec_step
-from hyspec_jax.sampling import SlotSampling, slot_keys
+from hyspec_jax.sampling import PenaltyCounts, SlotPenalty, SlotSampling, penalize_tree, slot_keys
 from hyspec_jax.spec.accept import accept
 from hyspec_jax.spec.budget import confident_length, packed_gains, root_floor, select_nodes, width_gains
 from hyspec_jax.spec.commit import commit
@@ -189,14 +189,21 @@ def round_verify(tgraph: nnx.GraphDef, tparams: nnx.State, state: TargetState, t
 def round_commit(dgraph: nnx.GraphDef, dparams: nnx.State, state: TargetState, dstate: DrafterState,
                  anchor: jax.Array, active: jax.Array, sampling: SlotSampling, steps: jax.Array,
                  tokens: jax.Array, tree: tree_lib.Tree, child_q: jax.Array | None, logits: jax.Array,
-                 taps: jax.Array, cache, embed: jax.Array | None = None, *, shape: RoundShape):
-    """Round phase 3 — accept, then commit target and drafter: `spec_round`'s return value. embed: the target's
-    embedding table (the MTP head's commit embeds the accepted path; unused by DSpark)."""
+                 taps: jax.Array, cache, embed: jax.Array | None = None, hist: PenaltyCounts | None = None,
+                 penalty: SlotPenalty | None = None, *, shape: RoundShape):
+    """Round phase 3 — accept, then commit target and drafter: `spec_round`'s return value (then the updated
+    penalty history when hist is given). embed: the target's embedding table (the MTP head's commit embeds the
+    accepted path; unused by DSpark). hist / penalty: the penalized flavour — the anchor is counted, the target's
+    logits at every node penalized with its own path's history (`penalize_tree`; greedy and sampling acceptance
+    alike, so the round stays lossless w.r.t. penalized plain decoding), the accepted drafts counted."""
     drafter: Drafter = nnx.merge(dgraph, dparams)
     B = anchor.shape[0]
     D = shape.depth
     samp = sampling if shape.stochastic else None
     akeys = _fold(slot_keys(sampling.seed, steps), 1)
+    if hist is not None:
+        hist = hist.add(anchor[:, None], active[:, None])
+        logits = penalize_tree(logits, tokens, tree.parent, hist, penalty, D)
     acc = accept(logits, tokens, tree.parent, tree.valid, child_q, samp, akeys if samp is not None else None,
                  max_depth=D, max_children=shape.max_children)
 
@@ -215,7 +222,11 @@ def round_commit(dgraph: nnx.GraphDef, dparams: nnx.State, state: TargetState, d
     out = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((B, 1), I32)], axis=1)
     out = jnp.where(jnp.arange(D + 1)[None] == m[:, None], acc.bonus[:, None], out)
     count = jnp.where(active, m + 1, 0)
-    return new_state, new_dstate, jnp.where(active, acc.bonus, anchor), out, count, m
+    res = new_state, new_dstate, jnp.where(active, acc.bonus, anchor), out, count, m
+    if hist is None:
+        return res
+    drafts = path_tokens[:, 1:]
+    return res + (hist.add(drafts, (jnp.arange(D)[None] < m[:, None]) & active[:, None]),)
 
 
 def spec_round(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
@@ -238,15 +249,18 @@ def spec_round(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, d
                   shape=shape)[:6]
 
 
-def _round(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, sampling, steps, capacity, hint=None, *,
-           shape: RoundShape):
-    """`spec_round`'s outputs, then the expected accepted drafts per gain width (None without gain widths)."""
+def _round(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, sampling, steps, capacity, hint=None,
+           hist=None, penalty=None, *, shape: RoundShape):
+    """`spec_round`'s outputs, then the expected accepted drafts per gain width (None without gain widths), then
+    the updated penalty history (None unpenalized)."""
     if shape.plain:   # width 1: a plain decoding step (nothing drafted, so no gains: −1)
         B = anchor.shape[0]
-        bonus, state, dstate = spec_step(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, sampling,
-                                         steps, tap_layers=shape.tap_layers, stochastic=shape.stochastic)
+        bonus, state, dstate, *h = spec_step(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active,
+                                             sampling, steps, hist, penalty, tap_layers=shape.tap_layers,
+                                             stochastic=shape.stochastic)
         gains = jnp.full((B, len(shape.gain_widths)), -1.0, jnp.float32) if shape.gain_widths else None
-        return (state, dstate, bonus, bonus[:, None], active.astype(I32), jnp.zeros((B,), I32), gains)
+        return (state, dstate, bonus, bonus[:, None], active.astype(I32), jnp.zeros((B,), I32), gains,
+                h[0] if h else None)
     # named scopes: each phase's kernels carry its name in profiles and in the compiled HLO's op names
     with jax.named_scope("draft"):
         tokens, tree, child_q, gains = _draft(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active,
@@ -257,27 +271,31 @@ def _round(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, samp
     if shape.drafter == "mtp":
         embed = nnx.merge(tgraph, tparams).model.embed_tokens.weight[...]
     with jax.named_scope("commit"):
-        return round_commit(dgraph, dparams, state, dstate, anchor, active, sampling, steps, tokens, tree, child_q,
-                            logits, taps, cache, embed, shape=shape) + (gains,)
+        res = round_commit(dgraph, dparams, state, dstate, anchor, active, sampling, steps, tokens, tree, child_q,
+                           logits, taps, cache, embed, hist, penalty, shape=shape)
+    return res[:6] + (gains, res[6] if hist is not None else None)
 
 
 def spec_round_io(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
                   state: TargetState, dstate: DrafterState, anchor: jax.Array, sampling: SlotSampling,
-                  host_in: jax.Array, *, shape: RoundShape):
+                  host_in: jax.Array, hist: PenaltyCounts | None = None, penalty: SlotPenalty | None = None, *,
+                  shape: RoundShape):
     """`spec_round` with its per-round host inputs packed in one int32 array and its host outputs in another, so
     a round moves one array each way (each transfer costs tens of µs of host time beside a GPU: a visible part
     of a launch-bound batch-1 round). host_in [B, 3 + g]: active (0/1), steps, capacity (read from row 0),
     then g hint columns (g = 0: no hints). Returns (state, dstate, anchor, host_out [B, G + D + 3]: the expected
     accepted drafts at each of the G = len(shape.gain_widths) widths in units of 1/GAIN_SCALE (−1: not
-    drafted), then the committed tokens [D + 1], count, accepted)."""
+    drafted), then the committed tokens [D + 1], count, accepted); penalized (hist, penalty given): then the
+    updated penalty history."""
     hint = host_in[:, 3:] if host_in.shape[1] > 3 else None
-    state, dstate, anchor, toks, count, acc, gains = _round(
+    state, dstate, anchor, toks, count, acc, gains, hist = _round(
         tgraph, tparams, dgraph, dparams, state, dstate, anchor, host_in[:, 0] > 0, sampling, host_in[:, 1],
-        host_in[0, 2], hint, shape=shape)
+        host_in[0, 2], hint, hist, penalty, shape=shape)
     cols = [toks.astype(I32), count.astype(I32)[:, None], acc.astype(I32)[:, None]]
     if gains is not None:
         cols.insert(0, jnp.round(gains * GAIN_SCALE).astype(I32))
-    return state, dstate, anchor, jnp.concatenate(cols, axis=1)
+    out = state, dstate, anchor, jnp.concatenate(cols, axis=1)
+    return out if hist is None else out + (hist,)
 
 
 def pack_round_inputs(active: np.ndarray, steps: np.ndarray, capacity: int, hint: np.ndarray | None) -> np.ndarray:
@@ -309,7 +327,7 @@ ROUND_SCOPES = ("draft/drafter_forward", "draft/tree_build", "draft", "verify", 
 spec_round_jit = DiskCachedJit(spec_round, name="spec_round", static_argnames=("tgraph", "dgraph", "shape"),
                                donate_argnames=("state", "dstate"))
 spec_round_io_jit = DiskCachedJit(spec_round_io, name="spec_round_io", static_argnames=("tgraph", "dgraph", "shape"),
-                                  donate_argnames=("state", "dstate"))
+                                  donate_argnames=("state", "dstate", "hist"))
 # the phases jitted alone (`SpecEngine.phase_times`); the commit donates the states as the fused round does
 round_draft_jit = jax.jit(round_draft, static_argnames=("tgraph", "dgraph", "shape"))
 round_verify_jit = jax.jit(round_verify, static_argnames=("tgraph", "shape"))

@@ -178,24 +178,24 @@ class WidthBackend(SpecBackend):
             return self.force[self.rounds % len(self.force)]
         return self.chooser.next(live) if self.chooser is not None else max(self.widths)
 
-    def dispatch(self, active, sampling, steps, stochastic, hint=None):
+    def dispatch(self, active, sampling, steps, stochastic, hint=None, penalty=None):
         active = np.asarray(active, bool)
         if self._warm_all:
             for w in sorted(self.widths)[:-1]:
-                self.collect(self._run(w, active, sampling, steps, stochastic, hint))
-            return self._run(max(self.widths), active, sampling, steps, stochastic, hint)
+                self.collect(self._run(w, active, sampling, steps, stochastic, hint, penalty))
+            return self._run(max(self.widths), active, sampling, steps, stochastic, hint, penalty)
         w = self.next_width(int(active.sum()))
         self.history.append(w)
         self.width_counts[w] += 1
         self.rounds += 1
-        return self._run(w, active, sampling, steps, stochastic, hint)
+        return self._run(w, active, sampling, steps, stochastic, hint, penalty)
 
-    def _run(self, w, active, sampling, steps, stochastic, hint):
+    def _run(self, w, active, sampling, steps, stochastic, hint, penalty=None):
         shape = self.widths[w][bool(stochastic)]
         cap = self.user_capacity or self.slots * w
-        self.state, self.dstate, self.anchor, host_out = spec_round_io_jit(
-            self.graphdef, self.params, self.dgraph, self.dparams, self.state, self.dstate, self.anchor, sampling,
-            pack_round_inputs(active, steps, cap, hint), shape=shape)
+        self.state, self.dstate, self.anchor, host_out = self._penalized(
+            spec_round_io_jit, self.graphdef, self.params, self.dgraph, self.dparams, self.state, self.dstate,
+            self.anchor, sampling, pack_round_inputs(active, steps, cap, hint), penalty=penalty, shape=shape)
         start_host_copy(host_out)
         return host_out, w, active.copy(), len(shape.gain_widths)
 

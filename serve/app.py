@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
 from hyspec_jax.runtime.scheduler import EngineRequest, QueueFull, Scheduler, ShuttingDown
+from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.serve.chat import ChatTemplate, TemplateError
 from hyspec_jax.serve.metrics import CONTENT_TYPE, ServerMetrics
 from hyspec_jax.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -77,6 +78,9 @@ class GenParams:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 _json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(ensure_ascii=False) builds an encoder per call
@@ -201,11 +205,14 @@ class Handoff:
 
 def _params(req: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> GenParams:
     """The sampling fields both endpoints share, with the checks a model cannot express."""
+    penalties = {}
     for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
         v = getattr(req, name)
-        if v is not None and v != neutral:
-            raise unsupported(name, f" (only {neutral:g}): penalties would change the target's distribution, "
-                                    "which speculative decoding must keep exact")
+        penalties[name] = neutral if v is None else float(v)
+        try:        # SamplingParams holds the one range check of each
+            SamplingParams(**{name: penalties[name]})
+        except ValueError as e:
+            raise APIError(400, str(e), param=name) from None
     if req.logit_bias:
         raise unsupported("logit_bias")
     if req.min_tokens:
@@ -225,7 +232,7 @@ def _params(req: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> 
                      seed=req.seed, n=req.n or 1, stop=stop, stop_token_ids=frozenset(req.stop_token_ids or ()),
                      ignore_eos=bool(req.ignore_eos), stream=bool(req.stream),
                      include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                     return_token_ids=bool(req.return_token_ids))
+                     return_token_ids=bool(req.return_token_ids), **penalties)
 
 
 class Choice:
@@ -355,7 +362,10 @@ class OpenAIServer:
                     put(queue, (i, toks, finish))
                 c.engine = EngineRequest(prompt_ids=ids, max_tokens=max_tokens[p], sink=sink,
                                          temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                         seed=seed + c.index, stop_token_ids=stops)
+                                         seed=seed + c.index, stop_token_ids=stops,
+                                         presence_penalty=params.presence_penalty,
+                                         frequency_penalty=params.frequency_penalty,
+                                         repetition_penalty=params.repetition_penalty)
                 choices.append(c)
         submitted = []
         try:

@@ -348,6 +348,55 @@ def test_sampling_matches_autoregressive_distribution(mode, small):
         assert _chisq_pvalue(code, exact[j]) > 1e-3, (mode, SETTINGS[j])
 
 
+PEN = dict(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.5)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_sampling_with_penalties_matches_autoregressive_distribution(mode, small):
+    """Rejection sampling against the penalized, warped target: the first three tokens of seeded requests with
+    penalties follow the exact penalized AR distribution (vLLM's formula in numpy over the target's logits of every
+    prefix, then `warp`), by the chi-square test of the unpenalized case."""
+    target, drafter, prompt, _, _ = small
+    graphdef, params = nnx.split(target)
+    seqs = np.array([[a, b] for a in range(SV) for b in range(SV)], np.int32)
+    toks = np.concatenate([np.broadcast_to(prompt, (len(seqs), len(prompt))), seqs], 1)
+    logits = np.asarray(forward_full(graphdef, params, jnp.asarray(toks)), np.float64)
+    P = len(prompt)
+
+    def penalized(x, out):       # vLLM's formula, written out
+        seen = np.zeros(SV, bool)
+        seen[list(prompt) + out] = True
+        x = np.where(seen, np.where(x > 0, x / PEN["repetition_penalty"], x * PEN["repetition_penalty"]), x)
+        c = np.bincount(np.asarray(out, np.int64), minlength=SV)
+        return x - PEN["frequency_penalty"] * c - PEN["presence_penalty"] * (c > 0)
+
+    def exact(setting, pen):     # [t1, t2, t3] probabilities
+        rows = [pen(logits[0, P - 1], [])]
+        rows += [pen(logits[a * SV, P], [a]) for a in range(SV)]
+        rows += [pen(logits[a * SV + b, P + 1], [a, b]) for a in range(SV) for b in range(SV)]
+        full = lambda v, dt: jnp.full((len(rows),), v, dt)  # noqa: E731
+        w = np.exp(np.asarray(warp(jnp.asarray(np.array(rows), jnp.float32),
+                                   full(setting.get("temperature", 1.0), jnp.float32),
+                                   full(setting.get("top_p", 1.0), jnp.float32),
+                                   full(setting.get("top_k", 0), jnp.int32))), dtype=np.float64)
+        p1, p2, p3 = w[0], w[1:1 + SV], w[1 + SV:].reshape(SV, SV, SV)
+        return p1[:, None, None] * p2[:, :, None] * p3
+
+    for setting in SETTINGS:
+        want = exact(setting, penalized)
+        assert 0.5 * np.abs(want - exact(setting, lambda x, out: x)).sum() > 0.2     # the penalties matter
+        spec = (SpecConfig(mode="tree", tree=TreeExpansion(depth=2, top_k=3, beam=3), verify_nodes=5)
+                if mode == "tree" else SpecConfig(mode="chain", chain_length=2))
+        eng = SpecEngine(target, drafter, spec, slots=256, kv_len=128)
+        half = SAMPLES // 2
+        out = eng.generate([prompt] * half, [SamplingParams(max_tokens=3, seed=i, **setting, **PEN)
+                                             for i in range(half)])
+        s = np.array([r.token_ids for r in out])
+        apos = eng.last_stats.accepted_per_position
+        assert apos[0] > 0.05 and apos[-1] < 0.95, eng.last_stats
+        assert _chisq_pvalue(s[:, 0] * SV * SV + s[:, 1] * SV + s[:, 2], want) > 1e-3, (mode, setting)
+
+
 # ------------------------------------------------------------------------------------------------
 # CLI: `hyspec generate --drafter … --spec-mode …` and `hyspec calibrate` (same model, same buckets)
 # ------------------------------------------------------------------------------------------------

@@ -74,6 +74,21 @@ def test_greedy_equals_autoregressive(mode, greedy_setup):
 
 
 @pytest.mark.parametrize("mode", ["mtp", "mtp-tree"])
+def test_greedy_with_penalties_equals_autoregressive(mode, greedy_setup):
+    """The MTP rounds penalize the target at every node as the DSpark rounds do: different penalties per request
+    (one without) give exactly AR decoding with the same penalties."""
+    target, head, prompts, params, ref = greedy_setup
+    pens = (dict(repetition_penalty=1.4), dict(frequency_penalty=0.7), {}, dict(presence_penalty=1.0),
+            dict(repetition_penalty=0.8, frequency_penalty=-0.3, presence_penalty=0.4))
+    params = [dataclasses.replace(p, **kw) for p, kw in zip(params, pens)]
+    want = [r.token_ids for r in Generator.from_model(target).generate(prompts, params)]
+    assert [i for i in range(len(want)) if want[i] != ref[i]] == [0, 1, 3, 4]
+    eng = SpecEngine(target, head, _spec(mode), slots=4, kv_len=128)
+    assert [r.token_ids for r in eng.generate(prompts, params)] == want
+    assert eng.last_stats.accepted_per_position[0] > 0.3, eng.last_stats
+
+
+@pytest.mark.parametrize("mode", ["mtp", "mtp-tree"])
 def test_deferred_commit_greedy_equals_autoregressive(mode, greedy_setup):
     """[batch]'s deferred GDN commit under the MTP modes: a ring of 5 rows holds one round's accepted path (up to
     4 rows) but rarely two, so the state folds inside every generation; outputs stay AR's."""

@@ -189,11 +189,12 @@ def oracle(launched):
     eos = cfg.eos_token_id
     cache = {}
 
-    def run(ids, max_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop_ids=eos):
-        key = (tuple(ids), max_tokens, temperature, top_p, top_k, seed, tuple(stop_ids))
+    def run(ids, max_tokens, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop_ids=eos, **penalties):
+        key = (tuple(ids), max_tokens, temperature, top_p, top_k, seed, tuple(stop_ids),
+               tuple(sorted(penalties.items())))
         if key not in cache:
             p = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                               stop_token_ids=tuple(stop_ids))
+                               stop_token_ids=tuple(stop_ids), **penalties)
             res = gen.generate([list(ids)], p)[0]
             cache[key] = (res.token_ids, res.finish_reason)
         return cache[key]
@@ -630,8 +631,8 @@ BAD = [
     ("/v1/completions", {"prompt": [1, 2, 999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
-    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {"prompt": "hi", "min_tokens": 3}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [999]}, 400, "stop_token_ids"),
@@ -642,7 +643,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 17}, 400, "n"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 1}, 400,
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -3}, 400,
      "frequency_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400,
      "max_tokens"),
@@ -1078,6 +1079,36 @@ def test_serve_load_reports_what_vllm_bench_serve_does(spec_server, tmp_path):
         assert r["server"]["spec_drafts"] > 0 and r["server"]["compilations_after_startup"] == 0
     pack = serve_load.heldout_prompts()
     assert len(pack) == 96 and all(len(x) == 32 and all(isinstance(t, int) for t in x) for x in pack)
+
+
+PENALIZED = ((dict(frequency_penalty=1.5), {}), (dict(presence_penalty=2.0), {}), ({}, dict(repetition_penalty=1.6)),
+             (dict(frequency_penalty=-0.5, presence_penalty=0.5), dict(repetition_penalty=0.7)), ({}, {}))
+
+
+@pytest.mark.parametrize("which", ["ar", "chain", "tree"])
+def test_penalties_equal_the_generators(which, server, spec_server, tree_server, oracle):
+    """frequency / presence penalties (the client's own fields) and repetition_penalty (extra_body), concurrently
+    with different values (one request without): each answer is the engine's AR output with the same penalties —
+    on the speculative servers too (the round penalizes the target at every node). Placed after the tests that
+    count compilations after start-up: the first penalized request compiles the penalized programs."""
+    srv = {"ar": server, "chain": spec_server, "tree": tree_server}[which]
+    client = srv.client()
+    prompt = "penalize the the the repetition repetition"
+    wants = [oracle(enc(prompt), 24, **fields, **body) for fields, body in PENALIZED]
+    assert len({tuple(w) for w, _ in wants}) >= 3         # the penalties change the output here
+
+    def call(args):
+        fields, body = args
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0, **fields,
+                                      extra_body={"return_token_ids": True, **body})
+        return extra(r.choices[0], "token_ids"), r.choices[0].finish_reason
+
+    with cf.ThreadPoolExecutor(len(PENALIZED)) as pool:
+        got = list(pool.map(call, PENALIZED))
+    assert got == [(list(w), why) for w, why in wants]
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=8,
+                                          temperature=0, presence_penalty=1.0)
+    assert chat.choices[0].message.content is not None
 
 
 def test_sigterm_drains_in_flight_requests_then_exits(server, oracle):

@@ -30,7 +30,9 @@ down with its own p and q. For the first step to be valid the set of children vi
 of the draw order whose length does not depend on the children's own tokens (see `spec.select`).
 A chain is the special case of one child per node (Leviathan / Chen chain rejection sampling).
 
-Temperature / top-k / top-p are applied to target and draft alike through `sampling.warp`.
+Temperature / top-k / top-p are applied to target and draft alike through `sampling.warp`. Penalties are the
+caller's: the round passes the target's logits already penalized per node (`sampling.penalize_tree`), so greedy
+matching and p are the penalized target's.
 """
 
 from __future__ import annotations

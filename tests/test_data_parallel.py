@@ -89,6 +89,18 @@ def test_data_parallel_equals_one_device(targets, one_device, mode, tp):
         assert backend.state.ssm.sharding.spec[2] == "model" and backend.state.ssm.sharding.mesh.shape["model"] == 2
 
 
+@pytest.mark.parametrize("mode", ["ar", "chain"])
+def test_penalties_on_a_mesh_equal_one_device(targets, mode):
+    """The penalized programs over (tp 2, dp 2): the per-slot penalty history is split by slot like the other
+    buffers, and the tokens are one device's with the same penalties."""
+    params = [SamplingParams(max_tokens=8, repetition_penalty=1.3, frequency_penalty=0.5), PARAMS[1],
+              SamplingParams(max_tokens=8, presence_penalty=1.5), SamplingParams(max_tokens=8, repetition_penalty=0.8)]
+    want = run_batch(_engine(targets[(1, 1)], mode).backend(SLOTS, KV), PROMPTS, params)[1]
+    backend = _engine(targets[(2, 2)], mode).backend(SLOTS, KV)
+    assert run_batch(backend, PROMPTS, params)[1] == want
+    assert _slot_split(backend.penalty_hist().counts, 0) and _slot_split(backend.penalty_hist().seen, 0)
+
+
 def test_default_slots_split_over_replicas(targets, one_device):
     """A library call that fixes no slots runs in a multiple of the replicas: one prompt decodes in 2 slots."""
     target = targets[(1, 2)]

@@ -60,6 +60,9 @@ def _wait_port(procs: list[subprocess.Popen], logs: list[Path]) -> int:
     pytest.fail(f"server did not start in {STARTUP_TIMEOUT}s:\n{logs[0].read_text(errors='replace')[-3000:]}")
 
 
+PENALTIES = dict(frequency_penalty=0.5, repetition_penalty=1.3)
+
+
 @pytest.fixture(scope="module")
 def oracle():
     """Plain greedy decoding in this process, on one device: token ids per prompt (and the prompts' ids)."""
@@ -74,8 +77,10 @@ def oracle():
     tok = load_tokenizer(model_dir)
     ids = [tok.encode(p).ids for p in PROMPTS]
     _, model = load_pretrained(model_dir)
-    res = Generator.from_model(model).generate(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
-    return ids, [r.token_ids for r in res]
+    gen = Generator.from_model(model)
+    res = gen.generate(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    pen = gen.generate(ids[:1], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, **PENALTIES))[0]
+    return ids, [r.token_ids for r in res], pen.token_ids
 
 
 @pytest.mark.parametrize("mode", ["ar", "chain"])
@@ -84,7 +89,7 @@ def test_two_process_server_equals_one_process(mode, oracle, tmp_path):
     try:
         port = _wait_port(procs, logs)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
-        ids, want = oracle
+        ids, want, want_penalized = oracle
         body = {"ignore_eos": True, "return_token_ids": True}
         r = client.completions.create(model="default", prompt=ids, max_tokens=MAX_TOKENS, temperature=0,
                                       extra_body=body)
@@ -95,6 +100,11 @@ def test_two_process_server_equals_one_process(mode, oracle, tmp_path):
                                             stream=True, extra_body=body):
             streamed += ch.choices[0].model_extra.get("token_ids") or []
         assert streamed == want[1]
+        # penalized programs run on both processes too (the history is each process's device state)
+        r = client.completions.create(model="default", prompt=ids[0], max_tokens=MAX_TOKENS, temperature=0,
+                                      frequency_penalty=PENALTIES["frequency_penalty"],
+                                      extra_body={**body, "repetition_penalty": PENALTIES["repetition_penalty"]})
+        assert r.choices[0].model_extra["token_ids"] == want_penalized
         if mode == "ar":      # the logprobs forward runs on both processes too (`BroadcastScorer`)
             r = client.completions.create(model="default", prompt=ids[0], max_tokens=2, temperature=0, logprobs=1,
                                           extra_body=body)

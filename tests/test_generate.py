@@ -295,3 +295,23 @@ def test_greedy_decode_step_has_no_run_time_branch(checkpoint):
         return len(re.findall(r"\bconditional\(", hlo))
     assert conditionals(False) == 0
     assert conditionals(None) == 1
+
+
+def test_unpenalized_decode_step_takes_no_penalty_inputs(checkpoint):
+    """The penalty history [B, V] and its parameters are inputs of the penalized flavour only: the decode program
+    without them has the unpenalized signature (and the penalized one holds the history)."""
+    from hyspec_jax.sampling import PenaltyCounts, SlotPenalty
+    _, path = checkpoint
+    cfg, model = load_pretrained(path)
+    gen = Generator.from_model(model)
+    state = gen.new_state(2, 32)
+    sampling = SlotSampling.from_params([SamplingParams()], 2)
+    args = (gen.graphdef, gen.params, state, np.zeros(2, np.int32), np.ones(2, bool), sampling, np.ones(2, np.int32))
+    def signature(**kw) -> str:      # the entry function's line: its inputs
+        text = ar_step_jit.lower(*args, stochastic=False, **kw).as_text()
+        return next(line for line in text.splitlines() if "func.func public @main" in line)
+    plain = signature()
+    hist = PenaltyCounts(np.zeros((2, cfg.vocab_size), np.int32), np.zeros((2, cfg.vocab_size), bool))
+    penalized = signature(hist=hist, penalty=SlotPenalty.of([0, 0], [1, 0], [1, 1]))
+    hist_type = f"tensor<2x{cfg.vocab_size}xi32>"
+    assert hist_type not in plain and hist_type in penalized

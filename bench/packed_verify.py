@@ -72,14 +72,14 @@ def spread_forest(rng: np.random.Generator, batch: int, nodes: int, total: int, 
 
 
 def measure(cfg, *, batches, nodes, fills, prefix: int, depth: int, repeats: int, dtype, kernel_impl: str,
-            seed: int, progress: bool = True) -> list[dict]:
-    """One row per (B, N, C): dense and packed verify times and their largest logit difference."""
+            seed: int, progress: bool = True, on_row=None) -> list[dict]:
+    """One row per (B, N, C): dense and packed verify times and their largest logit difference; a batch whose
+    programs do not fit the device's memory gets rows that say so (`error`), and the next batch still runs.
+    on_row(rows): called after every row (a partial report survives a run cut short)."""
     import jax
-    import jax.numpy as jnp
     from flax import nnx
 
-    from hyspec_jax.bench.calibrate import time_verify
-    from hyspec_jax.bench.verify_scale import make_mesh, progress_bar, random_params, random_state
+    from hyspec_jax.bench.verify_scale import make_mesh, progress_bar, random_params
 
     mesh = make_mesh(1)
     graphdef, params, _ = random_params(cfg, dtype, seed, mesh)
@@ -93,33 +93,62 @@ def measure(cfg, *, batches, nodes, fills, prefix: int, depth: int, repeats: int
 
     cells = [(B, N, f) for B in batches for N in nodes for f in fills]
     bar = progress_bar(len(cells), progress)
-    rows = []
+    rows: list[dict] = []
     try:
         for B in batches:
-            state, _ = random_state(cfg, B, prefix + max(nodes), prefix, dtype, seed, mesh)
-            for N in nodes:
-                for f in fills:
-                    C = max(B, min(B * N, int(round(f * B * N))))
-                    rng = np.random.default_rng([seed, B, N, C])
-                    tree = spread_forest(rng, B, N, C, depth)
-                    toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, N)), jnp.int32)
-                    t_dense, (l_dense, _) = time_verify(program(0), params, state, tree, toks, repeats=repeats)
-                    packed = C if C < B * N else 0
-                    t_packed, (l_packed, _) = time_verify(program(packed), params, state, tree, toks,
-                                                          repeats=repeats)
-                    valid = np.asarray(tree.valid)
-                    diff = float(np.max(np.abs(np.asarray(l_packed, np.float32)[valid]
-                                               - np.asarray(l_dense, np.float32)[valid])))
-                    rows.append(dict(batch=B, nodes=N, capacity=C, rows_dense=B * N, rows_packed=packed or B * N,
-                                     dense_ms=round(1e3 * t_dense.median_s, 4),
-                                     packed_ms=round(1e3 * t_packed.median_s, 4),
-                                     packed_over_dense=round(t_packed.median_s / t_dense.median_s, 4),
-                                     dense_spread=round(t_dense.spread, 4), packed_spread=round(t_packed.spread, 4),
-                                     max_abs_logit_diff=diff))
-                    bar.update(1)
+            try:
+                _batch_rows(rows, cfg, B, nodes, fills, prefix=prefix, depth=depth, repeats=repeats, dtype=dtype,
+                            seed=seed, mesh=mesh, program=program, params=params, bar=bar, on_row=on_row)
+            except jax.errors.JaxRuntimeError as e:
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+                measured = {(r["batch"], r["nodes"], r["capacity"]) for r in rows}
+                for N in nodes:
+                    for f in fills:
+                        C = _capacity(B, N, f)
+                        if (B, N, C) not in measured:
+                            rows.append(dict(batch=B, nodes=N, capacity=C, error="out of device memory"))
+                            bar.update(1)
+                if on_row is not None:
+                    on_row(rows)
     finally:
         bar.close()
     return rows
+
+
+def _capacity(B: int, N: int, fill: float) -> int:
+    return max(B, min(B * N, int(round(fill * B * N))))
+
+
+def _batch_rows(rows: list, cfg, B, nodes, fills, *, prefix, depth, repeats, dtype, seed, mesh, program, params,
+                bar, on_row) -> None:
+    """Append batch B's rows to `rows` as they are measured (an out-of-memory error leaves the earlier ones)."""
+    import jax.numpy as jnp
+
+    from hyspec_jax.bench.calibrate import time_verify
+    from hyspec_jax.bench.verify_scale import random_state
+
+    state, _ = random_state(cfg, B, prefix + max(nodes), prefix, dtype, seed, mesh)
+    for N in nodes:
+        for f in fills:
+            C = _capacity(B, N, f)
+            rng = np.random.default_rng([seed, B, N, C])
+            tree = spread_forest(rng, B, N, C, depth)
+            toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, N)), jnp.int32)
+            t_dense, (l_dense, _) = time_verify(program(0), params, state, tree, toks, repeats=repeats)
+            packed = C if C < B * N else 0
+            t_packed, (l_packed, _) = time_verify(program(packed), params, state, tree, toks, repeats=repeats)
+            valid = np.asarray(tree.valid)
+            diff = float(np.max(np.abs(np.asarray(l_packed, np.float32)[valid]
+                                       - np.asarray(l_dense, np.float32)[valid])))
+            rows.append(dict(batch=B, nodes=N, capacity=C, rows_dense=B * N, rows_packed=packed or B * N,
+                             dense_ms=round(1e3 * t_dense.median_s, 4), packed_ms=round(1e3 * t_packed.median_s, 4),
+                             packed_over_dense=round(t_packed.median_s / t_dense.median_s, 4),
+                             dense_spread=round(t_dense.spread, 4), packed_spread=round(t_packed.spread, 4),
+                             max_abs_logit_diff=diff))
+            bar.update(1)
+            if on_row is not None:
+                on_row(rows)
 
 
 def markdown(report: dict) -> str:
@@ -130,6 +159,9 @@ def markdown(report: dict) -> str:
              "", "| B | N | C (valid nodes) | dense rows | packed rows | dense ms | packed ms | packed / dense | "
                  "max abs Δ logit |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['batch']} | {r['nodes']} | {r['capacity']} | {r['error']} | | | | | |")
+            continue
         lines.append(f"| {r['batch']} | {r['nodes']} | {r['capacity']} | {r['rows_dense']} | {r['rows_packed']} | "
                      f"{r['dense_ms']:.3f} | {r['packed_ms']:.3f} | {r['packed_over_dense']:.2f} | "
                      f"{r['max_abs_logit_diff']:.2e} |")
@@ -150,16 +182,19 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = jax.devices()[0].platform == "gpu"
     dtype = {"auto": jnp.bfloat16 if on_gpu else jnp.float32, "bfloat16": jnp.bfloat16,
              "float32": jnp.float32}[a.dtype]
-    try:
-        rows = measure(cfg, batches=a.batch, nodes=a.nodes, fills=a.fill, prefix=a.prefix, depth=a.depth,
-                       repeats=a.repeats, dtype=dtype, kernel_impl=a.kernels, seed=a.seed,
-                       progress=not a.no_progress)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     report = {**run_metadata(), "command": portable_command("hyspec bench packed-verify", argv or sys.argv[1:]),
               "geometry": name, "dtype": str(jnp.dtype(dtype)), "prefix": a.prefix, "depth": a.depth,
-              "kernels": a.kernels, "repeats": a.repeats, "rows": rows}
+              "kernels": a.kernels, "repeats": a.repeats, "rows": []}
+
+    def on_row(rows):
+        write_report(dict(report, rows=list(rows)), a.json, markdown)
+    try:
+        report["rows"] = measure(cfg, batches=a.batch, nodes=a.nodes, fills=a.fill, prefix=a.prefix, depth=a.depth,
+                                 repeats=a.repeats, dtype=dtype, kernel_impl=a.kernels, seed=a.seed,
+                                 progress=not a.no_progress, on_row=on_row)
+    except (ValueError, jax.errors.JaxRuntimeError) as e:
+        print(f"hyspec bench packed-verify: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
     write_report(report, a.json, markdown)
     print(markdown(report))
     return 0

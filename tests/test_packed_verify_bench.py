@@ -38,3 +38,22 @@ def test_packed_verify_bench_rejects_bad_fractions(capsys):
     with pytest.raises(SystemExit):
         pv.main(["--tiny", "--fill", "1.5"])
     assert "fractions must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_a_batch_out_of_device_memory_is_reported_and_the_next_runs(tmp_path, monkeypatch):
+    """A batch whose programs do not fit the device: its rows say so, the other batches are still measured."""
+    import jax
+    real = pv._batch_rows
+
+    def batch_rows(rows, cfg, B, *a, **kw):
+        if B == 2:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.38GiB")
+        return real(rows, cfg, B, *a, **kw)
+    monkeypatch.setattr(pv, "_batch_rows", batch_rows)
+    out = tmp_path / "pv.json"
+    assert pv.main(["--tiny", "--batch", "2,4", "--nodes", "8", "--fill", "0.5", "--repeats", "1", "--prefix", "8",
+                    "--kernels", "reference", "--no-progress", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0] == dict(batch=2, nodes=8, capacity=8, error="out of device memory")
+    assert rows[1]["batch"] == 4 and rows[1]["packed_ms"] > 0
+    assert "out of device memory" in out.with_suffix(".md").read_text()

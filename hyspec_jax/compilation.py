@@ -264,7 +264,9 @@ def _rebuild_static_graphdef(graphdef):
 # Program cache: traced + lowered programs on disk (jax.export), so a new process skips Python tracing
 # ------------------------------------------------------------------------------------------------
 PROGRAM_CACHE_ENV = "HYSPEC_PROGRAM_CACHE"     # "0" / "off": never use it, even where a command enables it
-_program_cache = {"on": False}
+# epoch: bumped by every `enable_program_cache`, which may point at another directory ($HYSPEC_JAX_CACHE): the
+# programs a `DiskCachedJit` holds in memory are then forgotten, so it loads or stores them there
+_program_cache = {"on": False, "epoch": 0}
 
 
 def enable_program_cache(on: bool = True) -> bool:
@@ -282,6 +284,7 @@ def enable_program_cache(on: bool = True) -> bool:
         except ImportError:
             ok = False
     _program_cache["on"] = ok
+    _program_cache["epoch"] += 1
     return ok
 
 
@@ -346,6 +349,7 @@ class DiskCachedJit:
         self.signature = inspect.signature(fn)
         self.jit = jax.jit(fn, static_argnames=self.static_argnames, donate_argnames=self.donate_argnames)
         self._programs: dict = {}
+        self._epoch = _program_cache["epoch"]
         self._warned = False
 
     def __getattr__(self, item):          # lower / trace / _cache_size ...: the plain jit's
@@ -354,6 +358,8 @@ class DiskCachedJit:
     def __call__(self, *args, **kwargs):
         if not _program_cache["on"]:
             return self.jit(*args, **kwargs)
+        if self._epoch != _program_cache["epoch"]:
+            self._programs, self._epoch = {}, _program_cache["epoch"]
         import jax
         import numpy as np
         bound = self.signature.bind(*args, **kwargs)
@@ -364,7 +370,10 @@ class DiskCachedJit:
             avals = tuple((x.shape, x.dtype) for x in leaves)
         except AttributeError:
             avals = tuple((np.shape(x), _dtype(x)) for x in leaves)
-        key = (static, names, treedef, avals)
+        # whether any input spans several devices (such a call is never stored) is part of the key, so a sharded
+        # call does not decide for a single-device one with the same shapes (one process can run both)
+        sharded = any(isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 for x in leaves)
+        key = (static, names, treedef, avals, sharded)
         prog = self._programs.get(key)
         first = prog is None
         if first:

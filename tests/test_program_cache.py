@@ -118,3 +118,22 @@ def test_unusable_stored_program_falls_back(cache):
     with pytest.warns(RuntimeWarning, match="program cache unused for t_bad"):
         out = fresh(jnp.float32(2.0), x, _state(), power=1)
     assert _same(out, plain)
+
+
+def test_a_sharded_call_does_not_turn_the_cache_off_for_one_device(cache):
+    """The same shapes on a 2-device mesh (never stored: one warning) and then on one device: the single-device
+    call is still exported and stored."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    fn = C.DiskCachedJit(step, name="t_placement", static_argnames=("power",))
+    st = _state()
+    x = jnp.arange(4, dtype=jnp.float32)
+    sharded = jax.device_put(x, NamedSharding(mesh, P("d")))
+    with pytest.warns(RuntimeWarning, match="sharded inputs"):
+        fn(jnp.float32(2.0), sharded, st, power=1)
+    assert not list(cache.glob("t_placement-*.bin"))
+    out = fn(jnp.float32(2.0), x, st, power=1)
+    assert list(cache.glob("t_placement-*.bin"))
+    assert _same(out, jax.jit(step, static_argnames=("power",))(jnp.float32(2.0), x, st, power=1))

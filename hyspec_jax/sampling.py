@@ -151,31 +151,27 @@ def _slot_penalty(slots: tuple[tuple[float, float, float], ...]) -> SlotPenalty:
 
 
 @jax.named_scope("penalties")
-def penalize_tree(logits: jax.Array, tokens: jax.Array, parent: jax.Array, hist: PenaltyCounts,
-                  penalty: SlotPenalty, depth: int) -> jax.Array:
-    """`penalize` the target's logits [B, N, V] at every node of a verified forest (node 0 = the anchor, counted
-    in `hist`): node v's history is the slot's plus the draft tokens on v's path from the anchor's child down to v
-    inclusive (the output if v is accepted). The base penalty broadcast over the nodes, then the ≤ depth path
-    tokens of each node recomputed with their total counts. tokens / parent [B, N]; depth: the deepest node."""
+def penalize_tree(logits: jax.Array, tokens: jax.Array, tree, hist: PenaltyCounts, penalty: SlotPenalty) -> jax.Array:
+    """`penalize` the target's logits [B, N, V] at every node of a verified forest (`hyspec_jax.tree.Tree`; node 0
+    = the anchor, counted in `hist`): node v's history is the slot's plus the draft tokens on v's path from the
+    anchor's child down to v inclusive (the output if v is accepted) — its first depth(v) ancestors, v itself
+    first (`tree.kth_ancestor`). The base penalty broadcast over the nodes, then those ≤ max_depth path tokens of
+    each node recomputed with their total counts. tokens [B, N]."""
+    from hyspec_jax import tree as tree_lib
+
     B, N, V = logits.shape
     prm = lambda x: x[:, None]  # noqa: E731 - [B] -> [B, 1], against [B, N]
     out = penalize(logits, hist.counts[:, None], hist.seen[:, None], prm(penalty.presence), prm(penalty.frequency),
                    prm(penalty.repetition))
-    take = lambda x, i: jnp.take_along_axis(x, jnp.maximum(i, 0), axis=1)  # noqa: E731
-    a = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
-    toks, oks = [], []
-    for _ in range(depth):                   # v, its parent, ...: the drafts on v's path (the anchor has no parent)
-        up = take(parent, a)
-        ok = (a >= 0) & (up >= 0)
-        toks.append(jnp.where(ok, take(tokens, a), 0))
-        oks.append(ok)
-        a = jnp.where(ok, up, -1)
-    if not toks:
+    D = tree.max_depth
+    if D == 0:
         return out
-    path, ok = jnp.stack(toks, -1), jnp.stack(oks, -1)                          # [B, N, D]
+    anc = tree_lib.kth_ancestor(tree, D - 1)                                    # [B, N, D]: v, its parent, ...
+    ok = jnp.arange(D, dtype=jnp.int32) < tree.depth[..., None]                # the drafts on v's path
+    at = jnp.take_along_axis(tokens, jnp.maximum(anc, 0).reshape(B, -1), axis=1).reshape(B, N, D)
+    path = jnp.where(ok, at, 0)
     in_path = jnp.sum((path[..., :, None] == path[..., None, :]) & ok[..., None, :], axis=-1)
-    flat = path.reshape(B, -1)
-    base = jnp.take_along_axis(hist.counts, flat, axis=1).reshape(path.shape)
+    base = jnp.take_along_axis(hist.counts, path.reshape(B, -1), axis=1).reshape(path.shape)
     raw = jnp.take_along_axis(logits, path, axis=2)
     fixed = penalize(raw, base + in_path, jnp.ones_like(ok), prm(penalty.presence), prm(penalty.frequency),
                      prm(penalty.repetition))

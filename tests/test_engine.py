@@ -259,8 +259,10 @@ def test_penalize_tree_equals_penalizing_each_path():
     seen = counts > 0
     seen[:, 0] = True
     pen = SlotPenalty.of([0.5, -1.0], [1.25, 0.3], [1.7, 0.8])
-    got = np.asarray(penalize_tree(jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(parent),
-                                   PenaltyCounts(jnp.asarray(counts), jnp.asarray(seen)), pen, Dp + 1))
+    from hyspec_jax.tree import from_parents
+    got = np.asarray(penalize_tree(jnp.asarray(logits), jnp.asarray(tokens), from_parents(jnp.asarray(parent),
+                                                                                         max_depth=Dp + 1),
+                                   PenaltyCounts(jnp.asarray(counts), jnp.asarray(seen)), pen))
     for b in range(B):
         for v in range(N):
             c, sn, a = counts[b].copy(), seen[b].copy(), v

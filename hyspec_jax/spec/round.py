@@ -203,7 +203,7 @@ def round_commit(dgraph: nnx.GraphDef, dparams: nnx.State, state: TargetState, d
     akeys = _fold(slot_keys(sampling.seed, steps), 1)
     if hist is not None:
         hist = hist.add(anchor[:, None], active[:, None])
-        logits = penalize_tree(logits, tokens, tree.parent, hist, penalty, D)
+        logits = penalize_tree(logits, tokens, tree, hist, penalty)
     acc = accept(logits, tokens, tree.parent, tree.valid, child_q, samp, akeys if samp is not None else None,
                  max_depth=D, max_children=shape.max_children)
 

@@ -93,11 +93,14 @@ class Generator:
     def new_state(self, batch: int, max_len: int) -> TargetState:
         return init_state(self.config, batch, max_len, self.dtype, self.deferred_rows)
 
-    def backend(self, slots: int, kv_len: int, shapes: Sequence[tuple[int, int]] | None = None) -> ARBackend:
+    def backend(self, slots: int, kv_len: int, shapes: Sequence[tuple[int, int]] | None = None,
+                decode_buckets: Sequence[int] = ()) -> ARBackend:
         """A backend for the bucket (slots, KV length); prefill shapes default to all `slots` rows of every prompt
-        bucket the KV length holds."""
+        bucket the KV length holds; decoding buckets: the row counts below `slots` a step is also compiled for
+        (`Backend.step_rows`)."""
         return ARBackend(self.config, self.graphdef, self.params, slots=slots, kv_len=kv_len,
-                         shapes=shapes or batch_shapes(slots, kv_len - 1), deferred_rows=self.deferred_rows)
+                         shapes=shapes or batch_shapes(slots, kv_len - 1), deferred_rows=self.deferred_rows,
+                         decode_buckets=decode_buckets)
 
     def compile_buckets(self, buckets: Iterable[tuple[int, int]], prompt_lengths: Sequence[int] | None = None,
                         progress: bool = True, cache: bool = True, stochastic: Sequence[bool] = (False, True)) -> int:

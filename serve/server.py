@@ -42,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           'or tree levels (tree, tree-ready)}; an option also given as a flag must agree')
     p.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=int, default=32, metavar="B",
                    help="batch slots: requests decoded together (default 32)")
+    p.add_argument("--decode-buckets", default="auto", metavar="R,R,...",
+                   help="row counts below --max-batch that a decoding step (or speculative round) is also compiled "
+                        "for: a step over few requests runs on the smallest that holds them, at that many rows' cost "
+                        "(as vLLM's CUDA-graph batch sizes); 'auto' (default): 1 and the powers of 4 below "
+                        "--max-batch; 'none': every step runs over all slots")
     p.add_argument("--max-queue", type=int, default=256, metavar="Q",
                    help="requests waiting for a slot before new ones get 429 (default 256)")
     p.add_argument("--max-model-len", type=int, metavar="N",
@@ -156,6 +161,12 @@ def check_args(args) -> None:
         raise ValueError("--max-batch / --max-num-seqs must be >= 1")
     if args.max_queue < 0:
         raise ValueError("--max-queue must be >= 0")
+    try:
+        if any(r < 1 for r in decode_buckets(args)):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--decode-buckets must be 'auto', 'none' or row counts >= 1 separated by commas, got "
+                         f"{args.decode_buckets!r}") from None
     if args.max_model_len is not None and args.max_model_len < 2:
         raise ValueError("--max-model-len must be >= 2")
     if args.max_logprobs < 0:
@@ -228,8 +239,20 @@ def build_backend(args, target, model_dir: Path, max_model_len: int):
     if engine is None:
         if args.drafter and args.spec_mode == "ar":
             raise ValueError("--drafter is only used with a speculative --spec-mode (chain, ready, tree, tree-ready)")
-        return Generator.from_model(target, args.deferred_rows or 0).backend(args.max_batch, max_model_len, shapes)
-    return engine.backend(args.max_batch, max_model_len + engine.overshoot, shapes)
+        return Generator.from_model(target, args.deferred_rows or 0).backend(args.max_batch, max_model_len, shapes,
+                                                                            decode_buckets(args))
+    return engine.backend(args.max_batch, max_model_len + engine.overshoot, shapes, decode_buckets(args))
+
+
+def decode_buckets(args) -> tuple[int, ...]:
+    """--decode-buckets: "auto" (`default_decode_buckets`), "none", or a comma-separated list of row counts."""
+    from hyspec_jax.runtime.backend import default_decode_buckets
+    v = (args.decode_buckets or "auto").strip().lower()
+    if v == "auto":
+        return default_decode_buckets(args.max_batch)
+    if v == "none":
+        return ()
+    return tuple(int(x) for x in v.split(","))
 
 
 def run(args) -> int:

@@ -72,6 +72,30 @@ def batch_shapes(slots: int, longest_prompt: int) -> list[tuple[int, int]]:
     return [(slots, t) for t in prompt_buckets(longest_prompt)] or [(slots, bucket(1))]
 
 
+def check_decode_buckets(buckets: Sequence[int], slots: int, params=None) -> tuple[int, ...]:
+    """The decoding buckets below `slots`, sorted (a bucket ≥ slots is the full step, always compiled). None over a
+    mesh: the slots are split over the data axis there, and a step over some of them would gather across
+    devices."""
+    from hyspec_jax.sharding import params_mesh
+    out = sorted({int(r) for r in buckets})
+    if out and out[0] < 1:
+        raise ValueError(f"decoding buckets must be >= 1, got {out[0]}")
+    if params is not None and params_mesh(params) is not None:
+        return ()
+    return tuple(r for r in out if r < slots)
+
+
+def default_decode_buckets(slots: int) -> tuple[int, ...]:
+    """The decoding buckets of a server's slots when none are given: 1 and the powers of 4 below the slots (a
+    step over few requests pays for at most 4x their rows, and the programs stay few: 64 slots compile 4 steps
+    per flavour)."""
+    out, r = [], 1
+    while r < slots:
+        out.append(r)
+        r *= 4
+    return tuple(out)
+
+
 def start_host_copy(x: jax.Array) -> None:
     """Start `x`'s device→host copy now (GPU), so that reading it later does not also wait behind work
     dispatched meanwhile. Not on a CPU: the result already lives in host memory, and the asynchronous copy of a
@@ -90,7 +114,7 @@ def compile_backends(backends: Sequence["Backend"], prompt_lengths: Sequence[int
     """Start-up compile of every program of these backends (`Backend.compile`) under one progress bar (stderr)."""
     from tqdm import tqdm
     total = sum(len(be.shapes) if prompt_lengths is None else len({bucket(n) for n in prompt_lengths})
-                for be in backends) + len(backends) * len(stochastic)
+                for be in backends) + sum(be.step_programs for be in backends) * len(stochastic)
     bar = tqdm(total=total, desc="compiling", unit="program", disable=not progress, file=sys.stderr,
                dynamic_ncols=True)
     for be in backends:
@@ -118,11 +142,12 @@ class Backend(abc.ABC):
 
     def __init__(self, config: TargetConfig, graphdef, params, *, slots: int, kv_len: int,
                  shapes: Sequence[tuple[int, int]], drafter_config: DrafterConfig | None = None,
-                 deferred_rows: int = 0):
+                 deferred_rows: int = 0, decode_buckets: Sequence[int] = ()):
         """graphdef, params: the target as `compilation.split_for_jit` returns it. kv_len: positions per slot.
         shapes: the static (rows, T) prefill shapes (`prefill_shapes`, or one (slots, T) per prompt bucket).
         deferred_rows: the deferred commit's row capacity P per slot and GDN layer (0: every step writes the
-        state; `TargetState.pending`)."""
+        state; `TargetState.pending`). decode_buckets: row counts below `slots` a step is also compiled for
+        (`step_rows`)."""
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if not shapes:
@@ -135,6 +160,31 @@ class Backend(abc.ABC):
         self.state, self.dstate, self.anchor = place_buffers(
             config, params, *new_buffers(config, drafter_config, slots, kv_len, self.dtype, self.deferred_rows))
         self._hist: PenaltyCounts | None = None      # the penalty history, made by the first penalized call
+        self.decode_buckets = check_decode_buckets(decode_buckets, slots, params)
+        self._compile_rows: int | None = None        # the bucket `compile` is compiling
+
+    @property
+    def step_programs(self) -> int:
+        """Step programs per sampling flavour: one per decoding bucket and one over all slots."""
+        return len(self.decode_buckets) + 1
+
+    def step_rows(self, active: np.ndarray) -> np.ndarray | None:
+        """The slots a step runs on: None — all of them — unless a decoding bucket below `slots` holds the active
+        slots; then those slots, padded to the bucket's size with index `slots` (rows that compute nothing and
+        are written nowhere). What vLLM does with its CUDA-graph batch sizes: a step over few requests costs
+        the rows it runs, not the server's slots (the state rows it reads and writes, and the kernels' work)."""
+        B = self.slots
+        if self._compile_rows is not None:
+            return None if self._compile_rows >= B else np.full(self._compile_rows, B, np.int32)
+        if not self.decode_buckets:
+            return None
+        live = np.flatnonzero(active)
+        R = next((r for r in self.decode_buckets if r >= len(live)), B)
+        if R >= B:
+            return None
+        rows = np.full(R, B, np.int32)
+        rows[:len(live)] = live
+        return rows
 
     def penalty_hist(self) -> PenaltyCounts:
         """The slots' penalty history [B, V] (zeros on first use: a penalized request's prefill resets its row)."""
@@ -211,13 +261,18 @@ class Backend(abc.ABC):
             if progress:
                 progress(f"prefill [{rows}x{t}] {time.perf_counter() - t0:.1f}s")
         for flavour in stochastic:
-            t0 = time.perf_counter()
             samp = self.sampling(np.full(B, 1.0 if flavour else 0.0, np.float32), np.ones(B, np.float32),
                                  np.zeros(B, np.int32), np.zeros(B, np.uint32))
-            self.collect(self.dispatch(np.zeros(B, bool), samp, np.zeros(B, np.int32), bool(flavour)))
-            if progress:
-                progress(f"{self.describe_step()} [{B}, {'sampling' if flavour else 'greedy'}] "
-                         f"{time.perf_counter() - t0:.1f}s")
+            for rows in list(self.decode_buckets) + [B]:
+                t0 = time.perf_counter()
+                self._compile_rows = rows
+                try:
+                    self.collect(self.dispatch(np.zeros(B, bool), samp, np.zeros(B, np.int32), bool(flavour)))
+                finally:
+                    self._compile_rows = None
+                if progress:
+                    progress(f"{self.describe_step()} [{rows}, {'sampling' if flavour else 'greedy'}] "
+                             f"{time.perf_counter() - t0:.1f}s")
 
     def describe_step(self) -> str:
         return "decode"
@@ -262,9 +317,11 @@ class ARBackend(Backend):
         if hint is not None:
             raise ValueError("token hints need a speculative mode")
         active = np.array(active, bool)
+        rows = self.step_rows(active)
+        kw = {} if rows is None else {"rows": rows}
         self.anchor, self.state = self._penalized(
             ar_step_jit, self.graphdef, self.params, self.state, self.anchor, active, sampling,
-            np.array(steps, np.int32), penalty=penalty, stochastic=bool(stochastic))
+            np.array(steps, np.int32), penalty=penalty, stochastic=bool(stochastic), **kw)
         start_host_copy(self.anchor)
         return self.anchor, active
 
@@ -278,15 +335,20 @@ class SpecBackend(Backend):
 
     def __init__(self, config: TargetConfig, graphdef, params, drafter_config: DrafterConfig | TargetConfig, dgraph,
                  dparams, *, mode: str, round_shapes: dict[bool, RoundShape], capacity: int, slots: int, kv_len: int,
-                 shapes: Sequence[tuple[int, int]], deferred_rows: int = 0):
+                 shapes: Sequence[tuple[int, int]], deferred_rows: int = 0, decode_buckets: Sequence[int] = ()):
         """round_shapes: the frozen round shape of the greedy (False) and the sampling (True) flavour.
         capacity: the batch-wide node budget C. drafter_config: the DSpark drafter's, or the target's own for its
-        MTP head. deferred_rows: as `Backend` (a round commits up to depth + 1 rows: P must hold them)."""
+        MTP head. deferred_rows, decode_buckets: as `Backend` (a round commits up to depth + 1 rows: P must hold
+        them; a packed round's rows and the swapped-state control's neighbours are the whole batch's, so those
+        run over all slots)."""
         depth = round_shapes[False].depth
         if 0 < deferred_rows < depth + 1:
             raise ValueError(f"deferred_rows {deferred_rows} cannot hold one round's accepted path ({depth + 1} rows)")
+        g = round_shapes[False]
+        if g.reader_swap or g.packed_rows or g.packed_gains:    # their rows are the whole batch's
+            decode_buckets = ()
         super().__init__(config, graphdef, params, slots=slots, kv_len=kv_len, shapes=shapes,
-                         drafter_config=drafter_config, deferred_rows=deferred_rows)
+                         drafter_config=drafter_config, deferred_rows=deferred_rows, decode_buckets=decode_buckets)
         self.mode, self.dgraph, self.dparams = mode, dgraph, dparams
         self.round_shapes = dict(round_shapes)
         greedy = self.round_shapes[False]
@@ -312,13 +374,16 @@ class SpecBackend(Backend):
         return np.asarray(first)
 
     def dispatch(self, active, sampling, steps, stochastic, hint=None, penalty=None):
+        active = np.asarray(active, bool)
+        rows = self.step_rows(active)
         self.state, self.dstate, self.anchor, host_out = self._penalized(
             spec_round_io_jit, self.graphdef, self.params, self.dgraph, self.dparams, self.state, self.dstate,
-            self.anchor, sampling, pack_round_inputs(np.asarray(active, bool), steps, self.capacity, hint),
+            self.anchor, sampling, pack_round_inputs(active, steps, self.capacity, hint, rows),
             penalty=penalty, shape=self.round_shapes[bool(stochastic)])
         start_host_copy(host_out)     # the host reads it: start its copy now
-        return host_out
+        return host_out, rows
 
     def collect(self, handle) -> StepResult:
-        toks, count, acc = unpack_round_outputs(np.asarray(handle))     # one transfer each way
+        host_out, rows = handle
+        toks, count, acc = unpack_round_outputs(np.asarray(host_out), 0, rows, self.slots)  # one transfer each way
         return StepResult(tokens=toks, count=count, accepted=acc, drafted=self.drafted)

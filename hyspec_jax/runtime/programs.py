@@ -95,6 +95,26 @@ def scatter_drafter(dstate: DrafterState | MTPState, slots: jax.Array, sub: Draf
     return DrafterState(**kw)
 
 
+def gather_rows(rows: jax.Array, state: TargetState, dstate, per_row: tuple):
+    """A step over `rows` [R] of the B slots (index B: a padding row — it reads slot B − 1 and is written nowhere):
+    the rows of the target state, of the drafter context (None: none) and of every [B, ...] array or pytree of
+    them in `per_row` (None entries stay None). The decoding-bucket form of a step (`Backend.decode_buckets`)."""
+    keep = jnp.zeros(rows.shape, bool)
+    idx = jnp.minimum(rows, state.batch - 1)
+    take = lambda x: None if x is None else jax.tree.map(lambda a: _rows(a, idx, 0), x)  # noqa: E731
+    return (gather_target(state, rows, keep), None if dstate is None else gather_drafter(dstate, rows, keep),
+            tuple(take(x) for x in per_row))
+
+
+def put_rows(rows: jax.Array, state: TargetState, sub: TargetState, dstate, dsub, per_row: tuple, sub_rows: tuple):
+    """`gather_rows` undone: the rows written back into the B slots' state, drafter context and per-row arrays
+    (padding rows dropped)."""
+    put = lambda full, part: None if full is None else jax.tree.map(  # noqa: E731
+        lambda f, p: _put(f, rows, p, 0), full, part)
+    return (scatter_target(state, rows, sub), None if dstate is None else scatter_drafter(dstate, rows, dsub),
+            tuple(put(f, p) for f, p in zip(per_row, sub_rows)))
+
+
 def _prefill_penalty(logits: jax.Array, slots: jax.Array, tokens: jax.Array, valid: jax.Array, reset: jax.Array,
                      hist: PenaltyCounts | None, penalty: SlotPenalty | None):
     """Prefill's penalties: (penalized last logits [P, V], updated history or None). The rows' histories (reset
@@ -160,9 +180,19 @@ def spec_prefill(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef,
 
 def ar_step(graphdef: nnx.GraphDef, params: nnx.State, state: TargetState, anchor: jax.Array, active: jax.Array,
             sampling: SlotSampling, steps: jax.Array, stochastic: bool | None, hist: PenaltyCounts | None = None,
-            penalty: SlotPenalty | None = None):
+            penalty: SlotPenalty | None = None, rows: jax.Array | None = None):
     """One decoding step of every active slot: (next anchor [B], state[, penalty history]). stochastic (static):
-    False — every active slot greedy, a branch-free argmax program; True — the warped draw (`sampling.sample`)."""
+    False — every active slot greedy, a branch-free argmax program; True — the warped draw (`sampling.sample`).
+    rows [R] (R < B): the step runs on those slots only (`gather_rows`; the others are inactive), at the cost of R
+    rows — the same tokens, since a slot's randomness is its own (seed, step)."""
+    if rows is not None:
+        B = anchor.shape[0]
+        sub, _, (a, act, samp, st, h, pen) = gather_rows(rows, state, None, (anchor, active, sampling, steps, hist,
+                                                                              penalty))
+        act = act & (rows < B)
+        tok, sub, *h = ar_step(graphdef, params, sub, a, act, samp, st, stochastic, h, pen)
+        state, _, (anchor, hist) = put_rows(rows, state, sub, None, None, (anchor, hist), (tok, h[0] if h else None))
+        return (anchor, state) if hist is None else (anchor, state, hist)
     model: TargetModel = nnx.merge(graphdef, params)
     logits, _, state = model.extend(state, anchor[:, None], active[:, None])
     last, hist = _step_penalty(logits[:, 0], anchor, active, hist, penalty)

@@ -279,26 +279,36 @@ class SpecEngine:
                           reader_swap=self.spec.uses_reader and self.spec.reader_state == "swapped",
                           packed_rows=0 if slots is None else packed_rows(self.spec.capacity, slots, verify_nodes))
 
-    def round_seconds(self, slots: int, kv_len: int) -> dict[int, float] | None:
-        """The calibrated round time of every width bucket of this bucket (`spec.width.round_seconds`), or None."""
+    def round_seconds(self, slots: int, kv_len: int, rows: int | None = None) -> dict[int, float] | None:
+        """The calibrated round time of every width bucket of this bucket (`spec.width.round_seconds`), or None;
+        rows: of that bucket's rounds over `rows` of its slots (calibrated as a bucket of `rows` slots)."""
         if self.budget_table is None or self.spec.mode == "ar":
             return None
         widths = width_buckets(self.nodes_for(slots, kv_len))
         sig = round_signature(self.spec.mode, self._width_shapes(slots, widths)[max(widths)][False],
                               self.spec.deferred_rows)
-        e = self.budget_table.lookup(jax.devices()[0].device_kind, self.model_name, slots, kv_len, self._gamma, sig)
+        e = self.budget_table.lookup(jax.devices()[0].device_kind, self.model_name, rows or slots, kv_len,
+                                     self._gamma, sig)
         return round_seconds(e, sig, widths)
 
     def width_backend(self, slots: int, kv_len: int, seconds: dict[int, float] | None = None,
-                      shapes: Sequence[tuple[int, int]] | None = None) -> WidthBackend:
+                      shapes: Sequence[tuple[int, int]] | None = None,
+                      decode_buckets: Sequence[int] = ()) -> WidthBackend:
         """A backend with one round per width bucket up to `nodes_for` (`spec.width`): the width chosen each
-        round from `seconds` (calibrated round time per width), fixed at the widest without them."""
+        round from `seconds` (calibrated round time per width), fixed at the widest without them; a round over a
+        decoding bucket's R rows chooses from the round times calibrated for R where the table has them."""
         widths = width_buckets(self.nodes_for(slots, kv_len))
         rounds = self._width_shapes(slots, widths)
         shapes = shapes or batch_shapes(slots, self.max_prompt_len(kv_len))
+        rows_seconds = {}
+        if seconds is not None:
+            for r in decode_buckets:
+                if r < slots and (t := self.round_seconds(slots, kv_len, rows=r)) is not None:
+                    rows_seconds[r] = t
         return WidthBackend(self.config, self.tgraph, self.tparams, self.drafter.config, self.dgraph, self.dparams,
                             mode=self.spec.mode, widths=rounds, seconds=seconds, user_capacity=self.spec.capacity,
-                            slots=slots, kv_len=kv_len, shapes=shapes, deferred_rows=self.spec.deferred_rows)
+                            slots=slots, kv_len=kv_len, shapes=shapes, deferred_rows=self.spec.deferred_rows,
+                            decode_buckets=decode_buckets, rows_seconds=rows_seconds)
 
     def _width_shapes(self, slots: int, widths: tuple[int, ...]) -> dict[int, dict[bool, RoundShape]]:
         """{w: {flavour: round shape}} of the width buckets: w nodes a row, or with spec.packed_widths a batch-wide
@@ -312,22 +322,24 @@ class SpecEngine:
                                            packed_rows=packed_rows(slots * w, slots, N) if w > 1 else 0)
                     for s in (False, True)} for w in widths}
 
-    def backend(self, slots: int, kv_len: int, shapes: Sequence[tuple[int, int]] | None = None) -> SpecBackend:
+    def backend(self, slots: int, kv_len: int, shapes: Sequence[tuple[int, int]] | None = None,
+                decode_buckets: Sequence[int] = ()) -> SpecBackend:
         """A backend of this engine's drafter and rounds for the bucket (slots, KV length): with
         spec.adaptive_width and calibrated round times of the bucket, the width chosen each round
         (`width_backend`); else N from `nodes_for`, capacity spec.capacity or slots · N. Prefill shapes
-        (default: all `slots` rows of every prompt bucket the KV length holds)."""
+        (default: all `slots` rows of every prompt bucket the KV length holds); decoding buckets: the row counts
+        below `slots` a round is also compiled for (`Backend.step_rows`)."""
         if self.spec.mode == "ar":
             raise ValueError("plain decoding (ar) runs on `generate.Generator`'s backend")
         if self.spec.adaptive_width and (seconds := self.round_seconds(slots, kv_len)) is not None:
-            return self.width_backend(slots, kv_len, seconds, shapes)
+            return self.width_backend(slots, kv_len, seconds, shapes, decode_buckets)
         N = self.nodes_for(slots, kv_len)
         shapes = shapes or batch_shapes(slots, self.max_prompt_len(kv_len))
         return SpecBackend(self.config, self.tgraph, self.tparams, self.drafter.config,   # MTP: the target's config
                            self.dgraph, self.dparams,
                            mode=self.spec.mode, round_shapes={s: self.round_shape(s, N, slots) for s in (False, True)},
                            capacity=self.spec.capacity or slots * N, slots=slots, kv_len=kv_len, shapes=shapes,
-                           deferred_rows=self.spec.deferred_rows)
+                           deferred_rows=self.spec.deferred_rows, decode_buckets=decode_buckets)
 
     def _bucket_for(self, prompts, plist) -> tuple[int, int]:
         """The bucket a request batch runs in: (slots B, KV length S). One rule for `generate` and the profilers."""

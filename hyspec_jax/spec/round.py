@@ -38,7 +38,7 @@ from hyspec_jax import tree as tree_lib
 from hyspec_jax.compilation import DiskCachedJit
 from hyspec_jax.models.drafter import DraftBlock, Drafter, target_heads
 from hyspec_jax.models.target import TargetModel
-from hyspec_jax.runtime.programs import spec_step
+from hyspec_jax.runtime.programs import gather_rows, put_rows, spec_step
 from hyspec_jax.sampling import PenaltyCounts, SlotPenalty, SlotSampling, penalize_tree, slot_keys
 from hyspec_jax.spec.accept import accept
 from hyspec_jax.spec.budget import confident_length, packed_gains, root_floor, select_nodes, width_gains
@@ -286,7 +286,22 @@ def spec_round_io(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef
     then g hint columns (g = 0: no hints). Returns (state, dstate, anchor, host_out [B, G + D + 3]: the expected
     accepted drafts at each of the G = len(shape.gain_widths) widths in units of 1/GAIN_SCALE (−1: not
     drafted), then the committed tokens [D + 1], count, accepted); penalized (hist, penalty given): then the
-    updated penalty history."""
+    updated penalty history.
+
+    host_in of R < B rows [R, 4 + g] (`pack_round_inputs(rows=...)`): column 3 is each row's slot (B: padding),
+    and the round runs on those R slots alone (`programs.gather_rows`; host_out then has R rows, in that
+    order) — the same tokens as the round over all B slots, at the cost of R."""
+    B = anchor.shape[0]
+    if host_in.shape[0] != B:
+        rows = host_in[:, 3]
+        sub, dsub, (a, samp, h, pen) = gather_rows(rows, state, dstate, (anchor, sampling, hist, penalty))
+        inputs = jnp.concatenate([host_in[:, :3].at[:, 0].multiply((rows < B).astype(I32)), host_in[:, 4:]], axis=1)
+        sub, dsub, bonus, host_out, *h = spec_round_io(tgraph, tparams, dgraph, dparams, sub, dsub, a, samp,
+                                                       inputs, h, pen, shape=shape)
+        state, dstate, (anchor, hist) = put_rows(rows, state, sub, dstate, dsub, (anchor, hist),
+                                                 (bonus, h[0] if h else None))
+        out = state, dstate, anchor, host_out
+        return out if hist is None else out + (hist,)
     hint = host_in[:, 3:] if host_in.shape[1] > 3 else None
     state, dstate, anchor, toks, count, acc, gains, hist = _round(
         tgraph, tparams, dgraph, dparams, state, dstate, anchor, host_in[:, 0] > 0, sampling, host_in[:, 1],
@@ -298,10 +313,20 @@ def spec_round_io(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef
     return out if hist is None else out + (hist,)
 
 
-def pack_round_inputs(active: np.ndarray, steps: np.ndarray, capacity: int, hint: np.ndarray | None) -> np.ndarray:
-    """`spec_round_io`'s host_in [B, 3 + g] int32 (hint [B, g] or None)."""
+def pack_round_inputs(active: np.ndarray, steps: np.ndarray, capacity: int, hint: np.ndarray | None,
+                      rows: np.ndarray | None = None) -> np.ndarray:
+    """`spec_round_io`'s host_in [B, 3 + g] int32 (hint [B, g] or None); with rows [R] (slot indices, B =
+    padding), the round over those slots alone: [R, 4 + g], the slots in column 3."""
     B = len(active)
     g = 0 if hint is None else hint.shape[1]
+    if rows is not None:
+        pick = np.minimum(rows, B - 1)
+        host = np.empty((len(rows), 4 + g), np.int32)
+        host[:, 0] = np.where(rows < B, np.asarray(active)[pick], 0)
+        host[:, 1], host[:, 2], host[:, 3] = np.asarray(steps)[pick], capacity, rows
+        if g:
+            host[:, 4:] = hint[pick]
+        return host
     host = np.empty((B, 3 + g), np.int32)
     host[:, 0], host[:, 1], host[:, 2] = active, steps, capacity
     if g:
@@ -309,16 +334,30 @@ def pack_round_inputs(active: np.ndarray, steps: np.ndarray, capacity: int, hint
     return host
 
 
-def unpack_round_outputs(host_out: np.ndarray, gains: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def unpack_round_outputs(host_out: np.ndarray, gains: int = 0, rows: np.ndarray | None = None,
+                         slots: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens [B, D + 1], count [B], accepted [B]) from `spec_round_io`'s host_out of a round with `gains` gain
-    widths."""
+    widths (of a round over `rows` of `slots` slots: spread back to the slots, count 0 elsewhere)."""
+    host_out = spread_rows(host_out, rows, slots)
     return host_out[:, gains:-2], host_out[:, -2], host_out[:, -1]
 
 
-def unpack_round_gains(host_out: np.ndarray, gains: int) -> np.ndarray:
+def unpack_round_gains(host_out: np.ndarray, gains: int, rows: np.ndarray | None = None,
+                       slots: int = 0) -> np.ndarray:
     """The expected accepted drafts [B, gains] (fp, −1: not drafted) from `spec_round_io`'s host_out."""
-    g = host_out[:, :gains].astype(np.float64)
+    g = spread_rows(host_out, rows, slots)[:, :gains].astype(np.float64)
     return np.where(g < 0, -1.0, g / GAIN_SCALE)
+
+
+def spread_rows(host_out: np.ndarray, rows: np.ndarray | None, slots: int) -> np.ndarray:
+    """host_out of a round over `rows` as the [slots, ...] host_out of the whole batch (the other slots, all
+    inactive: zeros); unchanged without rows."""
+    if rows is None:
+        return host_out
+    full = np.zeros((slots, host_out.shape[1]), host_out.dtype)
+    real = rows < slots
+    full[rows[real]] = host_out[real]
+    return full
 
 
 # the named scopes of `spec_round` (`SpecEngine.round_kernels` counts kernels by them)

@@ -89,19 +89,24 @@ class WidthChooser:
     max_probe_every: int = 256  # the interval doubles up to this while probes find plain decoding best (a setting)
     decay: float = 0.9         # weight of the past in κ's sums per drafted round (a setting)
     packed_slots: int = 0      # > 0: packed widths (width w = slots · w nodes for the batch), else w nodes a row
+    # {R: {width: seconds}}: the calibrated round times of a round over R rows (`Backend.step_rows`), where known
+    rows_seconds: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)
     gain: dict[int, float] = dataclasses.field(default_factory=dict)
     _accepted: float = 0.0
     _estimated: float = 0.0
     _plain_run: int = 0
     _interval: int = 0         # the current probe interval (0: probe_every)
     _probing: bool = False     # a probe was dispatched and not yet read
+    _now: dict[int, float] | None = None   # the round times of the rows of the latest `next`
 
     @property
     def kappa(self) -> float:
         return self._accepted / self._estimated if self._estimated > 0 else 1.0
 
-    def next(self, live: int) -> int:
-        """The width of the next round for `live` decoding requests."""
+    def next(self, live: int, rows: int | None = None) -> int:
+        """The width of the next round for `live` decoding requests, run over `rows` rows (the round times of that
+        many rows where calibrated, else those of the whole batch)."""
+        self._now = self.rows_seconds.get(rows) if rows is not None else None
         spec = sorted(w for w in self.seconds if w > 1)
         if not spec:
             return 1
@@ -118,7 +123,8 @@ class WidthChooser:
         # slots · w nodes less the live anchors, shared by the live requests
         most = ((lambda w: (self.packed_slots * w - live) / max(live, 1)) if self.packed_slots
                 else (lambda w: w - 1))
-        return choose_width(self.seconds, {w: min(self.kappa * g, most(w)) for w, g in self.gain.items()}, live)
+        return choose_width(self._now or self.seconds, {w: min(self.kappa * g, most(w)) for w, g in self.gain.items()},
+                            live)
 
     def observe(self, width: int, gains: np.ndarray, accepted: np.ndarray, active: np.ndarray) -> None:
         """A collected round: its width, gains [B, len(widths)] (−1: not drafted) in the order of
@@ -146,15 +152,17 @@ class WidthBackend(SpecBackend):
     from `force`: calibration and tests). Its reported depth / verify_nodes are the widest round's."""
 
     def __init__(self, *args, widths: dict[int, dict[bool, RoundShape]], seconds: dict[int, float] | None,
-                 user_capacity: int | None = None, **kw):
+                 user_capacity: int | None = None, rows_seconds: dict[int, dict[int, float]] | None = None, **kw):
         """widths: {w: {flavour: round shape}} (every shape reporting the same gain widths, sorted(widths));
         seconds: calibrated round time per width (None: no choice, the widest width runs unless forced);
-        user_capacity: a fixed batch-wide node budget (default slots · w)."""
+        user_capacity: a fixed batch-wide node budget (default slots · w); rows_seconds: {R: round time per
+        width} of the decoding buckets' rounds, where calibrated."""
         super().__init__(*args, round_shapes=widths[max(widths)], capacity=user_capacity or 1, **kw)
         self.widths = dict(widths)
         self.user_capacity = user_capacity
         packed = widths[max(widths)][False].packed_gains
-        self.chooser = WidthChooser(seconds, packed_slots=self.slots if packed else 0) if seconds else None
+        self.chooser = (WidthChooser(seconds, packed_slots=self.slots if packed else 0,
+                                     rows_seconds=dict(rows_seconds or {})) if seconds else None)
         self.force: list[int] | None = None     # widths to cycle through instead of choosing
         # a server runs rounds without end: the recent widths for inspection, counts for the stats
         self.history: collections.deque[int] = collections.deque(maxlen=HISTORY)
@@ -173,38 +181,39 @@ class WidthBackend(SpecBackend):
         finally:
             self._warm_all = False
 
-    def next_width(self, live: int) -> int:
+    def next_width(self, live: int, rows: int | None = None) -> int:
         if self.force:
             return self.force[self.rounds % len(self.force)]
-        return self.chooser.next(live) if self.chooser is not None else max(self.widths)
+        return self.chooser.next(live, rows) if self.chooser is not None else max(self.widths)
 
     def dispatch(self, active, sampling, steps, stochastic, hint=None, penalty=None):
         active = np.asarray(active, bool)
+        rows = self.step_rows(active)
         if self._warm_all:
             for w in sorted(self.widths)[:-1]:
-                self.collect(self._run(w, active, sampling, steps, stochastic, hint, penalty))
-            return self._run(max(self.widths), active, sampling, steps, stochastic, hint, penalty)
-        w = self.next_width(int(active.sum()))
+                self.collect(self._run(w, active, sampling, steps, stochastic, hint, penalty, rows))
+            return self._run(max(self.widths), active, sampling, steps, stochastic, hint, penalty, rows)
+        w = self.next_width(int(active.sum()), self.slots if rows is None else len(rows))
         self.history.append(w)
         self.width_counts[w] += 1
         self.rounds += 1
-        return self._run(w, active, sampling, steps, stochastic, hint, penalty)
+        return self._run(w, active, sampling, steps, stochastic, hint, penalty, rows)
 
-    def _run(self, w, active, sampling, steps, stochastic, hint, penalty=None):
+    def _run(self, w, active, sampling, steps, stochastic, hint, penalty=None, rows=None):
         shape = self.widths[w][bool(stochastic)]
         cap = self.user_capacity or self.slots * w
         self.state, self.dstate, self.anchor, host_out = self._penalized(
             spec_round_io_jit, self.graphdef, self.params, self.dgraph, self.dparams, self.state, self.dstate,
-            self.anchor, sampling, pack_round_inputs(active, steps, cap, hint), penalty=penalty, shape=shape)
+            self.anchor, sampling, pack_round_inputs(active, steps, cap, hint, rows), penalty=penalty, shape=shape)
         start_host_copy(host_out)
-        return host_out, w, active.copy(), len(shape.gain_widths)
+        return host_out, w, active.copy(), len(shape.gain_widths), rows
 
     def collect(self, handle) -> StepResult:
-        host_out, w, active, G = handle
+        host_out, w, active, G, rows = handle
         out = np.asarray(host_out)
-        toks, count, acc = unpack_round_outputs(out, G)
+        toks, count, acc = unpack_round_outputs(out, G, rows, self.slots)
         if self.chooser is not None and G:
-            self.chooser.observe(w, unpack_round_gains(out, G), acc, active)
+            self.chooser.observe(w, unpack_round_gains(out, G, rows, self.slots), acc, active)
         return StepResult(tokens=toks, count=count, accepted=acc, drafted=w - 1)
 
 

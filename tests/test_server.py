@@ -1044,6 +1044,8 @@ def test_stalled_clients_are_closed_and_the_connection_cap_answers_503(server):
     (["--speculative-config", "{bad"], "--speculative-config is not valid JSON"),
     (["--speculative-config", '{"method": "medusa"}'], "method 'medusa' is not one of"),
     (["--speculative-config", '{"method": "chain"}', "--spec-mode", "tree"], "disagrees with --spec-mode"),
+    (["--decode-buckets", "1,x"], "--decode-buckets must be 'auto', 'none' or row counts"),
+    (["--decode-buckets", "0,4"], "--decode-buckets must be 'auto', 'none' or row counts"),
 ])
 def test_launch_flag_errors_are_one_line(flags, message):
     r = subprocess.run([sys.executable, "-m", "hyspec_jax.serve", "--port", "0"] + flags, capture_output=True,

@@ -12,7 +12,8 @@
 #                   under a 10-minute command: STEPS=calibrate …; then STEPS=serve MODES=ar …; STEPS=serve
 #                   MODES=tree-ready … on the same machine ($TABLE is under the ignored out/, which a device
 #                   call keeps between calls on a warm machine).
-# Knobs: STEPS ("calibrate serve"), TABLE (out/hyspec_width_table.json), SLOTS (64), MODES ("ar tree-ready"),
+# Knobs: STEPS ("calibrate serve"), TABLE (out/hyspec_width_table.json), SLOTS (64), CAL_BATCH (slots calibrated,
+# default SLOTS; e.g. "1,4,16,64": also the rounds of the server's decoding buckets), MODES ("ar tree-ready"),
 # DATASETS ("random heldout"), REPS (1), REQUESTS (64 a level), SPEC_EXTRA (more speculative options for calibrate and
 # the server, e.g. "--packed-widths": the batch-wide budgets family, its own entries in the same table). Each command's files (calibration, table, server
 # logs, serve_load JSON) come back in one archive, $OUT/width_<steps>_<modes>.tgz.
@@ -23,7 +24,7 @@ STEPS=${STEPS:-calibrate serve}; MODES=${MODES:-ar tree-ready}; TABLE=${TABLE:-o
 mkdir -p "$(dirname "$TABLE")"
 SLOTS=${SLOTS:-64}; LEN=1024; RES=$(mktemp -d)
 if [[ " $STEPS " == *" calibrate "* ]]; then
-  "${H[@]}" calibrate --spec-mode tree-ready --batch "$SLOTS" --kv-len $((LEN + 16)) --nodes 1,32 --repeats 20 ${SPEC_EXTRA:-} \
+  "${H[@]}" calibrate --spec-mode tree-ready --batch "${CAL_BATCH:-$SLOTS}" --kv-len $((LEN + 16)) --nodes 1,32 --repeats 20 ${SPEC_EXTRA:-} \
     --out "$TABLE" --json > "$RES/calibrate.json" || exit 1
   cp "$TABLE" "$RES/budget_table.json"
 fi

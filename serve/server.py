@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="row counts below --max-batch that a decoding step (or speculative round) is also compiled "
                         "for: a step over few requests runs on the smallest that holds them, at that many rows' cost "
                         "(as vLLM's CUDA-graph batch sizes); 'auto' (default): 1 and the powers of 4 below "
-                        "--max-batch; 'none': every step runs over all slots")
+                        "--max-batch for a speculative mode, and for plain decoding on a CPU (on a GPU a plain step "
+                        "over few rows measured slower than over all slots); 'none': every step runs over all slots")
     p.add_argument("--max-queue", type=int, default=256, metavar="Q",
                    help="requests waiting for a slot before new ones get 429 (default 256)")
     p.add_argument("--max-model-len", type=int, metavar="N",
@@ -240,15 +241,40 @@ def build_backend(args, target, model_dir: Path, max_model_len: int):
         if args.drafter and args.spec_mode == "ar":
             raise ValueError("--drafter is only used with a speculative --spec-mode (chain, ready, tree, tree-ready)")
         return Generator.from_model(target, args.deferred_rows or 0).backend(args.max_batch, max_model_len, shapes,
-                                                                            decode_buckets(args))
+                                                                            decode_buckets(args, plain=True))
     return engine.backend(args.max_batch, max_model_len + engine.overshoot, shapes, decode_buckets(args))
 
 
-def decode_buckets(args) -> tuple[int, ...]:
-    """--decode-buckets: "auto" (`default_decode_buckets`), "none", or a comma-separated list of row counts."""
+def freeze_startup_objects() -> None:
+    """Move everything alive after start-up (the model, the programs, the imported modules) out of the garbage
+    collector's view (`gc.freeze`, as vLLM does after its warm-up), so that a full collection while serving scans
+    only what requests allocate; and log a collection that still stops the server for over 50 ms."""
+    import gc
+    gc.collect()
+    gc.freeze()
+    started: list[float] = []
+
+    def timing(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started and (dt := time.perf_counter() - started[0]) > 0.05:
+            logging.getLogger("hyspec.serve").warning("garbage collection (generation %s) took %.0f ms",
+                                                      info.get("generation"), 1e3 * dt)
+    gc.callbacks.append(timing)
+
+
+def decode_buckets(args, plain: bool = False) -> tuple[int, ...]:
+    """--decode-buckets: "auto", "none", or a comma-separated list of row counts. auto: `default_decode_buckets`
+    for a speculative mode; for plain decoding (plain=True) only on a CPU — on a GPU a plain step over few rows
+    measured slower than over every slot (the gather and write-back cost more launches than the rows save:
+    bench/results/budget/decode_buckets_h100.md), where a speculative round's cost follows its rows."""
     from hyspec_jax.runtime.backend import default_decode_buckets
     v = (args.decode_buckets or "auto").strip().lower()
     if v == "auto":
+        if plain:
+            import jax
+            if jax.default_backend() != "cpu":
+                return ()
         return default_decode_buckets(args.max_batch)
     if v == "none":
         return ()
@@ -295,6 +321,7 @@ def run(args) -> int:
         scorer = Scorer(backend.graphdef, backend.params, max_model_len, args.max_logprobs)
         scorer.compile(lambda s: _progress(f"  compiled {s}"))
     _progress(f"warm-up done in {time.perf_counter() - t0:.1f}s ({counter.count} programs)")
+    freeze_startup_objects()
     channel = None
     if jax.process_count() > 1:
         # multi-host (runtime/multihost.py): process 0 serves and schedules, sending each device call to the

@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--spec-mode", choices=("ar", "chain", "tree"), default="ar",
                     help="the server's mode (chain / tree: a random DSpark drafter; default ar)")
     ap.add_argument("--max-batch", type=int, default=32, metavar="B", help="slots (default 32)")
+    ap.add_argument("--decode-buckets", default="auto", metavar="R,R,...",
+                    help="as `hyspec serve --decode-buckets` (default auto: the server's own)")
     ap.add_argument("--max-model-len", type=int, default=4096, metavar="S", help="context per slot (default 4096)")
     ap.add_argument("--prefill-chunk", type=int, default=128, metavar="T", help="prefill token budget (default 128)")
     ap.add_argument("--max-logprobs", type=int, default=20, metavar="K",
@@ -65,14 +67,16 @@ def _backend(args, cfg, model, dtype):
     from hyspec_jax.spec.engine import SpecConfig, SpecEngine
     from hyspec_jax.tree import TreeExpansion
 
+    from hyspec_jax.serve.server import decode_buckets
     shapes = prefill_shapes(args.prefill_chunk, args.max_batch)
     if args.spec_mode == "ar":
-        return Generator.from_model(model).backend(args.max_batch, args.max_model_len, shapes)
+        return Generator.from_model(model).backend(args.max_batch, args.max_model_len, shapes,
+                                                   decode_buckets(args, plain=True))
     drafter = create_drafter(DrafterConfig.from_target(cfg), seed=args.seed + 1, dtype=dtype)
     spec = (SpecConfig(mode="tree", tree=TreeExpansion(depth=4, top_k=2, beam=4)) if args.spec_mode == "tree"
             else SpecConfig(mode="chain"))
     engine = SpecEngine(model, drafter, spec, slots=args.max_batch)
-    return engine.backend(args.max_batch, args.max_model_len + engine.overshoot, shapes)
+    return engine.backend(args.max_batch, args.max_model_len + engine.overshoot, shapes, decode_buckets(args))
 
 
 def run_phase(args) -> dict:
@@ -157,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             print(f"serve-compile: error: --{name.replace('_', '-')} must be ≥ 1", file=sys.stderr)
             return 2
+    from hyspec_jax.serve.server import decode_buckets
+    try:
+        decode_buckets(args)
+    except ValueError as e:
+        print(f"serve-compile: error: {e}", file=sys.stderr)
+        return 2
     if args.phase:                                   # a child: one phase, its result to --phase-out
         from hyspec_jax.config import ConfigError
         try:

@@ -162,12 +162,7 @@ def check_args(args) -> None:
         raise ValueError("--max-batch / --max-num-seqs must be >= 1")
     if args.max_queue < 0:
         raise ValueError("--max-queue must be >= 0")
-    try:
-        if any(r < 1 for r in decode_buckets(args)):
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"--decode-buckets must be 'auto', 'none' or row counts >= 1 separated by commas, got "
-                         f"{args.decode_buckets!r}") from None
+    decode_buckets(args)                      # a bad value: its one-line error now
     if args.max_model_len is not None and args.max_model_len < 2:
         raise ValueError("--max-model-len must be >= 2")
     if args.max_logprobs < 0:
@@ -278,7 +273,14 @@ def decode_buckets(args, plain: bool = False) -> tuple[int, ...]:
         return default_decode_buckets(args.max_batch)
     if v == "none":
         return ()
-    return tuple(int(x) for x in v.split(","))
+    try:
+        out = tuple(int(x) for x in v.split(","))
+        if any(r < 1 for r in out):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--decode-buckets must be 'auto', 'none' or row counts >= 1 separated by commas, got "
+                         f"{args.decode_buckets!r}") from None
+    return out
 
 
 def run(args) -> int:
@@ -313,7 +315,8 @@ def run(args) -> int:
     backend = build_backend(args, target, model_dir, max_model_len)
     _progress(f"loaded {model_dir} ({cfg.model_type}, {cfg.num_hidden_layers} layers) in "
               f"{time.perf_counter() - t0:.1f}s; mode {backend.mode}, {backend.slots} slots, context "
-              f"{max_model_len}, prefill shapes {backend.shapes}; compiling")
+              f"{max_model_len}, prefill shapes {backend.shapes}, decoding buckets "
+              f"{list(backend.decode_buckets) or 'none'}; compiling")
     t0 = time.perf_counter()
     backend.compile(lambda s: _progress(f"  compiled {s}"))
     scorer = None

@@ -15,9 +15,10 @@ def test_tiny_run_times_every_program_cold_and_cached(tmp_path):
     report = json.loads(out.read_text())
     cold, cached = report["phases"]["cold"], report["phases"]["cached"]
     names = [p["program"] for p in cold["programs"]]
-    # 2 prefill shapes, the decoding step of both sampling flavours, the scorer's 3 prompt buckets
-    assert names == ["prefill [2x16]", "prefill [1x32]", "decode [4, greedy]", "decode [4, sampling]",
-                     "score [1x16]", "score [1x32]", "score [1x64]"]
+    # 2 prefill shapes, the decoding step of both sampling flavours over 1 row (a CPU's decoding bucket) and over
+    # all 4 slots, the scorer's 3 prompt buckets
+    assert names == ["prefill [2x16]", "prefill [1x32]", "decode [1, greedy]", "decode [4, greedy]",
+                     "decode [1, sampling]", "decode [4, sampling]", "score [1x16]", "score [1x32]", "score [1x64]"]
     assert [p["program"] for p in cached["programs"]] == names
     assert cached["total_s"] < cold["total_s"]
     assert "from the persistent cache" in out.with_suffix(".md").read_text()
@@ -26,3 +27,6 @@ def test_tiny_run_times_every_program_cold_and_cached(tmp_path):
 def test_bad_sizes_fail_in_one_line(capsys):
     assert serve_compile.main(["--tiny", "--max-batch", "0"]) == 2
     assert capsys.readouterr().err.strip().count("\n") == 0
+    assert serve_compile.main(["--tiny", "--decode-buckets", "4,x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--decode-buckets must be" in err

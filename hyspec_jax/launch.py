@@ -29,7 +29,7 @@ def resolve_model_dir(arg: str | None) -> tuple[Path, str | None]:
 
 
 def engine_from_args(args, model, model_dir, dtype, batch: int | None = None, new_tokens: int | None = None,
-                     note=None):
+                     note=None, server: bool = False):
     """The engine `hyspec generate` / `hyspec serve` asked for, or None for plain autoregressive decoding.
 
     With the embedded model (no --model) and no --drafter, its shipped drafter is used, and every option the
@@ -38,7 +38,8 @@ def engine_from_args(args, model, model_dir, dtype, batch: int | None = None, ne
     decoding instead, before the drafter loads: batch, the number of requests decoded together (`--slots`
     wins), beyond `max_slots` (e.g. on a 2-core CPU, verification is nearly free for one request but not for
     eight); new_tokens, the new tokens a one-shot call asks for in all, below `min_new_tokens` (its start-up
-    would cost more than speculation saves). note(reason): told why plain decoding was picked."""
+    would cost more than speculation saves); server: a `hyspec serve`, whose slots are bounded by the
+    recommendation's serve_max_slots where it has one. note(reason): told why plain decoding was picked."""
     import jax
 
     from hyspec_jax.io.drafter_io import load_drafter
@@ -58,7 +59,7 @@ def engine_from_args(args, model, model_dir, dtype, batch: int | None = None, ne
             drafter_dir = shipped
             table_path = table_path or default_budget_table()   # the embedded model's own calibration
             rec = recommended_settings(shipped, jax.default_backend())
-            reason = plain_decoding_reason(rec, getattr(args, "slots", None) or batch, new_tokens)
+            reason = plain_decoding_reason(rec, getattr(args, "slots", None) or batch, new_tokens, server)
             if getattr(args, "spec_mode", None) is None and reason is not None:
                 if note is not None:
                     note(reason)

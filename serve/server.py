@@ -231,7 +231,7 @@ def build_backend(args, target, model_dir: Path, max_model_len: int):
     dtype = leaves[0].dtype if leaves else jnp.float32
     ns = argparse.Namespace(**vars(args))
     ns.slots = args.max_batch
-    engine = engine_from_args(ns, target, model_dir, dtype)
+    engine = engine_from_args(ns, target, model_dir, dtype, server=True)
     if engine is None:
         if args.drafter and args.spec_mode == "ar":
             raise ValueError("--drafter is only used with a speculative --spec-mode (chain, ready, tree, tree-ready)")

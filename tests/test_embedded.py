@@ -103,6 +103,9 @@ def test_recommendation_bounded_by_slots(monkeypatch, target):
         eng = launch.engine_from_args(_args(argv=["--spec-mode", rec["spec_mode"]]), target, model_dir, jnp.float32,
                                  batch=k + 1)
         assert eng is not None and eng.spec.mode == rec["spec_mode"]
+        if (m := rec.get("serve_max_slots")) is not None:        # a server: bounded by what the server measured
+            assert launch.engine_from_args(_args(), target, model_dir, jnp.float32, batch=m, server=True) is not None
+            assert launch.engine_from_args(_args(), target, model_dir, jnp.float32, batch=m + 1, server=True) is None
 
 
 def test_plain_decoding_reason_bounds():
@@ -114,6 +117,10 @@ def test_plain_decoding_reason_bounds():
     assert plain_decoding_reason(rec, slots=1) is None                        # a server: no per-call bound
     del rec["min_new_tokens"]
     assert plain_decoding_reason(rec, slots=1, new_tokens=1) is None          # no field: today's behaviour
+    rec["serve_max_slots"] = 32                                                # measured through the server
+    assert plain_decoding_reason(rec, slots=32, server=True) is None
+    assert "serve_max_slots 32" in plain_decoding_reason(rec, slots=33, server=True)
+    assert "max_slots 1" in plain_decoding_reason(rec, slots=2)                # generate: max_slots
 
 
 def _bounded(monkeypatch, **bounds) -> dict:

@@ -59,7 +59,9 @@ def recommended_settings(drafter_dir, backend: str) -> dict:
     recommended_modes.json (written from `hyspec bench e2e` results), or {}. Two optional bounds of where the
     mode was measured faster than plain decoding (`plain_decoding_reason`): "max_slots", the most concurrent
     requests; "min_new_tokens", the fewest new tokens one `hyspec generate` call must ask for (`hyspec bench
-    oneshot`: below it, loading the mode's extra programs and drafter costs more than decoding saves)."""
+    oneshot`: below it, loading the mode's extra programs and drafter costs more than decoding saves);
+    "serve_max_slots", the most slots of a `hyspec serve` measured faster through the server (its rounds run in
+    decoding buckets: `Backend.step_rows`), where it differs from the end-to-end runs' max_slots."""
     import json
     from pathlib import Path
 
@@ -68,18 +70,21 @@ def recommended_settings(drafter_dir, backend: str) -> dict:
         return {}
     rec = json.loads(path.read_text()).get(backend) or {}
     return {k: rec[k] for k in ("spec_mode", "tree_depth", "tree_topk", "tree_beam", "verify_nodes",
-                                "chain_length", "max_slots", "min_new_tokens") if rec.get(k) is not None}
+                                "chain_length", "max_slots", "min_new_tokens", "serve_max_slots")
+            if rec.get(k) is not None}
 
 
-def plain_decoding_reason(rec: dict, slots: int | None = None, new_tokens: int | None = None) -> str | None:
+def plain_decoding_reason(rec: dict, slots: int | None = None, new_tokens: int | None = None,
+                          server: bool = False) -> str | None:
     """Why a default (no --spec-mode) run decodes plainly instead of taking the recommendation `rec`
     (`recommended_settings`), or None when the recommendation applies. slots: concurrent requests (None: not
     bounded); new_tokens: new tokens asked for in the whole call, max_tokens x prompts (None: a server, whose
-    start-up is not paid per request)."""
+    start-up is not paid per request); server: a `hyspec serve`, bounded by serve_max_slots where given."""
     if not rec:
         return "no speculative mode measured faster on this backend"
-    if rec.get("max_slots") is not None and slots is not None and slots > rec["max_slots"]:
-        return f"{slots} concurrent requests > max_slots {rec['max_slots']} of the recommendation"
+    key = "serve_max_slots" if server and rec.get("serve_max_slots") is not None else "max_slots"
+    if rec.get(key) is not None and slots is not None and slots > rec[key]:
+        return f"{slots} concurrent requests > {key} {rec[key]} of the recommendation"
     if rec.get("min_new_tokens") is not None and new_tokens is not None and new_tokens < rec["min_new_tokens"]:
         return (f"{new_tokens} new tokens < min_new_tokens {rec['min_new_tokens']}: loading "
                 f"{rec['spec_mode']}'s programs and drafter would cost more than speculation saves")

@@ -98,25 +98,3 @@ def test_sampled_rounds_in_buckets_draw_the_same_tokens(models, reference):
     assert out == full
     assert {1, 2} <= set(seen), seen
 
-
-def test_server_freezes_its_start_up_objects_and_logs_long_collections(caplog):
-    """After warm-up the server moves its start-up objects (the model, programs, modules: ~740k on the CPU, a full
-    collection of them 110-140 ms — a stall of every stream) out of the collector's view, and logs a collection that
-    still takes over 50 ms."""
-    import gc
-    import time as _time
-
-    from hyspec_jax.serve.server import freeze_startup_objects
-    before = list(gc.callbacks)
-    try:
-        freeze_startup_objects()
-        assert gc.get_freeze_count() > 0
-        (cb,) = [c for c in gc.callbacks if c not in before]
-        cb("start", {"generation": 2})
-        _time.sleep(0.06)
-        with caplog.at_level("WARNING", logger="hyspec.serve"):
-            cb("stop", {"generation": 2})
-        assert "garbage collection (generation 2) took" in caplog.text
-    finally:
-        gc.callbacks[:] = before
-        gc.unfreeze()

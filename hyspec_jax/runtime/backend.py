@@ -34,7 +34,8 @@ from hyspec_jax.config import DrafterConfig, TargetConfig
 from hyspec_jax.runtime.programs import ar_prefill_jit, ar_step_jit, new_buffers, spec_prefill_jit
 from hyspec_jax.sharding import place_buffers
 from hyspec_jax.sampling import PenaltyCounts, SlotPenalty, SlotSampling
-from hyspec_jax.spec.round import RoundShape, pack_round_inputs, spec_round_io_jit, unpack_round_outputs
+from hyspec_jax.spec.round import (RoundShape, pack_round_inputs, spec_round_io_jit, spread_rows,
+                                   unpack_round_outputs)
 
 F32 = jnp.float32
 MIN_CHUNK = 16      # the smallest prefill length (and prompt bucket)
@@ -385,5 +386,5 @@ class SpecBackend(Backend):
 
     def collect(self, handle) -> StepResult:
         host_out, rows = handle
-        toks, count, acc = unpack_round_outputs(np.asarray(host_out), 0, rows, self.slots)  # one transfer each way
+        toks, count, acc = unpack_round_outputs(spread_rows(np.asarray(host_out), rows, self.slots))  # one transfer
         return StepResult(tokens=toks, count=count, accepted=acc, drafted=self.drafted)

@@ -295,7 +295,7 @@ def spec_round_io(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef
     if host_in.shape[0] != B:
         rows = host_in[:, 3]
         sub, dsub, (a, samp, h, pen) = gather_rows(rows, state, dstate, (anchor, sampling, hist, penalty))
-        inputs = jnp.concatenate([host_in[:, :3].at[:, 0].multiply((rows < B).astype(I32)), host_in[:, 4:]], axis=1)
+        inputs = jnp.concatenate([host_in[:, :3], host_in[:, 4:]], axis=1)     # padding rows: active 0
         sub, dsub, bonus, host_out, *h = spec_round_io(tgraph, tparams, dgraph, dparams, sub, dsub, a, samp,
                                                        inputs, h, pen, shape=shape)
         state, dstate, (anchor, hist) = put_rows(rows, state, sub, dstate, dsub, (anchor, hist),
@@ -316,36 +316,32 @@ def spec_round_io(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef
 def pack_round_inputs(active: np.ndarray, steps: np.ndarray, capacity: int, hint: np.ndarray | None,
                       rows: np.ndarray | None = None) -> np.ndarray:
     """`spec_round_io`'s host_in [B, 3 + g] int32 (hint [B, g] or None); with rows [R] (slot indices, B =
-    padding), the round over those slots alone: [R, 4 + g], the slots in column 3."""
+    padding, inactive), the round over those slots alone: [R, 4 + g], the slots in column 3."""
     B = len(active)
-    g = 0 if hint is None else hint.shape[1]
     if rows is not None:
         pick = np.minimum(rows, B - 1)
-        host = np.empty((len(rows), 4 + g), np.int32)
-        host[:, 0] = np.where(rows < B, np.asarray(active)[pick], 0)
-        host[:, 1], host[:, 2], host[:, 3] = np.asarray(steps)[pick], capacity, rows
-        if g:
-            host[:, 4:] = hint[pick]
-        return host
-    host = np.empty((B, 3 + g), np.int32)
+        active = np.where(rows < B, np.asarray(active)[pick], 0)
+        steps, hint = np.asarray(steps)[pick], None if hint is None else hint[pick]
+    g = 0 if hint is None else hint.shape[1]
+    c = 3 if rows is None else 4
+    host = np.empty((len(active), c + g), np.int32)
     host[:, 0], host[:, 1], host[:, 2] = active, steps, capacity
+    if rows is not None:
+        host[:, 3] = rows
     if g:
-        host[:, 3:] = hint
+        host[:, c:] = hint
     return host
 
 
-def unpack_round_outputs(host_out: np.ndarray, gains: int = 0, rows: np.ndarray | None = None,
-                         slots: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def unpack_round_outputs(host_out: np.ndarray, gains: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens [B, D + 1], count [B], accepted [B]) from `spec_round_io`'s host_out of a round with `gains` gain
-    widths (of a round over `rows` of `slots` slots: spread back to the slots, count 0 elsewhere)."""
-    host_out = spread_rows(host_out, rows, slots)
+    widths (a round over some rows: `spread_rows` first)."""
     return host_out[:, gains:-2], host_out[:, -2], host_out[:, -1]
 
 
-def unpack_round_gains(host_out: np.ndarray, gains: int, rows: np.ndarray | None = None,
-                       slots: int = 0) -> np.ndarray:
+def unpack_round_gains(host_out: np.ndarray, gains: int) -> np.ndarray:
     """The expected accepted drafts [B, gains] (fp, −1: not drafted) from `spec_round_io`'s host_out."""
-    g = spread_rows(host_out, rows, slots)[:, :gains].astype(np.float64)
+    g = host_out[:, :gains].astype(np.float64)
     return np.where(g < 0, -1.0, g / GAIN_SCALE)
 
 

@@ -33,8 +33,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from hyspec_jax.runtime.backend import SpecBackend, StepResult, start_host_copy
-from hyspec_jax.spec.round import (RoundShape, pack_round_inputs, spec_round_io_jit, unpack_round_gains,
-                                   unpack_round_outputs)
+from hyspec_jax.spec.round import (RoundShape, pack_round_inputs, spec_round_io_jit, spread_rows,
+                                   unpack_round_gains, unpack_round_outputs)
 
 HISTORY = 4096   # recent round widths a WidthBackend keeps
 
@@ -97,7 +97,6 @@ class WidthChooser:
     _plain_run: int = 0
     _interval: int = 0         # the current probe interval (0: probe_every)
     _probing: bool = False     # a probe was dispatched and not yet read
-    _now: dict[int, float] | None = None   # the round times of the rows of the latest `next`
 
     @property
     def kappa(self) -> float:
@@ -106,7 +105,6 @@ class WidthChooser:
     def next(self, live: int, rows: int | None = None) -> int:
         """The width of the next round for `live` decoding requests, run over `rows` rows (the round times of that
         many rows where calibrated, else those of the whole batch)."""
-        self._now = self.rows_seconds.get(rows) if rows is not None else None
         spec = sorted(w for w in self.seconds if w > 1)
         if not spec:
             return 1
@@ -116,19 +114,20 @@ class WidthChooser:
             self._plain_run = 0                # one probe (the rounds in flight are not read yet)
             self._probing = True
             return spec[0]
-        return self._best(live)
+        return self._best(live, rows)
 
-    def _best(self, live: int) -> int:
+    def _best(self, live: int, rows: int | None = None) -> int:
         # κ·g can pass what a width verifies (a few lucky rounds): w − 1 drafts a request, or packed, the batch's
         # slots · w nodes less the live anchors, shared by the live requests
         most = ((lambda w: (self.packed_slots * w - live) / max(live, 1)) if self.packed_slots
                 else (lambda w: w - 1))
-        return choose_width(self._now or self.seconds, {w: min(self.kappa * g, most(w)) for w, g in self.gain.items()},
-                            live)
+        return choose_width(self.rows_seconds.get(rows) or self.seconds,
+                            {w: min(self.kappa * g, most(w)) for w, g in self.gain.items()}, live)
 
-    def observe(self, width: int, gains: np.ndarray, accepted: np.ndarray, active: np.ndarray) -> None:
+    def observe(self, width: int, gains: np.ndarray, accepted: np.ndarray, active: np.ndarray,
+                rows: int | None = None) -> None:
         """A collected round: its width, gains [B, len(widths)] (−1: not drafted) in the order of
-        `sorted(seconds)`, accepted drafts [B], active slots [B]."""
+        `sorted(seconds)`, accepted drafts [B], active slots [B], the rows it ran over (None: every slot)."""
         active = np.asarray(active, bool)
         if width == 1 or not active.any():
             self._plain_run += width == 1
@@ -142,7 +141,7 @@ class WidthChooser:
         self._estimated = self.decay * self._estimated + float(g[:, k].sum())
         if self._probing:                      # a probe read: back off while plain decoding still wins
             self._probing = False
-            plain = self._best(int(active.sum())) == 1
+            plain = self._best(int(active.sum()), rows) == 1
             self._interval = min(2 * (self._interval or self.probe_every), self.max_probe_every) if plain else 0
         self._plain_run = 0
 
@@ -210,10 +209,10 @@ class WidthBackend(SpecBackend):
 
     def collect(self, handle) -> StepResult:
         host_out, w, active, G, rows = handle
-        out = np.asarray(host_out)
-        toks, count, acc = unpack_round_outputs(out, G, rows, self.slots)
+        out = spread_rows(np.asarray(host_out), rows, self.slots)
+        toks, count, acc = unpack_round_outputs(out, G)
         if self.chooser is not None and G:
-            self.chooser.observe(w, unpack_round_gains(out, G, rows, self.slots), acc, active)
+            self.chooser.observe(w, unpack_round_gains(out, G), acc, active, None if rows is None else len(rows))
         return StepResult(tokens=toks, count=count, accepted=acc, drafted=w - 1)
 
 

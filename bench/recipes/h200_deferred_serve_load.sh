@@ -5,7 +5,8 @@
 # GPU memory) and driven by this checkout's serve_load, alternated twice, at concurrency 1 / 8 / 32 (the embedded
 # model and drafter, greedy). The server's packages travel as wheels:
 #   here:           bash bench/recipes/serve_wheels.sh download          (then carry .whl)
-#   on the H200:    bash bench/recipes/h200_deferred_serve_load.sh       (MODES="ar chain tree-ready", ROWS="0 32")
+#   on the H200:    bash bench/recipes/h200_deferred_serve_load.sh       (MODES="ar chain tree-ready", ROWS="0 32";
+#                   plain decoding at batch 32 / 64: MODES=ar SLOTS=64 CONC=32,64)
 set -uo pipefail
 source bench/recipes/serve_common.sh || exit 1
 

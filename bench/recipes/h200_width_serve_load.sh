@@ -14,7 +14,7 @@
 #                   call keeps between calls on a warm machine).
 # Knobs: STEPS ("calibrate serve"), TABLE (out/hyspec_width_table.json), SLOTS (64), CAL_BATCH (slots calibrated,
 # default SLOTS; e.g. "1,4,16,64": also the rounds of the server's decoding buckets), MODES ("ar tree-ready"),
-# DATASETS ("random heldout"), REPS (1), REQUESTS (64 a level), SPEC_EXTRA (more speculative options for calibrate and
+# DATASETS ("random heldout"), REPS (1), REQUESTS (64 a level), RES (where the files gather; a fresh temporary folder), SPEC_EXTRA (more speculative options for calibrate and
 # the server, e.g. "--packed-widths": the batch-wide budgets family, its own entries in the same table). Each command's files (calibration, table, server
 # logs, serve_load JSON) come back in one archive, $OUT/width_<steps>_<modes>.tgz.
 set -uo pipefail
@@ -22,7 +22,7 @@ source bench/recipes/serve_wheels.sh install .whl || exit 1
 source bench/recipes/lib.sh
 STEPS=${STEPS:-calibrate serve}; MODES=${MODES:-ar tree-ready}; TABLE=${TABLE:-out/hyspec_width_table.json}
 mkdir -p "$(dirname "$TABLE")"
-SLOTS=${SLOTS:-64}; LEN=1024; RES=$(mktemp -d)
+SLOTS=${SLOTS:-64}; LEN=1024; RES=${RES:-$(mktemp -d)}; mkdir -p "$RES"
 if [[ " $STEPS " == *" calibrate "* ]]; then
   "${H[@]}" calibrate --spec-mode tree-ready --batch "${CAL_BATCH:-$SLOTS}" --kv-len $((LEN + 16)) --nodes 1,32 --repeats 20 ${SPEC_EXTRA:-} \
     --out "$TABLE" --json > "$RES/calibrate.json" || exit 1

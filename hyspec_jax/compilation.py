@@ -13,6 +13,8 @@ compile counter.
   arguments, argument tree, shapes, dtypes, backend and `source_digest()`; used where `program_cache()` turns
   it on (`hyspec generate`, CPU): a second process skips Python tracing and lowering, ~1-1.5 s per large
   program on a 2-core CPU (the persistent compilation cache only skips XLA's compile).
+- `precompile(calls, workers)`: a start-up compile's programs compiled side by side on threads (XLA's compile
+  releases the GIL) into each jit's own cache; `compile_workers()` how many ($HYSPEC_COMPILE_WORKERS).
 - `split_for_jit(module)` = (`static_graphdef`, `pure_params`): what the jitted entry points take, cheap to pass
   on every call (a decode step / speculative round): a GraphDef whose hash is computed once, and the
   parameters as a plain nested dict of arrays (`nnx.merge` accepts it) that jit flattens in C++ instead of
@@ -189,6 +191,51 @@ def on_compile(callback: Callable[[str], None]) -> Callable[[], None]:
             if callback in _callbacks:
                 _callbacks.remove(callback)
     return remove
+
+
+COMPILE_WORKERS_ENV = "HYSPEC_COMPILE_WORKERS"
+
+
+def compile_workers() -> int:
+    """Threads a start-up compile uses (`precompile`): $HYSPEC_COMPILE_WORKERS, else the host's cores up to 8
+    (1: one program after another)."""
+    env = os.environ.get(COMPILE_WORKERS_ENV)
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise ValueError(f"{COMPILE_WORKERS_ENV} must be an integer, got {env!r}") from None
+        if n < 1:
+            raise ValueError(f"{COMPILE_WORKERS_ENV} must be >= 1, got {n}")
+        return n
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def precompile(calls: Sequence[tuple[Callable, tuple, dict]], workers: int,
+               done: Callable[[int], None] | None = None) -> None:
+    """Compile jitted calls `(fn, args, kwargs)` side by side on `workers` threads without running them
+    (`fn.trace(*args, **kwargs).lower().compile()`): XLA's compile releases the GIL, and the compiled program lands
+    in the jit's own cache, so the call itself then only runs. `done(i)` after call i compiled. A call that fails
+    here is left to its real call, which raises the real error. A `DiskCachedJit` with the program cache on runs
+    an exported program, not its jit: nothing to fill."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    def one(call) -> None:
+        fn, args, kwargs = call
+        if isinstance(fn, DiskCachedJit):
+            if _program_cache["on"]:
+                return
+            fn = fn.jit
+        fn.trace(*args, **kwargs).lower().compile()
+
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="hyspec-compile") as pool:
+        futures = {pool.submit(one, c): i for i, c in enumerate(calls)}
+        for f in as_completed(futures):
+            if f.exception() is not None:
+                import logging
+                logging.getLogger("hyspec").debug("precompile of call %d failed: %r", futures[f], f.exception())
+            if done is not None:
+                done(futures[f])
 
 
 def split_for_jit(module):

@@ -11,7 +11,8 @@ from hyspec_jax.bench import serve_compile
 def test_tiny_run_times_every_program_cold_and_cached(tmp_path):
     out = tmp_path / "sc.json"
     assert serve_compile.main(["--tiny", "--max-batch", "4", "--max-model-len", "64", "--prefill-chunk", "32",
-                               "--max-logprobs", "2", "--no-progress", "--json", str(out)]) == 0
+                               "--max-logprobs", "2", "--no-progress", "--compile-workers", "1",
+                               "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     cold, cached = report["phases"]["cold"], report["phases"]["cached"]
     names = [p["program"] for p in cold["programs"]]
@@ -22,6 +23,22 @@ def test_tiny_run_times_every_program_cold_and_cached(tmp_path):
     assert [p["program"] for p in cached["programs"]] == names
     assert cached["total_s"] < cold["total_s"]
     assert "from the persistent cache" in out.with_suffix(".md").read_text()
+    assert cold["compile_workers"] == 1
+
+
+def test_programs_compiled_side_by_side_are_the_same_set(tmp_path):
+    out = tmp_path / "sc2.json"
+    assert serve_compile.main(["--tiny", "--max-batch", "4", "--max-model-len", "64", "--prefill-chunk", "32",
+                               "--max-logprobs", "0", "--no-progress", "--compile-workers", "2",
+                               "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    cold, cached = report["phases"]["cold"], report["phases"]["cached"]
+    names = {"prefill [2x16]", "prefill [1x32]", "decode [1, greedy]", "decode [4, greedy]", "decode [1, sampling]",
+             "decode [4, sampling]"}
+    assert cold["compile_workers"] == 2
+    assert sorted(p["program"] for p in cold["programs"]) == sorted(names)
+    assert sorted(p["program"] for p in cached["programs"]) == sorted(names)
+    assert "threads side by side" in out.with_suffix(".md").read_text()
 
 
 def test_bad_sizes_fail_in_one_line(capsys):

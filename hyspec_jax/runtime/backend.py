@@ -20,6 +20,7 @@ The round's static shape is a frozen `RoundShape` per sampling flavour, fixed wh
 from __future__ import annotations
 
 import abc
+import collections
 import dataclasses
 import functools
 import sys
@@ -126,6 +127,14 @@ def compile_backends(backends: Sequence["Backend"], prompt_lengths: Sequence[int
     bar.close()
 
 
+class _Captured(Exception):
+    """Raised by `Backend._penalized` while `Backend.compile` records the program calls its pass will make."""
+
+    def __init__(self, fn, args, kwargs):
+        super().__init__("captured program call")
+        self.call = (fn, args, kwargs)
+
+
 @dataclasses.dataclass
 class StepResult:
     tokens: np.ndarray                    # [B, K] committed tokens per slot (the first count[b] valid)
@@ -163,6 +172,7 @@ class Backend(abc.ABC):
         self._hist: PenaltyCounts | None = None      # the penalty history, made by the first penalized call
         self.decode_buckets = check_decode_buckets(decode_buckets, slots, params)
         self._compile_rows: int | None = None        # the bucket `compile` is compiling
+        self._capturing = False                      # `compile` records program calls instead of running them
 
     @property
     def step_programs(self) -> int:
@@ -229,51 +239,98 @@ class Backend(abc.ABC):
         return SlotPenalty.of(presence, frequency, repetition)
 
     def compile(self, progress: Callable[[str], None] | None = None, stochastic: Sequence[bool] = (False, True),
-                prompt_lengths: Sequence[int] | None = None) -> None:
+                prompt_lengths: Sequence[int] | None = None, workers: int | None = None) -> None:
         """Compile (run with no-op inputs: padding rows, no active slot) every prefill shape — those whose T is
-        one of prompt_lengths' buckets, default all — and the step of each sampling flavour.
+        one of prompt_lengths' buckets, default all — and the step of each sampling flavour and decoding bucket.
+        `progress(label)` once per program (a step with several widths counts as one).
 
-        Over a mesh the pass repeats until it compiles nothing: XLA may return a buffer in another layout than it
-        was placed in (a size-1 mesh axis dropped, the conv window's channels split over "model"), and the
-        programs are compiled per input layout — without the repeat the first prefill after a step compiled
-        while serving."""
-        from hyspec_jax.compilation import CompileWatch
+        With workers > 1 (default `compilation.compile_workers()`) the pass first records the program calls it
+        will make (`_penalized` stops each before it runs) and compiles them side by side on that many threads
+        (`compilation.precompile`); the pass itself then only runs them. Not over a mesh, whose pass repeats until
+        it compiles nothing: XLA may return a buffer in another layout than it was placed in (a size-1 mesh axis
+        dropped, the conv window's channels split over "model"), and the programs are compiled per input layout —
+        without the repeat the first prefill after a step compiled while serving."""
+        from hyspec_jax.compilation import CompileWatch, compile_workers
         from hyspec_jax.sharding import params_mesh
-        self._compile_pass(progress, stochastic, prompt_lengths)
-        if params_mesh(self.params) is None:
+        jobs = self._compile_jobs(stochastic, prompt_lengths)
+        mesh = params_mesh(self.params) is not None
+        workers = compile_workers() if workers is None else int(workers)
+        if workers > 1 and not mesh:
+            self._precompile(jobs, workers, progress)
+            progress = None
+        self._run_jobs(jobs, progress)
+        if not mesh:
             return
         for _ in range(3):
             watch = CompileWatch()
-            self._compile_pass(None, stochastic, prompt_lengths)
+            self._run_jobs(jobs, None)
             if watch.since == 0:
                 return
 
-    def _compile_pass(self, progress, stochastic, prompt_lengths) -> None:
+    def _compile_jobs(self, stochastic, prompt_lengths) -> list[tuple[str, int | None, list[Callable[[], object]]]]:
+        """The start-up compile as (label, the decoding bucket it runs in or None, calls with no-op inputs)."""
         B = self.slots
         wanted = None if prompt_lengths is None else {bucket(n) for n in prompt_lengths}
+        jobs = []
         for rows, t in self.shapes:
             if wanted is not None and t not in wanted:
                 continue
-            t0 = time.perf_counter()
             z = np.zeros(rows, np.float32)
-            self.prefill(np.full(rows, B, np.int32), np.zeros((rows, t), np.int32), np.zeros((rows, t), bool),
-                         np.zeros(rows, bool), self.sampling(z, np.ones(rows, np.float32), z.astype(np.int32),
-                                                             z.astype(np.uint32)))
-            if progress:
-                progress(f"prefill [{rows}x{t}] {time.perf_counter() - t0:.1f}s")
+            samp = self.sampling(z, np.ones(rows, np.float32), z.astype(np.int32), z.astype(np.uint32))
+            jobs.append((f"prefill [{rows}x{t}]", None, [functools.partial(
+                self.prefill, np.full(rows, B, np.int32), np.zeros((rows, t), np.int32), np.zeros((rows, t), bool),
+                np.zeros(rows, bool), samp)]))
         for flavour in stochastic:
             samp = self.sampling(np.full(B, 1.0 if flavour else 0.0, np.float32), np.ones(B, np.float32),
                                  np.zeros(B, np.int32), np.zeros(B, np.uint32))
             for rows in list(self.decode_buckets) + [B]:
-                t0 = time.perf_counter()
-                self._compile_rows = rows
-                try:
-                    self.collect(self.dispatch(np.zeros(B, bool), samp, np.zeros(B, np.int32), bool(flavour)))
-                finally:
-                    self._compile_rows = None
-                if progress:
-                    progress(f"{self.describe_step()} [{rows}, {'sampling' if flavour else 'greedy'}] "
-                             f"{time.perf_counter() - t0:.1f}s")
+                jobs.append((f"{self.describe_step()} [{rows}, {'sampling' if flavour else 'greedy'}]", rows,
+                             self._warm_steps(samp, bool(flavour))))
+        return jobs
+
+    def _warm_steps(self, sampling: SlotSampling, stochastic: bool) -> list[Callable[[], object]]:
+        """The calls that compile the step of one sampling flavour (in the bucket `compile` sets): one no-op step."""
+        B = self.slots
+        return [lambda: self.collect(self.dispatch(np.zeros(B, bool), sampling, np.zeros(B, np.int32), stochastic))]
+
+    def _run_jobs(self, jobs, progress, capture: list | None = None) -> None:
+        """Run the compile jobs; with `capture`, record each call's program call (fn, args, kwargs) instead."""
+        for label, rows, calls in jobs:
+            t0 = time.perf_counter()
+            self._compile_rows = rows
+            try:
+                for call in calls:
+                    if capture is None:
+                        call()
+                        continue
+                    self._capturing = True
+                    try:
+                        call()
+                    except _Captured as c:
+                        capture.append((label, c.call))
+                    finally:
+                        self._capturing = False
+            finally:
+                self._compile_rows = None
+            if progress:
+                progress(f"{label} {time.perf_counter() - t0:.1f}s")
+
+    def _precompile(self, jobs, workers: int, progress) -> None:
+        from hyspec_jax.compilation import precompile
+        captured: list = []
+        self._run_jobs(jobs, None, capture=captured)
+        left = collections.Counter(label for label, _ in captured)
+        t0 = time.perf_counter()
+
+        def done(i: int) -> None:
+            label = captured[i][0]
+            left[label] -= 1
+            if left[label] == 0 and progress:
+                progress(f"{label} {time.perf_counter() - t0:.1f}s")
+        precompile([c for _, c in captured], workers, done)
+        for label, _, _ in jobs:
+            if label not in left and progress:      # made no program call: nothing compiled ahead
+                progress(f"{label} 0.0s")
 
     def describe_step(self) -> str:
         return "decode"
@@ -290,7 +347,11 @@ class Backend(abc.ABC):
         """Dispatch one step for every active slot (not waiting for it); returns the handle `collect` reads."""
 
     def _penalized(self, fn, *args, penalty: SlotPenalty | None, **kw):
-        """fn(*args) or, with penalty, its penalized flavour (the history passed and taken back): fn's outputs."""
+        """fn(*args) or, with penalty, its penalized flavour (the history passed and taken back): fn's outputs.
+        Every program call of a backend goes through here, so `compile` can record them (`_Captured`)."""
+        if self._capturing:
+            raise _Captured(fn, args, kw if penalty is None else {**kw, "hist": self.penalty_hist(),
+                                                                  "penalty": penalty})
         if penalty is None:
             return fn(*args, **kw)
         *out, self._hist = fn(*args, hist=self.penalty_hist(), penalty=penalty, **kw)

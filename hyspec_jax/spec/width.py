@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -167,18 +168,19 @@ class WidthBackend(SpecBackend):
         self.history: collections.deque[int] = collections.deque(maxlen=HISTORY)
         self.width_counts: collections.Counter[int] = collections.Counter()
         self.rounds = 0                         # rounds dispatched
-        self._warm_all = False
         self.capacity = self.slots * max(widths) if user_capacity is None else int(user_capacity)
 
     def describe_step(self) -> str:
         return f"{self.mode} round N in {sorted(self.widths)}"
 
-    def compile(self, progress=None, stochastic=(False, True), prompt_lengths=None) -> None:
-        self._warm_all = True       # each flavour's step call runs the round of every width
-        try:
-            super().compile(progress, stochastic=stochastic, prompt_lengths=prompt_lengths)
-        finally:
-            self._warm_all = False
+    def _warm_steps(self, sampling, stochastic):
+        """One no-op round of every width (no width is chosen at start-up)."""
+        B = self.slots
+        active, steps = np.zeros(B, bool), np.zeros(B, np.int32)
+
+        def round_of(w: int):
+            return self.collect(self._run(w, active, sampling, steps, stochastic, None, None, self.step_rows(active)))
+        return [functools.partial(round_of, w) for w in sorted(self.widths)]
 
     def next_width(self, live: int, rows: int | None = None) -> int:
         if self.force:
@@ -188,10 +190,6 @@ class WidthBackend(SpecBackend):
     def dispatch(self, active, sampling, steps, stochastic, hint=None, penalty=None):
         active = np.asarray(active, bool)
         rows = self.step_rows(active)
-        if self._warm_all:
-            for w in sorted(self.widths)[:-1]:
-                self.collect(self._run(w, active, sampling, steps, stochastic, hint, penalty, rows))
-            return self._run(max(self.widths), active, sampling, steps, stochastic, hint, penalty, rows)
         w = self.next_width(int(active.sum()), self.slots if rows is None else len(rows))
         self.history.append(w)
         self.width_counts[w] += 1

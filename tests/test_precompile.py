@@ -1,0 +1,72 @@
+"""The start-up compile side by side (`Backend.compile(workers=...)`, `compilation.precompile`): the pass records
+the program calls it will make, compiles them on threads, and then only runs them — no program compiles twice,
+and none is left to the pass. Shapes no other test uses (3 slots, KV 96), so every program here is new to the
+process's jit caches."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from hyspec_jax.compilation import CompileWatch, compile_workers
+from hyspec_jax.generate import Generator
+from hyspec_jax.spec.engine import SpecEngine
+from tests.test_engine import _spec, models  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("quick_compiles")
+
+
+def _compile_in_two_steps(be, workers):
+    """Backend.compile's two steps apart: (programs the threads compiled, programs the pass then compiled)."""
+    jobs = be._compile_jobs((False, True), None)
+    ahead = CompileWatch()
+    be._precompile(jobs, workers, None)
+    compiled_ahead = ahead.since
+    after = CompileWatch()
+    be._run_jobs(jobs, None)
+    return compiled_ahead, after.since
+
+
+def test_plain_decoding_programs_compile_ahead_and_the_pass_compiles_nothing(models):
+    target, _ = models
+    be = Generator.from_model(target).backend(3, 96, decode_buckets=(1,))
+    ahead, after = _compile_in_two_steps(be, 2)
+    # every prefill shape, and the step of 2 flavours x (bucket 1 + all slots)
+    assert ahead >= len(be.shapes) + 4 and after == 0
+
+
+def test_every_width_of_a_width_backend_compiles_ahead(models):
+    target, drafter = models
+    eng = SpecEngine(target, drafter, _spec("tree-ready"), slots=3, kv_len=96)
+    be = eng.width_backend(3, 96, None, None, decode_buckets=(1,))
+    widths = len(be.widths)
+    assert widths >= 3
+    labels = []
+    ahead, after = _compile_in_two_steps(be, 2)
+    assert after == 0 and ahead >= 2 * 2 * widths            # 2 flavours x 2 row counts x every width
+    # progress: one line per job, in the threads' order, each naming its job
+    be2 = Generator.from_model(target).backend(3, 80)
+    be2.compile(labels.append, workers=2)
+    assert len(labels) == len(be2.shapes) + 2 and all(lab.endswith("s") for lab in labels)
+
+
+def test_capture_leaves_the_backend_as_it_was(models):
+    target, _ = models
+    be = Generator.from_model(target).backend(3, 64)
+    before = [np.asarray(x) for x in jax.tree.leaves((be.state, be.anchor))]
+    captured = []
+    be._run_jobs(be._compile_jobs((False,), None), None, capture=captured)
+    assert len(captured) == len(be.shapes) + 1 and not be._capturing and be._compile_rows is None
+    after = [np.asarray(x) for x in jax.tree.leaves((be.state, be.anchor))]
+    assert len(before) == len(after) and all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def test_compile_workers_setting(monkeypatch):
+    monkeypatch.setenv("HYSPEC_COMPILE_WORKERS", "3")
+    assert compile_workers() == 3
+    monkeypatch.setenv("HYSPEC_COMPILE_WORKERS", "0")
+    with pytest.raises(ValueError, match=">= 1"):
+        compile_workers()
+    monkeypatch.delenv("HYSPEC_COMPILE_WORKERS")
+    assert 1 <= compile_workers() <= 8

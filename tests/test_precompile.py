@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hyspec_jax.compilation import CompileWatch, compile_workers
 from hyspec_jax.generate import Generator
@@ -18,13 +20,15 @@ pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
 def _compile_in_two_steps(be, workers):
-    """Backend.compile's two steps apart: (programs the threads compiled, programs the pass then compiled)."""
+    """Backend.compile's steps apart: the first job alone, the rest compiled ahead on threads, then run; returns
+    (programs the threads compiled, programs the pass then compiled)."""
     jobs = be._compile_jobs((False, True), None)
+    be._run_jobs(jobs[:1], None)
     ahead = CompileWatch()
-    be._precompile(jobs, workers, None)
+    be._precompile(jobs[1:], workers, None)
     compiled_ahead = ahead.since
     after = CompileWatch()
-    be._run_jobs(jobs, None)
+    be._run_jobs(jobs[1:], None)
     return compiled_ahead, after.since
 
 
@@ -32,8 +36,20 @@ def test_plain_decoding_programs_compile_ahead_and_the_pass_compiles_nothing(mod
     target, _ = models
     be = Generator.from_model(target).backend(3, 96, decode_buckets=(1,))
     ahead, after = _compile_in_two_steps(be, 2)
-    # every prefill shape, and the step of 2 flavours x (bucket 1 + all slots)
-    assert ahead >= len(be.shapes) + 4 and after == 0
+    # every prefill shape but the first, and the step of 2 flavours x (bucket 1 + all slots)
+    assert ahead >= len(be.shapes) - 1 + 4 and after == 0
+
+
+def test_weights_on_a_one_device_mesh_compile_ahead_too(models):
+    """Such weights give programs whose outputs are placed by NamedSharding, unlike the start-up buffers: the calls
+    recorded after the first job carry the outputs' placement, so nothing compiles twice."""
+    target, _ = models
+    graphdef, params = nnx.split(target)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    placed = nnx.merge(graphdef, jax.device_put(params, NamedSharding(mesh, PartitionSpec())))
+    be = Generator.from_model(placed).backend(3, 112)
+    ahead, after = _compile_in_two_steps(be, 2)
+    assert ahead >= len(be.shapes) - 1 + 2 and after == 0
 
 
 def test_every_width_of_a_width_backend_compiles_ahead(models):

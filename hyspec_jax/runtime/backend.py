@@ -244,9 +244,9 @@ class Backend(abc.ABC):
         one of prompt_lengths' buckets, default all — and the step of each sampling flavour and decoding bucket.
         `progress(label)` once per program (a step with several widths counts as one).
 
-        With workers > 1 (default `compilation.compile_workers()`) the pass first records the program calls it
-        will make (`_penalized` stops each before it runs) and compiles them side by side on that many threads
-        (`compilation.precompile`); the pass itself then only runs them. Not over a mesh, whose pass repeats until
+        With workers > 1 (default `compilation.compile_workers()`) the pass, after its first program, records the
+        program calls it will make (`_penalized` stops each before it runs) and compiles them side by side on that
+        many threads (`compilation.precompile`); the pass itself then only runs them. Not over a mesh, whose pass repeats until
         it compiles nothing: XLA may return a buffer in another layout than it was placed in (a size-1 mesh axis
         dropped, the conv window's channels split over "model"), and the programs are compiled per input layout —
         without the repeat the first prefill after a step compiled while serving."""
@@ -255,10 +255,15 @@ class Backend(abc.ABC):
         jobs = self._compile_jobs(stochastic, prompt_lengths)
         mesh = params_mesh(self.params) is not None
         workers = compile_workers() if workers is None else int(workers)
-        if workers > 1 and not mesh:
-            self._precompile(jobs, workers, progress)
-            progress = None
-        self._run_jobs(jobs, progress)
+        if workers > 1 and not mesh and len(jobs) > 1:
+            # the first job runs alone: a program's outputs may be placed unlike the start-up buffers (weights on a
+            # 1-device mesh: NamedSharding out, SingleDeviceSharding in), and the calls recorded after it must
+            # carry the placement the pass will then pass
+            self._run_jobs(jobs[:1], progress)
+            self._precompile(jobs[1:], workers, progress)
+            self._run_jobs(jobs[1:], None)
+        else:
+            self._run_jobs(jobs, progress)
         if not mesh:
             return
         for _ in range(3):

@@ -8,13 +8,18 @@ import json
 from hyspec_jax.bench import serve_compile
 
 
-def test_tiny_run_times_every_program_cold_and_cached(tmp_path):
-    out = tmp_path / "sc.json"
+def _tiny_run(out, logprobs: int, workers: int) -> tuple[dict, dict]:
+    """serve-compile at a tiny size: the (cold, cached) phases of its report."""
     assert serve_compile.main(["--tiny", "--max-batch", "4", "--max-model-len", "64", "--prefill-chunk", "32",
-                               "--max-logprobs", "2", "--no-progress", "--compile-workers", "1",
+                               "--max-logprobs", str(logprobs), "--no-progress", "--compile-workers", str(workers),
                                "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    cold, cached = report["phases"]["cold"], report["phases"]["cached"]
+    return report["phases"]["cold"], report["phases"]["cached"]
+
+
+def test_tiny_run_times_every_program_cold_and_cached(tmp_path):
+    out = tmp_path / "sc.json"
+    cold, cached = _tiny_run(out, 2, 1)
     names = [p["program"] for p in cold["programs"]]
     # 2 prefill shapes, the decoding step of both sampling flavours over 1 row (a CPU's decoding bucket) and over
     # all 4 slots, the scorer's 3 prompt buckets
@@ -28,11 +33,7 @@ def test_tiny_run_times_every_program_cold_and_cached(tmp_path):
 
 def test_programs_compiled_side_by_side_are_the_same_set(tmp_path):
     out = tmp_path / "sc2.json"
-    assert serve_compile.main(["--tiny", "--max-batch", "4", "--max-model-len", "64", "--prefill-chunk", "32",
-                               "--max-logprobs", "0", "--no-progress", "--compile-workers", "2",
-                               "--json", str(out)]) == 0
-    report = json.loads(out.read_text())
-    cold, cached = report["phases"]["cold"], report["phases"]["cached"]
+    cold, cached = _tiny_run(out, 0, 2)
     names = {"prefill [2x16]", "prefill [1x32]", "decode [1, greedy]", "decode [4, greedy]", "decode [1, sampling]",
              "decode [4, sampling]"}
     assert cold["compile_workers"] == 2

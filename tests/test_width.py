@@ -182,6 +182,23 @@ def test_choice_is_wide_when_rho_high_and_verification_cheap():
     assert choose_width({**seconds, 8: 2.0e-3}, gain, live=8) == 4
 
 
+def test_widths_slower_than_a_wider_one_are_never_kept():
+    """A width strictly slower than a wider one is dropped (per decoding bucket where calibrated), and the choice
+    over the kept widths is the choice over all of them for any gains that grow with the width."""
+    ch = WidthChooser({1: 1.0, 2: 2.1, 4: 2.0, 8: 2.0, 16: 3.0},
+                      rows_seconds={1: {1: 1.7, 2: 1.6, 4: 1.6, 8: 1.7, 16: 1.8}})
+    assert ch.kept() == (1, 4, 8, 16)                   # 2 slower than 4 (equal times are both kept)
+    assert ch.kept(1) == (2, 4, 8, 16)                  # one row: plain decoding slower than a drafting round
+    assert ch.next(live=4) == 4                         # nothing read yet: the cheapest kept drafting round
+    assert ch.next(live=1, rows=1) == 2
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        t = {w: float(x) for w, x in zip((1, 2, 4, 8, 16), rng.uniform(1, 3, 5))}
+        g = dict(zip((2, 4, 8, 16), np.cumsum(rng.uniform(0, 1, 4))))
+        kept = WidthChooser(t).kept()
+        assert choose_width({w: t[w] for w in kept}, g, live=4) == choose_width(t, g, live=4)
+
+
 def test_chooser_learns_rho_probes_and_corrects_by_acceptance():
     seconds = {1: 1.0, 2: 1.5, 4: 2.0}
     ch = WidthChooser(seconds, probe_every=3)
@@ -381,6 +398,32 @@ def test_every_width_is_compiled_at_start_up(models, reference):
     eng.backend = backend
     assert [r.token_ids for r in eng.generate(prompts, params)] == ref
     assert set(eng.last_stats.width_rounds) == {1, 2, 4, 8}, eng.last_stats.width_rounds
+    assert eng.compilations_after_startup == 0
+
+
+def test_only_the_kept_widths_compile_and_serving_compiles_nothing(models, reference):
+    """Width 2 calibrated slower than width 4: its rounds are not compiled, never chosen, and the width changing
+    while serving compiles nothing; greedy output equals plain decoding."""
+    target, drafter = models
+    prompts, params, ref = reference
+    spec = _spec("tree")
+    base = SpecEngine(target, drafter, spec, slots=SLOTS, kv_len=KV)
+    eng = SpecEngine(target, drafter, spec, slots=SLOTS, kv_len=KV, model_name="m",
+                     budget_table=_table(base, {"1": 1.0, "2": 1.6, "4": 1.5, "8": 1.8}))
+    made = []
+    make = eng.backend
+
+    def backend(*a, **kw):
+        made.append(make(*a, **kw))
+        made[-1].chooser.probe_every = 2
+        return made[-1]
+    eng.backend = backend
+    eng.compile_buckets([(SLOTS, KV)], prompt_lengths=[max(map(len, prompts))], stochastic=(False,), progress=False,
+                        cache=False)
+    assert made[0].chooser.kept(SLOTS) == (1, 4, 8)
+    assert len(made[0]._warm_steps(None, False, SLOTS)) == 3
+    assert [r.token_ids for r in eng.generate(prompts, params)] == ref
+    assert 2 not in made[-1].history and made[-1].history[0] == 4
     assert eng.compilations_after_startup == 0
 
 

@@ -246,10 +246,12 @@ class Backend(abc.ABC):
 
         With workers > 1 (default `compilation.compile_workers()`) the pass, after its first program, records the
         program calls it will make (`_penalized` stops each before it runs) and compiles them side by side on that
-        many threads (`compilation.precompile`); the pass itself then only runs them. Not over a mesh, whose pass repeats until
-        it compiles nothing: XLA may return a buffer in another layout than it was placed in (a size-1 mesh axis
-        dropped, the conv window's channels split over "model"), and the programs are compiled per input layout —
-        without the repeat the first prefill after a step compiled while serving."""
+        many threads (`compilation.precompile`); the pass itself then only runs them.
+
+        Not over a mesh, whose pass repeats until it compiles nothing: XLA may return a buffer in another layout
+        than it was placed in (a size-1 mesh axis dropped, the conv window's channels split over "model"), and the
+        programs are compiled per input layout — without the repeat the first prefill after a step compiled while
+        serving."""
         from hyspec_jax.compilation import CompileWatch, compile_workers
         from hyspec_jax.sharding import params_mesh
         jobs = self._compile_jobs(stochastic, prompt_lengths)
@@ -290,11 +292,12 @@ class Backend(abc.ABC):
                                  np.zeros(B, np.int32), np.zeros(B, np.uint32))
             for rows in list(self.decode_buckets) + [B]:
                 jobs.append((f"{self.describe_step()} [{rows}, {'sampling' if flavour else 'greedy'}]", rows,
-                             self._warm_steps(samp, bool(flavour))))
+                             self._warm_steps(samp, bool(flavour), rows)))
         return jobs
 
-    def _warm_steps(self, sampling: SlotSampling, stochastic: bool) -> list[Callable[[], object]]:
-        """The calls that compile the step of one sampling flavour (in the bucket `compile` sets): one no-op step."""
+    def _warm_steps(self, sampling: SlotSampling, stochastic: bool, rows: int) -> list[Callable[[], object]]:
+        """The calls that compile the step of one sampling flavour over `rows` rows (the bucket `compile` sets): one
+        no-op step."""
         B = self.slots
         return [lambda: self.collect(self.dispatch(np.zeros(B, bool), sampling, np.zeros(B, np.int32), stochastic))]
 

@@ -99,6 +99,15 @@ class WidthChooser:
     _interval: int = 0         # the current probe interval (0: probe_every)
     _probing: bool = False     # a probe was dispatched and not yet read
 
+    def kept(self, rows: int | None = None) -> tuple[int, ...]:
+        """The widths a round over `rows` rows can choose (the round times calibrated for that many rows where
+        known, else the whole batch's): each width no slower than every wider one. A wider round verifies a
+        superset of the nodes, so its expected tokens are at least as many: a width strictly slower than a wider
+        one never has the higher rate, and is neither chosen nor compiled."""
+        t = self.rows_seconds.get(rows) or self.seconds
+        ws = sorted(t)
+        return tuple(w for i, w in enumerate(ws) if all(t[w] <= t[v] for v in ws[i + 1:]))
+
     @property
     def kappa(self) -> float:
         return self._accepted / self._estimated if self._estimated > 0 else 1.0
@@ -106,7 +115,7 @@ class WidthChooser:
     def next(self, live: int, rows: int | None = None) -> int:
         """The width of the next round for `live` decoding requests, run over `rows` rows (the round times of that
         many rows where calibrated, else those of the whole batch)."""
-        spec = sorted(w for w in self.seconds if w > 1)
+        spec = [w for w in self.kept(rows) if w > 1]
         if not spec:
             return 1
         if not self.gain:                      # nothing drafted yet: the cheapest drafting round tells every gain
@@ -122,7 +131,8 @@ class WidthChooser:
         # slots · w nodes less the live anchors, shared by the live requests
         most = ((lambda w: (self.packed_slots * w - live) / max(live, 1)) if self.packed_slots
                 else (lambda w: w - 1))
-        return choose_width(self.rows_seconds.get(rows) or self.seconds,
+        t = self.rows_seconds.get(rows) or self.seconds
+        return choose_width({w: t[w] for w in self.kept(rows)},
                             {w: min(self.kappa * g, most(w)) for w, g in self.gain.items()}, live)
 
     def observe(self, width: int, gains: np.ndarray, accepted: np.ndarray, active: np.ndarray,
@@ -173,14 +183,16 @@ class WidthBackend(SpecBackend):
     def describe_step(self) -> str:
         return f"{self.mode} round N in {sorted(self.widths)}"
 
-    def _warm_steps(self, sampling, stochastic):
-        """One no-op round of every width (no width is chosen at start-up)."""
+    def _warm_steps(self, sampling, stochastic, rows):
+        """One no-op round of every width a round over `rows` rows can choose (`WidthChooser.kept`; all of them
+        without a chooser: a forced width may be any)."""
         B = self.slots
         active, steps = np.zeros(B, bool), np.zeros(B, np.int32)
 
         def round_of(w: int):
             return self.collect(self._run(w, active, sampling, steps, stochastic, None, None, self.step_rows(active)))
-        return [functools.partial(round_of, w) for w in sorted(self.widths)]
+        widths = sorted(self.widths) if self.chooser is None else self.chooser.kept(rows)
+        return [functools.partial(round_of, w) for w in widths]
 
     def next_width(self, live: int, rows: int | None = None) -> int:
         if self.force:

@@ -280,6 +280,23 @@ def _table(eng, ms: dict) -> BudgetTable:
     return table
 
 
+def _calibrated(models, spec, ms: dict, probe_every: int):
+    """An engine whose table holds round times `ms` for its signature, and the list of the backends it makes (their
+    choosers probing every `probe_every` plain rounds)."""
+    target, drafter = models
+    base = SpecEngine(target, drafter, spec, slots=SLOTS, kv_len=KV)
+    eng = SpecEngine(target, drafter, spec, slots=SLOTS, kv_len=KV, budget_table=_table(base, ms), model_name="m")
+    made = []
+    make = eng.backend
+
+    def backend(*a, **kw):
+        made.append(make(*a, **kw))
+        made[-1].chooser.probe_every = probe_every
+        return made[-1]
+    eng.backend = backend
+    return eng, made
+
+
 @pytest.mark.parametrize("hinted", [False, True])
 def test_engine_chooses_the_width_from_the_calibrated_table(hinted, models, reference):
     """With round times for its signature in the table, the engine's backend chooses the width each round, and
@@ -289,17 +306,8 @@ def test_engine_chooses_the_width_from_the_calibrated_table(hinted, models, refe
     target, drafter = models
     prompts, params, ref = reference
     spec = _spec("tree")
-    base = SpecEngine(target, drafter, spec, slots=SLOTS, kv_len=KV)
     ms = {"1": 1.0, "2": 1.2, "4": 1.4, "8": 1.5} if hinted else {"1": 1.0, "2": 2.5, "4": 5.0, "8": 9.0}
-    eng = SpecEngine(target, drafter, spec, slots=SLOTS, kv_len=KV, budget_table=_table(base, ms), model_name="m")
-    made = []
-    make = eng.backend
-
-    def backend(*a, **kw):
-        made.append(make(*a, **kw))
-        made[-1].chooser.probe_every = 4
-        return made[-1]
-    eng.backend = backend
+    eng, made = _calibrated(models, spec, ms, probe_every=4)
     right = lambda i, out: ref[i][len(out):len(out) + GAMMA]   # noqa: E731  (every hinted draft right)
     out = eng.generate(prompts, params, hint=right if hinted else None)
     assert [r.token_ids for r in out] == ref
@@ -313,7 +321,7 @@ def test_engine_chooses_the_width_from_the_calibrated_table(hinted, models, refe
         assert hist.count(1) > len(hist) // 2 and 2 in hist and set(hist[2:]) <= {1, 2}, hist   # [1]: maybe dispatched before [0] was read
     # off: the fixed width
     off = SpecEngine(target, drafter, SpecConfig(mode="tree", tree=spec.tree, verify_nodes=8, adaptive_width=False),
-                     slots=SLOTS, kv_len=KV, budget_table=_table(base, ms), model_name="m")
+                     slots=SLOTS, kv_len=KV, budget_table=eng.budget_table, model_name="m")
     assert not isinstance(off.backend(SLOTS, KV), WidthBackend)
 
 
@@ -404,20 +412,8 @@ def test_every_width_is_compiled_at_start_up(models, reference):
 def test_only_the_kept_widths_compile_and_serving_compiles_nothing(models, reference):
     """Width 2 calibrated slower than width 4: its rounds are not compiled, never chosen, and the width changing
     while serving compiles nothing; greedy output equals plain decoding."""
-    target, drafter = models
     prompts, params, ref = reference
-    spec = _spec("tree")
-    base = SpecEngine(target, drafter, spec, slots=SLOTS, kv_len=KV)
-    eng = SpecEngine(target, drafter, spec, slots=SLOTS, kv_len=KV, model_name="m",
-                     budget_table=_table(base, {"1": 1.0, "2": 1.6, "4": 1.5, "8": 1.8}))
-    made = []
-    make = eng.backend
-
-    def backend(*a, **kw):
-        made.append(make(*a, **kw))
-        made[-1].chooser.probe_every = 2
-        return made[-1]
-    eng.backend = backend
+    eng, made = _calibrated(models, _spec("tree"), {"1": 1.0, "2": 1.6, "4": 1.5, "8": 1.8}, probe_every=2)
     eng.compile_buckets([(SLOTS, KV)], prompt_lengths=[max(map(len, prompts))], stochastic=(False,), progress=False,
                         cache=False)
     assert made[0].chooser.kept(SLOTS) == (1, 4, 8)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -212,21 +213,24 @@ def compile_workers() -> int:
 
 
 def precompile(calls: Sequence[tuple[Callable, tuple, dict]], workers: int,
-               done: Callable[[int], None] | None = None) -> None:
+               done: Callable[[int, float], None] | None = None) -> None:
     """Compile jitted calls `(fn, args, kwargs)` side by side on `workers` threads without running them
     (`fn.trace(*args, **kwargs).lower().compile()`): XLA's compile releases the GIL, and the compiled program lands
-    in the jit's own cache, so the call itself then only runs. `done(i)` after call i compiled. A call that fails
+    in the jit's own cache, so the call itself then only runs. `done(i, seconds)` after call i compiled, with the
+    seconds its thread spent on it. A call that fails
     here is left to its real call, which raises the real error. A `DiskCachedJit` with the program cache on runs
     an exported program, not its jit: nothing to fill."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    def one(call) -> None:
+    def one(call) -> float:
+        t0 = time.perf_counter()
         fn, args, kwargs = call
         if isinstance(fn, DiskCachedJit):
             if _program_cache["on"]:
-                return
+                return 0.0
             fn = fn.jit
         fn.trace(*args, **kwargs).lower().compile()
+        return time.perf_counter() - t0
 
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="hyspec-compile") as pool:
         futures = {pool.submit(one, c): i for i, c in enumerate(calls)}
@@ -235,7 +239,7 @@ def precompile(calls: Sequence[tuple[Callable, tuple, dict]], workers: int,
                 import logging
                 logging.getLogger("hyspec").debug("precompile of call %d failed: %r", futures[f], f.exception())
             if done is not None:
-                done(futures[f])
+                done(futures[f], 0.0 if f.exception() is not None else f.result())
 
 
 def split_for_jit(module):
@@ -528,4 +532,4 @@ class CompileWatch:
 __all__ = ["BACKEND_COMPILE_EVENT", "CACHE_ENV", "compilation_cache_dir", "enable_compilation_cache", "install",
            "compile_count", "on_compile", "CompileWatch", "split_for_jit", "static_graphdef",
            "pure_params", "DiskCachedJit", "enable_program_cache", "program_cache", "program_cache_dir", "source_digest",
-           "PROGRAM_CACHE_ENV"]
+           "PROGRAM_CACHE_ENV", "COMPILE_WORKERS_ENV", "compile_workers", "precompile"]

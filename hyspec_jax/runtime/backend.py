@@ -328,13 +328,14 @@ class Backend(abc.ABC):
         captured: list = []
         self._run_jobs(jobs, None, capture=captured)
         left = collections.Counter(label for label, _ in captured)
-        t0 = time.perf_counter()
+        spent = collections.Counter()
 
-        def done(i: int) -> None:
+        def done(i: int, seconds: float) -> None:      # a job's time: its calls' compile time, in their threads
             label = captured[i][0]
             left[label] -= 1
+            spent[label] += seconds
             if left[label] == 0 and progress:
-                progress(f"{label} {time.perf_counter() - t0:.1f}s")
+                progress(f"{label} {spent[label]:.1f}s")
         precompile([c for _, c in captured], workers, done)
         for label, _, _ in jobs:
             if label not in left and progress:      # made no program call: nothing compiled ahead

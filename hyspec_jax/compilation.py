@@ -217,9 +217,8 @@ def precompile(calls: Sequence[tuple[Callable, tuple, dict]], workers: int,
     """Compile jitted calls `(fn, args, kwargs)` side by side on `workers` threads without running them
     (`fn.trace(*args, **kwargs).lower().compile()`): XLA's compile releases the GIL, and the compiled program lands
     in the jit's own cache, so the call itself then only runs. `done(i, seconds)` after call i compiled, with the
-    seconds its thread spent on it. A call that fails
-    here is left to its real call, which raises the real error. A `DiskCachedJit` with the program cache on runs
-    an exported program, not its jit: nothing to fill."""
+    seconds its thread spent on it. A call that fails here is left to its real call, which raises the real error.
+    A `DiskCachedJit` with the program cache on runs an exported program, not its jit: nothing to fill."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
     def one(call) -> float:

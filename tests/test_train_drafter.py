@@ -235,6 +235,32 @@ def test_distillation_data_is_the_targets_greedy_continuation(setup, distill):
     assert all(any(np.array_equal(r, q[o:o + 12]) for q in seqs for o in range(29)) for r in b)
 
 
+def test_a_prompt_pack_can_be_disjoint_from_another(setup, tmp_path):
+    """--exclude-prompts: no window of the new pack overlaps one of the excluded pack (same seed, so without it
+    the packs would be equal); every window is its shard's tokens at its start; a pack without starts is refused."""
+    root, _ = setup
+    from hyspec_jax.train.cli_train import main
+    from hyspec_jax.train.corpus import load_shard
+    from hyspec_jax.train.distill import sample_prompts
+
+    a, b = tmp_path / "a" / "prompts.npz", tmp_path / "b" / "prompts.npz"
+    sample_prompts(root / "corpus", a, per_domain=6, prompt_len=8, seed=4)
+    assert main(["build-distill", "--corpus", str(root / "corpus"), "--out", str(b.parent), "--prompts-only",
+                 "--per-domain", "6", "--prompt-len", "8", "--seed", "4", "--exclude-prompts", str(a)]) == 0
+    za, zb = np.load(a), np.load(b)
+    assert zb["tokens"].shape == za["tokens"].shape
+    for di, d in enumerate(str(x) for x in zb["domains"]):
+        shard = np.asarray(load_shard(root / "corpus", "train", d))
+        old, new = za["starts"][za["domain"] == di], zb["starts"][zb["domain"] == di]
+        assert all(abs(int(x) - int(e)) >= 8 for x in new for e in old)          # windows of 8 never overlap
+        for x, row in zip(new, zb["tokens"][zb["domain"] == di]):
+            np.testing.assert_array_equal(row, shard[x:x + 8])
+    legacy = tmp_path / "legacy.npz"
+    np.savez(legacy, tokens=za["tokens"], domain=za["domain"], domains=za["domains"])
+    with pytest.raises(ValueError, match="no window starts"):
+        sample_prompts(root / "corpus", tmp_path / "c.npz", per_domain=6, prompt_len=8, exclude=legacy)
+
+
 def test_drafter_on_distill_data_resumes_exactly(setup, distill):
     """Steps 3-4 after a restart from the step-2 checkpoint equal steps 3-4 of the uninterrupted run."""
     root, _ = setup

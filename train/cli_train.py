@@ -97,9 +97,10 @@ def cmd_build_distill(args) -> int:
     prompts = Path(args.prompts) if args.prompts else Path(args.out) / "prompts.npz"
     if not args.prompts:
         s = sample_prompts(args.corpus, prompts, per_domain=args.per_domain, prompt_len=args.prompt_len,
-                           seed=args.seed, split=args.split)
+                           seed=args.seed, split=args.split, exclude=args.exclude_prompts)
         print(f"[hyspec] {s['prompts']} prompts of {s['prompt_len']} tokens ({', '.join(s['domains'])}) "
-              f"-> {prompts}", file=sys.stderr)
+              f"-> {prompts}" + (f", clear of {s['excluded']} windows of {args.exclude_prompts}"
+                                 if args.exclude_prompts else ""), file=sys.stderr)
     if args.prompts_only:
         return 0
     if not args.target:
@@ -253,6 +254,9 @@ def add_train_commands(sub: argparse._SubParsersAction) -> None:
     x.add_argument("--prompts-only", action="store_true", help="write OUT/prompts.npz and stop")
     x.add_argument("--per-domain", type=int, default=1024, help="prompts per domain (default 1024)")
     x.add_argument("--prompt-len", type=int, default=32)
+    x.add_argument("--exclude-prompts", metavar="FILE",
+                   help="another prompt pack (prompts.npz of the same split) whose windows no new prompt overlaps: "
+                        "data disjoint from what a drafter was trained on")
     x.add_argument("--split", choices=("train", "validation"), default="train",
                    help="corpus split the prompts come from (default train; validation: held-out evaluation packs)")
     x.add_argument("--gen-len", type=int, default=224, help="generated tokens per prompt (default 224)")

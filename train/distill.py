@@ -6,7 +6,8 @@ GPU machine receives only code + checkpoints + this small prompt pack):
 
 1. `sample_prompts`: `per_domain` windows of `prompt_len` tokens from each domain's train shard, starts drawn
    from a PRNG keyed on the seed (deterministic), saved as `prompts.npz` (tokens [N, P] in the corpus's token
-   type, domain ids).
+   type, domain ids, window starts). With `exclude` no window overlaps another pack's: data disjoint from
+   what a drafter was trained on (`--exclude-prompts`).
 2. `generate_continuations`: the frozen target continues every prompt for `gen_len` tokens with our
    `Generator` (greedy by default — the decoding the drafter must match at inference), in batches; writes
    `sequences.npy` [N·V, P + G] (uint16, or uint32 for a vocabulary over 65,536 ids: `corpus.token_dtype`),
@@ -39,26 +40,67 @@ from hyspec_jax.train.corpus import load_shard, shard_domains, token_dtype
 
 
 def sample_prompts(corpus_dir: str | Path, out_file: str | Path, *, per_domain: int = 1024, prompt_len: int = 32,
-                   seed: int = 0, split: str = "train") -> dict:
-    """Write `prompts.npz` (tokens [N, P] as the corpus stores them, domain [N] int32, domains names); returns a
-    summary."""
+                   seed: int = 0, split: str = "train", exclude: str | Path | None = None) -> dict:
+    """Write `prompts.npz` (tokens [N, P] as the corpus stores them, domain [N] int32, domains names, starts [N]
+    int64: each window's position in its shard); returns a summary. exclude: another pack of the same split
+    (with starts) whose windows no new window may overlap — a pack disjoint from the one a drafter was trained
+    on, for training or probing what reads that drafter."""
     if per_domain <= 0 or prompt_len <= 0:
         raise ValueError("per_domain and prompt_len must be positive")
     domains = shard_domains(corpus_dir, split)
-    rows, dom = [], []
+    taken = _excluded_windows(exclude, domains) if exclude is not None else {}
+    rows, dom, all_starts = [], [], []
     for di, d in enumerate(domains):
         s = load_shard(corpus_dir, split, d)
         if s.size < prompt_len + 1:
             raise ValueError(f"{d}: {split} shard of {s.size} tokens is shorter than prompt_len {prompt_len}")
         rng = np.random.default_rng([seed, di])
-        starts = rng.integers(0, s.size - prompt_len, per_domain)
+        starts = _disjoint_starts(rng, s.size - prompt_len, per_domain, taken.get(d), prompt_len, d)
         rows.append(np.stack([np.asarray(s[a:a + prompt_len]) for a in starts]))
         dom.append(np.full(per_domain, di, np.int32))
+        all_starts.append(starts.astype(np.int64))
     out_file = Path(out_file)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     tokens = np.concatenate(rows)
-    np.savez_compressed(out_file, tokens=tokens, domain=np.concatenate(dom), domains=np.asarray(domains))
-    return {"prompts": int(tokens.shape[0]), "prompt_len": prompt_len, "domains": domains, "file": str(out_file)}
+    np.savez_compressed(out_file, tokens=tokens, domain=np.concatenate(dom), domains=np.asarray(domains),
+                        starts=np.concatenate(all_starts))
+    return {"prompts": int(tokens.shape[0]), "prompt_len": prompt_len, "domains": domains, "file": str(out_file),
+            "excluded": sum(len(v[0]) for v in taken.values())}
+
+
+def _excluded_windows(path: str | Path, domains: list[str]) -> dict[str, tuple[np.ndarray, int]]:
+    """{domain: (sorted starts, window length)} of an existing pack's windows."""
+    z = np.load(Path(path))
+    if "starts" not in z.files:
+        raise ValueError(f"{path}: the pack has no window starts (made before they were stored): rebuild it with "
+                         f"`hyspec-train build-distill --prompts-only` and the same options")
+    names = [str(x) for x in z["domains"]]
+    unknown = sorted(set(names) - set(domains))
+    if unknown:
+        raise ValueError(f"{path}: domains {unknown} are not in this split's shards")
+    length = int(z["tokens"].shape[1])
+    dom, starts = z["domain"], z["starts"]
+    return {name: (np.sort(starts[dom == i]), length) for i, name in enumerate(names)}
+
+
+def _disjoint_starts(rng: np.random.Generator, high: int, n: int, taken: tuple[np.ndarray, int] | None,
+                     prompt_len: int, domain: str) -> np.ndarray:
+    """n window starts in [0, high) from rng; with `taken` (sorted starts, their length), none whose window
+    overlaps a taken one (drawn again, in order, until n are found)."""
+    if taken is None:
+        return rng.integers(0, high, n)
+    ex, ex_len = taken
+    out: list[int] = []
+    for _ in range(64):
+        cand = rng.integers(0, high, max(n, 64))
+        # a window [a, a + P) overlaps [e, e + L) iff e - P < a < e + L: the nearest taken start at or below
+        # a + P - 1 decides
+        j = np.searchsorted(ex, cand + prompt_len, side="left") - 1
+        ok = (j < 0) | (ex[np.maximum(j, 0)] + ex_len <= cand)
+        out.extend(int(a) for a in cand[ok][: n - len(out)])
+        if len(out) == n:
+            return np.asarray(out)
+    raise ValueError(f"{domain}: cannot find {n} windows clear of the excluded pack's")
 
 
 def load_prompts(path: str | Path) -> tuple[np.ndarray, np.ndarray, list[str]]:

@@ -337,9 +337,10 @@ class Backend(abc.ABC):
             if left[label] == 0 and progress:
                 progress(f"{label} {spent[label]:.1f}s")
         precompile([c for _, c in captured], workers, done)
-        for label, _, _ in jobs:
-            if label not in left and progress:      # made no program call: nothing compiled ahead
-                progress(f"{label} 0.0s")
+        if progress:
+            for label, _, _ in jobs:
+                if label not in left:               # made no program call: nothing compiled ahead
+                    progress(f"{label} 0.0s")
 
     def describe_step(self) -> str:
         return "decode"

@@ -81,6 +81,12 @@ def choose_width(seconds: Mapping[int, float], gain: Mapping[int, float], live: 
     return max(sorted(rate), key=lambda w: (rate[w], -w))
 
 
+def _undominated(seconds: Mapping[int, float]) -> dict[int, float]:
+    """{width: seconds} of the widths no slower than every wider one, in width order."""
+    ws = sorted(seconds)
+    return {w: seconds[w] for i, w in enumerate(ws) if all(seconds[w] <= seconds[v] for v in ws[i + 1:])}
+
+
 @dataclasses.dataclass
 class WidthChooser:
     """The host's per-round choice (see the module docstring): the latest per-request gains of each width and
@@ -98,15 +104,22 @@ class WidthChooser:
     _plain_run: int = 0
     _interval: int = 0         # the current probe interval (0: probe_every)
     _probing: bool = False     # a probe was dispatched and not yet read
+    # {R: {width: seconds}} of the kept widths (`kept`) per calibrated row count, None: the whole batch's
+    _kept: dict[int | None, dict[int, float]] = dataclasses.field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # the tables are fixed: which widths can win is decided once, not every round
+        self._kept = {r: _undominated(t) for r, t in {None: self.seconds, **self.rows_seconds}.items()}
+
+    def _kept_seconds(self, rows: int | None) -> dict[int, float]:
+        return self._kept.get(rows) or self._kept[None]
 
     def kept(self, rows: int | None = None) -> tuple[int, ...]:
         """The widths a round over `rows` rows can choose (the round times calibrated for that many rows where
         known, else the whole batch's): each width no slower than every wider one. A wider round verifies a
         superset of the nodes, so its expected tokens are at least as many: a width strictly slower than a wider
         one never has the higher rate, and is neither chosen nor compiled."""
-        t = self.rows_seconds.get(rows) or self.seconds
-        ws = sorted(t)
-        return tuple(w for i, w in enumerate(ws) if all(t[w] <= t[v] for v in ws[i + 1:]))
+        return tuple(self._kept_seconds(rows))
 
     @property
     def kappa(self) -> float:
@@ -131,9 +144,8 @@ class WidthChooser:
         # slots · w nodes less the live anchors, shared by the live requests
         most = ((lambda w: (self.packed_slots * w - live) / max(live, 1)) if self.packed_slots
                 else (lambda w: w - 1))
-        t = self.rows_seconds.get(rows) or self.seconds
-        return choose_width({w: t[w] for w in self.kept(rows)},
-                            {w: min(self.kappa * g, most(w)) for w, g in self.gain.items()}, live)
+        return choose_width(self._kept_seconds(rows), {w: min(self.kappa * g, most(w)) for w, g in self.gain.items()},
+                            live)
 
     def observe(self, width: int, gains: np.ndarray, accepted: np.ndarray, active: np.ndarray,
                 rows: int | None = None) -> None:
@@ -222,7 +234,7 @@ class WidthBackend(SpecBackend):
         out = spread_rows(np.asarray(host_out), rows, self.slots)
         toks, count, acc = unpack_round_outputs(out, G)
         if self.chooser is not None and G:
-            self.chooser.observe(w, unpack_round_gains(out, G), acc, active, None if rows is None else len(rows))
+            self.chooser.observe(w, unpack_round_gains(out, G), acc, active, self.slots if rows is None else len(rows))
         return StepResult(tokens=toks, count=count, accepted=acc, drafted=w - 1)
 
 

@@ -297,9 +297,10 @@ def main(argv: list[str] | None = None) -> int:
                     proc.kill()
     meta = {"bench": "serve_load", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu_count": os.cpu_count(),
             "args": {k: (None if v == float("inf") else v) for k, v in vars(args).items() if k != "json"}}
-    try:
-        import jax
-        meta["device"] = str(jax.devices()[0].device_kind)
+    try:        # the client's machine (the servers' on loopback): device, versions, commit
+        from hyspec_jax.bench.report import run_metadata
+        run = run_metadata()
+        meta.update(device=str(run["device_kind"]), **run)
     except Exception:  # noqa: BLE001
         pass
     if len(rows) > 1:

@@ -1069,7 +1069,9 @@ def test_serve_load_reports_what_vllm_bench_serve_does(spec_server, tmp_path):
     out = tmp_path / "load.json"
     assert serve_load.main(["--url", spec_server.base, "--concurrency", "1,2", "--num-requests", "3",
                             "--max-tokens", "5", "--warmup", "0", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert report["meta"]["device"] and report["meta"]["jax"] and report["meta"]["commit"]    # provenance
     assert [r["concurrency"] for r in rows] == [1, 2]
     for r in rows:
         assert r["ok"] == 3 and r["output_tokens"] == 15 and r["mode"] == "chain"

@@ -227,8 +227,13 @@ def calibrate_rounds(engine, *, batches: list[int], kv_lens: list[int], repeats:
             z = np.zeros(B, np.float32)
             samp = be.sampling(z, np.ones(B, np.float32), z.astype(np.int32), z.astype(np.uint32))
             active, steps = np.ones(B, bool), np.zeros(B, np.int32)
+            t0 = time.perf_counter()
+            # every width's round compiled side by side first ($HYSPEC_COMPILE_WORKERS): serially, the warm-up
+            # below was most of a calibration's time on a GPU host
+            be.compile(stochastic=(False,), prompt_lengths=[T])
+            log(f"[calibrate] B={B} S={S}: compiled {len(widths)} rounds in {time.perf_counter() - t0:.1f} s")
             times: dict[int, list[float]] = {w: [] for w in widths}
-            for r in range(repeats + 1):                          # r = 0: the warm-up (compiles), untimed
+            for r in range(repeats + 1):                          # r = 0: the warm-up, untimed
                 be.prefill(np.arange(B, dtype=np.int32), rng.integers(0, engine.config.vocab_size, (B, T)),
                            np.ones((B, T), bool), np.ones(B, bool), samp)
                 for w in widths[r % len(widths):] + widths[:r % len(widths)]:

@@ -308,3 +308,20 @@ def test_train_steps_logs_checkpoints_evaluates_and_stops_at_the_budget(tmp_path
     now[0] = 0.0
     fake, losses, val, step, rows = run(12, budget=0.0, stop=3)  # stop_after: checkpoint there, no final eval
     assert step == 3 and fake.saved == [3] and fake.evals == 0
+
+
+def test_model_flops_count_the_train_steps_matmuls(runs):
+    """The MFU numerator: PaLM-convention model FLOPs of a trained token, against XLA's own count of the compiled
+    train step (hardware FLOPs: also norms, activations, the optimizer and the chunked GDN's extra work), which
+    must be at least the model count and not far above it."""
+    from hyspec_jax.train.target import model_flops_utilization, train_flops_per_token
+    tr = runs["ref"]
+    fpt = train_flops_per_token(tr.model_cfg, tr.state["params"], tr.cfg.seq_len)
+    tokens = tr.cfg.batch_size * tr.cfg.seq_len
+    cost = tr._train_fn.lower(tr.state, tr.batch(0), jnp.float32(1e-3)).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    assert 1.0 <= cost["flops"] / (fpt * tokens) < 2.0, (cost["flops"], fpt * tokens)
+    assert model_flops_utilization(1e6, fpt, 1, "NVIDIA H200", "float32") is None       # peak is bf16's
+    assert model_flops_utilization(1e6, fpt, 1, "cpu", "bfloat16") is None               # unknown device
+    assert model_flops_utilization(1e6, fpt, 2, "NVIDIA H100 80GB HBM3", "bfloat16") == pytest.approx(
+        1e6 * fpt / (2 * 989.4e12))

@@ -49,7 +49,7 @@ def cmd_train_target(args) -> int:
         eval_windows=args.eval_windows, ckpt_every=args.ckpt_every, time_budget_s=args.time_budget,
         export_dtype=args.export_dtype, log_every=args.log_every, chunk=args.chunk)
     summary = train_target(cfg, export=not args.no_export)
-    print(json.dumps({k: summary[k] for k in ("step", "val", "tokens_per_s", "num_params", "export")
+    print(json.dumps({k: summary[k] for k in ("step", "val", "tokens_per_s", "mfu", "num_params", "export")
                       if k in summary}, indent=1))
     return 0
 
@@ -144,7 +144,8 @@ def add_train_commands(sub: argparse._SubParsersAction) -> None:
                                    "OUT/ckpt; writes OUT/metrics.jsonl and the HF checkpoint OUT/hf.")
     t.add_argument("--corpus", default=DEFAULT_CORPUS)
     t.add_argument("--out", required=True)
-    t.add_argument("--preset", default="default", choices=("tiny", "small", "default"))
+    t.add_argument("--preset", default="default", choices=("tiny", "small", "default", "large"),
+                   help="model size: tiny (tests), small (CPU), default (the embedded model, 28M), large (212M)")
     t.add_argument("--seq-len", type=int, default=512)
     t.add_argument("--batch-size", type=int, default=32, help="global sequences per step")
     t.add_argument("--steps", type=int, default=2000)

@@ -68,6 +68,10 @@ PRESETS: dict[str, dict[str, int]] = {
     # the embedded default model: ~28M parameters with an 8k vocabulary (tied embeddings), 8 layers = 6 GDN + 2
     "default": dict(hidden=512, layers=8, heads=8, kv_heads=2, head_dim=64, intermediate=1280, gdn_k_heads=4,
                     gdn_v_heads=8, gdn_head_dim=64),
+    # ~212M parameters: the same layout scaled (16 layers = 12 GDN + 4 attention), for what a larger target changes
+    # (train/recipes/ready_large_h200.sh); not shipped
+    "large": dict(hidden=1024, layers=16, heads=16, kv_heads=4, head_dim=64, intermediate=2816, gdn_k_heads=8,
+                  gdn_v_heads=16, gdn_head_dim=64),
 }
 
 
@@ -79,6 +83,43 @@ def preset_config(name: str, vocab_size: int, eos_token_id: tuple[int, ...] = ()
 
 def count_params(params: Any) -> int:
     return int(sum(x.size for x in jax.tree.leaves(params)))
+
+
+def train_flops_per_token(cfg: TargetConfig, params: Any, seq_len: int) -> int:
+    """Model FLOPs of one trained token (forward + backward = 3 forwards), PaLM's convention (model, not hardware,
+    FLOPs): 6 per weight of every matrix and of the depthwise convolution — the embedding lookup not counted, the
+    output projection (tied or not) once; attention's scores and mixing, 12 · heads · head_dim · seq_len a full
+    layer (not halved for the causal mask); the GDN recurrence's readout, prediction and update, 18 · value heads ·
+    dk · dv a linear layer (the chunked closed form's extra work not counted)."""
+    weights = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        if x.ndim >= 2 and "embed_tokens" not in jax.tree_util.keystr(path):
+            weights += int(x.size)
+    if cfg.tie_word_embeddings:
+        weights += cfg.vocab_size * cfg.hidden_size
+    attention = sum(12 * cfg.num_attention_heads * cfg.head_dim * seq_len for t in cfg.layer_types if t == FULL)
+    gdn = sum(18 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+              for t in cfg.layer_types if t == LINEAR)
+    return 6 * weights + attention + gdn
+
+
+# dense bf16 peak of one device, the vendor's figure (no sparsity), by device kind
+_BF16_PEAK = (("H100 PCIe", 756e12), ("H100", 989.4e12), ("H200", 989.4e12), ("A100", 312e12))
+
+
+def bf16_peak_flops(device_kind: str) -> float | None:
+    """The vendor's dense bf16 peak of a device kind (FLOP/s), None where not known."""
+    return next((peak for name, peak in _BF16_PEAK if name in device_kind), None)
+
+
+def model_flops_utilization(tokens_per_s: float | None, flops_per_token: int, devices: int, device_kind: str,
+                            compute_dtype: str) -> float | None:
+    """MFU: model FLOPs per second over the devices' dense bf16 peak; None for another compute dtype or an unknown
+    device."""
+    peak = bf16_peak_flops(device_kind)
+    if not tokens_per_s or peak is None or compute_dtype != "bfloat16":
+        return None
+    return tokens_per_s * flops_per_token / (peak * devices)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -350,9 +391,13 @@ class TargetTrainer(common.ResumableTrainer):
             self, cfg, log, clock, stop, step_fn,
             lambda lr, m: {"loss": round(m["loss"], 5), "grad_norm": round(m["grad_norm"], 4), "lr": lr})
         log.close()
+        fpt = train_flops_per_token(self.model_cfg, self.state["params"], cfg.seq_len)
+        mfu = model_flops_utilization(clock.throughput, fpt, int(self.mesh.devices.size),
+                                      jax.devices()[0].device_kind, jnp.dtype(self.compute_dtype).name)
         return {"losses": losses, "val": val, "step": step, "total_steps": self.total_steps,
                 "tokens_per_s": clock.throughput, "train_seconds": clock.elapsed(),
-                "num_params": self.num_params}
+                "num_params": self.num_params, "flops_per_token": fpt,
+                "mfu": None if mfu is None else round(mfu, 4)}
 
     # --- export ---------------------------------------------------------------------------------
     def model(self):
@@ -391,4 +436,5 @@ def train_target(cfg: TargetTrainConfig, export: bool = True) -> dict:
 
 
 __all__ = ["TargetTrainConfig", "TargetTrainer", "WindowSampler", "PRESETS", "preset_config", "hybrid_config",
+           "train_flops_per_token", "bf16_peak_flops", "model_flops_utilization",
            "next_token_loss", "validation_windows", "train_target", "count_params"]

@@ -74,6 +74,6 @@ wait $p1; wait $p2
 stamp "stage 2: $(mean_tau ready2 nostate)"
 
 # 4. the engine's tau with the new drafter on the held-out prompts (greedy, batch 1, output == ar checked)
-python3 -m hyspec_jax.cli bench e2e --json "$RUN/e2e_reader.json" --drafter "$RUN/ready2/drafter" --batch 1 \
+python3 -m hyspec_jax.cli bench e2e --json "$RUN/e2e_reader.json" --model "$TARGET" --drafter "$RUN/ready2/drafter" --batch 1 \
     --modes ar chain ready tree tree-ready $E2E 2>&1 | tail -n 12
 stamp "drafter: $RUN/ready2/drafter"

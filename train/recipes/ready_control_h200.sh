@@ -24,7 +24,9 @@ set -euo pipefail
 RUN=${1:?usage: ready_control_h200.sh RUN_DIR}
 HERE=$(cd "$(dirname "$0")" && pwd)
 TARGET=${TARGET:-checkpoints/default}
-SHIPPED=${SHIPPED:-checkpoints/default/drafter}
+SHIPPED=${SHIPPED-checkpoints/default/drafter}     # empty: no shipped drafter to compare
+TAPS=${TAPS:-1 3 5}                                  # the DSpark taps
+DRAFTER=${DRAFTER:-"--layers 1 --intermediate-size 768 --markov-rank 32"}   # the DSpark size (the shipped one's)
 CORPUS=${CORPUS:-train/data/corpus}
 PER_DOMAIN=${PER_DOMAIN:-1536}
 PROMPTS_A=${PROMPTS_A:-$RUN/prompts_a/prompts.npz}
@@ -56,19 +58,19 @@ fi
 if has dspark; then
   "${H[@]}" train-drafter --target "$TARGET" --corpus "$CORPUS" --data "$RUN/distill" --seq-len "$SEQ_LEN" \
       --batch-size "$BATCH" --anchors "$ANCHORS" --steps 1000000 --dtype "$DTYPE" --eval-every 0 \
-      --ckpt-every 1000000 --out "$RUN/dspark135" --stage dspark --layers 1 --intermediate-size 768 --markov-rank 32 \
-      --block-size 7 --time-budget "$DSPARK_S" --tap-layers 1 3 5 > "$RUN/dspark135.log" 2>&1
-  stamp "DSpark(1,3,5): $(mean_tau dspark135)"
+      --ckpt-every 1000000 --out "$RUN/dspark" --stage dspark $DRAFTER \
+      --block-size 7 --time-budget "$DSPARK_S" --tap-layers $TAPS > "$RUN/dspark.log" 2>&1
+  stamp "DSpark($TAPS): $(mean_tau dspark)"
 fi
 
 if has reader; then
-  BASE="$RUN/dspark135/drafter" PROMPTS="$PROMPTS_B" READER="$READER" E2E="$E2E" \
+  BASE="$RUN/dspark/drafter" PROMPTS="$PROMPTS_B" READER="$READER" E2E="$E2E" \
       bash "$HERE/reader_h200.sh" "$RUN/reader"
   stamp "reader: $RUN/reader/ready2/drafter"
 fi
 
 if has tau; then
-  E=(python3 -m hyspec_jax.cli bench e2e --no-plots $E2E)
+  E=(python3 -m hyspec_jax.cli bench e2e --no-plots --model "$TARGET" $E2E)
   "${E[@]}" --json "$RUN/tau_own.json" --drafter "$RUN/reader/ready2/drafter" --batch 1 "$SWAP_BATCH" \
       --modes ar chain ready 2>&1 | tail -n 8
   "${E[@]}" --json "$RUN/tau_swapped.json" --drafter "$RUN/reader/ready2/drafter" --batch "$SWAP_BATCH" \
@@ -76,6 +78,7 @@ if has tau; then
   # the state-free control: the stage-2 LoRA merged into the weights, no reader (so it drafts as chain)
   "${E[@]}" --json "$RUN/tau_nostate.json" --drafter "$RUN/reader/nostate/drafter" --batch 1 \
       --modes ar chain 2>&1 | tail -n 6
-  "${E[@]}" --json "$RUN/tau_shipped.json" --drafter "$SHIPPED" --batch 1 --modes ar chain ready 2>&1 | tail -n 8
+  [ -z "$SHIPPED" ] || "${E[@]}" --json "$RUN/tau_shipped.json" --drafter "$SHIPPED" --batch 1 --modes ar chain ready \
+      2>&1 | tail -n 8
   stamp "tau: $RUN/tau_{own,swapped,nostate,shipped}.json"
 fi

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +101,27 @@ def test_corpus_build_reproducible(corpus, tmp_path):
     for dom in ("prose", "verse", "code"):
         n_val = sum(1 for r in rows if r[0] == dom and r[2] == "validation")
         assert int(np.sum(np.asarray(load_shard(out, "validation", dom)) == 0)) == n_val
+
+
+def test_a_corpus_tokenized_with_another_tokenizer_finds_it_through_its_manifest(corpus, tmp_path, monkeypatch):
+    """A corpus built with --tokenizer DIR has no tokenizer/ of its own (the embedded model's corpus): trainers use
+    the one its manifest names, relative to the working directory, and refuse one whose bytes changed."""
+    import shutil
+    from hyspec_jax.train.corpus import CorpusError, corpus_tokenizer_dir
+    out, _ = corpus
+    assert corpus_tokenizer_dir(out) == out / "tokenizer"
+    shutil.copytree(out / "tokenizer", tmp_path / "tok")
+    monkeypatch.chdir(tmp_path)
+    build_corpus(tmp_path / "c2", docs=synthetic_docs(), vocab_size=400, val_fraction=0.15, tokenizer_dir="tok")
+    assert not (tmp_path / "c2" / "tokenizer").exists()
+    assert corpus_tokenizer_dir(tmp_path / "c2") == Path("tok")
+    p = tmp_path / "tok" / "tokenizer.json"
+    p.write_text(p.read_text().replace('"<|mask|>"', '"<|masq|>"'))
+    with pytest.raises(CorpusError, match="sha256"):
+        corpus_tokenizer_dir(tmp_path / "c2")
+    p.unlink()
+    with pytest.raises(CorpusError, match="not there"):
+        corpus_tokenizer_dir(tmp_path / "c2")
 
 
 def test_tokenizer_specials_and_chat_template(corpus):

@@ -355,6 +355,27 @@ def shard_domains(corpus_dir: str | Path, split: str) -> list[str]:
     return sorted(p.stem for p in root.glob("*.bin") if p.stat().st_size > 0)
 
 
+def corpus_tokenizer_dir(corpus_dir: str | Path) -> Path:
+    """The tokenizer a corpus was tokenized with: its own `tokenizer/`, else the directory its manifest names (a
+    relative one from the working directory, as `hyspec build-corpus --tokenizer` was given it), checked against the
+    manifest's sha256."""
+    corpus_dir = Path(corpus_dir)
+    if (corpus_dir / "tokenizer" / "tokenizer.json").is_file():
+        return corpus_dir / "tokenizer"
+    mf = corpus_dir / "manifest.json"
+    if not mf.is_file():
+        raise CorpusError(f"{corpus_dir}: no tokenizer/ and no manifest.json (build it with `hyspec build-corpus`)")
+    manifest = json.loads(mf.read_text())
+    tok = Path(manifest.get("tokenizer", ""))
+    if not (tok / "tokenizer.json").is_file():
+        raise CorpusError(f"{corpus_dir} was tokenized with {tok}/tokenizer.json, which is not there (run from the "
+                          f"directory the corpus was built in)")
+    digest = hashlib.sha256((tok / "tokenizer.json").read_bytes()).hexdigest()
+    if manifest.get("tokenizer_sha256") not in (None, digest):
+        raise CorpusError(f"{tok}/tokenizer.json is not the tokenizer {corpus_dir} was tokenized with (sha256 differs)")
+    return tok
+
+
 def build_corpus(out: str | Path, *, docs: dict[str, list[Document]] | None = None, val_fraction: float = 0.02,
                  gcide_fraction: float = 0.2, vocab_size: int = 8192, tokenizer_dir: str | Path | None = None,
                  cache_dir: str | Path | None = None, salt: str = SALT) -> dict:
@@ -396,5 +417,5 @@ def build_corpus(out: str | Path, *, docs: dict[str, list[Document]] | None = No
     return manifest
 
 
-__all__ = ["DOMAINS", "SPLITS", "Document", "CorpusError", "split_hash", "assign_splits", "all_documents",
+__all__ = ["DOMAINS", "SPLITS", "Document", "CorpusError", "corpus_tokenizer_dir", "split_hash", "assign_splits", "all_documents",
            "build_corpus", "load_shard", "shard_domains", "shard_dtype", "token_dtype", "tokenize_docs"]

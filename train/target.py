@@ -36,7 +36,7 @@ from flax import nnx
 from hyspec_jax.config import FULL, LINEAR, TargetConfig, resolve_dtype
 from hyspec_jax.models.target import abstract_model, create_model
 from hyspec_jax.train import common
-from hyspec_jax.train.corpus import load_shard, shard_domains
+from hyspec_jax.train.corpus import corpus_tokenizer_dir, load_shard, shard_domains
 from hyspec_jax.train.forward import train_forward
 
 F32 = jnp.float32
@@ -276,7 +276,7 @@ class TargetTrainer(common.ResumableTrainer):
         self.cfg = cfg
         self.out = Path(cfg.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.tok_dir = Path(cfg.corpus) / "tokenizer"
+        self.tok_dir = corpus_tokenizer_dir(cfg.corpus)
         tok = Tokenizer.from_file(str(self.tok_dir / "tokenizer.json"))
         eos = tuple(i for i in (tok.token_to_id(EOS), tok.token_to_id(IM_END)) if i is not None)
         self.model_cfg = model_cfg or preset_config(cfg.preset, tok.get_vocab_size(), eos)

@@ -80,5 +80,5 @@ if has tau; then
       --modes ar chain 2>&1 | tail -n 6
   [ -z "$SHIPPED" ] || "${E[@]}" --json "$RUN/tau_shipped.json" --drafter "$SHIPPED" --batch 1 --modes ar chain ready \
       2>&1 | tail -n 8
-  stamp "tau: $RUN/tau_{own,swapped,nostate,shipped}.json"
+  stamp "tau: $(echo "$RUN"/tau_*.json)"
 fi

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="as the server's option: > 0 compiles the scoring forward of every prompt bucket (default 20)")
     ap.add_argument("--compile-workers", type=int, metavar="N",
                     help="threads compiling side by side (default: the server's, $HYSPEC_COMPILE_WORKERS or the "
-                         "host's cores up to 8; 1: one program after another, each timed alone)")
+                         "host's cores up to 8 on a CPU, 1 on a GPU; 1: one program after another, each timed alone)")
     ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                     help="weights (auto: bfloat16 on GPU, float32 on CPU)")
     ap.add_argument("--seed", type=int, default=0)

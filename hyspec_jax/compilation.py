@@ -14,7 +14,8 @@ compile counter.
   it on (`hyspec generate`, CPU): a second process skips Python tracing and lowering, ~1-1.5 s per large
   program on a 2-core CPU (the persistent compilation cache only skips XLA's compile).
 - `precompile(calls, workers)`: a start-up compile's programs compiled side by side on threads (XLA's compile
-  releases the GIL) into each jit's own cache; `compile_workers()` how many ($HYSPEC_COMPILE_WORKERS).
+  releases the GIL) into each jit's own cache; `compile_workers()` how many ($HYSPEC_COMPILE_WORKERS; 1 on a GPU,
+  whose autotuner times kernels on the device).
 - `split_for_jit(module)` = (`static_graphdef`, `pure_params`): what the jitted entry points take, cheap to pass
   on every call (a decode step / speculative round): a GraphDef whose hash is computed once, and the
   parameters as a plain nested dict of arrays (`nnx.merge` accepts it) that jit flattens in C++ instead of
@@ -198,8 +199,12 @@ COMPILE_WORKERS_ENV = "HYSPEC_COMPILE_WORKERS"
 
 
 def compile_workers() -> int:
-    """Threads a start-up compile uses (`precompile`): $HYSPEC_COMPILE_WORKERS, else the host's cores up to 8
-    (1: one program after another)."""
+    """Threads a start-up compile uses (`precompile`): $HYSPEC_COMPILE_WORKERS, else on the CPU the host's cores up
+    to 8, on a GPU 1 (one program after another). Why not side by side on a GPU: XLA autotunes a program's kernels by
+    timing them on the device, and threads compiling at once time their candidates over one another — the autotuner
+    then warns that its timer is inaccurate ("Delay kernel timed out", seen in a 64-slot server's start-up on an
+    H100; openxla/xla pull request 38882) and may keep slower kernels for the server's whole life. Kernel choice
+    weighs more than start-up (without autotuning the 27B decode step ran 2x slower, `bench/results/scale/`)."""
     env = os.environ.get(COMPILE_WORKERS_ENV)
     if env:
         try:
@@ -209,6 +214,9 @@ def compile_workers() -> int:
         if n < 1:
             raise ValueError(f"{COMPILE_WORKERS_ENV} must be >= 1, got {n}")
         return n
+    import jax
+    if jax.default_backend() != "cpu":
+        return 1
     return max(1, min(8, os.cpu_count() or 1))
 
 

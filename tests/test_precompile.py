@@ -5,6 +5,8 @@ process's jit caches."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -85,4 +87,6 @@ def test_compile_workers_setting(monkeypatch):
     with pytest.raises(ValueError, match=">= 1"):
         compile_workers()
     monkeypatch.delenv("HYSPEC_COMPILE_WORKERS")
-    assert 1 <= compile_workers() <= 8
+    assert compile_workers() == max(1, min(8, os.cpu_count() or 1))         # the CPU: side by side
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert compile_workers() == 1                       # a GPU: XLA's autotuner times kernels on the device

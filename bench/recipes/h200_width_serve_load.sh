@@ -4,25 +4,27 @@
 #   for the server's bucket (SLOTS slots; KV ≥ max-model-len + the round's overshoot) into $TABLE.
 # Step serve: `serve_load` (greedy, 64 tokens a request) of tree-ready — the width then chosen each round from
 #   $TABLE — against plain decoding (ar), at concurrency 1 / 4 / 8 / 16 / 32 / 64, on random-word and held-out
-#   prompts. --spec-mode is given: without it the embedded drafter's recommended_modes.json (max_slots 8) decodes
-#   plainly with more than 8 slots.
+#   prompts; the modes' servers up side by side, the passes alternated between them REPS times. --spec-mode is
+#   given: without it the embedded drafter's recommended_modes.json decodes plainly above its serve_max_slots.
 # The server's packages travel as wheels:
 #   here:           bash bench/recipes/serve_wheels.sh download          (then carry .whl)
 #   on the H200:    bash bench/recipes/h200_width_serve_load.sh          (both steps in one command), or, to stay
-#                   under a 10-minute command: STEPS=calibrate …; then STEPS=serve MODES=ar …; STEPS=serve
-#                   MODES=tree-ready … on the same machine ($TABLE is under the ignored out/, which a device
-#                   call keeps between calls on a warm machine).
+#                   under a 10-minute command, STEPS=calibrate, then STEPS=serve on the same machine ($TABLE is
+#                   under the ignored out/, which a device call keeps between calls on a warm machine; so is JAX's
+#                   compilation cache, out/jax_cache, so a second serve step starts its servers from it).
 # Knobs: STEPS ("calibrate serve"), TABLE (out/hyspec_width_table.json), SLOTS (64), CAL_BATCH (slots calibrated,
 # default SLOTS; e.g. "1,4,16,64": also the rounds of the server's decoding buckets), MODES ("ar tree-ready"),
-# DATASETS ("random heldout"), REPS (1), REQUESTS (64 a level), RES (where the files gather; a fresh temporary folder), SPEC_EXTRA (more speculative options for calibrate and
-# the server, e.g. "--packed-widths": the batch-wide budgets family, its own entries in the same table). Each command's files (calibration, table, server
-# logs, serve_load JSON) come back in one archive, $OUT/width_<steps>_<modes>.tgz.
+# DATASETS ("random heldout"), REPS (1), CONC (the concurrency levels), REQUESTS (64 a level), RES (where the
+# files gather; a fresh temporary folder), SPEC_EXTRA (more speculative options for calibrate and the server, e.g.
+# "--packed-widths": the batch-wide budgets family, its own entries in the same table). Each command's files
+# (calibration, table, server logs, serve_load JSON) come back in one archive, $OUT/width_<steps>_<modes>.tgz.
 set -uo pipefail
 source bench/recipes/serve_wheels.sh install .whl || exit 1
 source bench/recipes/lib.sh
 STEPS=${STEPS:-calibrate serve}; MODES=${MODES:-ar tree-ready}; TABLE=${TABLE:-out/hyspec_width_table.json}
 mkdir -p "$(dirname "$TABLE")"
 SLOTS=${SLOTS:-64}; LEN=1024; RES=${RES:-$(mktemp -d)}; mkdir -p "$RES"
+export HYSPEC_JAX_CACHE=${HYSPEC_JAX_CACHE:-$PWD/out/jax_cache}     # kept between calls, like $TABLE
 if [[ " $STEPS " == *" calibrate "* ]]; then
   "${H[@]}" calibrate --spec-mode tree-ready --batch "${CAL_BATCH:-$SLOTS}" --kv-len $((LEN + 16)) --nodes 1,32 --repeats 20 ${SPEC_EXTRA:-} \
     --out "$TABLE" --json > "$RES/calibrate.json" || exit 1
@@ -32,19 +34,24 @@ if [[ " $STEPS " == *" serve "* ]]; then
   [ -f "$TABLE" ] || { echo "no $TABLE: run STEPS=calibrate first" >&2; exit 1; }
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.4
   SERVE=(--port 0 --max-batch "$SLOTS" --max-queue 256 --max-model-len $LEN --prefill-chunk 128 --budget-table "$TABLE")
-  LOAD=(--concurrency 1,4,8,16,32,64 --num-requests "${REQUESTS:-64}" --max-tokens 64)
+  LOAD=(--concurrency "${CONC:-1,4,8,16,32,64}" --num-requests "${REQUESTS:-64}" --max-tokens 64)
+  # every mode's server up side by side (started one after another, so their compiles do not overlap), then the
+  # passes alternate between them: a drift of the machine moves every mode alike
+  declare -A PORTS
   for mode in $MODES; do
     extra=(); [ "$mode" != ar ] && extra=(${SPEC_EXTRA:-})
-    PORT=$(start_server "$PWD" "$RES/server_$mode.log" "${SERVE[@]}" --spec-mode "$mode" "${extra[@]}") || exit 1
-    for rep in $(seq "${REPS:-1}"); do
-      for data in ${DATASETS:-random heldout}; do
+    PORTS[$mode]=$(start_server "$PWD" "$RES/server_$mode.log" "${SERVE[@]}" --spec-mode "$mode" "${extra[@]}") || exit 1
+  done
+  for rep in $(seq "${REPS:-1}"); do
+    for data in ${DATASETS:-random heldout}; do
+      for mode in $MODES; do
         echo "== $mode $data $rep"
-        python3 -m hyspec_jax.bench.serve_load --url "http://127.0.0.1:$PORT" "${LOAD[@]}" --dataset "$data" \
+        python3 -m hyspec_jax.bench.serve_load --url "http://127.0.0.1:${PORTS[$mode]}" "${LOAD[@]}" --dataset "$data" \
           --json "$RES/serve_load_${mode}_${data}_$rep.json" 2>&1 | tail -8
       done
     done
-    kill -TERM "$(cat "$RES/server_$mode.log.pid")"
-    wait
   done
+  for mode in $MODES; do kill -TERM "$(cat "$RES/server_$mode.log.pid")"; done
+  wait
 fi
 tar czf "$OUT/width_$(echo "$STEPS" | tr ' ' '-')_$(echo "$MODES" | tr ' ' '-').tgz" -C "$RES" .

@@ -228,8 +228,8 @@ def calibrate_rounds(engine, *, batches: list[int], kv_lens: list[int], repeats:
             samp = be.sampling(z, np.ones(B, np.float32), z.astype(np.int32), z.astype(np.uint32))
             active, steps = np.ones(B, bool), np.zeros(B, np.int32)
             t0 = time.perf_counter()
-            # every width's round compiled side by side first ($HYSPEC_COMPILE_WORKERS): serially, the warm-up
-            # below was most of a calibration's time on a GPU host
+            # every width's round compiled first by the backend's start-up compile: side by side where
+            # $HYSPEC_COMPILE_WORKERS allows (the CPU default; one after another on a GPU, see compile_workers)
             be.compile(stochastic=(False,), prompt_lengths=[T])
             log(f"[calibrate] B={B} S={S}: compiled {len(widths)} rounds in {time.perf_counter() - t0:.1f} s")
             times: dict[int, list[float]] = {w: [] for w in widths}

@@ -104,7 +104,7 @@ def train_flops_per_token(cfg: TargetConfig, params: Any, seq_len: int) -> int:
 
 
 # dense bf16 peak of one device, the vendor's figure (no sparsity), by device kind
-_BF16_PEAK = (("H100 PCIe", 756e12), ("H100", 989.4e12), ("H200", 989.4e12), ("A100", 312e12))
+_BF16_PEAK = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989.4e12), ("H200", 989.4e12), ("A100", 312e12))
 
 
 def bf16_peak_flops(device_kind: str) -> float | None:

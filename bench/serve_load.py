@@ -120,18 +120,26 @@ def heldout_prompts() -> list[list[int]]:
         return [[int(t) for t in row] for row in d["tokens"]]
 
 
-def _metric(text: str, name: str, **labels) -> float:
-    total = 0.0
+def _samples(text: str, name: str):
+    """(labels, value) of every sample of metric `name` in a Prometheus text exposition."""
     for line in text.splitlines():
         if not line.startswith(name):
             continue
         m = re.match(r"^([^{\s]+)(\{[^}]*\})?\s+(\S+)$", line)
-        if not m or m.group(1) != name:
-            continue
-        lab = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if all(lab.get(k) == v for k, v in labels.items()):
-            total += float(m.group(3))
-    return total
+        if m and m.group(1) == name:
+            yield dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")), float(m.group(3))
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    return sum(v for lab, v in _samples(text, name) if all(lab.get(k) == x for k, x in labels.items()))
+
+
+def _by_label(text: str, name: str, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for lab, v in _samples(text, name):
+        if label in lab:
+            out[lab[label]] = out.get(lab[label], 0.0) + v
+    return out
 
 
 async def run_level(client: httpx.AsyncClient, *, concurrency: int, num_requests: int, rate: float,
@@ -183,8 +191,16 @@ async def run_level(client: httpx.AsyncClient, *, concurrency: int, num_requests
                                      / d("vllm:spec_decode_num_draft_tokens_total")) if drafts else None,
             "spec_tokens_per_round": (1 + d("vllm:spec_decode_num_accepted_tokens_total") / drafts) if drafts else None,
             "compilations_after_startup": d("hyspec:compilations_after_startup_total"),
+            # rounds by the nodes verified per request (the width chosen each round; 1: a plain step)
+            "spec_rounds_by_width": _rounds_by_width(before, after),
         },
     }
+
+
+def _rounds_by_width(before: str, after: str) -> dict[str, int]:
+    b, a = _by_label(before, "hyspec:spec_rounds_total", "width"), _by_label(after, "hyspec:spec_rounds_total", "width")
+    out = {w: int(a[w] - b.get(w, 0.0)) for w in sorted(a, key=int)}
+    return {w: n for w, n in out.items() if n}
 
 
 def start_server(args, mode: str, log: Path) -> tuple[subprocess.Popen, int]:

@@ -106,6 +106,9 @@ class ServerMetrics(LoopObserver):
         self._per_pos = one(Counter, "vllm:spec_decode_num_accepted_tokens_per_pos",
                             "Accepted tokens per draft position.", "position")
         self.per_pos = [self._per_pos.labels(model_name=model_name, position=str(k)) for k in range(spec_depth)]
+        self._rounds = one(Counter, "hyspec:spec_rounds", "Speculative rounds by the nodes verified per request "
+                           "(the width chosen each round; 1: a plain decoding step).", "width")
+        self._rounds_of: dict[int, object] = {}
         self.compilations_after_startup = one(
             Counter, "hyspec:compilations_after_startup",
             "XLA programs compiled after start-up (each is a recompile while serving: a bug).")
@@ -163,6 +166,10 @@ class ServerMetrics(LoopObserver):
             self.aborted.inc()
 
     def spec_round(self, active: int, drafted: int, accepted: np.ndarray, depth: int) -> None:
+        width = drafted + 1
+        if width not in self._rounds_of:
+            self._rounds_of[width] = self._rounds.labels(model_name=self._name, width=str(width))
+        self._rounds_of[width].inc()
         self.num_drafts.inc(active)
         self.draft_tokens.inc(active * drafted)
         self.accepted_tokens.inc(int(accepted.sum()))

@@ -103,9 +103,12 @@ class Server:
             conn.close()
 
     def metrics(self) -> dict:
+        return parse_text(self.metrics_text())
+
+    def metrics_text(self) -> str:
         status, _, body = self.raw("GET", "/metrics")
         assert status == 200
-        return parse_text(body.decode())
+        return body.decode()
 
 
 def _value(m: dict, name: str, **labels) -> float:
@@ -847,7 +850,8 @@ def test_speculative_tree_server_equals_plain_decoding(tree_server, oracle):
     assert any(len(enc(p)) > 16 for p in prompts) and any(len(enc(p)) <= 16 for p in prompts)
     max_tokens = [int(rng.integers(4, 21)) for _ in prompts]
     wants = [oracle(enc(p), m) for p, m in zip(prompts, max_tokens)]
-    before = tree_server.metrics()
+    before_text = tree_server.metrics_text()
+    before = parse_text(before_text)
 
     def call(args):
         i, p, m = args
@@ -867,6 +871,10 @@ def test_speculative_tree_server_equals_plain_decoding(tree_server, oracle):
     assert drafts > 0 and accepted > 0           # some rounds committed an accepted branch, not just the bonus
     assert d("vllm:spec_decode_num_draft_tokens_total") == (TREE_NODES - 1) * drafts
     assert accepted == sum(per_pos) <= TREE_DEPTH * drafts
+    # every round verified the fixed TREE_NODES a request; a round serves one or more requests
+    from hyspec_jax.bench.serve_load import _rounds_by_width
+    rounds = _rounds_by_width(before_text, tree_server.metrics_text())
+    assert list(rounds) == [str(TREE_NODES)] and 0 < rounds[str(TREE_NODES)] <= drafts
     assert all(x >= y for x, y in zip(per_pos, per_pos[1:]))
     assert d("vllm:generation_tokens_total") == sum(len(w) for w, _ in wants)
     assert _value(m, "hyspec:compilations_after_startup_total") == 0

@@ -310,13 +310,15 @@ def test_train_steps_logs_checkpoints_evaluates_and_stops_at_the_budget(tmp_path
         now[0] += 1.0
         return 0.1 * step, {"loss": jnp.float32(10 - step)}
 
-    def run(total, budget, stop=1 << 62):
+    def run(total, budget, stop=1 << 62, call_limit=0.0):
         fake, cfg = Fake(total), Cfg(steps=total)
-        log = common.MetricsLog(tmp_path / f"{budget}.jsonl", total=total, progress=False)
-        clock = common.StepClock(budget, tokens_per_step=8, resumed=False, calibrate_after=100)
+        name = tmp_path / f"{total}_{budget}_{call_limit}.jsonl"
+        log = common.MetricsLog(name, total=total, progress=False)
+        clock = common.StepClock(budget, tokens_per_step=8, resumed=False, calibrate_after=100,
+                                 call_limit_s=call_limit)
         losses, val, step = common.train_steps(fake, cfg, log, clock, stop, step_fn, lambda lr, m: {"lr": lr, **m})
         log.close()
-        return fake, losses, val, step, common.read_metrics(tmp_path / f"{budget}.jsonl")
+        return fake, losses, val, step, common.read_metrics(name)
 
     fake, losses, val, step, rows = run(12, budget=0.0)
     assert step == 12 == fake.start_step and losses == {s: 10.0 - s for s in range(12)}
@@ -330,6 +332,34 @@ def test_train_steps_logs_checkpoints_evaluates_and_stops_at_the_budget(tmp_path
     now[0] = 0.0
     fake, losses, val, step, rows = run(12, budget=0.0, stop=3)  # stop_after: checkpoint there, no final eval
     assert step == 3 and fake.saved == [3] and fake.evals == 0
+    now[0] = 0.0
+    # the call limit (5 s): the flush of step 8 finds it spent — checkpoint, no evaluation, the run left to resume
+    fake, losses, val, step, rows = run(12, budget=0.0, call_limit=5.0)
+    assert step == 8 == fake.start_step and fake.saved == [5, 8] and fake.evals == 1     # the eval at 6 only
+    assert [(r["step"], r["seconds"]) for r in rows if r.get("event") == "call_limit"] == [(8, 8.0)]
+    now[0] = 0.0
+    fake, losses, val, step, rows = run(8, budget=0.0, call_limit=5.0)   # the limit at the last step: it ends
+    assert step == 8 and fake.saved == [5, 8] and fake.evals == 2
+    assert not [r for r in rows if r.get("event") == "call_limit"]
+
+
+def test_a_run_cut_by_its_call_limit_resumes_to_the_same_losses(corpus, runs, tmp_path):
+    """--call-limit: the invocation stops with a checkpoint, not finished and not exported; the same command then
+    resumes and reaches the uninterrupted run's losses."""
+    import dataclasses
+    from tokenizers import Tokenizer
+    corpus_dir, _ = corpus
+    V = Tokenizer.from_file(str(corpus_dir / "tokenizer" / "tokenizer.json")).get_vocab_size()
+    ref = runs["ref"]
+    cfg = dataclasses.replace(ref.cfg, out=str(tmp_path / "cut"), steps=4, call_limit_s=1e-9)
+    first = TargetTrainer(cfg, micro_config(V, 0)).run()
+    assert first["step"] == 1 and not first["finished"]                # stops at its first flush
+    second = TargetTrainer(dataclasses.replace(cfg, call_limit_s=0.0), micro_config(V, 0))
+    assert second.start_step == 1
+    out = second.run()
+    assert out["finished"] and out["step"] == 4
+    for s_ in (1, 2, 3):
+        assert out["losses"][s_] == pytest.approx(runs["ref_losses"][s_], rel=1e-6)
 
 
 def test_model_flops_count_the_train_steps_matmuls(runs):

@@ -47,10 +47,13 @@ def cmd_train_target(args) -> int:
         steps=args.steps, lr=args.lr, warmup_steps=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
         seed=args.seed, dtype=args.dtype, devices=args.devices, fsdp=not args.no_fsdp, eval_every=args.eval_every,
         eval_windows=args.eval_windows, ckpt_every=args.ckpt_every, time_budget_s=args.time_budget,
-        export_dtype=args.export_dtype, log_every=args.log_every, chunk=args.chunk)
+        export_dtype=args.export_dtype, log_every=args.log_every, chunk=args.chunk, call_limit_s=args.call_limit)
     summary = train_target(cfg, export=not args.no_export)
-    print(json.dumps({k: summary[k] for k in ("step", "val", "tokens_per_s", "mfu", "num_params", "export")
-                      if k in summary}, indent=1))
+    print(json.dumps({k: summary[k] for k in ("step", "total_steps", "finished", "val", "tokens_per_s", "mfu",
+                                              "num_params", "export") if k in summary}, indent=1))
+    if not summary["finished"]:
+        print(f"[train-target] stopped at step {summary['step']} of {summary['total_steps']} (--call-limit); "
+              f"run the same command again to resume", file=sys.stderr)
     return 0
 
 
@@ -165,6 +168,9 @@ def add_train_commands(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--chunk", type=int, default=64, help="GDN chunk length of the training forward")
     t.add_argument("--time-budget", type=float, default=0.0, metavar="S",
                    help="fit the run (cosine included) into S seconds of training")
+    t.add_argument("--call-limit", type=float, default=0.0, metavar="S",
+                   help="stop this invocation after S seconds with a checkpoint (the same command resumes; the "
+                        "export waits for the last step): a run longer than one lent machine call")
     t.add_argument("--export-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     t.add_argument("--no-export", action="store_true")
     add_distributed_arguments(t)

@@ -282,8 +282,11 @@ class StepClock:
     the time budget — the total steps fixed once from the measured seconds per step, and the budget spent 5%
     past it (the caller then checkpoints and stops)."""
 
-    def __init__(self, time_budget_s: float, tokens_per_step: int, resumed: bool, calibrate_after: int = 10):
+    def __init__(self, time_budget_s: float, tokens_per_step: int, resumed: bool, calibrate_after: int = 10,
+                 call_limit_s: float = 0.0):
         self.budget_s = time_budget_s
+        self.call_limit_s = call_limit_s   # > 0: this invocation stops (checkpointed, resumable) after this long
+        self.call_limit_hit = False
         self.tokens_per_step = tokens_per_step
         self.calibrate_after = calibrate_after
         self.t_start = time.perf_counter()
@@ -313,12 +316,14 @@ class StepClock:
                     log.bar.total = total_steps
         if self.budget_s and now - self.t_start >= self.budget_s * 1.05:
             self.budget_hit = True
-        if self.budget_s and jax.process_count() > 1:
+        if self.call_limit_s and now - self.t_start >= self.call_limit_s:
+            self.call_limit_hit = True
+        if (self.budget_s or self.call_limit_s) and jax.process_count() > 1:
             # every process must take the same number of steps: process 0's clock decides for all
             from jax.experimental import multihost_utils
-            total_steps, hit = (int(x) for x in multihost_utils.broadcast_one_to_all(
-                np.asarray([total_steps, self.budget_hit], np.int32)))
-            self.budget_hit = bool(hit)
+            total_steps, hit, cut = (int(x) for x in multihost_utils.broadcast_one_to_all(
+                np.asarray([total_steps, self.budget_hit, self.call_limit_hit], np.int32)))
+            self.budget_hit, self.call_limit_hit = bool(hit), bool(cut)
         return total_steps
 
 
@@ -340,10 +345,11 @@ def train_steps(trainer: Trainer, cfg: Any, log: MetricsLog, clock: StepClock, s
     step_fn(step) runs one optimiser step and returns (its learning rate, its metrics as device arrays, with
     a "loss"); those are read back only at a log flush (every cfg.log_every steps, the first step and the last),
     so the host never waits on a step it has just launched; record(lr, metrics) -> the fields of its metrics
-    line. After a flush the clock may fix the total steps (time budget) or end the run. Checkpoints every
-    cfg.ckpt_every steps and where it stops; evaluates every cfg.eval_every steps and once at the end (a run
-    cut by the budget evaluates once, at the end). Returns (loss per step, the last validation, the step
-    reached) and advances trainer.start_step to it."""
+    line. After a flush the clock may fix the total steps (time budget), end the run, or end this invocation
+    (its call limit: checkpointed, no evaluation, the run resumes from there). Checkpoints every cfg.ckpt_every
+    steps and where it stops; evaluates every cfg.eval_every steps and once at the end (a run cut by the budget
+    evaluates once, at the end). Returns (loss per step, the last validation, the step reached) and advances
+    trainer.start_step to it."""
     losses: dict[int, float] = {}
     val: dict = {}
     step = trainer.start_step
@@ -364,13 +370,17 @@ def train_steps(trainer: Trainer, cfg: Any, log: MetricsLog, clock: StepClock, s
             trainer.total_steps = clock.flush(step, trainer.total_steps, cfg.steps, log)
         budget_hit = clock.budget_hit
         end = min(trainer.total_steps, stop)
-        if step % cfg.ckpt_every == 0 or step == end or budget_hit:
+        cut = clock.call_limit_hit and step < end and not budget_hit
+        if step % cfg.ckpt_every == 0 or step == end or budget_hit or cut:
             trainer.save(step)
-        if cfg.eval_every and step % cfg.eval_every == 0 and step != end and not budget_hit:
+        if cfg.eval_every and step % cfg.eval_every == 0 and step != end and not budget_hit and not cut:
             val = trainer.evaluate()
             log.write({"step": step, "val": val})
         if budget_hit:
             log.write({"event": "time_budget", "step": step, "seconds": round(clock.elapsed(), 1)})
+            break
+        if cut:
+            log.write({"event": "call_limit", "step": step, "seconds": round(clock.elapsed(), 1)})
             break
     if step == trainer.total_steps or budget_hit:
         val = trainer.evaluate()

@@ -201,6 +201,8 @@ class TargetTrainConfig:
     ckpt_every: int = 500
     keep: int = 2
     time_budget_s: float = 0.0         # > 0: stop (checkpoint, evaluate, export) once training ran this long
+    call_limit_s: float = 0.0          # > 0: this invocation checkpoints and stops after this long (the same
+                                       # command resumes; for machines lent in calls shorter than the run)
     export_dtype: str = "bfloat16"     # HF export: bfloat16 | float32
     export_shard_mb: float = 15.0
     chunk: int = 64                    # GDN chunk of the training forward
@@ -380,7 +382,8 @@ class TargetTrainer(common.ResumableTrainer):
                        "model_config": self.model_cfg.to_hf_dict(), "train_config": cfg.to_dict()})
         else:
             log.write({"event": "resume", "step": self.start_step})
-        clock = common.StepClock(cfg.time_budget_s, cfg.batch_size * cfg.seq_len, resumed=self.start_step > 0)
+        clock = common.StepClock(cfg.time_budget_s, cfg.batch_size * cfg.seq_len, resumed=self.start_step > 0,
+                                 call_limit_s=cfg.call_limit_s)
 
         def step_fn(step: int) -> tuple[float, dict]:
             lr = self.lr_at(step)
@@ -395,6 +398,7 @@ class TargetTrainer(common.ResumableTrainer):
         mfu = model_flops_utilization(clock.throughput, fpt, int(self.mesh.devices.size),
                                       jax.devices()[0].device_kind, jnp.dtype(self.compute_dtype).name)
         return {"losses": losses, "val": val, "step": step, "total_steps": self.total_steps,
+                "finished": step >= self.total_steps,
                 "tokens_per_s": clock.throughput, "train_seconds": clock.elapsed(),
                 "num_params": self.num_params, "flops_per_token": fpt,
                 "mfu": None if mfu is None else round(mfu, 4)}
@@ -426,7 +430,7 @@ class TargetTrainer(common.ResumableTrainer):
 def train_target(cfg: TargetTrainConfig, export: bool = True) -> dict:
     trainer = TargetTrainer(cfg)
     summary = trainer.run()
-    if export:
+    if export and summary["finished"]:
         summary["export"] = str(trainer.export())
     trainer.ckpt.close()
     summary.pop("losses")

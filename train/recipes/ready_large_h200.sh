@@ -8,9 +8,10 @@
 #   train/recipes/ready_large_h200.sh RUN_DIR        # needs the corpus (train/data/corpus, `hyspec build-corpus`)
 # Steps (STEPS, default "target data dspark reader tau"), each resumable on a warm machine in its own device call
 # (one H200: target ≈ TARGET_S + 1 min, data ≈ 2 min, dspark ≈ DSPARK_S + 1 min, reader ≈ 6 min, tau ≈ 3 min):
-#   target  hyspec train-target --preset PRESET for TARGET_S training seconds (resumes from RUN/target/ckpt when a
-#           call ran out: the total steps are fixed by the first call's measured rate); writes RUN/target/hf and
-#           RUN/target_report.json (tokens/s, MFU against the dense bf16 peak, validation loss per domain)
+#   target  hyspec train-target --preset PRESET for TARGET_S training seconds, at most CALL_S of them in one call
+#           (--call-limit: it checkpoints and stops; the same step in the next call resumes — the total steps are
+#           fixed by the first call's measured rate); once finished, RUN/target/hf and RUN/target_report.json
+#           (tokens/s, MFU against the dense bf16 peak, validation loss per domain)
 #   data dspark reader tau    ready_control_h200.sh with TARGET=RUN/target/hf (its knobs pass through)
 # A CPU smoke run (about 8 minutes on 2 cores):
 #   PRESET=tiny TARGET_S=30 TBATCH=4 TSEQ=64 TAPS="1 2" READER="--source-layers 2 --ce-weight 0.1 --l1-weight 0.9"
@@ -22,7 +23,7 @@ set -euo pipefail
 RUN=${1:?usage: ready_large_h200.sh RUN_DIR}
 HERE=$(cd "$(dirname "$0")" && pwd)
 CORPUS=${CORPUS:-train/data/corpus}
-PRESET=${PRESET:-large}; TARGET_S=${TARGET_S:-720}
+PRESET=${PRESET:-large}; TARGET_S=${TARGET_S:-720}; CALL_S=${CALL_S:-540}
 TBATCH=${TBATCH:-64}; TSEQ=${TSEQ:-512}; TLR=${TLR:-1e-3}; TWARMUP=${TWARMUP:-200}
 STEPS=${STEPS:-target data dspark reader tau}
 mkdir -p "$RUN"
@@ -31,11 +32,15 @@ t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 if [[ " $STEPS " == *" target "* ]]; then
   python3 -m hyspec_jax.train.cli_train train-target --corpus "$CORPUS" --out "$RUN/target" --preset "$PRESET" \
       --batch-size "$TBATCH" --seq-len "$TSEQ" --lr "$TLR" --warmup "$TWARMUP" --steps 1000000 \
-      --time-budget "$TARGET_S" --ckpt-every 200 --eval-every 0 --export-dtype bfloat16 > "$RUN/target.log" 2>&1
-  python3 - "$RUN" <<'PY'
+      --time-budget "$TARGET_S" --call-limit "$CALL_S" --ckpt-every 200 --eval-every 0 --export-dtype bfloat16 \
+      >> "$RUN/target.log" 2>&1
+  python3 - "$RUN" <<'PY' || exit 0
 import json, pathlib, sys
 run = pathlib.Path(sys.argv[1])
 s = json.loads((run / "target" / "summary.json").read_text())
+if not s["finished"]:
+    print(f"target: step {s['step']} of {s['total_steps']}; run STEPS=target again to resume")
+    sys.exit(1)
 start = next(json.loads(l) for l in (run / "target" / "metrics.jsonl").read_text().splitlines() if '"start"' in l)
 val = s["val"]
 out = {"num_params": s["num_params"], "steps": s["step"], "tokens_per_s": round(s["tokens_per_s"] or 0, 1),

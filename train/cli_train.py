@@ -260,7 +260,7 @@ def add_train_commands(sub: argparse._SubParsersAction) -> None:
     x.add_argument("--prompts", metavar="FILE", help="an existing prompts.npz (skip sampling)")
     x.add_argument("--prompts-only", action="store_true", help="write OUT/prompts.npz and stop")
     x.add_argument("--per-domain", type=int, default=1024, help="prompts per domain (default 1024)")
-    x.add_argument("--prompt-len", type=int, default=32)
+    x.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (default 32)")
     x.add_argument("--exclude-prompts", metavar="FILE",
                    help="another prompt pack (prompts.npz of the same split) whose windows no new prompt overlaps: "
                         "data disjoint from what a drafter was trained on")

@@ -16,6 +16,8 @@
 #   tau     bench e2e: chain / ready with the new drafter (own and swapped state, batch SWAP_BATCH), the state-free
 #           LoRA control (chain: its LoRA merged, no reader), chain / ready with the shipped drafter
 # Sizes and budgets as drafter_h200.sh / reader_h200.sh (PER_DOMAIN 1536 a domain: the shipped pack's size).
+# Long contexts ([ready-scale] item 2's training side): PROMPT_LEN=256 GEN_LEN=256 SEQ_LEN=512, and E2E with
+# --prompts bench/data/heldout_prompts_L256.npz (or _L448) for the engine's tau at those prefixes.
 # A CPU smoke run (about 6 minutes on 2 cores):
 #   PER_DOMAIN=4 GEN_LEN=16 SEQ_LEN=24 BATCH=4 ANCHORS=4 GEN_BATCH=16 VARIANTS=1 DSPARK_S=15 READY1_S=10
 #   READY2_S=10 EVAL_WINDOWS=4 DTYPE=float32 SWAP_BATCH=2 E2E="--prompts-per-domain 1 --repeats 1 --max-tokens 8
@@ -33,7 +35,7 @@ PROMPTS_A=${PROMPTS_A:-$RUN/prompts_a/prompts.npz}
 PROMPTS_B=${PROMPTS_B:-$RUN/prompts_b/prompts.npz}
 NGPU=${NGPU:-1}
 DSPARK_S=${DSPARK_S:-220}
-GEN_LEN=${GEN_LEN:-224}; SEQ_LEN=${SEQ_LEN:-256}; BATCH=${BATCH:-64}; ANCHORS=${ANCHORS:-64}; DTYPE=${DTYPE:-auto}
+PROMPT_LEN=${PROMPT_LEN:-32}; GEN_LEN=${GEN_LEN:-224}; SEQ_LEN=${SEQ_LEN:-256}; BATCH=${BATCH:-64}; ANCHORS=${ANCHORS:-64}; DTYPE=${DTYPE:-auto}
 GEN_BATCH=${GEN_BATCH:-1536}; VARIANTS=${VARIANTS:-4}
 READER=${READER:-"--source-layers 6 --ce-weight 0.1 --l1-weight 0.9|--source-layers 4 6 --ce-weight 0.1 --l1-weight 0.9"}
 E2E=${E2E:-"--prompts-per-domain 8 --repeats 1 --max-tokens 96 --tree-depth 7 --tree-topk 8 --tree-beam 16 --verify-nodes 32 --kernels auto"}
@@ -48,9 +50,9 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 if has data; then
   # A: the shipped drafter's pack (build-distill's defaults, seed 0); B: seed 1, clear of A's windows
   [ -f "$PROMPTS_A" ] || "${H[@]}" build-distill --corpus "$CORPUS" --out "$(dirname "$PROMPTS_A")" --prompts-only \
-      --per-domain "$PER_DOMAIN" --seed 0
+      --per-domain "$PER_DOMAIN" --prompt-len "$PROMPT_LEN" --seed 0
   [ -f "$PROMPTS_B" ] || "${H[@]}" build-distill --corpus "$CORPUS" --out "$(dirname "$PROMPTS_B")" --prompts-only \
-      --per-domain "$PER_DOMAIN" --seed 1 --exclude-prompts "$PROMPTS_A"
+      --per-domain "$PER_DOMAIN" --prompt-len "$PROMPT_LEN" --seed 1 --exclude-prompts "$PROMPTS_A"
   PROMPTS=$PROMPTS_A build_distill_data     # -> RUN/distill
   stamp "data: packs A, B; A's distillation data"
 fi

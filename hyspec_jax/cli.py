@@ -286,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Benchmarks. `hyspec bench WHICH --help` for each one's options.")
     b.add_argument("which", choices=("memory", "kernels", "kernel-resources", "verify-scale", "e2e", "budget-report",
                                      "round-profile", "topk", "profile-scale", "moe-scale", "load-scale",
-                                     "serve-compile", "oneshot", "reader-probe", "round-scale", "packed-verify"),
+                                     "serve-compile", "oneshot", "reader-probe", "round-scale", "packed-verify",
+                                     "ready-control"),
                    help="budget-report: throughput vs node budget and eps from an e2e sweep + a calibration table; e2e: Spec-Bench-style tokens/s, tau and prefix survival per domain and mode vs ar; round-profile: wall vs GPU busy time and GPU launches per round, per mode (profiler trace); topk: the tree build's per-level top-k kernel tilings vs XLA (GPU); memory: transient verify memory, "
                    "Bole's factorized design vs per-node snapshots; kernels: GDN tree kernels vs baselines (GPU); "
                    "kernel-resources: registers, shared memory, launch shape and one launch's time of each Pallas kernel "
@@ -304,7 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "GDN states by prefix length, and a ridge bound of what the states add beyond the taps; "
                    "round-scale: the engine's round vs a decoding step at the 27B geometry with a published-geometry "
                    "drafter (random weights), and the projected speed-up; "
-                   "packed-verify: Bole's packed forest against the dense [B, N] one, per batch, width and budget C")
+                   "packed-verify: Bole's packed forest against the dense [B, N] one, per batch, width and budget C; "
+                   "ready-control: the table of a ReaDy positive-control recipe's run (engine τ of DSpark, ReaDy with "
+                   "its own / another request's state, the state-free control; paired differences by domain)")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
     b.set_defaults(func=cmd_bench)
 

@@ -73,6 +73,7 @@ class ProbeConfig:
     bins: tuple[int, ...] = (32, 128, 256, 448)
     horizons: int = 3
     probe_layers: tuple[int, ...] | None = None  # GDN layers probed alone (default: sources + untapped GDN)
+    base_taps: tuple[int, ...] | None = None     # layers of the `taps` features (default: the drafter's taps)
     lambdas: tuple[float, ...] = (1e-2, 1e-1, 1.0, 10.0, 100.0)   # ridge penalty per row (standardised X)
     domains: tuple[str, ...] | None = None
 
@@ -192,6 +193,7 @@ class Models:
     dspark: tuple          # (graphdef, params): no reader
     ready: tuple           # (graphdef, params): reader + its stage-2 LoRA merged
     probe_layers: tuple[int, ...]
+    base_taps: tuple[int, ...]      # the layers whose outputs at t are the `taps` features
 
 
 def default_probe_layers(tcfg, dcfg, rcfg) -> tuple[int, ...]:
@@ -200,7 +202,8 @@ def default_probe_layers(tcfg, dcfg, rcfg) -> tuple[int, ...]:
     return tuple(sorted(set(rcfg.source_layers) | set(untapped)))
 
 
-def load_models(model_dir, drafter_dir, probe_layers: tuple[int, ...] | None = None) -> Models:
+def load_models(model_dir, drafter_dir, probe_layers: tuple[int, ...] | None = None,
+                base_taps: tuple[int, ...] | None = None) -> Models:
     import jax.numpy as jnp
     from flax import nnx
 
@@ -222,9 +225,12 @@ def load_models(model_dir, drafter_dir, probe_layers: tuple[int, ...] | None = N
     bad = [i for i in layers if not (0 <= i < tcfg.num_hidden_layers and tcfg.layer_types[i] == LINEAR)]
     if bad:
         raise ValueError(f"probe layers {bad} are not GDN layers of the target")
+    base = tuple(dcfg.target_layer_ids) if base_taps is None else tuple(base_taps)
+    if [i for i in base if not 0 <= i < tcfg.num_hidden_layers] or not base:
+        raise ValueError(f"base taps {list(base)}: not layers of the {tcfg.num_hidden_layers}-layer target")
     t_graphdef, t_params = nnx.split(target)
     return Models(tcfg, dcfg, rcfg, t_graphdef, t_params, target_heads(target), nnx.split(dspark), nnx.split(ready),
-                  layers)
+                  layers, base)
 
 
 def states_before(states, anchors, stride: int, roll: int = 0):
@@ -312,7 +318,7 @@ def make_pass(m: Models, stride: int, horizons: int):
 
     tcfg, dcfg, rcfg = m.tcfg, m.dcfg, m.rcfg
     d_taps = tuple(dcfg.target_layer_ids)
-    tap_layers = tuple(sorted(set(d_taps) | {L - 1 for L in m.probe_layers if L > 0}))
+    tap_layers = tuple(sorted(set(d_taps) | set(m.base_taps) | {L - 1 for L in m.probe_layers if L > 0}))
     src_slots = tuple(rcfg.source_slots)
     slots = tuple(dict.fromkeys(src_slots + tuple(tcfg.layer_slot(L) for L in m.probe_layers)))
     d_graph, r_graph = m.dspark[0], m.ready[0]
@@ -339,7 +345,8 @@ def make_pass(m: Models, stride: int, horizons: int):
 
         # ---- ridge features, t = a − 1 ----------------------------------------------------------------------
         t_idx = (anchors - 1)[:, :, None]                                                   # [B, A, 1]
-        tapped = gather_positions(jnp.moveaxis(dtaps, 0, 2), t_idx)[:, :, 0]                # [B, A, L, H]
+        btaps = taps[jnp.asarray([tap_layers.index(i) for i in m.base_taps])]
+        tapped = gather_positions(jnp.moveaxis(btaps, 0, 2), t_idx)[:, :, 0]                # [B, A, L, H]
         first = heads.embed_tokens(gather_positions(tokens, anchors[:, :, None])[:, :, 0])  # token a
         res["base"] = jnp.concatenate([tapped.reshape(B, anchors.shape[1], -1), first], -1)
         fut = t_idx + jnp.arange(1, J + 1)                                                   # [B, A, J]
@@ -523,10 +530,12 @@ def feature_sets(m: Models) -> dict[str, tuple[str, str, tuple[int, ...], int]]:
         sets[base] = (base, "sq", (), 0)
         sets[f"{base} +Sq[{tag}]"] = (base, "sq", src, 0)
         sets[f"{base} +Sq[{tag}] swapped"] = (base, "sq", src, 1)
-    for p, L in enumerate(m.probe_layers):
-        if (p,) != src:
-            sets[f"draft +Sq[{L}]"] = ("draft", "sq", (p,), 0)
-            sets[f"draft +Sq[{L}] swapped"] = ("draft", "sq", (p,), 1)
+    alone = ("taps", "draft") if m.base_taps != tuple(m.dcfg.target_layer_ids) else ("draft",)
+    for base in alone:               # each layer alone: on the taps too where they are not the drafter's own
+        for p, L in enumerate(m.probe_layers):
+            if (p,) != src:
+                sets[f"{base} +Sq[{L}]"] = (base, "sq", (p,), 0)
+                sets[f"{base} +Sq[{L}] swapped"] = (base, "sq", (p,), 1)
     sets[f"draft +Sq̂[{tag}]"] = ("draft", "sqhat", tuple(range(len(src))), 0)
     sets[f"draft +Sq̂[{tag}] swapped"] = ("draft", "sqhat", tuple(range(len(src))), 1)
     return sets
@@ -609,7 +618,7 @@ def run(cfg: ProbeConfig, progress: bool = True) -> dict:
     from hyspec_jax.bench.report import portable_path, run_metadata
     from hyspec_jax.train.target import validation_windows
 
-    m = load_models(cfg.model, cfg.drafter, cfg.probe_layers)
+    m = load_models(cfg.model, cfg.drafter, cfg.probe_layers, cfg.base_taps)
     windows = validation_windows(cfg.corpus, cfg.seq_len, cfg.windows)
     if cfg.domains:
         missing = sorted(set(cfg.domains) - set(windows))
@@ -627,6 +636,7 @@ def run(cfg: ProbeConfig, progress: bool = True) -> dict:
     for k in ("model", "drafter", "corpus"):
         conf[k] = portable_path(conf[k])
     conf["probe_layers"] = list(m.probe_layers)
+    conf["base_taps"] = list(m.base_taps)
     return {**run_metadata(), "config": conf,
             "target": {"layers": m.tcfg.num_hidden_layers, "gdn_layers": list(m.tcfg.gdn_layers)},
             "drafter": {"taps": list(m.dcfg.target_layer_ids), "block_size": m.dcfg.block_size,
@@ -652,7 +662,8 @@ def markdown(report: dict) -> str:
     lines = [f"# ReaDy reader probe ({report['device_kind']}, fp32)", "",
              f"`{report.get('command', '')}` — commit {short_commit(report['commit'])}, jax {report['jax']}; target "
              f"`{c['model']}`, drafter `{c['drafter']}` (taps {report['drafter']['taps']}, reader sources "
-             f"{report['drafter']['reader_sources']}); corpus validation windows of {c['seq_len']} tokens: "
+             f"{report['drafter']['reader_sources']}); the `taps` features: layers "
+             f"{c.get('base_taps', report['drafter']['taps'])}; corpus validation windows of {c['seq_len']} tokens: "
              + ", ".join(f"{d} {n}" for d, n in report["windows"].items())
              + f"; every anchor a multiple of {c['stride']} ({report['anchors_per_window']} a window); "
              f"± is one standard error clustered by window; forward {report['seconds']['forward']} s, learned-query "
@@ -717,6 +728,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--horizons", type=int, default=3, help="ridge: positions t+1 .. t+J (default 3)")
     p.add_argument("--probe-layers", type=int, nargs="+", default=None,
                    help="GDN layers probed alone (default: the reader's sources and every untapped GDN layer)")
+    p.add_argument("--base-taps", type=int, nargs="+", default=None, metavar="L",
+                   help="the layers whose outputs at t form the `taps` features (default: the drafter's taps), e.g. "
+                        "1 3 5 for ReaDy's positive control, whose DSpark leaves GDN layer 6 untapped; each probed "
+                        "layer is then also read alone on top of them. The `draft` features still add the drafter's "
+                        "own hidden, which sees the drafter's taps")
     p.add_argument("--lambdas", type=float, nargs="+", default=[1e-2, 1e-1, 1.0, 10.0, 100.0],
                    help="ridge penalties per fitted row on standardised features, chosen on held-out fit windows (by "
                         "top-1 agreement for the logit probes, squared error for the query predictor)")
@@ -741,6 +757,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ProbeConfig(model=str(a.model), drafter=str(drafter), corpus=str(a.corpus), seq_len=a.seq_len,
                           windows=a.windows, batch=a.batch, stride=a.stride, bins=tuple(a.bins), horizons=a.horizons,
                           probe_layers=None if a.probe_layers is None else tuple(a.probe_layers),
+                          base_taps=None if a.base_taps is None else tuple(a.base_taps),
                           lambdas=tuple(a.lambdas), domains=None if a.domains is None else tuple(a.domains))
         report = run(cfg, progress=not a.quiet)
     except (ValueError, OSError) as e:   # ConfigError, CheckpointError: ValueErrors

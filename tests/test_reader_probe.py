@@ -217,3 +217,24 @@ def test_command_writes_its_json_and_table(tiny, tmp_path, capsys):
     assert R.main(["--json", str(out), "--model", str(root / "nope")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:")
+
+
+def test_base_taps_choose_the_layers_of_the_taps_features(tiny):
+    """--base-taps (the positive control's geometry: taps that leave a GDN layer untapped): the `taps` features are
+    those layers' outputs at t = a − 1 and token a's embedding, and each probed layer is also read alone on them."""
+    import dataclasses
+    root, m, tokens, anchors = tiny
+    m2 = dataclasses.replace(m, base_taps=(0, 1))
+    out = jax.device_get(R.make_pass(m2, STRIDE, 1)(m2.t_params, m2.dspark[1], m2.ready[1], m2.heads, tokens,
+                                                     anchors))
+    taps = train_forward(_target(m2), tokens, tap_layers=(0, 1), chunk=STRIDE)[2]
+    for b in range(3):
+        for i, a in enumerate(np.asarray(anchors[b])):
+            want = np.concatenate([np.asarray(taps[0, b, a - 1]), np.asarray(taps[1, b, a - 1]),
+                                   np.asarray(m2.heads.embed_tokens(tokens[b, a]))])
+            np.testing.assert_allclose(out["base"][b, i], want, atol=1e-6)
+    assert {"taps +Sq[1]", "taps +Sq[2] swapped"} <= set(R.feature_sets(m2))
+    assert "taps +Sq[1]" not in R.feature_sets(m)                  # the drafter's own taps: as before
+    assert R.load_models(root / "target", root / "drafter", base_taps=(0, 1)).base_taps == (0, 1)
+    with pytest.raises(ValueError, match="base taps"):
+        R.load_models(root / "target", root / "drafter", base_taps=(9,))

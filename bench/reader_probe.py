@@ -456,24 +456,42 @@ def learned_query_readout(cfg: ProbeConfig, m: Models, windows: dict[str, np.nda
                           progress: bool = True) -> None:
     """data["sqhat"] [P, 2, W, A, J, HV·dv] for the reader's source layers: their states (own, swapped) read by
     q̂ — the target's query at t + j predicted by a ridge from the drafter's view (`draft` features), fitted on the
-    fit windows: what a reader whose query imitates the target's could extract without the future tokens."""
+    fit windows: what a reader whose query imitates the target's could extract without the future tokens. With
+    base taps other than the drafter's, also data["sqhat_taps"] for every probed layer, q̂ predicted from the
+    `taps` features: what a reader on a drafter of those taps could extract."""
+    t0 = time.perf_counter()
+    W, A = data["tau_dspark"].shape
+    src = tuple(m.probe_layers.index(L) for L in m.rcfg.source_layers)
+    data["sqhat"] = _predicted_query_readout(cfg, m, windows, data, lambda j: draft_features(data, j), src)
+    if m.base_taps != tuple(m.dcfg.target_layer_ids):
+        taps = data["base"].reshape(W * A, -1)
+        data["sqhat_taps"] = _predicted_query_readout(cfg, m, windows, data, lambda j: taps,
+                                                      tuple(range(len(m.probe_layers))))
+    data["seconds_qhat"] = time.perf_counter() - t0
+    if progress:
+        print(f"  learned-query readout: {data['seconds_qhat']:.0f} s", file=sys.stderr, flush=True)
+
+
+def _predicted_query_readout(cfg: ProbeConfig, m: Models, windows: dict[str, np.ndarray], data: dict,
+                             features, probes: tuple[int, ...]) -> np.ndarray:
+    """[len(probes), 2, W, A, J, HV·dv]: the states of probed layers `probes` (indices into m.probe_layers), own
+    and swapped, read by the target's query at t + j as a ridge predicts it from features(j) [W·A, F], fitted on
+    the fit windows (a second pass over the windows)."""
     import jax
     import jax.numpy as jnp
 
-    t0 = time.perf_counter()
     W, A = data["tau_dspark"].shape
     half, held = fit_split(data)
     fit, held_r = np.repeat(half, A), np.repeat(held, A)[np.repeat(half, A)]
-    src = [m.probe_layers.index(L) for L in m.rcfg.source_layers]
     hv, dk = m.tcfg.linear_num_value_heads, m.tcfg.linear_key_head_dim
-    qhat = np.zeros((len(src), W * A, cfg.horizons, hv * dk), F32)
+    qhat = np.zeros((len(probes), W * A, cfg.horizons, hv * dk), F32)
     for j in range(cfg.horizons):
-        x = draft_features(data, j)
-        for i, p in enumerate(src):
+        x = features(j)
+        for i, p in enumerate(probes):
             y = data["q"][p][:, :, j].reshape(W * A, -1)
             qhat[i, :, j] = ridge_select(x[fit], y[fit], held_r, cfg.lambdas).predict(x)
-    qhat = qhat.reshape(len(src), W, A, cfg.horizons, hv, dk)
-    fn = make_readout(m, cfg.stride, tuple(m.rcfg.source_layers))
+    qhat = qhat.reshape(len(probes), W, A, cfg.horizons, hv, dk)
+    fn = make_readout(m, cfg.stride, tuple(m.probe_layers[p] for p in probes))
     anchors = jnp.asarray(np.broadcast_to(data["anchors"], (cfg.batch, A)))
     where = {(d, w): i for i, (d, w) in enumerate(zip(data["domain"], data["window"]))}
     out = []
@@ -481,10 +499,7 @@ def learned_query_readout(cfg: ProbeConfig, m: Models, windows: dict[str, np.nda
         rows = [where[(d, i)] for i in idx] + [where[(d, i % len(windows[d]))] for i in range(cfg.batch - len(idx))]
         q = jnp.asarray(qhat[:, rows])
         out.append(np.asarray(jax.device_get(fn(m.t_params, jnp.asarray(toks), anchors, q)))[:, :, :len(idx)])
-    data["sqhat"] = np.concatenate(out, axis=2)
-    data["seconds_qhat"] = time.perf_counter() - t0
-    if progress:
-        print(f"  learned-query readout: {data['seconds_qhat']:.0f} s", file=sys.stderr, flush=True)
+    return np.concatenate(out, axis=2)
 
 
 def draft_features(data: dict, j: int) -> np.ndarray:
@@ -530,12 +545,19 @@ def feature_sets(m: Models) -> dict[str, tuple[str, str, tuple[int, ...], int]]:
         sets[base] = (base, "sq", (), 0)
         sets[f"{base} +Sq[{tag}]"] = (base, "sq", src, 0)
         sets[f"{base} +Sq[{tag}] swapped"] = (base, "sq", src, 1)
-    alone = ("taps", "draft") if m.base_taps != tuple(m.dcfg.target_layer_ids) else ("draft",)
-    for base in alone:               # each layer alone: on the taps too where they are not the drafter's own
+    other = m.base_taps != tuple(m.dcfg.target_layer_ids)
+    for base in ("taps", "draft") if other else ("draft",):   # each layer alone: on the taps too where not the drafter's
         for p, L in enumerate(m.probe_layers):
             if (p,) != src:
                 sets[f"{base} +Sq[{L}]"] = (base, "sq", (p,), 0)
                 sets[f"{base} +Sq[{L}] swapped"] = (base, "sq", (p,), 1)
+    if other:                        # the query predicted from those taps (`sqhat_taps`: every probed layer)
+        sets[f"taps +Sq̂[{tag}]"] = ("taps", "sqhat_taps", src, 0)
+        sets[f"taps +Sq̂[{tag}] swapped"] = ("taps", "sqhat_taps", src, 1)
+        for p, L in enumerate(m.probe_layers):
+            if (p,) != src:
+                sets[f"taps +Sq̂[{L}]"] = ("taps", "sqhat_taps", (p,), 0)
+                sets[f"taps +Sq̂[{L}] swapped"] = ("taps", "sqhat_taps", (p,), 1)
     sets[f"draft +Sq̂[{tag}]"] = ("draft", "sqhat", tuple(range(len(src))), 0)
     sets[f"draft +Sq̂[{tag}] swapped"] = ("draft", "sqhat", tuple(range(len(src))), 1)
     return sets

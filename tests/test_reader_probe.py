@@ -213,6 +213,13 @@ def test_command_writes_its_json_and_table(tiny, tmp_path, capsys):
     own = sets["draft +Sq[1]"]["bins"]["all"]
     assert "gain_vs_base" in own and "gain_vs_swapped" in own and "gain_vs_base" not in sets["draft"]["bins"]["all"]
     assert out.with_suffix(".md").read_text().startswith("# ReaDy reader probe")
+    # other base taps: the states also read by a query predicted from those taps, each probed layer alone too
+    assert R.main(["--json", str(out), "--model", str(root / "target"), "--drafter", str(root / "drafter"),
+                   "--corpus", str(root / "corpus"), "--seq-len", str(T), "--windows", "4", "--batch", "2",
+                   "--bins", "16", "--horizons", "1", "--lambdas", "1", "--base-taps", "0", "1", "--quiet"]) == 0
+    sets = json.loads(out.read_text())["ridge"]["horizons"]["1"]
+    assert {"taps +Sq[2]", "taps +Sq̂[1,2]", "taps +Sq̂[2]", "taps +Sq̂[1] swapped"} <= set(sets)
+    assert "gain_vs_swapped" in sets["taps +Sq̂[2]"]["bins"]["all"]
     capsys.readouterr()
     assert R.main(["--json", str(out), "--model", str(root / "nope")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
@@ -233,7 +240,7 @@ def test_base_taps_choose_the_layers_of_the_taps_features(tiny):
             want = np.concatenate([np.asarray(taps[0, b, a - 1]), np.asarray(taps[1, b, a - 1]),
                                    np.asarray(m2.heads.embed_tokens(tokens[b, a]))])
             np.testing.assert_allclose(out["base"][b, i], want, atol=1e-6)
-    assert {"taps +Sq[1]", "taps +Sq[2] swapped"} <= set(R.feature_sets(m2))
+    assert {"taps +Sq[1]", "taps +Sq[2] swapped", "taps +Sq̂[1,2]", "taps +Sq̂[2] swapped"} <= set(R.feature_sets(m2))
     assert "taps +Sq[1]" not in R.feature_sets(m)                  # the drafter's own taps: as before
     assert R.load_models(root / "target", root / "drafter", base_taps=(0, 1)).base_taps == (0, 1)
     with pytest.raises(ValueError, match="base taps"):

@@ -98,14 +98,13 @@ def collect(run: Path) -> dict:
 
 def markdown(rep: dict) -> str:
     meta = rep["meta"]
+    doms = sorted({d for r in rep["rows"].values() for d in r["tau_by_domain"]})
     lines = [f"# ReaDy positive control ({rep['device']})", "",
              f"`{meta['command']}` — commit {short_commit(meta.get('commit', '?'))}; the engine runs: commit "
              f"{short_commit(rep.get('e2e_commit') or '?')}, on {rep['device']}.", "",
              "Engine τ (tokens a round, greedy, held-out prompts; per-domain means):", "",
-             "| drafter / mode | batch | τ | " + " | ".join(sorted(next(iter(rep["rows"].values()))["tau_by_domain"]))
-             + " | == ar |",
-             "|---|---:|---:|" + "---:|" * len(next(iter(rep["rows"].values()))["tau_by_domain"]) + "---|"]
-    doms = sorted(next(iter(rep["rows"].values()))["tau_by_domain"])
+             "| drafter / mode | batch | τ | " + " | ".join(doms) + " | == ar |",
+             "|---|---:|---:|" + "---:|" * len(doms) + "---|"]
     for r in rep["rows"].values():
         lines.append(f"| {r['label']} | {r['batch']} | {r['tau']:.3f} | "
                      + " | ".join(f"{r['tau_by_domain'].get(d, float('nan')):.2f}" for d in doms)

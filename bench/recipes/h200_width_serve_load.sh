@@ -14,7 +14,8 @@
 #                   compilation cache, out/jax_cache, so a second serve step starts its servers from it).
 # Knobs: STEPS ("calibrate serve"), TABLE (out/hyspec_width_table.json), SLOTS (64), CAL_BATCH (slots calibrated,
 # default SLOTS; e.g. "1,4,16,64": also the rounds of the server's decoding buckets), MODES ("ar tree-ready"),
-# DATASETS ("random heldout"), REPS (1), CONC (the concurrency levels), REQUESTS (64 a level), RES (where the
+# DATASETS ("random heldout"), REPS (1), REP0 (0: the passes are numbered REP0+1..REP0+REPS, so a later call
+# with the same RES adds passes beside earlier ones), CONC (the concurrency levels), REQUESTS (64 a level), RES (where the
 # files gather; a fresh temporary folder), SPEC_EXTRA (more speculative options for calibrate and the server, e.g.
 # "--packed-widths": the batch-wide budgets family, its own entries in the same table). Each command's files
 # (calibration, table, server logs, serve_load JSON) come back in one archive, $OUT/width_<steps>_<modes>.tgz.
@@ -42,7 +43,7 @@ if [[ " $STEPS " == *" serve "* ]]; then
     extra=(); [ "$mode" != ar ] && extra=(${SPEC_EXTRA:-})
     PORTS[$mode]=$(start_server "$PWD" "$RES/server_$mode.log" "${SERVE[@]}" --spec-mode "$mode" "${extra[@]}") || exit 1
   done
-  for rep in $(seq "${REPS:-1}"); do
+  for rep in $(seq $((${REP0:-0} + 1)) $((${REP0:-0} + ${REPS:-1}))); do
     for data in ${DATASETS:-random heldout}; do
       for mode in $MODES; do
         echo "== $mode $data $rep"
@@ -53,5 +54,8 @@ if [[ " $STEPS " == *" serve "* ]]; then
   done
   for mode in $MODES; do kill -TERM "$(cat "$RES/server_$mode.log.pid")"; done
   wait
+  # every pass so far under RES, each mode divided by ar of the same pass
+  [[ " $MODES " == *" ar "* ]] && "${H[@]}" bench serve-compare "$RES"/serve_load_*.json \
+      --json "$RES/serve_compare.json" | tail -n +4
 fi
 tar czf "$OUT/width_$(echo "$STEPS" | tr ' ' '-')_$(echo "$MODES" | tr ' ' '-').tgz" -C "$RES" .

@@ -1,0 +1,165 @@
+"""`hyspec bench serve-compare`: modes against a baseline from `serve_load` passes, pass by pass.
+
+`serve_load` runs are short (64 requests of 64 tokens take 0.5-5 s a level), and the same server differs from pass
+to pass by tens of percent. A ratio is therefore only taken between a mode and the baseline **of the same pass**
+(run back to back, as the recipes alternate them), and the table gives each level's median ratio over the passes
+with its range, next to the median tok/s of each mode. The width chosen each round (`spec_rounds_by_width`, the
+server's `hyspec:spec_rounds_total{width}`) is summed over the passes.
+
+Inputs: `serve_load` JSONs (`--json` of `hyspec_jax.bench.serve_load`). The mode is each result's `mode`, the
+dataset its meta's `--dataset`; the pass is the file name's trailing `_N` (the recipes' `serve_load_MODE_DATA_N`),
+or, with `--pass-from-dir`, the name of its folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from hyspec_jax.bench.report import portable_command, run_metadata, short_commit, write_report
+
+
+class CompareError(ValueError):
+    pass
+
+
+def _pass_of(path: Path, from_dir: bool) -> str:
+    if from_dir:
+        return path.parent.name
+    m = re.search(r"_(\d+)$", path.stem)
+    if m is None:
+        raise CompareError(f"{path}: no trailing _N in the file name to tell its pass (or use --pass-from-dir)")
+    return m.group(1)
+
+
+def collect(paths: list[Path], baseline: str, *, pass_from_dir: bool = False) -> dict:
+    # (dataset, concurrency) -> mode -> pass -> result
+    cells: dict[tuple[str, int], dict[str, dict[str, dict]]] = defaultdict(lambda: defaultdict(dict))
+    sources = []
+    for path in paths:
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CompareError(f"{path}: not a readable serve_load JSON ({e})") from None
+        if "results" not in d or "meta" not in d:
+            raise CompareError(f"{path}: not a serve_load JSON (no 'meta' and 'results')")
+        dataset = d["meta"].get("args", {}).get("dataset", "?")
+        pass_id = _pass_of(path, pass_from_dir)
+        sources.append({"file": path.name, "pass": pass_id, "dataset": dataset,
+                        "device": d["meta"].get("device_kind"), "commit": d["meta"].get("commit")})
+        for r in d["results"]:
+            mode = r.get("mode", "?")
+            cell = cells[(dataset, int(r["concurrency"]))][mode]
+            if pass_id in cell:
+                raise CompareError(f"{path}: pass {pass_id} of {mode} / {dataset} / concurrency "
+                                   f"{r['concurrency']} given twice")
+            cell[pass_id] = r
+    if not cells:
+        raise CompareError("no serve_load results in the inputs")
+    modes = sorted({m for c in cells.values() for m in c} - {baseline})
+    if not any(baseline in c for c in cells.values()):
+        raise CompareError(f"no results of the baseline mode {baseline!r} (modes given: {', '.join(modes)})")
+    rows = []
+    for (dataset, conc), by_mode in sorted(cells.items()):
+        base = by_mode.get(baseline, {})
+        row = {"dataset": dataset, "concurrency": conc,
+               baseline: _mode_summary(base)}
+        for mode in modes:
+            runs = by_mode.get(mode, {})
+            s = _mode_summary(runs)
+            paired = sorted(set(runs) & set(base), key=_pass_key)
+            ratios = [runs[p]["throughput_tok_s"] / base[p]["throughput_tok_s"] for p in paired
+                      if base[p]["throughput_tok_s"] > 0]
+            s["ratio_by_pass"] = {p: round(x, 3) for p, x in zip(paired, ratios)}
+            s["ratio_median"] = round(statistics.median(ratios), 3) if ratios else None
+            s["ratio_min"] = round(min(ratios), 3) if ratios else None
+            s["ratio_max"] = round(max(ratios), 3) if ratios else None
+            widths: dict[str, int] = defaultdict(int)
+            for r in runs.values():
+                for w, n in (r.get("server", {}).get("spec_rounds_by_width") or {}).items():
+                    widths[w] += int(n)
+            s["rounds_by_width"] = dict(sorted(widths.items(), key=lambda kv: int(kv[0])))
+            row[mode] = s
+        rows.append(row)
+    return {"baseline": baseline, "modes": modes, "rows": rows, "sources": sources,
+            "passes": sorted({s["pass"] for s in sources}, key=_pass_key)}
+
+
+def _pass_key(p: str):
+    return (0, int(p), "") if p.isdigit() else (1, 0, p)
+
+
+def _mode_summary(runs: dict[str, dict]) -> dict:
+    tok = [r["throughput_tok_s"] for r in runs.values()]
+    tpot = [r["tpot_s"]["p50"] for r in runs.values() if r.get("tpot_s", {}).get("p50") is not None]
+    tau = [r["server"]["spec_tokens_per_round"] for r in runs.values()
+           if (r.get("server") or {}).get("spec_tokens_per_round")]
+    failed = sum(r["requests"] - r["ok"] for r in runs.values())
+    return {"passes": len(runs), "tok_s_median": round(statistics.median(tok), 1) if tok else None,
+            "tok_s_by_pass": {p: round(r["throughput_tok_s"], 1) for p, r in sorted(runs.items())},
+            "tpot_p50_ms_median": round(1e3 * statistics.median(tpot), 3) if tpot else None,
+            "tau_median": round(statistics.median(tau), 3) if tau else None, "failed_requests": failed}
+
+
+def _fmt(x, spec=",.0f"):
+    return "—" if x is None else format(x, spec)
+
+
+def markdown(rep: dict) -> str:
+    b = rep["baseline"]
+    devices = sorted({s["device"] for s in rep["sources"] if s["device"]})
+    commits = sorted({short_commit(s["commit"]) for s in rep["sources"] if s["commit"]})
+    lines = [f"# serve_load: {', '.join(rep['modes'])} against {b}", "",
+             f"`{rep['meta']['command']}` — runs on {', '.join(devices) or '?'}, commit {', '.join(commits) or '?'}; "
+             f"{len(rep['passes'])} passes ({', '.join(rep['passes'])}). Ratios are taken within a pass; the "
+             "table gives their median and range, and each mode's median output tok/s.", ""]
+    for mode in rep["modes"]:
+        lines += [f"## {mode} ÷ {b}", "",
+                  f"| dataset | concurrency | {b} tok/s | {mode} tok/s | ratio (median) | range | τ | "
+                  f"{b} / {mode} TPOT p50 | widths chosen (rounds) |",
+                  "|---|---:|---:|---:|---:|---|---:|---|---|"]
+        for row in rep["rows"]:
+            s, base = row.get(mode), row[b]
+            if s is None or not s["passes"]:
+                continue
+            rng = "—" if s["ratio_min"] is None else f"{s['ratio_min']:.2f}–{s['ratio_max']:.2f}x"
+            ratio = "—" if s["ratio_median"] is None else f"**{s['ratio_median']:.2f}x**"
+            widths = ", ".join(f"{w}: {n}" for w, n in s["rounds_by_width"].items()) or "—"
+            lines.append(f"| {row['dataset']} | {row['concurrency']} | {_fmt(base['tok_s_median'])} | "
+                         f"{_fmt(s['tok_s_median'])} | {ratio} | {rng} | {_fmt(s['tau_median'], '.2f')} | "
+                         f"{_fmt(base['tpot_p50_ms_median'], '.2f')} / {_fmt(s['tpot_p50_ms_median'], '.2f')} ms | "
+                         f"{widths} |")
+        lines.append("")
+    failed = sum(r[m]["failed_requests"] for r in rep["rows"] for m in [b, *rep["modes"]] if m in r)
+    lines.append(f"Failed requests over all passes: {failed}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hyspec bench serve-compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("files", nargs="+", type=Path, metavar="SERVE_LOAD.json", help="serve_load JSONs (every pass)")
+    p.add_argument("--baseline", default="ar", help="the mode every other is divided by (default: ar)")
+    p.add_argument("--pass-from-dir", action="store_true",
+                   help="the pass is each file's folder name rather than its trailing _N")
+    p.add_argument("--json", metavar="OUT.json", help="write the report here (and OUT.md beside it)")
+    args = p.parse_args(argv)
+    try:
+        rep = collect(args.files, args.baseline, pass_from_dir=args.pass_from_dir)
+    except CompareError as e:
+        print(f"hyspec bench serve-compare: {e}", file=sys.stderr)
+        return 1
+    rep["meta"] = {**run_metadata(), "command": portable_command("hyspec bench serve-compare", argv
+                                                                  if argv is not None else sys.argv[1:])}
+    if args.json:
+        write_report(rep, args.json, markdown)
+    print(markdown(rep))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -70,7 +70,7 @@ def _bind_checkout(root: Path) -> None:
 
 
 def make_backend(slots: int, step_s: float, tokens_per_step: int, token_ids: list[int], prefill_chunk: int = 128,
-                 host_s: float = 0.0):
+                 host_s: float = 0.0, depth: int | None = None):
     """A Backend whose device calls cost a GIL-free sleep: `dispatch` returns after host_s of busy work holding
     the GIL (what launching a jitted step costs the host) and queues a step of step_s on a serial "device" (it
     starts when the device is free: a GPU step in flight while the host works), `collect` waits for it to end,
@@ -82,11 +82,11 @@ def make_backend(slots: int, step_s: float, tokens_per_step: int, token_ids: lis
     from hyspec_jax.runtime.backend import Backend, StepResult, prefill_shapes
 
     cycle = np.asarray(token_ids, np.int32)
-    L, n = len(cycle), tokens_per_step
+    L, n, depth_ = len(cycle), tokens_per_step, depth
 
     class InstantBackend(Backend):
         mode = "scripted"
-        depth = n - 1
+        depth = n - 1 if depth_ is None else depth_     # the most a step may give is depth + 1 tokens
         hint_width = 0
 
         def __init__(self):        # no model: only what the request loop reads
@@ -155,6 +155,7 @@ def serve_main(argv: list[str]) -> int:
     p.add_argument("--slots", type=int, default=32)
     p.add_argument("--step-ms", type=float, default=1.0)
     p.add_argument("--tokens-per-step", type=int, default=1)
+    p.add_argument("--depth", type=int)
     p.add_argument("--host-us", type=float, default=0.0)
     p.add_argument("--switch-interval-ms", type=float)
     p.add_argument("--cprofile", type=Path, help="cProfile the server into PATH (written when it stops)")
@@ -182,7 +183,8 @@ def serve_main(argv: list[str]) -> int:
     logging.basicConfig(level=getattr(logging, sargs.log_level.upper()), format="[hyspec serve] %(message)s")
     tokenizer = load_tokenizer(args.tokenizer_dir)
     ids = tokenizer.encode(PASSAGE, add_special_tokens=False).ids
-    backend = make_backend(args.slots, args.step_ms / 1e3, args.tokens_per_step, ids, host_s=args.host_us / 1e6)
+    backend = make_backend(args.slots, args.step_ms / 1e3, args.tokens_per_step, ids, host_s=args.host_us / 1e6,
+                           depth=args.depth)
     chat = ChatTemplate(args.tokenizer_dir, tokenizer)
     metrics = ServerMetrics("overhead", spec_depth=backend.depth)
     scheduler = Scheduler(backend, metrics, max_queue=sargs.max_queue)
@@ -259,6 +261,8 @@ class ServerProc:
                "--tokenizer-dir", str(args.tokenizer_dir), "--slots", str(args.slots),
                "--step-ms", str(args.step_ms), "--tokens-per-step", str(args.tokens_per_step),
                "--host-us", str(args.host_us)]
+        if args.depth is not None:
+            cmd += ["--depth", str(args.depth)]
         if args.switch_interval_ms is not None:
             cmd += ["--switch-interval-ms", str(args.switch_interval_ms)]
         if cprofile is not None:
@@ -449,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the scripted device's step: a GIL-free wait, one step at a time (default 1 ms)")
     p.add_argument("--tokens-per-step", type=int, default=1,
                    help="tokens per slot per step (1: plain decoding; >1: a speculative round's; default 1)")
+    p.add_argument("--depth", type=int, metavar="D",
+                   help="the round's draft depth: a step may give up to D + 1 tokens, which the loop's dispatch-ahead "
+                        "rule reads (a tree-ready round of the wide tree: 7; default tokens-per-step − 1)")
     p.add_argument("--host-us", type=float, default=0.0,
                    help="busy work holding the GIL in each dispatch, as launching a jitted step costs (default 0)")
     p.add_argument("--tokenizer-dir", type=Path, default=REPO / "checkpoints" / "default",
@@ -473,6 +480,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--concurrency must be comma-separated integers, got {args.concurrency!r}")
     if not levels or min(levels) < 1 or args.num_requests < 1 or args.max_tokens < 2 or args.tokens_per_step < 1:
         p.error("--concurrency levels, --num-requests and --tokens-per-step must be >= 1, --max-tokens >= 2")
+    if args.depth is not None and args.depth < args.tokens_per_step - 1:
+        p.error(f"--depth must be >= tokens-per-step − 1 = {args.tokens_per_step - 1}: a step gives at most depth + 1 "
+                f"tokens, got {args.depth}")
     if not (args.tokenizer_dir / "tokenizer.json").is_file():
         p.error(f"no tokenizer.json in {args.tokenizer_dir}")
     servers = [("new", REPO)]

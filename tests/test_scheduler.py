@@ -101,6 +101,58 @@ def test_hints_are_read_each_round_and_disable_dispatch_ahead():
     assert loop.steps_collected == be.dispatched
 
 
+class BoundedBackend(ScriptedBackend):
+    """A slot holds `max_context` positions plus a step's overshoot: a step dispatched for a slot whose stream has
+    passed max_context would write outside it (on a GPU: another slot's memory), so dispatch asserts it never is."""
+
+    def __init__(self, slots: int, max_context: int):
+        super().__init__(slots)
+        self.kv_len = max_context + DEPTH + 1
+        self.plen = np.zeros(slots, np.int64)
+
+    @property
+    def overshoot(self) -> int:
+        return DEPTH + 1
+
+    def prefill(self, slots, tokens, valid, reset, sampling):
+        for i, b in enumerate(slots):
+            if b < self.slots:
+                self.plen[b] = (0 if reset[i] else self.plen[b]) + int(valid[i].sum())
+        return super().prefill(slots, tokens, valid, reset, sampling)
+
+    def dispatch(self, active, sampling, steps, stochastic, hint=None):
+        for b in np.flatnonzero(active):     # pos: the tokens generated on the device, the last one not yet written
+            assert self.plen[b] + self.pos[b] - 1 <= self.max_context, (b, self.plen[b], self.pos[b])
+        return super().dispatch(active, sampling, steps, stochastic, hint)
+
+
+def test_steps_go_ahead_beside_finishing_requests():
+    # one long request shares 3 slots with a stream of short ones, each within a step of its end most of its life:
+    # the loop keeps dispatching ahead while any request surely needs the next step (the rows that finish in
+    # flight waste only their row of it), not only while none could finish
+    be = ScriptedBackend(3)
+    prompts = [[5]] + [[10 + i] for i in range(12)]
+    params = [SamplingParams(max_tokens=60)] + [SamplingParams(max_tokens=5)] * 12
+    reqs, outs, loop = run_batch(be, prompts, params)
+    assert outs == [expected(p, q)[0] for p, q in zip(prompts, params)]
+    assert loop.steps_collected == be.dispatched
+    # only the long request's last step, alone and within reach of max_tokens, waits for the one before it
+    assert loop.steps_ahead >= be.dispatched - 2, (loop.steps_ahead, be.dispatched)
+
+
+def test_a_step_ahead_never_passes_a_slots_context():
+    # prompts that nearly fill their slots, beside others: the step ahead must leave out no row's bound, whatever
+    # the step in flight commits (BoundedBackend asserts it)
+    ctx = 40
+    be = BoundedBackend(3, ctx)
+    prompts = [[5], [6] + [1] * 11, [7], [8] + [1] * 10, [9]]
+    params = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=ctx - 12),
+              SamplingParams(max_tokens=4), SamplingParams(max_tokens=ctx - 11), SamplingParams(max_tokens=6)]
+    reqs, outs, loop = run_batch(be, prompts, params)
+    assert outs == [expected(p, q)[0] for p, q in zip(prompts, params)]
+    assert loop.steps_collected == be.dispatched
+
+
 def test_abort_frees_the_slot_for_the_next_request():
     be = ScriptedBackend(1)
     sched = Scheduler(be)

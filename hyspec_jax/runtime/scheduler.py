@@ -12,8 +12,10 @@ backend's penalized flavour (the penalty history lives on the device, so pipelin
 Steps are pipelined: the next step is dispatched before the host reads the one in flight, so the host's work
 (dispatch, streaming, bookkeeping) overlaps the device's. A slot's outputs are used only while the request that
 owned it at dispatch still runs: a request that stops on a stop token in the step in flight costs its slot one
-discarded step. No step is dispatched ahead when a request could reach max_tokens in the step in flight (known on
-the host) or when a request takes token hints (they read the tokens of the step before).
+discarded step, and so does one that reaches max_tokens in it. No step is dispatched ahead when every request
+could reach max_tokens in the step in flight (known on the host: the step ahead would likely be wasted), when a row
+could then pass its slot's context, or when a request takes token hints (they read the tokens of the step
+before).
 
 Two drivers: the server runs the loop on its own thread (`start`, `submit`, `abort`, `drain`), and
 `run_until_idle` runs it on the caller's thread until every submitted request has finished (`hyspec generate`,
@@ -163,6 +165,7 @@ class Scheduler:
         self.failed: BaseException | None = None
         # totals since construction (the synchronous drivers' statistics)
         self.steps_collected = 0
+        self.steps_ahead = 0             # steps dispatched before the one in flight was read (pipelined)
         self.prefill_seconds = 0.0
         self.first_collect_at: float | None = None
         self.last_collect_at: float | None = None
@@ -417,11 +420,23 @@ class Scheduler:
             if decoding:
                 self._inflight = self._dispatch(decoding, active)
             return
-        reach = self.backend.depth + 1       # most tokens the step in flight gives a request
-        ahead = (decoding and all(r.hint is None and r.generated + reach < r.max_tokens for r in decoding))
-        nxt = self._dispatch(decoding, active) if ahead else None
+        nxt = self._dispatch(decoding, active) if self._may_dispatch_ahead(decoding) else None
+        self.steps_ahead += nxt is not None
         flight, self._inflight = self._inflight, nxt
         self._collect(*flight)
+
+    def _may_dispatch_ahead(self, decoding: list[EngineRequest]) -> bool:
+        """Whether the next step may go out before the one in flight is read: no request takes hints (they read
+        the tokens of the step before), some request surely needs it (a step whose every row may have finished in
+        flight is likely wasted), and every row stays inside its slot's context even after the step in flight
+        committed its most tokens. A row that finishes in flight costs only its own row of the step ahead, whose
+        outputs are discarded (its slot is re-admitted, and reset, only after that step)."""
+        if not decoding:
+            return False
+        reach = self.backend.depth + 1       # most tokens the step in flight gives a request
+        limit = self.backend.max_context
+        return (all(r.hint is None and len(r.prompt_ids) + r.generated + reach < limit for r in decoding)
+                and any(r.generated + reach < r.max_tokens for r in decoding))
 
     def _dispatch(self, decoding: list[EngineRequest], active: np.ndarray):
         be = self.backend

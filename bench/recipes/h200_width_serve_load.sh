@@ -15,9 +15,11 @@
 # Knobs: STEPS ("calibrate serve"), TABLE (out/hyspec_width_table.json), SLOTS (64), CAL_BATCH (slots calibrated,
 # default SLOTS; e.g. "1,4,16,64": also the rounds of the server's decoding buckets), MODES ("ar tree-ready"),
 # DATASETS ("random heldout"), REPS (1), REP0 (0: the passes are numbered REP0+1..REP0+REPS, so a later call
-# with the same RES adds passes beside earlier ones), CONC (the concurrency levels), REQUESTS (64 a level), RES (where the
-# files gather; a fresh temporary folder), SPEC_EXTRA (more speculative options for calibrate and the server, e.g.
-# "--packed-widths": the batch-wide budgets family, its own entries in the same table). Each command's files
+# with the same RES adds passes beside earlier ones), CONC (the concurrency levels), REQUESTS (64 a level),
+# PREFILL_CHUNK (128: prompt tokens per prefill call; one call runs between decoding steps, so a burst of prompts
+# is admitted over about its tokens / PREFILL_CHUNK steps), RES (where the files gather; a fresh temporary
+# folder), SPEC_EXTRA (more speculative options for calibrate and the server, e.g. "--packed-widths": the
+# batch-wide budgets family, its own entries in the same table). Each command's files
 # (calibration, table, server logs, serve_load JSON) come back in one archive, $OUT/width_<steps>_<modes>.tgz.
 set -uo pipefail
 source bench/recipes/serve_wheels.sh install .whl || exit 1
@@ -34,7 +36,7 @@ fi
 if [[ " $STEPS " == *" serve "* ]]; then
   [ -f "$TABLE" ] || { echo "no $TABLE: run STEPS=calibrate first" >&2; exit 1; }
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.4
-  SERVE=(--port 0 --max-batch "$SLOTS" --max-queue 256 --max-model-len $LEN --prefill-chunk 128 --budget-table "$TABLE")
+  SERVE=(--port 0 --max-batch "$SLOTS" --max-queue 256 --max-model-len $LEN --prefill-chunk "${PREFILL_CHUNK:-128}" --budget-table "$TABLE")
   LOAD=(--concurrency "${CONC:-1,4,8,16,32,64}" --num-requests "${REQUESTS:-64}" --max-tokens 64)
   # every mode's server up side by side (started one after another, so their compiles do not overlap), then the
   # passes alternate between them: a drift of the machine moves every mode alike

@@ -22,7 +22,7 @@ import math
 import sys
 from pathlib import Path
 
-from hyspec_jax.bench.report import portable_command, run_metadata, short_commit, write_report
+from hyspec_jax.bench.report import publish_report, short_commit
 
 
 def _load(path: Path) -> dict | None:
@@ -133,12 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"hyspec bench ready-control: {e}", file=sys.stderr)
         return 1
-    rep["meta"] = {**run_metadata(), "command": portable_command("hyspec bench ready-control", argv
-                                                                  if argv is not None else sys.argv[1:])}
-    if args.json:
-        write_report(rep, args.json, markdown)
-    print(markdown(rep))
-    return 0
+    return publish_report(rep, "hyspec bench ready-control", argv, args.json, markdown)
 
 
 if __name__ == "__main__":

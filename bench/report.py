@@ -134,6 +134,16 @@ def save_png(fig, path, dpi: int = 120) -> None:
     img.quantize(colors=128, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(path, optimize=True)
 
 
+def publish_report(report: dict, prog: str, argv, json_path, markdown) -> int:
+    """The end of a report command: `report["meta"]` (run_metadata and the portable command line of `prog` with
+    argv, or sys.argv's), the JSON + .md at json_path (`write_report`), the markdown on stdout. Returns 0."""
+    import sys
+    report["meta"] = {**run_metadata(), "command": portable_command(prog, argv if argv is not None else sys.argv[1:])}
+    write_report(report, json_path, markdown)
+    print(markdown(report))
+    return 0
+
+
 def write_report(report: dict, json_path, markdown) -> Path | None:
     """`report` as JSON at json_path (written whole or not at all: a run cut short keeps its last complete
     file) and `markdown(report)` beside it as .md; None without a path. Returns the JSON's path."""

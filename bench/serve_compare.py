@@ -21,7 +21,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from hyspec_jax.bench.report import portable_command, run_metadata, short_commit, write_report
+from hyspec_jax.bench.report import publish_report, short_commit
 
 
 class CompareError(ValueError):
@@ -153,12 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     except CompareError as e:
         print(f"hyspec bench serve-compare: {e}", file=sys.stderr)
         return 1
-    rep["meta"] = {**run_metadata(), "command": portable_command("hyspec bench serve-compare", argv
-                                                                  if argv is not None else sys.argv[1:])}
-    if args.json:
-        write_report(rep, args.json, markdown)
-    print(markdown(rep))
-    return 0
+    return publish_report(rep, "hyspec bench serve-compare", argv, args.json, markdown)
 
 
 if __name__ == "__main__":

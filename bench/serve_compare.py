@@ -100,7 +100,15 @@ def _mode_summary(runs: dict[str, dict]) -> dict:
     tau = [r["server"]["spec_tokens_per_round"] for r in runs.values()
            if (r.get("server") or {}).get("spec_tokens_per_round")]
     failed = sum(r["requests"] - r["ok"] for r in runs.values())
+    # the share of decoding steps dispatched ahead (pipelined), and of the level's wall time in prefill calls
+    # (servers that report them: hyspec:engine_steps_ahead_total, hyspec:engine_prefill_seconds_total)
+    ahead = [r["server"]["engine_steps_ahead"] / r["server"]["engine_decode_steps"] for r in runs.values()
+             if (r.get("server") or {}).get("engine_steps_ahead") is not None and r["server"].get("engine_decode_steps")]
+    prefill = [r["server"]["engine_prefill_seconds"] / r["wall_s"] for r in runs.values()
+               if (r.get("server") or {}).get("engine_prefill_seconds") is not None and r.get("wall_s")]
     return {"passes": len(runs), "tok_s_median": round(statistics.median(tok), 1) if tok else None,
+            "ahead_fraction_median": round(statistics.median(ahead), 3) if ahead else None,
+            "prefill_share_median": round(statistics.median(prefill), 3) if prefill else None,
             "tok_s_by_pass": {p: round(r["throughput_tok_s"], 1) for p, r in sorted(runs.items())},
             "tpot_p50_ms_median": round(1e3 * statistics.median(tpot), 3) if tpot else None,
             "tau_median": round(statistics.median(tau), 3) if tau else None, "failed_requests": failed}
@@ -121,8 +129,9 @@ def markdown(rep: dict) -> str:
     for mode in rep["modes"]:
         lines += [f"## {mode} ÷ {b}", "",
                   f"| dataset | concurrency | {b} tok/s | {mode} tok/s | ratio (median) | range | τ | "
-                  f"{b} / {mode} TPOT p50 | widths chosen (rounds) |",
-                  "|---|---:|---:|---:|---:|---|---:|---|---|"]
+                  f"{b} / {mode} TPOT p50 | {b} / {mode} steps pipelined | {b} / {mode} wall in prefill | "
+                  "widths chosen (rounds) |",
+                  "|---|---:|---:|---:|---:|---|---:|---|---|---|---|"]
         for row in rep["rows"]:
             s, base = row.get(mode), row[b]
             if s is None or not s["passes"]:
@@ -133,6 +142,8 @@ def markdown(rep: dict) -> str:
             lines.append(f"| {row['dataset']} | {row['concurrency']} | {_fmt(base['tok_s_median'])} | "
                          f"{_fmt(s['tok_s_median'])} | {ratio} | {rng} | {_fmt(s['tau_median'], '.2f')} | "
                          f"{_fmt(base['tpot_p50_ms_median'], '.2f')} / {_fmt(s['tpot_p50_ms_median'], '.2f')} ms | "
+                         f"{_fmt(base['ahead_fraction_median'], '.0%')} / {_fmt(s['ahead_fraction_median'], '.0%')} | "
+                         f"{_fmt(base['prefill_share_median'], '.0%')} / {_fmt(s['prefill_share_median'], '.0%')} | "
                          f"{widths} |")
         lines.append("")
     failed = sum(r[m]["failed_requests"] for r in rep["rows"] for m in [b, *rep["modes"]] if m in r)

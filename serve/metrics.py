@@ -116,6 +116,10 @@ class ServerMetrics(LoopObserver):
                                         "XLA programs compiled during start-up (warm-up of every bucket).")
         self._steps = one(Counter, "hyspec:engine_steps", "Jitted engine calls by kind.", "kind")
         self.engine_steps = {k: self._steps.labels(model_name=model_name, kind=k) for k in ("prefill", "decode")}
+        self.steps_ahead = one(Counter, "hyspec:engine_steps_ahead",
+                               "Decoding steps dispatched before the step in flight was read (pipelined).")
+        self.prefill_seconds = one(Counter, "hyspec:engine_prefill_seconds",
+                                   "Time the request loop spent in prefill calls, seconds.")
         self._errors = one(Counter, "hyspec:request_errors", "Requests answered with an error, by status.", "status")
         self.aborted = one(Counter, "hyspec:requests_aborted",
                            "Requests that ended early (client disconnect, stop string) and freed their slot.")
@@ -139,6 +143,12 @@ class ServerMetrics(LoopObserver):
 
     def engine_call(self, kind: str) -> None:
         self.engine_steps[kind].inc()
+
+    def dispatched_ahead(self) -> None:
+        self.steps_ahead.inc()
+
+    def prefill_time(self, seconds: float) -> None:
+        self.prefill_seconds.inc(seconds)
 
     def prompt_done(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)

@@ -786,6 +786,9 @@ def test_metrics_parse_and_move(server):
     assert d("vllm:e2e_request_latency_seconds_count") == 1
     assert d("vllm:inter_token_latency_seconds_count") == 6
     assert d("hyspec:engine_steps_total", kind="decode") >= 6
+    # the loop pipelines the steps of a lone request until its last one, and times its prefill
+    assert 1 <= d("hyspec:engine_steps_ahead_total") < d("hyspec:engine_steps_total", kind="decode")
+    assert d("hyspec:engine_prefill_seconds_total") > 0
     assert d("hyspec:request_errors_total") == 0
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:spec_decode_num_drafts_total",
                  "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"):

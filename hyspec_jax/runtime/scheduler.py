@@ -67,6 +67,12 @@ class LoopObserver:
     def engine_call(self, kind: str) -> None:
         """One device call: kind "prefill" or "decode" (a decoding step or a speculative round)."""
 
+    def dispatched_ahead(self) -> None:
+        """A decoding step went out before the one in flight was read (pipelined)."""
+
+    def prefill_time(self, seconds: float) -> None:
+        """A prefill call held the loop for `seconds` (it returns the prompts' first tokens)."""
+
     def prompt_done(self, prompt_tokens: int) -> None:
         """A request's prompt is fully prefilled."""
 
@@ -405,6 +411,7 @@ class Scheduler:
         first = be.prefill(slots, tokens, valid, reset, be.sampling(temp, top_p, top_k, seed), **pen)
         self.prefill_seconds += time.perf_counter() - t0
         self.observer.engine_call("prefill")
+        self.observer.prefill_time(time.perf_counter() - t0)
         for i, r in enumerate(chosen):
             r.prefilled += int(valid[i].sum())
             if r.decoding:
@@ -421,7 +428,9 @@ class Scheduler:
                 self._inflight = self._dispatch(decoding, active)
             return
         nxt = self._dispatch(decoding, active) if self._may_dispatch_ahead(decoding) else None
-        self.steps_ahead += nxt is not None
+        if nxt is not None:
+            self.steps_ahead += 1
+            self.observer.dispatched_ahead()
         flight, self._inflight = self._inflight, nxt
         self._collect(*flight)
 

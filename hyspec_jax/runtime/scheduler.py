@@ -409,9 +409,10 @@ class Scheduler:
                                          pick(self.repetition, 1.0))}
         t0 = time.perf_counter()
         first = be.prefill(slots, tokens, valid, reset, be.sampling(temp, top_p, top_k, seed), **pen)
-        self.prefill_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.prefill_seconds += dt
         self.observer.engine_call("prefill")
-        self.observer.prefill_time(time.perf_counter() - t0)
+        self.observer.prefill_time(dt)
         for i, r in enumerate(chosen):
             r.prefilled += int(valid[i].sum())
             if r.decoding:

@@ -2,7 +2,8 @@
 # [ready-scale] item 1, the positive control in the paper's geometry: a DSpark drafter whose taps leave the last
 # GDN layer untapped (1, 3, 5; the target's GDN layers are 0-2 and 4-6), trained on the shipped drafter's prompt
 # pack (A); then ReaDy on it — stage 1 reading the untapped layer 6 and the two layers 4, 6 — trained on a fresh
-# pack (B) whose windows overlap none of A's (`build-distill --exclude-prompts`), with the paper's loss weights;
+# pack (B) whose windows overlap none of A's (`build-distill --exclude-prompts`), with DSpark's loss weights (CE 0.1
+# + L1 0.9: in the shipped reader's retrain they beat the paper's CE 1.0 + L1 0.1) and the paper's learning rates;
 # stage 2 and the state-free LoRA control (reader_h200.sh); and the engine's tau on the held-out prompts for
 # DSpark(1,3,5), the reader fed its own state and another request's (`--reader-state swapped`), and the shipped
 # DSpark(1,4,6).

@@ -7,7 +7,8 @@
 #
 #   train/recipes/ready_large_h200.sh RUN_DIR        # needs the corpus (train/data/corpus, `hyspec build-corpus`)
 # Steps (STEPS, default "target data dspark reader tau"), each resumable on a warm machine in its own device call
-# (one H200: target ≈ TARGET_S + 1 min, data ≈ 2 min, dspark ≈ DSPARK_S + 1 min, reader ≈ 6 min, tau ≈ 3 min):
+# (one H200: target ≈ TARGET_S + 1 min, data ≈ 2 min, dspark ≈ DSPARK_S + 1 min, reader ≈ 6 min, tau ≈ 3 min; on
+# the embedded target reader took 7 min and tau 4 min on one H100, so give reader and tau a call each):
 #   target  hyspec train-target --preset PRESET for TARGET_S training seconds, at most CALL_S of them in one call
 #           (--call-limit: it checkpoints and stops; the same step in the next call resumes — the total steps are
 #           fixed by the first call's measured rate); once finished, RUN/target/hf and RUN/target_report.json

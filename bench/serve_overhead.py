@@ -82,11 +82,12 @@ def make_backend(slots: int, step_s: float, tokens_per_step: int, token_ids: lis
     from hyspec_jax.runtime.backend import Backend, StepResult, prefill_shapes
 
     cycle = np.asarray(token_ids, np.int32)
-    L, n, depth_ = len(cycle), tokens_per_step, depth
+    L, n = len(cycle), tokens_per_step
+    round_depth = n - 1 if depth is None else depth     # the most a step may give is depth + 1 tokens
 
     class InstantBackend(Backend):
         mode = "scripted"
-        depth = n - 1 if depth_ is None else depth_     # the most a step may give is depth + 1 tokens
+        depth = round_depth
         hint_width = 0
 
         def __init__(self):        # no model: only what the request loop reads

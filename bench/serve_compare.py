@@ -8,7 +8,8 @@ server's `hyspec:spec_rounds_total{width}`) is summed over the passes.
 
 Inputs: `serve_load` JSONs (`--json` of `hyspec_jax.bench.serve_load`). The mode is each result's `mode`, the
 dataset its meta's `--dataset`; the pass is the file name's trailing `_N` (the recipes' `serve_load_MODE_DATA_N`),
-or, with `--pass-from-dir`, the name of its folder.
+or, with `--pass-from-dir`, the name of its folder. With `--mode-from-name` the mode is the file name's MODE
+instead, so two servers of one spec mode (an A/B of the request loop, say) compare as two modes.
 """
 
 from __future__ import annotations
@@ -37,7 +38,14 @@ def _pass_of(path: Path, from_dir: bool) -> str:
     return m.group(1)
 
 
-def collect(paths: list[Path], baseline: str, *, pass_from_dir: bool = False) -> dict:
+def _mode_of_name(path: Path) -> str:
+    m = re.fullmatch(r"serve_load_(.+)_[^_]+_[^_]+", path.stem)
+    if m is None:
+        raise CompareError(f"{path}: not named serve_load_MODE_DATA_N, so --mode-from-name cannot tell its mode")
+    return m.group(1)
+
+
+def collect(paths: list[Path], baseline: str, *, pass_from_dir: bool = False, mode_from_name: bool = False) -> dict:
     # (dataset, concurrency) -> mode -> pass -> result
     cells: dict[tuple[str, int], dict[str, dict[str, dict]]] = defaultdict(lambda: defaultdict(dict))
     sources = []
@@ -50,10 +58,11 @@ def collect(paths: list[Path], baseline: str, *, pass_from_dir: bool = False) ->
             raise CompareError(f"{path}: not a serve_load JSON (no 'meta' and 'results')")
         dataset = d["meta"].get("args", {}).get("dataset", "?")
         pass_id = _pass_of(path, pass_from_dir)
+        named = _mode_of_name(path) if mode_from_name else None
         sources.append({"file": path.name, "pass": pass_id, "dataset": dataset,
                         "device": d["meta"].get("device_kind"), "commit": d["meta"].get("commit")})
         for r in d["results"]:
-            mode = r.get("mode", "?")
+            mode = named or r.get("mode", "?")
             cell = cells[(dataset, int(r["concurrency"]))][mode]
             if pass_id in cell:
                 raise CompareError(f"{path}: pass {pass_id} of {mode} / {dataset} / concurrency "
@@ -157,10 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", default="ar", help="the mode every other is divided by (default: ar)")
     p.add_argument("--pass-from-dir", action="store_true",
                    help="the pass is each file's folder name rather than its trailing _N")
+    p.add_argument("--mode-from-name", action="store_true",
+                   help="the mode is the file name's MODE (serve_load_MODE_DATA_N) rather than the result's own, "
+                        "so two servers of one spec mode compare (e.g. serve_load_before_heldout_1.json)")
     p.add_argument("--json", metavar="OUT.json", help="write the report here (and OUT.md beside it)")
     args = p.parse_args(argv)
     try:
-        rep = collect(args.files, args.baseline, pass_from_dir=args.pass_from_dir)
+        rep = collect(args.files, args.baseline, pass_from_dir=args.pass_from_dir,
+                      mode_from_name=args.mode_from_name)
     except CompareError as e:
         print(f"hyspec bench serve-compare: {e}", file=sys.stderr)
         return 1

@@ -62,6 +62,21 @@ def test_passes_from_folders(tmp_path):
     assert rep["rows"][0]["tree"]["ratio_by_pass"] == {"a": 1.3, "b": 1.1}
 
 
+def test_modes_from_file_names_compare_two_servers_of_one_spec_mode(tmp_path, capsys):
+    # an A/B of the request loop: both servers report mode tree-ready; the file names tell them apart
+    for p, (new, before) in {1: (130.0, 100.0), 2: (120.0, 110.0)}.items():
+        _load(tmp_path / f"serve_load_new_heldout_{p}.json", "tree-ready", "heldout", {16: new})
+        _load(tmp_path / f"serve_load_before_heldout_{p}.json", "tree-ready", "heldout", {16: before})
+    files = sorted(tmp_path.glob("*.json"))
+    with pytest.raises(serve_compare.CompareError, match="given twice"):
+        serve_compare.collect(files, "before")
+    rep = serve_compare.collect(files, "before", mode_from_name=True)
+    assert rep["modes"] == ["new"] and rep["rows"][0]["new"]["ratio_by_pass"] == {"1": 1.3, "2": 1.091}
+    _load(tmp_path / "odd.json", "ar", "heldout", {16: 1.0})
+    assert serve_compare.main([str(tmp_path / "odd.json"), "--mode-from-name", "--pass-from-dir"]) == 1
+    assert "not named serve_load_MODE_DATA_N" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("case, message", [
     ("no_baseline", "no results of the baseline mode 'ar'"),
     ("no_pass", "no trailing _N"),

@@ -234,8 +234,9 @@ def calibrate_rounds(engine, *, batches: list[int], kv_lens: list[int], repeats:
             log(f"[calibrate] B={B} S={S}: compiled {len(widths)} rounds in {time.perf_counter() - t0:.1f} s")
             times: dict[int, list[float]] = {w: [] for w in widths}
             for r in range(repeats + 1):                          # r = 0: the warm-up, untimed
-                be.prefill(np.arange(B, dtype=np.int32), rng.integers(0, engine.config.vocab_size, (B, T)),
-                           np.ones((B, T), bool), np.ones(B, bool), samp)
+                np.asarray(be.prefill(np.arange(B, dtype=np.int32),        # waited for: not in a round's time
+                                      rng.integers(0, engine.config.vocab_size, (B, T)), np.ones((B, T), bool),
+                                      np.ones(B, bool), samp))
                 for w in widths[r % len(widths):] + widths[:r % len(widths)]:
                     be.force = [w]
                     steps += 1

@@ -50,7 +50,7 @@ def round_inputs(engine: SpecEngine, prompts: Sequence[Sequence[int]],
     for b in range(k):
         toks[b, :len(prompts[b])], val[b, :len(prompts[b])] = prompts[b], True
     sampling = SlotSampling.from_params(list(plist[:k]) + [SamplingParams()] * (B - k), B)
-    be.prefill(slots, toks, val, np.arange(B) < k, sampling)
+    np.asarray(be.prefill(slots, toks, val, np.arange(B) < k, sampling))     # done before any phase is timed
     admit = np.arange(B) < k
     shape = be.round_shapes[any(p.temperature > 0 for p in plist[:k])]
     return dict(backend=be, B=B, S=S, N=be.verify_nodes, shape=shape, admit=admit, k=k, state=be.state,

@@ -75,7 +75,8 @@ def make_backend(slots: int, step_s: float, tokens_per_step: int, token_ids: lis
     the GIL (what launching a jitted step costs the host) and queues a step of step_s on a serial "device" (it
     starts when the device is free: a GPU step in flight while the host works), `collect` waits for it to end,
     then gives tokens_per_step tokens of the passage to every active slot (`accepted`/`drafted` as a speculative
-    round's when tokens_per_step > 1). `device_idle` sums the time the device waited for a dispatch while a
+    round's when tokens_per_step > 1); `prefill` queues a step of step_s too, and its first tokens wait for it
+    when read. `device_idle` sums the time the device waited for a dispatch while a
     decoding step was in flight or just done: the host's share of the step period."""
     import numpy as np
 
@@ -84,6 +85,25 @@ def make_backend(slots: int, step_s: float, tokens_per_step: int, token_ids: lis
     cycle = np.asarray(token_ids, np.int32)
     L, n = len(cycle), tokens_per_step
     round_depth = n - 1 if depth is None else depth     # the most a step may give is depth + 1 tokens
+
+    class PendingTokens:
+        """A prefill's first tokens on the scripted device: reading them (np.asarray, or an index as a loop
+        that reads them at once does) waits until the prefill has run."""
+
+        def __init__(self, ready: float, tokens: np.ndarray):
+            self.ready, self.tokens = ready, tokens
+
+        def _wait(self) -> np.ndarray:
+            wait = self.ready - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            return self.tokens
+
+        def __array__(self, dtype=None, copy=None):
+            return self._wait() if dtype is None else self._wait().astype(dtype)
+
+        def __getitem__(self, i):
+            return self._wait()[i]
 
     class InstantBackend(Backend):
         mode = "scripted"
@@ -114,8 +134,7 @@ def make_backend(slots: int, step_s: float, tokens_per_step: int, token_ids: lis
             return self.free_at
 
         def prefill(self, slots_, tokens, valid, reset, sampling):
-            now = time.perf_counter()
-            time.sleep(max(0.0, self._queue(now) - now))
+            ready = self._queue(time.perf_counter())      # queued like a step; its tokens are read when it ends
             first = np.zeros(len(slots_), np.int32)
             for i, b in enumerate(slots_):
                 if b < slots:
@@ -123,7 +142,7 @@ def make_backend(slots: int, step_s: float, tokens_per_step: int, token_ids: lis
                         self.pos[b] = (int(tokens[i, 0]) * 7) % L
                     first[i] = cycle[self.pos[b] % L]
                     self.pos[b] += 1
-            return first
+            return PendingTokens(ready, first)
 
         def dispatch(self, active, sampling, steps, stochastic, hint=None):
             t0 = time.perf_counter()

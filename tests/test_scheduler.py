@@ -153,6 +153,42 @@ def test_a_step_ahead_never_passes_a_slots_context():
     assert loop.steps_collected == be.dispatched
 
 
+class LazyFirstBackend(ScriptedBackend):
+    """Prefill returns its first tokens as a device would: an array read later. Reading it records how many steps
+    had been dispatched by then."""
+
+    def __init__(self, slots: int):
+        super().__init__(slots)
+        self.prefills: list[tuple[int, int | None]] = []      # (steps dispatched at the prefill, ... at its read)
+
+    def prefill(self, slots, tokens, valid, reset, sampling):
+        first = super().prefill(slots, tokens, valid, reset, sampling)
+        be, k = self, len(self.prefills)
+        self.prefills.append((self.dispatched, None))
+
+        class Pending:
+            def __array__(self, dtype=None, copy=None):
+                be.prefills[k] = (be.prefills[k][0], be.dispatched)
+                return first
+        return Pending()
+
+
+def test_first_tokens_are_read_after_the_next_step_goes_out():
+    # the device keeps a slot's last token, so the step after a prefill goes out before its first tokens are read;
+    # a request whose first token ends it (max_tokens 1, a stop token) wastes only its row of that step
+    be = LazyFirstBackend(3)
+    prompts = [[5], [6], [7], [8], [9], [11], [12]]
+    params = [SamplingParams(max_tokens=9), SamplingParams(max_tokens=1), SamplingParams(max_tokens=6),
+              SamplingParams(max_tokens=5, stop_token_ids=frozenset({800})), SamplingParams(max_tokens=7),
+              SamplingParams(max_tokens=1), SamplingParams(max_tokens=4)]
+    reqs, outs, loop = run_batch(be, prompts, params)
+    assert outs == [expected(p, q)[0] for p, q in zip(prompts, params)]
+    assert [r.finish_reason for r in reqs] == ["length", "length", "length", "stop", "length", "length", "length"]
+    assert all(read is not None for _, read in be.prefills)           # every prefill's tokens were read
+    assert all(read > at for at, read in be.prefills), be.prefills    # ... after a step went out behind it
+    assert loop.steps_collected == be.dispatched
+
+
 def test_abort_frees_the_slot_for_the_next_request():
     be = ScriptedBackend(1)
     sched = Scheduler(be)

@@ -348,8 +348,11 @@ class Backend(abc.ABC):
     # --- to implement ------------------------------------------------------------------------------
     @abc.abstractmethod
     def prefill(self, slots: np.ndarray, tokens: np.ndarray, valid: np.ndarray, reset: np.ndarray,
-                sampling: SlotSampling, penalty: SlotPenalty | None = None) -> np.ndarray:
-        """Run prompt chunks [P, T] into slots `slots` [P] (B = padding row); returns the sampled next tokens."""
+                sampling: SlotSampling, penalty: SlotPenalty | None = None) -> jax.Array | np.ndarray:
+        """Run prompt chunks [P, T] into slots `slots` [P] (B = padding row), not waiting for it; returns the
+        sampled next tokens [P] as an array the loop reads (`np.asarray`) once it has dispatched the next step (a
+        device array whose host copy has started, or a host array). A slot's next token is also kept on the
+        device, so that step does not need it."""
 
     @abc.abstractmethod
     def dispatch(self, active: np.ndarray, sampling: SlotSampling, steps: np.ndarray, stochastic: bool,
@@ -377,13 +380,14 @@ class ARBackend(Backend):
 
     mode = "ar"
 
-    def prefill(self, slots, tokens, valid, reset, sampling, penalty=None) -> np.ndarray:
+    def prefill(self, slots, tokens, valid, reset, sampling, penalty=None) -> jax.Array:
         # host arrays go straight to the jitted call (a jnp.asarray is one more dispatch each); copies, since
         # the scheduler reuses its buffers
         first, self.state, self.anchor = self._penalized(
             ar_prefill_jit, self.graphdef, self.params, self.state, self.anchor, np.array(slots, np.int32),
             np.array(tokens, np.int32), np.array(valid, bool), np.array(reset, bool), sampling, penalty=penalty)
-        return np.asarray(first)
+        start_host_copy(first)
+        return first
 
     def dispatch(self, active, sampling, steps, stochastic, hint=None, penalty=None):
         if hint is not None:
@@ -438,12 +442,13 @@ class SpecBackend(Backend):
     def describe_step(self) -> str:
         return f"{self.mode} round N={self.verify_nodes}"
 
-    def prefill(self, slots, tokens, valid, reset, sampling, penalty=None) -> np.ndarray:
+    def prefill(self, slots, tokens, valid, reset, sampling, penalty=None) -> jax.Array:
         first, self.state, self.dstate, self.anchor = self._penalized(
             spec_prefill_jit, self.graphdef, self.params, self.dgraph, self.dparams, self.state, self.dstate,
             self.anchor, np.array(slots, np.int32), np.array(tokens, np.int32), np.array(valid, bool),
             np.array(reset, bool), sampling, penalty=penalty, tap_layers=self.tap_layers)
-        return np.asarray(first)
+        start_host_copy(first)
+        return first
 
     def dispatch(self, active, sampling, steps, stochastic, hint=None, penalty=None):
         active = np.asarray(active, bool)

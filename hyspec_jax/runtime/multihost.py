@@ -127,8 +127,7 @@ class BroadcastBackend:
         host = tuple(np.array(x, np.float32) for x in (presence, frequency, repetition))
         return _Sampling(host, self.inner.penalty(*host))
 
-    def prefill(self, slots, tokens, valid, reset, sampling: _Sampling, penalty: _Sampling | None = None
-                ) -> np.ndarray:
+    def prefill(self, slots, tokens, valid, reset, sampling: _Sampling, penalty: _Sampling | None = None):
         t, p, k, s = sampling.host
         with self.channel.lock:
             self.channel.send(PREFILL, slots=np.asarray(slots, np.int32), tokens=np.asarray(tokens, np.int32),

@@ -10,7 +10,10 @@ front end, which then aborts the request. A device call whose rows include a req
 backend's penalized flavour (the penalty history lives on the device, so pipelining is unchanged).
 
 Steps are pipelined: the next step is dispatched before the host reads the one in flight, so the host's work
-(dispatch, streaming, bookkeeping) overlaps the device's. A slot's outputs are used only while the request that
+(dispatch, streaming, bookkeeping) overlaps the device's. So are prefill calls: a prompt's first token is read
+only after the next step went out (the device keeps each slot's last token, so that step does not need it), so the
+device runs the prefill and then that step without waiting for the host between them; the first token is sent
+before that step's tokens. A request whose first token stops it wastes its row of that step. A slot's outputs are used only while the request that
 owned it at dispatch still runs: a request that stops on a stop token in the step in flight costs its slot one
 discarded step, and so does one that reaches max_tokens in it. No step is dispatched ahead when every request
 could reach max_tokens in the step in flight (known on the host: the step ahead would likely be wasted), when a row
@@ -71,7 +74,7 @@ class LoopObserver:
         """A decoding step went out before the one in flight was read (pipelined)."""
 
     def prefill_time(self, seconds: float) -> None:
-        """A prefill call held the loop for `seconds` (it returns the prompts' first tokens)."""
+        """A prefill call held the loop for `seconds`: its dispatch and the wait to read its first tokens."""
 
     def prompt_done(self, prompt_tokens: int) -> None:
         """A request's prompt is fully prefilled."""
@@ -168,6 +171,9 @@ class Scheduler:
         self._lists = None               # (decoding requests, any prefilling, active mask) until the slots change
         self._attention = False          # an abort or a submission waits for the loop's lock
         self._inflight: tuple[object, list[EngineRequest | None]] | None = None   # (handle, owners at dispatch)
+        # a prefill call whose first tokens are not read yet: (its output, (row, request) of each prompt it ended,
+        # the loop's time spent on it so far)
+        self._firsts: tuple[object, list[tuple[int, EngineRequest]], float] | None = None
         self.failed: BaseException | None = None
         # totals since construction (the synchronous drivers' statistics)
         self.steps_collected = 0
@@ -272,8 +278,8 @@ class Scheduler:
     def _iterate(self) -> None:
         if self._slot_lists()[1]:
             self._prefill()
-            self._batch_done()
         self._step()
+        self._read_firsts()      # where _step did not (no step to dispatch)
         self._batch_done()
 
     def _batch_done(self) -> None:
@@ -299,7 +305,8 @@ class Scheduler:
         return self._lists
 
     def _has_work(self) -> bool:
-        return bool(self.waiting) or any(s is not None for s in self.slots) or self._inflight is not None
+        return (bool(self.waiting) or any(s is not None for s in self.slots) or self._inflight is not None
+                or self._firsts is not None)
 
     def _occupancy(self) -> None:
         self.observer.occupancy(sum(s is not None for s in self.slots), len(self.waiting), len(self.slots))
@@ -309,7 +316,7 @@ class Scheduler:
             self._finish(r, reason)
         self.waiting.clear()
         self.slots = [None] * len(self.slots)
-        self._inflight = None
+        self._inflight = self._firsts = None
         self._changed()
         self._batch_done()
 
@@ -409,29 +416,44 @@ class Scheduler:
                                          pick(self.repetition, 1.0))}
         t0 = time.perf_counter()
         first = be.prefill(slots, tokens, valid, reset, be.sampling(temp, top_p, top_k, seed), **pen)
-        dt = time.perf_counter() - t0
-        self.prefill_seconds += dt
         self.observer.engine_call("prefill")
-        self.observer.prefill_time(dt)
         for i, r in enumerate(chosen):
             r.prefilled += int(valid[i].sum())
-            if r.decoding:
-                self._lists = None
-                self.observer.prompt_done(len(r.prompt_ids))
-                if r.abort_reason is None and self._emit(r, [int(first[i])]):
-                    self._release(r.slot)
+        self._lists = None               # rows whose prompt is done decode from the next step on
+        self._firsts = (first, [(i, r) for i, r in enumerate(chosen) if r.decoding], time.perf_counter() - t0)
+
+    def _read_firsts(self) -> None:
+        """Read the pending prefill call's first tokens (waiting for it) and send those of the prompts it ended."""
+        if self._firsts is None:
+            return
+        first, ended, dt = self._firsts
+        self._firsts = None
+        t0 = time.perf_counter()
+        first = np.asarray(first)
+        dt += time.perf_counter() - t0
+        self.prefill_seconds += dt
+        self.observer.prefill_time(dt)
+        for i, r in ended:
+            self.observer.prompt_done(len(r.prompt_ids))
+            if r.abort_reason is None and self._emit(r, [int(first[i])]):
+                self._release(r.slot)
 
     def _step(self) -> None:
         """Dispatch the next step, collect the one in flight, or both (pipelined; see the module docstring)."""
         decoding, _, active = self._slot_lists()
+        if self._firsts is not None and any(r.hint is not None for _, r in self._firsts[1]):
+            self._read_firsts()          # a request's hints read its tokens so far, the first one included
+            decoding, _, active = self._slot_lists()
         if self._inflight is None:
             if decoding:
                 self._inflight = self._dispatch(decoding, active)
+            self._read_firsts()
             return
         nxt = self._dispatch(decoding, active) if self._may_dispatch_ahead(decoding) else None
         if nxt is not None:
             self.steps_ahead += 1
             self.observer.dispatched_ahead()
+        self._read_firsts()              # a prompt's first token goes out before the tokens of its first step
         flight, self._inflight = self._inflight, nxt
         self._collect(*flight)
 

@@ -20,13 +20,17 @@
 # PREFILL_CHUNK (128: prompt tokens per prefill call; one call runs between decoding steps, so a burst of prompts
 # is admitted over about its tokens / PREFILL_CHUNK steps), RES (where the files gather; a fresh temporary
 # folder), SPEC_EXTRA (more speculative options for calibrate and the server, e.g. "--packed-widths": the
-# batch-wide budgets family, its own entries in the same table). Each command's files
+# batch-wide budgets family, its own entries in the same table), BASE (another checkout's root, e.g.
+# `git archive REF hyspec_jax serve bench train | tar x -C _base` made here and carried: each speculative mode also
+# runs from it, side by side, as "base-MODE" — an A/B of the code around the same programs, which start from the
+# compilation cache the others filled, since JAX keys it by the program, not by paths; serve-compare then names the
+# modes by file and also divides each mode by its base). Each command's files
 # (calibration, table, server logs, serve_load JSON) come back in one archive, $OUT/width_<steps>_<modes>.tgz.
 set -uo pipefail
 source bench/recipes/serve_wheels.sh install .whl || exit 1
 source bench/recipes/lib.sh
 STEPS=${STEPS:-calibrate serve}; MODES=${MODES:-ar tree-ready}; TABLE=${TABLE:-out/hyspec_width_table.json}
-mkdir -p "$(dirname "$TABLE")"
+mkdir -p "$(dirname "$TABLE")"; TABLE=$(realpath "$(dirname "$TABLE")")/$(basename "$TABLE")   # read from BASE too
 SLOTS=${SLOTS:-64}; LEN=1024; RES=${RES:-$(mktemp -d)}; mkdir -p "$RES"
 export HYSPEC_JAX_CACHE=${HYSPEC_JAX_CACHE:-$PWD/out/jax_cache}     # kept between calls, like $TABLE
 if [[ " $STEPS " == *" calibrate "* ]]; then
@@ -42,23 +46,42 @@ if [[ " $STEPS " == *" serve "* ]]; then
   # every mode's server up side by side (started one after another, so their compiles do not overlap), then the
   # passes alternate between them: a drift of the machine moves every mode alike
   declare -A PORTS
+  LABELS=()
+  if [ -n "${BASE:-}" ]; then
+    [ -d "$BASE/hyspec_jax" ] || { echo "BASE=$BASE holds no checkout (hyspec_jax/)" >&2; exit 1; }
+    [ -e "$BASE/checkpoints" ] || ln -s "$PWD/checkpoints" "$BASE/checkpoints"
+  fi
   for mode in $MODES; do
     extra=(); [ "$mode" != ar ] && extra=(${SPEC_EXTRA:-})
     PORTS[$mode]=$(start_server "$PWD" "$RES/server_$mode.log" "${SERVE[@]}" --spec-mode "$mode" "${extra[@]}") || exit 1
+    LABELS+=("$mode")
+    if [ -n "${BASE:-}" ] && [ "$mode" != ar ]; then
+      PORTS[base-$mode]=$(start_server "$BASE" "$RES/server_base-$mode.log" "${SERVE[@]}" --spec-mode "$mode" \
+        "${extra[@]}") || exit 1
+      LABELS+=("base-$mode")
+    fi
   done
   for rep in $(seq $((${REP0:-0} + 1)) $((${REP0:-0} + ${REPS:-1}))); do
     for data in ${DATASETS:-random heldout}; do
-      for mode in $MODES; do
-        echo "== $mode $data $rep"
-        python3 -m hyspec_jax.bench.serve_load --url "http://127.0.0.1:${PORTS[$mode]}" "${LOAD[@]}" --dataset "$data" \
-          --json "$RES/serve_load_${mode}_${data}_$rep.json" 2>&1 | tail -8
+      for label in "${LABELS[@]}"; do
+        echo "== $label $data $rep"
+        python3 -m hyspec_jax.bench.serve_load --url "http://127.0.0.1:${PORTS[$label]}" "${LOAD[@]}" --dataset "$data" \
+          --json "$RES/serve_load_${label}_${data}_$rep.json" 2>&1 | tail -8
       done
     done
   done
-  for mode in $MODES; do kill -TERM "$(cat "$RES/server_$mode.log.pid")"; done
+  for label in "${LABELS[@]}"; do kill -TERM "$(cat "$RES/server_$label.log.pid")"; done
   wait
-  # every pass so far under RES, each mode divided by ar of the same pass
-  [[ " $MODES " == *" ar "* ]] && "${H[@]}" bench serve-compare "$RES"/serve_load_*.json \
+  # every pass so far under RES, each mode divided by ar of the same pass (and, with BASE, by its base)
+  BY=(); [ -n "${BASE:-}" ] && BY=(--mode-from-name)
+  [[ " $MODES " == *" ar "* ]] && "${H[@]}" bench serve-compare "$RES"/serve_load_*.json "${BY[@]}" \
       --json "$RES/serve_compare.json" | tail -n +4
+  if [ -n "${BASE:-}" ]; then
+    for mode in $MODES; do
+      [ "$mode" = ar ] && continue
+      "${H[@]}" bench serve-compare "$RES/serve_load_${mode}"_*.json "$RES/serve_load_base-${mode}"_*.json \
+        --mode-from-name --baseline "base-$mode" --json "$RES/serve_compare_base-$mode.json" | tail -n +4
+    done
+  fi
 fi
 tar czf "$OUT/width_$(echo "$STEPS" | tr ' ' '-')_$(echo "$MODES" | tr ' ' '-').tgz" -C "$RES" .

@@ -6,8 +6,9 @@
 #   $TABLE — against plain decoding (ar), at concurrency 1 / 4 / 8 / 16 / 32 / 64, on random-word and held-out
 #   prompts; the modes' servers up side by side, the passes alternated between them REPS times. --spec-mode is
 #   given: without it the embedded drafter's recommended_modes.json decodes plainly above its serve_max_slots.
-# The server's packages travel as wheels:
-#   here:           bash bench/recipes/serve_wheels.sh download          (then carry .whl)
+# The server's packages travel as wheels, the weights packed (bench/recipes/device_pack.sh):
+#   here:           bash bench/recipes/serve_wheels.sh download; bash bench/recipes/device_pack.sh pack
+#                   (then carry .whl and .devpack; on the H200 first `bash bench/recipes/device_pack.sh unpack`)
 #   on the H200:    bash bench/recipes/h200_width_serve_load.sh          (both steps in one command), or, to stay
 #                   under a 10-minute command, STEPS=calibrate, then STEPS=serve on the same machine ($TABLE is
 #                   under the ignored out/, which a device call keeps between calls on a warm machine; so is JAX's

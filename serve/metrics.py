@@ -119,7 +119,8 @@ class ServerMetrics(LoopObserver):
         self.steps_ahead = one(Counter, "hyspec:engine_steps_ahead",
                                "Decoding steps dispatched before the step in flight was read (pipelined).")
         self.prefill_seconds = one(Counter, "hyspec:engine_prefill_seconds",
-                                   "Time the request loop spent in prefill calls, seconds.")
+                                   "Time the request loop spent on prefill calls (their dispatch and the wait for "
+                                   "their first tokens), seconds.")
         self._errors = one(Counter, "hyspec:request_errors", "Requests answered with an error, by status.", "status")
         self.aborted = one(Counter, "hyspec:requests_aborted",
                            "Requests that ended early (client disconnect, stop string) and freed their slot.")

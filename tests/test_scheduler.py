@@ -140,6 +140,31 @@ def test_steps_go_ahead_beside_finishing_requests():
     assert loop.steps_ahead >= be.dispatched - 2, (loop.steps_ahead, be.dispatched)
 
 
+class TwoTokenBackend(ScriptedBackend):
+    """A deep round (reach 8) that commits 2 tokens every step, as a speculative round with τ = 2 does."""
+
+    depth = 7
+
+    def dispatch(self, active, sampling, steps, stochastic, hint=None):
+        self.dispatched += 1
+        toks = np.zeros((self.slots, self.depth + 1), np.int32)
+        count = np.where(active, 2, 0).astype(np.int32)
+        for b in np.flatnonzero(active):
+            toks[b, :2] = self.base[b] + self.pos[b] + np.arange(2)
+            self.pos[b] += 2
+        return StepResult(tokens=toks, count=count, accepted=np.maximum(count - 1, 0), drafted=self.depth)
+
+
+def test_steps_go_ahead_until_the_request_likely_ends():
+    # one request of 40 tokens, 2 a step, a round's reach 8: the step ahead goes out while the request likely needs
+    # it after the step in flight (2 more tokens), not only while it surely does (8): only its last step waits
+    be = TwoTokenBackend(1)
+    reqs, outs, loop = run_batch(be, [[5]], [SamplingParams(max_tokens=40)])
+    assert outs == [expected([5], SamplingParams(max_tokens=40))[0]]
+    assert loop.steps_collected == be.dispatched
+    assert loop.steps_ahead >= be.dispatched - 2, (loop.steps_ahead, be.dispatched)
+
+
 def test_a_step_ahead_never_passes_a_slots_context():
     # prompts that nearly fill their slots, beside others: the step ahead must leave out no row's bound, whatever
     # the step in flight commits (BoundedBackend asserts it)

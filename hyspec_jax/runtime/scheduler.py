@@ -10,15 +10,15 @@ front end, which then aborts the request. A device call whose rows include a req
 backend's penalized flavour (the penalty history lives on the device, so pipelining is unchanged).
 
 Steps are pipelined: the next step is dispatched before the host reads the one in flight, so the host's work
-(dispatch, streaming, bookkeeping) overlaps the device's. So are prefill calls: a prompt's first token is read
-only after the next step went out (the device keeps each slot's last token, so that step does not need it), so the
-device runs the prefill and then that step without waiting for the host between them; the first token is sent
-before that step's tokens. A request whose first token stops it wastes its row of that step. A slot's outputs are used only while the request that
-owned it at dispatch still runs: a request that stops on a stop token in the step in flight costs its slot one
-discarded step, and so does one that reaches max_tokens in it. No step is dispatched ahead when every request
-could reach max_tokens in the step in flight (known on the host: the step ahead would likely be wasted), when a row
-could then pass its slot's context, or when a request takes token hints (they read the tokens of the step
-before).
+(dispatch, streaming, bookkeeping) overlaps the device's. So are prefill calls: a prompt's first token is read only
+after the next step went out (the device keeps each slot's last token, so that step does not need it), so the device
+runs the prefill and then that step without waiting for the host between them; the first token is sent before that
+step's tokens. A request whose first token stops it wastes its row of that step. A slot's outputs are used only
+while the request that owned it at dispatch still runs: a request that stops on a stop token in the step in flight
+costs its slot one discarded step, and so does one that reaches max_tokens in it. No step is dispatched ahead when
+every request likely reaches max_tokens in the step in flight (it commits as many tokens as the request's recent
+steps did: the step ahead would likely be wasted), when a row could then pass its slot's context, or when a request
+takes token hints (they read the tokens of the step before).
 
 Two drivers: the server runs the loop on its own thread (`start`, `submit`, `abort`, `drain`), and
 `run_until_idle` runs it on the caller's thread until every submitted request has finished (`hyspec generate`,
@@ -459,7 +459,8 @@ class Scheduler:
 
     def _may_dispatch_ahead(self, decoding: list[EngineRequest]) -> bool:
         """Whether the next step may go out before the one in flight is read: no request takes hints (they read
-        the tokens of the step before), some request surely needs it (a step whose every row may have finished in
+        the tokens of the step before), some request likely needs it (it stays short of max_tokens after the step
+        in flight commits as many tokens as its recent steps did: a step whose every row may have finished in
         flight is likely wasted), and every row stays inside its slot's context even after the step in flight
         committed its most tokens. A row that finishes in flight costs only its own row of the step ahead, whose
         outputs are discarded (its slot is re-admitted, and reset, only after that step)."""
@@ -468,7 +469,7 @@ class Scheduler:
         reach = self.backend.depth + 1       # most tokens the step in flight gives a request
         limit = self.backend.max_context
         return (all(r.hint is None and len(r.prompt_ids) + r.generated + reach < limit for r in decoding)
-                and any(r.generated + reach < r.max_tokens for r in decoding))
+                and any(r.generated + _recent_commit(r) < r.max_tokens for r in decoding))
 
     def _dispatch(self, decoding: list[EngineRequest], active: np.ndarray):
         be = self.backend
@@ -519,6 +520,13 @@ class Scheduler:
                 continue   # freed at the next iteration
             if self._emit(r, tokens[b][:n]):
                 self._release(b)
+
+
+def _recent_commit(r: EngineRequest) -> float:
+    """Tokens a step committed to r lately (its last 4 steps; 1 before its first): what the step in flight likely
+    gives it."""
+    recent = r.committed[-4:]
+    return sum(recent) / len(recent) if recent else 1.0
 
 
 def run_batch(backend: Backend, prompts: Sequence[Sequence[int]], params: Sequence,

@@ -240,8 +240,9 @@ def test_abort_frees_the_slot_for_the_next_request():
 
 
 def test_on_batch_follows_every_device_calls_sink_calls():
-    """on_batch (the server's one wake-up per step) comes after each prefill's and step's sink calls: no token is
-    left waiting for a wake-up, and a step's tokens for every request are handed over together."""
+    """on_batch (the server's one wake-up per loop iteration) comes after each iteration's sink calls (a prefill's
+    first tokens, a step's tokens): no token is left waiting for a wake-up, and a step's tokens for every request
+    are handed over together."""
     be = ScriptedBackend(3)
     log: list = []
     sched = Scheduler(be, on_batch=lambda: log.append("batch"))

@@ -25,8 +25,8 @@ Two drivers: the server runs the loop on its own thread (`start`, `submit`, `abo
 `Generator.generate`, `SpecEngine.generate`). Requests talk to their owner through
 `sink(token_ids, finish_reason | None)`, called on the loop's thread; an optional `LoopObserver` sees every event
 (the server's metrics). `on_batch()`, where given, is called on the loop's thread after the sink calls of each
-device call (a prefill, a step), so that a front end on another thread can take a whole step's tokens with one
-wake-up, after the loop's host work for that step (not one per request, competing with it for the GIL).
+iteration (a prefill's first tokens, a step's tokens), so that a front end on another thread can take them with one
+wake-up, after the loop's host work for that iteration (not one per request, competing with it for the GIL).
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ class LoopObserver:
         """n tokens given to a request; ttft for its first, else itl since its last."""
 
     def step_done(self) -> None:
-        """The events of one device call (a prefill, a step) are all reported: an observer may record them now,
-        once per call rather than once per request."""
+        """The events of one loop iteration (a prefill's first tokens, a step's tokens) are all reported: an
+        observer may record them now, once per iteration rather than once per request."""
 
     def finished(self, reason: str, e2e_seconds: float, aborted: bool) -> None:
         """A request ended: "stop" / "length" / "abort" / "error"."""

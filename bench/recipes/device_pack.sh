@@ -2,13 +2,14 @@
 # A GPU machine call takes at most 64 MiB of working tree, and the embedded checkpoint alone holds about 68 MiB of
 # weights. This packs them for such a call (xz, about 44 MiB; the MTP shard, unused by the recipes, left out):
 #   here:    bash bench/recipes/device_pack.sh pack       weights -> .devpack/weights.tar.xz; the weight files and
-#                                                         bench/results move out of the tree into $HOLD (default
-#                                                         /tmp/hyspec_hold) until `restore`: carry .devpack (and
-#                                                         .whl for a server). Commit nothing in between.
+#                                                         bench/results move into .devhold/ (ignored, so it does
+#                                                         not travel) until `restore`: carry .devpack (and .whl
+#                                                         for a server). Commit nothing in between.
 #            bash bench/recipes/device_pack.sh restore    moves them back
 #   there:   bash bench/recipes/device_pack.sh unpack     the weights back in place, the MTP shard out of the index
 set -euo pipefail
-HOLD=${HOLD:-/tmp/hyspec_hold}
+cd "$(dirname "$0")/../.."           # the repository root
+HOLD=.devhold
 CK=checkpoints/default
 case "${1:-}" in
   pack)

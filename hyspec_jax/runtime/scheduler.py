@@ -278,8 +278,7 @@ class Scheduler:
     def _iterate(self) -> None:
         if self._slot_lists()[1]:
             self._prefill()
-        self._step()
-        self._read_firsts()      # where _step did not (no step to dispatch)
+        self._step()                     # reads the prefill's first tokens too
         self._batch_done()
 
     def _batch_done(self) -> None:
@@ -305,8 +304,7 @@ class Scheduler:
         return self._lists
 
     def _has_work(self) -> bool:
-        return (bool(self.waiting) or any(s is not None for s in self.slots) or self._inflight is not None
-                or self._firsts is not None)
+        return bool(self.waiting) or any(s is not None for s in self.slots) or self._inflight is not None
 
     def _occupancy(self) -> None:
         self.observer.occupancy(sum(s is not None for s in self.slots), len(self.waiting), len(self.slots))
@@ -439,7 +437,8 @@ class Scheduler:
                 self._release(r.slot)
 
     def _step(self) -> None:
-        """Dispatch the next step, collect the one in flight, or both (pipelined; see the module docstring)."""
+        """Dispatch the next step, collect the one in flight, or both (pipelined; see the module docstring); read
+        a pending prefill's first tokens on every path, after the dispatch where there is one."""
         decoding, _, active = self._slot_lists()
         if self._firsts is not None and any(r.hint is not None for _, r in self._firsts[1]):
             self._read_firsts()          # a request's hints read its tokens so far, the first one included

@@ -64,7 +64,13 @@ def test_explicit_options_win(monkeypatch, target):
     assert eng.spec.mode == "chain" and eng.spec.chain_length == 3 and eng.drafter is not None
     eng = launch.engine_from_args(_args(argv=["--spec-mode", "tree", "--tree-depth", "2"]), target, model_dir,
                              jnp.float32)
-    assert eng.spec.tree.depth == 2
+    assert eng.spec.tree.depth == 2 and eng.spec.width_margin == E.SpecConfig.width_margin
+    eng = launch.engine_from_args(_args(argv=["--spec-mode", "tree", "--width-margin", "0"]), target, model_dir,
+                                  jnp.float32)
+    assert eng.spec.width_margin == 0.0
+    with pytest.raises(ValueError, match="width_margin"):
+        launch.engine_from_args(_args(argv=["--spec-mode", "tree", "--width-margin", "1.5"]), target, model_dir,
+                                jnp.float32)
     assert launch.engine_from_args(_args(argv=["--spec-mode", "ar"]), target, model_dir, jnp.float32) is None
     # another model directory never picks up the embedded drafter implicitly
     ns = _args(argv=["--model", str(model_dir)])

@@ -19,8 +19,8 @@ from hyspec_jax import tree as T
 from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.spec.budget import BudgetTable, packed_gains, root_floor, select_nodes, width_gains
 from hyspec_jax.spec.engine import SpecConfig, SpecEngine
-from hyspec_jax.spec.width import (WidthBackend, WidthChooser, choose_width, round_seconds, round_signature,
-                                   width_buckets)
+from hyspec_jax.spec.width import (WidthBackend, WidthChooser, choose_width, kept_widths, round_seconds,
+                                   round_signature, width_buckets)
 from hyspec_jax.tree import TreeExpansion
 from tests.test_budget import _forest as budget_forest
 from tests.test_engine import (GAMMA, SAMPLES, SETTINGS, SLOTS, KV, SV, _chisq_pvalue, _cli, _hint,  # noqa: F401
@@ -197,6 +197,30 @@ def test_widths_slower_than_a_wider_one_are_never_kept():
         g = dict(zip((2, 4, 8, 16), np.cumsum(rng.uniform(0, 1, 4))))
         kept = WidthChooser(t).kept()
         assert choose_width({w: t[w] for w in kept}, g, live=4) == choose_width(t, g, live=4)
+
+
+def test_widths_within_the_margin_of_a_wider_one_are_not_kept():
+    """At margin m a drafting width goes when a kept wider one costs under (1 + m)x its time: the choice over the
+    kept widths loses less than m of the best rate for any gains that grow with the width, and plain decoding
+    stays wherever it can win."""
+    h100_b16 = {1: 1.383, 2: 2.176, 4: 2.052, 8: 2.106, 16: 2.128, 32: 2.38}   # ms, H100 table at 16 slots
+    assert tuple(kept_widths(h100_b16)) == (1, 4, 8, 16, 32)
+    assert tuple(kept_widths(h100_b16, 0.05)) == (1, 16, 32)
+    # plain decoding 1% cheaper than width 2 (which goes): kept at any margin; 1% dearer: dropped at any margin
+    assert tuple(kept_widths({1: 1.0, 2: 1.01, 4: 1.2}, 0.5)) == (1, 4)
+    assert tuple(kept_widths({1: 1.02, 2: 1.01, 4: 2.0}, 0.0)) == (2, 4)
+    assert WidthChooser(h100_b16, margin=0.05, rows_seconds={4: h100_b16}).kept(4) == (1, 16, 32)
+    rng = np.random.default_rng(1)
+    for margin in (0.0, 0.03, 0.1):
+        for _ in range(300):
+            t = {w: float(x) for w, x in zip((1, 2, 4, 8, 16), rng.uniform(1, 1.5, 5))}
+            g = dict(zip((2, 4, 8, 16), np.cumsum(rng.uniform(0, 0.3, 4))))
+            kept = kept_widths(t, margin)
+            rate = lambda w: (1 + g.get(w, 0.0)) / t[w]  # noqa: E731
+            best, got = choose_width(t, g, live=4), choose_width(kept, g, live=4)
+            assert rate(got) * (1 + margin) >= rate(best) - 1e-12
+            if best == 1:
+                assert got == 1
 
 
 def test_chooser_learns_rho_probes_and_corrects_by_acceptance():

@@ -43,6 +43,11 @@ def add_spec_arguments(p, *, default_mode: str | None = None) -> None:
                    help="with a calibrated table: the per-round choice picks a batch-wide node budget (slots x 1, 2, "
                         "4, .. N) verified packed into that many rows (Bole's packed forest), instead of a width of "
                         "nodes per request")
+    p.add_argument("--width-margin", type=float, metavar="F",
+                   help="with a calibrated table: a verify width whose round costs less than F (a fraction) below a "
+                        "wider width's is not compiled, the wider one runs instead: at most F slower per round, fewer "
+                        "programs to compile at start-up (default 0.05; 0 compiles every width that can win; plain "
+                        "decoding is always kept where it can win)")
     p.add_argument("--deferred-rows", type=int, metavar="P", default=0,
                    help="deferred GDN commit: keep each request's accepted rows (P per GDN layer, at least a "
                         "round's depth + 1) beside a checkpoint state and write the state only when they run out, "

@@ -81,10 +81,18 @@ def choose_width(seconds: Mapping[int, float], gain: Mapping[int, float], live: 
     return max(sorted(rate), key=lambda w: (rate[w], -w))
 
 
-def _undominated(seconds: Mapping[int, float]) -> dict[int, float]:
-    """{width: seconds} of the widths no slower than every wider one, in width order."""
-    ws = sorted(seconds)
-    return {w: seconds[w] for i, w in enumerate(ws) if all(seconds[w] <= seconds[v] for v in ws[i + 1:])}
+def kept_widths(seconds: Mapping[int, float], margin: float = 0.0) -> dict[int, float]:
+    """{width: seconds} of the widths worth compiling, in width order: from the widest down, a drafting width is
+    dropped when a kept wider one costs less than (1 + margin) times as much — a wider round verifies a superset
+    of the nodes, so its expected tokens are never fewer and the rate lost by running it instead is below the
+    margin. Plain decoding (width 1) is dropped only when a wider width is strictly cheaper, so speculation never
+    runs slower than plain decoding for the margin's sake. margin 0: exactly the widths that can win."""
+    kept: dict[int, float] = {}
+    for w in sorted(seconds, reverse=True):
+        bound = seconds[w] * (1.0 if w == 1 else 1.0 + margin)
+        if all(t >= bound for t in kept.values()):
+            kept[w] = seconds[w]
+    return dict(sorted(kept.items()))
 
 
 @dataclasses.dataclass
@@ -94,6 +102,7 @@ class WidthChooser:
     seconds: dict[int, float]
     probe_every: int = 16      # plain rounds in a row before one speculative round refreshes ρ (a setting)
     max_probe_every: int = 256  # the interval doubles up to this while probes find plain decoding best (a setting)
+    margin: float = 0.0        # drop a width within this fraction of a wider one's round time (`kept_widths`)
     decay: float = 0.9         # weight of the past in κ's sums per drafted round (a setting)
     packed_slots: int = 0      # > 0: packed widths (width w = slots · w nodes for the batch), else w nodes a row
     # {R: {width: seconds}}: the calibrated round times of a round over R rows (`Backend.step_rows`), where known
@@ -109,16 +118,16 @@ class WidthChooser:
 
     def __post_init__(self) -> None:
         # the tables are fixed: which widths can win is decided once, not every round
-        self._kept = {r: _undominated(t) for r, t in {None: self.seconds, **self.rows_seconds}.items()}
+        self._kept = {r: kept_widths(t, self.margin) for r, t in {None: self.seconds, **self.rows_seconds}.items()}
 
     def _kept_seconds(self, rows: int | None) -> dict[int, float]:
         return self._kept.get(rows) or self._kept[None]
 
     def kept(self, rows: int | None = None) -> tuple[int, ...]:
         """The widths a round over `rows` rows can choose (the round times calibrated for that many rows where
-        known, else the whole batch's): each width no slower than every wider one. A wider round verifies a
-        superset of the nodes, so its expected tokens are at least as many: a width strictly slower than a wider
-        one never has the higher rate, and is neither chosen nor compiled."""
+        known, else the whole batch's): `kept_widths` at this chooser's margin. A wider round verifies a superset
+        of the nodes, so its expected tokens are at least as many: a width strictly slower than a wider one never
+        has the higher rate, one within the margin loses less than the margin; neither is chosen nor compiled."""
         return tuple(self._kept_seconds(rows))
 
     @property
@@ -174,17 +183,19 @@ class WidthBackend(SpecBackend):
     from `force`: calibration and tests). Its reported depth / verify_nodes are the widest round's."""
 
     def __init__(self, *args, widths: dict[int, dict[bool, RoundShape]], seconds: dict[int, float] | None,
-                 user_capacity: int | None = None, rows_seconds: dict[int, dict[int, float]] | None = None, **kw):
+                 user_capacity: int | None = None, rows_seconds: dict[int, dict[int, float]] | None = None,
+                 width_margin: float = 0.0, **kw):
         """widths: {w: {flavour: round shape}} (every shape reporting the same gain widths, sorted(widths));
         seconds: calibrated round time per width (None: no choice, the widest width runs unless forced);
         user_capacity: a fixed batch-wide node budget (default slots · w); rows_seconds: {R: round time per
-        width} of the decoding buckets' rounds, where calibrated."""
+        width} of the decoding buckets' rounds, where calibrated; width_margin: `kept_widths`' margin."""
         super().__init__(*args, round_shapes=widths[max(widths)], capacity=user_capacity or 1, **kw)
         self.widths = dict(widths)
         self.user_capacity = user_capacity
         packed = widths[max(widths)][False].packed_gains
         self.chooser = (WidthChooser(seconds, packed_slots=self.slots if packed else 0,
-                                     rows_seconds=dict(rows_seconds or {})) if seconds else None)
+                                     rows_seconds=dict(rows_seconds or {}), margin=width_margin)
+                        if seconds else None)
         self.force: list[int] | None = None     # widths to cycle through instead of choosing
         # a server runs rounds without end: the recent widths for inspection, counts for the stats
         self.history: collections.deque[int] = collections.deque(maxlen=HISTORY)

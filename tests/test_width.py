@@ -441,6 +441,7 @@ def test_only_the_kept_widths_compile_and_serving_compiles_nothing(models, refer
     eng.compile_buckets([(SLOTS, KV)], prompt_lengths=[max(map(len, prompts))], stochastic=(False,), progress=False,
                         cache=False)
     assert made[0].chooser.kept(SLOTS) == (1, 4, 8)
+    assert made[0].describe_step(SLOTS).endswith("N in [1, 4, 8]")     # the start-up log names what compiles
     assert len(made[0]._warm_steps(None, False, SLOTS)) == 3
     assert [r.token_ids for r in eng.generate(prompts, params)] == ref
     assert 2 not in made[-1].history and made[-1].history[0] == 4

@@ -26,7 +26,8 @@
 # runs from it, side by side, as "base-MODE" — an A/B of the code around the same programs, which start from the
 # compilation cache the others filled, since JAX keys it by the program, not by paths; serve-compare then names the
 # modes by file and also divides each mode by its base). Each command's files
-# (calibration, table, server logs, serve_load JSON) come back in one archive, $OUT/width_<steps>_<modes>.tgz.
+# (calibration, table, server logs, serve_load JSON) come back in one archive,
+# $OUT/width_<steps>_<modes>_t<LOAD_TOKENS>_p<first>-<last pass>.tgz.
 set -uo pipefail
 source bench/recipes/serve_wheels.sh install .whl || exit 1
 source bench/recipes/lib.sh
@@ -85,4 +86,5 @@ if [[ " $STEPS " == *" serve "* ]]; then
     done
   fi
 fi
-tar czf "$OUT/width_$(echo "$STEPS" | tr ' ' '-')_$(echo "$MODES" | tr ' ' '-').tgz" -C "$RES" .
+# named by steps, modes, request length and passes, so two commands of one call do not overwrite each other's
+tar czf "$OUT/width_$(echo "$STEPS" | tr ' ' '-')_$(echo "$MODES" | tr ' ' '-')_t${LOAD_TOKENS:-64}_p$((${REP0:-0} + 1))-$((${REP0:-0} + ${REPS:-1})).tgz" -C "$RES" .

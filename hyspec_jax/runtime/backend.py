@@ -291,7 +291,7 @@ class Backend(abc.ABC):
             samp = self.sampling(np.full(B, 1.0 if flavour else 0.0, np.float32), np.ones(B, np.float32),
                                  np.zeros(B, np.int32), np.zeros(B, np.uint32))
             for rows in list(self.decode_buckets) + [B]:
-                jobs.append((f"{self.describe_step()} [{rows}, {'sampling' if flavour else 'greedy'}]", rows,
+                jobs.append((f"{self.describe_step(rows)} [{rows}, {'sampling' if flavour else 'greedy'}]", rows,
                              self._warm_steps(samp, bool(flavour), rows)))
         return jobs
 
@@ -342,7 +342,8 @@ class Backend(abc.ABC):
                 if label not in left:               # made no program call: nothing compiled ahead
                     progress(f"{label} 0.0s")
 
-    def describe_step(self) -> str:
+    def describe_step(self, rows: int | None = None) -> str:
+        """What one step of this backend over `rows` rows runs (the start-up compile's log)."""
         return "decode"
 
     # --- to implement ------------------------------------------------------------------------------
@@ -439,7 +440,7 @@ class SpecBackend(Backend):
     def overshoot(self) -> int:
         return self.round_shapes[False].gamma + 2
 
-    def describe_step(self) -> str:
+    def describe_step(self, rows: int | None = None) -> str:
         return f"{self.mode} round N={self.verify_nodes}"
 
     def prefill(self, slots, tokens, valid, reset, sampling, penalty=None) -> jax.Array:

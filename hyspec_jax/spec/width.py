@@ -203,8 +203,10 @@ class WidthBackend(SpecBackend):
         self.rounds = 0                         # rounds dispatched
         self.capacity = self.slots * max(widths) if user_capacity is None else int(user_capacity)
 
-    def describe_step(self) -> str:
-        return f"{self.mode} round N in {sorted(self.widths)}"
+    def describe_step(self, rows: int | None = None) -> str:
+        """The widths a round over `rows` rows compiles (`_warm_steps`)."""
+        widths = sorted(self.widths) if self.chooser is None or rows is None else list(self.chooser.kept(rows))
+        return f"{self.mode} round N in {widths}"
 
     def _warm_steps(self, sampling, stochastic, rows):
         """One no-op round of every width a round over `rows` rows can choose (`WidthChooser.kept`; all of them

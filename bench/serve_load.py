@@ -259,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=128)
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated in-flight bounds (default 1,4,16)")
     p.add_argument("--num-requests", type=int, default=32, help="requests per concurrency level (default 32)")
+    p.add_argument("--waves", type=int, default=0, metavar="K",
+                   help="at least K x concurrency requests per level (default 0: --num-requests alone); a level "
+                        "of one wave is mostly its ramp: every prompt arrives at once and it ends with the last")
     p.add_argument("--rate", type=float, default=float("inf"), help="Poisson arrival rate, requests/s (default inf)")
     p.add_argument("--dataset", choices=("random", "heldout"), default="random",
                    help="prompts: random words (default) or the shipped held-out text pack as token ids (the "
@@ -274,6 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write results as JSON (to PATH or stdout)")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",") if x]
+    if args.num_requests < 1 or args.waves < 0 or not levels or min(levels) < 1:
+        p.error("--num-requests and every --concurrency level must be >= 1, --waves >= 0")
+
+    def level_requests(c: int) -> int:
+        return max(args.num_requests, args.waves * c)
     rows: list[dict] = []
 
     dataset = heldout_prompts() if args.dataset == "heldout" else None
@@ -291,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                     await one_request(client, {"prompt": f"warm-up {i}", "max_tokens": 4, "stream": True,
                                                "stream_options": {"include_usage": True}})
                 for c in levels:
-                    row = await run_level(client, concurrency=c, num_requests=args.num_requests, rate=args.rate,
+                    row = await run_level(client, concurrency=c, num_requests=level_requests(c), rate=args.rate,
                                           prompt_words=args.prompt_words, max_tokens=args.max_tokens,
                                           seed=args.seed, temperature=args.temperature, dataset=dataset)
                     row["mode"] = label or "server"

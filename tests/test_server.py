@@ -1092,6 +1092,13 @@ def test_serve_load_reports_what_vllm_bench_serve_does(spec_server, tmp_path):
             assert set(r[key]) == {"mean", "std", "p50", "p90", "p99"} and r[key]["p50"] > 0
         assert r["ttft_s"]["p99"] <= r["latency_s"]["p99"]
         assert r["server"]["spec_drafts"] > 0 and r["server"]["compilations_after_startup"] == 0
+    # --waves: at least K x concurrency requests a level
+    assert serve_load.main(["--url", spec_server.base, "--concurrency", "1,4", "--num-requests", "3", "--waves", "2",
+                            "--max-tokens", "2", "--warmup", "0", "--json", str(out)]) == 0
+    assert [(r["concurrency"], r["requests"], r["ok"]) for r in json.loads(out.read_text())["results"]] == [
+        (1, 3, 3), (4, 8, 8)]
+    with pytest.raises(SystemExit):
+        serve_load.main(["--url", spec_server.base, "--waves", "-1"])
     pack = serve_load.heldout_prompts()
     assert len(pack) == 96 and all(len(x) == 32 and all(isinstance(t, int) for t in x) for x in pack)
 

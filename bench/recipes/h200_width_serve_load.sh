@@ -17,6 +17,7 @@
 # default SLOTS; e.g. "1,4,16,64": also the rounds of the server's decoding buckets), MODES ("ar tree-ready"),
 # DATASETS ("random heldout"), REPS (1), REP0 (0: the passes are numbered REP0+1..REP0+REPS, so a later call
 # with the same RES adds passes beside earlier ones), CONC (the concurrency levels), REQUESTS (64 a level),
+# WAVES (0: with K, at least K x concurrency requests a level, so the 64-request level is not one wave),
 # LOAD_TOKENS (64: new tokens a request),
 # PREFILL_CHUNK (128: prompt tokens per prefill call; one call runs between decoding steps, so a burst of prompts
 # is admitted over about its tokens / PREFILL_CHUNK steps), RES (where the files gather; a fresh temporary
@@ -44,7 +45,8 @@ if [[ " $STEPS " == *" serve "* ]]; then
   [ -f "$TABLE" ] || { echo "no $TABLE: run STEPS=calibrate first" >&2; exit 1; }
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.4
   SERVE=(--port 0 --max-batch "$SLOTS" --max-queue 256 --max-model-len $LEN --prefill-chunk "${PREFILL_CHUNK:-128}" --budget-table "$TABLE")
-  LOAD=(--concurrency "${CONC:-1,4,8,16,32,64}" --num-requests "${REQUESTS:-64}" --max-tokens "${LOAD_TOKENS:-64}")
+  LOAD=(--concurrency "${CONC:-1,4,8,16,32,64}" --num-requests "${REQUESTS:-64}" --waves "${WAVES:-0}"
+        --max-tokens "${LOAD_TOKENS:-64}")
   # every mode's server up side by side (started one after another, so their compiles do not overlap), then the
   # passes alternate between them: a drift of the machine moves every mode alike
   declare -A PORTS

@@ -777,11 +777,19 @@ def write_outputs(report: dict, json_path: str | None) -> None:
         plot(report, p.with_suffix(".png"))
 
 
+MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+SCALE_MEM_FRACTION = "0.95"     # the scale benchmarks' default share of device memory (the environment's wins)
+
+
 def drive(ap: argparse.ArgumentParser, args, *, prog: str, merge, sweep, write, summary, finite) -> int:
     """A scale benchmark's run after its own argument checks: `--merge` (no device), or the compile cache, the
     geometry and `sweep(args, cfg, name, on_progress)` — the report written after every program — then the
-    summary; one-line errors, and exit 1 when a program's logits are not finite (`finite(report)`)."""
+    summary; one-line errors (out of device memory: with what to change), and exit 1 when a program's logits are
+    not finite (`finite(report)`). JAX may take SCALE_MEM_FRACTION of the device unless the environment says."""
     name = prog.rsplit(" ", 1)[-1]
+    # a scale benchmark holds the device alone: JAX's default share (75%) leaves an 80 GB H100 short of the 27B
+    # round at B = 32 (68 GiB, `bench/results/scale/round_scale_h100.md`); read when the backend starts
+    os.environ.setdefault(MEM_FRACTION_ENV, SCALE_MEM_FRACTION)
     try:
         if args.merge:
             if not args.json:
@@ -796,7 +804,9 @@ def drive(ap: argparse.ArgumentParser, args, *, prog: str, merge, sweep, write, 
         cfg, geometry = resolve_config(args.tiny, args.config)
         report = sweep(args, cfg, geometry, on_progress=lambda r: write(r, args.json))
     except (ValueError, RuntimeError, OSError, KeyError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        hint = (f" (fewer --batch / --nodes, or a larger {MEM_FRACTION_ENV}: now "
+                f"{os.environ.get(MEM_FRACTION_ENV)})" if "RESOURCE_EXHAUSTED" in str(e) else "")
+        print(f"{prog}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}{hint}", file=sys.stderr)
         return 1
     write(report, args.json)
     print("\n" + summary(report))

@@ -3,6 +3,7 @@ and the decoding step timed per batch and width), the projection arithmetic agai
 the published drafter geometry, merge, and one-line errors."""
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -151,6 +152,31 @@ def test_errors_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         rs.main(["--tiny", "--tree-depth", "0"])
     assert e.value.code == 2
+
+
+def test_device_memory_default_and_out_of_memory_line(run, tmp_path, monkeypatch, capsys):
+    """A scale benchmark lets JAX take 95% of the device unless the environment says otherwise; running out of
+    device memory is one line that says what to change."""
+    from hyspec_jax.bench import verify_scale as vs
+    env = vs.MEM_FRACTION_ENV
+    monkeypatch.setenv(env, "0.5")
+    monkeypatch.delenv(env)                            # absent; restored to absent afterwards
+    out, rep = run
+    (tmp_path / "a.json").write_text(json.dumps(rep))
+    assert rs.main(["--merge", str(tmp_path / "a.json"), "--json", str(tmp_path / "m.json")]) == 0
+    assert os.environ[env] == vs.SCALE_MEM_FRACTION
+    monkeypatch.setenv(env, "0.6")                     # the environment's share wins
+    args = rs.build_parser().parse_args(["--tiny"])
+    args.argv = []
+
+    def sweep(*a, **kw):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0GiB.\nstack ...")
+    capsys.readouterr()
+    assert vs.drive(rs.build_parser(), args, prog="hyspec bench round-scale", merge=None, sweep=sweep,
+                    write=lambda *a: None, summary=str, finite=bool) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "RESOURCE_EXHAUSTED" in err[0] and f"{env}: now 0.6" in err[0], err
+    assert os.environ[env] == "0.6"
 
 
 def test_registered_in_the_cli(capsys):

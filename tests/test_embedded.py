@@ -93,6 +93,21 @@ def test_shipped_budget_table_covers_the_embedded_model(monkeypatch, target):
     assert eng.budget_table is not None and eng.budget_table.entries == table.entries
 
 
+def test_shipped_table_gives_an_h100_server_its_round_times(monkeypatch, target):
+    """The shipped table's H100 entries (`bench/results/budget/width_buckets_h100.md`) hold the GPU default's round
+    (tree-ready, the wide tree, kernels auto) at every width: an H100 server up to 64 slots and a 1,024-token
+    context chooses its width each round by default; a longer context has no covering entry (fixed width)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    h100 = type("Device", (), {"device_kind": "NVIDIA H100 80GB HBM3"})()
+    monkeypatch.setattr(jax, "devices", lambda *a: [h100])
+    eng = launch.engine_from_args(_args(), target, default_model_dir(), jnp.float32)
+    assert eng.spec.mode == "tree-ready" and eng.spec.verify_nodes == 32
+    for slots in (1, 4, 16, 32, 64):
+        seconds = eng.round_seconds(slots, 1040)
+        assert seconds is not None and sorted(seconds) == [1, 2, 4, 8, 16, 32], slots
+    assert eng.round_seconds(64, 2064) is None and eng.round_seconds(128, 1040) is None
+
+
 def test_recommendation_bounded_by_slots(monkeypatch, target):
     """A recommendation measured up to `max_slots` concurrent requests: more prompts (or --slots) decode plainly
     unless a mode is asked for explicitly."""

@@ -81,7 +81,8 @@ def engine_from_args(args, model, model_dir, dtype, batch: int | None = None, ne
                    kernels=getattr(args, "kernels", None) or "auto",
                    deferred_rows=getattr(args, "deferred_rows", None) or 0,
                    packed_widths=bool(getattr(args, "packed_widths", None)),
-                   width_margin=opt("width_margin", SpecConfig.width_margin))
+                   width_margin=opt("width_margin", SpecConfig.width_margin),
+                   calibrate_repeats=opt("startup_calibration", 0))
     if mode in ("tree", "tree-ready"):
         spec_kw["tree"] = TreeExpansion(depth=opt("tree_depth", 4), top_k=opt("tree_topk", 2), beam=opt("tree_beam", 4))
     spec = SpecConfig(**spec_kw)
@@ -108,7 +109,8 @@ def _mtp_engine(args, model, model_dir, dtype):
     spec_kw = dict(mode=args.spec_mode, chain_length=opt("chain_length"), verify_nodes=opt("verify_nodes"),
                    capacity=opt("budget"), kernels=opt("kernels", "auto"), deferred_rows=opt("deferred_rows", 0),
                    packed_widths=bool(opt("packed_widths", False)),
-                   width_margin=opt("width_margin", SpecConfig.width_margin))
+                   width_margin=opt("width_margin", SpecConfig.width_margin),
+                   calibrate_repeats=opt("startup_calibration", 0))
     if args.spec_mode == "mtp-tree":
         spec_kw["tree"] = TreeExpansion(depth=opt("tree_depth", 4), top_k=opt("tree_topk", 2),
                                         beam=opt("tree_beam", 4))

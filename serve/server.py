@@ -24,6 +24,7 @@ log = logging.getLogger("hyspec.serve")
 from hyspec_jax.spec.options import MODES, TREE_MODES, add_spec_arguments  # noqa: E402
 
 API_KEY_ENV = ("HYSPEC_API_KEY", "VLLM_API_KEY")
+STARTUP_CALIBRATION_ROUNDS = 10   # rounds per width and decoding bucket a GPU server times at start-up
 DEFAULT_MAX_MODEL_LEN = 2048      # a model config without max_position_embeddings
 MAX_DEFAULT_MODEL_LEN = 4096      # every slot holds a whole context's KV cache: a default longer than this is asked for
 
@@ -48,6 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(as vLLM's CUDA-graph batch sizes); 'auto' (default): 1 and the powers of 4 below "
                         "--max-batch for a speculative mode, and for plain decoding on a CPU (on a GPU a plain step "
                         "over few rows measured slower than over all slots); 'none': every step runs over all slots")
+    p.add_argument("--startup-calibration", type=int, metavar="R",
+                   help="speculative modes with no budget-table entry for this server's bucket: time every verify "
+                        "width's round at start-up, R rounds each per decoding bucket (about a second), and choose "
+                        "the width of every round from those times; 0: every round verifies --verify-nodes nodes "
+                        "(default: 10 on one GPU, 0 on a CPU or over several devices)")
     p.add_argument("--max-queue", type=int, default=256, metavar="Q",
                    help="requests waiting for a slot before new ones get 429 (default 256)")
     p.add_argument("--max-model-len", type=int, metavar="N",
@@ -162,6 +168,8 @@ def check_args(args) -> None:
         raise ValueError("--max-batch / --max-num-seqs must be >= 1")
     if args.max_queue < 0:
         raise ValueError("--max-queue must be >= 0")
+    if args.startup_calibration is not None and args.startup_calibration < 0:
+        raise ValueError("--startup-calibration must be >= 0")
     decode_buckets(args)                      # a bad value: its one-line error now
     if args.max_model_len is not None and args.max_model_len < 2:
         raise ValueError("--max-model-len must be >= 2")
@@ -231,6 +239,9 @@ def build_backend(args, target, model_dir: Path, max_model_len: int):
     dtype = leaves[0].dtype if leaves else jnp.float32
     ns = argparse.Namespace(**vars(args))
     ns.slots = args.max_batch
+    if ns.startup_calibration is None:        # one GPU: its own round times; a CPU's are the shipped table's
+        single = (args.tensor_parallel_size == 1 and args.data_parallel_size == 1 and jax.process_count() == 1)
+        ns.startup_calibration = STARTUP_CALIBRATION_ROUNDS if single and jax.default_backend() != "cpu" else 0
     engine = engine_from_args(ns, target, model_dir, dtype, server=True)
     if engine is None:
         if args.drafter and args.spec_mode == "ar":
@@ -319,6 +330,9 @@ def run(args) -> int:
               f"{list(backend.decode_buckets) or 'none'}; compiling")
     t0 = time.perf_counter()
     backend.compile(lambda s: _progress(f"  compiled {s}"))
+    for rows, seconds in (getattr(backend, "calibrated", None) or {}).items():     # the start-up calibration
+        times = ", ".join(f"{w}: {1e3 * t:.2f}" for w, t in sorted(seconds.items()))
+        _progress(f"  round ms over {rows} rows by width: {times}; kept {list(backend.chooser.kept(rows))}")
     scorer = None
     if args.max_logprobs > 0:
         scorer = Scorer(backend.graphdef, backend.params, max_model_len, args.max_logprobs)

@@ -158,6 +158,12 @@ def launched(tmp_path_factory):
             "--spec-mode", "tree", "--drafter", str(drafter_dir), "--max-batch", "4", "--prefill-chunk", "16",
             "--tree-depth", str(TREE_DEPTH), "--tree-topk", "2", "--tree-beam", "3", "--verify-nodes",
             str(TREE_NODES), "--max-logprobs", "0"], root / "server-tree.log"), root / "server-tree.log"),
+        # no budget table: the verify width chosen each round from round times the server takes at start-up
+        "calibrated": (_launch(serve + ["--model", str(model_dir)] + base + [
+            "--spec-mode", "tree", "--drafter", str(drafter_dir), "--max-batch", "2", "--prefill-chunk", "16",
+            "--tree-depth", str(TREE_DEPTH), "--tree-topk", "2", "--tree-beam", "3", "--verify-nodes",
+            str(TREE_NODES), "--max-logprobs", "0", "--startup-calibration", "2"], root / "server-calibrated.log"),
+            root / "server-calibrated.log"),
     }
     yield procs, model_dir
     for proc, _ in procs.values():
@@ -222,6 +228,12 @@ def spec_server(launched, oracle):
 def tree_server(launched, oracle):
     procs, model_dir = launched
     return _wait_port(*procs["tree"], model_dir)
+
+
+@pytest.fixture(scope="module")
+def calibrated_server(launched, oracle):
+    procs, model_dir = launched
+    return _wait_port(*procs["calibrated"], model_dir)
 
 
 TOK = byte_level_tokenizer()
@@ -882,6 +894,31 @@ def test_speculative_tree_server_equals_plain_decoding(tree_server, oracle):
     assert d("vllm:generation_tokens_total") == sum(len(w) for w, _ in wants)
     assert _value(m, "hyspec:compilations_after_startup_total") == 0
     assert extra(client.models.list().data[0], "spec_mode") == "tree"
+
+
+def test_a_server_without_a_table_times_its_widths_at_start_up(calibrated_server, oracle):
+    """--startup-calibration 2 and no budget table: the start-up log gives every width's round time over each
+    decoding bucket (1 and 2 rows) and the widths kept; greedy requests then equal plain decoding, every round runs
+    a kept width, and nothing compiles while serving."""
+    log = calibrated_server.log.read_text(errors="replace")
+    kept = {}
+    for rows in (1, 2):
+        m = re.search(rf"round ms over {rows} rows by width: 1: [\d.]+, 2: [\d.]+, 4: [\d.]+, {TREE_NODES}: "
+                      rf"[\d.]+; kept \[([\d, ]+)\]", log)
+        assert m, log
+        kept[rows] = {w.strip() for w in m.group(1).split(",")}
+    client = calibrated_server.client()
+    before = calibrated_server.metrics_text()
+    prompts = ["calibrated rounds", "the quick brown fox " * 2]
+    for p in prompts:
+        want, why = oracle(enc(p), 12)
+        ids, text, fr = complete(client, False, model=NAME, prompt=p, max_tokens=12, temperature=0,
+                                 extra_body={"return_token_ids": True})
+        assert (ids, fr) == (want, why), p
+    from hyspec_jax.bench.serve_load import _rounds_by_width
+    rounds = _rounds_by_width(before, calibrated_server.metrics_text())
+    assert rounds and set(rounds) <= kept[1] | kept[2], (rounds, kept)
+    assert _value(calibrated_server.metrics(), "hyspec:compilations_after_startup_total") == 0
 
 
 @pytest.fixture(scope="module")

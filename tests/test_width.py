@@ -448,6 +448,34 @@ def test_only_the_kept_widths_compile_and_serving_compiles_nothing(models, refer
     assert eng.compilations_after_startup == 0
 
 
+def test_start_up_calibration_times_every_width_then_chooses(models, reference):
+    """No table entry, calibrate_repeats set: the backend compiles every width's greedy round, times each over
+    every decoding bucket, keeps the widths `kept_widths` keeps at its margin, compiles the sampling flavour of
+    those only, starts its slots afresh (the timed rounds ran on them), and serves: greedy output equals plain
+    decoding, nothing compiles while serving."""
+    from hyspec_jax.compilation import CompileWatch
+    target, drafter = models
+    prompts, params, ref = reference
+    eng = SpecEngine(target, drafter, _spec("tree", calibrate_repeats=2), slots=SLOTS, kv_len=KV)
+    be = eng.backend(SLOTS, KV, decode_buckets=(1,))
+    assert isinstance(be, WidthBackend) and be.chooser is None and be.calibrate_repeats == 2
+    compiled = []
+    be.compile(compiled.append, prompt_lengths=[max(map(len, prompts))], workers=1)
+    assert set(be.calibrated) == {1, SLOTS}
+    assert all(sorted(t) == sorted(be.widths) and min(t.values()) > 0 for t in be.calibrated.values())
+    for rows in (1, SLOTS):
+        assert be.chooser.kept(rows) == tuple(kept_widths(be.calibrated[rows], be.width_margin))
+    sampling = [c for c in compiled if "sampling" in c]
+    assert sampling and all(str(list(be.chooser.kept(int(c.split("[")[2].split(",")[0])))) in c for c in sampling)
+    eng.backend = lambda *a, **kw: be
+    watch = CompileWatch()
+    assert [r.token_ids for r in eng.generate(prompts, params)] == ref
+    assert watch.since == 0 and sum(be.width_counts.values()) > 0
+    assert set(be.width_counts) <= set(be.chooser.kept(1)) | set(be.chooser.kept(SLOTS))
+    with pytest.raises(ValueError, match="calibrate_repeats"):
+        SpecConfig(mode="tree", calibrate_repeats=-1)
+
+
 @pytest.mark.parametrize("mode,widths,packed", [("tree", (8, 1, 4, 1, 2), False), ("ready", (1, 5, 2), False),
                                                 ("tree", (2, 8, 1, 4), True)])
 def test_deferred_commit_with_the_width_changing(mode, widths, packed, models, reference):

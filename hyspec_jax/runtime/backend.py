@@ -167,12 +167,19 @@ class Backend(abc.ABC):
         self.dtype = leaves[0].dtype if leaves else F32
         self.slots, self.kv_len, self.shapes = slots, kv_len, list(shapes)
         self.deferred_rows = int(deferred_rows)
-        self.state, self.dstate, self.anchor = place_buffers(
-            config, params, *new_buffers(config, drafter_config, slots, kv_len, self.dtype, self.deferred_rows))
+        self._drafter_config = drafter_config
+        self.reset_buffers()
         self._hist: PenaltyCounts | None = None      # the penalty history, made by the first penalized call
         self.decode_buckets = check_decode_buckets(decode_buckets, slots, params)
         self._compile_rows: int | None = None        # the bucket `compile` is compiling
         self._capturing = False                      # `compile` records program calls instead of running them
+
+    def reset_buffers(self) -> None:
+        """The slots' device state, drafter state and last tokens as at construction (fresh, unplaced by any step)."""
+        self.state = self.dstate = self.anchor = None           # the old buffers go before the new ones come
+        self.state, self.dstate, self.anchor = place_buffers(
+            self.config, self.params, *new_buffers(self.config, self._drafter_config, self.slots, self.kv_len,
+                                                   self.dtype, self.deferred_rows))
 
     @property
     def step_programs(self) -> int:

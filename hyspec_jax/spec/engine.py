@@ -66,6 +66,10 @@ class SpecConfig:
     # time (`spec.width.kept_widths`) — the wider round runs instead, at most this much slower per round; on the
     # H100 table of a 64-slot server 13 of 24 widths stay at 0.05, 17 at 0
     width_margin: float = 0.05
+    # Without calibrated round times for a bucket: time every width's round at start-up, this many rounds each
+    # per decoding bucket (`WidthBackend.calibrate`), and choose from those; 0 = every round verifies N nodes
+    # (`hyspec serve` sets it on a GPU: `--startup-calibration`)
+    calibrate_repeats: int = 0
     # Packed widths (Bole's packed forest as the per-round choice): width w = a batch-wide budget of slots · w
     # nodes at row capacity N, the verify packed into those rows (`budget.packed_rows`), instead of w nodes a row
     packed_widths: bool = False
@@ -88,6 +92,8 @@ class SpecConfig:
             raise ValueError("confidence_threshold must be in [0, 1]")
         if self.deferred_rows < 0:
             raise ValueError("deferred_rows must be >= 0")
+        if self.calibrate_repeats < 0:
+            raise ValueError(f"calibrate_repeats must be >= 0, got {self.calibrate_repeats}")
         if not 0.0 <= self.width_margin < 1.0:
             raise ValueError(f"width_margin must be in [0, 1), got {self.width_margin}")
         if self.reader_state not in ("own", "swapped"):
@@ -315,7 +321,8 @@ class SpecEngine:
                             mode=self.spec.mode, widths=rounds, seconds=seconds, user_capacity=self.spec.capacity,
                             slots=slots, kv_len=kv_len, shapes=shapes, deferred_rows=self.spec.deferred_rows,
                             decode_buckets=decode_buckets, rows_seconds=rows_seconds,
-                            width_margin=self.spec.width_margin)
+                            width_margin=self.spec.width_margin,
+                            calibrate_repeats=0 if seconds is not None else self.spec.calibrate_repeats)
 
     def _width_shapes(self, slots: int, widths: tuple[int, ...]) -> dict[int, dict[bool, RoundShape]]:
         """{w: {flavour: round shape}} of the width buckets: w nodes a row, or with spec.packed_widths a batch-wide
@@ -333,13 +340,17 @@ class SpecEngine:
                 decode_buckets: Sequence[int] = ()) -> SpecBackend:
         """A backend of this engine's drafter and rounds for the bucket (slots, KV length): with
         spec.adaptive_width and calibrated round times of the bucket, the width chosen each round
-        (`width_backend`); else N from `nodes_for`, capacity spec.capacity or slots · N. Prefill shapes
+        (`width_backend`); without them but with spec.calibrate_repeats, the same from round times the backend
+        measures when it compiles (`WidthBackend.calibrate`); else N from `nodes_for`, capacity spec.capacity or
+        slots · N. Prefill shapes
         (default: all `slots` rows of every prompt bucket the KV length holds); decoding buckets: the row counts
         below `slots` a round is also compiled for (`Backend.step_rows`)."""
         if self.spec.mode == "ar":
             raise ValueError("plain decoding (ar) runs on `generate.Generator`'s backend")
         if self.spec.adaptive_width and (seconds := self.round_seconds(slots, kv_len)) is not None:
             return self.width_backend(slots, kv_len, seconds, shapes, decode_buckets)
+        if self.spec.adaptive_width and self.spec.calibrate_repeats and self.nodes_for(slots, kv_len) > 1:
+            return self.width_backend(slots, kv_len, None, shapes, decode_buckets)       # timed at start-up
         N = self.nodes_for(slots, kv_len)
         shapes = shapes or batch_shapes(slots, self.max_prompt_len(kv_len))
         return SpecBackend(self.config, self.tgraph, self.tparams, self.drafter.config,   # MTP: the target's config

@@ -184,24 +184,83 @@ class WidthBackend(SpecBackend):
 
     def __init__(self, *args, widths: dict[int, dict[bool, RoundShape]], seconds: dict[int, float] | None,
                  user_capacity: int | None = None, rows_seconds: dict[int, dict[int, float]] | None = None,
-                 width_margin: float = 0.0, **kw):
+                 width_margin: float = 0.0, calibrate_repeats: int = 0, **kw):
         """widths: {w: {flavour: round shape}} (every shape reporting the same gain widths, sorted(widths));
         seconds: calibrated round time per width (None: no choice, the widest width runs unless forced);
         user_capacity: a fixed batch-wide node budget (default slots · w); rows_seconds: {R: round time per
-        width} of the decoding buckets' rounds, where calibrated; width_margin: `kept_widths`' margin."""
+        width} of the decoding buckets' rounds, where calibrated; width_margin: `kept_widths`' margin;
+        calibrate_repeats: without `seconds`, > 0 times every width's round at start-up (`compile`), that many
+        rounds each per decoding bucket, and chooses from those times."""
         super().__init__(*args, round_shapes=widths[max(widths)], capacity=user_capacity or 1, **kw)
         self.widths = dict(widths)
         self.user_capacity = user_capacity
         packed = widths[max(widths)][False].packed_gains
-        self.chooser = (WidthChooser(seconds, packed_slots=self.slots if packed else 0,
-                                     rows_seconds=dict(rows_seconds or {}), margin=width_margin)
-                        if seconds else None)
+        self.width_margin, self.calibrate_repeats = width_margin, int(calibrate_repeats)
+        self.chooser = self._chooser(seconds, rows_seconds) if seconds else None
+        self.calibrated: dict[int, dict[int, float]] = {}     # {rows: {width: seconds}} timed at start-up
         self.force: list[int] | None = None     # widths to cycle through instead of choosing
         # a server runs rounds without end: the recent widths for inspection, counts for the stats
         self.history: collections.deque[int] = collections.deque(maxlen=HISTORY)
         self.width_counts: collections.Counter[int] = collections.Counter()
         self.rounds = 0                         # rounds dispatched
         self.capacity = self.slots * max(widths) if user_capacity is None else int(user_capacity)
+
+    def _chooser(self, seconds: dict[int, float], rows_seconds: dict[int, dict[int, float]] | None) -> WidthChooser:
+        packed = self.widths[max(self.widths)][False].packed_gains
+        return WidthChooser(seconds, packed_slots=self.slots if packed else 0, rows_seconds=dict(rows_seconds or {}),
+                            margin=self.width_margin)
+
+    def compile(self, progress=None, stochastic=(False, True), prompt_lengths=None, workers=None) -> None:
+        """`Backend.compile`; without calibrated round times and with calibrate_repeats, first the greedy rounds
+        of every width, then their times (`calibrate`), then the other flavour's rounds of the kept widths only."""
+        if self.chooser is not None or self.calibrate_repeats < 1 or self.force:
+            return super().compile(progress, stochastic, prompt_lengths, workers)
+        super().compile(progress, (False,), prompt_lengths, workers)
+        self.calibrate(self.calibrate_repeats)
+        if any(stochastic):
+            super().compile(progress, (True,), [], workers)       # no prompt bucket: the prefills are compiled
+
+    def calibrate(self, repeats: int) -> dict[int, dict[int, float]]:
+        """Time this backend's own greedy round at every width, over every decoding bucket's rows and over all
+        slots (`repeats` rounds each after one untimed, the widths interleaved as `hyspec calibrate` does: each
+        call dispatched and read back), choose from them from now on (`WidthChooser` at this backend's margin),
+        and start the slots afresh. The rounds run on the fresh slots' state: at start-up, not while serving.
+        Returns {rows: {width: seconds}}."""
+        import statistics
+        import time
+
+        from hyspec_jax.sharding import params_mesh
+        if params_mesh(self.params) is not None:
+            raise ValueError("start-up width calibration runs on one device; calibrate with `hyspec calibrate`")
+        B, widths = self.slots, sorted(self.widths)
+        z = np.zeros(B, np.float32)
+        samp = self.sampling(z, np.ones(B, np.float32), z.astype(np.int32), z.astype(np.uint32))
+        steps = np.zeros(B, np.int32)
+        out: dict[int, dict[int, float]] = {}
+        # a slot's context grows by up to depth + 1 tokens a round: the slots start afresh before they would
+        # outgrow their KV length (every bucket starts afresh too)
+        per_reset = max(1, (self.kv_len - self.overshoot) // (self.depth + 1))
+        for R in sorted(set(self.decode_buckets) | {B}):
+            active = np.arange(B) < R
+            rows = self.step_rows(active)
+            times: dict[int, list[float]] = {w: [] for w in widths}
+            used = per_reset
+            for r in range(repeats + 1):                      # r = 0: the warm-up, untimed
+                for w in widths[r % len(widths):] + widths[:r % len(widths)]:
+                    if used >= per_reset:
+                        self.reset_buffers()
+                        used = 0
+                    used += 1
+                    steps += 1
+                    t0 = time.perf_counter()
+                    self.collect(self._run(w, active, samp, steps, False, None, None, rows))
+                    if r:
+                        times[w].append(time.perf_counter() - t0)
+            out[R] = {w: statistics.median(times[w]) for w in widths}
+        self.reset_buffers()
+        self.calibrated = out
+        self.chooser = self._chooser(out[B], {R: t for R, t in out.items() if R < B})
+        return out
 
     def describe_step(self, rows: int | None = None) -> str:
         """The widths a round over `rows` rows compiles (`_warm_steps`)."""

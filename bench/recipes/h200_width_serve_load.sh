@@ -13,7 +13,9 @@
 #                   under a 10-minute command, STEPS=calibrate, then STEPS=serve on the same machine ($TABLE is
 #                   under the ignored out/, which a device call keeps between calls on a warm machine; so is JAX's
 #                   compilation cache, out/jax_cache, so a second serve step starts its servers from it).
-# Knobs: STEPS ("calibrate serve"), TABLE (out/hyspec_width_table.json), SLOTS (64), CAL_BATCH (slots calibrated,
+# Knobs: STEPS ("calibrate serve"), TABLE (out/hyspec_width_table.json; "none": the server's default, the embedded
+# model's shipped table, and where that holds no round times for the bucket the server times its widths at
+# start-up, `--startup-calibration`; serve only), SLOTS (64), CAL_BATCH (slots calibrated,
 # default SLOTS; e.g. "1,4,16,64": also the rounds of the server's decoding buckets), MODES ("ar tree-ready"),
 # DATASETS ("random heldout"), REPS (1), REP0 (0: the passes are numbered REP0+1..REP0+REPS, so a later call
 # with the same RES adds passes beside earlier ones), CONC (the concurrency levels), REQUESTS (64 a level),
@@ -33,18 +35,22 @@ set -uo pipefail
 source bench/recipes/serve_wheels.sh install .whl || exit 1
 source bench/recipes/lib.sh
 STEPS=${STEPS:-calibrate serve}; MODES=${MODES:-ar tree-ready}; TABLE=${TABLE:-out/hyspec_width_table.json}
-mkdir -p "$(dirname "$TABLE")"; TABLE=$(realpath "$(dirname "$TABLE")")/$(basename "$TABLE")   # read from BASE too
+if [ "$TABLE" != none ]; then     # none: the servers' default table (see above)
+  mkdir -p "$(dirname "$TABLE")"; TABLE=$(realpath "$(dirname "$TABLE")")/$(basename "$TABLE")   # read from BASE too
+fi
 SLOTS=${SLOTS:-64}; LEN=1024; RES=${RES:-$(mktemp -d)}; mkdir -p "$RES"
 export HYSPEC_JAX_CACHE=${HYSPEC_JAX_CACHE:-$PWD/out/jax_cache}     # kept between calls, like $TABLE
 if [[ " $STEPS " == *" calibrate "* ]]; then
+  [ "$TABLE" != none ] || { echo "STEPS=calibrate writes a table: give TABLE a file" >&2; exit 1; }
   "${H[@]}" calibrate --spec-mode tree-ready --batch "${CAL_BATCH:-$SLOTS}" --kv-len $((LEN + 16)) --nodes 1,32 --repeats 20 ${SPEC_EXTRA:-} \
     --out "$TABLE" --json > "$RES/calibrate.json" || exit 1
   cp "$TABLE" "$RES/budget_table.json"
 fi
 if [[ " $STEPS " == *" serve "* ]]; then
-  [ -f "$TABLE" ] || { echo "no $TABLE: run STEPS=calibrate first" >&2; exit 1; }
+  [ "$TABLE" = none ] || [ -f "$TABLE" ] || { echo "no $TABLE: run STEPS=calibrate first, or TABLE=none" >&2; exit 1; }
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.4
-  SERVE=(--port 0 --max-batch "$SLOTS" --max-queue 256 --max-model-len $LEN --prefill-chunk "${PREFILL_CHUNK:-128}" --budget-table "$TABLE")
+  SERVE=(--port 0 --max-batch "$SLOTS" --max-queue 256 --max-model-len $LEN --prefill-chunk "${PREFILL_CHUNK:-128}")
+  [ "$TABLE" = none ] || SERVE+=(--budget-table "$TABLE")
   LOAD=(--concurrency "${CONC:-1,4,8,16,32,64}" --num-requests "${REQUESTS:-64}" --waves "${WAVES:-0}"
         --max-tokens "${LOAD_TOKENS:-64}")
   # every mode's server up side by side (started one after another, so their compiles do not overlap), then the

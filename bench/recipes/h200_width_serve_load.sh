@@ -20,7 +20,7 @@
 # DATASETS ("random heldout"), REPS (1), REP0 (0: the passes are numbered REP0+1..REP0+REPS, so a later call
 # with the same RES adds passes beside earlier ones), CONC (the concurrency levels), REQUESTS (64 a level),
 # WAVES (0: with K, at least K x concurrency requests a level, so the 64-request level is not one wave),
-# LOAD_TOKENS (64: new tokens a request),
+# LOAD_TOKENS (64: new tokens a request), LEN (1024: --max-model-len),
 # PREFILL_CHUNK (128: prompt tokens per prefill call; one call runs between decoding steps, so a burst of prompts
 # is admitted over about its tokens / PREFILL_CHUNK steps), RES (where the files gather; a fresh temporary
 # folder), SPEC_EXTRA (more speculative options for calibrate and the server, e.g. "--packed-widths": the
@@ -38,7 +38,7 @@ STEPS=${STEPS:-calibrate serve}; MODES=${MODES:-ar tree-ready}; TABLE=${TABLE:-o
 if [ "$TABLE" != none ]; then     # none: the servers' default table (see above)
   mkdir -p "$(dirname "$TABLE")"; TABLE=$(realpath "$(dirname "$TABLE")")/$(basename "$TABLE")   # read from BASE too
 fi
-SLOTS=${SLOTS:-64}; LEN=1024; RES=${RES:-$(mktemp -d)}; mkdir -p "$RES"
+SLOTS=${SLOTS:-64}; LEN=${LEN:-1024}; RES=${RES:-$(mktemp -d)}; mkdir -p "$RES"
 export HYSPEC_JAX_CACHE=${HYSPEC_JAX_CACHE:-$PWD/out/jax_cache}     # kept between calls, like $TABLE
 if [[ " $STEPS " == *" calibrate "* ]]; then
   [ "$TABLE" != none ] || { echo "STEPS=calibrate writes a table: give TABLE a file" >&2; exit 1; }

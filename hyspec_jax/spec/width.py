@@ -194,7 +194,6 @@ class WidthBackend(SpecBackend):
         super().__init__(*args, round_shapes=widths[max(widths)], capacity=user_capacity or 1, **kw)
         self.widths = dict(widths)
         self.user_capacity = user_capacity
-        packed = widths[max(widths)][False].packed_gains
         self.width_margin, self.calibrate_repeats = width_margin, int(calibrate_repeats)
         self.chooser = self._chooser(seconds, rows_seconds) if seconds else None
         self.calibrated: dict[int, dict[int, float]] = {}     # {rows: {width: seconds}} timed at start-up

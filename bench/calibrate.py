@@ -208,10 +208,9 @@ def calibrate(model, *, model_name: str, batches: list[int], kv_lens: list[int],
 def calibrate_rounds(engine, *, batches: list[int], kv_lens: list[int], repeats: int,
                      log=print) -> dict[tuple[int, int], tuple[str, dict[str, float]]]:
     """The engine's round time at every width bucket (see the module docstring): {(B, S): (round signature,
-    {width: ms})}. The widths are interleaved — each repeat prefills the slots afresh (untimed), then times one
-    round of every width, in an order rotated by the repeat — so a drift of the machine's speed (another
-    process, clocks) moves every width alike."""
-    from hyspec_jax.spec.width import round_signature
+    {width: ms})}, timed by `spec.width.time_widths` (the widths interleaved), each repeat after a fresh prefill
+    of the slots (untimed)."""
+    from hyspec_jax.spec.width import round_signature, time_widths
 
     out = {}
     for B in batches:
@@ -226,25 +225,18 @@ def calibrate_rounds(engine, *, batches: list[int], kv_lens: list[int], repeats:
             rng = np.random.default_rng(B * 7919 + S)
             z = np.zeros(B, np.float32)
             samp = be.sampling(z, np.ones(B, np.float32), z.astype(np.int32), z.astype(np.uint32))
-            active, steps = np.ones(B, bool), np.zeros(B, np.int32)
             t0 = time.perf_counter()
             # every width's round compiled first by the backend's start-up compile: side by side where
             # $HYSPEC_COMPILE_WORKERS allows (the CPU default; one after another on a GPU, see compile_workers)
             be.compile(stochastic=(False,), prompt_lengths=[T])
             log(f"[calibrate] B={B} S={S}: compiled {len(widths)} rounds in {time.perf_counter() - t0:.1f} s")
-            times: dict[int, list[float]] = {w: [] for w in widths}
-            for r in range(repeats + 1):                          # r = 0: the warm-up, untimed
-                np.asarray(be.prefill(np.arange(B, dtype=np.int32),        # waited for: not in a round's time
-                                      rng.integers(0, engine.config.vocab_size, (B, T)), np.ones((B, T), bool),
-                                      np.ones(B, bool), samp))
-                for w in widths[r % len(widths):] + widths[:r % len(widths)]:
-                    be.force = [w]
-                    steps += 1
-                    t0 = time.perf_counter()
-                    be.collect(be.dispatch(active, samp, steps, False))     # blocks on the host read
-                    if r:
-                        times[w].append(time.perf_counter() - t0)
-            ms = {str(w): round(1e3 * statistics.median(times[w]), 4) for w in widths}
+
+            def prefill() -> None:       # the slots afresh with a T-token prefix, waited for: not in a round's time
+                prompt = rng.integers(0, engine.config.vocab_size, (B, T))
+                np.asarray(be.prefill(np.arange(B, dtype=np.int32), prompt, np.ones((B, T), bool), np.ones(B, bool),
+                                      samp))
+            seconds = time_widths(be, np.ones(B, bool), repeats, before_repeat=prefill)
+            ms = {str(w): round(1e3 * seconds[w], 4) for w in widths}
             for w in widths:
                 log(f"[calibrate] B={B} S={S} {sig} width {w:<4d} round {ms[str(w)]:8.3f} ms")
             out[(B, S)] = (sig, ms)

@@ -29,7 +29,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import Mapping, Sequence
+import itertools
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -220,42 +221,23 @@ class WidthBackend(SpecBackend):
             super().compile(progress, (True,), [], workers)       # no prompt bucket: the prefills are compiled
 
     def calibrate(self, repeats: int) -> dict[int, dict[int, float]]:
-        """Time this backend's own greedy round at every width, over every decoding bucket's rows and over all
-        slots (`repeats` rounds each after one untimed, the widths interleaved as `hyspec calibrate` does: each
-        call dispatched and read back), choose from them from now on (`WidthChooser` at this backend's margin),
-        and start the slots afresh. The rounds run on the fresh slots' state: at start-up, not while serving.
-        Returns {rows: {width: seconds}}."""
-        import statistics
-        import time
-
+        """Time this backend's own greedy round at every width (`time_widths`, `repeats` rounds each) over every
+        decoding bucket's rows and over all slots, choose from those times from now on (`WidthChooser` at this
+        backend's margin), and start the slots afresh. The rounds run on the fresh slots' state: at start-up, not
+        while serving. Returns {rows: {width: seconds}}."""
         from hyspec_jax.sharding import params_mesh
         if params_mesh(self.params) is not None:
             raise ValueError("start-up width calibration runs on one device; calibrate with `hyspec calibrate`")
-        B, widths = self.slots, sorted(self.widths)
-        z = np.zeros(B, np.float32)
-        samp = self.sampling(z, np.ones(B, np.float32), z.astype(np.int32), z.astype(np.uint32))
-        steps = np.zeros(B, np.int32)
-        out: dict[int, dict[int, float]] = {}
-        # a slot's context grows by up to depth + 1 tokens a round: the slots start afresh before they would
-        # outgrow their KV length (every bucket starts afresh too)
-        per_reset = max(1, (self.kv_len - self.overshoot) // (self.depth + 1))
-        for R in sorted(set(self.decode_buckets) | {B}):
-            active = np.arange(B) < R
-            rows = self.step_rows(active)
-            times: dict[int, list[float]] = {w: [] for w in widths}
-            used = per_reset
-            for r in range(repeats + 1):                      # r = 0: the warm-up, untimed
-                for w in widths[r % len(widths):] + widths[:r % len(widths)]:
-                    if used >= per_reset:
-                        self.reset_buffers()
-                        used = 0
-                    used += 1
-                    steps += 1
-                    t0 = time.perf_counter()
-                    self.collect(self._run(w, active, samp, steps, False, None, None, rows))
-                    if r:
-                        times[w].append(time.perf_counter() - t0)
-            out[R] = {w: statistics.median(times[w]) for w in widths}
+        B = self.slots
+        # a slot's context grows by up to depth + 1 tokens a round: the slots start afresh every `fits` repeats,
+        # before their rounds could outgrow the KV length, and at every bucket's first
+        fits = max(1, (self.kv_len - self.overshoot) // ((self.depth + 1) * len(self.widths)))
+
+        def fresh_every_fits_repeats() -> Callable[[], None]:
+            count = itertools.count()
+            return lambda: self.reset_buffers() if next(count) % fits == 0 else None
+        out = {R: time_widths(self, np.arange(B) < R, repeats, before_repeat=fresh_every_fits_repeats())
+               for R in sorted(set(self.decode_buckets) | {B})}
         self.reset_buffers()
         self.calibrated = out
         self.chooser = self._chooser(out[B], {R: t for R, t in out.items() if R < B})
@@ -310,3 +292,32 @@ class WidthBackend(SpecBackend):
 
 
 __all__ = ["width_buckets", "round_signature", "round_seconds", "choose_width", "WidthChooser", "WidthBackend"]
+
+
+def time_widths(backend: WidthBackend, active: np.ndarray, repeats: int,
+                before_repeat: Callable[[], None] | None = None) -> dict[int, float]:
+    """{width: seconds} of one greedy round of `backend` at each of its widths over the `active` slots: the median
+    of `repeats` rounds after one untimed, each dispatched and read back. The widths are interleaved, in an order
+    rotated by the repeat, so a drift of the machine's speed (another process, clocks) moves every width alike;
+    before_repeat() runs untimed before each repeat (a fresh prefill, fresh slots). One home for `hyspec
+    calibrate` and a server's start-up calibration (`WidthBackend.calibrate`)."""
+    import statistics
+    import time
+    B, widths = backend.slots, sorted(backend.widths)
+    z = np.zeros(B, np.float32)
+    samp = backend.sampling(z, np.ones(B, np.float32), z.astype(np.int32), z.astype(np.uint32))
+    steps = np.zeros(B, np.int32)
+    active = np.asarray(active, bool)
+    rows = backend.step_rows(active)
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    for r in range(repeats + 1):                          # r = 0: the warm-up, untimed
+        if before_repeat is not None:
+            before_repeat()
+        for w in widths[r % len(widths):] + widths[:r % len(widths)]:
+            steps += 1
+            t0 = time.perf_counter()
+            backend.collect(backend._run(w, active, samp, steps, False, None, None, rows))
+            if r:
+                times[w].append(time.perf_counter() - t0)
+    return {w: statistics.median(times[w]) for w in widths}
+

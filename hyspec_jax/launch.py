@@ -91,7 +91,17 @@ def engine_from_args(args, model, model_dir, dtype, batch: int | None = None, ne
         raise ValueError(f"--spec-mode {mode} needs a drafter with a ReaDy reader ({drafter_dir}/reader/ is missing)")
     table = BudgetTable.load(table_path) if table_path else None
     name = model_id(model.config, Path(model_dir).name)
-    return SpecEngine(model, drafter, spec, slots=getattr(args, "slots", None), budget_table=table, model_name=name)
+    return SpecEngine(model, drafter, spec, slots=getattr(args, "slots", None), budget_table=table, model_name=name,
+                      **_calibration_cache(args, spec))
+
+
+def _calibration_cache(args, spec) -> dict:
+    """A server that times its widths at start-up keeps the times for its next start (`--recalibrate`: times
+    them again, replacing them)."""
+    if spec.calibrate_repeats < 1:
+        return {}
+    from hyspec_jax.spec.width import calibration_cache_path
+    return dict(calibration_cache=calibration_cache_path(), reuse_calibration=not getattr(args, "recalibrate", False))
 
 
 def _mtp_engine(args, model, model_dir, dtype):
@@ -119,7 +129,7 @@ def _mtp_engine(args, model, model_dir, dtype):
     table_path = getattr(args, "budget_table", None)
     table = BudgetTable.load(table_path) if table_path else None
     return SpecEngine(model, head, spec, slots=getattr(args, "slots", None), budget_table=table,
-                      model_name=model_id(model.config, Path(model_dir).name))
+                      model_name=model_id(model.config, Path(model_dir).name), **_calibration_cache(args, spec))
 
 
 def check_parallel(tensor_parallel: int, data_parallel: int = 1, slots: int | None = None,

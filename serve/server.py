@@ -53,7 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="speculative modes with no budget-table entry for this server's bucket: time every verify "
                         "width's round at start-up, R rounds each per decoding bucket (about a second), and choose "
                         "the width of every round from those times; 0: every round verifies --verify-nodes nodes "
-                        "(default: 10 on one GPU, 0 on a CPU or over several devices)")
+                        "(default: 10 on one GPU, 0 on a CPU or over several devices). The times are kept in "
+                        "width_times.json of the hyspec cache ($HYSPEC_CACHE, else ~/.cache/hyspec_jax): a later start of the same server, code and "
+                        "device chooses from them without timing again")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="with --startup-calibration: time the widths again even where an earlier start kept times "
+                        "for this server, and keep the new ones")
     p.add_argument("--max-queue", type=int, default=256, metavar="Q",
                    help="requests waiting for a slot before new ones get 429 (default 256)")
     p.add_argument("--max-model-len", type=int, metavar="N",
@@ -168,6 +173,8 @@ def check_args(args) -> None:
         raise ValueError("--max-batch / --max-num-seqs must be >= 1")
     if args.max_queue < 0:
         raise ValueError("--max-queue must be >= 0")
+    if args.recalibrate and args.startup_calibration == 0:
+        raise ValueError("--recalibrate times the widths at start-up: it needs --startup-calibration R > 0")
     if args.startup_calibration is not None and args.startup_calibration < 0:
         raise ValueError("--startup-calibration must be >= 0")
     decode_buckets(args)                      # a bad value: its one-line error now
@@ -333,6 +340,11 @@ def run(args) -> int:
     for rows, seconds in (getattr(backend, "calibrated", None) or {}).items():     # the start-up calibration
         times = ", ".join(f"{w}: {1e3 * t:.2f}" for w, t in sorted(seconds.items()))
         _progress(f"  round ms over {rows} rows by width: {times}; kept {list(backend.chooser.kept(rows))}")
+    if getattr(backend, "calibration_saved", None):
+        _progress(f"  round times kept in {backend.calibration_saved} for the next start (--recalibrate: time "
+                  "them again)")
+    elif getattr(backend, "times_origin", None):
+        _progress(f"  round times from {backend.times_origin}")
     scorer = None
     if args.max_logprobs > 0:
         scorer = Scorer(backend.graphdef, backend.params, max_model_len, args.max_logprobs)

@@ -126,6 +126,18 @@ def _drafter_dir(root: Path, model_dir: Path) -> Path:
     return out
 
 
+def _own_hyspec_cache(root: Path) -> dict[str, str]:
+    """A hyspec cache of this run's own (the start-up calibration's kept times: a re-run must time again), the
+    compilation cache still the shared one."""
+    from hyspec_jax.compilation import compilation_cache_dir
+    from hyspec_jax.paths import cache_dir
+    own = root / "hyspec"
+    own.mkdir(exist_ok=True)
+    (cache_dir() / "kernels").mkdir(parents=True, exist_ok=True)
+    (own / "kernels").symlink_to(cache_dir() / "kernels", target_is_directory=True)    # built once, shared
+    return {"HYSPEC_CACHE": str(own), "HYSPEC_JAX_CACHE": str(compilation_cache_dir())}
+
+
 def _launch(cmd: list[str], log: Path, **env_extra: str) -> subprocess.Popen:
     env = dict(os.environ, **env_extra)
     # Test-only: a cheaper XLA backend optimisation level roughly halves the CPU compile time of the buckets.
@@ -162,8 +174,8 @@ def launched(tmp_path_factory):
         "calibrated": (_launch(serve + ["--model", str(model_dir)] + base + [
             "--spec-mode", "tree", "--drafter", str(drafter_dir), "--max-batch", "2", "--prefill-chunk", "16",
             "--tree-depth", str(TREE_DEPTH), "--tree-topk", "2", "--tree-beam", "3", "--verify-nodes",
-            str(TREE_NODES), "--max-logprobs", "0", "--startup-calibration", "2"], root / "server-calibrated.log"),
-            root / "server-calibrated.log"),
+            str(TREE_NODES), "--max-logprobs", "0", "--startup-calibration", "2"], root / "server-calibrated.log",
+            **_own_hyspec_cache(root)), root / "server-calibrated.log"),
     }
     yield procs, model_dir
     for proc, _ in procs.values():
@@ -907,6 +919,9 @@ def test_a_server_without_a_table_times_its_widths_at_start_up(calibrated_server
                       rf"[\d.]+; kept \[([\d, ]+)\]", log)
         assert m, log
         kept[rows] = {w.strip() for w in m.group(1).split(",")}
+    cache = calibrated_server.log.parent / "hyspec" / "width_times.json"
+    assert f"round times kept in {cache}" in log, log
+    assert sorted(e["batch"] for e in json.loads(cache.read_text())["entries"].values()) == [1, 2]
     client = calibrated_server.client()
     before = calibrated_server.metrics_text()
     prompts = ["calibrated rounds", "the quick brown fox " * 2]
@@ -1094,6 +1109,7 @@ def test_stalled_clients_are_closed_and_the_connection_cap_answers_503(server):
     (["--speculative-config", '{"method": "chain"}', "--spec-mode", "tree"], "disagrees with --spec-mode"),
     (["--decode-buckets", "1,x"], "--decode-buckets must be 'auto', 'none' or row counts"),
     (["--decode-buckets", "0,4"], "--decode-buckets must be 'auto', 'none' or row counts"),
+    (["--recalibrate", "--startup-calibration", "0"], "--recalibrate times the widths at start-up"),
 ])
 def test_launch_flag_errors_are_one_line(flags, message):
     r = subprocess.run([sys.executable, "-m", "hyspec_jax.serve", "--port", "0"] + flags, capture_output=True,

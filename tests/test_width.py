@@ -476,6 +476,55 @@ def test_start_up_calibration_times_every_width_then_chooses(models, reference):
         SpecConfig(mode="tree", calibrate_repeats=-1)
 
 
+def test_a_start_up_calibration_is_kept_for_the_next_start(models, reference, tmp_path):
+    """The times a start-up calibration measured are kept (`save_round_times`, one entry per decoding bucket and
+    the full bucket), and a second engine with the same cache chooses from them without timing: its rounds are
+    the kept widths' alone, greedy output equals plain decoding. Times kept by other code (another source digest),
+    fewer repeats than asked, or reuse turned off (`--recalibrate`): timed again."""
+    import json
+
+    from hyspec_jax.compilation import source_digest
+    target, drafter = models
+    prompts, params, ref = reference
+    cache = tmp_path / "hyspec" / "width_times.json"
+
+    def backend(repeats: int = 2, reuse: bool = True, engine: list | None = None):
+        eng = SpecEngine(target, drafter, _spec("tree", calibrate_repeats=repeats), slots=SLOTS, kv_len=KV,
+                         calibration_cache=cache, reuse_calibration=reuse)
+        if engine is not None:
+            engine.append(eng)
+        return eng.backend(SLOTS, KV, decode_buckets=(1,))
+
+    first = backend()
+    assert first.chooser is None and not cache.exists()
+    first.compile(None, prompt_lengths=[max(map(len, prompts))], workers=1)
+    assert first.calibration_saved == cache and set(first.calibrated) == {1, SLOTS}
+    entries = json.loads(cache.read_text())["entries"]
+    assert sorted(e["batch"] for e in entries.values()) == [1, SLOTS]
+    assert all(e["source"] == source_digest() and e["kv_len"] == KV for e in entries.values())
+
+    made = []
+    second = backend(engine=made)
+    assert second.chooser is not None and second.calibrate_repeats == 0 and str(cache) in second.times_origin
+    for rows, seconds in ((SLOTS, second.chooser.seconds), (1, second.chooser.rows_seconds[1])):
+        assert seconds == pytest.approx(first.calibrated[rows], rel=1e-3, abs=1e-7)
+    compiled = []
+    second.compile(compiled.append, prompt_lengths=[max(map(len, prompts))], workers=1)
+    assert not second.calibrated and second.calibration_saved is None
+    rounds = [c for c in compiled if " round " in c]
+    assert rounds and all(str(list(second.chooser.kept(int(c.split("[")[2].split(",")[0])))) in c for c in rounds)
+    made[0].backend = lambda *a, **kw: second
+    assert [r.token_ids for r in made[0].generate(prompts, params)] == ref
+
+    assert backend(repeats=3).chooser is None                      # fewer repeats than asked: timed again
+    assert backend(reuse=False).chooser is None                    # --recalibrate
+    entries = {k: {**e, "source": "other code"} for k, e in entries.items()}
+    cache.write_text(json.dumps({"version": 1, "entries": entries}))
+    assert backend().chooser is None                               # kept by other code
+    cache.write_text("{not json")
+    assert backend().chooser is None                               # unreadable: nothing kept
+
+
 @pytest.mark.parametrize("mode,widths,packed", [("tree", (8, 1, 4, 1, 2), False), ("ready", (1, 5, 2), False),
                                                 ("tree", (2, 8, 1, 4), True)])
 def test_deferred_commit_with_the_width_changing(mode, widths, packed, models, reference):

@@ -21,14 +21,17 @@ censored), times. Where a round's time goes: `hyspec_jax.bench.phases`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import time
+from pathlib import Path
 from typing import Callable, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
 
-from hyspec_jax.compilation import CompileWatch, split_for_jit
+from hyspec_jax.compilation import CompileWatch, source_digest, split_for_jit
 from hyspec_jax.sharding import params_mesh, replicate
 from hyspec_jax.generate import Generator, default_slots, use_compilation_cache, validate_prompts
 from hyspec_jax.models.drafter import Drafter
@@ -41,8 +44,11 @@ from hyspec_jax.models.mtp import MTPHead
 from hyspec_jax.spec.options import KERNEL_IMPLS, MODES, MTP_DEFAULT_STEPS, MTP_MODES, TREE_MODES
 from hyspec_jax.spec.round import RoundShape
 from hyspec_jax.spec.stats import prefix_survival, rounded
-from hyspec_jax.spec.width import WidthBackend, round_seconds, round_signature, width_buckets
+from hyspec_jax.spec.width import (WidthBackend, cached_round_times, round_seconds, round_signature, save_round_times,
+                                   width_buckets)
 from hyspec_jax.tree import TreeExpansion
+
+log = logging.getLogger("hyspec.spec")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,11 +182,16 @@ class SpecEngine:
 
     def __init__(self, target: TargetModel, drafter: Drafter | MTPHead | None, spec: SpecConfig, *,
                  slots: int | None = None,
-                 kv_len: int | None = None, budget_table: BudgetTable | None = None, model_name: str = ""):
+                 kv_len: int | None = None, budget_table: BudgetTable | None = None, model_name: str = "",
+                 calibration_cache: Path | None = None, reuse_calibration: bool = True):
         """slots / kv_len fix the bucket (default: powers of two from the request batch); budget_table: Bole's
-        calibrated B_ver per bucket sets the verify width N when spec.verify_nodes is not given."""
+        calibrated B_ver per bucket sets the verify width N when spec.verify_nodes is not given;
+        calibration_cache: with spec.calibrate_repeats, where the round times timed at start-up are kept
+        (`spec.width.save_round_times`) and, with reuse_calibration, looked up first where the budget table has
+        none for a bucket (`spec.width.cached_round_times`): a second start chooses without timing again."""
         self.spec = spec
         self.budget_table, self.model_name = budget_table, model_name
+        self.calibration_cache, self.reuse_calibration = calibration_cache, reuse_calibration
         self.config = target.config
         self.tgraph, self.tparams = split_for_jit(target)      # cheap to pass every round (compilation.py)
         self.slots, self.kv_len = slots, kv_len
@@ -294,14 +305,43 @@ class SpecEngine:
     def round_seconds(self, slots: int, kv_len: int, rows: int | None = None) -> dict[int, float] | None:
         """The calibrated round time of every width bucket of this bucket (`spec.width.round_seconds`), or None;
         rows: of that bucket's rounds over `rows` of its slots (calibrated as a bucket of `rows` slots)."""
-        if self.budget_table is None or self.spec.mode == "ar":
-            return None
+        return self._round_times(slots, kv_len, rows)[0]
+
+    def _round_signature(self, slots: int, kv_len: int) -> tuple[tuple[int, ...], str]:
         widths = width_buckets(self.nodes_for(slots, kv_len))
-        sig = round_signature(self.spec.mode, self._width_shapes(slots, widths)[max(widths)][False],
-                              self.spec.deferred_rows)
-        e = self.budget_table.lookup(jax.devices()[0].device_kind, self.model_name, rows or slots, kv_len,
-                                     self._gamma, sig)
-        return round_seconds(e, sig, widths)
+        return widths, round_signature(self.spec.mode, self._width_shapes(slots, widths)[max(widths)][False],
+                                       self.spec.deferred_rows)
+
+    def _round_times(self, slots: int, kv_len: int, rows: int | None = None) -> tuple[dict[int, float] | None, str]:
+        """`round_seconds` and where they came from: the budget table, else (with spec.calibrate_repeats and
+        reuse_calibration) the times an earlier start-up calibration of exactly this bucket kept."""
+        if self.spec.mode == "ar":
+            return None, ""
+        widths, sig = self._round_signature(slots, kv_len)
+        device = jax.devices()[0].device_kind
+        if self.budget_table is not None:
+            e = self.budget_table.lookup(device, self.model_name, rows or slots, kv_len, self._gamma, sig)
+            if (t := round_seconds(e, sig, widths)) is not None:
+                return t, "budget table"
+        if self.calibration_cache is not None and self.reuse_calibration and self.spec.calibrate_repeats > 0:
+            t = cached_round_times(self.calibration_cache, device, self.model_name, rows or slots, kv_len,
+                                   self._gamma, sig, widths, self.spec.calibrate_repeats, source_digest())
+            if t is not None:
+                return t, f"an earlier start-up calibration ({self.calibration_cache})"
+        return None, ""
+
+    def _save_calibration(self, kv_len: int, signature: str, times: dict[int, dict[int, float]]) -> Path | None:
+        """Keep a start-up calibration's times in `calibration_cache` (nowhere without one); a cache that cannot
+        be written costs the next start a calibration, never this one its start: logged, None."""
+        if self.calibration_cache is None:
+            return None
+        try:
+            save_round_times(self.calibration_cache, jax.devices()[0].device_kind, self.model_name, kv_len,
+                             self._gamma, signature, times, self.spec.calibrate_repeats, source_digest())
+        except OSError as e:
+            log.warning("could not keep the start-up calibration in %s: %s", self.calibration_cache, e)
+            return None
+        return self.calibration_cache
 
     def width_backend(self, slots: int, kv_len: int, seconds: dict[int, float] | None = None,
                       shapes: Sequence[tuple[int, int]] | None = None,
@@ -309,7 +349,7 @@ class SpecEngine:
         """A backend with one round per width bucket up to `nodes_for` (`spec.width`): the width chosen each
         round from `seconds` (calibrated round time per width), fixed at the widest without them; a round over a
         decoding bucket's R rows chooses from the round times calibrated for R where the table has them."""
-        widths = width_buckets(self.nodes_for(slots, kv_len))
+        widths, sig = self._round_signature(slots, kv_len)
         rounds = self._width_shapes(slots, widths)
         shapes = shapes or batch_shapes(slots, self.max_prompt_len(kv_len))
         rows_seconds = {}
@@ -317,12 +357,16 @@ class SpecEngine:
             for r in decode_buckets:
                 if r < slots and (t := self.round_seconds(slots, kv_len, rows=r)) is not None:
                     rows_seconds[r] = t
+        calibrates = seconds is None and self.spec.calibrate_repeats > 0
         return WidthBackend(self.config, self.tgraph, self.tparams, self.drafter.config, self.dgraph, self.dparams,
                             mode=self.spec.mode, widths=rounds, seconds=seconds, user_capacity=self.spec.capacity,
                             slots=slots, kv_len=kv_len, shapes=shapes, deferred_rows=self.spec.deferred_rows,
                             decode_buckets=decode_buckets, rows_seconds=rows_seconds,
                             width_margin=self.spec.width_margin,
-                            calibrate_repeats=0 if seconds is not None else self.spec.calibrate_repeats)
+                            calibrate_repeats=self.spec.calibrate_repeats if calibrates else 0,
+                            on_calibrated=(functools.partial(self._save_calibration, kv_len, sig) if calibrates
+                                           else None),
+                            times_origin=self._round_times(slots, kv_len)[1] if seconds is not None else None)
 
     def _width_shapes(self, slots: int, widths: tuple[int, ...]) -> dict[int, dict[bool, RoundShape]]:
         """{w: {flavour: round shape}} of the width buckets: w nodes a row, or with spec.packed_widths a batch-wide

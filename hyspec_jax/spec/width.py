@@ -30,11 +30,13 @@ import collections
 import dataclasses
 import functools
 import itertools
+from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from hyspec_jax.runtime.backend import SpecBackend, StepResult, start_host_copy
+from hyspec_jax.spec.budget import BudgetTable, bucket_key
 from hyspec_jax.spec.round import (RoundShape, pack_round_inputs, spec_round_io_jit, spread_rows,
                                    unpack_round_gains, unpack_round_outputs)
 
@@ -185,19 +187,24 @@ class WidthBackend(SpecBackend):
 
     def __init__(self, *args, widths: dict[int, dict[bool, RoundShape]], seconds: dict[int, float] | None,
                  user_capacity: int | None = None, rows_seconds: dict[int, dict[int, float]] | None = None,
-                 width_margin: float = 0.0, calibrate_repeats: int = 0, **kw):
+                 width_margin: float = 0.0, calibrate_repeats: int = 0,
+                 on_calibrated: Callable[[dict[int, dict[int, float]]], Path | None] | None = None,
+                 times_origin: str | None = None, **kw):
         """widths: {w: {flavour: round shape}} (every shape reporting the same gain widths, sorted(widths));
         seconds: calibrated round time per width (None: no choice, the widest width runs unless forced);
         user_capacity: a fixed batch-wide node budget (default slots · w); rows_seconds: {R: round time per
         width} of the decoding buckets' rounds, where calibrated; width_margin: `kept_widths`' margin;
         calibrate_repeats: without `seconds`, > 0 times every width's round at start-up (`compile`), that many
-        rounds each per decoding bucket, and chooses from those times."""
+        rounds each per decoding bucket, and chooses from those times; on_calibrated(times): called with them,
+        returns where it kept them (`calibration_saved`); times_origin: where `seconds` came from (logs)."""
         super().__init__(*args, round_shapes=widths[max(widths)], capacity=user_capacity or 1, **kw)
         self.widths = dict(widths)
         self.user_capacity = user_capacity
         self.width_margin, self.calibrate_repeats = width_margin, int(calibrate_repeats)
         self.chooser = self._chooser(seconds, rows_seconds) if seconds else None
         self.calibrated: dict[int, dict[int, float]] = {}     # {rows: {width: seconds}} timed at start-up
+        self.on_calibrated, self.times_origin = on_calibrated, times_origin
+        self.calibration_saved: Path | None = None
         self.force: list[int] | None = None     # widths to cycle through instead of choosing
         # a server runs rounds without end: the recent widths for inspection, counts for the stats
         self.history: collections.deque[int] = collections.deque(maxlen=HISTORY)
@@ -241,6 +248,8 @@ class WidthBackend(SpecBackend):
         self.reset_buffers()
         self.calibrated = out
         self.chooser = self._chooser(out[B], {R: t for R, t in out.items() if R < B})
+        if self.on_calibrated is not None:
+            self.calibration_saved = self.on_calibrated(out)
         return out
 
     def describe_step(self, rows: int | None = None) -> str:
@@ -291,7 +300,68 @@ class WidthBackend(SpecBackend):
         return StepResult(tokens=toks, count=count, accepted=acc, drafted=w - 1)
 
 
-__all__ = ["width_buckets", "round_signature", "round_seconds", "choose_width", "WidthChooser", "WidthBackend"]
+CALIBRATION_CACHE_FILE = "width_times.json"
+
+
+def calibration_cache_path() -> Path:
+    """Where a server keeps the round times its start-up calibration measured (`save_round_times`), so that its
+    next start on this machine chooses from them instead of timing every width again: <hyspec cache>/width_times.json."""
+    from hyspec_jax.paths import cache_dir
+    return cache_dir() / CALIBRATION_CACHE_FILE
+
+
+def cached_round_times(path: Path, device_kind: str, model: str, rows: int, kv_len: int, depth: int,
+                       signature: str, widths: Sequence[int], repeats: int, source: str) -> dict[int, float] | None:
+    """{width: seconds} an earlier start-up calibration saved at `path` for exactly this bucket (device kind,
+    model, rows, KV length, draft depth) and round signature, timed by the same code (`source`, the package's
+    `compilation.source_digest`) with at least `repeats` rounds a width; else None. A missing or unreadable
+    file holds nothing."""
+    try:
+        entries = BudgetTable.load(path).entries
+    except (OSError, ValueError):
+        return None
+    e = entries.get(bucket_key(device_kind, model, rows, kv_len, depth))
+    if not isinstance(e, dict) or e.get("source") != source:
+        return None
+    if int((e.get("round_repeats") or {}).get(signature, 0)) < repeats:
+        return None
+    return round_seconds(e, signature, widths)
+
+
+def save_round_times(path: Path, device_kind: str, model: str, kv_len: int, depth: int, signature: str,
+                     times: Mapping[int, Mapping[int, float]], repeats: int, source: str) -> None:
+    """Add a start-up calibration's {rows: {width: seconds}} to the table at `path` (one budget-table entry per
+    rows, `t_round_ms` by round signature; an entry timed by other code is replaced whole), written atomically:
+    two servers starting at once each leave a whole file."""
+    import datetime
+    import json
+    import os
+    import tempfile
+    try:
+        table = BudgetTable.load(path)
+    except (OSError, ValueError):
+        table = BudgetTable()
+    for rows, seconds in times.items():
+        key = bucket_key(device_kind, model, rows, kv_len, depth)
+        old = table.entries.get(key)
+        same = isinstance(old, dict) and old.get("source") == source
+        rounds = dict(old.get("t_round_ms") or {}) if same else {}
+        reps = dict(old.get("round_repeats") or {}) if same else {}
+        rounds[signature] = {str(w): round(1e3 * t, 4) for w, t in sorted(seconds.items())}
+        reps[signature] = int(repeats)
+        table.entries[key] = dict(device_kind=device_kind, model=model, batch=int(rows), kv_len=int(kv_len),
+                                  max_depth=int(depth), t_round_ms=rounds, round_repeats=reps, source=source,
+                                  measured=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"version": BudgetTable.VERSION, "entries": table.entries}, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+__all__ = ["width_buckets", "round_signature", "round_seconds", "choose_width", "WidthChooser", "WidthBackend",
+           "calibration_cache_path", "cached_round_times", "save_round_times"]
 
 
 def time_widths(backend: WidthBackend, active: np.ndarray, repeats: int,

@@ -229,8 +229,20 @@ class BudgetTable:
         return cls(entries=dict(raw["entries"]))
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps({"version": self.VERSION, "entries": self.entries}, indent=2,
-                                         sort_keys=True) + "\n")
+        """Write the table atomically (a temporary file renamed over `path`): two writers at once (servers
+        starting side by side) each leave a whole file, never a torn one."""
+        import os
+        import tempfile
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps({"version": self.VERSION, "entries": self.entries}, indent=2, sort_keys=True)
+                        + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     def add(self, entry: dict[str, Any]) -> str:
         """Add or replace a bucket's entry; the round times of other rounds an older entry held are kept."""

@@ -331,12 +331,9 @@ def cached_round_times(path: Path, device_kind: str, model: str, rows: int, kv_l
 def save_round_times(path: Path, device_kind: str, model: str, kv_len: int, depth: int, signature: str,
                      times: Mapping[int, Mapping[int, float]], repeats: int, source: str) -> None:
     """Add a start-up calibration's {rows: {width: seconds}} to the table at `path` (one budget-table entry per
-    rows, `t_round_ms` by round signature; an entry timed by other code is replaced whole), written atomically:
-    two servers starting at once each leave a whole file."""
+    rows, `t_round_ms` by round signature; an entry timed by other code is replaced whole; `BudgetTable.save`
+    writes atomically)."""
     import datetime
-    import json
-    import os
-    import tempfile
     try:
         table = BudgetTable.load(path)
     except (OSError, ValueError):
@@ -353,11 +350,7 @@ def save_round_times(path: Path, device_kind: str, model: str, kv_len: int, dept
                                   max_depth=int(depth), t_round_ms=rounds, round_repeats=reps, source=source,
                                   measured=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"version": BudgetTable.VERSION, "entries": table.entries}, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    table.save(path)
 
 
 __all__ = ["width_buckets", "round_signature", "round_seconds", "choose_width", "WidthChooser", "WidthBackend",

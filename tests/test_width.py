@@ -518,6 +518,9 @@ def test_a_start_up_calibration_is_kept_for_the_next_start(models, reference, tm
 
     assert backend(repeats=3).chooser is None                      # fewer repeats than asked: timed again
     assert backend(reuse=False).chooser is None                    # --recalibrate
+    cache.write_text(json.dumps({"version": 1, "entries": {k: {**e, "round_repeats": "x"}
+                                                           for k, e in entries.items()}}))
+    assert backend().chooser is None                               # a malformed entry: timed again
     entries = {k: {**e, "source": "other code"} for k, e in entries.items()}
     cache.write_text(json.dumps({"version": 1, "entries": entries}))
     assert backend().chooser is None                               # kept by other code

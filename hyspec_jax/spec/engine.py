@@ -322,7 +322,7 @@ class SpecEngine:
         if self.budget_table is not None:
             e = self.budget_table.lookup(device, self.model_name, rows or slots, kv_len, self._gamma, sig)
             if (t := round_seconds(e, sig, widths)) is not None:
-                return t, "budget table"
+                return t, "the budget table"
         if self.calibration_cache is not None and self.reuse_calibration and self.spec.calibrate_repeats > 0:
             t = cached_round_times(self.calibration_cache, device, self.model_name, rows or slots, kv_len,
                                    self._gamma, sig, widths, self.spec.calibrate_repeats, source_digest())

@@ -317,15 +317,14 @@ def cached_round_times(path: Path, device_kind: str, model: str, rows: int, kv_l
     `compilation.source_digest`) with at least `repeats` rounds a width; else None. A missing or unreadable
     file holds nothing."""
     try:
-        entries = BudgetTable.load(path).entries
-    except (OSError, ValueError):
+        e = BudgetTable.load(path).entries.get(bucket_key(device_kind, model, rows, kv_len, depth))
+        if not isinstance(e, dict) or e.get("source") != source:
+            return None
+        if int((e.get("round_repeats") or {}).get(signature, 0)) < repeats:
+            return None
+        return round_seconds(e, signature, widths)
+    except (OSError, ValueError, TypeError, AttributeError):      # a file edited or torn by hand: time again
         return None
-    e = entries.get(bucket_key(device_kind, model, rows, kv_len, depth))
-    if not isinstance(e, dict) or e.get("source") != source:
-        return None
-    if int((e.get("round_repeats") or {}).get(signature, 0)) < repeats:
-        return None
-    return round_seconds(e, signature, widths)
 
 
 def save_round_times(path: Path, device_kind: str, model: str, kv_len: int, depth: int, signature: str,

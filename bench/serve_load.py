@@ -14,7 +14,9 @@ are random words, or (--dataset heldout) the shipped held-out text pack as token
 Each latency as mean, std, median (p50), p90 and p99.
 
 Either point it at a running server (--url) or let it start one per mode (--model, --modes ar,chain, --drafter):
-the server is started, warmed up (it compiles at start-up), measured, and stopped with SIGTERM.
+the server is started, warmed up (it compiles at start-up), measured, and stopped with SIGTERM. Several --url
+(LABEL=URL) take turns level by level, so a comparison's pairs are measured seconds apart rather than a pass
+apart: on a GPU one mode's tok/s moved by up to 1.5x between passes (`bench/results/budget/serve_margin_h100.md`).
 Server-side counters (/metrics) are read before and after each level: speculative acceptance (accepted tokens
 per draft, mean committed tokens per round) and compilations after start-up (must stay 0).
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -248,9 +251,21 @@ def print_table(rows: list[dict], header: bool = True) -> None:
               f"{_fmt(s['spec_tokens_per_round'], 1, 2):>5}", file=sys.stderr)
 
 
+def parse_url(value: str) -> tuple[str, str | None]:
+    """--url [LABEL=]URL: (url without a trailing slash, label or None)."""
+    label, sep, url = value.partition("=")
+    if not sep or "://" in label:
+        return value.rstrip("/"), None
+    return url.rstrip("/"), label or None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="serve_load", description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", help="a running server (e.g. http://127.0.0.1:8000); otherwise one is started per mode")
+    p.add_argument("--url", action="append", metavar="[LABEL=]URL",
+                   help="a running server (e.g. http://127.0.0.1:8000); otherwise one is started per mode. Given "
+                        "more than once, the servers take turns level by level (the order reversed every other "
+                        "level), so each level's results of the servers are seconds apart and a drift of the "
+                        "machine falls on all alike; LABEL names a server's rows (default: its spec mode)")
     p.add_argument("--model", help="model directory for started servers (default: hyspec serve's default)")
     p.add_argument("--modes", default="ar", help="comma-separated spec modes to start servers for (default ar)")
     p.add_argument("--drafter", help="drafter directory (speculative modes)")
@@ -286,36 +301,49 @@ def main(argv: list[str] | None = None) -> int:
 
     dataset = heldout_prompts() if args.dataset == "heldout" else None
 
-    def measure(base: str, mode: str | None) -> None:
+    def measure(servers: list[tuple[str, str | None]]) -> None:
+        """Every level on each (url, label) server in turn (the order reversed every other level)."""
         async def go():
-            async with _client(base, args.api_key, max(levels)) as client:
-                label = mode
-                if label is None:
-                    try:
-                        label = json.loads(await get_text(client, "/v1/models"))["data"][0].get("spec_mode")
-                    except Exception:  # noqa: BLE001 - only a label
-                        pass
-                for i in range(args.warmup):
-                    await one_request(client, {"prompt": f"warm-up {i}", "max_tokens": 4, "stream": True,
-                                               "stream_options": {"include_usage": True}})
-                for c in levels:
-                    row = await run_level(client, concurrency=c, num_requests=level_requests(c), rate=args.rate,
-                                          prompt_words=args.prompt_words, max_tokens=args.max_tokens,
-                                          seed=args.seed, temperature=args.temperature, dataset=dataset)
-                    row["mode"] = label or "server"
-                    rows.append(row)
-                    print_table([row], header=len(rows) == 1)
+            async with contextlib.AsyncExitStack() as stack:
+                clients, labels = [], []
+                for base, mode in servers:
+                    client = await stack.enter_async_context(_client(base, args.api_key, max(levels)))
+                    label = mode
+                    if label is None:
+                        try:
+                            label = json.loads(await get_text(client, "/v1/models"))["data"][0].get("spec_mode")
+                        except Exception:  # noqa: BLE001 - only a label
+                            pass
+                    for i in range(args.warmup):
+                        await one_request(client, {"prompt": f"warm-up {i}", "max_tokens": 4, "stream": True,
+                                                   "stream_options": {"include_usage": True}})
+                    clients.append(client)
+                    labels.append(label or "server")
+                if len(set(labels)) < len(labels):
+                    p.error(f"--url: two servers would both be named {sorted(labels)}: name them, LABEL=URL")
+                for k, c in enumerate(levels):
+                    turn = list(zip(clients, labels))
+                    for client, label in (turn if k % 2 == 0 else turn[::-1]):
+                        row = await run_level(client, concurrency=c, num_requests=level_requests(c), rate=args.rate,
+                                              prompt_words=args.prompt_words, max_tokens=args.max_tokens,
+                                              seed=args.seed, temperature=args.temperature, dataset=dataset)
+                        row["mode"] = label
+                        rows.append(row)
+                        print_table([row], header=len(rows) == 1)
         asyncio.run(go())
 
     if args.url:
-        measure(args.url.rstrip("/"), None)
+        servers = [parse_url(u) for u in args.url]
+        if len({label for _, label in servers if label}) < sum(1 for _, label in servers if label):
+            p.error("--url: two servers share a LABEL")
+        measure(servers)
     else:
         import tempfile
         for mode in [m for m in args.modes.split(",") if m]:
             log = Path(tempfile.mkdtemp(prefix="serve_load_")) / f"server-{mode}.log"
             proc, port = start_server(args, mode, log)
             try:
-                measure(f"http://127.0.0.1:{port}", mode)
+                measure([(f"http://127.0.0.1:{port}", mode)])
             finally:
                 proc.send_signal(signal.SIGTERM)
                 try:

@@ -1126,7 +1126,7 @@ def test_speculative_config_server_reports_chain(spec_server):
     assert "tokens=" not in log          # --disable-log-requests
 
 
-def test_serve_load_reports_what_vllm_bench_serve_does(spec_server, tmp_path):
+def test_serve_load_reports_what_vllm_bench_serve_does(spec_server, server, tmp_path):
     """bench/serve_load.py (httpx) against a running server at a tiny size: every request ok, the summaries and
     throughputs present and consistent; the held-out pack loads as token-id prompts."""
     from hyspec_jax.bench import serve_load
@@ -1152,6 +1152,17 @@ def test_serve_load_reports_what_vllm_bench_serve_does(spec_server, tmp_path):
         (1, 3, 3), (4, 8, 8)]
     with pytest.raises(SystemExit):
         serve_load.main(["--url", spec_server.base, "--waves", "-1"])
+    # several --url: the servers take turns level by level, the order reversed every other level
+    assert serve_load.main(["--url", server.base, "--url", f"B={spec_server.base}", "--concurrency", "1,2,1",
+                            "--num-requests", "2", "--max-tokens", "2", "--warmup", "0", "--api-key", API_KEY,
+                            "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["concurrency"], r["mode"], r["ok"]) for r in rows] == [
+        (1, "ar", 2), (1, "B", 2), (2, "B", 2), (2, "ar", 2), (1, "ar", 2), (1, "B", 2)]
+    assert rows[1]["server"]["spec_drafts"] > 0 and rows[0]["server"]["spec_drafts"] == 0
+    with pytest.raises(SystemExit):        # two servers of one name
+        serve_load.main(["--url", f"x={server.base}", "--url", f"x={spec_server.base}", "--warmup", "0",
+                         "--api-key", API_KEY])
     pack = serve_load.heldout_prompts()
     assert len(pack) == 96 and all(len(x) == 32 and all(isinstance(t, int) for t in x) for x in pack)
 

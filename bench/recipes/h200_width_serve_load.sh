@@ -4,7 +4,9 @@
 #   for the server's bucket (SLOTS slots; KV ≥ max-model-len + the round's overshoot) into $TABLE.
 # Step serve: `serve_load` (greedy, 64 tokens a request) of tree-ready — the width then chosen each round from
 #   $TABLE — against plain decoding (ar), at concurrency 1 / 4 / 8 / 16 / 32 / 64, on random-word and held-out
-#   prompts; the modes' servers up side by side, the passes alternated between them REPS times. --spec-mode is
+#   prompts; the modes' servers up side by side, one client driving them in turns level by level (INTERLEAVE=1,
+#   the default: each level's results of the servers are seconds apart; 0: a whole pass of one server, then the
+#   next), REPS passes. --spec-mode is
 #   given: without it the embedded drafter's recommended_modes.json decodes plainly above its serve_max_slots.
 # The server's packages travel as wheels, the weights packed (bench/recipes/device_pack.sh):
 #   here:           bash bench/recipes/serve_wheels.sh download; bash bench/recipes/device_pack.sh pack
@@ -19,7 +21,8 @@
 # default SLOTS; e.g. "1,4,16,64": also the rounds of the server's decoding buckets), MODES ("ar tree-ready"),
 # DATASETS ("random heldout"), REPS (1), REP0 (0: the passes are numbered REP0+1..REP0+REPS, so a later call
 # with the same RES adds passes beside earlier ones), CONC (the concurrency levels), REQUESTS (64 a level),
-# WAVES (0: with K, at least K x concurrency requests a level, so the 64-request level is not one wave),
+# WAVES (0: with K, at least K x concurrency requests a level, so the 64-request level is not one wave), INTERLEAVE
+# (1: see above; the files are then serve_load_all_DATA_N.json, their rows named by server),
 # LOAD_TOKENS (64: new tokens a request), LEN (1024: --max-model-len),
 # PREFILL_CHUNK (128: prompt tokens per prefill call; one call runs between decoding steps, so a burst of prompts
 # is admitted over about its tokens / PREFILL_CHUNK steps), RES (where the files gather; a fresh temporary
@@ -71,8 +74,16 @@ if [[ " $STEPS " == *" serve "* ]]; then
       LABELS+=("base-$mode")
     fi
   done
+  URLS=(); for label in "${LABELS[@]}"; do URLS+=(--url "$label=http://127.0.0.1:${PORTS[$label]}"); done
+  LEVELS=$(echo "${CONC:-1,4,8,16,32,64}" | tr ',' '\n' | grep -c .)
   for rep in $(seq $((${REP0:-0} + 1)) $((${REP0:-0} + ${REPS:-1}))); do
     for data in ${DATASETS:-random heldout}; do
+      if [ "${INTERLEAVE:-1}" = 1 ]; then       # one client, the servers taking turns level by level
+        echo "== ${LABELS[*]} $data $rep"
+        python3 -m hyspec_jax.bench.serve_load "${URLS[@]}" "${LOAD[@]}" --dataset "$data" \
+          --json "$RES/serve_load_all_${data}_$rep.json" 2>&1 | tail -$((1 + LEVELS * ${#LABELS[@]}))
+        continue
+      fi
       for label in "${LABELS[@]}"; do
         echo "== $label $data $rep"
         python3 -m hyspec_jax.bench.serve_load --url "http://127.0.0.1:${PORTS[$label]}" "${LOAD[@]}" --dataset "$data" \
@@ -82,15 +93,21 @@ if [[ " $STEPS " == *" serve "* ]]; then
   done
   for label in "${LABELS[@]}"; do kill -TERM "$(cat "$RES/server_$label.log.pid")"; done
   wait
-  # every pass so far under RES, each mode divided by ar of the same pass (and, with BASE, by its base)
-  BY=(); [ -n "${BASE:-}" ] && BY=(--mode-from-name)
+  # every pass so far under RES, each mode divided by ar of the same pass (and, with BASE, by its base); the
+  # interleaved files name their rows by label, the others by file name where BASE runs a mode twice
+  BY=(); [ -n "${BASE:-}" ] && [ "${INTERLEAVE:-1}" != 1 ] && BY=(--mode-from-name)
   [[ " $MODES " == *" ar "* ]] && "${H[@]}" bench serve-compare "$RES"/serve_load_*.json "${BY[@]}" \
       --json "$RES/serve_compare.json" | tail -n +4
   if [ -n "${BASE:-}" ]; then
     for mode in $MODES; do
       [ "$mode" = ar ] && continue
-      "${H[@]}" bench serve-compare "$RES/serve_load_${mode}"_*.json "$RES/serve_load_base-${mode}"_*.json \
-        --mode-from-name --baseline "base-$mode" --json "$RES/serve_compare_base-$mode.json" | tail -n +4
+      if [ "${INTERLEAVE:-1}" = 1 ]; then
+        "${H[@]}" bench serve-compare "$RES"/serve_load_all_*.json --baseline "base-$mode" \
+          --json "$RES/serve_compare_base-$mode.json" | tail -n +4
+      else
+        "${H[@]}" bench serve-compare "$RES/serve_load_${mode}"_*.json "$RES/serve_load_base-${mode}"_*.json \
+          --mode-from-name --baseline "base-$mode" --json "$RES/serve_compare_base-$mode.json" | tail -n +4
+      fi
     done
   fi
 fi

@@ -103,6 +103,12 @@ def _pass_key(p: str):
     return (0, int(p), "") if p.isdigit() else (1, 0, p)
 
 
+def _shares(runs: dict[str, dict], key: str) -> list[float]:
+    """A server counter's seconds over each pass's wall time (passes whose server reports it, above 0)."""
+    return [r["server"][key] / r["wall_s"] for r in runs.values()
+            if (r.get("server") or {}).get(key) and r.get("wall_s")]
+
+
 def _mode_summary(runs: dict[str, dict]) -> dict:
     tok = [r["throughput_tok_s"] for r in runs.values()]
     tpot = [r["tpot_s"]["p50"] for r in runs.values() if r.get("tpot_s", {}).get("p50") is not None]
@@ -113,11 +119,15 @@ def _mode_summary(runs: dict[str, dict]) -> dict:
     # (servers that report them: hyspec:engine_steps_ahead_total, hyspec:engine_prefill_seconds_total)
     ahead = [r["server"]["engine_steps_ahead"] / r["server"]["engine_decode_steps"] for r in runs.values()
              if (r.get("server") or {}).get("engine_steps_ahead") is not None and r["server"].get("engine_decode_steps")]
-    prefill = [r["server"]["engine_prefill_seconds"] / r["wall_s"] for r in runs.values()
-               if (r.get("server") or {}).get("engine_prefill_seconds") is not None and r.get("wall_s")]
+    prefill = _shares(runs, "engine_prefill_seconds")
+    # the loop's time dispatching decoding steps and waiting to collect them (hyspec:engine_decode_*_seconds):
+    # a wait near 0 with dispatch a large share says the host, not the device, sets the period
+    dispatch, collect = _shares(runs, "engine_dispatch_seconds"), _shares(runs, "engine_collect_seconds")
     return {"passes": len(runs), "tok_s_median": round(statistics.median(tok), 1) if tok else None,
             "ahead_fraction_median": round(statistics.median(ahead), 3) if ahead else None,
             "prefill_share_median": round(statistics.median(prefill), 3) if prefill else None,
+            "dispatch_share_median": round(statistics.median(dispatch), 3) if dispatch else None,
+            "collect_share_median": round(statistics.median(collect), 3) if collect else None,
             "tok_s_by_pass": {p: round(r["throughput_tok_s"], 1) for p, r in sorted(runs.items())},
             "tpot_p50_ms_median": round(1e3 * statistics.median(tpot), 3) if tpot else None,
             "tau_median": round(statistics.median(tau), 3) if tau else None, "failed_requests": failed}
@@ -125,6 +135,11 @@ def _mode_summary(runs: dict[str, dict]) -> dict:
 
 def _fmt(x, spec=",.0f"):
     return "—" if x is None else format(x, spec)
+
+
+def _host(summary: dict) -> str:
+    d, c = summary.get("dispatch_share_median"), summary.get("collect_share_median")
+    return "—" if d is None and c is None else f"{_fmt(d, '.0%')} · {_fmt(c, '.0%')}"
 
 
 def markdown(rep: dict) -> str:
@@ -139,8 +154,8 @@ def markdown(rep: dict) -> str:
         lines += [f"## {mode} ÷ {b}", "",
                   f"| dataset | concurrency | {b} tok/s | {mode} tok/s | ratio (median) | range | τ | "
                   f"{b} / {mode} TPOT p50 | {b} / {mode} steps pipelined | {b} / {mode} wall in prefill | "
-                  "widths chosen (rounds) |",
-                  "|---|---:|---:|---:|---:|---|---:|---|---|---|---|"]
+                  f"{b} / {mode} wall dispatching · collecting | widths chosen (rounds) |",
+                  "|---|---:|---:|---:|---:|---|---:|---|---|---|---|---|"]
         for row in rep["rows"]:
             s, base = row.get(mode), row[b]
             if s is None or not s["passes"]:
@@ -153,7 +168,7 @@ def markdown(rep: dict) -> str:
                          f"{_fmt(base['tpot_p50_ms_median'], '.2f')} / {_fmt(s['tpot_p50_ms_median'], '.2f')} ms | "
                          f"{_fmt(base['ahead_fraction_median'], '.0%')} / {_fmt(s['ahead_fraction_median'], '.0%')} | "
                          f"{_fmt(base['prefill_share_median'], '.0%')} / {_fmt(s['prefill_share_median'], '.0%')} | "
-                         f"{widths} |")
+                         f"{_host(base)} / {_host(s)} | {widths} |")
         lines.append("")
     failed = sum(r[m]["failed_requests"] for r in rep["rows"] for m in [b, *rep["modes"]] if m in r)
     lines.append(f"Failed requests over all passes: {failed}.")

@@ -192,6 +192,9 @@ async def run_level(client: httpx.AsyncClient, *, concurrency: int, num_requests
             # decoding steps that went out before the one in flight was read; the loop's time in prefill calls
             "engine_steps_ahead": d("hyspec:engine_steps_ahead_total"),
             "engine_prefill_seconds": d("hyspec:engine_prefill_seconds_total"),
+            # the loop's time dispatching decoding steps and collecting them (a collect near 0: host-bound)
+            "engine_dispatch_seconds": d("hyspec:engine_decode_dispatch_seconds_total"),
+            "engine_collect_seconds": d("hyspec:engine_decode_collect_seconds_total"),
             "spec_drafts": drafts,
             "spec_acceptance_rate": (d("vllm:spec_decode_num_accepted_tokens_total")
                                      / d("vllm:spec_decode_num_draft_tokens_total")) if drafts else None,

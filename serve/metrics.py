@@ -121,6 +121,12 @@ class ServerMetrics(LoopObserver):
         self.prefill_seconds = one(Counter, "hyspec:engine_prefill_seconds",
                                    "Time the request loop spent on prefill calls (their dispatch and the wait for "
                                    "their first tokens), seconds.")
+        self.dispatch_seconds = one(Counter, "hyspec:engine_decode_dispatch_seconds",
+                                    "Time the request loop spent dispatching decoding steps (argument handling and "
+                                    "kernel launches), seconds.")
+        self.collect_seconds = one(Counter, "hyspec:engine_decode_collect_seconds",
+                                   "Time the request loop spent collecting decoding steps (waiting for the device, "
+                                   "then reading back), seconds: near 0 when the host sets the step's period.")
         self._errors = one(Counter, "hyspec:request_errors", "Requests answered with an error, by status.", "status")
         self.aborted = one(Counter, "hyspec:requests_aborted",
                            "Requests that ended early (client disconnect, stop string) and freed their slot.")
@@ -150,6 +156,10 @@ class ServerMetrics(LoopObserver):
 
     def prefill_time(self, seconds: float) -> None:
         self.prefill_seconds.inc(seconds)
+
+    def decode_host_time(self, dispatch: float, collect: float) -> None:
+        self.dispatch_seconds.inc(dispatch)
+        self.collect_seconds.inc(collect)
 
     def prompt_done(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)

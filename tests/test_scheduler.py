@@ -262,3 +262,41 @@ def test_on_batch_follows_every_device_calls_sink_calls():
         else:
             batch.append(e)
     assert log.count("batch") < len(tokens)      # fewer wake-ups than sink calls: three requests per step
+
+
+def test_the_loop_reports_its_time_in_each_steps_dispatch_and_collect():
+    """Every collected decoding step reports the loop's seconds in its dispatch and in its collect (the server's
+    hyspec:engine_decode_dispatch_seconds / _collect_seconds: whether the host or the device sets the period);
+    the collect of a step the device is still running includes the wait."""
+    import time
+
+    from hyspec_jax.runtime.scheduler import LoopObserver
+
+    class SlowDevice(ScriptedBackend):
+        def dispatch(self, *args, **kw):
+            time.sleep(0.002)                      # the host's launch
+            return super().dispatch(*args, **kw), time.perf_counter() + 0.01
+
+        def collect(self, handle):
+            res, done = handle
+            time.sleep(max(0.0, done - time.perf_counter()))    # the device finishes 10 ms after the launch
+            return res
+
+    class Times(LoopObserver):
+        def __init__(self):
+            self.calls: list[tuple[float, float]] = []
+
+        def decode_host_time(self, dispatch, collect):
+            self.calls.append((dispatch, collect))
+
+    be, obs = SlowDevice(2), Times()
+    sched = Scheduler(be, obs)
+    out = {}
+    for prompt in ([3], [4]):
+        sched.submit(EngineRequest(prompt_ids=prompt, max_tokens=6,
+                                   sink=lambda toks, reason, p=prompt[0]: out.setdefault(p, []).extend(toks)))
+    sched.run_until_idle()
+    assert out == {p: [p * 100 + k for k in range(6)] for p in (3, 4)}
+    assert len(obs.calls) == be.dispatched
+    assert all(d >= 0.002 for d, _ in obs.calls)
+    assert sum(c for _, c in obs.calls) >= 0.004 * len(obs.calls)    # mostly waiting on the 10 ms device

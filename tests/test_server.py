@@ -813,6 +813,7 @@ def test_metrics_parse_and_move(server):
     # the loop pipelines the steps of a lone request until its last one, and times its prefill
     assert 1 <= d("hyspec:engine_steps_ahead_total") < d("hyspec:engine_steps_total", kind="decode")
     assert d("hyspec:engine_prefill_seconds_total") > 0
+    assert d("hyspec:engine_decode_dispatch_seconds_total") > 0 and d("hyspec:engine_decode_collect_seconds_total") > 0
     assert d("hyspec:request_errors_total") == 0
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:spec_decode_num_drafts_total",
                  "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"):
@@ -1145,6 +1146,7 @@ def test_serve_load_reports_what_vllm_bench_serve_does(spec_server, server, tmp_
             assert set(r[key]) == {"mean", "std", "p50", "p90", "p99"} and r[key]["p50"] > 0
         assert r["ttft_s"]["p99"] <= r["latency_s"]["p99"]
         assert r["server"]["spec_drafts"] > 0 and r["server"]["compilations_after_startup"] == 0
+        assert r["server"]["engine_dispatch_seconds"] > 0 and r["server"]["engine_collect_seconds"] > 0
     # --waves: at least K x concurrency requests a level
     assert serve_load.main(["--url", spec_server.base, "--concurrency", "1,4", "--num-requests", "3", "--waves", "2",
                             "--max-tokens", "2", "--warmup", "0", "--json", str(out)]) == 0

@@ -76,6 +76,11 @@ class LoopObserver:
     def prefill_time(self, seconds: float) -> None:
         """A prefill call held the loop for `seconds`: its dispatch and the wait to read its first tokens."""
 
+    def decode_host_time(self, dispatch: float, collect: float) -> None:
+        """Of one decoding step (or round), the loop's seconds in its dispatch (argument handling, launching its
+        kernels) and in its collect (waiting for the device to finish it, then reading it back). A collect
+        that hardly waits means the host, not the device, sets the step's period."""
+
     def prompt_done(self, prompt_tokens: int) -> None:
         """A request's prompt is fully prefilled."""
 
@@ -170,7 +175,8 @@ class Scheduler:
         self._penalty = None             # device SlotPenalty of the step, while a decoding request is penalized
         self._lists = None               # (decoding requests, any prefilling, active mask) until the slots change
         self._attention = False          # an abort or a submission waits for the loop's lock
-        self._inflight: tuple[object, list[EngineRequest | None]] | None = None   # (handle, owners at dispatch)
+        # (handle, owners at dispatch, the dispatch's seconds)
+        self._inflight: tuple[object, list[EngineRequest | None], float] | None = None
         # a prefill call whose first tokens are not read yet: (its output, (row, request) of each prompt it ended,
         # the loop's time spent on it so far)
         self._firsts: tuple[object, list[tuple[int, EngineRequest]], float] | None = None
@@ -490,13 +496,17 @@ class Scheduler:
             if self._penalty is None:
                 self._penalty = be.penalty(self.presence, self.frequency, self.repetition)
             pen = {"penalty": self._penalty}
+        t0 = time.perf_counter()
         handle = be.dispatch(active, self._sampling, self.steps, stochastic, hint, **pen)
+        dispatched = time.perf_counter() - t0
         self.observer.engine_call("decode")
-        return handle, list(self.slots)
+        return handle, list(self.slots), dispatched
 
-    def _collect(self, handle, owners: list[EngineRequest | None]) -> None:
+    def _collect(self, handle, owners: list[EngineRequest | None], dispatched: float) -> None:
+        t0 = time.perf_counter()
         res: StepResult = self.backend.collect(handle)
         now = time.perf_counter()
+        self.observer.decode_host_time(dispatched, now - t0)
         self.steps_collected += 1
         self.first_collect_at = self.first_collect_at or now
         self.last_collect_at = now

@@ -317,13 +317,14 @@ def main(argv: list[str] | None = None) -> int:
                             label = json.loads(await get_text(client, "/v1/models"))["data"][0].get("spec_mode")
                         except Exception:  # noqa: BLE001 - only a label
                             pass
-                    for i in range(args.warmup):
-                        await one_request(client, {"prompt": f"warm-up {i}", "max_tokens": 4, "stream": True,
-                                                   "stream_options": {"include_usage": True}})
                     clients.append(client)
                     labels.append(label or "server")
                 if len(set(labels)) < len(labels):
                     p.error(f"--url: two servers would both be named {sorted(labels)}: name them, LABEL=URL")
+                for client in clients:
+                    for i in range(args.warmup):
+                        await one_request(client, {"prompt": f"warm-up {i}", "max_tokens": 4, "stream": True,
+                                                   "stream_options": {"include_usage": True}})
                 for k, c in enumerate(levels):
                     turn = list(zip(clients, labels))
                     for client, label in (turn if k % 2 == 0 else turn[::-1]):
@@ -336,10 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(go())
 
     if args.url:
-        servers = [parse_url(u) for u in args.url]
-        if len({label for _, label in servers if label}) < sum(1 for _, label in servers if label):
-            p.error("--url: two servers share a LABEL")
-        measure(servers)
+        measure([parse_url(u) for u in args.url])
     else:
         import tempfile
         for mode in [m for m in args.modes.split(",") if m]:

@@ -54,8 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "width's round at start-up, R rounds each per decoding bucket (about a second), and choose "
                         "the width of every round from those times; 0: every round verifies --verify-nodes nodes "
                         "(default: 10 on one GPU, 0 on a CPU or over several devices). The times are kept in "
-                        "width_times.json of the hyspec cache ($HYSPEC_CACHE, else ~/.cache/hyspec_jax): a later start of the same server, code and "
-                        "device chooses from them without timing again")
+                        "width_times.json of the hyspec cache ($HYSPEC_CACHE, else ~/.cache/hyspec_jax): a later "
+                        "start of the same server, code and device chooses from them without timing again")
     p.add_argument("--recalibrate", action="store_true",
                    help="with --startup-calibration: time the widths again even where an earlier start kept times "
                         "for this server, and keep the new ones")

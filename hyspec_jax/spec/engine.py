@@ -345,10 +345,11 @@ class SpecEngine:
 
     def width_backend(self, slots: int, kv_len: int, seconds: dict[int, float] | None = None,
                       shapes: Sequence[tuple[int, int]] | None = None,
-                      decode_buckets: Sequence[int] = ()) -> WidthBackend:
+                      decode_buckets: Sequence[int] = (), times_origin: str | None = None) -> WidthBackend:
         """A backend with one round per width bucket up to `nodes_for` (`spec.width`): the width chosen each
-        round from `seconds` (calibrated round time per width), fixed at the widest without them; a round over a
-        decoding bucket's R rows chooses from the round times calibrated for R where the table has them."""
+        round from `seconds` (calibrated round time per width; times_origin: where they came from, for the
+        logs), fixed at the widest without them; a round over a decoding bucket's R rows chooses from the round
+        times calibrated for R where the table has them."""
         widths, sig = self._round_signature(slots, kv_len)
         rounds = self._width_shapes(slots, widths)
         shapes = shapes or batch_shapes(slots, self.max_prompt_len(kv_len))
@@ -366,7 +367,7 @@ class SpecEngine:
                             calibrate_repeats=self.spec.calibrate_repeats if calibrates else 0,
                             on_calibrated=(functools.partial(self._save_calibration, kv_len, sig) if calibrates
                                            else None),
-                            times_origin=self._round_times(slots, kv_len)[1] if seconds is not None else None)
+                            times_origin=times_origin)
 
     def _width_shapes(self, slots: int, widths: tuple[int, ...]) -> dict[int, dict[bool, RoundShape]]:
         """{w: {flavour: round shape}} of the width buckets: w nodes a row, or with spec.packed_widths a batch-wide
@@ -391,8 +392,9 @@ class SpecEngine:
         below `slots` a round is also compiled for (`Backend.step_rows`)."""
         if self.spec.mode == "ar":
             raise ValueError("plain decoding (ar) runs on `generate.Generator`'s backend")
-        if self.spec.adaptive_width and (seconds := self.round_seconds(slots, kv_len)) is not None:
-            return self.width_backend(slots, kv_len, seconds, shapes, decode_buckets)
+        seconds, origin = self._round_times(slots, kv_len) if self.spec.adaptive_width else (None, "")
+        if seconds is not None:
+            return self.width_backend(slots, kv_len, seconds, shapes, decode_buckets, times_origin=origin)
         if self.spec.adaptive_width and self.spec.calibrate_repeats and self.nodes_for(slots, kv_len) > 1:
             return self.width_backend(slots, kv_len, None, shapes, decode_buckets)       # timed at start-up
         N = self.nodes_for(slots, kv_len)

@@ -352,10 +352,6 @@ def save_round_times(path: Path, device_kind: str, model: str, kv_len: int, dept
     table.save(path)
 
 
-__all__ = ["width_buckets", "round_signature", "round_seconds", "choose_width", "WidthChooser", "WidthBackend",
-           "calibration_cache_path", "cached_round_times", "save_round_times"]
-
-
 def time_widths(backend: WidthBackend, active: np.ndarray, repeats: int,
                 before_repeat: Callable[[], None] | None = None) -> dict[int, float]:
     """{width: seconds} of one greedy round of `backend` at each of its widths over the `active` slots: the median
@@ -383,3 +379,6 @@ def time_widths(backend: WidthBackend, active: np.ndarray, repeats: int,
                 times[w].append(time.perf_counter() - t0)
     return {w: statistics.median(times[w]) for w in widths}
 
+
+__all__ = ["width_buckets", "round_signature", "round_seconds", "choose_width", "kept_widths", "WidthChooser",
+           "WidthBackend", "time_widths", "calibration_cache_path", "cached_round_times", "save_round_times"]

@@ -126,17 +126,21 @@ def phase_times(engine: SpecEngine, prompts: Sequence[Sequence[int]],
 
 
 def round_kernels(engine: SpecEngine, prompts: Sequence[Sequence[int]],
-                  params: SamplingParams | Sequence[SamplingParams]) -> dict:
+                  params: SamplingParams | Sequence[SamplingParams], hlo_path: str | None = None) -> dict:
     """Kernels of the compiled fused round (`spec_round_io_jit`, the program `generate` runs for these prompts'
     bucket) by named scope (`compilation.kernel_count_by_scope`: draft/drafter_forward, draft/tree_build, verify,
     commit, ...), and of one plain decoding step of the same bucket: {"round": {scope: n}, "round_total",
-    "ar_step"}. Compiles on this backend; runs nothing but the prefill."""
+    "ar_step"}. Compiles on this backend; runs nothing but the prefill. hlo_path: also write the compiled round's
+    HLO text there."""
     x = round_inputs(engine, prompts, params, "round kernels")
     admit, shape, B = x["admit"], x["shape"], x["B"]
     host_in = pack_round_inputs(admit, admit.astype(np.int32), int(x["capacity"]), x["hint"])
-    scopes = kernel_count_by_scope(spec_round_io_jit.lower(engine.tgraph, engine.tparams, engine.dgraph,
-                                                           engine.dparams, x["state"], x["dstate"], x["anchor"],
-                                                           x["sampling"], host_in, shape=shape), ROUND_SCOPES)
+    text = spec_round_io_jit.lower(engine.tgraph, engine.tparams, engine.dgraph, engine.dparams, x["state"],
+                                   x["dstate"], x["anchor"], x["sampling"], host_in, shape=shape).compile().as_text()
+    if hlo_path is not None:
+        with open(hlo_path, "w") as f:
+            f.write(text)
+    scopes = kernel_count_by_scope(text, ROUND_SCOPES)
     ar = kernel_count(ar_step_jit.lower(engine.tgraph, engine.tparams, x["state"], x["anchor"], np.asarray(admit),
                                         x["sampling"], np.zeros(B, np.int32), stochastic=shape.stochastic))
     return {"round": dict(sorted(scopes.items(), key=lambda kv: -kv[1])), "round_total": sum(scopes.values()),

@@ -1,7 +1,8 @@
 """Where a speculative round's time goes: `hyspec bench round-profile --json out.json`.
 
-For each mode (ar and the speculative ones), one held-out prompt is generated twice to compile and warm, once
-untimed-by-the-profiler (the wall time per round, as `hyspec bench e2e` sees it) and once under `jax.profiler`.
+For each mode (ar and the speculative ones), one held-out prompt (or `--batch` of them, decoded together by the
+request loop a server runs, each step dispatched before the one in flight is read) is generated twice to compile
+and warm, once untimed-by-the-profiler (the wall time per round, as `hyspec bench e2e` sees it) and once under `jax.profiler`.
 From the trace's GPU stream events: the GPU's busy time per round (the union of its kernels, copies and
 memsets), the number of GPU operations per round (≈ kernel launches), and the largest kernels. A round whose wall
 time is far above its GPU busy time is bound by the host (launching the executable's kernels, Python), not by the
@@ -32,7 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--prompts", default=None, help="prompt pack (.npz: tokens, domain, domains); default: the "
                                                    "held-out prompts of `hyspec bench e2e`")
-    p.add_argument("--prompt-index", type=int, default=0, help="which prompt of the pack")
+    p.add_argument("--prompt-index", type=int, default=0, help="which prompt of the pack (the first of --batch)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="requests decoded together: the pack's prompts from --prompt-index on, in that many slots "
+                        "(default 1); per-round figures are per decoding step of the whole batch")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--kernels", choices=("auto", "reference"), default="auto")
@@ -40,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-topk", type=int, default=8)
     p.add_argument("--tree-beam", type=int, default=16)
     p.add_argument("--verify-nodes", type=int, default=32)
+    p.add_argument("--hlo", default=None, metavar="DIR",
+                   help="also write each speculative mode's compiled round (its optimized HLO, the kernels the trace "
+                        "names, with their named scopes) to DIR/round_MODE.hlo.txt")
     p.add_argument("--top", type=int, default=12, help="largest kernels kept per mode")
     return p
 
@@ -78,47 +85,55 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = Path(a.model) if a.model else _default_model()
     drafter_dir = Path(a.drafter) if a.drafter else model_dir / "drafter"
     tokens, _, _ = load_prompts(a.prompts or str(DEFAULT_PROMPTS))
-    if not 0 <= a.prompt_index < len(tokens):
-        raise ValueError(f"--prompt-index {a.prompt_index} outside the pack's {len(tokens)} prompts")
-    prompt = [int(t) for t in tokens[a.prompt_index]]
+    if a.batch < 1:
+        raise ValueError(f"--batch must be at least 1, got {a.batch}")
+    if not 0 <= a.prompt_index <= len(tokens) - a.batch:
+        raise ValueError(f"--prompt-index {a.prompt_index} with --batch {a.batch} runs past the pack's "
+                         f"{len(tokens)} prompts")
+    prompts = [[int(t) for t in tokens[i]] for i in range(a.prompt_index, a.prompt_index + a.batch)]
     target, drafters = load_models(model_dir, drafter_dir, dt, any(m != "ar" for m in a.modes))
     depth = a.tree_depth or (drafters[False].config.num_draft_tokens if drafters else 0)
     params = SamplingParams(max_tokens=a.max_tokens)
 
     rows = {}
     for mode in tqdm(a.modes, desc="round-profile", unit="mode"):
-        eng = make_engine(target, drafters, mode, 1, kernels=a.kernels,
+        eng = make_engine(target, drafters, mode, a.batch, kernels=a.kernels,
                           tree=TreeExpansion(depth, a.tree_topk, a.tree_beam), verify_nodes=a.verify_nodes)
         if eng is None:
             raise ValueError(f"mode {mode}: the drafter in {drafter_dir} has no ReaDy reader")
-        eng.generate([prompt], params)
-        eng.generate([prompt], params)                      # compiled and warm
+        eng.generate(prompts, params)
+        eng.generate(prompts, params)                       # compiled and warm
         t0 = time.perf_counter()
-        res = eng.generate([prompt], params)[0]
+        res = eng.generate(prompts, params)
         wall = time.perf_counter() - t0
         rounds, tau = eng.last_stats.rounds, eng.last_stats.tau
         box = {}
 
         def traced_run():
             t0 = time.perf_counter()
-            eng.generate([prompt], params)
+            eng.generate(prompts, params)
             box["s"] = time.perf_counter() - t0
         events = gpu_stream_events(profile_trace(traced_run))       # none without a GPU
         traced = box["s"]
-        row = {"rounds": rounds, "tau": tau, "tokens": len(res.token_ids),
+        n_tokens = sum(len(r.token_ids) for r in res)
+        row = {"rounds": rounds, "tau": tau, "tokens": n_tokens,
                "wall_us_per_round": 1e6 * wall / max(rounds, 1),
                "traced_wall_us_per_round": 1e6 * traced / max(rounds, 1),
-               "tokens_per_s": len(res.token_ids) / wall if wall > 0 else 0.0}
+               "tokens_per_s": n_tokens / wall if wall > 0 else 0.0}
         if events:
             row.update(summarize_events(events, rounds, a.top))
             row["gpu_busy_share"] = row["gpu_busy_us_per_round"] / row["traced_wall_us_per_round"]
         if mode != "ar":      # the compiled round's kernels by phase (named scopes), and a decoding step's
-            row["compiled_kernels"] = round_kernels(eng, [prompt], params)
+            hlo = None
+            if a.hlo:
+                Path(a.hlo).mkdir(parents=True, exist_ok=True)
+                hlo = str(Path(a.hlo) / f"round_{mode}.hlo.txt")
+            row["compiled_kernels"] = round_kernels(eng, prompts, params, hlo)
         rows[mode] = row
 
     report = {**run_metadata(), "command": portable_command("hyspec bench round-profile", argv or sys.argv[1:]),
               "model": portable_path(model_dir), "dtype": a.dtype, "kernels": a.kernels,
-              "max_tokens": a.max_tokens, "prompt_index": a.prompt_index,
+              "max_tokens": a.max_tokens, "prompt_index": a.prompt_index, "batch": a.batch,
               "tree": {"depth": depth, "top_k": a.tree_topk, "beam": a.tree_beam, "verify_nodes": a.verify_nodes},
               "modes": rows}
     from hyspec_jax.bench.report import write_report
@@ -130,9 +145,11 @@ def main(argv: list[str] | None = None) -> int:
 def markdown(report: dict) -> str:
     rows = report["modes"]
     ar = rows.get("ar")
-    lines = [f"# Where a round's time goes ({report.get('device_kind', '?')}, {report['dtype']}, batch 1)", "",
-             f"`{report['command']}` — commit {report.get('commit', '?')}; one held-out prompt, "
-             f"{report['max_tokens']} new tokens. Wall: untraced, per round (ar: per decoding step). GPU busy: the "
+    batch = report.get("batch", 1)
+    prompts = "one held-out prompt" if batch == 1 else f"{batch} held-out prompts"
+    lines = [f"# Where a round's time goes ({report.get('device_kind', '?')}, {report['dtype']}, batch {batch})",
+             "", f"`{report['command']}` — commit {report.get('commit', '?')}; {prompts}, "
+             f"{report['max_tokens']} new tokens each, decoded together. Wall: untraced, per round (ar: per decoding step). GPU busy: the "
              "union of the round's GPU operations in a profiler trace; GPU ops: kernels, copies and memsets per "
              "round (≈ launches). × ar: per round, against one decoding step.", "",
              "| mode | τ | wall µs / round | × ar | GPU busy µs / round | × ar | GPU busy / traced wall | GPU ops / round "

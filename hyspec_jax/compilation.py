@@ -121,9 +121,10 @@ def kernel_count_by_scope(lowered, scopes: Sequence[str]) -> dict[str, int]:
     """`kernel_count` split by `jax.named_scope`: each kernel counts under the longest of `scopes` (paths such as
     "draft/tree_build") that its HLO op name, less the jit / vmap / control-flow parts, starts with; kernels under
     none of them (or with no op name: XLA's own copies, some library calls) count under "(other)". A
-    conditional's own launch counts under "(control)". With no scopes, everything counts under ""."""
+    conditional's own launch counts under "(control)". With no scopes, everything counts under "". lowered may
+    also be a compiled program's HLO text (`compiled.as_text()`)."""
     import re
-    comps = hlo_computations(lowered.compile().as_text())
+    comps = hlo_computations(lowered if isinstance(lowered, str) else lowered.compile().as_text())
     wanted = sorted((tuple(sc.split("/")) for sc in scopes), key=len, reverse=True)
 
     def scope(line: str) -> str:

@@ -127,18 +127,24 @@ def test_round_profile_runs_and_reduces_traces(dirs):
     out = dirs / "res" / "rp.json"
     rc = RP.main(["--json", str(out), "--model", str(dirs / "target"), "--drafter", str(dirs / "drafter"),
                   "--prompts", str(dirs / "prompts.npz"), "--modes", "ar", "tree-ready", "--max-tokens", "6",
-                  "--tree-depth", "3", "--tree-topk", "2", "--tree-beam", "2", "--verify-nodes", "5"])
+                  "--tree-depth", "3", "--tree-topk", "2", "--tree-beam", "2", "--verify-nodes", "5",
+                  "--batch", "2", "--hlo", str(dirs / "res" / "hlo")])
     assert rc == 0
     rep = json.loads(out.read_text())
-    assert set(rep["modes"]) == {"ar", "tree-ready"}
+    assert set(rep["modes"]) == {"ar", "tree-ready"} and rep["batch"] == 2
     for row in rep["modes"].values():
-        assert row["rounds"] >= 1 and row["wall_us_per_round"] > 0 and row["tokens"] == 6
+        assert row["rounds"] >= 1 and row["wall_us_per_round"] > 0 and row["tokens"] == 2 * 6
+    hlo = (dirs / "res" / "hlo" / "round_tree-ready.hlo.txt").read_text()
+    assert "ENTRY" in hlo and "tree_build" in hlo and not (dirs / "res" / "hlo" / "round_ar.hlo.txt").exists()
     assert rep["modes"]["ar"]["tau"] == 1.0 and rep["modes"]["tree-ready"]["tau"] >= 1.0
     kern = rep["modes"]["tree-ready"]["compiled_kernels"]
     assert kern["round"]["verify"] > 0 and kern["round"]["draft/tree_build"] > 0 and kern["ar_step"] > 0
     assert "compiled_kernels" not in rep["modes"]["ar"]
     md = out.with_suffix(".md").read_text()
-    assert "| tree-ready |" in md and "draft/tree_build" in md
+    assert "| tree-ready |" in md and "draft/tree_build" in md and "batch 2" in md
+    with pytest.raises(ValueError, match="runs past"):
+        RP.main(["--json", str(out), "--model", str(dirs / "target"), "--drafter", str(dirs / "drafter"),
+                 "--prompts", str(dirs / "prompts.npz"), "--batch", "1000"])
     # kernels a (0-10 ns, 20-30) and b (5-15, on another stream): busy 25 ns over 2 rounds
     ev = [(0, 10, "a"), (5, 10, "b"), (20, 10, "a")]
     assert busy_time_ns(ev) == 25

@@ -11,7 +11,9 @@ Every kernel call of the models goes through here, each with a pure-JAX referenc
 - `path_commit(...)`: the cross-layer factorized commit (gdn.node_state per layer);
 - `tree_attention(...)`: the verify's attention over the committed prefix + the tree
   (`hyspec_jax.attention.attend_prefix_tree`; the split-S Pallas prefix kernel where S fits its blocks);
-- `biased_topk(...)`: a greedy tree level's top-k children and log-sum-exp (`hyspec_jax.spec.select`).
+- `biased_topk(...)`: a greedy tree level's top-k children and log-sum-exp (`bench topk`);
+- `tree_level(...)`: a whole greedy level of the beam tree — top-k children, their scores, the kept beam
+  (`hyspec_jax.spec.select`).
 impl "auto" takes a kernel only where it is supported and never one that might be wrong: anything else runs
 the reference. "pallas" / "interpret" (Pallas interpret mode, the CPU tests) raise where they cannot be honoured.
 """
@@ -387,6 +389,33 @@ def biased_topk(base: jax.Array, bias: jax.Array | None, k: int, *, impl: Impl =
     interpret = _use_kernel(impl, ok, "tree-level top-k")
     if interpret is None:
         return topk.biased_topk_reference(base, bias, k)
-    chunks = TOPK_CHUNKS if base.shape[1] // TOPK_CHUNKS >= 512 else 1
+    chunks = _topk_chunks(base.shape[1])
     return topk.biased_topk_pallas(base, bias, k=k, chunks=chunks, num_warps=TOPK_WARPS if chunks > 1 else None,
                                    interpret=interpret)
+
+
+def _topk_chunks(V: int) -> int:
+    return TOPK_CHUNKS if V // TOPK_CHUNKS >= 512 else 1
+
+
+def tree_level(logits: jax.Array, row: int, bias: jax.Array | None, logrho: jax.Array, logscore: jax.Array,
+               valid: jax.Array, *, k: int, width: int, impl: Impl = "auto"):
+    """One greedy level of the beam tree: the top k children of each beam node under logits[:, row] + bias, scored,
+    and the best `width` kept → (token, parent, score, rho, valid) [B, width], as `topk.tree_level_reference`
+    (logits [B, L, V], bias [B, W, V] or None, logrho / logscore / valid [B, W]). The kernel: two launches a level,
+    where XLA runs nine."""
+    if impl == "reference":
+        return topk.tree_level_reference(logits, row, bias, logrho, logscore, valid, k=k, width=width)
+    try:
+        B, L, V = logits.shape
+        W = valid.shape[1]
+        ok = (topk.level_supported(V, k, W, width) and 0 <= row < L
+              and (bias is None or tuple(bias.shape) == (B, W, V)))
+    except Exception:  # noqa: BLE001
+        ok = False
+    interpret = _use_kernel(impl, ok, "tree level")
+    if interpret is None:
+        return topk.tree_level_reference(logits, row, bias, logrho, logscore, valid, k=k, width=width)
+    chunks = _topk_chunks(logits.shape[2])
+    return topk.tree_level_pallas(logits, bias, logrho, logscore, valid, row=row, k=k, width=width, chunks=chunks,
+                                  num_warps=TOPK_WARPS if chunks > 1 else None, interpret=interpret)

@@ -1,4 +1,5 @@
-"""Top-k children and the log-sum-exp of every beam row of a tree level, one launch (the greedy tree build).
+"""Top-k children and the log-sum-exp of every beam row of a tree level, one launch (the greedy tree build); and a
+whole greedy level of the beam tree in two launches (`tree_level_pallas`).
 
 Must equal `biased_topk_reference`: for logits x = base[b] + bias[b, w] (fp32), (values, indices) of
 `lax.top_k(x, k)` — descending, ties to the lower index — and log Σ exp(x) with the row max taken out first.
@@ -10,6 +11,12 @@ launches (and the TopK alone took 37 µs of GPU time a level for 16 rows of 8,19
 One program per beam row (b, w): the whole row sits in registers (V ≤ 16,384 fp32), the log-sum-exp is one
 max and one exp-sum over it, and the top k are k rounds of (max, lowest index at the max, take it out).
 Lowering: Pallas' Triton lowering (row reductions only, no matrix work: nothing for Mosaic GPU's wgmma to add).
+
+A level (`tree_level_pallas`, must equal `tree_level_reference`): the same top-k programs read their row of the
+draft block's logits in place (no slice), then one program per batch row merges the chunks, scores the children
+(ρ = the parent's ρ + log q, capped by the parent's score) and keeps the best `width` of them with their parents —
+where XLA ran a slice, a convert, the top-k, a select, a TopK and the gathers: 9 launches a level, 63 of the 339 a
+round at 4 rows on an H100 (bench/results/budget/round_launches_h100.md), in a round bound by its launches.
 """
 
 from __future__ import annotations
@@ -88,6 +95,143 @@ def _merge_kernel(val_ref, idx_ref, lse_ref, val_out, idx_out, lse_out, *, k: in
     val_out[...] = vals
     idx_out[...] = out
     lse_out[...] = jnp.full((1,), m + jnp.log(jnp.sum(jnp.exp(parts - m))), F32)
+
+
+def tree_level_reference(logits: jax.Array, row: int, bias: jax.Array | None, logrho: jax.Array, logscore: jax.Array,
+                         valid: jax.Array, *, k: int, width: int):
+    """One greedy level of the beam tree (`spec.select.expand_candidates`): the children of the W beam nodes are the
+    top k of logits[:, row] + bias (fp32), node (w, i) scored ρ = logrho[w] + log q_i, capped by logscore[w]
+    (−inf where the parent or the child is invalid), and the best `width` of the W·k kept (ties: parent-major, then
+    rank). logits [B, L, V], bias [B, W, V] or None (every beam node the same children), logrho / logscore [B, W]
+    f32, valid [B, W] bool → (token [B, width] int32, parent [B, width] int32 (its beam row), score, rho
+    [B, width] f32, valid [B, width] bool)."""
+    B, W = valid.shape
+    top, child, lse = biased_topk_reference(logits[:, row], bias, k)
+    top, child = (jnp.broadcast_to(x, (B, W, k)) for x in (top, child))
+    lse = jnp.broadcast_to(lse, (B, W))
+    clogq = top - lse[..., None]
+    cvalid = valid[..., None] & (top > -jnp.inf) & (clogq > -jnp.inf)
+    crho = logrho[..., None] + clogq
+    score = jnp.where(cvalid, jnp.minimum(crho, logscore[..., None]), -jnp.inf).reshape(B, W * k)
+    order = lax.top_k(score, width)[1]          # stable: ties keep parent-major, draw order
+    take = lambda x: jnp.take_along_axis(x.reshape(B, W * k), order, axis=1)  # noqa: E731
+    return (take(child).astype(jnp.int32), (order // k).astype(jnp.int32), take(score), take(crho),
+            take(cvalid))
+
+
+def _level_kernel(val_ref, idx_ref, lse_ref, rho_ref, cap_ref, ok_ref, tok_out, par_out, score_out, rho_out,
+                  valid_out, *, k: int, width: int):
+    """One batch row of a level: its W beam rows' chunk results (chunk-major) → their top k and log-sum-exps →
+    the children's scores → the best `width` children (see `tree_level_reference`)."""
+    v, ix = val_ref[...], idx_ref[...]                      # [W, C·kp]
+    W, n = v.shape
+    kp = 1
+    while kp < k:
+        kp *= 2
+    col = lax.broadcasted_iota(jnp.int32, (W, n), 1)
+    lane = lax.broadcasted_iota(jnp.int32, (W, kp), 1)
+    top = jnp.full((W, kp), -jnp.inf, F32)
+    child = jnp.zeros((W, kp), jnp.int32)
+    avail = col >= 0
+    for i in range(k):                                      # each beam row's top k of its chunks' top k
+        xm = jnp.where(avail, v, -jnp.inf)
+        m = jnp.max(xm, axis=1, keepdims=True)
+        j = jnp.min(jnp.where(avail & (xm == m), col, n), axis=1, keepdims=True)
+        hit = col == j
+        top = jnp.where(lane == i, m, top)
+        child = jnp.where(lane == i, jnp.sum(jnp.where(hit, ix, 0), axis=1, keepdims=True), child)
+        avail = avail & jnp.logical_not(hit)
+    parts = lse_ref[...]                                    # [W, C]
+    pm = jnp.max(parts, axis=1, keepdims=True)
+    lse = pm + jnp.log(jnp.sum(jnp.exp(parts - pm), axis=1, keepdims=True))
+    clogq = top - lse
+    cvalid = (ok_ref[...] != 0) & (top > -jnp.inf) & (clogq > -jnp.inf) & (lane < k)
+    crho = rho_ref[...] + clogq
+    score = jnp.where(cvalid, jnp.minimum(crho, cap_ref[...]), -jnp.inf)
+    flat = lax.broadcasted_iota(jnp.int32, (W, kp), 0) * k + lane
+    big = W * k
+    live = lane < k
+    wp = tok_out.shape[0]
+    out_lane = lax.broadcasted_iota(jnp.int32, (wp,), 0)
+    tok = jnp.zeros((wp,), jnp.int32)
+    par = jnp.zeros((wp,), jnp.int32)
+    sc = jnp.full((wp,), -jnp.inf, F32)
+    rh = jnp.full((wp,), -jnp.inf, F32)
+    ok = jnp.zeros((wp,), jnp.int32)
+    for t in range(width):                                  # the best `width` of the W·k children
+        xm = jnp.where(live, score, -jnp.inf)
+        m = jnp.max(jnp.max(xm, axis=1))
+        f = jnp.min(jnp.min(jnp.where(live & (xm == m), flat, big), axis=1))
+        hit = (flat == f) & (lane < k)                      # a padding lane (k < kp) shares its flat index
+        pick = lambda x, z: jnp.sum(jnp.sum(jnp.where(hit, x, z), axis=1))  # noqa: E731
+        at = out_lane == t
+        tok = jnp.where(at, pick(child, 0), tok)
+        par = jnp.where(at, f // k, par)
+        sc = jnp.where(at, m, sc)
+        rh = jnp.where(at, pick(crho, 0.0), rh)
+        ok = jnp.where(at, pick(cvalid.astype(jnp.int32), 0), ok)
+        live = live & jnp.logical_not(hit)
+    tok_out[...], par_out[...], score_out[...], rho_out[...], valid_out[...] = tok, par, sc, rh, ok
+
+
+def level_supported(V: int, k: int, W: int, width: int) -> bool:
+    """`supported`, and beam and kept widths that are powers of two (Triton's block shapes), width ≤ W·k."""
+    pow2 = lambda n: n >= 1 and (n & (n - 1)) == 0  # noqa: E731
+    return supported(V, k) and pow2(W) and pow2(width) and width <= W * k and W <= 64
+
+
+@functools.partial(jax.jit, static_argnames=("row", "k", "width", "chunks", "num_warps", "interpret"))
+def tree_level_pallas(logits: jax.Array, bias: jax.Array | None, logrho: jax.Array, logscore: jax.Array,
+                      valid: jax.Array, *, row: int, k: int, width: int, chunks: int = 1,
+                      num_warps: int | None = None, interpret: bool = False):
+    """`tree_level_reference` in two launches (see the module docstring): the top-k programs over (batch row, beam
+    row, vocabulary chunk), then one program per batch row."""
+    B, L, V = logits.shape
+    W = valid.shape[1]
+    if (not level_supported(V, k, W, width) or not 0 <= row < L or (bias is not None and bias.shape != (B, W, V))
+            or chunks < 1 or chunks & (chunks - 1) or V // chunks < 16):
+        raise ValueError(f"unsupported tree level: logits {logits.shape} row {row}, bias "
+                         f"{None if bias is None else bias.shape}, beam {W}, k {k}, width {width}, chunks {chunks}")
+    kp = 1
+    while kp < k:
+        kp *= 2
+    Vc = V // chunks
+    if num_warps is None:
+        num_warps = 4 if Vc <= 4096 else 8
+    in_specs = [pl.BlockSpec((None, None, Vc), lambda b, w, c: (b, row, c))]
+    args = [logits]
+    if bias is not None:
+        in_specs.append(pl.BlockSpec((None, None, Vc), lambda b, w, c: (b, w, c)))
+        args.append(bias)
+        kern = functools.partial(_kernel, k=k)
+    else:
+        kern = functools.partial(lambda base_ref, *outs, k: _kernel(base_ref, None, *outs, k=k), k=k)
+    spec = lambda n: pl.BlockSpec((None, None, n), lambda b, w, c: (b, w, c))  # noqa: E731
+    vals, idxs, lse = pl.pallas_call(
+        kern, out_shape=[jax.ShapeDtypeStruct((B, W, chunks * kp), F32),
+                         jax.ShapeDtypeStruct((B, W, chunks * kp), jnp.int32),
+                         jax.ShapeDtypeStruct((B, W, chunks), F32)],
+        grid=(B, W, chunks), in_specs=in_specs, out_specs=[spec(kp), spec(kp), spec(1)],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret, name="tree_level_topk",
+    )(*args)
+    wp = 1
+    while wp < width:
+        wp *= 2
+    whole = lambda *n: pl.BlockSpec((None,) + n, lambda b: (b,) + (0,) * len(n))  # noqa: E731
+    col = lambda x, dt: x.astype(dt)[..., None]  # noqa: E731
+    tok, par, score, rho, ok = pl.pallas_call(
+        functools.partial(_level_kernel, k=k, width=width),
+        out_shape=[jax.ShapeDtypeStruct((B, wp), jnp.int32), jax.ShapeDtypeStruct((B, wp), jnp.int32),
+                   jax.ShapeDtypeStruct((B, wp), F32), jax.ShapeDtypeStruct((B, wp), F32),
+                   jax.ShapeDtypeStruct((B, wp), jnp.int32)],
+        grid=(B,), in_specs=[whole(W, chunks * kp), whole(W, chunks * kp), whole(W, chunks), whole(W, 1),
+                             whole(W, 1), whole(W, 1)],
+        out_specs=[whole(wp)] * 5,
+        compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret, name="tree_level_select",
+    )(vals, idxs, lse, col(logrho, F32), col(logscore, F32), col(valid, jnp.int32))
+    return tok[:, :width], par[:, :width], score[:, :width], rho[:, :width], ok[:, :width] != 0
 
 
 def supported(V: int, k: int) -> bool:

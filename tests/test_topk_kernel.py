@@ -1,5 +1,6 @@
-"""The tree-level top-k kernel (pallas_kernels.topk) against lax.top_k + log-sum-exp: interpret mode on CPU,
-the real kernel on a GPU; and the greedy tree build through it equal to the pure-JAX build."""
+"""The tree-level top-k kernel (pallas_kernels.topk) against lax.top_k + log-sum-exp, and the whole greedy tree
+level (top-k, scores, kept beam) against its reference: interpret mode on CPU, the real kernels on a GPU; and the
+greedy tree build through them equal to the pure-JAX build."""
 
 from __future__ import annotations
 
@@ -80,6 +81,56 @@ def test_greedy_tree_build_through_the_kernel_equals_the_reference():
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
         else:
             np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f.name)
+
+
+def _level_inputs(B, L, W, V, seed, bias=True, dtype=jnp.float32):
+    r = np.random.default_rng(seed)
+    logits = jnp.asarray(np.round(r.standard_normal((B, L, V)) * 3, 1), dtype)       # rounded: tied logits
+    b = jnp.asarray(np.round(r.standard_normal((B, W, V)), 1), dtype) if bias else None
+    logrho = jnp.asarray(-np.abs(r.standard_normal((B, W))), jnp.float32)
+    logscore = logrho - jnp.asarray(np.abs(r.standard_normal((B, W))) * (r.random((B, W)) < 0.5), jnp.float32)
+    valid = jnp.asarray(r.random((B, W)) < 0.8)
+    return logits, b, logrho, logscore, valid
+
+
+def _check_level(args, row, k, width, interpret=True, chunks=1):
+    ref = topk.tree_level_reference(*args[:1], row, *args[1:], k=k, width=width)
+    got = topk.tree_level_pallas(*args, row=row, k=k, width=width, chunks=chunks, interpret=interpret)
+    names = ("token", "parent", "score", "rho", "valid")
+    for name, g, r in zip(names, got, ref):
+        assert g.shape == r.shape and g.dtype == r.dtype, name
+        if name in ("score", "rho"):       # the log-sum-exp of chunks: equal to rounding
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-5, err_msg=name)
+        else:
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(r), err_msg=name)
+
+
+@pytest.mark.parametrize("B,W,V,k,width,chunks,seed", [(2, 1, 64, 4, 4, 1, 0), (3, 4, 128, 4, 8, 1, 1),
+                                                       (1, 8, 256, 3, 8, 4, 2), (2, 2, 64, 8, 16, 2, 3),
+                                                       (1, 4, 128, 2, 8, 1, 4)])
+def test_tree_level_interpret_matches_reference(B, W, V, k, width, chunks, seed):
+    """Invalid parents, capped scores, tied logits, fewer valid children than kept (−inf scores kept by index),
+    chunked vocabularies, a bf16 bias and none."""
+    args = _level_inputs(B, 3, W, V, seed)
+    _check_level(args, 1, k, width, chunks=chunks)
+    _check_level(_level_inputs(B, 3, W, V, seed, bias=False), 2, k, width, chunks=chunks)
+    _check_level(_level_inputs(B, 3, W, V, seed, dtype=jnp.bfloat16), 0, k, width, chunks=chunks)
+
+
+def test_tree_level_dispatch_fails_closed():
+    args = _level_inputs(1, 2, 3, 64, 0)                        # a beam of 3: not a Triton block shape
+    ref = topk.tree_level_reference(args[0], 0, *args[1:], k=4, width=4)
+    got = kernels.tree_level(args[0], 0, *args[1:], k=4, width=4, impl="auto")
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(ref[0]))
+    with pytest.raises(ValueError, match="does not support"):
+        kernels.tree_level(args[0], 0, *args[1:], k=4, width=4, impl="interpret")
+
+
+@needs_gpu
+@pytest.mark.parametrize("W,width,chunks", [(1, 8, 8), (16, 16, 8), (16, 16, 1)])
+def test_gpu_tree_level_matches_reference(W, width, chunks):
+    _check_level(_level_inputs(4, 7, W, 8192, W + chunks, dtype=jnp.bfloat16), 3, 8, width, interpret=False,
+                 chunks=chunks)
 
 
 @needs_gpu

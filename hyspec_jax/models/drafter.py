@@ -121,8 +121,10 @@ class MarkovHead(nnx.Module):
         self.gate_proj = Linear(d + r, r, bias=True, dtype=dtype, rngs=rngs) if self.kind == "gated" else None
         self.joint_proj = Linear(2 * r + d, 3 * r, bias=True, dtype=dtype, rngs=rngs) if self.kind == "rnn" else None
 
-    def __call__(self, prev: jax.Array, h: jax.Array, s: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """prev [...] ids, h [..., d], s [..., r] (rnn state) -> (bias [..., V] fp32, e [..., r], s')."""
+    def __call__(self, prev: jax.Array, h: jax.Array, s: jax.Array, native: bool = False
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """prev [...] ids, h [..., d], s [..., r] (rnn state) -> (bias [..., V] fp32 (native: in the head's own
+        dtype, for a consumer that converts it itself), e [..., r], s')."""
         e = self.markov_w1(prev)
         if self.kind == "vanilla":
             z = e
@@ -135,7 +137,8 @@ class MarkovHead(nnx.Module):
             sg = jax.nn.sigmoid(g.astype(F32))
             s = (sg * s.astype(F32) + (1.0 - sg) * jnp.tanh(c.astype(F32))).astype(s.dtype)
             z = jnp.tanh(o)
-        return self.markov_w2(z).astype(F32), e, s
+        bias = self.markov_w2(z)
+        return (bias if native else bias.astype(F32)), e, s
 
 
 class ConfidenceHead(nnx.Module):
@@ -271,15 +274,16 @@ class Drafter(nnx.Module):
         return DraftBlock(hidden=h, logits=heads.logits(h))
 
     # --- sequential heads -------------------------------------------------------------------------
-    def markov_step(self, prev: jax.Array, h: jax.Array, s: jax.Array | None = None
+    def markov_step(self, prev: jax.Array, h: jax.Array, s: jax.Array | None = None, native: bool = False
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """One Markov step -> (bias [..., V] fp32 (scalar 0 without a head), e [..., r], rnn state [..., r])."""
+        """One Markov step -> (bias [..., V] fp32 (native: the head's dtype; scalar 0 without a head), e [..., r],
+        rnn state [..., r])."""
         r = self.config.markov_rank if self.markov_head is not None else 0
         if s is None:
             s = jnp.zeros(prev.shape + (r,), h.dtype)
         if self.markov_head is None:
             return jnp.zeros((), F32), jnp.zeros(prev.shape + (0,), h.dtype), s
-        return self.markov_head(prev, h, s)
+        return self.markov_head(prev, h, s, native)
 
     def markov_teacher(self, prev: jax.Array, h: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Teacher-forced bias for all slots: prev [..., G], h [..., G, d] -> (bias [..., G, V], e [..., G, r])."""

@@ -86,7 +86,8 @@ def mtp_tree(head: MTPHead, heads: TargetHeads, mstate: MTPState, anchor: jax.Ar
         W = tok.shape[1]
         g = nodes.step(heads.embed, tok, hid, d, anc)
         own = jnp.broadcast_to(jnp.eye(W, dtype=bool), (B, W, W))
-        return jnp.zeros((B, V), F32), heads.logits(g).astype(F32), (g, jnp.concatenate([anc, own], axis=-1))
+        return (jnp.zeros((B, 1, V), F32), 0, heads.logits(g).astype(F32),
+                (g, jnp.concatenate([anc, own], axis=-1)))
 
     carry = (mstate.hidden[:, None], jnp.zeros((B, 1, 0), bool))
     return expand_candidates(level, carry, anchor, expansion, V, sampling, keys, kernel_impl)

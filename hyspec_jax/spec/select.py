@@ -34,7 +34,7 @@ from hyspec_jax.models.drafter import DraftBlock, Drafter
 from hyspec_jax.sampling import SlotSampling, warp
 from hyspec_jax.spec.propose import ChainProposal
 from hyspec_jax.tree import TreeExpansion
-from hyspec_jax.kernels import biased_topk
+from hyspec_jax.kernels import tree_level
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -87,8 +87,9 @@ def tree_candidates(model: Drafter, block: DraftBlock, anchor: jax.Array, expans
 
     def level(d: int, tok: jax.Array, s: jax.Array):
         h = jnp.broadcast_to(block.hidden[:, d, None], tok.shape + (block.hidden.shape[-1],))
-        bias, _, s_next = model.markov_step(tok, h, s)
-        return block.logits[:, d], None if jnp.ndim(bias) == 0 else bias, s_next
+        # the bias in the head's own dtype: the level converts it on its way in (the kernel reads it so)
+        bias, _, s_next = model.markov_step(tok, h, s, native=True)
+        return block.logits, d, None if jnp.ndim(bias) == 0 else bias, s_next
 
     return expand_candidates(level, jnp.zeros((B, 1, r), block.hidden.dtype), anchor, expansion, V, sampling, keys,
                              kernel_impl)
@@ -99,15 +100,16 @@ def expand_candidates(level: Callable, carry, anchor: jax.Array, expansion: Tree
                       kernel_impl: str = "reference") -> Candidates:
     """Beam expansion of a draft tree whose logits come from `level` (see the module docstring for the scores).
 
-    `level(d, tokens [B, W], carry) -> (base [B, V], bias [B, W, V] or None, carry')` gives the logits
-    base + bias of the children of the W beam nodes at depth d (d = 0: the anchor) and a per-node carry
+    `level(d, tokens [B, W], carry) -> (logits [B, L, V], row, bias [B, W, V] or None, carry')` gives the logits
+    logits[:, row] + bias of the children of the W beam nodes at depth d (d = 0: the anchor; the base logits are a
+    row of a stack so the kernel reads them in place) and a per-node carry
     (a pytree of [B, W, ...] arrays: the drafter's own state of each node, e.g. a Markov RNN state or an MTP
     hidden); each kept child receives its parent's carry'. The first carry is the anchor's ([B, 1, ...]).
     Level d expands every kept node of depth d into its top_k children — greedy rows by logits, sampling rows
     by top_k draws without replacement from the warped q (Gumbel-top-k, children in draw order) — and keeps the
     best `beam` by score (stable: ties keep parent-major, draw order). sampling None: all rows greedy. keys [B]
-    per-slot PRNG keys (sampling). kernel_impl: the greedy levels' top-k (`hyspec_jax.kernels.biased_topk`:
-    "auto" takes the kernel on a GPU).
+    per-slot PRNG keys (sampling). kernel_impl: the all-greedy levels (`hyspec_jax.kernels.tree_level`: "auto"
+    takes the kernel on a GPU).
     """
     B, V = anchor.shape[0], vocab
     D, k = expansion.depth, expansion.top_k
@@ -133,9 +135,9 @@ def expand_candidates(level: Callable, carry, anchor: jax.Array, expansion: Tree
                valid=[bvalid], score=[logscore], q=[])
     for d in range(D):
         W = tok.shape[1]
-        base, bias, carry_next = level(d, tok, carry)
+        stack, row, bias, carry_next = level(d, tok, carry)
         if stochastic:
-            logits = (base[:, None, :] + (0.0 if bias is None else bias)).astype(F32)  # [B, W|1, V]
+            logits = stack[:, row, None, :].astype(F32) + (0.0 if bias is None else bias.astype(F32))  # [B, W|1, V]
             logq = jax.nn.log_softmax(logits, axis=-1)
             wl = warp(logits, sampling.temperature[:, None], sampling.top_p[:, None], sampling.top_k[:, None])
             logq = jnp.where(greedy, logq, wl)
@@ -144,26 +146,23 @@ def expand_candidates(level: Callable, carry, anchor: jax.Array, expansion: Tree
             out["q"].append(jnp.where(bvalid[..., None], jnp.exp(logq), 0.0))
             top, child = jax.lax.top_k(draw, k)                                       # [B, W, k] draw order
             clogq = jnp.take_along_axis(logq, child, axis=-1)
-        else:
-            # greedy: only the k children's log q are needed — top logits less the row's log-sum-exp, not a
-            # [B, W, V] log-softmax and a gather; on a GPU one kernel a level (a launch-bound round)
-            top, child, lse = biased_topk(base, bias, k, impl=kernel_impl)
-            clogq = top - lse[..., None]
-        cvalid = bvalid[..., None] & (top > -jnp.inf) & (clogq > -jnp.inf)
-        crho = logrho[..., None] + clogq
-        score = crho
-        if stochastic:
+            cvalid = bvalid[..., None] & (top > -jnp.inf) & (clogq > -jnp.inf)
+            crho = logrho[..., None] + clogq
             cq = jnp.where(cvalid, jnp.exp(clogq), 0.0)
             mass = 1.0 - (jnp.cumsum(cq, axis=-1) - cq)                               # left before draw i
             sigma = logrho[..., None] + jnp.log(jnp.clip(mass, 0.0, 1.0))
-            score = jnp.where(greedy, crho, sigma)
-        score = jnp.minimum(score, logscore[..., None])                               # monotone by construction
-        score = jnp.where(cvalid, score, -jnp.inf).reshape(B, W * k)
-        order = jax.lax.top_k(score, widths[d])[1]          # stable: ties keep parent-major, draw order
-        par = (order // k).astype(I32)
-        take = lambda x: jnp.take_along_axis(x.reshape(B, W * k), order, axis=1)  # noqa: E731
-        tok, logscore, logrho = take(child).astype(I32), take(score), take(crho)
-        bvalid = take(cvalid)
+            score = jnp.minimum(jnp.where(greedy, crho, sigma), logscore[..., None])  # monotone by construction
+            score = jnp.where(cvalid, score, -jnp.inf).reshape(B, W * k)
+            order = jax.lax.top_k(score, widths[d])[1]      # stable: ties keep parent-major, draw order
+            par = (order // k).astype(I32)
+            take = lambda x: jnp.take_along_axis(x.reshape(B, W * k), order, axis=1)  # noqa: E731
+            tok, logscore, logrho = take(child).astype(I32), take(score), take(crho)
+            bvalid = take(cvalid)
+        else:
+            # greedy: top k by logits, ρ scores, the best widths[d] kept — one kernel pair a level on a GPU (a
+            # launch-bound round), where XLA runs nine
+            tok, par, logscore, logrho, bvalid = tree_level(stack, row, bias, logrho, logscore, bvalid, k=k,
+                                                            width=widths[d], impl=kernel_impl)
         carry = jax.tree.map(lambda x: x[rows, par], carry_next)
         out["token"].append(tok)
         out["parent"].append(jnp.where(bvalid, par + int(offsets[d] - W), -1))

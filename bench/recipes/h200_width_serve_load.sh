@@ -28,9 +28,10 @@
 # is admitted over about its tokens / PREFILL_CHUNK steps), RES (where the files gather; a fresh temporary
 # folder), SPEC_EXTRA (more speculative options for calibrate and the server, e.g. "--packed-widths": the
 # batch-wide budgets family, its own entries in the same table), BASE (another checkout's root, e.g.
-# `git archive REF hyspec_jax serve bench train | tar x -C _base` made here and carried: each speculative mode also
-# runs from it, side by side, as "base-MODE" — an A/B of the code around the same programs, which start from the
-# compilation cache the others filled, since JAX keys it by the program, not by paths; serve-compare then names the
+# `git archive REF hyspec_jax serve train pallas_kernels bench/recipes $(git ls-files 'bench/*.py') | tar x -C
+# .devpack/base` made here and carried with .devpack: each speculative mode also
+# runs from it, side by side, as "base-MODE" — an A/B of two versions of the code; programs the two share start from
+# the compilation cache the other filled, since JAX keys it by the program, not by paths; serve-compare then names the
 # modes by file and also divides each mode by its base). Each command's files
 # (calibration, table, server logs, serve_load JSON) come back in one archive,
 # $OUT/width_<steps>_<modes>_t<LOAD_TOKENS>_p<first>-<last pass>.tgz.
@@ -51,7 +52,13 @@ if [[ " $STEPS " == *" calibrate "* ]]; then
 fi
 if [[ " $STEPS " == *" serve "* ]]; then
   [ "$TABLE" = none ] || [ -f "$TABLE" ] || { echo "no $TABLE: run STEPS=calibrate first, or TABLE=none" >&2; exit 1; }
-  export XLA_PYTHON_CLIENT_MEM_FRACTION=0.4
+  # the servers share one GPU: 0.8 of its memory between them (each needs room beside its pool for XLA's CUDA
+  # graphs: three servers at 0.4 each ran out of it at their first requests)
+  NSERVERS=0
+  for mode in $MODES; do
+    NSERVERS=$((NSERVERS + 1)); if [ -n "${BASE:-}" ] && [ "$mode" != ar ]; then NSERVERS=$((NSERVERS + 1)); fi
+  done
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.8 / $NSERVERS, 3))")
   SERVE=(--port 0 --max-batch "$SLOTS" --max-queue 256 --max-model-len $LEN --prefill-chunk "${PREFILL_CHUNK:-128}")
   [ "$TABLE" = none ] || SERVE+=(--budget-table "$TABLE")
   LOAD=(--concurrency "${CONC:-1,4,8,16,32,64}" --num-requests "${REQUESTS:-64}" --waves "${WAVES:-0}"

@@ -87,6 +87,14 @@ _json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps(ensure_ascii=
 _json_str = json.encoder.encode_basestring             # what that encoder does with a str (C; no escapes of non-ASCII)
 
 
+def engine_error(e: BaseException) -> str:
+    """A failed engine's error in one line for a client or a log: its type and its message's first line (XLA's
+    run to many lines), at most 300 characters."""
+    lines = str(e).strip().splitlines()
+    text = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 def _sse(obj) -> bytes:
     return b"data: " + _json(obj).encode() + b"\n\n"
 
@@ -259,6 +267,12 @@ class OpenAIServer:
         self._seeds = random.Random(seed) if seed is not None else random.SystemRandom()
 
     # --- helpers ---------------------------------------------------------------------------------------
+    def unavailable(self) -> APIError:
+        """The 503 of a server that takes no more requests: its engine failed, or it is draining."""
+        if self.scheduler.failed is not None:
+            return APIError(503, f"the engine failed ({engine_error(self.scheduler.failed)}); the server is stopping")
+        return APIError(503, "the server is shutting down")
+
     def check_model(self, name: str | None) -> str:
         if name is None:
             return self.model.name      # like vLLM: the one served model
@@ -347,7 +361,7 @@ class OpenAIServer:
               ) -> tuple[list[Choice], Inbox]:
         """Submit n engine requests per prompt; returns the choices (index = prompt · n + j) and their queue."""
         if self.draining:
-            raise APIError(503, "the server is shutting down")
+            raise self.unavailable()
         self.handoff.loop = asyncio.get_running_loop()
         queue = Inbox()
         put = self.handoff.put
@@ -380,7 +394,7 @@ class OpenAIServer:
         except ShuttingDown:
             for er in submitted:
                 self.scheduler.abort(er)
-            raise APIError(503, "the server is shutting down") from None
+            raise self.unavailable() from None
         return choices, queue
 
     async def events(self, request: Request, choices: list[Choice], queue: Inbox) -> AsyncIterator[Choice]:
@@ -714,7 +728,8 @@ def build_app(server: OpenAIServer) -> FrontDoor:
     @app.get("/health")
     async def health():
         if server.scheduler.failed is not None:
-            return JSONResponse({"status": "error", "message": str(server.scheduler.failed)}, status_code=503)
+            return JSONResponse({"status": "error", "message": engine_error(server.scheduler.failed)},
+                                status_code=503)
         if server.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}

@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger("hyspec.serve")
 
@@ -456,6 +457,7 @@ def _serve(args, server, app, chat) -> int:
                     signal.signal(s, h)
 
     userver = Server(config)
+    scheduler.on_failure = _stop_on_engine_failure(server, userver)
     _progress(f"chat prompts: {chat.kind}")
     _progress(f"serving model '{server.model.name}' on http://{args.host}:{port} (OpenAI API under /v1"
               f"{'; API key required' if args.api_key else ''})")
@@ -467,7 +469,24 @@ def _serve(args, server, app, chat) -> int:
         scheduler.stop()
         scheduler.join(10.0)
     _progress("stopped")
+    if scheduler.failed is not None:
+        from hyspec_jax.serve.app import engine_error
+        print(f"hyspec serve: error: the engine failed: {engine_error(scheduler.failed)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _stop_on_engine_failure(server, userver) -> Callable[[BaseException], None]:
+    """The request loop's `on_failure`: a failed engine stops the server (as vLLM's does), so that a supervisor
+    restarts it instead of a live process answering 503 forever. Its requests have already failed; new ones get
+    503 with the error until the listener closes; the exit code is 1."""
+    from hyspec_jax.serve.app import engine_error
+
+    def stop(e: BaseException) -> None:
+        _progress(f"the engine failed ({engine_error(e)}): stopping")
+        server.draining = True
+        userver.should_exit = True        # read by uvicorn's main loop, which then shuts down gracefully
+    return stop
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -300,3 +300,32 @@ def test_the_loop_reports_its_time_in_each_steps_dispatch_and_collect():
     assert len(obs.calls) == be.dispatched
     assert all(d >= 0.002 for d, _ in obs.calls)
     assert sum(c for _, c in obs.calls) >= 0.004 * len(obs.calls)    # mostly waiting on the 10 ms device
+
+
+class FailingBackend(ScriptedBackend):
+    """A device that fails at its third decoding step (what an out-of-memory or a lost GPU looks like to the loop)."""
+
+    def dispatch(self, *args, **kw):
+        if self.dispatched == 2:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory\nmore lines of detail")
+        return super().dispatch(*args, **kw)
+
+
+def test_a_failed_engine_fails_every_request_it_holds_and_takes_no_more():
+    """The loop's thread dies with the device error: the running and the queued requests end with "error" (never
+    left hanging), `failed` keeps the error, on_failure is called once with it, and later submissions are refused."""
+    from hyspec_jax.runtime.scheduler import ShuttingDown
+    seen: list[BaseException] = []
+    sched = Scheduler(FailingBackend(2), on_failure=seen.append)
+    ends: dict[int, str] = {}
+    reqs = []
+    for i in range(4):                       # 2 running, 2 waiting
+        reqs.append(EngineRequest(prompt_ids=[10 + i], max_tokens=40,
+                                  sink=lambda toks, why, i=i: ends.__setitem__(i, why) if why else None))
+        sched.submit(reqs[-1])
+    sched.start()
+    assert sched.join(30)
+    assert ends == {i: "error" for i in range(4)} and all(r.finished for r in reqs)
+    assert len(seen) == 1 and seen[0] is sched.failed and "RESOURCE_EXHAUSTED" in str(sched.failed)
+    with pytest.raises(ShuttingDown):
+        sched.submit(EngineRequest(prompt_ids=[9], max_tokens=4, sink=lambda toks, why: None))

@@ -337,6 +337,27 @@ def test_stream_chunk_template_renders_what_a_whole_chunk_does():
                 assert render.text(2, "delta", text, ids) == render({"index": 2, "delta": {"content": text}, **base})
 
 
+def test_a_failed_engine_stops_the_server_with_its_error():
+    """The request loop's failure (a device error) stops the server: uvicorn is told to exit, new requests get 503
+    naming the error in one line (not "shutting down"), and /health's message is the same line."""
+    from types import SimpleNamespace
+    from hyspec_jax.serve.app import APIError, OpenAIServer, engine_error
+    from hyspec_jax.serve.server import _stop_on_engine_failure
+    err = RuntimeError("RESOURCE_EXHAUSTED: out of memory trying to instantiate a command buffer\n" + "x" * 500)
+    assert engine_error(err) == "RuntimeError: RESOURCE_EXHAUSTED: out of memory trying to instantiate a command buffer"
+    assert len(engine_error(RuntimeError("y" * 1000))) == 300 and engine_error(ValueError()) == "ValueError"
+    sched = SimpleNamespace(failed=None, on_batch=None)
+    front = OpenAIServer(scheduler=sched, tokenizer=None, chat=None, model=None, metrics=None, options=None)
+    userver = SimpleNamespace(should_exit=False)
+    assert front.unavailable().message == "the server is shutting down"
+    sched.failed = err
+    _stop_on_engine_failure(front, userver)(err)
+    assert userver.should_exit and front.draining
+    e = front.unavailable()
+    assert isinstance(e, APIError) and e.status == 503
+    assert e.message == f"the engine failed ({engine_error(err)}); the server is stopping"
+
+
 def test_step_histogram_exposes_what_prometheus_histogram_does():
     """The ITL histogram, observed a step at a time, renders the samples of prometheus_client's own Histogram fed
     the same values one by one (bucket edges included)."""

@@ -27,6 +27,9 @@ Two drivers: the server runs the loop on its own thread (`start`, `submit`, `abo
 (the server's metrics). `on_batch()`, where given, is called on the loop's thread after the sink calls of each
 iteration (a prefill's first tokens, a step's tokens), so that a front end on another thread can take them with one
 wake-up, after the loop's host work for that iteration (not one per request, competing with it for the GIL).
+A loop that fails (a device error: out of memory, a lost GPU) fails every request it holds or queues, takes no more
+(`submit` raises `ShuttingDown`), keeps the error in `failed` and calls `on_failure(error)` once, where given (the
+server then stops: a dead engine must not look alive).
 """
 
 from __future__ import annotations
@@ -150,11 +153,13 @@ class Scheduler:
     """The request loop over one backend (see the module docstring)."""
 
     def __init__(self, backend: Backend, observer: LoopObserver | None = None, *, max_queue: int = 1 << 30,
-                 on_batch: Callable[[], None] | None = None):
+                 on_batch: Callable[[], None] | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None):
         self.backend = backend
         self.observer = observer or LoopObserver()
         self.max_queue = max_queue
         self.on_batch = on_batch
+        self.on_failure = on_failure
         B = backend.slots
         self.slots: list[EngineRequest | None] = [None] * B
         self.waiting: deque[EngineRequest] = deque()
@@ -280,6 +285,11 @@ class Scheduler:
             with self.cv:
                 self.accepting = False
                 self._abort_all("error")
+            if self.on_failure is not None:
+                try:
+                    self.on_failure(e)
+                except Exception:  # noqa: BLE001
+                    log.exception("on_failure failed")
 
     def _iterate(self) -> None:
         if self._slot_lists()[1]:

@@ -27,7 +27,8 @@
 # PREFILL_CHUNK (128: prompt tokens per prefill call; one call runs between decoding steps, so a burst of prompts
 # is admitted over about its tokens / PREFILL_CHUNK steps), RES (where the files gather; a fresh temporary
 # folder), SPEC_EXTRA (more speculative options for calibrate and the server, e.g. "--packed-widths": the
-# batch-wide budgets family, its own entries in the same table), BASE (another checkout's root, e.g.
+# batch-wide budgets family, its own entries in the same table), SERVE_EXTRA (more options for every server, ar
+# included, e.g. "--decode-buckets 1,4,8,16"), BASE (another checkout's root, e.g.
 # `git archive REF hyspec_jax serve train pallas_kernels bench/recipes $(git ls-files 'bench/*.py') | tar x -C
 # .devpack/base` made here and carried with .devpack: each speculative mode also
 # runs from it, side by side, as "base-MODE" — an A/B of two versions of the code; programs the two share start from
@@ -59,7 +60,8 @@ if [[ " $STEPS " == *" serve "* ]]; then
     NSERVERS=$((NSERVERS + 1)); if [ -n "${BASE:-}" ] && [ "$mode" != ar ]; then NSERVERS=$((NSERVERS + 1)); fi
   done
   export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.8 / $NSERVERS, 3))")
-  SERVE=(--port 0 --max-batch "$SLOTS" --max-queue 256 --max-model-len $LEN --prefill-chunk "${PREFILL_CHUNK:-128}")
+  SERVE=(--port 0 --max-batch "$SLOTS" --max-queue 256 --max-model-len $LEN --prefill-chunk "${PREFILL_CHUNK:-128}"
+         ${SERVE_EXTRA:-})
   [ "$TABLE" = none ] || SERVE+=(--budget-table "$TABLE")
   LOAD=(--concurrency "${CONC:-1,4,8,16,32,64}" --num-requests "${REQUESTS:-64}" --waves "${WAVES:-0}"
         --max-tokens "${LOAD_TOKENS:-64}")

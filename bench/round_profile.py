@@ -146,10 +146,11 @@ def markdown(report: dict) -> str:
     rows = report["modes"]
     ar = rows.get("ar")
     batch = report.get("batch", 1)
-    prompts = "one held-out prompt" if batch == 1 else f"{batch} held-out prompts"
+    prompts = (f"one held-out prompt, {report['max_tokens']} new tokens" if batch == 1 else
+               f"{batch} held-out prompts, {report['max_tokens']} new tokens each, decoded together")
     lines = [f"# Where a round's time goes ({report.get('device_kind', '?')}, {report['dtype']}, batch {batch})",
-             "", f"`{report['command']}` — commit {report.get('commit', '?')}; {prompts}, "
-             f"{report['max_tokens']} new tokens each, decoded together. Wall: untraced, per round (ar: per decoding step). GPU busy: the "
+             "", f"`{report['command']}` — commit {report.get('commit', '?')}; {prompts}. "
+             "Wall: untraced, per round (ar: per decoding step). GPU busy: the "
              "union of the round's GPU operations in a profiler trace; GPU ops: kernels, copies and memsets per "
              "round (≈ launches). × ar: per round, against one decoding step.", "",
              "| mode | τ | wall µs / round | × ar | GPU busy µs / round | × ar | GPU busy / traced wall | GPU ops / round "

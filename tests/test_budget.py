@@ -103,6 +103,24 @@ def test_selection_floor_prefix_capacity_and_best_scores(seed):
             assert (sp[b, j] == -1) if parent[b, i] < 0 else (ks[sp[b, j]] == parent[b, i])
 
 
+@pytest.mark.parametrize("seed,row_capacity", [(0, 5), (1, 3), (2, 16), (3, 1)])
+def test_a_capacity_that_cannot_bind_selects_per_row_alike(seed, row_capacity):
+    """With capacity ≥ B · N (every backend without a user budget C) the per-row ranking of
+    batch_capacity=False keeps, compacts and renumbers exactly what the batch-wide sort does: ties in score and
+    depth, inactive rows, forced nodes, a row capacity above the candidates (padding)."""
+    rng = np.random.default_rng(seed)
+    score, parent, depth, valid = _forest(rng, tie_rate=0.5)
+    active = rng.random(B) < 0.8
+    active[0] = True
+    args = [jnp.asarray(x) for x in (score, parent, depth, valid & active[:, None])]
+    forced = root_floor(args[0], args[1], args[3], jnp.asarray(active))
+    whole = select_nodes(*args, forced, row_capacity, B * row_capacity)
+    per_row = select_nodes(*args, forced, row_capacity, B * row_capacity, batch_capacity=False)
+    for name in ("index", "valid", "parent", "depth", "kept"):
+        np.testing.assert_array_equal(np.asarray(getattr(per_row, name)), np.asarray(getattr(whole, name)),
+                                      err_msg=name)
+
+
 def test_selection_shares_capacity_across_the_batch():
     """Two rows, capacity 5: the confident row gets the spare nodes, the other keeps its floor."""
     score = np.array([[0, -0.1, -0.2, -0.3, -0.4, -0.5], [0, -3.0, -4.0, -5.0, -6.0, -7.0]], np.float32)

@@ -80,24 +80,36 @@ def root_floor(score: jax.Array, parent: jax.Array, valid: jax.Array, active: ja
 
 
 def select_nodes(score: jax.Array, parent: jax.Array, depth: jax.Array, valid: jax.Array, forced: jax.Array,
-                 row_capacity: int, capacity: jax.Array | int) -> Selection:
+                 row_capacity: int, capacity: jax.Array | int, batch_capacity: bool = True) -> Selection:
     """Keep the forced nodes and the batch-wide best others, at most `capacity` nodes in all (but never fewer
     than the forced ones) and at most `row_capacity` per row; compact each row to width row_capacity.
 
     score [B,M] (log) selection scores, non-increasing down every path (−inf or invalid: never kept);
     parent/depth/valid [B,M] candidate forest in topological order (node 0 = anchor); forced [B,M].
-    Kept rows stay in candidate order, so siblings keep their draw order.
+    Kept rows stay in candidate order, so siblings keep their draw order. batch_capacity False: the caller
+    guarantees capacity ≥ B · row_capacity, which then never binds — each row keeps its best row_capacity, ranked
+    within the row alone (no batch-wide sort: fewer launches in a launch-bound round), the same selection.
     """
     B, M = score.shape
     chex.assert_shape([parent, depth, valid, forced], (B, M))
     N = int(row_capacity)
     valid = valid & (score > -jnp.inf) | forced
     score = jnp.where(valid, score, -jnp.inf).astype(F32)
-    # global order: valid first, forced first, score desc, depth asc, row asc, index asc
+    # the order: valid first, forced first, score desc, depth asc, row asc, index asc
+    neg = jnp.where(valid, -score, jnp.inf)
+    if not batch_capacity:
+        # rank within each row: [B, i, j] compares node j's key with node i's, most significant first
+        before, tied = jnp.zeros((B, M, M), bool), jnp.ones((B, M, M), bool)
+        for key in ((~valid).astype(I32), (~forced).astype(I32), neg, depth,
+                    jnp.broadcast_to(jnp.arange(M, dtype=I32)[None], (B, M))):
+            before = before | (tied & (key[:, None, :] < key[:, :, None]))
+            tied = tied & (key[:, None, :] == key[:, :, None])
+        row_rank = jnp.sum(valid[:, None, :] & before, axis=2)
+        kept = valid & (row_rank < N)
+        return _compact(kept, parent, depth, N)
     row = jnp.broadcast_to(jnp.arange(B, dtype=I32)[:, None], (B, M)).reshape(-1)
     idx = jnp.broadcast_to(jnp.arange(M, dtype=I32)[None], (B, M)).reshape(-1)
-    neg = jnp.where(valid, -score, jnp.inf).reshape(-1)
-    order = jnp.lexsort((idx, row, depth.reshape(-1), neg, ~forced.reshape(-1), ~valid.reshape(-1)))
+    order = jnp.lexsort((idx, row, depth.reshape(-1), neg.reshape(-1), ~forced.reshape(-1), ~valid.reshape(-1)))
     rank = jnp.zeros((B * M,), I32).at[order].set(jnp.arange(B * M, dtype=I32)).reshape(B, M)
     above = valid[:, None, :] & (rank[:, None, :] < rank[:, :, None])          # [B, i, j]: j ranks above i
     row_rank = jnp.sum(above, axis=2)
@@ -107,7 +119,12 @@ def select_nodes(score: jax.Array, parent: jax.Array, depth: jax.Array, valid: j
     n_forced = jnp.sum(forced & eligible, dtype=I32)
     cap = jnp.maximum(jnp.asarray(capacity, I32), n_forced)
     kept = eligible & (e_rank < cap)
-    # compact every row to N slots in candidate order
+    return _compact(kept, parent, depth, N)
+
+
+def _compact(kept: jax.Array, parent: jax.Array, depth: jax.Array, N: int) -> Selection:
+    """The kept nodes of each row compacted to width N in candidate order (`select_nodes`' result)."""
+    B, M = kept.shape
     if M < N:
         pad = lambda x, v: jnp.pad(x, ((0, 0), (0, N - M)), constant_values=v)  # noqa: E731
         kept_p, parent_p, depth_p = pad(kept, False), pad(parent, -1), pad(depth, 0)

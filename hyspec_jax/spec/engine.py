@@ -300,7 +300,9 @@ class SpecEngine:
                           method=self.spec.method, tap_layers=taps, kernel_impl=self.spec.kernels,
                           drafter="mtp" if mtp else "dspark",
                           reader_swap=self.spec.uses_reader and self.spec.reader_state == "swapped",
-                          packed_rows=0 if slots is None else packed_rows(self.spec.capacity, slots, verify_nodes))
+                          packed_rows=0 if slots is None else packed_rows(self.spec.capacity, slots, verify_nodes),
+                          # without a user budget C every backend passes slots · N or more: it never binds
+                          batch_budget=self.spec.capacity is not None)
 
     def round_seconds(self, slots: int, kv_len: int, rows: int | None = None) -> dict[int, float] | None:
         """The calibrated round time of every width bucket of this bucket (`spec.width.round_seconds`), or None;

@@ -79,6 +79,9 @@ class RoundShape:
     packed_gains: bool = False
     # the reader reads the slot one row up's committed state (the swapped-state control, `SpecConfig.reader_state`)
     reader_swap: bool = False
+    # False: the round's batch-wide capacity is at least slots · N (no user budget C), so it never binds and each row's
+    # nodes are ranked within the row alone (`budget.select_nodes(batch_capacity=False)`: no batch-wide sort)
+    batch_budget: bool = True
 
     @property
     def plain(self) -> bool:
@@ -167,7 +170,8 @@ def _select(cand, active: jax.Array, capacity: jax.Array, samp: SlotSampling | N
     forced = root_floor(cand.score, cand.parent, valid, active)
     if shape.packed_rows:      # the packed verify computes packed_rows rows: never select more
         capacity = jnp.minimum(capacity, shape.packed_rows)
-    sel = select_nodes(cand.score, cand.parent, cand.depth, valid, forced, N, capacity)
+    sel = select_nodes(cand.score, cand.parent, cand.depth, valid, forced, N, capacity,
+                       batch_capacity=shape.batch_budget or bool(shape.packed_rows))
     tokens = jnp.where(sel.valid, jnp.take_along_axis(cand.token, sel.index, axis=1), 0)
     tree = tree_lib.Tree(parent=sel.parent, valid=sel.valid, depth=sel.depth,
                          envelope=tree_lib.TreeShape(N, D))

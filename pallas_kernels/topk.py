@@ -125,9 +125,7 @@ def _level_kernel(val_ref, idx_ref, lse_ref, rho_ref, cap_ref, ok_ref, tok_out, 
     the children's scores → the best `width` children (see `tree_level_reference`)."""
     v, ix = val_ref[...], idx_ref[...]                      # [W, C·kp]
     W, n = v.shape
-    kp = 1
-    while kp < k:
-        kp *= 2
+    kp = _pow2(k)
     col = lax.broadcasted_iota(jnp.int32, (W, n), 1)
     lane = lax.broadcasted_iota(jnp.int32, (W, kp), 1)
     top = jnp.full((W, kp), -jnp.inf, F32)
@@ -180,6 +178,41 @@ def level_supported(V: int, k: int, W: int, width: int) -> bool:
     return supported(V, k) and pow2(W) and pow2(width) and width <= W * k and W <= 64
 
 
+def _pow2(n: int) -> int:
+    """The least power of two ≥ n (Triton's block shapes)."""
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def _chunk_topk(base: jax.Array, base_spec: pl.BlockSpec, bias: jax.Array | None, B: int, W: int, *, k: int,
+                chunks: int, num_warps: int | None, interpret: bool):
+    """The top-k programs over (batch row, beam row, vocabulary chunk): each chunk's top k (global indices, padded to
+    a power of two with −inf) and log-sum-exp → [B, W, chunks · kp], [B, W, chunks · kp], [B, W, chunks]. base_spec
+    picks a program's chunk of base logits (a [B, V] array, or a row of a [B, L, V] stack)."""
+    kp = _pow2(k)
+    Vc = base_spec.block_shape[-1]
+    if num_warps is None:
+        num_warps = 4 if Vc <= 4096 else 8
+    in_specs, args = [base_spec], [base]
+    if bias is not None:
+        in_specs.append(pl.BlockSpec((None, None, Vc), lambda b, w, c: (b, w, c)))
+        args.append(bias)
+        kern = functools.partial(_kernel, k=k)
+    else:
+        kern = functools.partial(lambda base_ref, *outs, k: _kernel(base_ref, None, *outs, k=k), k=k)
+    spec = lambda n: pl.BlockSpec((None, None, n), lambda b, w, c: (b, w, c))  # noqa: E731
+    return pl.pallas_call(
+        kern, out_shape=[jax.ShapeDtypeStruct((B, W, chunks * kp), F32),
+                         jax.ShapeDtypeStruct((B, W, chunks * kp), jnp.int32),
+                         jax.ShapeDtypeStruct((B, W, chunks), F32)],
+        grid=(B, W, chunks), in_specs=in_specs, out_specs=[spec(kp), spec(kp), spec(1)],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret, name="tree_level_topk",
+    )(*args)
+
+
 @functools.partial(jax.jit, static_argnames=("row", "k", "width", "chunks", "num_warps", "interpret"))
 def tree_level_pallas(logits: jax.Array, bias: jax.Array | None, logrho: jax.Array, logscore: jax.Array,
                       valid: jax.Array, *, row: int, k: int, width: int, chunks: int = 1,
@@ -192,32 +225,10 @@ def tree_level_pallas(logits: jax.Array, bias: jax.Array | None, logrho: jax.Arr
             or chunks < 1 or chunks & (chunks - 1) or V // chunks < 16):
         raise ValueError(f"unsupported tree level: logits {logits.shape} row {row}, bias "
                          f"{None if bias is None else bias.shape}, beam {W}, k {k}, width {width}, chunks {chunks}")
-    kp = 1
-    while kp < k:
-        kp *= 2
-    Vc = V // chunks
-    if num_warps is None:
-        num_warps = 4 if Vc <= 4096 else 8
-    in_specs = [pl.BlockSpec((None, None, Vc), lambda b, w, c: (b, row, c))]
-    args = [logits]
-    if bias is not None:
-        in_specs.append(pl.BlockSpec((None, None, Vc), lambda b, w, c: (b, w, c)))
-        args.append(bias)
-        kern = functools.partial(_kernel, k=k)
-    else:
-        kern = functools.partial(lambda base_ref, *outs, k: _kernel(base_ref, None, *outs, k=k), k=k)
-    spec = lambda n: pl.BlockSpec((None, None, n), lambda b, w, c: (b, w, c))  # noqa: E731
-    vals, idxs, lse = pl.pallas_call(
-        kern, out_shape=[jax.ShapeDtypeStruct((B, W, chunks * kp), F32),
-                         jax.ShapeDtypeStruct((B, W, chunks * kp), jnp.int32),
-                         jax.ShapeDtypeStruct((B, W, chunks), F32)],
-        grid=(B, W, chunks), in_specs=in_specs, out_specs=[spec(kp), spec(kp), spec(1)],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret, name="tree_level_topk",
-    )(*args)
-    wp = 1
-    while wp < width:
-        wp *= 2
+    kp = _pow2(k)
+    vals, idxs, lse = _chunk_topk(logits, pl.BlockSpec((None, None, V // chunks), lambda b, w, c: (b, row, c)), bias,
+                                  B, W, k=k, chunks=chunks, num_warps=num_warps, interpret=interpret)
+    wp = _pow2(width)
     whole = lambda *n: pl.BlockSpec((None,) + n, lambda b: (b,) + (0,) * len(n))  # noqa: E731
     col = lambda x, dt: x.astype(dt)[..., None]  # noqa: E731
     tok, par, score, rho, ok = pl.pallas_call(
@@ -250,28 +261,9 @@ def biased_topk_pallas(base: jax.Array, bias: jax.Array | None, *, k: int, chunk
             or chunks & (chunks - 1) or V // chunks < 16):
         raise ValueError(f"unsupported top-k shape: base {base.shape}, bias "
                          f"{None if bias is None else bias.shape}, k {k}, chunks {chunks}")
-    kp = 1
-    while kp < k:
-        kp *= 2
-    Vc = V // chunks
-    if num_warps is None:
-        num_warps = 4 if Vc <= 4096 else 8
-    in_specs = [pl.BlockSpec((None, Vc), lambda b, w, c: (b, c))]
-    args = [base]
-    if bias is not None:
-        in_specs.append(pl.BlockSpec((None, None, Vc), lambda b, w, c: (b, w, c)))
-        args.append(bias)
-        kern = functools.partial(_kernel, k=k)
-    else:
-        kern = functools.partial(lambda base_ref, *outs, k: _kernel(base_ref, None, *outs, k=k), k=k)
-    spec = lambda n: pl.BlockSpec((None, None, n), lambda b, w, c: (b, w, c))  # noqa: E731
-    out_shape = [jax.ShapeDtypeStruct((B, W, chunks * kp), F32), jax.ShapeDtypeStruct((B, W, chunks * kp), jnp.int32),
-                 jax.ShapeDtypeStruct((B, W, chunks), F32)]
-    vals, idxs, lse = pl.pallas_call(
-        kern, out_shape=out_shape, grid=(B, W, chunks), in_specs=in_specs, out_specs=[spec(kp), spec(kp), spec(1)],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret, name="tree_level_topk",
-    )(*args)
+    kp = _pow2(k)
+    vals, idxs, lse = _chunk_topk(base, pl.BlockSpec((None, V // chunks), lambda b, w, c: (b, c)), bias, B, W, k=k,
+                                  chunks=chunks, num_warps=num_warps, interpret=interpret)
     if chunks > 1:
         whole = lambda n: pl.BlockSpec((None, None, n), lambda b, w: (b, w, 0))  # noqa: E731
         vals, idxs, lse = pl.pallas_call(

@@ -407,10 +407,7 @@ def tree_level(logits: jax.Array, row: int, bias: jax.Array | None, logrho: jax.
     if impl == "reference":
         return topk.tree_level_reference(logits, row, bias, logrho, logscore, valid, k=k, width=width)
     try:
-        B, L, V = logits.shape
-        W = valid.shape[1]
-        ok = (topk.level_supported(V, k, W, width) and 0 <= row < L
-              and (bias is None or tuple(bias.shape) == (B, W, V)))
+        ok = topk.level_supported(logits.shape, row, None if bias is None else bias.shape, valid.shape[1], k, width)
     except Exception:  # noqa: BLE001
         ok = False
     interpret = _use_kernel(impl, ok, "tree level")

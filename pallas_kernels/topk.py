@@ -149,13 +149,12 @@ def _level_kernel(val_ref, idx_ref, lse_ref, rho_ref, cap_ref, ok_ref, tok_out, 
     flat = lax.broadcasted_iota(jnp.int32, (W, kp), 0) * k + lane
     big = W * k
     live = lane < k
-    wp = tok_out.shape[0]
-    out_lane = lax.broadcasted_iota(jnp.int32, (wp,), 0)
-    tok = jnp.zeros((wp,), jnp.int32)
-    par = jnp.zeros((wp,), jnp.int32)
-    sc = jnp.full((wp,), -jnp.inf, F32)
-    rh = jnp.full((wp,), -jnp.inf, F32)
-    ok = jnp.zeros((wp,), jnp.int32)
+    out_lane = lax.broadcasted_iota(jnp.int32, (width,), 0)
+    tok = jnp.zeros((width,), jnp.int32)
+    par = jnp.zeros((width,), jnp.int32)
+    sc = jnp.full((width,), -jnp.inf, F32)
+    rh = jnp.full((width,), -jnp.inf, F32)
+    ok = jnp.zeros((width,), jnp.int32)
     for t in range(width):                                  # the best `width` of the W·k children
         xm = jnp.where(live, score, -jnp.inf)
         m = jnp.max(jnp.max(xm, axis=1))
@@ -172,10 +171,13 @@ def _level_kernel(val_ref, idx_ref, lse_ref, rho_ref, cap_ref, ok_ref, tok_out, 
     tok_out[...], par_out[...], score_out[...], rho_out[...], valid_out[...] = tok, par, sc, rh, ok
 
 
-def level_supported(V: int, k: int, W: int, width: int) -> bool:
-    """`supported`, and beam and kept widths that are powers of two (Triton's block shapes), width ≤ W·k."""
-    pow2 = lambda n: n >= 1 and (n & (n - 1)) == 0  # noqa: E731
-    return supported(V, k) and pow2(W) and pow2(width) and width <= W * k and W <= 64
+def level_supported(logits_shape: tuple, row: int, bias_shape: tuple | None, W: int, k: int, width: int) -> bool:
+    """A level `tree_level_pallas` takes: `supported`, the row inside the logits stack [B, L, V], a bias [B, W, V] or
+    none, and beam and kept widths that are powers of two (Triton's block shapes), width ≤ W·k."""
+    B, L, V = logits_shape
+    pow2 = lambda n: n >= 1 and _pow2(n) == n  # noqa: E731
+    return (supported(V, k) and 0 <= row < L and (bias_shape is None or tuple(bias_shape) == (B, W, V))
+            and pow2(W) and pow2(width) and width <= W * k and W <= 64)
 
 
 def _pow2(n: int) -> int:
@@ -221,28 +223,27 @@ def tree_level_pallas(logits: jax.Array, bias: jax.Array | None, logrho: jax.Arr
     row, vocabulary chunk), then one program per batch row."""
     B, L, V = logits.shape
     W = valid.shape[1]
-    if (not level_supported(V, k, W, width) or not 0 <= row < L or (bias is not None and bias.shape != (B, W, V))
+    if (not level_supported(logits.shape, row, None if bias is None else bias.shape, W, k, width)
             or chunks < 1 or chunks & (chunks - 1) or V // chunks < 16):
         raise ValueError(f"unsupported tree level: logits {logits.shape} row {row}, bias "
                          f"{None if bias is None else bias.shape}, beam {W}, k {k}, width {width}, chunks {chunks}")
     kp = _pow2(k)
     vals, idxs, lse = _chunk_topk(logits, pl.BlockSpec((None, None, V // chunks), lambda b, w, c: (b, row, c)), bias,
                                   B, W, k=k, chunks=chunks, num_warps=num_warps, interpret=interpret)
-    wp = _pow2(width)
     whole = lambda *n: pl.BlockSpec((None,) + n, lambda b: (b,) + (0,) * len(n))  # noqa: E731
     col = lambda x, dt: x.astype(dt)[..., None]  # noqa: E731
     tok, par, score, rho, ok = pl.pallas_call(
         functools.partial(_level_kernel, k=k, width=width),
-        out_shape=[jax.ShapeDtypeStruct((B, wp), jnp.int32), jax.ShapeDtypeStruct((B, wp), jnp.int32),
-                   jax.ShapeDtypeStruct((B, wp), F32), jax.ShapeDtypeStruct((B, wp), F32),
-                   jax.ShapeDtypeStruct((B, wp), jnp.int32)],
+        out_shape=[jax.ShapeDtypeStruct((B, width), jnp.int32), jax.ShapeDtypeStruct((B, width), jnp.int32),
+                   jax.ShapeDtypeStruct((B, width), F32), jax.ShapeDtypeStruct((B, width), F32),
+                   jax.ShapeDtypeStruct((B, width), jnp.int32)],
         grid=(B,), in_specs=[whole(W, chunks * kp), whole(W, chunks * kp), whole(W, chunks), whole(W, 1),
                              whole(W, 1), whole(W, 1)],
-        out_specs=[whole(wp)] * 5,
+        out_specs=[whole(width)] * 5,
         compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret, name="tree_level_select",
     )(vals, idxs, lse, col(logrho, F32), col(logscore, F32), col(valid, jnp.int32))
-    return tok[:, :width], par[:, :width], score[:, :width], rho[:, :width], ok[:, :width] != 0
+    return tok, par, score, rho, ok != 0
 
 
 def supported(V: int, k: int) -> bool:

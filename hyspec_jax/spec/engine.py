@@ -301,7 +301,8 @@ class SpecEngine:
                           drafter="mtp" if mtp else "dspark",
                           reader_swap=self.spec.uses_reader and self.spec.reader_state == "swapped",
                           packed_rows=0 if slots is None else packed_rows(self.spec.capacity, slots, verify_nodes),
-                          # without a user budget C every backend passes slots · N or more: it never binds
+                          # without a user budget C every backend passes slots · N or more: it never binds (a
+                          # budget below that is packed: packed_rows)
                           batch_budget=self.spec.capacity is not None)
 
     def round_seconds(self, slots: int, kv_len: int, rows: int | None = None) -> dict[int, float] | None:
@@ -379,7 +380,7 @@ class SpecEngine:
                         for s in (False, True)} for w in widths}
         N = max(widths)
         return {w: {s: dataclasses.replace(self.round_shape(s, 1 if w == 1 else N), gain_widths=widths,
-                                           packed_gains=True,
+                                           packed_gains=True, batch_budget=True,
                                            packed_rows=packed_rows(slots * w, slots, N) if w > 1 else 0)
                     for s in (False, True)} for w in widths}
 

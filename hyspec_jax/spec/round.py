@@ -83,6 +83,10 @@ class RoundShape:
     # nodes are ranked within the row alone (`budget.select_nodes(batch_capacity=False)`: no batch-wide sort)
     batch_budget: bool = True
 
+    def __post_init__(self) -> None:
+        if self.packed_rows and not self.batch_budget:
+            raise ValueError("a packed round selects under its batch-wide budget: batch_budget must be True")
+
     @property
     def plain(self) -> bool:
         """Width 1: plain decoding — no draft, one decoding step (`runtime.programs.spec_step`) that still
@@ -171,7 +175,7 @@ def _select(cand, active: jax.Array, capacity: jax.Array, samp: SlotSampling | N
     if shape.packed_rows:      # the packed verify computes packed_rows rows: never select more
         capacity = jnp.minimum(capacity, shape.packed_rows)
     sel = select_nodes(cand.score, cand.parent, cand.depth, valid, forced, N, capacity,
-                       batch_capacity=shape.batch_budget or bool(shape.packed_rows))
+                       batch_capacity=shape.batch_budget)
     tokens = jnp.where(sel.valid, jnp.take_along_axis(cand.token, sel.index, axis=1), 0)
     tree = tree_lib.Tree(parent=sel.parent, valid=sel.valid, depth=sel.depth,
                          envelope=tree_lib.TreeShape(N, D))

@@ -6,6 +6,10 @@ lax.top_k + log-sum-exp (the reference): GPU time per call from a profiler trace
 operations), GPU operations per call (≈ launches), and whether indices and values equal the reference's and
 the log-sum-exp is within 1e-5. The dispatcher's choice (`hyspec_jax.kernels.TOPK_CHUNKS / TOPK_WARPS`)
 is marked. --interpret runs the kernels in Pallas interpret mode (CPU; checks only, no meaningful time).
+
+--level: a whole greedy level of the engine's tree instead (`kernels.tree_level`: the top-k programs and the
+select program, against XLA's `topk.tree_level_reference`), per batch size (--batch), with the GPU time of each
+named kernel, and whether tokens, parents and validity equal the reference's and scores are within 1e-5.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tilings", nargs="+", default=[f"{c}:{w}" for c, w in TILINGS], metavar="CHUNKS:WARPS")
     p.add_argument("--reps", type=int, default=20, help="profiled calls per variant")
     p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (no GPU needed; no timing)")
+    p.add_argument("--level", action="store_true",
+                   help="time a whole greedy tree level (kernel pair against XLA) instead of the top-k tilings")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16], help="--level: batch rows B")
+    p.add_argument("--width", type=int, default=16, help="--level: nodes kept (the next level's beam)")
     return p
 
 
@@ -51,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError
     except ValueError:
         raise ValueError(f"--tilings takes CHUNKS:WARPS pairs, got {a.tilings}") from None
+    if a.level:
+        return _level(a, argv)
     rng = np.random.default_rng(0)
     rows = []
     bar = tqdm(total=len(a.rows) * (1 + len(tilings)), desc="bench topk", unit="variant")
@@ -97,6 +107,79 @@ def main(argv: list[str] | None = None) -> int:
         name = f"**{r['variant']}**" if r["dispatch_choice"] else r["variant"]
         md.append(f"| {r['rows']} | {name} | {r.get('gpu_us', '—')} | {r.get('gpu_ops', '—')} | "
                   f"{r.get('error') or ('✓' if r.get('equal') else '✗')} |")
+    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0 if all(r.get("equal") for r in rows) else 1
+
+
+def _level(a, argv) -> int:
+    """--level: the rows W (beam) and batch sizes B of a greedy level, the kernel pair against XLA."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from tqdm import tqdm
+
+    from hyspec_jax import kernels
+    from hyspec_jax.bench.report import gpu_stream_events, portable_command, profile_trace, run_metadata
+    from pallas_kernels import topk
+
+    timed = jax.default_backend() == "gpu" and not a.interpret
+    impl = "interpret" if a.interpret else "pallas"
+    rng = np.random.default_rng(0)
+    rows = []
+    bar = tqdm(total=len(a.rows) * len(a.batch) * 2, desc="bench topk --level", unit="variant")
+    for W in a.rows:
+        for B in a.batch:
+            logits = jnp.asarray(rng.standard_normal((B, 8, a.vocab)) * 3, jnp.bfloat16)
+            bias = jnp.asarray(rng.standard_normal((B, W, a.vocab)), jnp.bfloat16)
+            logrho = jnp.asarray(-np.abs(rng.standard_normal((B, W))), jnp.float32)
+            logscore = logrho - jnp.asarray(np.abs(rng.standard_normal((B, W))), jnp.float32)
+            valid = jnp.asarray(rng.random((B, W)) < 0.9)
+            args = (logits, bias, logrho, logscore, valid)
+            fns = {"xla": jax.jit(lambda x, b, r, s, v: topk.tree_level_reference(x, 3, b, r, s, v, k=a.k,
+                                                                                    width=a.width)),
+                   "pallas": jax.jit(lambda x, b, r, s, v: kernels.tree_level(x, 3, b, r, s, v, k=a.k,
+                                                                              width=a.width, impl=impl))}
+            ref = jax.block_until_ready(fns["xla"](*args))
+            for name, fn in fns.items():
+                row = {"batch": B, "rows": W, "vocab": a.vocab, "k": a.k, "width": a.width, "variant": name}
+                try:
+                    out = jax.block_until_ready(fn(*args))
+                    row["equal"] = bool(all(np.array_equal(np.asarray(g), np.asarray(r))
+                                            for i, (g, r) in enumerate(zip(out, ref)) if i not in (2, 3))
+                                        and all(np.allclose(np.asarray(out[i]), np.asarray(ref[i]), rtol=1e-5,
+                                                            atol=1e-5) for i in (2, 3)))
+                    if timed:
+                        for _ in range(3):
+                            jax.block_until_ready(fn(*args))
+                        ev = gpu_stream_events(profile_trace(
+                            lambda: [jax.block_until_ready(fn(*args)) for _ in range(a.reps)]))
+                        row["gpu_us"] = round(sum(d for _, d, _ in ev) / a.reps / 1e3, 2)
+                        row["gpu_ops"] = round(len(ev) / a.reps, 1)
+                        per = {}
+                        for _, d, n in ev:
+                            per[n] = per.get(n, 0) + d
+                        row["kernels_us"] = {n: round(d / a.reps / 1e3, 2) for n, d in
+                                             sorted(per.items(), key=lambda kv: -kv[1])}
+                except Exception as e:  # noqa: BLE001 - a shape that does not compile is a row, not a crash
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                rows.append(row)
+                bar.update(1)
+    bar.close()
+    report = {**run_metadata(), "command": portable_command("hyspec bench topk", argv or sys.argv[1:]),
+              "interpret": a.interpret, "level": True, "rows": rows}
+    out = Path(a.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    md = [f"# A greedy tree level ({report['device_kind']}, k {a.k}, kept {a.width}, vocabulary {a.vocab})", "",
+          f"`{report['command']}` — commit {report['commit']}. GPU µs: the level's GPU operations per call "
+          "(profiler); ops: GPU operations per call (≈ launches); the kernels' own µs beside. ✓: tokens, parents "
+          "and validity equal XLA's, scores within 1e-5.", "",
+          "| batch B | beam W | variant | GPU µs | ops | kernels (µs) | equal |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ks = ", ".join(f"{n[:40]} {us}" for n, us in list(r.get("kernels_us", {}).items())[:4]) or "—"
+        md.append(f"| {r['batch']} | {r['rows']} | {r['variant']} | {r.get('gpu_us', '—')} | {r.get('gpu_ops', '—')} "
+                  f"| {ks} | {r.get('error') or ('✓' if r.get('equal') else '✗')} |")
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0 if all(r.get("equal") for r in rows) else 1

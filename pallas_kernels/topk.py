@@ -32,6 +32,7 @@ from jax.experimental.pallas import triton as pltriton
 F32 = jnp.float32
 REFERENCE = "lax.top_k and the log-sum-exp of base[:, None] + bias"
 MAX_VOCAB = 16384
+MAX_CHILDREN = 256          # a level's W·kp children, ranked all against all: [256, 256] in one program
 
 
 def biased_topk_reference(base: jax.Array, bias: jax.Array | None, k: int):
@@ -146,38 +147,36 @@ def _level_kernel(val_ref, idx_ref, lse_ref, rho_ref, cap_ref, ok_ref, tok_out, 
     cvalid = (ok_ref[...] != 0) & (top > -jnp.inf) & (clogq > -jnp.inf) & (lane < k)
     crho = rho_ref[...] + clogq
     score = jnp.where(cvalid, jnp.minimum(crho, cap_ref[...]), -jnp.inf)
-    flat = lax.broadcasted_iota(jnp.int32, (W, kp), 0) * k + lane
-    big = W * k
-    live = lane < k
-    out_lane = lax.broadcasted_iota(jnp.int32, (width,), 0)
-    tok = jnp.zeros((width,), jnp.int32)
-    par = jnp.zeros((width,), jnp.int32)
-    sc = jnp.full((width,), -jnp.inf, F32)
-    rh = jnp.full((width,), -jnp.inf, F32)
-    ok = jnp.zeros((width,), jnp.int32)
-    for t in range(width):                                  # the best `width` of the W·k children
-        xm = jnp.where(live, score, -jnp.inf)
-        m = jnp.max(jnp.max(xm, axis=1))
-        f = jnp.min(jnp.min(jnp.where(live & (xm == m), flat, big), axis=1))
-        hit = (flat == f) & (lane < k)                      # a padding lane (k < kp) shares its flat index
-        pick = lambda x, z: jnp.sum(jnp.sum(jnp.where(hit, x, z), axis=1))  # noqa: E731
-        at = out_lane == t
-        tok = jnp.where(at, pick(child, 0), tok)
-        par = jnp.where(at, f // k, par)
-        sc = jnp.where(at, m, sc)
-        rh = jnp.where(at, pick(crho, 0.0), rh)
-        ok = jnp.where(at, pick(cvalid.astype(jnp.int32), 0), ok)
-        live = live & jnp.logical_not(hit)
+    # the best `width` of the W·k children at once, by rank (how many precede each: a higher score, or an equal
+    # one earlier in parent-major order; the padding lanes (k < kp) after every child), where a serial pick loop
+    # ran 16 dependent rounds of five whole-block reductions
+    n2 = W * kp
+    beam = lax.broadcasted_iota(jnp.int32, (W, kp), 0)
+    flat = lambda x: x.reshape(n2)  # noqa: E731
+    s = flat(score)
+    key = flat(jnp.where(lane < k, beam * k + lane, W * k + beam * kp + lane))
+    precede = (s[None, :] > s[:, None]) | ((s[None, :] == s[:, None]) & (key[None, :] < key[:, None]))
+    rank = jnp.sum(precede.astype(jnp.int32), axis=1)       # [n2], a permutation of 0..n2-1
+    hit = rank[None, :] == lax.broadcasted_iota(jnp.int32, (width, n2), 0)
+    pick = lambda x: jnp.sum(jnp.where(hit, flat(x)[None, :], 0), axis=1)            # noqa: E731
+    pickf = lambda x: jnp.max(jnp.where(hit, flat(x)[None, :], -jnp.inf), axis=1)    # noqa: E731
+    tok, par, sc, rh, ok = pick(child), pick(beam), pickf(score), pickf(crho), pick(cvalid.astype(jnp.int32))
     tok_out[...], par_out[...], score_out[...], rho_out[...], valid_out[...] = tok, par, sc, rh, ok
 
 
 def level_supported(logits_shape: tuple, row: int, bias_shape: tuple | None, W: int, k: int, width: int) -> bool:
     """A level `tree_level_pallas` takes: `supported`, the row inside the logits stack [B, L, V], a bias [B, W, V] or
-    none, and beam and kept widths that are powers of two (Triton's block shapes), width ≤ W·k."""
+    none, and beam and kept widths that are powers of two (Triton's block shapes), width ≤ W·k, and at most
+    MAX_CHILDREN children (padded to a power of two) to rank all against all in registers."""
     B, L, V = logits_shape
     pow2 = lambda n: n >= 1 and _pow2(n) == n  # noqa: E731
     return (supported(V, k) and 0 <= row < L and (bias_shape is None or tuple(bias_shape) == (B, W, V))
-            and pow2(W) and pow2(width) and width <= W * k and W <= 64)
+            and pow2(W) and pow2(width) and width <= W * k and W * _pow2(k) <= MAX_CHILDREN)
+
+
+def _select_warps(children: int) -> int:
+    """Warps of a select program: its [children, children] ranking at ≤ 128 elements a thread."""
+    return max(1, min(8, children * children // 4096))
 
 
 def _pow2(n: int) -> int:
@@ -240,7 +239,7 @@ def tree_level_pallas(logits: jax.Array, bias: jax.Array | None, logrho: jax.Arr
         grid=(B,), in_specs=[whole(W, chunks * kp), whole(W, chunks * kp), whole(W, chunks), whole(W, 1),
                              whole(W, 1), whole(W, 1)],
         out_specs=[whole(width)] * 5,
-        compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=_select_warps(W * kp), num_stages=1),
         interpret=interpret, name="tree_level_select",
     )(vals, idxs, lse, col(logrho, F32), col(logscore, F32), col(valid, jnp.int32))
     return tok, par, score, rho, ok != 0

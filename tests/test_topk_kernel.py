@@ -124,10 +124,13 @@ def test_tree_level_dispatch_fails_closed():
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(ref[0]))
     with pytest.raises(ValueError, match="does not support"):
         kernels.tree_level(args[0], 0, *args[1:], k=4, width=4, impl="interpret")
+    # more children than one program ranks all against all (64 beam rows of 8): XLA's level
+    assert topk.level_supported((1, 2, 8192), 0, None, 32, 8, 16)
+    assert not topk.level_supported((1, 2, 8192), 0, None, 64, 8, 16)
 
 
 @needs_gpu
-@pytest.mark.parametrize("W,width,chunks", [(1, 8, 8), (16, 16, 8), (16, 16, 1)])
+@pytest.mark.parametrize("W,width,chunks", [(1, 8, 8), (16, 16, 8), (16, 16, 1), (32, 32, 8)])
 def test_gpu_tree_level_matches_reference(W, width, chunks):
     _check_level(_level_inputs(4, 7, W, 8192, W + chunks, dtype=jnp.bfloat16), 3, 8, width, interpret=False,
                  chunks=chunks)
@@ -150,3 +153,16 @@ def test_bench_topk_interpret(tmp_path):
     rep = json.loads(out.read_text())
     assert len(rep["rows"]) == 2 * 4 and all(r["equal"] for r in rep["rows"])
     assert "| 2 | **pallas 8x4** |" in out.with_suffix(".md").read_text()     # the dispatcher's choice
+
+
+def test_bench_topk_level_interpret(tmp_path):
+    """`hyspec bench topk --level --interpret` checks a whole level, kernel pair against XLA."""
+    from hyspec_jax import cli
+    out = tmp_path / "level.json"
+    assert cli.main(["bench", "topk", "--level", "--json", str(out), "--interpret", "--vocab", "256", "--rows", "4",
+                     "--batch", "1", "2", "--k", "4", "--width", "8"]) == 0
+    rep = json.loads(out.read_text())
+    assert [(r["batch"], r["variant"]) for r in rep["rows"]] == [(1, "xla"), (1, "pallas"), (2, "xla"),
+                                                                  (2, "pallas")]
+    assert all(r["equal"] for r in rep["rows"])
+    assert "| 2 | 4 | pallas |" in out.with_suffix(".md").read_text()

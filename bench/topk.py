@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time a whole greedy tree level (kernel pair against XLA) instead of the top-k tilings")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16], help="--level: batch rows B")
     p.add_argument("--width", type=int, default=16, help="--level: nodes kept (the next level's beam)")
+    p.add_argument("--select-warps", type=int, nargs="*", default=[], metavar="N",
+                   help="--level: also the kernel pair with the select program on N warps (default: by its size)")
     return p
 
 
@@ -127,7 +129,7 @@ def _level(a, argv) -> int:
     impl = "interpret" if a.interpret else "pallas"
     rng = np.random.default_rng(0)
     rows = []
-    bar = tqdm(total=len(a.rows) * len(a.batch) * 2, desc="bench topk --level", unit="variant")
+    bar = tqdm(total=len(a.rows) * len(a.batch) * (2 + len(a.select_warps)), desc="bench topk --level", unit="variant")
     for W in a.rows:
         for B in a.batch:
             logits = jnp.asarray(rng.standard_normal((B, 8, a.vocab)) * 3, jnp.bfloat16)
@@ -140,6 +142,13 @@ def _level(a, argv) -> int:
                                                                                     width=a.width)),
                    "pallas": jax.jit(lambda x, b, r, s, v: kernels.tree_level(x, 3, b, r, s, v, k=a.k,
                                                                               width=a.width, impl=impl))}
+            chunks = kernels._topk_chunks(a.vocab)
+            for sw in a.select_warps:
+                fns[f"pallas, select {sw} warps"] = jax.jit(
+                    lambda x, b, r, s, v, sw=sw: topk.tree_level_pallas(
+                        x, b, r, s, v, row=3, k=a.k, width=a.width, chunks=chunks,
+                        num_warps=kernels.TOPK_WARPS if chunks > 1 else None, select_warps=sw,
+                        interpret=a.interpret))
             ref = jax.block_until_ready(fns["xla"](*args))
             for name, fn in fns.items():
                 row = {"batch": B, "rows": W, "vocab": a.vocab, "k": a.k, "width": a.width, "variant": name}

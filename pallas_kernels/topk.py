@@ -14,7 +14,8 @@ Lowering: Pallas' Triton lowering (row reductions only, no matrix work: nothing 
 
 A level (`tree_level_pallas`, must equal `tree_level_reference`): the same top-k programs read their row of the
 draft block's logits in place (no slice), then one program per batch row merges the chunks, scores the children
-(ρ = the parent's ρ + log q, capped by the parent's score) and keeps the best `width` of them with their parents —
+(ρ = the parent's ρ + log q, capped by the parent's score) and keeps the best `width` of them with their parents
+(each child's rank among all W·k at once, one [W·k, W·k] comparison, not `width` dependent picks) —
 where XLA ran a slice, a convert, the top-k, a select, a TopK and the gathers: 9 launches a level, 63 of the 339 a
 round at 4 rows on an H100 (bench/results/budget/round_launches_h100.md), in a round bound by its launches.
 """
@@ -214,12 +215,14 @@ def _chunk_topk(base: jax.Array, base_spec: pl.BlockSpec, bias: jax.Array | None
     )(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("row", "k", "width", "chunks", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("row", "k", "width", "chunks", "num_warps", "select_warps",
+                                             "interpret"))
 def tree_level_pallas(logits: jax.Array, bias: jax.Array | None, logrho: jax.Array, logscore: jax.Array,
                       valid: jax.Array, *, row: int, k: int, width: int, chunks: int = 1,
-                      num_warps: int | None = None, interpret: bool = False):
+                      num_warps: int | None = None, select_warps: int | None = None, interpret: bool = False):
     """`tree_level_reference` in two launches (see the module docstring): the top-k programs over (batch row, beam
-    row, vocabulary chunk), then one program per batch row."""
+    row, vocabulary chunk; num_warps each), then one program per batch row (select_warps; default: by its
+    children, `_select_warps`)."""
     B, L, V = logits.shape
     W = valid.shape[1]
     if (not level_supported(logits.shape, row, None if bias is None else bias.shape, W, k, width)
@@ -239,7 +242,7 @@ def tree_level_pallas(logits: jax.Array, bias: jax.Array | None, logrho: jax.Arr
         grid=(B,), in_specs=[whole(W, chunks * kp), whole(W, chunks * kp), whole(W, chunks), whole(W, 1),
                              whole(W, 1), whole(W, 1)],
         out_specs=[whole(width)] * 5,
-        compiler_params=pltriton.CompilerParams(num_warps=_select_warps(W * kp), num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=select_warps or _select_warps(W * kp), num_stages=1),
         interpret=interpret, name="tree_level_select",
     )(vals, idxs, lse, col(logrho, F32), col(logscore, F32), col(valid, jnp.int32))
     return tok, par, score, rho, ok != 0

@@ -176,8 +176,10 @@ def level_supported(logits_shape: tuple, row: int, bias_shape: tuple | None, W: 
 
 
 def _select_warps(children: int) -> int:
-    """Warps of a select program: its [children, children] ranking at ≤ 128 elements a thread."""
-    return max(1, min(8, children * children // 4096))
+    """Warps of a select program: its [children, children] ranking at ≤ 64 elements a thread, at most 8 (on an
+    H100, 16 beam rows of 8 children: 24 / 11 / 8.6 / 6.6 µs on 1 / 2 / 4 / 8 warps; 32 rows: 68 / 36 / 23 / 19 µs;
+    bench/results/budget/select_rank_h100.md)."""
+    return max(1, min(8, children * children // 2048))
 
 
 def _pow2(n: int) -> int:

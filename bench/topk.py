@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     from tqdm import tqdm
 
-    from hyspec_jax.bench.report import gpu_stream_events, portable_command, profile_trace, run_metadata
+    from hyspec_jax.bench.report import portable_command, run_metadata
     from hyspec_jax import kernels
     from pallas_kernels import topk
 
@@ -77,29 +77,16 @@ def main(argv: list[str] | None = None) -> int:
         for name, (c, w, fn) in fns.items():
             row = {"rows": W, "vocab": a.vocab, "k": a.k, "variant": name, "chunks": c, "warps": w,
                    "dispatch_choice": (c, w) == (kernels.TOPK_CHUNKS, kernels.TOPK_WARPS)}
-            try:
-                out = jax.block_until_ready(fn(base, bias))
-                row["equal"] = bool(np.array_equal(np.asarray(out[1]), np.asarray(ref[1]))
-                                    and np.array_equal(np.asarray(out[0]), np.asarray(ref[0]))
-                                    and np.allclose(np.asarray(out[2]), np.asarray(ref[2]), rtol=1e-5, atol=1e-5))
-                if gpu and not a.interpret:
-                    for _ in range(3):
-                        jax.block_until_ready(fn(base, bias))
-                    ev = gpu_stream_events(profile_trace(
-                        lambda: [jax.block_until_ready(fn(base, bias)) for _ in range(a.reps)]))
-                    row["gpu_us"] = round(sum(d for _, d, _ in ev) / a.reps / 1e3, 2)
-                    row["gpu_ops"] = round(len(ev) / a.reps, 1)
-            except Exception as e:  # noqa: BLE001 - a tiling that does not compile is a row, not a crash
-                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            rows.append(row)
+            rows.append(_measure(row, fn, (base, bias), lambda out: (
+                np.array_equal(np.asarray(out[1]), np.asarray(ref[1]))
+                and np.array_equal(np.asarray(out[0]), np.asarray(ref[0]))
+                and np.allclose(np.asarray(out[2]), np.asarray(ref[2]), rtol=1e-5, atol=1e-5)),
+                gpu and not a.interpret, a.reps, per_kernel=False))
             bar.update(1)
     bar.close()
     report = {**run_metadata(), "command": portable_command("hyspec bench topk", argv or sys.argv[1:]),
               "interpret": a.interpret, "dispatch": {"chunks": kernels.TOPK_CHUNKS, "warps": kernels.TOPK_WARPS},
               "rows": rows}
-    out = Path(a.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
     md = [f"# Tree-level top-k ({report['device_kind']}, k {a.k}, vocabulary {a.vocab})", "",
           f"`{report['command']}` — commit {report['commit']}. GPU µs: the call's GPU operations per call (profiler); "
           "ops: GPU operations per call (≈ launches). ✓: indices and values equal XLA's, log-sum-exp within 1e-5. "
@@ -109,9 +96,49 @@ def main(argv: list[str] | None = None) -> int:
         name = f"**{r['variant']}**" if r["dispatch_choice"] else r["variant"]
         md.append(f"| {r['rows']} | {name} | {r.get('gpu_us', '—')} | {r.get('gpu_ops', '—')} | "
                   f"{r.get('error') or ('✓' if r.get('equal') else '✗')} |")
+    return _write(a.json, report, md)
+
+
+def _measure(row: dict, fn, args, equal, timed: bool, reps: int, per_kernel: bool) -> dict:
+    """row, with whether fn(*args) equals the reference (`equal(out)`) and, timed, its GPU time; a variant that does
+    not compile is a row with its error, not a crash."""
+    import jax
+    try:
+        out = jax.block_until_ready(fn(*args))
+        row["equal"] = bool(equal(out))
+        if timed:
+            row.update(_gpu_time(fn, args, reps, per_kernel))
+    except Exception as e:  # noqa: BLE001
+        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return row
+
+
+def _gpu_time(fn, args, reps: int, per_kernel: bool) -> dict:
+    """fn(*args)'s GPU time and operations per call from a profiler trace (after 3 warm calls); per_kernel: also
+    each named kernel's µs per call, largest first."""
+    import jax
+
+    from hyspec_jax.bench.report import gpu_stream_events, profile_trace
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    ev = gpu_stream_events(profile_trace(lambda: [jax.block_until_ready(fn(*args)) for _ in range(reps)]))
+    out = {"gpu_us": round(sum(d for _, d, _ in ev) / reps / 1e3, 2), "gpu_ops": round(len(ev) / reps, 1)}
+    if per_kernel:
+        per: dict[str, int] = {}
+        for _, d, n in ev:
+            per[n] = per.get(n, 0) + d
+        out["kernels_us"] = {n: round(d / reps / 1e3, 2) for n, d in sorted(per.items(), key=lambda kv: -kv[1])}
+    return out
+
+
+def _write(path: str, report: dict, md: list[str]) -> int:
+    """The JSON and its .md table beside it; the table printed. 0 when every row equals the reference."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
-    return 0 if all(r.get("equal") for r in rows) else 1
+    return 0 if all(r.get("equal") for r in report["rows"]) else 1
 
 
 def _level(a, argv) -> int:
@@ -122,7 +149,7 @@ def _level(a, argv) -> int:
     from tqdm import tqdm
 
     from hyspec_jax import kernels
-    from hyspec_jax.bench.report import gpu_stream_events, portable_command, profile_trace, run_metadata
+    from hyspec_jax.bench.report import portable_command, run_metadata
     from pallas_kernels import topk
 
     timed = jax.default_backend() == "gpu" and not a.interpret
@@ -152,34 +179,15 @@ def _level(a, argv) -> int:
             ref = jax.block_until_ready(fns["xla"](*args))
             for name, fn in fns.items():
                 row = {"batch": B, "rows": W, "vocab": a.vocab, "k": a.k, "width": a.width, "variant": name}
-                try:
-                    out = jax.block_until_ready(fn(*args))
-                    row["equal"] = bool(all(np.array_equal(np.asarray(g), np.asarray(r))
-                                            for i, (g, r) in enumerate(zip(out, ref)) if i not in (2, 3))
-                                        and all(np.allclose(np.asarray(out[i]), np.asarray(ref[i]), rtol=1e-5,
-                                                            atol=1e-5) for i in (2, 3)))
-                    if timed:
-                        for _ in range(3):
-                            jax.block_until_ready(fn(*args))
-                        ev = gpu_stream_events(profile_trace(
-                            lambda: [jax.block_until_ready(fn(*args)) for _ in range(a.reps)]))
-                        row["gpu_us"] = round(sum(d for _, d, _ in ev) / a.reps / 1e3, 2)
-                        row["gpu_ops"] = round(len(ev) / a.reps, 1)
-                        per = {}
-                        for _, d, n in ev:
-                            per[n] = per.get(n, 0) + d
-                        row["kernels_us"] = {n: round(d / a.reps / 1e3, 2) for n, d in
-                                             sorted(per.items(), key=lambda kv: -kv[1])}
-                except Exception as e:  # noqa: BLE001 - a shape that does not compile is a row, not a crash
-                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                rows.append(row)
+                rows.append(_measure(row, fn, args, lambda out: (
+                    all(np.array_equal(np.asarray(g), np.asarray(r)) for i, (g, r) in enumerate(zip(out, ref))
+                        if i not in (2, 3))
+                    and all(np.allclose(np.asarray(out[i]), np.asarray(ref[i]), rtol=1e-5, atol=1e-5) for i in (2, 3))),
+                    timed, a.reps, per_kernel=True))
                 bar.update(1)
     bar.close()
     report = {**run_metadata(), "command": portable_command("hyspec bench topk", argv or sys.argv[1:]),
               "interpret": a.interpret, "level": True, "rows": rows}
-    out = Path(a.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
     md = [f"# A greedy tree level ({report['device_kind']}, k {a.k}, kept {a.width}, vocabulary {a.vocab})", "",
           f"`{report['command']}` — commit {report['commit']}. GPU µs: the level's GPU operations per call "
           "(profiler); ops: GPU operations per call (≈ launches); the kernels' own µs beside. ✓: tokens, parents "
@@ -187,11 +195,9 @@ def _level(a, argv) -> int:
           "| batch B | beam W | variant | GPU µs | ops | kernels (µs) | equal |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         ks = ", ".join(f"{n[:40]} {us}" for n, us in list(r.get("kernels_us", {}).items())[:4]) or "—"
-        md.append(f"| {r['batch']} | {r['rows']} | {r['variant']} | {r.get('gpu_us', '—')} | {r.get('gpu_ops', '—')} "
-                  f"| {ks} | {r.get('error') or ('✓' if r.get('equal') else '✗')} |")
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
-    return 0 if all(r.get("equal") for r in rows) else 1
+        md.append(f"| {r['batch']} | {r['rows']} | {r['variant']} | {r.get('gpu_us', '—')} | "
+                  f"{r.get('gpu_ops', '—')} | {ks} | {r.get('error') or ('✓' if r.get('equal') else '✗')} |")
+    return _write(a.json, report, md)
 
 
 if __name__ == "__main__":

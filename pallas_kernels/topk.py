@@ -149,8 +149,8 @@ def _level_kernel(val_ref, idx_ref, lse_ref, rho_ref, cap_ref, ok_ref, tok_out, 
     crho = rho_ref[...] + clogq
     score = jnp.where(cvalid, jnp.minimum(crho, cap_ref[...]), -jnp.inf)
     # the best `width` of the W·k children at once, by rank (how many precede each: a higher score, or an equal
-    # one earlier in parent-major order; the padding lanes (k < kp) after every child), where a serial pick loop
-    # ran 16 dependent rounds of five whole-block reductions
+    # one earlier in parent-major order; the padding lanes (k < kp) after every child), not by `width` dependent
+    # picks of five whole-block reductions each
     n2 = W * kp
     beam = lax.broadcasted_iota(jnp.int32, (W, kp), 0)
     flat = lambda x: x.reshape(n2)  # noqa: E731

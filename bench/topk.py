@@ -9,7 +9,7 @@ is marked. --interpret runs the kernels in Pallas interpret mode (CPU; checks on
 
 --level: a whole greedy level of the engine's tree instead (`kernels.tree_level`: the top-k programs and the
 select program, against XLA's `topk.tree_level_reference`), per batch size (--batch), with the GPU time of each
-named kernel, and whether tokens, parents and validity equal the reference's and scores are within 1e-5.
+named kernel, and whether tokens and parents equal the reference's and scores (−inf: invalid) are within 1e-5.
 """
 
 from __future__ import annotations
@@ -163,17 +163,16 @@ def _level(a, argv) -> int:
             bias = jnp.asarray(rng.standard_normal((B, W, a.vocab)), jnp.bfloat16)
             logrho = jnp.asarray(-np.abs(rng.standard_normal((B, W))), jnp.float32)
             logscore = logrho - jnp.asarray(np.abs(rng.standard_normal((B, W))), jnp.float32)
-            valid = jnp.asarray(rng.random((B, W)) < 0.9)
-            args = (logits, bias, logrho, logscore, valid)
-            fns = {"xla": jax.jit(lambda x, b, r, s, v: topk.tree_level_reference(x, 3, b, r, s, v, k=a.k,
-                                                                                    width=a.width)),
-                   "pallas": jax.jit(lambda x, b, r, s, v: kernels.tree_level(x, 3, b, r, s, v, k=a.k,
-                                                                              width=a.width, impl=impl))}
+            logscore = jnp.where(jnp.asarray(rng.random((B, W)) < 0.9), logscore, -jnp.inf)   # invalid parents
+            args = (logits, bias, logrho, logscore)
+            fns = {"xla": jax.jit(lambda x, b, r, s: topk.tree_level_reference(x, 3, b, r, s, k=a.k, width=a.width)),
+                   "pallas": jax.jit(lambda x, b, r, s: kernels.tree_level(x, 3, b, r, s, k=a.k, width=a.width,
+                                                                           impl=impl))}
             chunks = kernels._topk_chunks(a.vocab)
             for sw in a.select_warps:
                 fns[f"pallas, select {sw} warps"] = jax.jit(
-                    lambda x, b, r, s, v, sw=sw: topk.tree_level_pallas(
-                        x, b, r, s, v, row=3, k=a.k, width=a.width, chunks=chunks,
+                    lambda x, b, r, s, sw=sw: topk.tree_level_pallas(
+                        x, b, r, s, row=3, k=a.k, width=a.width, chunks=chunks,
                         num_warps=kernels.TOPK_WARPS if chunks > 1 else None, select_warps=sw,
                         interpret=a.interpret))
             ref = jax.block_until_ready(fns["xla"](*args))
@@ -190,8 +189,8 @@ def _level(a, argv) -> int:
               "interpret": a.interpret, "level": True, "rows": rows}
     md = [f"# A greedy tree level ({report['device_kind']}, k {a.k}, kept {a.width}, vocabulary {a.vocab})", "",
           f"`{report['command']}` — commit {report['commit']}. GPU µs: the level's GPU operations per call "
-          "(profiler); ops: GPU operations per call (≈ launches); the kernels' own µs beside. ✓: tokens, parents "
-          "and validity equal XLA's, scores within 1e-5.", "",
+          "(profiler); ops: GPU operations per call (≈ launches); the kernels' own µs beside. ✓: tokens and "
+          "parents equal XLA's, scores (−inf: invalid) within 1e-5.", "",
           "| batch B | beam W | variant | GPU µs | ops | kernels (µs) | equal |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         ks = ", ".join(f"{n[:40]} {us}" for n, us in list(r.get("kernels_us", {}).items())[:4]) or "—"

@@ -398,21 +398,22 @@ def _topk_chunks(V: int) -> int:
     return TOPK_CHUNKS if V // TOPK_CHUNKS >= 512 else 1
 
 
-def tree_level(logits: jax.Array, row: int, bias: jax.Array | None, logrho: jax.Array, logscore: jax.Array,
-               valid: jax.Array, *, k: int, width: int, impl: Impl = "auto"):
+def tree_level(logits: jax.Array, row: int, bias: jax.Array | None, logrho: jax.Array, logscore: jax.Array, *,
+               k: int, width: int, impl: Impl = "auto"):
     """One greedy level of the beam tree: the top k children of each beam node under logits[:, row] + bias, scored,
-    and the best `width` kept → (token, parent, score, rho, valid) [B, width], as `topk.tree_level_reference`
-    (logits [B, L, V], bias [B, W, V] or None, logrho / logscore / valid [B, W]). The kernel: two launches a level,
-    where XLA runs nine."""
+    and the best `width` kept → (token, parent, score, rho) [B, width], as `topk.tree_level_reference` (logits
+    [B, L, V], bias [B, W, V] or None, logrho / logscore [B, W]; a node is valid where its score is > −inf). The
+    kernel: two launches a level, where XLA runs nine."""
     if impl == "reference":
-        return topk.tree_level_reference(logits, row, bias, logrho, logscore, valid, k=k, width=width)
+        return topk.tree_level_reference(logits, row, bias, logrho, logscore, k=k, width=width)
     try:
-        ok = topk.level_supported(logits.shape, row, None if bias is None else bias.shape, valid.shape[1], k, width)
+        ok = topk.level_supported(logits.shape, row, None if bias is None else bias.shape, logscore.shape[1], k,
+                                  width)
     except Exception:  # noqa: BLE001
         ok = False
     interpret = _use_kernel(impl, ok, "tree level")
     if interpret is None:
-        return topk.tree_level_reference(logits, row, bias, logrho, logscore, valid, k=k, width=width)
+        return topk.tree_level_reference(logits, row, bias, logrho, logscore, k=k, width=width)
     chunks = _topk_chunks(logits.shape[2])
-    return topk.tree_level_pallas(logits, bias, logrho, logscore, valid, row=row, k=k, width=width, chunks=chunks,
+    return topk.tree_level_pallas(logits, bias, logrho, logscore, row=row, k=k, width=width, chunks=chunks,
                                   num_warps=TOPK_WARPS if chunks > 1 else None, interpret=interpret)

@@ -100,14 +100,16 @@ def _merge_kernel(val_ref, idx_ref, lse_ref, val_out, idx_out, lse_out, *, k: in
 
 
 def tree_level_reference(logits: jax.Array, row: int, bias: jax.Array | None, logrho: jax.Array, logscore: jax.Array,
-                         valid: jax.Array, *, k: int, width: int):
+                         *, k: int, width: int):
     """One greedy level of the beam tree (`spec.select.expand_candidates`): the children of the W beam nodes are the
     top k of logits[:, row] + bias (fp32), node (w, i) scored ρ = logrho[w] + log q_i, capped by logscore[w]
     (−inf where the parent or the child is invalid), and the best `width` of the W·k kept (ties: parent-major, then
-    rank). logits [B, L, V], bias [B, W, V] or None (every beam node the same children), logrho / logscore [B, W]
-    f32, valid [B, W] bool → (token [B, width] int32, parent [B, width] int32 (its beam row), score, rho
-    [B, width] f32, valid [B, width] bool)."""
-    B, W = valid.shape
+    rank). A node is valid where its score is > −inf: a valid parent's ρ and score are finite, so are its valid
+    children's, and the validity needs no array of its own (nor a launch converting it for the kernel). logits
+    [B, L, V], bias [B, W, V] or None (every beam node the same children), logrho / logscore [B, W] f32 → (token
+    [B, width] int32, parent [B, width] int32 (its beam row), score, rho [B, width] f32)."""
+    B, W = logscore.shape
+    valid = logscore > -jnp.inf
     top, child, lse = biased_topk_reference(logits[:, row], bias, k)
     top, child = (jnp.broadcast_to(x, (B, W, k)) for x in (top, child))
     lse = jnp.broadcast_to(lse, (B, W))
@@ -117,12 +119,11 @@ def tree_level_reference(logits: jax.Array, row: int, bias: jax.Array | None, lo
     score = jnp.where(cvalid, jnp.minimum(crho, logscore[..., None]), -jnp.inf).reshape(B, W * k)
     order = lax.top_k(score, width)[1]          # stable: ties keep parent-major, draw order
     take = lambda x: jnp.take_along_axis(x.reshape(B, W * k), order, axis=1)  # noqa: E731
-    return (take(child).astype(jnp.int32), (order // k).astype(jnp.int32), take(score), take(crho),
-            take(cvalid))
+    return take(child).astype(jnp.int32), (order // k).astype(jnp.int32), take(score), take(crho)
 
 
-def _level_kernel(val_ref, idx_ref, lse_ref, rho_ref, cap_ref, ok_ref, tok_out, par_out, score_out, rho_out,
-                  valid_out, *, k: int, width: int):
+def _level_kernel(val_ref, idx_ref, lse_ref, rho_ref, cap_ref, tok_out, par_out, score_out, rho_out, *, k: int,
+                  width: int):
     """One batch row of a level: its W beam rows' chunk results (chunk-major) → their top k and log-sum-exps →
     the children's scores → the best `width` children (see `tree_level_reference`)."""
     v, ix = val_ref[...], idx_ref[...]                      # [W, C·kp]
@@ -145,9 +146,10 @@ def _level_kernel(val_ref, idx_ref, lse_ref, rho_ref, cap_ref, ok_ref, tok_out, 
     pm = jnp.max(parts, axis=1, keepdims=True)
     lse = pm + jnp.log(jnp.sum(jnp.exp(parts - pm), axis=1, keepdims=True))
     clogq = top - lse
-    cvalid = (ok_ref[...] != 0) & (top > -jnp.inf) & (clogq > -jnp.inf) & (lane < k)
+    cap = cap_ref[...]
+    cvalid = (cap > -jnp.inf) & (top > -jnp.inf) & (clogq > -jnp.inf) & (lane < k)
     crho = rho_ref[...] + clogq
-    score = jnp.where(cvalid, jnp.minimum(crho, cap_ref[...]), -jnp.inf)
+    score = jnp.where(cvalid, jnp.minimum(crho, cap), -jnp.inf)
     # the best `width` of the W·k children at once, by rank (how many precede each: a higher score, or an equal
     # one earlier in parent-major order; the padding lanes (k < kp) after every child), not by `width` dependent
     # picks of five whole-block reductions each
@@ -161,8 +163,7 @@ def _level_kernel(val_ref, idx_ref, lse_ref, rho_ref, cap_ref, ok_ref, tok_out, 
     hit = rank[None, :] == lax.broadcasted_iota(jnp.int32, (width, n2), 0)
     pick = lambda x: jnp.sum(jnp.where(hit, flat(x)[None, :], 0), axis=1)            # noqa: E731
     pickf = lambda x: jnp.max(jnp.where(hit, flat(x)[None, :], -jnp.inf), axis=1)    # noqa: E731
-    tok, par, sc, rh, ok = pick(child), pick(beam), pickf(score), pickf(crho), pick(cvalid.astype(jnp.int32))
-    tok_out[...], par_out[...], score_out[...], rho_out[...], valid_out[...] = tok, par, sc, rh, ok
+    tok_out[...], par_out[...], score_out[...], rho_out[...] = pick(child), pick(beam), pickf(score), pickf(crho)
 
 
 def level_supported(logits_shape: tuple, row: int, bias_shape: tuple | None, W: int, k: int, width: int) -> bool:
@@ -219,14 +220,13 @@ def _chunk_topk(base: jax.Array, base_spec: pl.BlockSpec, bias: jax.Array | None
 
 @functools.partial(jax.jit, static_argnames=("row", "k", "width", "chunks", "num_warps", "select_warps",
                                              "interpret"))
-def tree_level_pallas(logits: jax.Array, bias: jax.Array | None, logrho: jax.Array, logscore: jax.Array,
-                      valid: jax.Array, *, row: int, k: int, width: int, chunks: int = 1,
+def tree_level_pallas(logits: jax.Array, bias: jax.Array | None, logrho: jax.Array, logscore: jax.Array, *, row: int, k: int, width: int, chunks: int = 1,
                       num_warps: int | None = None, select_warps: int | None = None, interpret: bool = False):
     """`tree_level_reference` in two launches (see the module docstring): the top-k programs over (batch row, beam
     row, vocabulary chunk; num_warps each), then one program per batch row (select_warps; default: by its
     children, `_select_warps`)."""
     B, L, V = logits.shape
-    W = valid.shape[1]
+    W = logscore.shape[1]
     if (not level_supported(logits.shape, row, None if bias is None else bias.shape, W, k, width)
             or chunks < 1 or chunks & (chunks - 1) or V // chunks < 16):
         raise ValueError(f"unsupported tree level: logits {logits.shape} row {row}, bias "
@@ -235,19 +235,17 @@ def tree_level_pallas(logits: jax.Array, bias: jax.Array | None, logrho: jax.Arr
     vals, idxs, lse = _chunk_topk(logits, pl.BlockSpec((None, None, V // chunks), lambda b, w, c: (b, row, c)), bias,
                                   B, W, k=k, chunks=chunks, num_warps=num_warps, interpret=interpret)
     whole = lambda *n: pl.BlockSpec((None,) + n, lambda b: (b,) + (0,) * len(n))  # noqa: E731
-    col = lambda x, dt: x.astype(dt)[..., None]  # noqa: E731
-    tok, par, score, rho, ok = pl.pallas_call(
+    col = lambda x: x.astype(F32)[..., None]  # noqa: E731
+    return tuple(pl.pallas_call(
         functools.partial(_level_kernel, k=k, width=width),
         out_shape=[jax.ShapeDtypeStruct((B, width), jnp.int32), jax.ShapeDtypeStruct((B, width), jnp.int32),
-                   jax.ShapeDtypeStruct((B, width), F32), jax.ShapeDtypeStruct((B, width), F32),
-                   jax.ShapeDtypeStruct((B, width), jnp.int32)],
+                   jax.ShapeDtypeStruct((B, width), F32), jax.ShapeDtypeStruct((B, width), F32)],
         grid=(B,), in_specs=[whole(W, chunks * kp), whole(W, chunks * kp), whole(W, chunks), whole(W, 1),
-                             whole(W, 1), whole(W, 1)],
-        out_specs=[whole(width)] * 5,
+                             whole(W, 1)],
+        out_specs=[whole(width)] * 4,
         compiler_params=pltriton.CompilerParams(num_warps=select_warps or _select_warps(W * kp), num_stages=1),
         interpret=interpret, name="tree_level_select",
-    )(vals, idxs, lse, col(logrho, F32), col(logscore, F32), col(valid, jnp.int32))
-    return tok, par, score, rho, ok != 0
+    )(vals, idxs, lse, col(logrho), col(logscore)))
 
 
 def supported(V: int, k: int) -> bool:

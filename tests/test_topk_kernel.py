@@ -89,14 +89,14 @@ def _level_inputs(B, L, W, V, seed, bias=True, dtype=jnp.float32):
     b = jnp.asarray(np.round(r.standard_normal((B, W, V)), 1), dtype) if bias else None
     logrho = jnp.asarray(-np.abs(r.standard_normal((B, W))), jnp.float32)
     logscore = logrho - jnp.asarray(np.abs(r.standard_normal((B, W))) * (r.random((B, W)) < 0.5), jnp.float32)
-    valid = jnp.asarray(r.random((B, W)) < 0.8)
-    return logits, b, logrho, logscore, valid
+    logscore = jnp.where(jnp.asarray(r.random((B, W)) < 0.8), logscore, -jnp.inf)     # invalid parents
+    return logits, b, logrho, logscore
 
 
 def _check_level(args, row, k, width, interpret=True, chunks=1):
     ref = topk.tree_level_reference(*args[:1], row, *args[1:], k=k, width=width)
     got = topk.tree_level_pallas(*args, row=row, k=k, width=width, chunks=chunks, interpret=interpret)
-    names = ("token", "parent", "score", "rho", "valid")
+    names = ("token", "parent", "score", "rho")
     for name, g, r in zip(names, got, ref):
         assert g.shape == r.shape and g.dtype == r.dtype, name
         if name in ("score", "rho"):       # the log-sum-exp of chunks: equal to rounding

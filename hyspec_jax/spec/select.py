@@ -161,8 +161,9 @@ def expand_candidates(level: Callable, carry, anchor: jax.Array, expansion: Tree
         else:
             # greedy: top k by logits, ρ scores, the best widths[d] kept — one kernel pair a level on a GPU (a
             # launch-bound round), where XLA runs nine
-            tok, par, logscore, logrho, bvalid = tree_level(stack, row, bias, logrho, logscore, bvalid, k=k,
-                                                            width=widths[d], impl=kernel_impl)
+            tok, par, logscore, logrho = tree_level(stack, row, bias, logrho, logscore, k=k, width=widths[d],
+                                                    impl=kernel_impl)
+            bvalid = logscore > -jnp.inf     # a greedy node is valid where its score is finite
         carry = jax.tree.map(lambda x: x[rows, par], carry_next)
         out["token"].append(tok)
         out["parent"].append(jnp.where(bvalid, par + int(offsets[d] - W), -1))

@@ -329,3 +329,60 @@ def test_a_failed_engine_fails_every_request_it_holds_and_takes_no_more():
     assert len(seen) == 1 and seen[0] is sched.failed and "RESOURCE_EXHAUSTED" in str(sched.failed)
     with pytest.raises(ShuttingDown):
         sched.submit(EngineRequest(prompt_ids=[9], max_tokens=4, sink=lambda toks, why: None))
+
+
+class CountingBackend(ScriptedBackend):
+    """Counts prefill calls; each dispatched step advances a fake clock by one unit (the loop reads it through
+    `time.perf_counter` where the test patches that in)."""
+
+    def __init__(self, slots: int):
+        super().__init__(slots)
+        self.prefill_calls, self.clock = 0, 0.0
+
+    def prefill(self, *args):
+        self.prefill_calls += 1
+        return super().prefill(*args)
+
+    def dispatch(self, *args, **kw):
+        self.clock += 1.0
+        return super().dispatch(*args, **kw)
+
+
+def _one_long_and_three_late(be: CountingBackend, wait: float) -> tuple[dict, dict]:
+    """Request 10 (30 tokens) decodes alone; 11, 12, 13 (5 tokens each) arrive one at a time, after its 2nd, 5th
+    and 8th token (its steps give 2, 3, 1, 2 tokens after the first: they arrive after three different steps)."""
+    sched = Scheduler(be, prefill_wait=wait)
+    outs, reqs, later = {}, {}, {2: 11, 5: 12, 8: 13}
+
+    def submit(p: int, max_tokens: int) -> None:
+        outs[p] = []
+
+        def sink(toks, reason, p=p):
+            outs[p].extend(toks)
+            for n, q in later.items():
+                if p == 10 and len(outs[10]) >= n and q not in reqs:
+                    submit(q, 5)
+        reqs[p] = EngineRequest([p], max_tokens, sink, arrival=be.clock)
+        sched.submit(reqs[p])
+    submit(10, 30)
+    sched.run_until_idle()
+    return outs, reqs
+
+
+@pytest.mark.parametrize("wait,calls", [(0.0, 4), (1.5, 3), (3600.0, 2)])
+def test_prefill_wait_lets_prompts_arriving_one_at_a_time_share_a_call(monkeypatch, wait, calls):
+    import hyspec_jax.runtime.scheduler as scheduler_mod
+    be = CountingBackend(4)          # shapes (4, 16) and (1, 64): four prompts fill a call
+    monkeypatch.setattr(scheduler_mod, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: be.clock)}))
+    outs, reqs = _one_long_and_three_late(be, wait)
+    for p, r in reqs.items():
+        assert outs[p] == expected([p], SamplingParams(max_tokens=r.max_tokens))[0], p
+    # 0: one call per arrival; 1.5 steps: 11 (arrived at step 2) waits, 12 joins it at step 3, they go out together
+    # at step 4, and 13 takes the last slot at step 5 (no wait then); unbounded: 11 and 12 wait until 13 takes the
+    # last slot, one call for the three
+    assert be.prefill_calls == calls
+
+
+def test_prefill_wait_is_not_negative():
+    with pytest.raises(ValueError, match="prefill_wait"):
+        Scheduler(ScriptedBackend(2), prefill_wait=-0.001)

@@ -1,7 +1,8 @@
 """Host overhead of `hyspec serve` per token, without a device: the real server over an instant backend.
 
     python -m hyspec_jax.bench.serve_overhead [--concurrency 1,8,32] [--num-requests 64] [--max-tokens 64]
-        [--step-ms 1] [--tokens-per-step 1] [--host-us 0] [--base [LABEL=]DIR ...] [--reps 2]
+        [--step-ms 1] [--tokens-per-step 1 | --tokens-per-step-max M] [--prefill-ms MS] [--host-us 0]
+        [--base [LABEL=]DIR ...] [--variant LABEL=FLAGS ...] [--reps 2]
         [--profile DIR | --cprofile DIR] [--json OUT.json]
 
 On a GPU the embedded model's decoding step is short (1-2 ms at batch 32), so the server's Python work per token
@@ -18,6 +19,11 @@ The load is `bench/serve_load.py`'s (the same client, streamed /v1/completions, 
 Beside its numbers each level reports the server process's CPU time per generated token, split by thread (the
 event loop's main thread, the request loop's thread, the rest), read from /proc, and how long the device waited
 for the host per step (its next step dispatched after the last one ended).
+
+--tokens-per-step-max M gives each request a uniform 1..M tokens a step instead, so the requests of a wave end on
+different steps and their successors' prompts arrive one at a time, as under speculation; --prefill-ms sets the
+scripted prefill call's device time. --variant LABEL=FLAGS runs another server of this checkout with more `hyspec
+serve` flags (e.g. `--prefill-wait-ms 2`), alternated with the others. Each level also reports the prefill calls.
 
 --base DIR also runs the server of another checkout (its `serve/` and `hyspec_jax/`, e.g. the commit the
 current server replaced) over the same backend, alternated with this one --reps times: like for like.
@@ -37,6 +43,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -70,13 +77,16 @@ def _bind_checkout(root: Path) -> None:
 
 
 def make_backend(slots: int, step_s: float, tokens_per_step: int, token_ids: list[int], prefill_chunk: int = 128,
-                 host_s: float = 0.0, depth: int | None = None):
+                 host_s: float = 0.0, depth: int | None = None, tokens_max: int | None = None,
+                 prefill_s: float | None = None, seed: int = 0):
     """A Backend whose device calls cost a GIL-free sleep: `dispatch` returns after host_s of busy work holding
     the GIL (what launching a jitted step costs the host) and queues a step of step_s on a serial "device" (it
     starts when the device is free: a GPU step in flight while the host works), `collect` waits for it to end,
     then gives tokens_per_step tokens of the passage to every active slot (`accepted`/`drafted` as a speculative
-    round's when tokens_per_step > 1); `prefill` queues a step of step_s too, and its first tokens wait for it
-    when read. `device_idle` sums the time the device waited for a dispatch while a
+    round's when tokens_per_step > 1; with tokens_max, each active slot's step gives a uniform 1..tokens_max
+    tokens instead, drawn per slot and step from `seed`: the requests of a wave then end on different steps, as a
+    speculative round's accepted drafts make them); `prefill` queues a call of prefill_s (default step_s) on the
+    device, and its first tokens wait for it when read. `device_idle` sums the time the device waited for a dispatch while a
     decoding step was in flight or just done: the host's share of the step period."""
     import numpy as np
 
@@ -84,7 +94,10 @@ def make_backend(slots: int, step_s: float, tokens_per_step: int, token_ids: lis
 
     cycle = np.asarray(token_ids, np.int32)
     L, n = len(cycle), tokens_per_step
-    round_depth = n - 1 if depth is None else depth     # the most a step may give is depth + 1 tokens
+    width = tokens_max or n                             # the most tokens a step gives a slot
+    round_depth = width - 1 if depth is None else depth     # the most a step may give is depth + 1 tokens
+    prefill_s = step_s if prefill_s is None else prefill_s
+    rng = np.random.default_rng(seed)
 
     class PendingTokens:
         """A prefill's first tokens on the scripted device: reading them (np.asarray, or an index as a loop
@@ -113,10 +126,11 @@ def make_backend(slots: int, step_s: float, tokens_per_step: int, token_ids: lis
         def __init__(self):        # no model: only what the request loop reads
             self.slots, self.kv_len, self.shapes = slots, 1 << 20, prefill_shapes(prefill_chunk, slots)
             self.pos = np.zeros(slots, np.int64)
-            self.offsets = np.arange(n)
+            self.offsets = np.arange(width)
             self.free_at = 0.0            # when the device ends its last queued step
             self.device_idle = 0.0
             self.device_steps = 0
+            self.prefill_calls = 0
 
         @staticmethod
         def sampling(*args):
@@ -125,16 +139,17 @@ def make_backend(slots: int, step_s: float, tokens_per_step: int, token_ids: lis
         def compile(self, progress=None) -> None:
             pass
 
-        def _queue(self, now: float) -> float:
-            """Queue one step on the device at `now`; returns when it ends."""
+        def _queue(self, now: float, seconds: float = step_s) -> float:
+            """Queue one call of `seconds` on the device at `now`; returns when it ends."""
             if now - self.free_at < 0.05:     # an idle gap between steps (a longer one: no requests, not counted)
                 self.device_idle += max(0.0, now - self.free_at)
-            self.free_at = max(now, self.free_at) + step_s
+            self.free_at = max(now, self.free_at) + seconds
             self.device_steps += 1
             return self.free_at
 
         def prefill(self, slots_, tokens, valid, reset, sampling):
-            ready = self._queue(time.perf_counter())      # queued like a step; its tokens are read when it ends
+            ready = self._queue(time.perf_counter(), prefill_s)     # its tokens are read when it ends
+            self.prefill_calls += 1
             first = np.zeros(len(slots_), np.int32)
             for i, b in enumerate(slots_):
                 if b < slots:
@@ -150,11 +165,12 @@ def make_backend(slots: int, step_s: float, tokens_per_step: int, token_ids: lis
                 pass
             idx = (self.pos[:, None] + self.offsets) % L
             toks = cycle[idx]
-            count = np.where(active, n, 0).astype(np.int32)
+            per_slot = rng.integers(1, width + 1, slots) if tokens_max else np.full(slots, n)
+            count = np.where(active, per_slot, 0).astype(np.int32)
             self.pos += count
             return self._queue(time.perf_counter()), StepResult(
-                tokens=toks, count=count, accepted=np.maximum(count - 1, 0) if n > 1 else None,
-                drafted=n - 1 if n > 1 else 0)
+                tokens=toks, count=count, accepted=np.maximum(count - 1, 0) if width > 1 else None,
+                drafted=width - 1 if width > 1 else 0)
 
         def collect(self, handle):
             ready, res = handle
@@ -176,6 +192,10 @@ def serve_main(argv: list[str]) -> int:
     p.add_argument("--step-ms", type=float, default=1.0)
     p.add_argument("--tokens-per-step", type=int, default=1)
     p.add_argument("--depth", type=int)
+    p.add_argument("--tokens-max", type=int)
+    p.add_argument("--prefill-ms", type=float)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-flags", default="", help="more `hyspec serve` flags, one string")
     p.add_argument("--host-us", type=float, default=0.0)
     p.add_argument("--switch-interval-ms", type=float)
     p.add_argument("--cprofile", type=Path, help="cProfile the server into PATH (written when it stops)")
@@ -197,17 +217,20 @@ def serve_main(argv: list[str]) -> int:
     sp = argparse.ArgumentParser()
     server_mod.add_arguments(sp)
     sargs = sp.parse_args(["--port", "0", "--max-batch", str(args.slots), "--max-queue", "256",
-                           "--max-model-len", str(args.max_model_len)])
+                           "--max-model-len", str(args.max_model_len)] + shlex.split(args.server_flags))
     if hasattr(server_mod, "check_args"):
         server_mod.check_args(sargs)
     logging.basicConfig(level=getattr(logging, sargs.log_level.upper()), format="[hyspec serve] %(message)s")
     tokenizer = load_tokenizer(args.tokenizer_dir)
     ids = tokenizer.encode(PASSAGE, add_special_tokens=False).ids
     backend = make_backend(args.slots, args.step_ms / 1e3, args.tokens_per_step, ids, host_s=args.host_us / 1e6,
-                           depth=args.depth)
+                           depth=args.depth, tokens_max=args.tokens_max, seed=args.seed,
+                           prefill_s=None if args.prefill_ms is None else args.prefill_ms / 1e3)
     chat = ChatTemplate(args.tokenizer_dir, tokenizer)
     metrics = ServerMetrics("overhead", spec_depth=backend.depth)
-    scheduler = Scheduler(backend, metrics, max_queue=sargs.max_queue)
+    # the request loop's options the server flags set (a checkout older than one of them is given only the others)
+    loop_options = {"prefill_wait": sargs.prefill_wait_ms / 1e3} if getattr(sargs, "prefill_wait_ms", 0) else {}
+    scheduler = Scheduler(backend, metrics, max_queue=sargs.max_queue, **loop_options)
     model = app_mod.ServedModel(name="overhead", root=str(args.tokenizer_dir), max_model_len=args.max_model_len,
                                 vocab_size=tokenizer.get_vocab_size(), eos_token_ids=frozenset(),
                                 mode=backend.mode, created=int(time.time()))
@@ -218,7 +241,8 @@ def serve_main(argv: list[str]) -> int:
         def write_stats(*_):
             seq[0] += 1
             args.stats.write_text(json.dumps({"seq": seq[0], "device_idle_s": backend.device_idle,
-                                              "device_steps": backend.device_steps}))
+                                              "device_steps": backend.device_steps,
+                                              "prefill_calls": backend.prefill_calls}))
         _signal.signal(_signal.SIGUSR1, write_stats)
     profiles = []
     if args.cprofile is not None:      # Python 3.12's cProfile (sys.monitoring) sees every thread: one profile
@@ -275,7 +299,8 @@ def thread_cpu(pid: int, scheduler_tid: int) -> dict[str, float]:
 
 
 class ServerProc:
-    def __init__(self, label: str, root: Path, args, log_dir: Path, cprofile: Path | None = None):
+    def __init__(self, label: str, root: Path, args, log_dir: Path, cprofile: Path | None = None,
+                 server_flags: str = "", seed: int = 0):
         self.label, self.log = label, log_dir / f"server_{label}.log"
         cmd = [sys.executable, "-m", "hyspec_jax.bench.serve_overhead", "--serve", "--root", str(root),
                "--tokenizer-dir", str(args.tokenizer_dir), "--slots", str(args.slots),
@@ -283,6 +308,13 @@ class ServerProc:
                "--host-us", str(args.host_us)]
         if args.depth is not None:
             cmd += ["--depth", str(args.depth)]
+        if args.tokens_per_step_max is not None:
+            cmd += ["--tokens-max", str(args.tokens_per_step_max)]
+        if args.prefill_ms is not None:
+            cmd += ["--prefill-ms", str(args.prefill_ms)]
+        if server_flags:
+            cmd += ["--server-flags", server_flags]
+        cmd += ["--seed", str(seed)]
         if args.switch_interval_ms is not None:
             cmd += ["--switch-interval-ms", str(args.switch_interval_ms)]
         if cprofile is not None:
@@ -423,9 +455,11 @@ def measure(server: ServerProc, args, levels: list[int], profile_dir: Path | Non
                 row["server_cpu_us_per_token"]["total"] = round(sum(row["server_cpu_us_per_token"].values()), 1)
                 steps = max(dev1["device_steps"] - dev0["device_steps"], 1)
                 idle = dev1["device_idle_s"] - dev0["device_idle_s"]
+                prefills = dev1.get("prefill_calls", 0) - dev0.get("prefill_calls", 0)
+                busy = ((steps - prefills) * args.step_ms
+                        + prefills * (args.step_ms if args.prefill_ms is None else args.prefill_ms)) / 1e3
                 row["device"] = {"steps": steps, "idle_us_per_step": round(idle * 1e6 / steps, 1),
-                                 "busy_fraction": round(steps * args.step_ms / 1e3 / (steps * args.step_ms / 1e3
-                                                                                      + idle), 3)}
+                                 "prefill_calls": prefills, "busy_fraction": round(busy / (busy + idle), 3)}
                 if prof is not None and prof.exists():
                     row["profile"] = {"file": prof.name, **summarize_profile(prof, args.profile_rate, n)}
                 row.update(server=server.label, rep=rep)
@@ -476,6 +510,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depth", type=int, metavar="D",
                    help="the round's draft depth: a step may give up to D + 1 tokens, which the loop's dispatch-ahead "
                         "rule reads (a tree-ready round of the wide tree: 7; default tokens-per-step − 1)")
+    p.add_argument("--tokens-per-step-max", type=int, metavar="M",
+                   help="each request's step gives a uniform 1..M tokens instead (drawn per request and step, seeded "
+                        "by the repetition): the requests of a wave end on different steps, as under speculation")
+    p.add_argument("--prefill-ms", type=float, metavar="MS",
+                   help="the scripted device's prefill call (default: --step-ms)")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=FLAGS",
+                   help="another server of this checkout with more `hyspec serve` flags, e.g. "
+                        "'wait2=--prefill-wait-ms 2', alternated with the others (repeatable)")
     p.add_argument("--host-us", type=float, default=0.0,
                    help="busy work holding the GIL in each dispatch, as launching a jitted step costs (default 0)")
     p.add_argument("--tokenizer-dir", type=Path, default=REPO / "checkpoints" / "default",
@@ -500,17 +542,36 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--concurrency must be comma-separated integers, got {args.concurrency!r}")
     if not levels or min(levels) < 1 or args.num_requests < 1 or args.max_tokens < 2 or args.tokens_per_step < 1:
         p.error("--concurrency levels, --num-requests and --tokens-per-step must be >= 1, --max-tokens >= 2")
-    if args.depth is not None and args.depth < args.tokens_per_step - 1:
-        p.error(f"--depth must be >= tokens-per-step − 1 = {args.tokens_per_step - 1}: a step gives at most depth + 1 "
+    most = args.tokens_per_step_max or args.tokens_per_step
+    if args.tokens_per_step_max is not None and args.tokens_per_step_max < 1:
+        p.error("--tokens-per-step-max must be >= 1")
+    if args.prefill_ms is not None and args.prefill_ms < 0:
+        p.error("--prefill-ms must be >= 0")
+    if args.depth is not None and args.depth < most - 1:
+        p.error(f"--depth must be >= the most tokens a step gives − 1 = {most - 1}: a step gives at most depth + 1 "
                 f"tokens, got {args.depth}")
     if not (args.tokenizer_dir / "tokenizer.json").is_file():
         p.error(f"no tokenizer.json in {args.tokenizer_dir}")
-    servers = [("new", REPO)]
+    servers = [("new", REPO, "")]
     for j, item in enumerate(args.base):
         label, _, root = item.rpartition("=") if "=" in item else (Path(item).name, "", item)
         if not (Path(root) / "serve" / "app.py").is_file():
             p.error(f"--base {root}: not a checkout root (no serve/app.py)")
-        servers.append((label, Path(root).resolve()))
+        servers.append((label, Path(root).resolve(), ""))
+    for item in args.variant:
+        label, eq, flags = item.partition("=")
+        if not eq or not label or label in {s[0] for s in servers}:
+            p.error(f"--variant must be LABEL=FLAGS with a new label, got {item!r}")
+        from hyspec_jax.serve.server import add_arguments
+        vp = argparse.ArgumentParser(prog=f"--variant {label}", exit_on_error=False)
+        add_arguments(vp)
+        try:
+            _, unknown = vp.parse_known_args(["--port", "0"] + shlex.split(flags))
+        except (argparse.ArgumentError, ValueError) as e:
+            p.error(f"--variant {label}: {e}")
+        if unknown:
+            p.error(f"--variant {label}: not `hyspec serve` flags: {' '.join(unknown)}")
+        servers.append((label, REPO, flags))
     if args.profile is not None:
         if not (shutil.which("py-spy") or Path(sys.executable).with_name("py-spy").exists()):
             p.error("--profile needs py-spy (pip install py-spy)")
@@ -521,9 +582,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     cprofiles = []
     for rep in range(1, args.reps + 1):
-        for label, root in servers:
+        for label, root, flags in servers:
             cprof = None if args.cprofile is None else args.cprofile / f"{label}_rep{rep}"
-            srv = ServerProc(label, root, args, log_dir, cprof)
+            srv = ServerProc(label, root, args, log_dir, cprof, server_flags=flags, seed=rep)
             try:
                 got = measure(srv, args, levels, args.profile, rep)
             finally:

@@ -23,7 +23,7 @@ for the host per step (its next step dispatched after the last one ended).
 --tokens-per-step-max M gives each request a uniform 1..M tokens a step instead, so the requests of a wave end on
 different steps and their successors' prompts arrive one at a time, as under speculation; --prefill-ms sets the
 scripted prefill call's device time. --variant LABEL=FLAGS runs another server of this checkout with more `hyspec
-serve` flags (e.g. `--prefill-wait-ms 2`), alternated with the others. Each level also reports the prefill calls.
+serve` flags (e.g. `--decode-buckets none`), alternated with the others. Each level also reports the prefill calls.
 
 --base DIR also runs the server of another checkout (its `serve/` and `hyspec_jax/`, e.g. the commit the
 current server replaced) over the same backend, alternated with this one --reps times: like for like.
@@ -228,9 +228,7 @@ def serve_main(argv: list[str]) -> int:
                            prefill_s=None if args.prefill_ms is None else args.prefill_ms / 1e3)
     chat = ChatTemplate(args.tokenizer_dir, tokenizer)
     metrics = ServerMetrics("overhead", spec_depth=backend.depth)
-    # the request loop's options the server flags set (a checkout older than one of them is given only the others)
-    loop_options = {"prefill_wait": sargs.prefill_wait_ms / 1e3} if getattr(sargs, "prefill_wait_ms", 0) else {}
-    scheduler = Scheduler(backend, metrics, max_queue=sargs.max_queue, **loop_options)
+    scheduler = Scheduler(backend, metrics, max_queue=sargs.max_queue)
     model = app_mod.ServedModel(name="overhead", root=str(args.tokenizer_dir), max_model_len=args.max_model_len,
                                 vocab_size=tokenizer.get_vocab_size(), eos_token_ids=frozenset(),
                                 mode=backend.mode, created=int(time.time()))
@@ -517,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the scripted device's prefill call (default: --step-ms)")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=FLAGS",
                    help="another server of this checkout with more `hyspec serve` flags, e.g. "
-                        "'wait2=--prefill-wait-ms 2', alternated with the others (repeatable)")
+                        "'queue8=--max-queue 8', alternated with the others (repeatable)")
     p.add_argument("--host-us", type=float, default=0.0,
                    help="busy work holding the GIL in each dispatch, as launching a jitted step costs (default 0)")
     p.add_argument("--tokenizer-dir", type=Path, default=REPO / "checkpoints" / "default",

@@ -68,11 +68,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=256, metavar="T",
                    help="prompt tokens per prefill call, a power of two >= 16 (default 256): longer prompts are "
                         "prefilled in chunks between decoding steps; shorter ones are packed together")
-    p.add_argument("--prefill-wait-ms", type=float, default=0.0, metavar="MS",
-                   help="while requests decode, hold a new prompt's prefill call up to MS milliseconds after it "
-                        "arrived, so prompts arriving one at a time share a call (it goes out at once when they "
-                        "fill a call or no slot is left); adds up to MS to their time to first token (default 0: "
-                        "no wait)")
     p.add_argument("--dtype", choices=("auto", "float32", "float", "bfloat16"), default="auto",
                    help="parameter dtype (auto: bfloat16 on GPU, float32 on CPU; float = float32)")
     p.add_argument("--seed", type=int, metavar="S",
@@ -179,8 +174,6 @@ def check_args(args) -> None:
         raise ValueError("--max-batch / --max-num-seqs must be >= 1")
     if args.max_queue < 0:
         raise ValueError("--max-queue must be >= 0")
-    if not args.prefill_wait_ms >= 0:
-        raise ValueError("--prefill-wait-ms must be >= 0")
     if args.recalibrate and args.startup_calibration == 0:
         raise ValueError("--recalibrate times the widths at start-up: it needs --startup-calibration R > 0")
     if args.startup_calibration is not None and args.startup_calibration < 0:
@@ -396,7 +389,7 @@ def _lead(args, backend, scorer, cfg, model_dir: Path, tokenizer, counter: Compi
     eos = frozenset(cfg.eos_token_id) | frozenset(special_token_ids(model_dir))
     if chat.eos_token_id is not None:
         eos |= {chat.eos_token_id}
-    scheduler = Scheduler(backend, metrics, max_queue=args.max_queue, prefill_wait=args.prefill_wait_ms / 1e3)
+    scheduler = Scheduler(backend, metrics, max_queue=args.max_queue)
     model = ServedModel(name=name, root=str(model_dir), max_model_len=max_model_len, vocab_size=cfg.vocab_size,
                         eos_token_ids=frozenset(eos), mode=backend.mode, created=int(time.time()))
     options = FrontOptions(api_key=args.api_key, allowed_origins=args.allowed_origins,

@@ -64,7 +64,7 @@ def test_harness_runs_a_variant_with_server_flags(tmp_path):
     r = subprocess.run([sys.executable, "-m", "hyspec_jax.bench.serve_overhead", "--concurrency", "2",
                         "--num-requests", "4", "--max-tokens", "6", "--reps", "1", "--step-ms", "0.5",
                         "--tokens-per-step-max", "3", "--prefill-ms", "0.3",
-                        "--variant", "wait=--prefill-wait-ms 1", "--json", str(out)],
+                        "--variant", "wait=--max-queue 8", "--json", str(out)],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(out.read_text())["results"]
@@ -76,7 +76,7 @@ def test_harness_runs_a_variant_with_server_flags(tmp_path):
 @pytest.mark.parametrize("flags,message", [
     (["--base", "/nonexistent"], "--base /nonexistent"),
     (["--variant", "nolabel"], "--variant must be LABEL=FLAGS"),
-    (["--variant", "w=--prefill-wait-ms x"], "--variant w: argument --prefill-wait-ms"),
+    (["--variant", "w=--max-queue x"], "--variant w: argument --max-queue"),
     (["--variant", "w=--no-such-flag"], "--variant w: not `hyspec serve` flags"),
 ])
 def test_harness_flag_errors_are_one_line(flags, message):

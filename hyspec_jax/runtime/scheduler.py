@@ -2,8 +2,7 @@
 
 Per iteration: drop aborted requests (a disconnected client, a stop string the front end saw) and free their
 slots; admit waiting requests into free slots; run one prefill call (chunks of one or more prompts, packed into
-one of the backend's static prefill shapes; with `prefill_wait`, new prompts may wait a little for others to share
-the call, see `_prefill_due`); then dispatch or collect one decoding step (AR token or speculative
+one of the backend's static prefill shapes); then dispatch or collect one decoding step (AR token or speculative
 round) for every slot that is decoding. A long prompt therefore advances one chunk per iteration while the other
 slots keep decoding. Stop token ids and max_tokens are applied here, exactly, also inside a multi-token
 speculative round (`EngineRequest.emit` is the one home of that rule); stop strings are text, applied by the
@@ -155,11 +154,8 @@ class Scheduler:
 
     def __init__(self, backend: Backend, observer: LoopObserver | None = None, *, max_queue: int = 1 << 30,
                  on_batch: Callable[[], None] | None = None,
-                 on_failure: Callable[[BaseException], None] | None = None, prefill_wait: float = 0.0):
-        if prefill_wait < 0:
-            raise ValueError(f"prefill_wait must be >= 0 seconds, got {prefill_wait}")
+                 on_failure: Callable[[BaseException], None] | None = None):
         self.backend = backend
-        self.prefill_wait = prefill_wait
         self.observer = observer or LoopObserver()
         self.max_queue = max_queue
         self.on_batch = on_batch
@@ -296,7 +292,7 @@ class Scheduler:
                     log.exception("on_failure failed")
 
     def _iterate(self) -> None:
-        if self._slot_lists()[1] and self._prefill_due():
+        if self._slot_lists()[1]:
             self._prefill()
         self._step()                     # reads the prefill's first tokens too
         self._batch_done()
@@ -406,22 +402,6 @@ class Scheduler:
         with self.cv:
             self.slots[b] = None
             self._changed()
-
-    def _prefill_due(self) -> bool:
-        """Whether the prefill call of the prompts holding slots goes out in this iteration. Always with
-        prefill_wait 0 (the default) or while nothing decodes. Otherwise new prompts wait between decoding steps
-        until the oldest has waited prefill_wait since it arrived, until they fill the widest prefill shape's rows,
-        or until no slot is left for another prompt to join them: prompts that arrive one or two at a time
-        (speculative requests end on different rounds) then share one call instead of taking one each. A prompt
-        already partly prefilled (a long one, chunk by chunk) goes on at once."""
-        if self.prefill_wait <= 0 or not self._slot_lists()[0]:
-            return True
-        pending = [r for r in self.slots if r is not None and not r.decoding]
-        if any(r.prefilled for r in pending) or all(r is not None for r in self.slots):
-            return True
-        if len(pending) >= max(rows for rows, _ in self.backend.shapes):
-            return True
-        return time.perf_counter() - min(r.arrival for r in pending) >= self.prefill_wait
 
     # --- device calls --------------------------------------------------------------------------------
     def _prefill(self) -> None:

@@ -86,8 +86,8 @@ def make_backend(slots: int, step_s: float, tokens_per_step: int, token_ids: lis
     round's when tokens_per_step > 1; with tokens_max, each active slot's step gives a uniform 1..tokens_max
     tokens instead, drawn per slot and step from `seed`: the requests of a wave then end on different steps, as a
     speculative round's accepted drafts make them); `prefill` queues a call of prefill_s (default step_s) on the
-    device, and its first tokens wait for it when read. `device_idle` sums the time the device waited for a dispatch while a
-    decoding step was in flight or just done: the host's share of the step period."""
+    device, and its first tokens wait for it when read. `device_idle` sums the time the device waited for a
+    dispatch while a decoding step was in flight or just done: the host's share of the step period."""
     import numpy as np
 
     from hyspec_jax.runtime.backend import Backend, StepResult, prefill_shapes

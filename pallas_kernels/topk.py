@@ -220,7 +220,8 @@ def _chunk_topk(base: jax.Array, base_spec: pl.BlockSpec, bias: jax.Array | None
 
 @functools.partial(jax.jit, static_argnames=("row", "k", "width", "chunks", "num_warps", "select_warps",
                                              "interpret"))
-def tree_level_pallas(logits: jax.Array, bias: jax.Array | None, logrho: jax.Array, logscore: jax.Array, *, row: int, k: int, width: int, chunks: int = 1,
+def tree_level_pallas(logits: jax.Array, bias: jax.Array | None, logrho: jax.Array, logscore: jax.Array, *,
+                      row: int, k: int, width: int, chunks: int = 1,
                       num_warps: int | None = None, select_warps: int | None = None, interpret: bool = False):
     """`tree_level_reference` in two launches (see the module docstring): the top-k programs over (batch row, beam
     row, vocabulary chunk; num_warps each), then one program per batch row (select_warps; default: by its

@@ -120,12 +120,17 @@ def _mode_summary(runs: dict[str, dict]) -> dict:
     ahead = [r["server"]["engine_steps_ahead"] / r["server"]["engine_decode_steps"] for r in runs.values()
              if (r.get("server") or {}).get("engine_steps_ahead") is not None and r["server"].get("engine_decode_steps")]
     prefill = _shares(runs, "engine_prefill_seconds")
+    # prefill calls a level: under speculation the requests of a wave end on different rounds, so their successors'
+    # prompts arrive apart, each with its own call
+    calls = [r["server"]["engine_prefill_calls"] for r in runs.values()
+             if (r.get("server") or {}).get("engine_prefill_calls") is not None]
     # the loop's time dispatching decoding steps and waiting to collect them (hyspec:engine_decode_*_seconds):
     # a wait near 0 with dispatch a large share says the host, not the device, sets the period
     dispatch, collect = _shares(runs, "engine_dispatch_seconds"), _shares(runs, "engine_collect_seconds")
     return {"passes": len(runs), "tok_s_median": round(statistics.median(tok), 1) if tok else None,
             "ahead_fraction_median": round(statistics.median(ahead), 3) if ahead else None,
             "prefill_share_median": round(statistics.median(prefill), 3) if prefill else None,
+            "prefill_calls_median": statistics.median(calls) if calls else None,
             "dispatch_share_median": round(statistics.median(dispatch), 3) if dispatch else None,
             "collect_share_median": round(statistics.median(collect), 3) if collect else None,
             "tok_s_by_pass": {p: round(r["throughput_tok_s"], 1) for p, r in sorted(runs.items())},
@@ -135,6 +140,11 @@ def _mode_summary(runs: dict[str, dict]) -> dict:
 
 def _fmt(x, spec=",.0f"):
     return "—" if x is None else format(x, spec)
+
+
+def _prefill(summary: dict) -> str:
+    share, calls = summary.get("prefill_share_median"), summary.get("prefill_calls_median")
+    return _fmt(share, ".0%") + ("" if calls is None else f" ({calls:g})")
 
 
 def _host(summary: dict) -> str:
@@ -153,7 +163,7 @@ def markdown(rep: dict) -> str:
     for mode in rep["modes"]:
         lines += [f"## {mode} ÷ {b}", "",
                   f"| dataset | concurrency | {b} tok/s | {mode} tok/s | ratio (median) | range | τ | "
-                  f"{b} / {mode} TPOT p50 | {b} / {mode} steps pipelined | {b} / {mode} wall in prefill | "
+                  f"{b} / {mode} TPOT p50 | {b} / {mode} steps pipelined | {b} / {mode} wall in prefill (calls) | "
                   f"{b} / {mode} wall dispatching · collecting | widths chosen (rounds) |",
                   "|---|---:|---:|---:|---:|---|---:|---|---|---|---|---|"]
         for row in rep["rows"]:
@@ -167,7 +177,7 @@ def markdown(rep: dict) -> str:
                          f"{_fmt(s['tok_s_median'])} | {ratio} | {rng} | {_fmt(s['tau_median'], '.2f')} | "
                          f"{_fmt(base['tpot_p50_ms_median'], '.2f')} / {_fmt(s['tpot_p50_ms_median'], '.2f')} ms | "
                          f"{_fmt(base['ahead_fraction_median'], '.0%')} / {_fmt(s['ahead_fraction_median'], '.0%')} | "
-                         f"{_fmt(base['prefill_share_median'], '.0%')} / {_fmt(s['prefill_share_median'], '.0%')} | "
+                         f"{_prefill(base)} / {_prefill(s)} | "
                          f"{_host(base)} / {_host(s)} | {widths} |")
         lines.append("")
     failed = sum(r[m]["failed_requests"] for r in rep["rows"] for m in [b, *rep["modes"]] if m in r)

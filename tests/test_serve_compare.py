@@ -15,7 +15,8 @@ def _load(path, mode: str, dataset: str, tok_s: dict[int, float], widths: dict[s
     results = []
     for conc, t in tok_s.items():
         server = {"spec_tokens_per_round": 3.0, "spec_rounds_by_width": widths} if widths else {}
-        server.update(engine_decode_steps=100, engine_steps_ahead=80 if widths else 90, engine_prefill_seconds=0.1)
+        server.update(engine_decode_steps=100, engine_steps_ahead=80 if widths else 90, engine_prefill_seconds=0.1,
+                      engine_prefill_calls=40.0 if widths else 25.0)
         results.append({"concurrency": conc, "requests": 64, "ok": 64 - failed, "throughput_tok_s": t, "wall_s": 1.0,
                         "tpot_s": {"p50": 1e-3}, "server": server, "mode": mode})
     path.write_text(json.dumps({"meta": {"args": {"dataset": dataset}, "device_kind": "H100", "commit": "abc1234"},
@@ -40,7 +41,7 @@ def test_ratios_pair_a_mode_with_the_baseline_of_its_own_pass(tmp_path, capsys):
     assert serve_compare.main([str(f) for f in files] + ["--json", str(tmp_path / "out" / "cmp.json")]) == 0
     md = (tmp_path / "out" / "cmp.md").read_text()
     assert "| random | 8 | 400 | 440 | **1.20x** | 1.10–2.00x |" in md
-    assert "| 90% / 80% | 10% / 10% |" in md and s["ahead_fraction_median"] == 0.8
+    assert "| 90% / 80% | 10% (25) / 10% (40) |" in md and s["ahead_fraction_median"] == 0.8
     assert "16: 30, 32: 6" in md and "Failed requests over all passes: 0." in md
     capsys.readouterr()
 

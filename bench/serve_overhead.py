@@ -130,6 +130,7 @@ def make_backend(slots: int, step_s: float, tokens_per_step: int, token_ids: lis
             self.free_at = 0.0            # when the device ends its last queued step
             self.device_idle = 0.0
             self.device_steps = 0
+            self.device_busy = 0.0         # seconds of queued calls, steps and prefills
             self.prefill_calls = 0
 
         @staticmethod
@@ -144,6 +145,7 @@ def make_backend(slots: int, step_s: float, tokens_per_step: int, token_ids: lis
             if now - self.free_at < 0.05:     # an idle gap between steps (a longer one: no requests, not counted)
                 self.device_idle += max(0.0, now - self.free_at)
             self.free_at = max(now, self.free_at) + seconds
+            self.device_busy += seconds
             self.device_steps += 1
             return self.free_at
 
@@ -240,6 +242,7 @@ def serve_main(argv: list[str]) -> int:
             seq[0] += 1
             args.stats.write_text(json.dumps({"seq": seq[0], "device_idle_s": backend.device_idle,
                                               "device_steps": backend.device_steps,
+                                              "device_busy_s": backend.device_busy,
                                               "prefill_calls": backend.prefill_calls}))
         _signal.signal(_signal.SIGUSR1, write_stats)
     profiles = []
@@ -453,11 +456,10 @@ def measure(server: ServerProc, args, levels: list[int], profile_dir: Path | Non
                 row["server_cpu_us_per_token"]["total"] = round(sum(row["server_cpu_us_per_token"].values()), 1)
                 steps = max(dev1["device_steps"] - dev0["device_steps"], 1)
                 idle = dev1["device_idle_s"] - dev0["device_idle_s"]
-                prefills = dev1.get("prefill_calls", 0) - dev0.get("prefill_calls", 0)
-                busy = ((steps - prefills) * args.step_ms
-                        + prefills * (args.step_ms if args.prefill_ms is None else args.prefill_ms)) / 1e3
+                busy = dev1["device_busy_s"] - dev0["device_busy_s"]
                 row["device"] = {"steps": steps, "idle_us_per_step": round(idle * 1e6 / steps, 1),
-                                 "prefill_calls": prefills, "busy_fraction": round(busy / (busy + idle), 3)}
+                                 "prefill_calls": dev1["prefill_calls"] - dev0["prefill_calls"],
+                                 "busy_fraction": round(busy / (busy + idle), 3) if busy + idle > 0 else 0.0}
                 if prof is not None and prof.exists():
                     row["profile"] = {"file": prof.name, **summarize_profile(prof, args.profile_rate, n)}
                 row.update(server=server.label, rep=rep)

@@ -389,13 +389,14 @@ def biased_topk(base: jax.Array, bias: jax.Array | None, k: int, *, impl: Impl =
     interpret = _use_kernel(impl, ok, "tree-level top-k")
     if interpret is None:
         return topk.biased_topk_reference(base, bias, k)
-    chunks = _topk_chunks(base.shape[1])
-    return topk.biased_topk_pallas(base, bias, k=k, chunks=chunks, num_warps=TOPK_WARPS if chunks > 1 else None,
-                                   interpret=interpret)
+    chunks, warps = topk_tiling(base.shape[1])
+    return topk.biased_topk_pallas(base, bias, k=k, chunks=chunks, num_warps=warps, interpret=interpret)
 
 
-def _topk_chunks(V: int) -> int:
-    return TOPK_CHUNKS if V // TOPK_CHUNKS >= 512 else 1
+def topk_tiling(V: int) -> tuple[int, int | None]:
+    """(vocabulary chunks, warps a top-k program) for rows of V logits: TOPK_CHUNKS programs of TOPK_WARPS warps
+    where each chunk keeps ≥ 512 logits, else one program a row on Triton's default warps."""
+    return (TOPK_CHUNKS, TOPK_WARPS) if V // TOPK_CHUNKS >= 512 else (1, None)
 
 
 def tree_level(logits: jax.Array, row: int, bias: jax.Array | None, logrho: jax.Array, logscore: jax.Array, *,
@@ -414,6 +415,6 @@ def tree_level(logits: jax.Array, row: int, bias: jax.Array | None, logrho: jax.
     interpret = _use_kernel(impl, ok, "tree level")
     if interpret is None:
         return topk.tree_level_reference(logits, row, bias, logrho, logscore, k=k, width=width)
-    chunks = _topk_chunks(logits.shape[2])
+    chunks, warps = topk_tiling(logits.shape[2])
     return topk.tree_level_pallas(logits, bias, logrho, logscore, row=row, k=k, width=width, chunks=chunks,
-                                  num_warps=TOPK_WARPS if chunks > 1 else None, interpret=interpret)
+                                  num_warps=warps, interpret=interpret)

@@ -58,6 +58,7 @@ if [[ " $STEPS " == *" serve "* ]]; then
   NSERVERS=0
   for mode in $MODES; do
     NSERVERS=$((NSERVERS + 1)); if [ -n "${BASE:-}" ] && [ "$mode" != ar ]; then NSERVERS=$((NSERVERS + 1)); fi
+    if [ -n "${VARIANT:-}" ] && [ "$mode" != ar ]; then NSERVERS=$((NSERVERS + 1)); fi
   done
   export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.8 / $NSERVERS, 3))")
   SERVE=(--port 0 --max-batch "$SLOTS" --max-queue 256 --max-model-len $LEN --prefill-chunk "${PREFILL_CHUNK:-128}"
@@ -69,6 +70,11 @@ if [[ " $STEPS " == *" serve "* ]]; then
   # passes alternate between them: a drift of the machine moves every mode alike
   declare -A PORTS
   LABELS=()
+  if [ -n "${VARIANT:-}" ]; then
+    [[ "$VARIANT" == ?*=?* ]] || { echo "VARIANT must be LABEL=FLAGS, got '$VARIANT'" >&2; exit 1; }
+    [ "${INTERLEAVE:-1}" = 1 ] || { echo "VARIANT needs INTERLEAVE=1" >&2; exit 1; }
+    VLABEL=${VARIANT%%=*}; read -r -a VFLAGS <<< "${VARIANT#*=}"
+  fi
   if [ -n "${BASE:-}" ]; then
     [ -d "$BASE/hyspec_jax" ] || { echo "BASE=$BASE holds no checkout (hyspec_jax/)" >&2; exit 1; }
     [ -e "$BASE/checkpoints" ] || ln -s "$PWD/checkpoints" "$BASE/checkpoints"
@@ -81,6 +87,11 @@ if [[ " $STEPS " == *" serve "* ]]; then
       PORTS[base-$mode]=$(start_server "$BASE" "$RES/server_base-$mode.log" "${SERVE[@]}" --spec-mode "$mode" \
         "${extra[@]}") || exit 1
       LABELS+=("base-$mode")
+    fi
+    if [ -n "${VARIANT:-}" ] && [ "$mode" != ar ]; then
+      PORTS[$VLABEL-$mode]=$(start_server "$PWD" "$RES/server_$VLABEL-$mode.log" "${SERVE[@]}" --spec-mode "$mode" \
+        "${extra[@]}" "${VFLAGS[@]}") || exit 1
+      LABELS+=("$VLABEL-$mode")
     fi
   done
   URLS=(); for label in "${LABELS[@]}"; do URLS+=(--url "$label=http://127.0.0.1:${PORTS[$label]}"); done
@@ -107,6 +118,13 @@ if [[ " $STEPS " == *" serve "* ]]; then
   BY=(); [ -n "${BASE:-}" ] && [ "${INTERLEAVE:-1}" != 1 ] && BY=(--mode-from-name)
   [[ " $MODES " == *" ar "* ]] && "${H[@]}" bench serve-compare "$RES"/serve_load_*.json "${BY[@]}" \
       --json "$RES/serve_compare.json" | tail -n +4
+  if [ -n "${VARIANT:-}" ]; then
+    for mode in $MODES; do
+      [ "$mode" = ar ] && continue
+      "${H[@]}" bench serve-compare "$RES"/serve_load_all_*.json --baseline "$mode" \
+        --json "$RES/serve_compare_$VLABEL-$mode.json" | tail -n +4
+    done
+  fi
   if [ -n "${BASE:-}" ]; then
     for mode in $MODES; do
       [ "$mode" = ar ] && continue

@@ -197,6 +197,54 @@ class ResumableTrainer(abc.ABC):
     def check_resume(self, meta: dict) -> None:
         """Raise ValueError when the checkpoint's data position cannot continue under this run's settings."""
 
+    def _start_run(self, cfg, *batch_fields: str) -> None:
+        """The run's config, its output folder (made) and device mesh; every `batch_fields` size of cfg
+        (default batch_size) must split evenly over the mesh's devices."""
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.mesh = make_mesh(cfg.devices)
+        n = self.mesh.devices.size
+        fields = batch_fields or ("batch_size",)
+        if any(getattr(cfg, f) % n for f in fields):
+            sizes = " and ".join(f"{f} {getattr(cfg, f)}" for f in fields)
+            raise ValueError(f"{sizes} must be divisible by the {n} devices")
+
+    def _resume_latest(self) -> None:
+        """Open the run's checkpoints and continue from the latest one there, if any (else start at step 0)."""
+        self.ckpt = Checkpoints(self.out / "ckpt", keep=self.cfg.keep)
+        self.start_step = 0
+        latest = self.ckpt.latest()
+        if latest is not None:
+            self._restore(latest)
+
+    def _start_student(self, trainable: Any, frozen: dict, weight_decay: float) -> None:
+        """The drafter's and MTP head's common set-up after their models: the training windows (distilled
+        targets with cfg.data, else the corpus), the validation windows, the optimizer and sharded state over
+        `trainable`, the replicated frozen parts, the compiled step (`_build`), and a resume from the latest
+        checkpoint."""
+        from hyspec_jax.train.distill import DistillSampler
+        from hyspec_jax.train.target import WindowSampler, validation_windows
+        cfg = self.cfg
+        self.sampler = (DistillSampler(cfg.data, cfg.seq_len, cfg.seed) if cfg.data
+                        else WindowSampler(cfg.corpus, cfg.seq_len - 1, cfg.seed))
+        self.val = {d: w[:, :cfg.seq_len] for d, w in
+                    validation_windows(cfg.corpus, cfg.seq_len, cfg.eval_windows).items()}
+        self.num_trainable = int(sum(x.size for x in jax.tree.leaves(trainable)))
+        self.tx = adamw_direction(weight_decay=weight_decay, clip=cfg.clip)
+        state = {"train": trainable, "opt": self.tx.init(trainable), "step": jnp.zeros((), jnp.int32)}
+        self.state_sh = tree_shardings(state, self.mesh, True)
+        self.state = put_global(state, self.state_sh)
+        self.frozen = put_global(frozen, replicated(self.mesh))
+        self.batch_sh = batch_sharding(self.mesh)
+        self._build()
+        self.total_steps = cfg.steps
+        self._resume_latest()
+
+    def _build(self) -> None:
+        """Compile the trainer's step (`_start_student` calls it once the state is placed)."""
+        raise NotImplementedError
+
     def _meta(self, step: int) -> dict:
         return {"step": step, "total_steps": self.total_steps, "data": self.data_meta(step),
                 "train_config": self.cfg.to_dict(), **self.identity(), **self.extra_meta()}

@@ -45,9 +45,7 @@ from hyspec_jax.io.hf import load_pretrained
 from hyspec_jax.models.drafter import create_drafter, forward_train, target_heads
 from hyspec_jax.models.reader import ReaderConfig
 from hyspec_jax.train import common
-from hyspec_jax.train.distill import DistillSampler
 from hyspec_jax.train.forward import train_forward
-from hyspec_jax.train.target import WindowSampler, validation_windows
 
 F32 = jnp.float32
 STAGES = ("dspark", "ready1", "ready2")
@@ -218,13 +216,7 @@ def apply_lora(params: Any, lora: dict | None, alpha: float) -> Any:
 # ------------------------------------------------------------------------------------------------
 class DrafterTrainer(common.ResumableTrainer):
     def __init__(self, cfg: DrafterTrainConfig, *, drafter_cfg: DrafterConfig | None = None):
-        self.cfg = cfg
-        self.out = Path(cfg.out)
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.mesh = common.make_mesh(cfg.devices)
-        n = self.mesh.devices.size
-        if cfg.batch_size % n:
-            raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the {n} devices")
+        self._start_run(cfg)
         if cfg.seq_len % cfg.state_stride:
             raise ValueError(f"seq_len {cfg.seq_len} must be a multiple of state_stride {cfg.state_stride}")
         self.dt = resolve_dtype(cfg.dtype)
@@ -272,28 +264,10 @@ class DrafterTrainer(common.ResumableTrainer):
             if cfg.stage == "ready2":
                 trainable["lora"] = init_lora(base_p, cfg.lora_rank, cfg.seed)
             frozen_d = base_p
-        self.num_trainable = int(sum(x.size for x in jax.tree.leaves(trainable)))
 
-        # --- data -----------------------------------------------------------------------------------
-        self.sampler = (DistillSampler(cfg.data, cfg.seq_len, cfg.seed) if cfg.data
-                        else WindowSampler(cfg.corpus, cfg.seq_len - 1, cfg.seed))
-        self.val = {d: w[:, :cfg.seq_len] for d, w in
-                    validation_windows(cfg.corpus, cfg.seq_len, cfg.eval_windows).items()}
-
-        # --- sharding, optimizer, compiled step -------------------------------------------------------
-        self.tx = common.adamw_direction(weight_decay=0.0, clip=cfg.clip)
-        state = {"train": trainable, "opt": self.tx.init(trainable), "step": jnp.zeros((), jnp.int32)}
-        self.state_sh = common.tree_shardings(state, self.mesh, True)
-        self.state = common.put_global(state, self.state_sh)
-        rep = common.replicated(self.mesh)
-        self.frozen = common.put_global({"target": t_params, "drafter": frozen_d, "heads": self.heads_host}, rep)
-        self.batch_sh = common.batch_sharding(self.mesh)
-        self._build()
-        self.total_steps = cfg.steps
-        self.ckpt = common.Checkpoints(self.out / "ckpt", keep=cfg.keep)
-        self.start_step = 0
-        if self.ckpt.latest() is not None:
-            self._restore(self.ckpt.latest())
+        # --- data, sharding, optimizer, compiled step, resume ------------------------------------------
+        self._start_student(trainable, {"target": t_params, "drafter": frozen_d, "heads": self.heads_host},
+                            weight_decay=0.0)
 
     # --- the model function -------------------------------------------------------------------------
     def _params(self, train: dict, frozen: dict):

@@ -33,9 +33,7 @@ from hyspec_jax.io.mtp_io import has_mtp, load_mtp, save_mtp
 from hyspec_jax.models.drafter import target_heads
 from hyspec_jax.models.mtp import create_mtp
 from hyspec_jax.train import common
-from hyspec_jax.train.distill import DistillSampler
 from hyspec_jax.train.forward import train_forward
-from hyspec_jax.train.target import WindowSampler, validation_windows
 
 F32 = jnp.float32
 
@@ -87,13 +85,7 @@ def mtp_loss(logits: jax.Array, tokens: jax.Array, target_logits: jax.Array) -> 
 
 class MTPTrainer(common.ResumableTrainer):
     def __init__(self, cfg: MTPTrainConfig):
-        self.cfg = cfg
-        self.out = Path(cfg.out)
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.mesh = common.make_mesh(cfg.devices)
-        n = self.mesh.devices.size
-        if cfg.batch_size % n:
-            raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the {n} devices")
+        self._start_run(cfg)
         if cfg.seq_len < 3:
             raise ValueError("seq_len must be >= 3 (a pair and its next-next token)")
         self.dt = resolve_dtype(cfg.dtype)
@@ -109,26 +101,8 @@ class MTPTrainer(common.ResumableTrainer):
         self.tcfg = tcfg
         self.t_graphdef, t_params = nnx.split(target)
         self.h_graphdef, h_params = nnx.split(head)
-        self.num_trainable = int(sum(x.size for x in jax.tree.leaves(h_params)))
-
-        self.sampler = (DistillSampler(cfg.data, cfg.seq_len, cfg.seed) if cfg.data
-                        else WindowSampler(cfg.corpus, cfg.seq_len - 1, cfg.seed))
-        self.val = {d: w[:, :cfg.seq_len] for d, w in
-                    validation_windows(cfg.corpus, cfg.seq_len, cfg.eval_windows).items()}
-
-        self.tx = common.adamw_direction(weight_decay=cfg.weight_decay, clip=cfg.clip)
-        state = {"train": h_params, "opt": self.tx.init(h_params), "step": jnp.zeros((), jnp.int32)}
-        self.state_sh = common.tree_shardings(state, self.mesh, True)
-        self.state = common.put_global(state, self.state_sh)
-        rep = common.replicated(self.mesh)
-        self.frozen = common.put_global({"target": t_params, "heads": target_heads(target)}, rep)
-        self.batch_sh = common.batch_sharding(self.mesh)
-        self._build()
-        self.total_steps = cfg.steps
-        self.ckpt = common.Checkpoints(self.out / "ckpt", keep=cfg.keep)
-        self.start_step = 0
-        if self.ckpt.latest() is not None:
-            self._restore(self.ckpt.latest())
+        self._start_student(h_params, {"target": t_params, "heads": target_heads(target)},
+                            weight_decay=cfg.weight_decay)
 
     def _forward(self, train, frozen, tokens):
         dt = self.dt

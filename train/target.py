@@ -275,20 +275,13 @@ class TargetTrainer(common.ResumableTrainer):
         from tokenizers import Tokenizer
         from hyspec_jax.train.tokenizer_train import EOS, IM_END
 
-        self.cfg = cfg
-        self.out = Path(cfg.out)
-        self.out.mkdir(parents=True, exist_ok=True)
+        self._start_run(cfg, "batch_size", "eval_batch")
         self.tok_dir = corpus_tokenizer_dir(cfg.corpus)
         tok = Tokenizer.from_file(str(self.tok_dir / "tokenizer.json"))
         eos = tuple(i for i in (tok.token_to_id(EOS), tok.token_to_id(IM_END)) if i is not None)
         self.model_cfg = model_cfg or preset_config(cfg.preset, tok.get_vocab_size(), eos)
         if self.model_cfg.vocab_size < tok.get_vocab_size():
             raise ValueError(f"model vocab {self.model_cfg.vocab_size} < tokenizer vocab {tok.get_vocab_size()}")
-        self.mesh = common.make_mesh(cfg.devices)
-        n = self.mesh.devices.size
-        if cfg.batch_size % n or cfg.eval_batch % n:
-            raise ValueError(f"batch_size {cfg.batch_size} and eval_batch {cfg.eval_batch} must be divisible "
-                             f"by the {n} devices")
         self.compute_dtype = resolve_dtype(cfg.dtype)
         self.sampler = WindowSampler(cfg.corpus, cfg.seq_len, cfg.seed)
         self.val = validation_windows(cfg.corpus, cfg.seq_len, cfg.eval_windows)
@@ -308,11 +301,7 @@ class TargetTrainer(common.ResumableTrainer):
         self.total_steps = cfg.steps     # may shrink once, under a time budget (then saved with the checkpoint)
         self.batch_sh = common.batch_sharding(self.mesh)
         self.state = common.put_global(_init_fn(self.model_cfg, cfg.seed, hyper[:2], opts)(), self.state_sh)
-        self.ckpt = common.Checkpoints(self.out / "ckpt", keep=cfg.keep)
-        self.start_step = 0
-        latest = self.ckpt.latest()
-        if latest is not None:
-            self._restore(latest)
+        self._resume_latest()
 
     # --- checkpoints ----------------------------------------------------------------------------
     def identity(self) -> dict:

@@ -33,7 +33,9 @@
 # .devpack/base` made here and carried with .devpack: each speculative mode also
 # runs from it, side by side, as "base-MODE" — an A/B of two versions of the code; programs the two share start from
 # the compilation cache the other filled, since JAX keys it by the program, not by paths; serve-compare then names the
-# modes by file and also divides each mode by its base). Each command's files
+# modes by file and also divides each mode by its base), VARIANT ("LABEL=FLAGS": each speculative mode also runs
+# from this checkout with FLAGS added, side by side, as "LABEL-MODE", e.g. VARIANT="b8=--decode-buckets 1,4,8,16";
+# interleaved only; serve-compare then also divides each mode's variant by the mode). Each command's files
 # (calibration, table, server logs, serve_load JSON) come back in one archive,
 # $OUT/width_<steps>_<modes>_t<LOAD_TOKENS>_p<first>-<last pass>.tgz.
 set -uo pipefail

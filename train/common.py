@@ -219,17 +219,10 @@ class ResumableTrainer(abc.ABC):
             self._restore(latest)
 
     def _start_student(self, trainable: Any, frozen: dict, weight_decay: float) -> None:
-        """The drafter's and MTP head's common set-up after their models: the training windows (distilled
-        targets with cfg.data, else the corpus), the validation windows, the optimizer and sharded state over
-        `trainable`, the replicated frozen parts, the compiled step (`_build`), and a resume from the latest
-        checkpoint."""
-        from hyspec_jax.train.distill import DistillSampler
-        from hyspec_jax.train.target import WindowSampler, validation_windows
+        """The drafter's and MTP head's common set-up after their models and data (`distill.student_windows`):
+        the optimizer and sharded state over `trainable`, the replicated frozen parts, the compiled step
+        (`_build`), and a resume from the latest checkpoint."""
         cfg = self.cfg
-        self.sampler = (DistillSampler(cfg.data, cfg.seq_len, cfg.seed) if cfg.data
-                        else WindowSampler(cfg.corpus, cfg.seq_len - 1, cfg.seed))
-        self.val = {d: w[:, :cfg.seq_len] for d, w in
-                    validation_windows(cfg.corpus, cfg.seq_len, cfg.eval_windows).items()}
         self.num_trainable = int(sum(x.size for x in jax.tree.leaves(trainable)))
         self.tx = adamw_direction(weight_decay=weight_decay, clip=cfg.clip)
         state = {"train": trainable, "opt": self.tx.init(trainable), "step": jnp.zeros((), jnp.int32)}

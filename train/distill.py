@@ -232,5 +232,15 @@ class DistillSampler:
         offs = rng.integers(0, self.seqs.shape[1] - self.seq_len + 1, batch_size)[rows]
         return np.stack([np.asarray(self.seqs[r, o:o + self.seq_len]) for r, o in zip(seqs, offs)]).astype(np.int32)
 
+def student_windows(cfg) -> tuple["DistillSampler | WindowSampler", dict[str, np.ndarray]]:
+    """A drafter's or MTP head's training and validation windows: (the sampler — distilled targets with
+    cfg.data, else windows of cfg.seq_len - 1 corpus tokens — and {domain: validation windows [n, seq_len]})."""
+    from hyspec_jax.train.target import WindowSampler, validation_windows
+    sampler = (DistillSampler(cfg.data, cfg.seq_len, cfg.seed) if cfg.data
+               else WindowSampler(cfg.corpus, cfg.seq_len - 1, cfg.seed))
+    val = {d: w[:, :cfg.seq_len] for d, w in validation_windows(cfg.corpus, cfg.seq_len, cfg.eval_windows).items()}
+    return sampler, val
 
-__all__ = ["sample_prompts", "load_prompts", "generate_continuations", "merge_distill", "DistillSampler"]
+
+__all__ = ["sample_prompts", "load_prompts", "generate_continuations", "merge_distill", "DistillSampler",
+           "student_windows"]

@@ -45,6 +45,7 @@ from hyspec_jax.io.hf import load_pretrained
 from hyspec_jax.models.drafter import create_drafter, forward_train, target_heads
 from hyspec_jax.models.reader import ReaderConfig
 from hyspec_jax.train import common
+from hyspec_jax.train.distill import student_windows
 from hyspec_jax.train.forward import train_forward
 
 F32 = jnp.float32
@@ -266,6 +267,7 @@ class DrafterTrainer(common.ResumableTrainer):
             frozen_d = base_p
 
         # --- data, sharding, optimizer, compiled step, resume ------------------------------------------
+        self.sampler, self.val = student_windows(cfg)
         self._start_student(trainable, {"target": t_params, "drafter": frozen_d, "heads": self.heads_host},
                             weight_decay=0.0)
 

@@ -33,6 +33,7 @@ from hyspec_jax.io.mtp_io import has_mtp, load_mtp, save_mtp
 from hyspec_jax.models.drafter import target_heads
 from hyspec_jax.models.mtp import create_mtp
 from hyspec_jax.train import common
+from hyspec_jax.train.distill import student_windows
 from hyspec_jax.train.forward import train_forward
 
 F32 = jnp.float32
@@ -101,6 +102,7 @@ class MTPTrainer(common.ResumableTrainer):
         self.tcfg = tcfg
         self.t_graphdef, t_params = nnx.split(target)
         self.h_graphdef, h_params = nnx.split(head)
+        self.sampler, self.val = student_windows(cfg)
         self._start_student(h_params, {"target": t_params, "heads": target_heads(target)},
                             weight_decay=cfg.weight_decay)
 

@@ -220,8 +220,8 @@ class ResumableTrainer(abc.ABC):
 
     def _start_student(self, trainable: Any, frozen: dict, weight_decay: float) -> None:
         """The drafter's and MTP head's common set-up after their models and data (`distill.student_windows`):
-        the optimizer and sharded state over `trainable`, the replicated frozen parts, the compiled step
-        (`_build`), and a resume from the latest checkpoint."""
+        the optimizer and sharded state over `trainable`, the replicated frozen parts, the compiled step (the
+        subclass's `_build`, once the state is placed), and a resume from the latest checkpoint."""
         cfg = self.cfg
         self.num_trainable = int(sum(x.size for x in jax.tree.leaves(trainable)))
         self.tx = adamw_direction(weight_decay=weight_decay, clip=cfg.clip)
@@ -233,10 +233,6 @@ class ResumableTrainer(abc.ABC):
         self._build()
         self.total_steps = cfg.steps
         self._resume_latest()
-
-    def _build(self) -> None:
-        """Compile the trainer's step (`_start_student` calls it once the state is placed)."""
-        raise NotImplementedError
 
     def _meta(self, step: int) -> dict:
         return {"step": step, "total_steps": self.total_steps, "data": self.data_meta(step),

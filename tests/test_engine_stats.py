@@ -1,5 +1,5 @@
-"""Engine statistics: the round split into draft / verify / commit (`SpecEngine.phase_times`, `hyspec generate
---phase-times`) and ReaDy's censored prefix survival in `SpecStats` / `--stats` / `--json`."""
+"""Engine statistics: the round split into draft / verify / commit (`hyspec_jax.bench.phases.phase_times`,
+`hyspec generate --phase-times`) and ReaDy's censored prefix survival in `SpecStats` / `--stats` / `--json`."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ slots; admit waiting requests into free slots; run one prefill call (chunks of o
 one of the backend's static prefill shapes); then dispatch or collect one decoding step (AR token or speculative
 round) for every slot that is decoding. A long prompt therefore advances one chunk per iteration while the other
 slots keep decoding. Stop token ids and max_tokens are applied here, exactly, also inside a multi-token
-speculative round (`EngineRequest.emit` is the one home of that rule); stop strings are text, applied by the
+speculative round (`EngineRequest.cut` is the one home of that rule); stop strings are text, applied by the
 front end, which then aborts the request. A device call whose rows include a request with penalties runs the
 backend's penalized flavour (the penalty history lives on the device, so pipelining is unchanged).
 

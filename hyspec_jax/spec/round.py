@@ -251,7 +251,7 @@ def spec_round(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, d
     drafts — acceptance is unchanged and still lossless, because the hinted q is the q drawn from).
 
     The three phases are `round_draft` → `round_verify` → `round_commit` (composed here into one program;
-    `SpecEngine.phase_times` jits and times them one by one).
+    `hyspec_jax.bench.phases.phase_times` jits and times them one by one).
     """
     return _round(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, sampling, steps, capacity, hint,
                   shape=shape)[:6]
@@ -364,14 +364,14 @@ def spread_rows(host_out: np.ndarray, rows: np.ndarray | None, slots: int) -> np
     return full
 
 
-# the named scopes of `spec_round` (`SpecEngine.round_kernels` counts kernels by them)
+# the named scopes of `spec_round` (`hyspec_jax.bench.phases.round_kernels` counts kernels by them)
 ROUND_SCOPES = ("draft/drafter_forward", "draft/tree_build", "draft", "verify", "commit")
 
 spec_round_jit = DiskCachedJit(spec_round, name="spec_round", static_argnames=("tgraph", "dgraph", "shape"),
                                donate_argnames=("state", "dstate"))
 spec_round_io_jit = DiskCachedJit(spec_round_io, name="spec_round_io", static_argnames=("tgraph", "dgraph", "shape"),
                                   donate_argnames=("state", "dstate", "hist"))
-# the phases jitted alone (`SpecEngine.phase_times`); the commit donates the states as the fused round does
+# the phases jitted alone (`hyspec_jax.bench.phases.phase_times`); the commit donates the states as the fused round does
 round_draft_jit = jax.jit(round_draft, static_argnames=("tgraph", "dgraph", "shape"))
 round_verify_jit = jax.jit(round_verify, static_argnames=("tgraph", "shape"))
 round_commit_jit = jax.jit(round_commit, static_argnames=("dgraph", "shape"), donate_argnames=("state", "dstate"))

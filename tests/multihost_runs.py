@@ -44,13 +44,14 @@ class Run:
         return outs
 
 
-def launch(args: list[str], processes: int, devices: int, env: dict[str, str] | None = None) -> Run:
-    """Start `hyspec ARGS` as `processes` processes of `devices` fake CPU devices each (one process: no
-    coordinator); returns at once."""
+def launch(args: list[str], processes: int, devices: int, env: dict[str, str] | None = None,
+           program: list[str] | None = None) -> Run:
+    """Start `hyspec ARGS` (or `program ARGS`: another command that runs `launch.init_distributed`) as `processes`
+    processes of `devices` fake CPU devices each (one process: no coordinator); returns at once."""
     base = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **(env or {}))
     if processes > 1:
         base.update(HYSPEC_COORDINATOR=f"127.0.0.1:{free_port()}", HYSPEC_NUM_PROCESSES=str(processes))
-    cmd = [sys.executable, "-m", "hyspec_jax.cli", *args]
+    cmd = [*(program or [sys.executable, "-m", "hyspec_jax.cli"]), *args]
     procs, logs = [], []
     for i in range(processes):
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed by wait)

@@ -9,7 +9,9 @@ So, as tpu-inference / JetStream do, process 0 holds the HTTP server and the sch
   its host inputs (`Channel.send`), then runs as before; `BroadcastScorer` does the same for the logprobs forward;
 - on the others, `follow` builds nothing new: it receives each call and runs it on its own copy of the same backend
   (the same programs, compiled at start-up in the same order on every process), discarding the outputs, until
-  process 0 sends `stop` (its SIGTERM drain is over).
+  process 0 sends `stop` (its SIGTERM drain is over). What process 0 decides from outputs it read travels with the
+  call: a round's verify width (`spec.width.WidthBackend`), whose chooser learns only from collected rounds,
+  is process 0's choice, sent, never a follower's own.
 
 The scheduler, the engine and the programs are unchanged: this module is the one place that knows about followers.
 """
@@ -24,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hyspec_jax.runtime.backend import Backend, StepResult
+from hyspec_jax.spec.width import WidthBackend
 
 log = logging.getLogger("hyspec.multihost")
 
@@ -140,13 +143,19 @@ class BroadcastBackend:
     def dispatch(self, active, sampling: _Sampling, steps, stochastic, hint=None, penalty: _Sampling | None = None):
         t, p, k, s = sampling.host
         extra = {} if hint is None else {"hint": np.asarray(hint, np.int32)}
+        width = {}
+        if isinstance(self.inner, WidthBackend):
+            # chosen from the rounds collected so far, which only this process reads: sent with the call, so that
+            # every process launches the same round program
+            width["width"] = self.inner.round_width(active)
+            extra["width"] = np.asarray(width["width"], np.int32)
         with self.channel.lock:
             self.channel.send(DISPATCH, active=np.asarray(active, bool), steps=np.asarray(steps, np.int32),
                               stochastic=np.asarray(bool(stochastic)), temperature=t, top_p=p, top_k=k, seed=s,
                               **extra, **_penalty_fields(penalty))
             if penalty is None:
-                return self.inner.dispatch(active, sampling.device, steps, stochastic, hint)
-            return self.inner.dispatch(active, sampling.device, steps, stochastic, hint, penalty.device)
+                return self.inner.dispatch(active, sampling.device, steps, stochastic, hint, **width)
+            return self.inner.dispatch(active, sampling.device, steps, stochastic, hint, penalty.device, **width)
 
     def collect(self, handle) -> StepResult:
         return self.inner.collect(handle)       # a read of this process's copy: nothing to send
@@ -185,7 +194,9 @@ def follow(backend: Backend, channel: Channel, scorer=None) -> None:
             if op == PREFILL:
                 backend.prefill(a["slots"], a["tokens"], a["valid"], a["reset"], samp, **pen)
             else:
-                backend.dispatch(a["active"], samp, a["steps"], bool(a["stochastic"]), a.get("hint"), **pen)
+                # process 0's width (a `WidthBackend`): this process's chooser reads no round, so never chooses
+                width = {} if "width" not in a else {"width": int(a["width"])}
+                backend.dispatch(a["active"], samp, a["steps"], bool(a["stochastic"]), a.get("hint"), **pen, **width)
         elif op == SCORE:
             if scorer is None:
                 raise RuntimeError("process 0 scores logprobs but this process built no scorer")

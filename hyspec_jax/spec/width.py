@@ -273,10 +273,25 @@ class WidthBackend(SpecBackend):
             return self.force[self.rounds % len(self.force)]
         return self.chooser.next(live, rows) if self.chooser is not None else max(self.widths)
 
-    def dispatch(self, active, sampling, steps, stochastic, hint=None, penalty=None):
+    def round_width(self, active: np.ndarray) -> int:
+        """The width of the next round over the `active` slots (`next_width` for their live count and rows). The
+        chooser moves on (a probe is counted), so call it once per round: `dispatch` does, unless given the width."""
+        active = np.asarray(active, bool)
+        return self._width_over(active, self.step_rows(active))
+
+    def _width_over(self, active: np.ndarray, rows: np.ndarray | None) -> int:
+        return self.next_width(int(active.sum()), self.slots if rows is None else len(rows))
+
+    def dispatch(self, active, sampling, steps, stochastic, hint=None, penalty=None, width: int | None = None):
+        """`Backend.dispatch` at `width` (None: `round_width` chooses). Across hosts process 0 chooses and every
+        other process runs its width (`runtime.multihost`): a follower never collects, so its chooser never
+        learns, and a width of its own would launch another program than process 0's."""
         active = np.asarray(active, bool)
         rows = self.step_rows(active)
-        w = self.next_width(int(active.sum()), self.slots if rows is None else len(rows))
+        if width is None:
+            w = self._width_over(active, rows)
+        elif (w := int(width)) not in self.widths:
+            raise ValueError(f"width {w} is not one of this backend's {sorted(self.widths)}")
         self.history.append(w)
         self.width_counts[w] += 1
         self.rounds += 1

@@ -10,6 +10,10 @@ The protocol is uvicorn's httptools one (llhttp, in C) where httptools is instal
 response writes one chunk per token step, and h11's pure-Python state machine costs several times httptools' per
 chunk on the event loop. The request head limit (`h11_max_incomplete_event_size`, `--max-header-bytes`) is h11's
 own; on httptools it is enforced here, with h11's answer (400, connection closed).
+
+uvicorn has no public option for a read deadline, so both protocols subclass uvicorn's own (private API, in
+`uvicorn.protocols.http.*_impl`): pyproject.toml pins uvicorn to the releases tests/test_transport.py passed on,
+and that test names every method overridden here and every attribute read.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
     hyspec bench kernels --json out.json [--configs 1:64,32:64] [--variants REGEX] [--deferred 8] [--attention ..]
 
-For the Qwen3.8-27B GDN geometry (HK 16, HV 48, dk = dv = 128; bf16 q/k/v, fp32 state) at batch
-1/8/32 and tree sizes N = 16/32/64 (4/6/8 nodes on the longest path), it checks every variant against the fp32
+For the Qwen3.8-27B GDN geometry (HK 16, HV 48, dk = dv = 128; fp32 state) at batch
+1/8/32 and tree sizes N = 16/32/64 (4/6/8 nodes on the longest path), with the inputs the bf16 model's verify
+hands the kernel (`make_set`: `target.verify_solve_call` through `kernels.verify_operands`: bf16 q/k/v, q/k at
+their 16 key heads; tests/test_verify_inputs.py keeps the two equal), it checks every variant against the fp32
 reference (gdn.masked_solve, triangular solve, precision HIGHEST) on random trees and times:
   pallas_{neumann,squaring}_bv{16..128}[_nwW]  our value-tiled closed-form kernel (tf32 tensor cores)
   pallas_inverse_bv*                       the same with (I+L)⁻¹ and C(I+L)⁻¹ built before the state tile
@@ -33,6 +35,7 @@ timed block. Writes JSON with device kind, jax version, git commit, medians and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -44,16 +47,20 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from hyspec_jax import gdn
+from hyspec_jax import gdn, kernels
 from hyspec_jax.bench.report import (busy_time_ns, git_commit, gpu_stream_events, portable_command, profile_trace,
                                      run_metadata, save_png)
+from hyspec_jax.models.target import verify_solve_call
+from hyspec_jax.spec.memory import qwen38_27b
 from pallas_kernels import gdn_tree_split_mgpu, trees
 from pallas_kernels.gdn_commit import (deferred_append_pallas, deferred_append_reference, deferred_to_reference,
                                        path_commit_pallas, path_commit_reference)
 from pallas_kernels.gdn_serial import masked_solve_xla, serial_paths_xla, serial_tree_pallas
 from pallas_kernels.gdn_tree_solve import SolveConfig, tree_solve_pallas
 
-HK, HV, DK, DV, LG = 16, 48, 128, 128, 48
+GEOMETRY = qwen38_27b()
+HK, HV = GEOMETRY.linear_num_key_heads, GEOMETRY.linear_num_value_heads
+DK, DV, LG = GEOMETRY.linear_key_head_dim, GEOMETRY.linear_value_head_dim, len(GEOMETRY.gdn_layers)
 DEPTH_FOR_N = {16: 4, 32: 6, 64: 8, 128: 8}   # nodes on the longest path (the kernels' path_nodes; depth + 1)
 # default sweep: the block_v grid at default warps, the 3-pass precision, baselines, overhead probe
 DEFAULT_VARIANTS = (r"pallas_(neumann|squaring|inverse|split)_bv(32|64|128)|pallas_.*tf32x3|serial_pallas_.*|xla_.*|null_overhead"
@@ -79,14 +86,14 @@ def _maxabs(a, b) -> float:
 
 
 def make_set(seed: int, B: int, N: int, dtype=jnp.bfloat16):
-    ks = jax.random.split(jax.random.key(seed), 6)
-    q = (gdn.l2norm(jax.random.normal(ks[0], (B, N, HK, DK))) * DK ** -0.5).astype(dtype)
-    k = gdn.l2norm(jax.random.normal(ks[1], (B, N, HK, DK))).astype(dtype)
-    v = jax.random.normal(ks[2], (B, N, HV, DV)).astype(dtype)
-    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, N, HV)) - 1.0)     # decays in (0, 1)
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, N, HV)))
-    S0 = jax.random.normal(ks[5], (B, HV, DK, DV), jnp.float32) * 0.1
-    return S0, q, k, v, g, beta
+    """One input set (S0, q, k, v, g, β) as the verify of a model computing in `dtype` hands it to the kernel:
+    `verify_solve_call`'s mixer inputs, q/k/v in `kernels.verify_operands(dtype)`'s dtype."""
+    depth = DEPTH_FOR_N.get(N, min(8, N)) - 1
+    geometry = dataclasses.replace(GEOMETRY, linear_num_key_heads=HK, linear_num_value_heads=HV,   # the constants:
+                                   linear_key_head_dim=DK, linear_value_head_dim=DV)               # tests shrink them
+    call = verify_solve_call(geometry, B, N, depth=depth, dtype=dtype, seed=seed)
+    operands, _ = kernels.verify_operands(dtype)
+    return call.S0, call.q.astype(operands), call.k.astype(operands), call.v.astype(operands), call.g, call.beta
 
 
 def value_pass_inputs(seed: int, B: int, N: int = 64, depth: int = 8, interpret: bool = False) -> tuple:

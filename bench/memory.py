@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TargetConfig.from_pretrained(args.model) if args.model else qwen38_27b()
     name = args.model or "Qwen3.8-27B geometry"
     designs = [("this library", OURS),
-               ("keys per key head", dataclasses.replace(OURS, shared_keys=True)),
+               ("keys per value head (an expanded copy)", dataclasses.replace(OURS, shared_keys=False)),
                ("Bole Table I accounting (no conv windows)", BOLE_TABLE_I)]
     out = {"meta": run_metadata(), "model": name, "batch": args.batch, "designs": {}}
     for label, design in designs:

@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("which", choices=("memory", "kernels", "kernel-resources", "verify-scale", "e2e", "budget-report",
                                      "round-profile", "topk", "profile-scale", "moe-scale", "load-scale",
                                      "serve-compile", "oneshot", "reader-probe", "round-scale", "packed-verify",
-                                     "ready-control", "serve-compare"),
+                                     "ready-control", "serve-compare", "gdn-layer"),
                    help="budget-report: throughput vs node budget and eps from an e2e sweep + a calibration table; e2e: Spec-Bench-style tokens/s, tau and prefix survival per domain and mode vs ar; round-profile: wall vs GPU busy time and GPU launches per round, per mode (profiler trace); topk: the tree build's per-level top-k kernel tilings vs XLA (GPU); memory: transient verify memory, "
                    "Bole's factorized design vs per-node snapshots; kernels: GDN tree kernels vs baselines (GPU); "
                    "kernel-resources: registers, shared memory, launch shape and one launch's time of each Pallas kernel "
@@ -308,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "packed-verify: Bole's packed forest against the dense [B, N] one, per batch, width and budget C; "
                    "ready-control: the table of a ReaDy positive-control recipe's run (engine τ of DSpark, ReaDy with "
                    "its own / another request's state, the state-free control; paired differences by domain); "
+                   "gdn-layer: one GDN layer's verify tree solve and decoding step at the model's own inputs, their "
+                   "alternatives, XLA and SGLang's kernels (GPU); "
                    "serve-compare: modes against a baseline from serve_load passes, the ratio taken within each pass "
                    "(median and range), with the widths the server chose")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")

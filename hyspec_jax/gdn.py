@@ -1,7 +1,9 @@
 """All Gated DeltaNet math, as pure functions (the one home; see docs/design.md §3, docs/reference/target_model.md §5, §14).
 
 Layout conventions (HF layout, kept everywhere):
-  q, k : [B, N, HV, dk]   (already expanded from HK to HV key heads, l2-normalised, q scaled)
+  q, k : [B, N, HK, dk]   l2-normalised, q scaled, at their HK key heads (HK divides HV; value head j reads key
+                          head ⌊j / (HV/HK)⌋, `value_heads`). Every function here expands them itself, where it
+                          needs them per value head: no value-head copy travels between functions or to a kernel.
   v    : [B, N, HV, dv]
   g    : [B, N, HV]       log decay (<= 0), fp32
   beta : [B, N, HV]       in (0, 1), fp32
@@ -52,15 +54,38 @@ def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 
 @jax.named_scope("gdn_gates")
-def prepare_qk(q: jax.Array, k: jax.Array, num_value_heads: int) -> tuple[jax.Array, jax.Array]:
-    """l2-normalise q/k over dk, scale q by dk^-1/2, map key heads to value heads (head j ← ⌊j/r⌋).
+def prepare_qk(q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """l2-normalise q/k over dk and scale q by dk^-1/2; they stay at their key heads. q, k: [..., HK, dk] fp32."""
+    return l2norm(q) * (q.shape[-1] ** -0.5), l2norm(k)
 
-    q, k: [..., HK, dk] -> [..., HV, dk] fp32.
-    """
-    r = num_value_heads // q.shape[-2]
-    q = l2norm(q) * (q.shape[-1] ** -0.5)
-    k = l2norm(k)
-    return jnp.repeat(q, r, axis=-2), jnp.repeat(k, r, axis=-2)
+
+def value_heads(x: jax.Array, num_value_heads: int) -> jax.Array:
+    """Key-head tensor [..., HK, d] → [..., HV, d] (value head j reads key head ⌊j / (HV/HK)⌋, as HF's
+    repeat_interleave). The one home of the grouped-value mapping; a no-op where HK = HV."""
+    hk = x.shape[-2]
+    if num_value_heads % hk:
+        raise ValueError(f"{num_value_heads} value heads are not a multiple of {hk} key heads")
+    return x if hk == num_value_heads else jnp.repeat(x, num_value_heads // hk, axis=-2)
+
+
+@jax.named_scope("gdn_gates")
+def mixer_inputs(conv_out: jax.Array, b: jax.Array, a: jax.Array, valid: jax.Array, A_log: jax.Array,
+                 dt_bias: jax.Array, *, key_heads: int, key_dim: int
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """A GDN layer's post-conv stream [B,T,conv_dim] ([q | k | v], head-major) and its gate inputs b, a [B,T,HV]
+    → (q, k [B,T,HK,dk] fp32 normalised at their key heads, v [B,T,HV,dv], g, β [B,T,HV] fp32 with the invalid
+    positions of valid [B,T] turned into identity steps): what every GDN path (decode, prefill, verify, training,
+    the kernel benchmarks) hands the state math."""
+    B, T, _ = conv_out.shape
+    hv = a.shape[-1]
+    kd = key_heads * key_dim
+    q = conv_out[..., :kd].reshape(B, T, key_heads, key_dim)
+    k = conv_out[..., kd:2 * kd].reshape(B, T, key_heads, key_dim)
+    v = conv_out[..., 2 * kd:].reshape(B, T, hv, -1)
+    q, k = prepare_qk(q, k)
+    g, beta = gates(a, b, A_log, dt_bias)
+    g, beta = invalidate(g, beta, valid)
+    return q, k, v, g, beta
 
 
 @jax.named_scope("gdn_gates")
@@ -76,12 +101,34 @@ def invalidate(g: jax.Array, beta: jax.Array, valid: jax.Array) -> tuple[jax.Arr
 @jax.named_scope("gdn_state")
 def step(S: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array
          ) -> tuple[jax.Array, jax.Array]:
-    """One token. S [B,HV,dk,dv]; q,k [B,HV,dk]; v [B,HV,dv]; g,beta [B,HV]. Returns (o [B,HV,dv], S')."""
+    """One token. S [B,HV,dk,dv]; q,k [B,HK,dk]; v [B,HV,dv]; g,beta [B,HV]. Returns (o [B,HV,dv], S')."""
+    HV = v.shape[-2]
+    q, k = value_heads(q, HV).astype(F32), value_heads(k, HV).astype(F32)
     S = S * jnp.exp(g)[..., None, None]
     m = _ein("bhkv,bhk->bhv", S, k)
     delta = beta[..., None] * (v.astype(F32) - m)
     S = S + k[..., :, None] * delta[..., None, :]
     return _ein("bhkv,bhk->bhv", S, q), S
+
+
+class DecodeStep(NamedTuple):
+    """One token per slot through a GDN layer (`decode_step`)."""
+    o: jax.Array        # [B, HV, dv] fp32 readout
+    state: jax.Array    # [B, HV, dk, dv] fp32
+    window: jax.Array   # [B, K−1, C] the conv window after the token (the raw inputs, their dtype)
+
+
+def decode_step(x: jax.Array, window: jax.Array, weight: jax.Array, a: jax.Array, b: jax.Array, A_log: jax.Array,
+                dt_bias: jax.Array, S: jax.Array, valid: jax.Array, *, key_heads: int, key_dim: int) -> DecodeStep:
+    """A GDN layer's decoding step after its in-projection: the conv over the window and the new raw inputs
+    x [B, C] (zeroed where not valid), the gates from a, b [B, HV], the q/k l2norm, the state update and the readout;
+    slots where valid [B] is False take an identity step and keep their window. The math of the fused decode kernel
+    (`pallas_kernels.gdn_decode`), as the multi-token paths compose it."""
+    conv_out = causal_conv(x[:, None], window, weight)
+    q, k, v, g, beta = mixer_inputs(conv_out, b[:, None], a[:, None], valid[:, None], A_log, dt_bias,
+                                    key_heads=key_heads, key_dim=key_dim)
+    o, S = step(S, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+    return DecodeStep(o, S, conv_window_after(x[:, None], window, valid.astype(jnp.int32)))
 
 
 def serial_recurrence(S: jax.Array, q, k, v, g, beta) -> tuple[jax.Array, jax.Array]:
@@ -98,9 +145,10 @@ def serial_recurrence(S: jax.Array, q, k, v, g, beta) -> tuple[jax.Array, jax.Ar
 # Closed form over an ancestor mask
 # ------------------------------------------------------------------------------------------------
 class SolveFactors(NamedTuple):
-    """What is needed to form the state of any node later (Bole's factorized commit). Heads-first."""
+    """What is needed to form the state of any node later (Bole's factorized commit). Γ and V' heads-first; the
+    keys as the solve was given them (key heads, their dtype): never copied per value head."""
     log_decay: jax.Array  # Γ  [B, HV, N]
-    keys: jax.Array       # k  [B, HV, N, dk]
+    keys: jax.Array       # k  [B, N, HK, dk]
     corrected: jax.Array  # V' [B, HV, N, dv]
 
 
@@ -201,6 +249,8 @@ def squaring_factors_with_query(L, C, eye, squarings: int, dot):
 
 
 def _heads_first(q, k, v, g, beta):
+    """q/k expanded to v's heads, then every input heads-first in fp32."""
+    q, k = value_heads(q, v.shape[2]), value_heads(k, v.shape[2])
     return (jnp.moveaxis(q, 2, 1).astype(F32), jnp.moveaxis(k, 2, 1).astype(F32),
             jnp.moveaxis(v, 2, 1).astype(F32), jnp.moveaxis(g, 2, 1).astype(F32),
             jnp.moveaxis(beta, 2, 1).astype(F32))
@@ -214,6 +264,7 @@ def masked_solve(S0: jax.Array, q, k, v, g, beta, mask: jax.Array, *, method: In
     Never writes S0. Returns per-node outputs o [B,N,HV,dv] and the factors to form any node's state.
     `path_nodes` (nodes on the longest root-to-leaf path) bounds the Neumann / squaring rounds.
     """
+    keys = k
     q, k, v, g, beta = _heads_first(q, k, v, g, beta)
     A = mask.astype(F32)[:, None]                                  # [B,1,N,N]
     log_decay = tree_log_decay(mask, g)                            # Γ [B,H,N]
@@ -226,7 +277,7 @@ def masked_solve(S0: jax.Array, q, k, v, g, beta, mask: jax.Array, *, method: In
     corrected = U - _ein("bhid,bhdv->bhiv", W, S0)
     o = (jnp.exp(log_decay)[..., None] * _ein("bhid,bhdv->bhiv", q, S0)
          + _ein("bhij,bhjv->bhiv", _ein("bhid,bhjd->bhij", q, k) * D, corrected))
-    return jnp.moveaxis(o, 1, 2), SolveFactors(log_decay, k, corrected)
+    return jnp.moveaxis(o, 1, 2), SolveFactors(log_decay, keys, corrected)
 
 
 def tree_log_decay(mask: jax.Array, g: jax.Array) -> jax.Array:
@@ -259,8 +310,9 @@ def node_state(S0: jax.Array, factors: SolveFactors, mask: jax.Array, node: jax.
     row = jnp.take_along_axis(mask.astype(F32), idx[:, None, None], axis=1)[:, None]    # [B,1,1,N]
     gamma_a = jnp.take_along_axis(factors.log_decay, idx[:, None, None], axis=2)       # [B,H,1]
     D = path_decay(row, gamma_a, factors.log_decay)[..., 0, :]                          # [B,H,N]
+    keys = value_heads(factors.keys, S0.shape[1]).astype(F32)                            # [B,N,HV,dk]
     S = (jnp.exp(gamma_a)[..., None] * S0
-         + _ein("bhj,bhjd,bhjv->bhdv", D, factors.keys, factors.corrected))
+         + _ein("bhj,bjhd,bhjv->bhdv", D, keys, factors.corrected))
     return jnp.where((node >= 0)[:, None, None, None], S, S0)
 
 
@@ -318,6 +370,7 @@ def deferred_append(pend: DeferredUpdates, factors: SolveFactors, path: jax.Arra
     src = jnp.maximum(path, 0)
     dst = jnp.where(on, pend.count[:, None] + jnp.arange(d)[None], P)               # P → dropped
     gather = lambda x: jnp.take_along_axis(x, src[:, None, :, None], axis=2)  # noqa: E731  [B,H,d,·]
+    keys = jnp.moveaxis(value_heads(factors.keys, H), 2, 1).astype(F32)               # [B,H,N,dk]
     gam = jnp.take_along_axis(factors.log_decay, src[:, None, :], axis=2)            # Γ_j  [B,H,d]
     b, h = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
     put = lambda x, rows: x.at[b, h, dst[:, None, :]].set(rows, mode="drop")  # noqa: E731
@@ -326,7 +379,7 @@ def deferred_append(pend: DeferredUpdates, factors: SolveFactors, path: jax.Arra
     return DeferredUpdates(
         log_decay=pend.log_decay + jnp.where(accepted, last, 0.0),
         row_decay=put(pend.row_decay, pend.log_decay[..., None] + gam),
-        keys=put(pend.keys, gather(factors.keys)),
+        keys=put(pend.keys, gather(keys)),
         values=put(pend.values, gather(factors.corrected)),
         count=jnp.minimum(pend.count + length, P).astype(jnp.int32))
 

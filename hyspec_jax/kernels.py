@@ -8,6 +8,9 @@ Every kernel call of the models goes through here, each with a pure-JAX referenc
   `solve_config`) on an NVIDIA GPU (compute capability ≥ 8.0) with a supported shape and dtype. Node counts that
   are not a power of two in [16, 128] are padded with identity nodes (g = 0, β = 0, mask row = self) and sliced
   back. The kernel path is a `jax.custom_vjp` whose backward is the reference's VJP;
+- `gdn_decode(...)`: a GDN layer's decoding step after its in-projection, `gdn.decode_step` (conv, gates, l2norm,
+  state update, readout, window update); the one-launch Pallas kernel (`pallas_kernels.gdn_decode`) on an NVIDIA
+  GPU where its shapes allow;
 - `path_commit(...)`: the cross-layer factorized commit (gdn.node_state per layer);
 - `tree_attention(...)`: the verify's attention over the committed prefix + the tree
   (`hyspec_jax.attention.attend_prefix_tree`; the split-S Pallas prefix kernel where S fits its blocks);
@@ -29,6 +32,7 @@ import jax.numpy as jnp
 from hyspec_jax import cpu_kernels, gdn
 from hyspec_jax.attention import attend_prefix_tree
 from pallas_kernels import gdn_commit, gdn_tree_split_mgpu, gdn_tree_solve, tile_dim_ok, topk
+from pallas_kernels import gdn_decode as gdn_decode_kernel
 from pallas_kernels import tree_attention as tree_attention_kernel
 from pallas_kernels.gdn_tree_solve import SolveConfig
 
@@ -88,14 +92,8 @@ def _padded_n(n: int) -> int | None:
     return p if p <= 128 else None
 
 
-def _expand(x: jax.Array, hv: int) -> jax.Array:
-    return jnp.repeat(x, hv // x.shape[2], axis=2) if x.shape[2] != hv else x
-
-
 def _reference(S0, q, k, v, g, beta, mask, path_nodes, method="solve"):
-    HV = v.shape[2]
-    return gdn.masked_solve(S0, _expand(q, HV), _expand(k, HV), v, g, beta, mask, method=method,
-                            path_nodes=path_nodes)
+    return gdn.masked_solve(S0, q, k, v, g, beta, mask, method=method, path_nodes=path_nodes)
 
 
 def tree_solve_supported(S0, q, k, v, g, beta, mask, block_v: int = 64,
@@ -134,6 +132,25 @@ def _default_precision(dtype) -> str:
     return "tf32x3" if jnp.dtype(dtype) == jnp.dtype(F32) else "tf32"
 
 
+# What the verify hands the tree-solve kernel for a model computing in a dtype: (dtype of q, k, v; product
+# precision), chosen by measured error and time at the Qwen3.8-27B geometry on an H100
+# (bench/results/kernels/gdn_layer_h100.md; o's error against the fp32 reference):
+# - a bf16 / fp16 model: the mixer's fp32 q, k, v with one-pass tf32 products: o error 3.4e-4, five times under the
+#   rounding of o itself to bf16 (1.7e-3), which the verify does next. bf16 operands ran 0-27% faster (B 8, N 32:
+#   46.6 vs 59.0 µs) but erred 2.3e-3, more than that rounding. Either is under a third of SGLang's serial verifier.
+# - an fp32 model: fp32 operands, 3-pass (fp32-accurate) products, so its greedy tokens equal plain decoding's;
+#   5-23x slower at N = 32 than one pass.
+VERIFY_OPERANDS: dict = {jnp.dtype(F32): (jnp.dtype(F32), "tf32x3"),
+                         jnp.dtype(jnp.bfloat16): (jnp.dtype(F32), "tf32"),
+                         jnp.dtype(jnp.float16): (jnp.dtype(F32), "tf32")}
+
+
+def verify_operands(compute_dtype) -> tuple[jnp.dtype, str]:
+    """(q/k/v dtype, precision) of the tree-solve kernel for a model computing in `compute_dtype`
+    (`VERIFY_OPERANDS`); a dtype without an entry keeps fp32 operands at fp32-accurate precision."""
+    return VERIFY_OPERANDS.get(jnp.dtype(compute_dtype), (jnp.dtype(F32), "tf32x3"))
+
+
 def _pad_tree(n_pad, q, k, v, g, beta, mask):
     N = q.shape[1]
     if n_pad == N:
@@ -148,8 +165,7 @@ def _pad_tree(n_pad, q, k, v, g, beta, mask):
 
 def _kernel_forward(S0, q, k, v, g, beta, mask, path_nodes, cfg, deferred=None):
     config, interpret = cfg
-    B, N = q.shape[:2]
-    HV = v.shape[2]
+    N = q.shape[1]
     n_pad = _padded_n(N)
     qp, kp, vp, gp, bp, mp = _pad_tree(n_pad, q, k, v, g, beta, mask)
     o, gamma, vc = gdn_tree_solve.tree_solve_pallas(S0, qp, kp, vp, gp, bp, mp, deferred,
@@ -157,8 +173,7 @@ def _kernel_forward(S0, q, k, v, g, beta, mask, path_nodes, cfg, deferred=None):
                                                     interpret=interpret)
     if n_pad != N:
         o, gamma, vc = o[:, :N], gamma[..., :N], vc[:, :, :N]
-    keys = jnp.moveaxis(_expand(k, HV), 2, 1).astype(F32)       # factors.keys as the reference has them
-    return o, gdn.SolveFactors(gamma, keys, vc)
+    return o, gdn.SolveFactors(gamma, k, vc)                   # the keys as given: no copy
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
@@ -232,8 +247,13 @@ def _split_mgpu_refusal(q, v, block_v: int, precision: str | None, impl: Impl) -
 @jax.named_scope("gdn_state")
 def tree_solve(S0, q, k, v, g, beta, mask, path_nodes: int | None = None, *, impl: Impl = "auto",
                method: str = "auto", block_v: int | None = None, precision: str | None = None,
-               reference_method: str = "solve", deferred: gdn.DeferredUpdates | None = None):
+               reference_method: str = "solve", deferred: gdn.DeferredUpdates | None = None,
+               compute_dtype=None):
     """Closed-form GDN tree solve with gdn.masked_solve's contract; returns (o fp32, SolveFactors).
+
+    compute_dtype: the dtype the calling model computes in (the verify passes its activations' dtype). On the
+    kernel path q, k, v are then handed over in `verify_operands(compute_dtype)`'s dtype and its precision is the
+    default; the reference path takes them as they are (fp32: the oracle). None: as given, precision by q's dtype.
 
     deferred: the state is S0 with these committed rows pending (`gdn.DeferredUpdates`, heads first, keys at
     value heads; the engine's `TargetState.pending` of one layer). The one-launch kernel forms merge them into the
@@ -241,7 +261,8 @@ def tree_solve(S0, q, k, v, g, beta, mask, path_nodes: int | None = None, *, imp
     (reference, the split forms, a ring the kernel does not tile) they are folded first (`gdn.deferred_fold`).
     The merged kernel path is for serving: not differentiable.
 
-    q, k: [B,N,HK,dk] or already expanded [B,N,HV,dk]. impl: "auto" (kernel iff GPU and supported),
+    q, k: [B,N,HK,dk] at their key heads (the kernel indexes key head h // (HV/HK); expanded [B,N,HV,dk] also
+    works, at HV/HK times the bytes). impl: "auto" (kernel iff GPU and supported),
     "reference", "pallas" (kernel or ValueError), "interpret" (kernel in Pallas interpret mode, CPU tests).
     method: the kernel's form, "neumann" | "squaring" | "inverse" | "split" | "split_mgpu" (gdn_tree_solve says what each
     does; bench/results/archive/kernels_h200.md has them timed), or "auto" (`auto_method`); reference_method for the
@@ -251,6 +272,10 @@ def tree_solve(S0, q, k, v, g, beta, mask, path_nodes: int | None = None, *, imp
     """
     N = q.shape[1]
     path_nodes = N if path_nodes is None else int(path_nodes)
+    if compute_dtype is not None and impl != "reference":
+        operand_dtype, operand_precision = verify_operands(compute_dtype)
+        q, k, v = q.astype(operand_dtype), k.astype(operand_dtype), v.astype(operand_dtype)
+        precision = precision or operand_precision
     if deferred is not None and impl == "reference":
         S0, deferred = gdn.deferred_fold(S0, deferred), None
     if impl == "reference":
@@ -287,6 +312,45 @@ def _kernel_deferred(pend: gdn.DeferredUpdates, key_heads: int) -> tuple:
     kernel is given (the rows' keys are the same within a value-head group)."""
     r = pend.keys.shape[1] // key_heads
     return (pend.log_decay, pend.row_decay, jnp.moveaxis(pend.keys[:, ::r], 1, 2), pend.values, pend.count)
+
+
+# The decode kernel's tiling (`gdn_decode_tiling`), from the H100 sweep at the 27B geometry
+# (bench/results/kernels/gdn_layer_h100.md): 2 warps throughout; 32-wide value tiles (B 8: 23.5 µs, 26.4 on one warp,
+# 25.1 at 64 wide) until the programs alone fill the GPU several times over, then 64-wide (B 32: 81.1 vs 85.9 µs).
+# At B 1 every tiling took 6.8-7.6 µs.
+DECODE_WARPS, DECODE_WIDE_PROGRAMS = 2, 4096
+
+
+def gdn_decode_tiling(batch: int, value_heads: int, value_dim: int) -> tuple[int, int]:
+    """(block_v, num_warps) of the decode kernel for `batch` slots of `value_heads` heads of width value_dim."""
+    narrow = min(32, value_dim)
+    wide = batch * value_heads * value_dim // narrow >= DECODE_WIDE_PROGRAMS
+    return (min(64, value_dim) if wide else narrow), DECODE_WARPS
+
+
+@jax.named_scope("gdn_state")
+def gdn_decode(x, window, weight, a, b, A_log, dt_bias, S, valid, *, key_heads: int, key_dim: int,
+               impl: Impl = "auto", tiling: tuple[int, int] | None = None) -> gdn.DecodeStep:
+    """`gdn.decode_step` (x [B, C] new raw inputs zeroed where not valid, window [B, K−1, C], weight [C, K], a, b
+    [B, HV], A_log, dt_bias [HV], S [B, HV, dk, dv] fp32, valid [B]) by the one-launch Pallas kernel where supported,
+    else the reference. tiling: (block_v, num_warps), default `gdn_decode_tiling`. Forward only on the kernel path."""
+    heads = dict(key_heads=key_heads, key_dim=key_dim)
+    if impl == "reference":
+        return gdn.decode_step(x, window, weight, a, b, A_log, dt_bias, S, valid, **heads)
+    try:
+        B, C = x.shape
+        HV, dk, dv = S.shape[1:]
+        block_v, num_warps = tiling or gdn_decode_tiling(B, HV, dv)
+        ok = (gdn_decode_kernel.supported(key_heads, key_dim, HV, dv, block_v) and dk == key_dim
+              and S.dtype == F32 and C == 2 * key_heads * key_dim + HV * dv and window.shape[::2] == (B, C)
+              and weight.shape == (C, window.shape[1] + 1) and valid.shape == (B,))
+    except Exception:  # noqa: BLE001
+        ok = False
+    interpret = _use_kernel(impl, ok, "GDN decode step")
+    if interpret is None:
+        return gdn.decode_step(x, window, weight, a, b, A_log, dt_bias, S, valid, **heads)
+    return gdn_decode_kernel.decode_step_pallas(x, window, weight, a, b, A_log, dt_bias, S, valid, **heads,
+                                                block_v=block_v, num_warps=num_warps, interpret=interpret)
 
 
 @jax.named_scope("gdn_state")

@@ -136,7 +136,7 @@ STATE_RULES: Mapping[str, tuple[str | None, ...]] = {
 CACHE_RULES: Mapping[str, Any] = {
     "factors": gdn.SolveFactors(
         log_decay=(None, "batch", "gdn_value_heads", None),           # Γ  [Lg, B, HV, N]
-        keys=(None, "batch", "gdn_value_heads", None, None),          # k  [Lg, B, HV, N, dk]
+        keys=(None, "batch", None, "gdn_key_heads", None),            # k  [Lg, B, N, HK, dk]
         corrected=(None, "batch", "gdn_value_heads", None, None)),    # V' [Lg, B, HV, N, dv]
     "conv_inputs": (None, "batch", None, "gdn_qkv"),                  # [Lg, B, N, conv_dim]
     "keys": (None, "batch", None, "kv_heads", None),                  # [La, B, N, KVH, hd]
@@ -324,9 +324,10 @@ def cache_shardings(cfg: TargetConfig, batch: int, mesh: Mesh, *,
     lg, la = len(cfg.gdn_layers), len(cfg.attn_layers)
     N = 1                                                          # unsharded dims: any size will do
     shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     abstract = TreeCache(
-        factors=gdn.SolveFactors(shape(lg, batch, hv, N), shape(lg, batch, hv, N, dk),
+        factors=gdn.SolveFactors(shape(lg, batch, hv, N), shape(lg, batch, N, hk, dk),
                                  shape(lg, batch, hv, N, dv)) if lg else gdn.SolveFactors(None, None, None),
         conv_inputs=shape(lg, batch, N, cfg.conv_dim) if lg else None,
         keys=shape(la, batch, N, cfg.num_key_value_heads, cfg.head_dim) if la else None,

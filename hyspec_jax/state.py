@@ -52,7 +52,7 @@ class TreeCache:
 
     Stacked over layers of each kind; N = tree nodes. Transient: lives for one round.
     """
-    factors: SolveFactors   # Γ [Lg,B,HV,N], keys [Lg,B,HV,N,dk], corrected values V' [Lg,B,HV,N,dv]
+    factors: SolveFactors   # Γ [Lg,B,HV,N], keys [Lg,B,N,HK,dk] (as the solve took them), corrected values V' [Lg,B,HV,N,dv]
     conv_inputs: jax.Array  # [Lg, B, N, conv_dim] raw (pre-conv) q/k/v inputs of the nodes
     keys: jax.Array         # [La, B, N, KVH, hd] node keys (post-norm, post-RoPE at the node's position)
     values: jax.Array       # [La, B, N, KVH, hd]

@@ -84,15 +84,11 @@ def path_commit_pallas(S0, log_decay, keys, corrected, mask, node, *, block_v: i
       S0.astype(F32))
 
 
-def _keys_by_value_head(keys, num_value_heads: int):
-    """Key rows in kernel layout [Lg, B, R, HK, dk] → heads first and one per value head [Lg, B, HV, R, dk] fp32."""
-    return jnp.moveaxis(jnp.repeat(keys, num_value_heads // keys.shape[3], axis=3), 3, 2).astype(F32)
-
-
 def path_commit_reference(S0, log_decay, keys, corrected, mask, node):
-    """The pure-JAX meaning: gdn.node_state per layer (keys in input layout, expanded here)."""
+    """The pure-JAX meaning: gdn.node_state per layer (keys in input layout [Lg, B, N, HK, dk], as the factors
+    hold them)."""
     from hyspec_jax import gdn
-    fac = gdn.SolveFactors(log_decay, _keys_by_value_head(keys, S0.shape[2]), corrected)
+    fac = gdn.SolveFactors(log_decay, keys, corrected)
     return jax.vmap(gdn.node_state, in_axes=(0, 0, None, None))(S0, fac, mask, node)
 
 
@@ -205,7 +201,8 @@ def deferred_to_reference(deferred, num_value_heads: int):
     """Kernel layout (stacked layers, key-head key rows) → `gdn.DeferredUpdates` stacked over layers."""
     from hyspec_jax import gdn
     c, rc, pk, pv, count = deferred
-    return gdn.DeferredUpdates(c, rc, _keys_by_value_head(pk, num_value_heads), pv, jnp.broadcast_to(count, c.shape[:2]))
+    keys = jnp.moveaxis(gdn.value_heads(pk, num_value_heads), 3, 2).astype(F32)       # [Lg, B, HV, P, dk]
+    return gdn.DeferredUpdates(c, rc, keys, pv, jnp.broadcast_to(count, c.shape[:2]))
 
 
 def deferred_append_reference(deferred, log_decay, keys, corrected, path, length):
@@ -214,6 +211,6 @@ def deferred_append_reference(deferred, log_decay, keys, corrected, path, length
     HV, HK = corrected.shape[2], keys.shape[3]
     new = jax.vmap(lambda p, f: gdn.deferred_append(p, f, path, length))(
         deferred_to_reference(deferred, HV),
-        gdn.SolveFactors(log_decay.astype(F32), _keys_by_value_head(keys, HV), corrected.astype(F32)))
+        gdn.SolveFactors(log_decay.astype(F32), keys, corrected.astype(F32)))
     pk = jnp.moveaxis(new.keys[:, :, ::HV // HK], 2, 3).astype(deferred[2].dtype)       # back to key heads
     return new.log_decay, new.row_decay, pk, new.values, new.count[0]

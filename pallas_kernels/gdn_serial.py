@@ -85,9 +85,7 @@ def serial_tree_pallas(S0, q, k, v, g, beta, parents, *, block_v: int = 64, num_
 
 @functools.partial(jax.jit, static_argnames=("method", "path_nodes"))
 def masked_solve_xla(S0, q, k, v, g, beta, mask, *, method="solve", path_nodes=None):
-    """gdn.masked_solve with key heads expanded (q, k may be [B,N,HK,dk])."""
-    r = v.shape[2] // q.shape[2]
-    q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2)
+    """gdn.masked_solve jitted (q, k at their key heads [B,N,HK,dk], expanded inside)."""
     return gdn.masked_solve(S0, q, k, v, g, beta, mask, method=method, path_nodes=path_nodes)
 
 
@@ -99,7 +97,6 @@ def serial_paths_xla(S0, q, k, v, g, beta, path_nodes):
     """
     B, N = q.shape[:2]
     P, D = path_nodes.shape[1:]
-    r = v.shape[2] // q.shape[2]
     valid = path_nodes >= 0
     idx = jnp.maximum(path_nodes, 0)
 
@@ -107,7 +104,7 @@ def serial_paths_xla(S0, q, k, v, g, beta, path_nodes):
         y = jax.vmap(lambda xb, ib: xb[ib])(x, idx)              # [B,P,D,...]
         return y.reshape(B * P, D, *x.shape[2:])
 
-    qp, kp = gather(jnp.repeat(q, r, axis=2)), gather(jnp.repeat(k, r, axis=2))
+    qp, kp = gather(q), gather(k)                                # key heads: gdn.step expands them
     vp = gather(v)
     vmask = valid.reshape(B * P, D)
     gp, bp = gdn.invalidate(gather(g), gather(beta), vmask)

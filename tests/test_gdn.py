@@ -116,7 +116,7 @@ f32 = functools.partial(np.asarray, dtype=np.float32)
 
 @functools.partial(jax.jit, static_argnames=("hv",))
 def _prepare(q_raw, k_raw, hv):
-    return gdn.prepare_qk(q_raw, k_raw, hv)
+    return gdn.prepare_qk(q_raw, k_raw)
 
 
 METHODS = ("solve", "neumann", "squaring")
@@ -126,7 +126,7 @@ METHODS = ("solve", "neumann", "squaring")
 def _solve_all_methods(S0, q_raw, k_raw, v, g, beta, mask, mixed_nodes, *, hv, depth):
     """One compiled program per example (compiles dominate the run time): for each inverse method the
     outputs, the state of every node from the factors, and node_state for a mixed [B] node vector."""
-    q, k = gdn.prepare_qk(q_raw, k_raw, hv)
+    q, k = gdn.prepare_qk(q_raw, k_raw)
     every = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32)[:, None], (q.shape[1], q.shape[0]))
     out = {}
     for method in METHODS:
@@ -161,7 +161,9 @@ def test_masked_solve_and_node_state_equal_serial_recurrence(data, B, N, path_no
 
     q, k, out = _solve_all_methods(f32(S0), f32(q_raw), f32(k_raw), f32(v), f32(g), f32(beta),
                                    jnp.asarray(mask), jnp.asarray(mixed), hv=hk * r, depth=depth)
-    assert rel_err(q, q64) < 1e-6 and rel_err(k, k64) < 1e-6
+    hv = hk * r                                   # q/k stay at their key heads; the oracle expands them
+    assert rel_err(gdn.value_heads(q, hv), q64) < 1e-6 and rel_err(gdn.value_heads(k, hv), k64) < 1e-6
+    assert q.shape[2] == k.shape[2] == hk
     for method, (o, states, S_mix) in out.items():
         assert o.shape == v.shape and states.shape == S_ref.shape
         err_o, err_s = rel_err(o, o_ref), rel_err(states, S_ref)
@@ -198,7 +200,7 @@ def test_masked_solve_inverse_methods_need_only_the_tree_depth():
 # ------------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("hv", "chunk_size", "method"))
 def _chain(S0, q_raw, k_raw, v, g, beta, *, hv, chunk_size, method):
-    q, k = gdn.prepare_qk(q_raw, k_raw, hv)
+    q, k = gdn.prepare_qk(q_raw, k_raw)
     return (gdn.chunked_prefill(S0, q, k, v, g, beta, chunk_size=chunk_size, method=method),
             gdn.serial_recurrence(S0, q, k, v, g, beta))
 
@@ -226,7 +228,7 @@ def test_chunked_prefill_equals_token_by_token(T, B, r, method, seed):
 
 @functools.partial(jax.jit, static_argnames=("hv",))
 def _prepare_and_step(S0, q_raw, k_raw, v, g, beta, *, hv):
-    q, k = gdn.prepare_qk(q_raw, k_raw, hv)
+    q, k = gdn.prepare_qk(q_raw, k_raw)
     return gdn.step(S0, q, k, v, g, beta)
 
 
@@ -250,7 +252,7 @@ def test_invalid_positions_are_identity_steps():
     rng = np.random.default_rng(3)
     S0, q_raw, k_raw, v, g, beta = random_inputs(rng, B, T, hk, r, dk, dv)
     valid = np.array([[1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0, 0]], bool)
-    q, k = gdn.prepare_qk(f32(q_raw), f32(k_raw), hk * r)
+    q, k = gdn.prepare_qk(f32(q_raw), f32(k_raw))
     gi, bi = gdn.invalidate(f32(g), f32(beta), jnp.asarray(valid))
     o, S = gdn.chunked_prefill(f32(S0), q, k, f32(v), gi, bi, chunk_size=4)
     q64, k64 = np_prepare_qk(q_raw, k_raw, hk * r)

@@ -35,7 +35,7 @@ def tiny_verify():
     @jax.jit   # one compile instead of op-by-op dispatch
     def verify(tr, q_raw, k_raw, v, a, b, A_log, dt_bias, S0):
         mask = T.ancestor_mask(tr)
-        q, k = gdn.prepare_qk(q_raw, k_raw, HV)
+        q, k = gdn.prepare_qk(q_raw, k_raw)
         g, beta = gdn.gates(a, b, A_log, dt_bias)
         _, fac = gdn.masked_solve(S0, q, k, v, g, beta, mask)
         D = gdn.path_decay(mask.astype(jnp.float32)[:, None], fac.log_decay, fac.log_decay)  # [B,HV,N,N]
@@ -50,7 +50,7 @@ def tiny_verify():
 def test_factor_bytes_equal_masked_solve_outputs(tiny_verify):
     cfg, batch, n, fac, k_shared, D, x_conv = tiny_verify
     Lg = len(cfg.gdn_layers)
-    m = M.verify_memory(cfg, batch, n)          # defaults: this library's layout
+    m = M.verify_memory(cfg, batch, n)          # defaults: this library's layout (keys per key head)
     assert m.log_decay_bytes == Lg * _nbytes(fac.log_decay)
     assert m.key_bytes == Lg * _nbytes(fac.keys)
     assert m.corrected_bytes == Lg * _nbytes(fac.corrected)
@@ -59,8 +59,10 @@ def test_factor_bytes_equal_masked_solve_outputs(tiny_verify):
     assert m.interaction_bytes == 0
     assert m.bole_bytes == Lg * (_nbytes(fac) + _nbytes(x_conv))
 
-    shared = M.verify_memory(cfg, batch, n, dataclasses.replace(M.OURS, shared_keys=True, interaction=True))
-    assert shared.key_bytes == Lg * _nbytes(k_shared)           # keys before the GVA repeat
+    assert m.key_bytes == Lg * _nbytes(k_shared)                # keys before the GVA repeat
+    expanded = M.verify_memory(cfg, batch, n, dataclasses.replace(M.OURS, shared_keys=False))
+    assert expanded.key_bytes == Lg * _nbytes(k_shared) * cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    shared = M.verify_memory(cfg, batch, n, dataclasses.replace(M.OURS, interaction=True))
     assert shared.interaction_bytes == 2 * _nbytes(D)           # G and C: two [B, HV, N, N] fp32, one layer
     assert shared.bole_bytes == (Lg * (_nbytes(fac.log_decay, fac.corrected, k_shared, x_conv))
                                  + 2 * _nbytes(D))
@@ -94,17 +96,19 @@ def test_qwen38_27b_ratio():
     assert [r.nodes for r in rows] == [32, 64, 128]
     for r in rows:
         assert r.snapshot_ssm_bytes == 48 * r.nodes * snap        # the spec's ≈151 MB per draft token
-        assert r.ratio == pytest.approx((snap + snap_conv) / (fac + fac_conv))
-        assert 45 < r.ratio < 47
+        assert r.ratio == pytest.approx((snap + snap_conv) / (fac_shared + fac_conv))
+        assert 59.5 < r.ratio < 60.5
     table_i = M.memory_table(design=M.BOLE_TABLE_I)
     for r in table_i:
         assert r.ratio == pytest.approx(snap / fac_shared)
         assert 95 < r.ratio < 96
     # materialised N×N matrices are one layer's worth: the ratio falls slowly with N
-    gc = M.memory_table(design=dataclasses.replace(M.OURS, shared_keys=True, interaction=True))
+    expanded = M.memory_table(design=dataclasses.replace(M.OURS, shared_keys=False))
+    assert all(r.ratio == pytest.approx((snap + snap_conv) / (fac + fac_conv)) for r in expanded)
+    gc = M.memory_table(design=dataclasses.replace(M.OURS, interaction=True))
     assert gc[0].ratio > gc[1].ratio > gc[2].ratio
     assert gc[2].interaction_bytes == 2 * HV * 128 * 128 * 4
     text = M.format_table(rows)
-    assert "| 128 | 1 |" in text and "45.9x" in text
+    assert "| 128 | 1 |" in text and "60.0x" in text
     with pytest.raises(ValueError):
         M.verify_memory(cfg, 0, 32)

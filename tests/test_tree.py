@@ -231,7 +231,7 @@ def test_random_parents_respects_bounds():
 def _inputs(seed: int, hk: int, b: int = B, n: int = N, hv: int = HV):
     rng = np.random.default_rng(seed)
     f = lambda *s: rng.standard_normal(s).astype(np.float32)
-    q, k = gdn.prepare_qk(jnp.asarray(f(b, n, hk, DK)), jnp.asarray(f(b, n, hk, DK)), hv)
+    q, k = gdn.prepare_qk(jnp.asarray(f(b, n, hk, DK)), jnp.asarray(f(b, n, hk, DK)))
     v = jnp.asarray(f(b, n, hv, DV))
     g, beta = gdn.gates(jnp.asarray(f(b, n, hv)), jnp.asarray(f(b, n, hv)),
                         jnp.asarray(f(hv) * 0.5), jnp.asarray(f(hv)))

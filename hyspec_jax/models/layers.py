@@ -232,17 +232,10 @@ class GatedDeltaNet(nnx.Module):
         return (qkv, z.reshape(B, T, self.hv, self.dv), b.reshape(B, T, self.hv), a.reshape(B, T, self.hv))
 
     def mixer_inputs(self, conv_out: jax.Array, b: jax.Array, a: jax.Array, valid: jax.Array):
-        """Post-conv stream -> gdn inputs (q, k [B,T,HV,dk] normalised and expanded; v; g, β with invalid
-        positions turned into identity steps)."""
-        B, T, _ = conv_out.shape
-        kd = self.hk * self.dk
-        q = conv_out[..., :kd].reshape(B, T, self.hk, self.dk)
-        k = conv_out[..., kd:2 * kd].reshape(B, T, self.hk, self.dk)
-        v = conv_out[..., 2 * kd:].reshape(B, T, self.hv, self.dv)
-        q, k = gdn.prepare_qk(q, k, self.hv)
-        g, beta = gdn.gates(a, b, self.A_log[...], self.dt_bias[...])
-        g, beta = gdn.invalidate(g, beta, valid)
-        return q, k, v, g, beta
+        """Post-conv stream -> gdn inputs (q, k [B,T,HK,dk] normalised, at their key heads; v [B,T,HV,dv]; g, β
+        with invalid positions turned into identity steps)."""
+        return gdn.mixer_inputs(conv_out, b, a, valid, self.A_log[...], self.dt_bias[...], key_heads=self.hk,
+                                key_dim=self.dk)
 
     def output(self, o: jax.Array, z: jax.Array, dtype) -> jax.Array:
         B, T = o.shape[:2]

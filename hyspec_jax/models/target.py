@@ -8,10 +8,12 @@ state: no mutation hides inside modules, so one function serves serving, trainin
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hyspec_jax import gdn, kernels
@@ -135,13 +137,14 @@ class TargetModel(nnx.Module):
         return self.model.norm(x), taps, carry, by_kind[LINEAR], by_kind[FULL]
 
     def extend(self, state: TargetState, tokens: jax.Array, valid: jax.Array, *, last_only: bool = False,
-               tap_layers: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, TargetState]:
+               tap_layers: tuple[int, ...] = (), kernel_impl: str = "auto") -> tuple[jax.Array, jax.Array, TargetState]:
         """Append tokens [B,T] (valid [B,T] a per-row prefix mask) to every slot's committed sequence.
 
         Returns (logits [B,T|1,V] fp32, hidden, new state). With last_only, logits of each slot's last valid
         token only. hidden is the final-norm hidden [B,T|1,H], or with tap_layers the outputs of those decoder
         layers stacked [len(tap_layers), B, T, H] (drafter taps, all T positions).
-        T == 1 uses the one-token GDN step, T > 1 the chunked closed form.
+        T == 1 uses the one-token GDN step (`kernels.gdn_decode`: one Pallas launch a layer on a GPU; kernel_impl
+        "reference" keeps XLA's), T > 1 the chunked closed form.
         Deferred commit (`state.pending`): every layer starts from its checkpoint folded with its rows; T > 1
         writes the new states and empties the rows; T == 1 (a decoding step) appends its one row per layer
         instead, writing no state unless some slot's ring is full (`state.settle_pending`).
@@ -171,19 +174,21 @@ class TargetModel(nnx.Module):
             qkv, z, b, a = mix.project(h)
             qkv = jnp.where(valid[..., None], qkv, 0)       # HF zeroes padding before the conv
             conv_j = carry.conv[j]
-            conv_out = gdn.causal_conv(qkv, conv_j, mix.conv_weight)
-            q, k, v, g, beta = mix.mixer_inputs(conv_out, b, a, valid)
-            conv = gdn.conv_window_after(qkv, conv_j, num_valid)
             S0 = committed_ssm(carry, j)           # carry.pending is only replaced after the whole stack
             S = fac = None
-            if deferred_step:                      # the one-node solve's factors are the row to append
-                o, fac = gdn.masked_solve(S0, q, k, v, g, beta, gdn.chain_mask(B, 1), method="squaring",
-                                          path_nodes=1)
-            elif T == 1:
-                o, S = gdn.step(S0, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+            if T == 1 and not deferred_step:       # a decoding step: one launch on a GPU (kernels.gdn_decode)
+                o, S, conv = kernels.gdn_decode(qkv[:, 0], conv_j, mix.conv_weight, a[:, 0], b[:, 0], mix.A_log[...],
+                                                mix.dt_bias[...], S0, valid[:, 0], key_heads=mix.hk, key_dim=mix.dk,
+                                                impl=kernel_impl)
                 o = o[:, None]
             else:
-                o, S = gdn.chunked_prefill(S0, q, k, v, g, beta)
+                q, k, v, g, beta = mix.mixer_inputs(gdn.causal_conv(qkv, conv_j, mix.conv_weight), b, a, valid)
+                conv = gdn.conv_window_after(qkv, conv_j, num_valid)
+                if deferred_step:                  # the one-node solve's factors are the row to append
+                    o, fac = gdn.masked_solve(S0, q, k, v, g, beta, gdn.chain_mask(B, 1), method="squaring",
+                                              path_nodes=1)
+                else:
+                    o, S = gdn.chunked_prefill(S0, q, k, v, g, beta)
             if S is not None:
                 carry = carry.replace(ssm=carry.ssm.at[j].set(jax.lax.optimization_barrier(
                     S.astype(carry.ssm.dtype))))
@@ -256,7 +261,7 @@ class TargetModel(nnx.Module):
             else:                                  # the one-launch kernels merge the rows into their state tile
                 o, fac = kernels.tree_solve(state.ssm[j], q, k, v, g, beta, mask, tree.envelope.path_nodes,
                                             impl=kernel_impl, method="neumann" if method == "neumann" else "auto",
-                                            reference_method=method,
+                                            reference_method=method, compute_dtype=x.dtype,
                                             deferred=None if state.pending is None else pending_layer(
                                                 state.pending, j))
             return mix.output(pack(o), z, x.dtype), carry, (fac, qkv)
@@ -420,3 +425,107 @@ def forward_full(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, v
     return logits
 
 
+
+
+# ------------------------------------------------------------------------------------------------
+# One GDN layer's tree-solve call, as the verify makes it (what the kernel benchmarks time)
+# ------------------------------------------------------------------------------------------------
+class MixerStream(NamedTuple):
+    """A GDN layer's inputs before `gdn.mixer_inputs`: what a fused peer kernel (gates and l2norm inside) takes."""
+    conv_out: jax.Array   # [B, N, conv_dim] post-conv stream [q | k | v], fp32
+    b: jax.Array          # [B, N, HV] β logits (model dtype)
+    a: jax.Array          # [B, N, HV] decay inputs (model dtype)
+    A_log: jax.Array      # [HV]
+    dt_bias: jax.Array    # [HV]
+    parent: jax.Array     # [B, N] each node's parent (−1: the root), nodes in topological order
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSolveCall:
+    """One GDN layer's `kernels.tree_solve` call as `TargetModel.verify` makes it: the arguments by name, and the
+    keywords that follow from the model (path_nodes from the tree's envelope, compute_dtype from the activations).
+    The one source of the kernel benchmarks' inputs (`verify_solve_call`); tests/test_verify_inputs.py checks it
+    against what the verify really passes the dispatcher."""
+    S0: jax.Array      # [B, HV, dk, dv] the committed state (fp32)
+    q: jax.Array       # [B, N, HK, dk]
+    k: jax.Array       # [B, N, HK, dk]
+    v: jax.Array       # [B, N, HV, dv]
+    g: jax.Array       # [B, N, HV]
+    beta: jax.Array    # [B, N, HV]
+    mask: jax.Array    # [B, N, N] ancestor-or-self
+    path_nodes: int
+    compute_dtype: jnp.dtype
+    stream: MixerStream   # where q, k, v, g, β came from
+
+    @property
+    def args(self) -> tuple[jax.Array, ...]:
+        return self.S0, self.q, self.k, self.v, self.g, self.beta, self.mask
+
+    @property
+    def kwargs(self) -> dict:
+        return {"path_nodes": self.path_nodes, "compute_dtype": self.compute_dtype}
+
+
+def verify_solve_call(cfg: TargetConfig, batch: int, nodes: int, *, depth: int, dtype=jnp.bfloat16,
+                      seed: int = 0) -> TreeSolveCall:
+    """A random GDN layer's tree-solve call at `cfg`'s geometry, formed as the verify forms it: one tree per
+    request of `nodes` nodes with its deepest node at `depth` (`tree.random_parents`), a post-conv stream and gate
+    inputs through `gdn.mixer_inputs` (q/k at their key heads, fp32), the committed state in fp32 and the model
+    computing in `dtype`. A_log and dt_bias drawn as `GatedDeltaNet` initialises them."""
+    rng = np.random.default_rng(seed)
+    shape = tree_lib.TreeShape(nodes, depth)
+    tree = tree_lib.pack_forest([tree_lib.random_parents(rng, nodes, depth, min_depth=depth)
+                                 for _ in range(batch)], shape)
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    ks = jax.random.split(jax.random.key(seed), 5)
+    conv_out = jax.nn.silu(jax.random.normal(ks[0], (batch, nodes, cfg.conv_dim), F32))   # gdn.gathered_conv's fp32
+    b, a = (jax.random.normal(kk, (batch, nodes, hv), F32).astype(dtype) for kk in ks[1:3])
+    A_log = jnp.log(jax.random.uniform(ks[3], (hv,), F32, 1.0, 16.0)).astype(dtype)
+    dt_bias = jnp.ones((hv,), dtype)
+    q, k, v, g, beta = gdn.mixer_inputs(conv_out, b, a, tree.valid, A_log, dt_bias, key_heads=hk, key_dim=dk)
+    S0 = jax.random.normal(ks[4], (batch, hv, dk, dv), F32) * 0.1
+    return TreeSolveCall(S0, q, k, v, g, beta, tree_lib.ancestor_mask(tree), shape.path_nodes, jnp.dtype(dtype),
+                         MixerStream(conv_out, b, a, A_log, dt_bias, tree.parent))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCall:
+    """One GDN layer's `kernels.gdn_decode` call as `TargetModel.extend` makes it in a decoding step (one token per
+    slot), by name: the benchmarks' inputs (`decode_step_call`); tests/test_verify_inputs.py checks them against the
+    decoding step's own call."""
+    x: jax.Array        # [B, C] the in-projection's new [q | k | v] columns (model dtype)
+    window: jax.Array   # [B, K−1, C] the conv window (the state's conv dtype)
+    weight: jax.Array   # [C, K] conv taps
+    a: jax.Array        # [B, HV]
+    b: jax.Array        # [B, HV]
+    A_log: jax.Array    # [HV]
+    dt_bias: jax.Array  # [HV]
+    S: jax.Array        # [B, HV, dk, dv] fp32
+    valid: jax.Array    # [B] bool
+    key_heads: int
+    key_dim: int
+
+    @property
+    def args(self) -> tuple[jax.Array, ...]:
+        return self.x, self.window, self.weight, self.a, self.b, self.A_log, self.dt_bias, self.S, self.valid
+
+    @property
+    def kwargs(self) -> dict:
+        return {"key_heads": self.key_heads, "key_dim": self.key_dim}
+
+
+def decode_step_call(cfg: TargetConfig, batch: int, *, dtype=jnp.bfloat16, seed: int = 0) -> DecodeCall:
+    """A random GDN layer's decoding-step call at `cfg`'s geometry, every slot active, with the model computing (and
+    keeping its conv windows) in `dtype`; conv taps, A_log and dt_bias drawn as `GatedDeltaNet` initialises them."""
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+    ks = jax.random.split(jax.random.key(seed), 7)
+    normal = lambda key, *shape: jax.random.normal(key, shape, F32).astype(dtype)   # noqa: E731
+    return DecodeCall(
+        x=normal(ks[0], batch, cfg.conv_dim), window=normal(ks[1], batch, K - 1, cfg.conv_dim),
+        weight=(0.3 * jax.random.normal(ks[2], (cfg.conv_dim, K), F32)).astype(dtype),
+        a=normal(ks[3], batch, hv), b=normal(ks[4], batch, hv),
+        A_log=jnp.log(jax.random.uniform(ks[5], (hv,), F32, 1.0, 16.0)).astype(dtype), dt_bias=jnp.ones((hv,), dtype),
+        S=0.1 * jax.random.normal(ks[6], (batch, hv, dk, dv), F32), valid=jnp.ones((batch,), bool),
+        key_heads=hk, key_dim=dk)

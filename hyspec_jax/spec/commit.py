@@ -41,9 +41,8 @@ def commit(state: TargetState, cache: TreeCache, tree: Tree, node: jax.Array, ke
     elif kernel_impl == "reference":
         ssm = jax.vmap(gdn.node_state, in_axes=(0, 0, None, None))(state.ssm, cache.factors, cache.mask, node)
     else:
-        keys = jnp.moveaxis(cache.factors.keys, 2, 3)          # [Lg,B,N,HV,dk]: expanded keys as key heads
-        ssm = kernels.path_commit(state.ssm, cache.factors.log_decay, keys, cache.factors.corrected, cache.mask,
-                                  node, impl=kernel_impl)
+        ssm = kernels.path_commit(state.ssm, cache.factors.log_decay, cache.factors.keys, cache.factors.corrected,
+                                  cache.mask, node, impl=kernel_impl)
 
     K = state.conv.shape[2] + 1
     rows = tree_lib.window_taps_after(tree, node, K)                             # [B, K-1]

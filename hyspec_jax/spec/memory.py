@@ -5,9 +5,9 @@ What is counted (per round, for `batch` requests each verifying `nodes` tree nod
 (a) Bole / this library (gdn.masked_solve + gdn.node_state). Held from the verify forward until the commit,
     for every GDN layer (the accepted node is only known after sampling, so all layers' factors live at once):
       Γ   log path decay      [HV, N]      state dtype (fp32)
-      k   keys                [HV, N, dk]  state dtype — or [HK, N, dk] with `shared_keys` (GVA: value heads
-                                           of one key group share the key; gdn.SolveFactors today stores
-                                           the expanded [HV, …] copy)
+      k   keys                [HK, N, dk]  state dtype, per key head (`shared_keys`, as gdn.SolveFactors holds
+                                           them: value heads of one key group share the key) — or [HV, N, dk]
+                                           without it (an expanded copy per value head)
       V'  corrected values    [HV, N, dv]  state dtype
       x   raw conv inputs     [N, conv_dim] activation dtype (bf16) — needed to commit the conv window
                                            along the accepted path (tree.window_taps_after); `conv` toggles
@@ -33,7 +33,7 @@ from hyspec_jax.config import FULL, LINEAR, TargetConfig
 @dataclasses.dataclass(frozen=True)
 class VerifyDesign:
     """Knobs of the accounting (defaults = what this library's gdn.masked_solve produces)."""
-    shared_keys: bool = False   # keys stored per key head (HK) instead of per value head (HV)
+    shared_keys: bool = True    # keys stored per key head (HK) instead of per value head (HV)
     conv: bool = True           # count conv (Bole: raw per-node inputs; SGLang: per-node windows)
     interaction: bool = False   # count G and C ([HV, N, N] fp32 each) for one layer
     state_bytes: int = 4        # fp32 factors / SGLang intermediate_ssm
@@ -42,7 +42,7 @@ class VerifyDesign:
 
 OURS = VerifyDesign()
 # Bole's Table I accounting, eq. (9): factors (P, K, U) only, keys per key head, no conv, no N×N matrices.
-BOLE_TABLE_I = VerifyDesign(shared_keys=True, conv=False)
+BOLE_TABLE_I = VerifyDesign(conv=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,8 +141,7 @@ def format_table(rows: list[VerifyMemory]) -> str:
 
 
 if __name__ == "__main__":  # python -m hyspec_jax.spec.memory
-    for name, d in [("this library (gdn.masked_solve today)", OURS),
-                    ("keys per key head", dataclasses.replace(OURS, shared_keys=True)),
-                    ("+ G, C materialised", dataclasses.replace(OURS, shared_keys=True, interaction=True)),
+    for name, d in [("this library (gdn.masked_solve)", OURS),
+                    ("+ G, C materialised", dataclasses.replace(OURS, interaction=True)),
                     ("Bole Table I accounting (no conv)", BOLE_TABLE_I)]:
         print(f"\nQwen3.8-27B, {name}\n{format_table(memory_table(design=d))}")

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# [verify-fast] on one GPU (H100 or H200). STEPS (default "layer profile"; one device call holds about two):
+#   layer    `hyspec bench gdn-layer`: the verify's tree solve and the decoding step at the model's inputs, their
+#            alternatives, XLA, and SGLang's kernels beside them
+#   profile  `hyspec bench profile-scale` of decode and verify at B 1 / 8, N 8 / 32: the in-model GDN time per
+#            layer, kernels per call, each program against its floor
+#   round    `hyspec bench round-scale` (tree-ready T_round / T_dec) at B 1 / 8 / 32 (ROUND_BATCH), N 8 / 32
+#   tests    the GPU twins of the kernel tests, where pytest is installed
+# The SGLang peer: the one kernel file of the sglang 0.5.23 wheel, zipped under .peer/ (ignored; carry it):
+#   here:  pip download --no-deps sglang==0.5.23 -d /tmp/sgl && cd /tmp/sgl && unzip -q sglang-*.whl \
+#            sglang/kernels/ops/attention/linear/fused_sigmoid_gating_recurrent.py && \
+#            zip -q "$REPO/.peer/sglang-0.5.23-verifier.zip" sglang/kernels/ops/attention/linear/*.py
+# Usage (repository root, device machine): STEPS="layer round" bash bench/recipes/verify_fast_gpu.sh
+source bench/recipes/lib.sh
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import flax, chex, optax, tqdm; print('imports ok')" || exit 1
+PEER=${PEER:-.peer/sglang-0.5.23-verifier.zip}
+[ -e "$PEER" ] || PEER=
+for step in ${STEPS:-layer profile}; do
+  case $step in
+    layer)    # JAX takes half the GPU here: the peer's torch allocations need the rest
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 270 "${H[@]}" bench gdn-layer --configs 1:8,1:32,8:8,8:32,32:8 \
+        --decode-batches 1,8,32 ${PEER:+--sglang-wheel "$PEER"} --json "$OUT/gdn_layer.json" 2>&1 | tail -45 ;;
+    profile)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 290 "${H[@]}" bench profile-scale --batch 1,8 --nodes 8,32 \
+        --compile-workers 1 --max-seconds 240 --compile-cache /tmp/jax_cache --no-progress \
+        --json "$OUT/profile_scale.json" 2>&1 | tail -12 ;;
+    round)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 300 "${H[@]}" bench round-scale --batch ${ROUND_BATCH:-1,8,32} --nodes 8,32 --no-phases \
+        --compile-workers 2 --max-seconds 250 --compile-cache /tmp/jax_cache --no-progress \
+        --json "$OUT/round_scale.json" 2>&1 | tail -14 ;;
+    tests)
+      python3 -c "import pytest" 2>/dev/null && timeout 200 python3 -m pytest -q -x -p no:cacheprovider \
+        tests/test_kernels.py tests/test_decode_kernel.py -k gpu 2>&1 | tail -6 ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done

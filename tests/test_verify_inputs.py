@@ -1,0 +1,138 @@
+"""The kernel benchmarks time the tree solve on what the model runs ([verify-fast] item 1): `verify_solve_call` (the
+one source of the benchmarks' inputs) forms the same call of `kernels.tree_solve` as `TargetModel.verify` makes —
+shapes, dtypes, key-head layout (no value-head copies), path_nodes and the compute dtype that picks the kernel's
+operands and precision. If the verify's GDN path changes what it hands the dispatcher, this fails until the helper
+(and so every benchmark) follows."""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hyspec_jax import gdn, kernels
+from hyspec_jax import tree as tree_lib
+from hyspec_jax.config import FULL, LINEAR, TargetConfig
+from hyspec_jax.models.target import create_model, decode_step_call, verify_solve_call
+from hyspec_jax.state import init_state
+
+# two value heads per key head, so an expansion to value heads would show in the shapes
+TCFG = TargetConfig(
+    model_type="qwen3_5_text", vocab_size=48, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=16, intermediate_size=64, layer_types=(LINEAR, FULL),
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+ARGS = ("S0", "q", "k", "v", "g", "beta", "mask")
+
+
+def _verify_calls(dtype, B: int, N: int, depth: int) -> list[dict]:
+    """Every `kernels.tree_solve` call of one traced verify (abstract: nothing runs), its arguments by name; with
+    kernel_impl "auto", as the engine's rounds run it (spec/round.py)."""
+    graphdef, params = nnx.split(create_model(TCFG, seed=0, dtype=dtype))
+    rng = np.random.default_rng(1)
+    tree = tree_lib.pack_forest([tree_lib.random_parents(rng, N, depth, min_depth=depth) for _ in range(B)],
+                                tree_lib.TreeShape(N, depth))
+    tokens = jnp.asarray(rng.integers(0, TCFG.vocab_size, (B, N)), jnp.int32)
+    calls, real = [], kernels.tree_solve
+    signature = inspect.signature(real)
+
+    def spy(*args, **kw):
+        bound = signature.bind(*args, **kw)
+        bound.apply_defaults()
+        calls.append(dict(bound.arguments))
+        return real(*args, **kw)
+
+    kernels.tree_solve = spy
+    try:
+        jax.eval_shape(lambda p, s: nnx.merge(graphdef, p).verify(s, tree, tokens, kernel_impl="auto"), params,
+                       init_state(TCFG, B, 16, dtype))
+    finally:
+        kernels.tree_solve = real
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_bench_call_is_the_verify_call(dtype):
+    B, N, depth = 2, 6, 3
+    calls = _verify_calls(dtype, B, N, depth)
+    assert len(calls) == len(TCFG.gdn_layers)
+    want = verify_solve_call(TCFG, B, N, depth=depth, dtype=dtype, seed=0)
+    for got in calls:
+        for name, arr in zip(ARGS, want.args):
+            assert (got[name].shape, got[name].dtype) == (arr.shape, arr.dtype), name
+        assert got["path_nodes"] == want.path_nodes
+        assert jnp.dtype(got["compute_dtype"]) == want.compute_dtype == jnp.dtype(dtype)
+        assert got["deferred"] is None
+    # key heads, never a copy per value head; the kernel's operands and precision follow the model's dtype
+    assert want.q.shape[2] == want.k.shape[2] == TCFG.linear_num_key_heads < want.v.shape[2]
+    operands, precision = kernels.verify_operands(dtype)
+    assert precision == ("tf32x3" if jnp.dtype(dtype) == jnp.float32 else "tf32")
+    assert operands == jnp.float32 == want.q.dtype == want.k.dtype == want.v.dtype      # the mixer's, uncast
+
+
+def test_bench_call_values_are_the_mixers():
+    """The helper's q, k, v, g, β are `gdn.mixer_inputs` of its stream (the GatedDeltaNet path), and its mask is
+    the ancestor mask of its parents."""
+    call = verify_solve_call(TCFG, 2, 6, depth=3, dtype=jnp.float32, seed=4)
+    s = call.stream
+    valid = s.parent > -2
+    want = gdn.mixer_inputs(s.conv_out, s.b, s.a, valid, s.A_log, s.dt_bias, key_heads=TCFG.linear_num_key_heads,
+                            key_dim=TCFG.linear_key_head_dim)
+    for got, ref in zip(call.args[1:6], want):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    for b in range(2):
+        for i in range(6):
+            path, j = {i}, int(s.parent[b, i])
+            while j >= 0:
+                path.add(j)
+                j = int(s.parent[b, j])
+            assert set(np.flatnonzero(np.asarray(call.mask[b, i]))) == path
+
+
+def test_kernel_bench_sets_are_the_dispatchers_operands():
+    """bench/kernels.py's input sets are the helper's call as the dispatcher hands it to the kernel."""
+    from hyspec_jax.bench import kernels as bench_kernels
+
+    S0, q, k, v, g, beta = bench_kernels.make_set(0, 1, 16)
+    call = verify_solve_call(bench_kernels.GEOMETRY, 1, 16, depth=bench_kernels.DEPTH_FOR_N[16] - 1,
+                             dtype=jnp.bfloat16, seed=0)
+    operands, _ = kernels.verify_operands(jnp.bfloat16)
+    for got, ref in zip((S0, q, k, v, g, beta), call.args[:6]):
+        assert got.shape == ref.shape
+    assert q.dtype == k.dtype == v.dtype == operands
+    np.testing.assert_array_equal(np.asarray(q), np.asarray(call.q.astype(operands)))
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(call.v.astype(operands)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_bench_call_is_the_decoding_steps_call(dtype):
+    """`decode_step_call` (the decode benchmarks' inputs) is what a decoding step hands `kernels.gdn_decode`."""
+    B = 3
+    graphdef, params = nnx.split(create_model(TCFG, seed=0, dtype=dtype))
+    calls, real = [], kernels.gdn_decode
+    signature = inspect.signature(real)
+
+    def spy(*args, **kw):
+        bound = signature.bind(*args, **kw)
+        bound.apply_defaults()
+        calls.append(dict(bound.arguments))
+        return real(*args, **kw)
+
+    kernels.gdn_decode = spy
+    try:
+        jax.eval_shape(lambda p, s: nnx.merge(graphdef, p).extend(s, jnp.zeros((B, 1), jnp.int32),
+                                                                  jnp.ones((B, 1), bool)),
+                       params, init_state(TCFG, B, 16, dtype))
+    finally:
+        kernels.gdn_decode = real
+    assert len(calls) == len(TCFG.gdn_layers)
+    want = decode_step_call(TCFG, B, dtype=dtype)
+    names = ("x", "window", "weight", "a", "b", "A_log", "dt_bias", "S", "valid")
+    for got in calls:
+        for name, arr in zip(names, want.args):
+            assert (got[name].shape, got[name].dtype) == (arr.shape, arr.dtype), name
+        assert (got["key_heads"], got["key_dim"]) == (want.key_heads, want.key_dim)
+        assert got["impl"] == "auto"

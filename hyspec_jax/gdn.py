@@ -441,7 +441,11 @@ def gathered_conv(x: jax.Array, window: jax.Array, weight: jax.Array, taps: jax.
     """Conv where each node's K inputs are given by an index table (trees: the node and its ancestors).
 
     x [B,N,C], window [B,K−1,C]; taps [B,N,K] indexes into concat(window, x) (K−1 + N rows), tap K−1 = self.
+    Summed tap by tap as `causal_conv` sums them (each a row gather times its weight column): XLA fuses that into one
+    pass over the rows, where a [B,N,K,C] gather contracted by an einsum over K was written out and read back (the
+    27B verify's conv: 3.9 of 43 ms at B 8, N 32 on an H100, bench/results/scale/profile_scale_h100_fused.md).
     """
-    xs = jnp.concatenate([window.astype(x.dtype), x], axis=1).astype(F32)
-    cols = jax.vmap(lambda s, t: s[t])(xs, taps)                   # [B,N,K,C]
-    return jax.nn.silu(jnp.einsum("bnkc,ck->bnc", cols, weight.astype(F32), precision=HIGHEST))
+    xs = jnp.concatenate([window.astype(x.dtype), x], axis=1)
+    w = weight.astype(F32)
+    rows = lambda j: jnp.take_along_axis(xs, taps[..., j, None], axis=1).astype(F32)    # noqa: E731  [B,N,C]
+    return jax.nn.silu(sum(rows(j) * w[:, j] for j in range(weight.shape[-1])))

@@ -55,6 +55,14 @@ def dirs(tmp_path_factory):
     jax.config.update("jax_disable_most_optimizations", prev)
 
 
+def test_ar_prefix_share_counts_tokens_before_the_first_difference():
+    from hyspec_jax.bench.e2e import ar_prefix_share
+    ar = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 9]]
+    assert ar_prefix_share(ar, ar) == 1.0
+    assert ar_prefix_share([[1, 2, 0, 4], [5, 6], [0, 8, 9, 9]], ar) == (2 + 2 + 0) / 10   # nothing after a difference
+    assert ar_prefix_share([[1, 2], [5, 6], [7, 8, 9, 9]], ar) == (2 + 2 + 4) / 10           # a shorter output
+
+
 def test_e2e_every_mode_equals_ar(dirs):
     out = dirs / "res" / "e2e.json"
     rc = e2e_main(["--json", str(out), "--model", str(dirs / "target"), "--drafter", str(dirs / "drafter"),
@@ -69,7 +77,7 @@ def test_e2e_every_mode_equals_ar(dirs):
     assert set(res) == {f"{m}@b2" for m in ("ar", "chain", "ready", "tree", "tree-ready")} | {"tree-ready@b1@N3"}
     for key, row in res.items():
         for d, e in row["domains"].items():
-            assert e["equal_ar"] is True, (key, d)
+            assert e["equal_ar"] is True and e["ar_prefix_share"] == 1.0, (key, d)
             assert e["tok_s"] > 0 and e["tokens"] == 3 * 6
             assert len(e["tok_s_runs"]) == 2 and abs(sum(e["tok_s_runs"]) / 2 - e["tok_s"]) < 0.2
             if row["mode"] != "ar":

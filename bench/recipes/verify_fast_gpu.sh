@@ -19,15 +19,15 @@ PEER=${PEER:-.peer/sglang-0.5.23-verifier.zip}
 for step in ${STEPS:-layer profile}; do
   case $step in
     layer)    # JAX takes half the GPU here: the peer's torch allocations need the rest
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 270 "${H[@]}" bench gdn-layer --configs 1:8,1:32,8:8,8:32,32:8 \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 250 "${H[@]}" bench gdn-layer --configs 1:8,1:32,8:8,8:32,32:8 \
         --decode-batches 1,8,32 ${PEER:+--sglang-wheel "$PEER"} --json "$OUT/gdn_layer.json" 2>&1 | tail -45 ;;
     profile)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 290 "${H[@]}" bench profile-scale --batch 1,8 --nodes 8,32 \
         --compile-workers 1 --max-seconds 240 --compile-cache /tmp/jax_cache --no-progress \
         --json "$OUT/profile_scale.json" 2>&1 | tail -12 ;;
     round)
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 300 "${H[@]}" bench round-scale --batch ${ROUND_BATCH:-1,8,32} --nodes 8,32 --no-phases \
-        --compile-workers 2 --max-seconds 250 --compile-cache /tmp/jax_cache --no-progress \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 320 "${H[@]}" bench round-scale --batch ${ROUND_BATCH:-1,8,32} --nodes 8,32 --no-phases \
+        --compile-workers 2 --max-seconds 270 --compile-cache /tmp/jax_cache --no-progress \
         --json "$OUT/round_scale.json" 2>&1 | tail -14 ;;
     tests)
       python3 -c "import pytest" 2>/dev/null && timeout 200 python3 -m pytest -q -x -p no:cacheprovider \

@@ -14,6 +14,8 @@ equal). Variants, each through the dispatcher (impl "auto"):
   fp32_tf32x3      q/k/v in fp32 at their key heads, 3-pass products (an fp32 model's path)
   expanded_tf32x3  q/k in fp32 repeated to the 48 value heads, 3-pass products: what the verify passed before q/k
                    stayed at their key heads (the configuration [verify-fast] measured)
+  fp32_tf32x3_split, fp32_ieee   an fp32 model's alternatives: the 3-pass products in the two-launch split form,
+                   and IEEE fp32 products
   xla              the fp32 reference (`gdn.masked_solve`, triangular solve) jitted by XLA
   sglang           SGLang's serial tree verifier, `fused_sigmoid_gating_delta_rule_update` with
                    retrieve_parent_token (gates, q/k l2norm in the kernel; every node's state written), loaded from
@@ -265,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
                                                               precision="tf32x3"),
             "expanded_tf32x3": lambda S0, q, k, v, g, b, m: solve(S0, expand(q), expand(k), f32(v), g, b, m,
                                                                   precision="tf32x3"),
+            "fp32_tf32x3_split": lambda S0, q, k, v, g, b, m: solve(S0, f32(q), f32(k), f32(v), g, b, m,
+                                                                    precision="tf32x3", method="split"),
+            "fp32_ieee": lambda S0, q, k, v, g, b, m: solve(S0, f32(q), f32(k), f32(v), g, b, m, precision="ieee"),
             "xla": lambda S0, q, k, v, g, b, m: kernels.tree_solve(S0, q, k, v, g, b, m, path_nodes,
                                                                    impl="reference"),
         }
@@ -278,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     solve_rows, decode_rows = [], []
-    per_solve, per_decode = 5 + bool(verifier), 2 + (0 if a.interpret else len(tilings)) + bool(verifier)
+    per_solve, per_decode = 7 + bool(verifier), 2 + (0 if a.interpret else len(tilings)) + bool(verifier)
     bar = tqdm(total=len(configs) * per_solve + len(batches) * per_decode, desc="bench gdn-layer", unit="variant")
     for B, N in configs:
         depth = min(8, N - 1)

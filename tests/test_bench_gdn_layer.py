@@ -17,7 +17,8 @@ def test_gdn_layer_bench_checks_every_variant(tmp_path):
     report = json.loads(out.read_text())
     rows = {(r["B"], r["N"], r["variant"]): r for r in report["rows"]}
     assert set(rows) == {(B, N, v) for B, N in ((1, 8), (2, 16))
-                         for v in ("model", "bf16_tf32", "fp32_tf32x3", "expanded_tf32x3", "xla")}
+                         for v in ("model", "bf16_tf32", "fp32_tf32x3", "expanded_tf32x3", "fp32_tf32x3_split",
+                                   "fp32_ieee", "xla")}
     assert report["model_operands"] == {"dtype": "float32", "precision": "tf32"}
     for (B, N, variant), r in rows.items():
         assert "error" not in r, r

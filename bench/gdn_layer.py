@@ -4,9 +4,9 @@
                            [--dtype bfloat16] [--sglang-wheel sglang-0.5.23-*.whl]
 
 Tree solve. For each batch B and tree size N (one tree per request, its deepest node at depth min(8, N − 1)), the
-inputs are one GDN layer's call of `kernels.tree_solve` as `TargetModel.verify` makes it (`target.verify_solve_call`, the
-Qwen3.8-27B geometry: 16 key heads, 48 value heads, dk = dv = 128; tests/test_verify_inputs.py keeps the two
-equal). Variants, each through the dispatcher (impl "auto"):
+inputs are one GDN layer's call of `kernels.tree_solve` as `TargetModel.verify` makes it
+(`target.verify_solve_call`, the Qwen3.8-27B geometry: 16 key heads, 48 value heads, dk = dv = 128;
+tests/test_verify_inputs.py keeps the two equal). Variants, each through the dispatcher (impl "auto"):
   model            the call as the verify makes it: q/k at their key heads, the kernel's operands and precision
                    from the model's dtype (`kernels.verify_operands`; a bf16 model: fp32 q/k/v, one-pass tf32)
   bf16_tf32        q/k/v rounded to bf16 at their key heads, one-pass tf32 products (what vLLM's and SGLang's

@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hyspec_jax import gdn, kernels
     from hyspec_jax.bench.kernels import copy_bandwidth, time_multi
-    from hyspec_jax.bench.report import publish_report
+    from hyspec_jax.bench.report import portable_command, publish_report, run_metadata, write_report
     from hyspec_jax.models.target import decode_step_call, verify_solve_call
     from hyspec_jax.spec.memory import qwen38_27b
 
@@ -283,6 +283,24 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     solve_rows, decode_rows = [], []
+    operands, precision = kernels.verify_operands(dtype)
+
+    def report(status: str) -> dict:
+        return {"status": status, "geometry": {"HK": cfg.linear_num_key_heads, "HV": hv, "dk": dk, "dv": dv},
+                "dtype": a.dtype, "interpret": a.interpret,
+                "model_operands": {"dtype": str(operands), "precision": precision},
+                "decode_tiling": list(kernels.gdn_decode_tiling(1, hv, dv)), "copy_bandwidth": bandwidth,
+                "sglang_wheel": a.sglang_wheel.rsplit("/", 1)[-1] if a.sglang_wheel else None,
+                "rows": solve_rows, "decode_rows": decode_rows}
+
+    def save_partial() -> None:
+        """What is measured so far, written whole: a run stopped by its time limit keeps its last configuration."""
+        partial = report("partial")
+        partial["meta"] = {**run_metadata(), "command": portable_command("hyspec bench gdn-layer",
+                                                                         argv if argv is not None else sys.argv[1:])}
+        write_report(partial, a.json, markdown)
+
+    bandwidth = None
     per_solve, per_decode = 7 + bool(verifier), 2 + (0 if a.interpret else len(tilings)) + bool(verifier)
     bar = tqdm(total=len(configs) * per_solve + len(batches) * per_decode, desc="bench gdn-layer", unit="variant")
     for B, N in configs:
@@ -304,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001
                 solve_rows.append({**base, "variant": "sglang", "error": f"{type(e).__name__}: {e}"[:1000]})
             bar.update(1)
+        save_partial()
     bandwidth = copy_bandwidth() if gpu and batches and not a.interpret else None
     for B in batches:
         R = layer_sets(B)
@@ -327,15 +346,9 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001
                 decode_rows.append({**base, "variant": "sglang", "error": f"{type(e).__name__}: {e}"[:1000]})
             bar.update(1)
+        save_partial()
     bar.close()
-    operands, precision = kernels.verify_operands(dtype)
-    report = {"geometry": {"HK": cfg.linear_num_key_heads, "HV": hv, "dk": dk, "dv": dv},
-              "dtype": a.dtype, "interpret": a.interpret,
-              "model_operands": {"dtype": str(operands), "precision": precision},
-              "decode_tiling": list(kernels.gdn_decode_tiling(1, hv, dv)), "copy_bandwidth": bandwidth,
-              "sglang_wheel": a.sglang_wheel.rsplit("/", 1)[-1] if a.sglang_wheel else None,
-              "rows": solve_rows, "decode_rows": decode_rows}
-    return publish_report(report, "hyspec bench gdn-layer", argv, a.json, markdown)
+    return publish_report(report("complete"), "hyspec bench gdn-layer", argv, a.json, markdown)
 
 
 def _f(x, nd: int = 1) -> str:
@@ -350,7 +363,8 @@ def markdown(report: dict) -> str:
     meta = report.get("meta", {})
     g = report["geometry"]
     ops = report["model_operands"]
-    lines = [f"# One GDN layer at the model's inputs — {meta.get('device_kind', '?')}", "",
+    lines = [f"# One GDN layer at the model's inputs — {meta.get('device_kind', '?')}"
+             + (" (partial: stopped before its last configuration)" if report.get("status") == "partial" else ""), "",
              f"`{meta.get('command', '')}`", "",
              f"commit {meta.get('commit', '?')}, jax {meta.get('jax', '?')}, {meta.get('time_utc', '')}", "",
              f"GDN layer: HK {g['HK']}, HV {g['HV']}, dk {g['dk']}, dv {g['dv']}; model dtype {report['dtype']}. "

@@ -279,10 +279,14 @@ def dspark_hidden(graphdef, params, heads, taps, tokens, anchors):
 def gdn_inputs(target, layer: int, x_in, valid):
     """GDN layer `layer`'s (q, k, v, g, β) over a whole window from its input x_in [B, T, H] (the previous layer's
     output): the layer's input norm, then `train.forward.window_mixer_inputs` as `train_forward` runs it; valid
-    False turns every position into an identity step (g = 0, β = 0)."""
+    False turns every position into an identity step (g = 0, β = 0). q and k per value head (`gdn.value_heads`): the
+    probe reads each value head's state with its own query."""
+    from hyspec_jax import gdn
     from hyspec_jax.train.forward import window_mixer_inputs
     lay = target.model.layers[layer]
-    return window_mixer_inputs(lay.linear_attn, lay.input_layernorm(x_in), valid, target.config)[0]
+    q, k, v, g, beta = window_mixer_inputs(lay.linear_attn, lay.input_layernorm(x_in), valid, target.config)[0]
+    hv = v.shape[-2]
+    return gdn.value_heads(q, hv), gdn.value_heads(k, hv), v, g, beta
 
 
 def state_readout(S, q):

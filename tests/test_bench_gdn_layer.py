@@ -15,6 +15,7 @@ def test_gdn_layer_bench_checks_every_variant(tmp_path):
     assert gdn_layer.main(["--interpret", "--geometry", "small", "--configs", "1:8,2:16", "--decode-batches", "1,3",
                            "--json", str(out)]) == 0
     report = json.loads(out.read_text())
+    assert report["status"] == "complete"
     rows = {(r["B"], r["N"], r["variant"]): r for r in report["rows"]}
     assert set(rows) == {(B, N, v) for B, N in ((1, 8), (2, 16))
                          for v in ("model", "bf16_tf32", "fp32_tf32x3", "expanded_tf32x3", "fp32_tf32x3_split",

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# [verify-fast] on one GPU (H100 or H200). STEPS (default "layer profile"; one device call holds about two):
+# [verify-fast] on one GPU (H100 or H200). STEPS (default "layer"; each step takes 3-6 minutes, so a 10-minute device
+# call holds "layer" alone, or two of the others):
 #   layer    `hyspec bench gdn-layer`: the verify's tree solve and the decoding step at the model's inputs, their
 #            alternatives, XLA, and SGLang's kernels beside them
 #   profile  `hyspec bench profile-scale` of decode and verify at B 1 / 8, N 8 / 32: the in-model GDN time per
@@ -16,10 +17,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import flax, chex, optax, tqdm; print('imports ok')" || exit 1
 PEER=${PEER:-.peer/sglang-0.5.23-verifier.zip}
 [ -e "$PEER" ] || PEER=
-for step in ${STEPS:-layer profile}; do
+for step in ${STEPS:-layer}; do
   case $step in
     layer)    # JAX takes half the GPU here: the peer's torch allocations need the rest
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 250 "${H[@]}" bench gdn-layer --configs 1:8,1:32,8:8,8:32,32:8 \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 540 "${H[@]}" bench gdn-layer --configs 1:8,1:32,8:8,8:32,32:8 \
         --decode-batches 1,8,32 ${PEER:+--sglang-wheel "$PEER"} --json "$OUT/gdn_layer.json" 2>&1 | tail -45 ;;
     profile)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 290 "${H[@]}" bench profile-scale --batch 1,8 --nodes 8,32 \

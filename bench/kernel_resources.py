@@ -106,8 +106,8 @@ def _compile_job(B: int, N: int, only: str) -> None:
 
     from hyspec_jax import kernels
     from hyspec_jax.bench.kernels import DEPTH_FOR_N, DK, DV, HK, HV, LG, solve
-    from pallas_kernels.gdn_commit import deferred_append_pallas, path_commit_pallas
-    from pallas_kernels.gdn_serial import serial_tree_pallas
+    from hyspec_jax.pallas_kernels.gdn_commit import deferred_append_pallas, path_commit_pallas
+    from hyspec_jax.pallas_kernels.gdn_serial import serial_tree_pallas
 
     f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
     sd = jax.ShapeDtypeStruct

@@ -52,11 +52,11 @@ from hyspec_jax.bench.report import (busy_time_ns, git_commit, gpu_stream_events
                                      run_metadata, save_png)
 from hyspec_jax.models.target import verify_solve_call
 from hyspec_jax.spec.memory import qwen38_27b
-from pallas_kernels import gdn_tree_split_mgpu, trees
-from pallas_kernels.gdn_commit import (deferred_append_pallas, deferred_append_reference, deferred_to_reference,
+from hyspec_jax.pallas_kernels import gdn_tree_split_mgpu, trees
+from hyspec_jax.pallas_kernels.gdn_commit import (deferred_append_pallas, deferred_append_reference, deferred_to_reference,
                                        path_commit_pallas, path_commit_reference)
-from pallas_kernels.gdn_serial import masked_solve_xla, serial_paths_xla, serial_tree_pallas
-from pallas_kernels.gdn_tree_solve import SolveConfig, tree_solve_pallas
+from hyspec_jax.pallas_kernels.gdn_serial import masked_solve_xla, serial_paths_xla, serial_tree_pallas
+from hyspec_jax.pallas_kernels.gdn_tree_solve import SolveConfig, tree_solve_pallas
 
 GEOMETRY = qwen38_27b()
 HK, HV = GEOMETRY.linear_num_key_heads, GEOMETRY.linear_num_value_heads
@@ -101,7 +101,7 @@ def value_pass_inputs(seed: int, B: int, N: int = 64, depth: int = 8, interpret:
     bf16 pair, k, q, v, S0) for one input set of the bench geometry, from the Triton operator pass as split_mgpu
     runs it (fp16 chain, int8 mask): what the value-pass probes in bench/recipes time on their own. depth: nodes
     on the longest path, as DEPTH_FOR_N."""
-    from pallas_kernels import gdn_tree_solve
+    from hyspec_jax.pallas_kernels import gdn_tree_solve
 
     mask = trees.mask_from_parents(jnp.asarray(trees.random_parents(1000 * B + N, B, N, depth - 1)))
     S0, q, k, v, g, beta = make_set(seed, B, N)
@@ -591,7 +591,7 @@ def bench_attention(B: int, N: int, S: int, args, bw: float, log, geometry=ATTN_
         out["roofline_us"] = max(floor_us, out["compute_floor_us"])
     variants = {"xla_concat_attend": concat_attend, "xla_two_part": two_part}
     if args.attention_kernels:         # Pallas split-S prefix + XLA combine; on a CPU only when asked (interpret)
-        from pallas_kernels.tree_attention import default_splits, prefix_tree_attention
+        from hyspec_jax.pallas_kernels.tree_attention import default_splits, prefix_tree_attention
         for tiling in getattr(args, "attention_tilings", None) or ATTN_TILINGS:
             block_rows, block_s, warps, stages = tuple(tiling) + (4, 2)[len(tiling) - 2:]
             splits = default_splits(B, N * nh // kvh, S, kvh, block_rows, block_s)

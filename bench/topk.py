@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hyspec_jax.bench.report import portable_command, run_metadata
     from hyspec_jax import kernels
-    from pallas_kernels import topk
+    from hyspec_jax.pallas_kernels import topk
 
     gpu = jax.default_backend() == "gpu"
     if not gpu and not a.interpret:
@@ -150,7 +150,7 @@ def _level(a, argv) -> int:
 
     from hyspec_jax import kernels
     from hyspec_jax.bench.report import portable_command, run_metadata
-    from pallas_kernels import topk
+    from hyspec_jax.pallas_kernels import topk
 
     timed = jax.default_backend() == "gpu" and not a.interpret
     impl = "interpret" if a.interpret else "pallas"

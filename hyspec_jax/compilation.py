@@ -366,7 +366,8 @@ _SOURCE_DIGEST: list[str] = []
 
 
 def source_digest() -> str:
-    """sha256 of this package's and `pallas_kernels`' sources (*.py, *.cc) and the JAX / jaxlib / flax versions:
+    """sha256 of this package's and the kernels' (`hyspec_jax.pallas_kernels`) sources (*.py, *.cc) and the JAX /
+    jaxlib / flax versions:
     part of every program key,
     so a changed line anywhere re-traces (a stale program is never run)."""
     if not _SOURCE_DIGEST:
@@ -377,7 +378,8 @@ def source_digest() -> str:
         import flax
         h = hashlib.sha256(f"{jax.__version__} {jaxlib.__version__} {flax.__version__}".encode())
         root = Path(__file__).resolve().parent
-        for pkg in (root, root.parent / "pallas_kernels"):      # the kernels package sits beside this one
+        kernels = root.parent / "pallas_kernels"    # in a checkout the kernels' folder sits beside this one (a wheel
+        for pkg in (root, kernels) if kernels.is_dir() else (root,):              # has it inside)
             for f in sorted(list(pkg.rglob("*.py")) + list(pkg.rglob("*.cc"))):
                 h.update(str(f.relative_to(root.parent)).encode())
                 h.update(f.read_bytes())

@@ -31,10 +31,10 @@ import jax.numpy as jnp
 
 from hyspec_jax import cpu_kernels, gdn
 from hyspec_jax.attention import attend_prefix_tree
-from pallas_kernels import gdn_commit, gdn_tree_split_mgpu, gdn_tree_solve, tile_dim_ok, topk
-from pallas_kernels import gdn_decode as gdn_decode_kernel
-from pallas_kernels import tree_attention as tree_attention_kernel
-from pallas_kernels.gdn_tree_solve import SolveConfig
+from hyspec_jax.pallas_kernels import gdn_commit, gdn_tree_split_mgpu, gdn_tree_solve, tile_dim_ok, topk
+from hyspec_jax.pallas_kernels import gdn_decode as gdn_decode_kernel
+from hyspec_jax.pallas_kernels import tree_attention as tree_attention_kernel
+from hyspec_jax.pallas_kernels.gdn_tree_solve import SolveConfig
 
 F32 = jnp.float32
 Impl = Literal["auto", "reference", "pallas", "interpret"]

@@ -25,8 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from hyspec_jax import gdn
-from pallas_kernels import tile_dim_ok
-from pallas_kernels.gdn_tree_solve import Precision, _dot, _f32_precision
+from hyspec_jax.pallas_kernels import tile_dim_ok
+from hyspec_jax.pallas_kernels.gdn_tree_solve import Precision, _dot, _f32_precision
 
 F32 = jnp.float32
 REFERENCE = "jax.vmap(hyspec_jax.gdn.node_state) over layers"

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from hyspec_jax import gdn
-from pallas_kernels import tile_dim_ok
+from hyspec_jax.pallas_kernels import tile_dim_ok
 
 F32 = jnp.float32
 

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from hyspec_jax import gdn
-from pallas_kernels import gdn_tree_split_mgpu, tile_dim_ok
+from hyspec_jax.pallas_kernels import gdn_tree_split_mgpu, tile_dim_ok
 
 F32 = jnp.float32
 Method = Literal["neumann", "squaring", "inverse", "split", "split_mgpu"]

@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import tile_dim_ok
+from hyspec_jax.pallas_kernels import tile_dim_ok
 
 F32 = jnp.float32
 REFERENCE = "hyspec_jax.attention.attend_prefix_tree"

@@ -92,7 +92,7 @@ def test_attention_tilings_parse():
 
 
 def test_attention_splits_fill_the_gpu():
-    from pallas_kernels.tree_attention import default_splits
+    from hyspec_jax.pallas_kernels.tree_attention import default_splits
     assert default_splits(1, 64 * 6, 4096, 4, 64, 64) == 16          # 4 heads x 6 row tiles x 16 = 384
     assert default_splits(32, 64 * 6, 4096, 4, 64, 64) == 1          # 768 programs without splitting
     assert default_splits(1, 16, 128, 4, 64, 64) == 2                # never below block_s keys a split

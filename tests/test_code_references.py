@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # installed name → folder (pyproject's package-dir)
 PACKAGES = {"hyspec_jax": ROOT / "hyspec_jax", "hyspec_jax.train": ROOT / "train", "hyspec_jax.serve": ROOT / "serve",
             "hyspec_jax.bench": ROOT / "bench", "hyspec_jax.checkpoints": ROOT / "checkpoints",
-            "pallas_kernels": ROOT / "pallas_kernels"}
+            "hyspec_jax.pallas_kernels": ROOT / "pallas_kernels", "pallas_kernels": ROOT / "pallas_kernels"}
 SOURCES = sorted(p for d in ("hyspec_jax", "train", "serve", "bench", "pallas_kernels")
                  for p in (ROOT / d).rglob("*.py"))
 TEXTS = SOURCES + sorted((ROOT / "tests").glob("*.py")) + [ROOT / "README.md", ROOT / "serve" / "README.md",

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hyspec_jax import gdn, kernels
-from pallas_kernels import gdn_decode
+from hyspec_jax.pallas_kernels import gdn_decode
 
 GPU = any(d.platform == "gpu" for d in jax.devices())
 

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import pytest
 
 from hyspec_jax import gdn
-from pallas_kernels import trees
-from pallas_kernels.gdn_commit import (deferred_append_pallas, deferred_append_reference, deferred_to_reference,
+from hyspec_jax.pallas_kernels import trees
+from hyspec_jax.pallas_kernels.gdn_commit import (deferred_append_pallas, deferred_append_reference, deferred_to_reference,
                                        path_commit_reference)
-from pallas_kernels.gdn_tree_solve import SolveConfig, tree_solve_pallas
+from hyspec_jax.pallas_kernels.gdn_tree_solve import SolveConfig, tree_solve_pallas
 
 
 def rel(a, b):

@@ -230,7 +230,7 @@ def test_tree_solve_kernel_merges_pending_rows(key_heads):
         o, fac = kernels.tree_solve(S_base, q, k, v, g, beta, mask, depth, impl="interpret", method="inverse",
                                     deferred=pend)
         assert rel(o, o_ref) < 1e-4 and rel(fac.corrected, fac_ref.corrected) < 1e-4
-        from pallas_kernels import trees
+        from hyspec_jax.pallas_kernels import trees
         path, length = trees.paths_to(par, np.array([int(rng.integers(1, N)), 0]), depth - 1)
         pend = gdn.deferred_append(pend, fac_ref, jnp.asarray(path), jnp.asarray(length))
     assert int(pend.count[0]) > 1

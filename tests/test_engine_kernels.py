@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("quick_compiles")   # tiny models: see conf
 
 
 def test_kernel_engine_equals_autoregressive(monkeypatch):
-    from pallas_kernels import gdn_commit, gdn_tree_solve, tree_attention
+    from hyspec_jax.pallas_kernels import gdn_commit, gdn_tree_solve, tree_attention
     traced = {"solve": 0, "commit": 0, "attention": 0}      # the kernels really are in the compiled rounds
 
     def counting(fn, key):

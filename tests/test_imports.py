@@ -1,9 +1,9 @@
-"""The import graph: no cycle among the library's modules and the kernels, and `pallas_kernels` a leaf that imports
-from `hyspec_jax` only the math its kernels must equal.
+"""The import graph: no cycle among the library's modules and the kernels, and `hyspec_jax.pallas_kernels` a leaf
+that imports from the rest of `hyspec_jax` only the math its kernels must equal.
 
 Every module's source is parsed (ast), never imported, and every import counts: top level and inside functions.
-`hyspec_jax.serve`, `.train` and `.bench` map to the serve/, train/ and bench/ folders, as pyproject.toml's
-package-dir has them.
+`hyspec_jax.serve`, `.train`, `.bench` and `.pallas_kernels` map to the serve/, train/, bench/ and pallas_kernels/
+folders, as pyproject.toml's package-dir has them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # package → folder (pyproject.toml [tool.setuptools] package-dir)
 PACKAGES = {"hyspec_jax": ROOT / "hyspec_jax", "hyspec_jax.serve": ROOT / "serve", "hyspec_jax.train": ROOT / "train",
-            "hyspec_jax.bench": ROOT / "bench", "pallas_kernels": ROOT / "pallas_kernels"}
+            "hyspec_jax.bench": ROOT / "bench", "hyspec_jax.pallas_kernels": ROOT / "pallas_kernels"}
+KERNELS = "hyspec_jax.pallas_kernels"
 # what pallas_kernels may import from hyspec_jax: the math its kernels must equal
 KERNEL_MATH = {"hyspec_jax", "hyspec_jax.gdn", "hyspec_jax.tree", "hyspec_jax.attention"}
 # the application layers on top of the library (entry points and tools): the library never imports them
@@ -109,10 +110,10 @@ def _library(name: str) -> bool:
 def test_the_parse_sees_every_package():
     g = graph()
     for pkg in ("hyspec_jax.io.hf", "hyspec_jax.models.target", "hyspec_jax.spec.select", "hyspec_jax.kernels",
-                "pallas_kernels.gdn_tree_solve", "hyspec_jax.serve", "hyspec_jax.train", "hyspec_jax.bench.kernels"):
+                "hyspec_jax.pallas_kernels.gdn_tree_solve", "hyspec_jax.serve", "hyspec_jax.train", "hyspec_jax.bench.kernels"):
         assert pkg in g, pkg
-    assert "pallas_kernels.gdn_tree_solve" in g["hyspec_jax.kernels"]       # imports are resolved to modules
-    assert "hyspec_jax.gdn" in g["pallas_kernels.gdn_tree_solve"]
+    assert f"{KERNELS}.gdn_tree_solve" in g["hyspec_jax.kernels"]       # imports are resolved to modules
+    assert "hyspec_jax.gdn" in g[f"{KERNELS}.gdn_tree_solve"]
 
 
 def test_no_import_cycle_in_the_library_and_kernels():
@@ -135,9 +136,10 @@ def test_no_import_cycle_anywhere():
 def test_pallas_kernels_import_only_the_math_from_hyspec_jax():
     g = graph()
     for m, deps in g.items():
-        if m.split(".")[0] != "pallas_kernels":
+        if not (m == KERNELS or m.startswith(KERNELS + ".")):
             continue
-        lib = sorted(n for n in deps if n.split(".")[0] == "hyspec_jax" and n not in KERNEL_MATH)
+        lib = sorted(n for n in deps if n.split(".")[0] == "hyspec_jax" and n not in KERNEL_MATH
+                     and not (n == KERNELS or n.startswith(KERNELS + ".")))
         assert not lib, f"{m} imports {lib} (pallas_kernels may import only {sorted(KERNEL_MATH - {'hyspec_jax'})})"
 
 
@@ -150,9 +152,9 @@ def test_the_checks_can_fail(tmp_path):
     g = {m: imports_of(m, tmp_path / f"{m}.py", known) for m in known}
     assert g == {"a": {"b"}, "b": {"a"}}
     assert find_cycle(g) == ["a", "b", "a"]
-    old = {"pallas_kernels.dispatch": {"hyspec_jax.models.layers", "hyspec_jax.gdn"},
+    old = {f"{KERNELS}.dispatch": {"hyspec_jax.models.layers", "hyspec_jax.gdn"},
            "hyspec_jax.models.layers": {"hyspec_jax.cpu_kernels"}, "hyspec_jax.cpu_kernels": {"hyspec_jax.demo"},
            "hyspec_jax.demo": {"hyspec_jax.io.hf"}, "hyspec_jax.io.hf": {"hyspec_jax.models.target"},
-           "hyspec_jax.models.target": {"pallas_kernels.dispatch"}, "hyspec_jax.gdn": set()}
+           "hyspec_jax.models.target": {f"{KERNELS}.dispatch"}, "hyspec_jax.gdn": set()}
     assert find_cycle(old) is not None
     assert "hyspec_jax.models.layers" not in KERNEL_MATH

@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 
 from hyspec_jax import gdn, kernels
-from pallas_kernels import gdn_tree_split_mgpu, trees
-from pallas_kernels.gdn_commit import path_commit_pallas, path_commit_reference
-from pallas_kernels.gdn_serial import masked_solve_xla, serial_paths_xla, serial_tree_pallas
-from pallas_kernels.gdn_tree_solve import SolveConfig, tree_solve_pallas
+from hyspec_jax.pallas_kernels import gdn_tree_split_mgpu, trees
+from hyspec_jax.pallas_kernels.gdn_commit import path_commit_pallas, path_commit_reference
+from hyspec_jax.pallas_kernels.gdn_serial import masked_solve_xla, serial_paths_xla, serial_tree_pallas
+from hyspec_jax.pallas_kernels.gdn_tree_solve import SolveConfig, tree_solve_pallas
 
 GPU = any(d.platform == "gpu" for d in jax.devices())
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs an NVIDIA GPU")
@@ -497,7 +497,7 @@ def test_tree_attention_interpret(dtype, tol):
     """Split-S prefix partials + the XLA combine == attention.attend_prefix_tree (ragged and empty caches, a row with
     no key, rows padded to the tile, GQA)."""
     from hyspec_jax.attention import attend_prefix_tree
-    from pallas_kernels.tree_attention import prefix_tree_attention, supported
+    from hyspec_jax.pallas_kernels.tree_attention import prefix_tree_attention, supported
 
     args = _attention_inputs(3, 3, 7, 6, 2, 32, 128, 7, dtype)
     want = attend_prefix_tree(*args)

@@ -17,7 +17,7 @@ from hyspec_jax.config import FULL, LINEAR, TargetConfig
 from hyspec_jax.spec.select import tree_candidates
 from hyspec_jax.tree import TreeExpansion
 from hyspec_jax import kernels
-from pallas_kernels import topk
+from hyspec_jax.pallas_kernels import topk
 from tests.tiny_drafter import tiny_draft_block
 
 GPU = any(d.platform == "gpu" for d in jax.devices())

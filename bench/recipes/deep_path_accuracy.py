@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from test_kernels import _unit, make_inputs, reference, rel
 
-from pallas_kernels import trees
-from pallas_kernels.gdn_tree_solve import SolveConfig, tree_solve_pallas
+from hyspec_jax.pallas_kernels import trees
+from hyspec_jax.pallas_kernels.gdn_tree_solve import SolveConfig, tree_solve_pallas
 
 N, DK = 64, 64
 

@@ -8,7 +8,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 PROMPTS=${PROMPTS:-8}; REPEATS=${REPEATS:-3}; MAX_TOKENS=${MAX_TOKENS:-96}
 export PYTHONUNBUFFERED=1
 if ! (cd / && python3 -c "import hyspec_jax.bench") 2>/dev/null; then
-  for d in train serve bench; do [ -e "hyspec_jax/$d" ] || ln -s "$PWD/$d" "hyspec_jax/$d"; done
+  for d in train serve bench pallas_kernels; do [ -e "hyspec_jax/$d" ] || ln -s "$PWD/$d" "hyspec_jax/$d"; done
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 H=(python3 -m hyspec_jax.cli)

@@ -8,8 +8,8 @@ Each row: the form `auto_method` picks, median µs over 20 calls, max |o - refer
 import json, sys, time
 import jax, jax.numpy as jnp, numpy as np
 from hyspec_jax import kernels as K
-from pallas_kernels import trees
-from pallas_kernels.trees import mask_from_parents
+from hyspec_jax.pallas_kernels import trees
+from hyspec_jax.pallas_kernels.trees import mask_from_parents
 
 HK, HV, DK, DV = 16, 48, 128, 128
 

@@ -5,9 +5,9 @@ Found at commit 608c10e: one-pass tf32 at 128 nodes launches (25 s to compile); 
 within that call's time (gdn_tree_solve.FP32_ACCURATE_MAX_NODES refuses them; the dispatcher takes the reference)."""
 import json, sys, time
 import jax, jax.numpy as jnp, numpy as np
-from pallas_kernels import gdn_tree_solve as ts
-from pallas_kernels import trees
-from pallas_kernels.trees import mask_from_parents
+from hyspec_jax.pallas_kernels import gdn_tree_solve as ts
+from hyspec_jax.pallas_kernels import trees
+from hyspec_jax.pallas_kernels.trees import mask_from_parents
 rows = []
 for N in (128, 64):                     # 128 first: the shape in question
     for dtype in (jnp.float32, jnp.bfloat16):

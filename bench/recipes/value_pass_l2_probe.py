@@ -14,7 +14,7 @@ import numpy as np
 
 from bench.kernels import DK, DV, HV, value_pass_inputs
 from bench.report import gpu_stream_events, profile_trace, run_metadata
-from pallas_kernels import gdn_tree_split_mgpu
+from hyspec_jax.pallas_kernels import gdn_tree_split_mgpu
 
 
 def probe(B: int, sets: int = 4, reps: int = 5) -> dict:

@@ -26,7 +26,7 @@ import numpy as np
 
 from bench.kernels import value_pass_inputs
 from bench.report import gpu_stream_events, profile_trace, run_metadata
-from pallas_kernels import gdn_tree_split_mgpu
+from hyspec_jax.pallas_kernels import gdn_tree_split_mgpu
 
 
 def sm_clock_mhz() -> float | None:

@@ -134,7 +134,7 @@ def _default_precision(dtype) -> str:
 
 # What the verify hands the tree-solve kernel for a model computing in a dtype: (dtype of q, k, v; product
 # precision), chosen by measured error and time at the Qwen3.8-27B geometry on an H100
-# (bench/results/kernels/gdn_layer_h100.md; o's error against the fp32 reference):
+# (bench/results/kernels/gdn_layer_h100_bf16_operands.md; o's error against the fp32 reference):
 # - a bf16 / fp16 model: the mixer's fp32 q, k, v with one-pass tf32 products: o error 3.4e-4, five times under the
 #   rounding of o itself to bf16 (1.7e-3), which the verify does next. bf16 operands ran 0-27% faster (B 8, N 32:
 #   46.6 vs 59.0 µs) but erred 2.3e-3, more than that rounding. Either is under a third of SGLang's serial verifier.
@@ -272,6 +272,7 @@ def tree_solve(S0, q, k, v, g, beta, mask, path_nodes: int | None = None, *, imp
     """
     N = q.shape[1]
     path_nodes = N if path_nodes is None else int(path_nodes)
+    given = q, k, v                        # what the reference takes (the cast below is the kernel path's)
     if compute_dtype is not None and impl != "reference":
         operand_dtype, operand_precision = verify_operands(compute_dtype)
         q, k, v = q.astype(operand_dtype), k.astype(operand_dtype), v.astype(operand_dtype)
@@ -299,7 +300,7 @@ def tree_solve(S0, q, k, v, g, beta, mask, path_nodes: int | None = None, *, imp
     if deferred is not None and not merge:
         S0, deferred = gdn.deferred_fold(S0, deferred), None
     if interpret is None:
-        return _reference(S0, q, k, v, g, beta, mask, path_nodes, reference_method)
+        return _reference(S0, *given, g, beta, mask, path_nodes, reference_method)
     config = solve_config(method, block_v, precision or _default_precision(q.dtype))
     if merge:
         return _kernel_forward(S0, q, k, v, g, beta, mask, path_nodes, (config, interpret),
@@ -315,7 +316,7 @@ def _kernel_deferred(pend: gdn.DeferredUpdates, key_heads: int) -> tuple:
 
 
 # The decode kernel's tiling (`gdn_decode_tiling`), from the H100 sweep at the 27B geometry
-# (bench/results/kernels/gdn_layer_h100.md): 2 warps throughout; 32-wide value tiles (B 8: 23.5 µs, 26.4 on one warp,
+# (bench/results/kernels/gdn_layer_h100_bf16_operands.md): 2 warps throughout; 32-wide value tiles (B 8: 23.5 µs, 26.4 on one warp,
 # 25.1 at 64 wide) until the programs alone fill the GPU several times over, then 64-wide (B 32: 81.1 vs 85.9 µs).
 # At B 1 every tiling took 6.8-7.6 µs.
 DECODE_WARPS, DECODE_WIDE_PROGRAMS = 2, 4096

@@ -6,6 +6,7 @@ operands and precision. If the verify's GDN path changes what it hands the dispa
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import jax
@@ -136,3 +137,20 @@ def test_decode_bench_call_is_the_decoding_steps_call(dtype):
             assert (got[name].shape, got[name].dtype) == (arr.shape, arr.dtype), name
         assert (got["key_heads"], got["key_dim"]) == (want.key_heads, want.key_dim)
         assert got["impl"] == "auto"
+
+
+def test_operand_policy_is_the_kernel_paths_only(monkeypatch):
+    """The dispatcher hands the *kernel* the policy's operands; where the reference runs (here: a CPU), it gets the
+    mixer's fp32 inputs as they are, whatever the policy."""
+    cfg = dataclasses.replace(TCFG, linear_key_head_dim=16, linear_value_head_dim=16)    # heads the kernel tiles
+    call = verify_solve_call(cfg, 2, 6, depth=3, dtype=jnp.bfloat16, seed=2)
+    monkeypatch.setitem(kernels.VERIFY_OPERANDS, jnp.dtype(jnp.bfloat16), (jnp.dtype(jnp.bfloat16), "tf32"))
+    want = kernels.tree_solve(*call.args, call.path_nodes, impl="reference")
+    got = kernels.tree_solve(*call.args, **call.kwargs, impl="auto")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    kern = kernels.tree_solve(*call.args, **call.kwargs, impl="interpret")     # the kernel: bf16 operands
+    assert kern[1].keys.dtype == jnp.bfloat16
+    err = float(jnp.linalg.norm(kern[0] - want[0]) / jnp.linalg.norm(want[0]))
+    assert 1e-5 < err < 3e-2

@@ -37,7 +37,14 @@ def _verify_calls(dtype, B: int, N: int, depth: int) -> list[dict]:
     tree = tree_lib.pack_forest([tree_lib.random_parents(rng, N, depth, min_depth=depth) for _ in range(B)],
                                 tree_lib.TreeShape(N, depth))
     tokens = jnp.asarray(rng.integers(0, TCFG.vocab_size, (B, N)), jnp.int32)
-    calls, real = [], kernels.tree_solve
+    return _calls_of("tree_solve", lambda: jax.eval_shape(
+        lambda p, s: nnx.merge(graphdef, p).verify(s, tree, tokens, kernel_impl="auto"), params,
+        init_state(TCFG, B, 16, dtype)))
+
+
+def _calls_of(name: str, run) -> list[dict]:
+    """Every call of `kernels.<name>` while run() traces a model entry point, its arguments by name (defaults in)."""
+    calls, real = [], getattr(kernels, name)
     signature = inspect.signature(real)
 
     def spy(*args, **kw):
@@ -46,12 +53,11 @@ def _verify_calls(dtype, B: int, N: int, depth: int) -> list[dict]:
         calls.append(dict(bound.arguments))
         return real(*args, **kw)
 
-    kernels.tree_solve = spy
+    setattr(kernels, name, spy)
     try:
-        jax.eval_shape(lambda p, s: nnx.merge(graphdef, p).verify(s, tree, tokens, kernel_impl="auto"), params,
-                       init_state(TCFG, B, 16, dtype))
+        run()
     finally:
-        kernels.tree_solve = real
+        setattr(kernels, name, real)
     return calls
 
 
@@ -113,22 +119,9 @@ def test_decode_bench_call_is_the_decoding_steps_call(dtype):
     """`decode_step_call` (the decode benchmarks' inputs) is what a decoding step hands `kernels.gdn_decode`."""
     B = 3
     graphdef, params = nnx.split(create_model(TCFG, seed=0, dtype=dtype))
-    calls, real = [], kernels.gdn_decode
-    signature = inspect.signature(real)
-
-    def spy(*args, **kw):
-        bound = signature.bind(*args, **kw)
-        bound.apply_defaults()
-        calls.append(dict(bound.arguments))
-        return real(*args, **kw)
-
-    kernels.gdn_decode = spy
-    try:
-        jax.eval_shape(lambda p, s: nnx.merge(graphdef, p).extend(s, jnp.zeros((B, 1), jnp.int32),
-                                                                  jnp.ones((B, 1), bool)),
-                       params, init_state(TCFG, B, 16, dtype))
-    finally:
-        kernels.gdn_decode = real
+    calls = _calls_of("gdn_decode", lambda: jax.eval_shape(
+        lambda p, s: nnx.merge(graphdef, p).extend(s, jnp.zeros((B, 1), jnp.int32), jnp.ones((B, 1), bool)),
+        params, init_state(TCFG, B, 16, dtype)))
     assert len(calls) == len(TCFG.gdn_layers)
     want = decode_step_call(TCFG, B, dtype=dtype)
     names = ("x", "window", "weight", "a", "b", "A_log", "dt_bias", "S", "valid")

@@ -370,8 +370,8 @@ def _tree_solve_split(S0, q, k, v, g, beta, mask, *, rounds, config: SolveConfig
 
 # The N × N fp32 products at 128 nodes with fp32-accurate (3-pass or IEEE) dots need more shared memory than the
 # H200 has: the embedded fp32 model's 128-node verify failed to launch there ("requested 262144, available:
-# 232448"). One-pass tf32 (what bf16/f16 inputs get) launches at 128 nodes
-# (bench/recipes/tree_solve_launch_probe.py).
+# 232448"). One-pass tf32 (what a bf16/f16 model's verify uses) launches at 128 nodes (a launch probe, in git up
+# to 1f1bd12).
 FP32_ACCURATE_MAX_NODES = 64
 
 

@@ -52,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from hyspec_jax.bench.calibrate import _ints, median_time
+from hyspec_jax.runtime.calibrate import _ints, median_time
 
 DEFAULT_TOKENS = (1, 8, 32, 256)
 TOKEN_ROLE = {1: "decode B=1", 8: "decode B=8", 32: "decode B=32", 256: "verify 256 rows"}

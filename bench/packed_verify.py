@@ -125,7 +125,7 @@ def _batch_rows(rows: list, cfg, B, nodes, fills, *, prefix, depth, repeats, dty
     """Append batch B's rows to `rows` as they are measured (an out-of-memory error leaves the earlier ones)."""
     import jax.numpy as jnp
 
-    from hyspec_jax.bench.calibrate import time_verify
+    from hyspec_jax.runtime.calibrate import time_verify
     from hyspec_jax.bench.verify_scale import random_state
 
     state, _ = random_state(cfg, B, prefix + max(nodes), prefix, dtype, seed, mesh)

@@ -12,7 +12,7 @@ states, built on the device by its fillers — `bench/verify_scale.py`):
   T_ver(N, B)  the tree verify forward (`TargetModel.verify`, kernels `--kernels`, default auto: the Pallas
                tree solve and tree attention where the dispatcher takes them), per --batch and --nodes.
 
-Each is timed untraced (the median of --repeats calls; `bench/calibrate.py`'s timing), then run --trace-calls
+Each is timed untraced (the median of --repeats calls; `hyspec_jax/runtime/calibrate.py`'s timing), then run --trace-calls
 times under `jax.profiler`. Every device kernel of the trace names the HLO instruction it runs (the trace's
 `hlo_op` stat: GPU kernels on the device's stream lines, CPU thunks on the host threads); the compiled HLO text
 (`compiled.as_text()`) gives each instruction's `op_name`, which carries the `jax.named_scope` tags of the model's
@@ -92,7 +92,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hyspec_jax.bench.calibrate import _ints, median_time, time_decode, time_verify
+from hyspec_jax.runtime.calibrate import _ints, median_time, time_decode, time_verify
 from hyspec_jax.bench.verify_scale import (_finite, _ms, _xla_stats, add_geometry_arguments, add_run_arguments, drive,
                                            compile_all, dense_weights, make_mesh, progress_bar, random_params,
                                            random_state, settle_merged, shape_inputs)

@@ -88,7 +88,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hyspec_jax.bench.calibrate import _ints, median_time
+from hyspec_jax.runtime.calibrate import _ints, median_time
 from hyspec_jax.bench.verify_scale import (_count, _gib, _ms, _xla_stats, add_geometry_arguments, drive,
                                            add_run_arguments, compile_all, fill_leaf, make_mesh, progress_bar,
                                            random_params, random_state, settle_merged)

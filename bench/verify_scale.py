@@ -16,7 +16,7 @@ prefix of `--prefix` tokens (deterministic random recurrent states, conv windows
 made by the same fillers. The only whole-model programs compiled are the decode / verify being measured
 (and, with `--matmul-floor`, the floor).
 For every batch B and node capacity N it measures (timing functions shared with `hyspec calibrate`,
-bench/calibrate.py: warm-up calls, then the median of `--repeats` calls, each with block_until_ready; no
+hyspec_jax/runtime/calibrate.py: warm-up calls, then the median of `--repeats` calls, each with block_until_ready; no
 input rotation is needed, since every call streams all the weights, far more than the L2 cache):
 
   T_dec(B)     one-token decode of every slot: `target.extend` of 1 token per request, state donated;
@@ -79,7 +79,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hyspec_jax.bench.calibrate import _ints, template_tree, time_decode, time_verify, median_time
+from hyspec_jax.runtime.calibrate import _ints, template_tree, time_decode, time_verify, median_time
 
 DEFAULT_NODES = (1, 8, 16, 32, 64, 128, 256)
 DEFAULT_BATCH = (1, 4, 8)

@@ -218,7 +218,7 @@ def _generate(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from hyspec_jax.bench.calibrate import run
+    from hyspec_jax.runtime.calibrate import run
 
     enable_compilation_cache()
     return run(args)
@@ -275,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--slots", type=int, metavar="B", help="batch slots: more prompts are admitted as slots free up")
     g.set_defaults(func=cmd_generate)
 
-    from hyspec_jax.bench.calibrate import add_arguments as add_calibrate_arguments
+    from hyspec_jax.runtime.calibrate import add_arguments as add_calibrate_arguments
     c = sub.add_parser("calibrate", help="measure verify vs decode latency per bucket: Bole's budget table",
                        description="Bole Algorithm 3: T_ver(N) per node capacity and T_dec per bucket; writes "
                                    "B_ver = max{N : T_ver(N) <= (1+eps) T_dec} to a JSON table.")

@@ -1,7 +1,7 @@
 """Verification budget: Bole's hardware-calibrated batch-shared capacity (Algorithm 3) and DSpark's
 confidence-based chain length.
 
-Offline (`hyspec calibrate`, `hyspec_jax.bench.calibrate`): for a bucket c = (device kind, model, batch slots B,
+Offline (`hyspec calibrate`, `hyspec_jax.runtime.calibrate`): for a bucket c = (device kind, model, batch slots B,
 KV length S, tree depth d) measure the complete target verify forward T_ver(N | c) for every compiled node
 capacity N (nodes per request row, anchor included) and the one-token decode T_dec(c), and store
 

@@ -4,7 +4,7 @@ times of every verify width the engine chooses between.
     hyspec calibrate [--model DIR] [--batch 1,4,8] [--kv-len 1024] [--nodes 1,2,4,8,16,32,64]
                      [--depth 8] [--eps 0.1] [--repeats 20] [--out FILE] [--json]
                      [--drafter DIR] [--spec-mode M] [speculative options of `hyspec generate`]
-    python -m hyspec_jax.bench.calibrate ...          (same options)
+    python -m hyspec_jax.runtime.calibrate ...          (same options)
 
 For each bucket (batch slots B, KV length S) it measures
   T_dec(B, S)      one-token decode of every slot (`TargetModel.extend`, T = 1, state donated and fed back),

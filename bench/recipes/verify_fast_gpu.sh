@@ -8,14 +8,15 @@
 #   round    `hyspec bench round-scale` (tree-ready T_round / T_dec) at B 1 / 8 / 32 (ROUND_BATCH), N 8 / 32
 #   tests    the GPU twins of the kernel tests, where pytest is installed
 # The SGLang peer: the one kernel file of the sglang 0.5.23 wheel, zipped under .peer/ (ignored; carry it):
-#   here:  pip download --no-deps sglang==0.5.23 -d /tmp/sgl && cd /tmp/sgl && unzip -q sglang-*.whl \
-#            sglang/kernels/ops/attention/linear/fused_sigmoid_gating_recurrent.py && \
-#            zip -q "$REPO/.peer/sglang-0.5.23-verifier.zip" sglang/kernels/ops/attention/linear/*.py
+#   here (repository root):  mkdir -p .peer/sgl && pip download --no-deps sglang==0.5.23 -d .peer/sgl && \
+#            (cd .peer/sgl && unzip -q sglang-*.whl sglang/kernels/ops/attention/linear/fused_sigmoid_gating_recurrent.py \
+#             && zip -q ../sglang-0.5.23-verifier.zip sglang/kernels/ops/attention/linear/*.py) && rm -rf .peer/sgl
 # Usage (repository root, device machine): STEPS="layer round" bash bench/recipes/verify_fast_gpu.sh
 source bench/recipes/lib.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import flax, chex, optax, tqdm; print('imports ok')" || exit 1
 PEER=${PEER:-.peer/sglang-0.5.23-verifier.zip}
+JAX_CACHE=${JAX_CACHE:-.jax_cache}      # the compile cache (ignored by git, so it never travels)
 [ -e "$PEER" ] || PEER=
 for step in ${STEPS:-layer}; do
   case $step in
@@ -24,11 +25,11 @@ for step in ${STEPS:-layer}; do
         --decode-batches 1,8,32 ${PEER:+--sglang-wheel "$PEER"} --json "$OUT/gdn_layer.json" 2>&1 | tail -45 ;;
     profile)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 290 "${H[@]}" bench profile-scale --batch 1,8 --nodes 8,32 \
-        --compile-workers 1 --max-seconds 240 --compile-cache /tmp/jax_cache --no-progress \
+        --compile-workers 1 --max-seconds 240 --compile-cache "$JAX_CACHE" --no-progress \
         --json "$OUT/profile_scale.json" 2>&1 | tail -12 ;;
     round)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 320 "${H[@]}" bench round-scale --batch ${ROUND_BATCH:-1,8,32} --nodes 8,32 --no-phases \
-        --compile-workers 2 --max-seconds 270 --compile-cache /tmp/jax_cache --no-progress \
+        --compile-workers 2 --max-seconds 270 --compile-cache "$JAX_CACHE" --no-progress \
         --json "$OUT/round_scale.json" 2>&1 | tail -14 ;;
     tests)
       python3 -c "import pytest" 2>/dev/null && timeout 200 python3 -m pytest -q -x -p no:cacheprovider \

@@ -93,11 +93,10 @@ def parse_batches(text: str) -> list[int]:
 
 
 def rel_err(x, ref) -> float:
-    import numpy as np
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    if not np.isfinite(x).all():
-        return float("nan")
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+    """‖x − ref‖ / ‖ref‖ in float64 (NaN where x is not finite): `bench.kernels`' error, imported when first used
+    so that --help needs no JAX."""
+    from hyspec_jax.bench.kernels import _rel
+    return _rel(x, ref)
 
 
 def load_sglang_verifier(wheel: str):

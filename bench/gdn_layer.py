@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import re
 import sys
 import tempfile
 import types
@@ -67,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="no GPU: run the kernels in Pallas interpret mode and check their errors only (no times)")
     ap.add_argument("--geometry", choices=("27b", "small"), default="27b",
                     help="27b: Qwen3.8-27B's GDN layer (default); small: 2 key / 4 value heads of 16 (CPU checks)")
+    ap.add_argument("--variants", metavar="REGEX", default="",
+                    help="only the variants whose name matches (e.g. 'model|xla|sglang'; default: all)")
     ap.add_argument("--json", metavar="FILE", help="write the rows as JSON (and FILE.md beside it)")
     return ap
 
@@ -214,7 +217,12 @@ def sglang_decode_row(verifier, call, dtype_name: str, want) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    try:
+        wanted = re.compile(a.variants).search
+    except re.error as e:
+        ap.error(f"--variants: not a regular expression ({e})")
     configs = parse_configs(a.configs)
     batches = parse_batches(a.decode_batches)
     tilings = parse_configs(a.decode_tilings, "--decode-tilings")
@@ -234,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("bench gdn-layer times GPU kernels: run it on an NVIDIA GPU, or pass --interpret to "
                          "check the errors only")
     impl = "interpret" if a.interpret else "auto"
-    verifier = load_sglang_verifier(a.sglang_wheel) if a.sglang_wheel and gpu else None
+    verifier = load_sglang_verifier(a.sglang_wheel) if a.sglang_wheel and gpu and wanted("sglang") else None
     cfg = qwen38_27b() if a.geometry == "27b" else dataclasses.replace(
         qwen38_27b(), linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16)
@@ -255,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if a.interpret else min(48, max(4, -(-STATE_L2_BYTES // (B * hv * dk * dv * 4))))
 
     def solve_variants(path_nodes: int) -> dict:
+        return {n: f for n, f in all_solve_variants(path_nodes).items() if wanted(n)}
+
+    def decode_variants(heads: dict) -> dict:
+        return {n: f for n, f in all_decode_variants(heads).items() if wanted(n)}
+
+    def all_solve_variants(path_nodes: int) -> dict:
         solve = lambda *args, **kw: kernels.tree_solve(*args, path_nodes, impl=impl, **kw)   # noqa: E731
         f32 = lambda x: x.astype(F32)                                                           # noqa: E731
         bf16 = lambda x: x.astype(jnp.bfloat16)                                                 # noqa: E731
@@ -273,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                    impl="reference"),
         }
 
-    def decode_variants(heads: dict) -> dict:
+    def all_decode_variants(heads: dict) -> dict:
         out = {"model": lambda *args: kernels.gdn_decode(*args, **heads, impl=impl)}
         for bv, w in ([] if a.interpret else tilings):
             out[f"fused_bv{bv}_w{w}"] = (lambda t: lambda *args: kernels.gdn_decode(
@@ -300,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         write_report(partial, a.json, markdown)
 
     bandwidth = None
-    per_solve, per_decode = 7 + bool(verifier), 2 + (0 if a.interpret else len(tilings)) + bool(verifier)
+    per_solve = len(solve_variants(1)) + bool(verifier)
+    per_decode = len(decode_variants({})) + bool(verifier)
     bar = tqdm(total=len(configs) * per_solve + len(batches) * per_decode, desc="bench gdn-layer", unit="variant")
     for B, N in configs:
         depth = min(8, N - 1)

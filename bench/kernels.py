@@ -4,7 +4,7 @@
 
 For the Qwen3.8-27B GDN geometry (HK 16, HV 48, dk = dv = 128; fp32 state) at batch
 1/8/32 and tree sizes N = 16/32/64 (4/6/8 nodes on the longest path), with the inputs the bf16 model's verify
-hands the kernel (`make_set`: `target.verify_solve_call` through `kernels.verify_operands`: bf16 q/k/v, q/k at
+hands the kernel (`make_set`: `target.verify_solve_call` through `kernels.kernel_operands`: a bf16 model's fp32 q/k/v, q/k at
 their 16 key heads; tests/test_verify_inputs.py keeps the two equal), it checks every variant against the fp32
 reference (gdn.masked_solve, triangular solve, precision HIGHEST) on random trees and times:
   pallas_{neumann,squaring}_bv{16..128}[_nwW]  our value-tiled closed-form kernel (tf32 tensor cores)
@@ -92,8 +92,8 @@ def make_set(seed: int, B: int, N: int, dtype=jnp.bfloat16):
     geometry = dataclasses.replace(GEOMETRY, linear_num_key_heads=HK, linear_num_value_heads=HV,   # the constants:
                                    linear_key_head_dim=DK, linear_value_head_dim=DV)               # tests shrink them
     call = verify_solve_call(geometry, B, N, depth=depth, dtype=dtype, seed=seed)
-    operands, _ = kernels.verify_operands(dtype)
-    return call.S0, call.q.astype(operands), call.k.astype(operands), call.v.astype(operands), call.g, call.beta
+    q, k, v, _ = kernels.kernel_operands(call.q, call.k, call.v, dtype)
+    return call.S0, q, k, v, call.g, call.beta
 
 
 def value_pass_inputs(seed: int, B: int, N: int = 64, depth: int = 8, interpret: bool = False) -> tuple:

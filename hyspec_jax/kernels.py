@@ -151,6 +151,16 @@ def verify_operands(compute_dtype) -> tuple[jnp.dtype, str]:
     return VERIFY_OPERANDS.get(jnp.dtype(compute_dtype), (jnp.dtype(F32), "tf32x3"))
 
 
+def kernel_operands(q, k, v, compute_dtype):
+    """(q, k, v, precision) as the tree-solve kernel is handed them for a model computing in `compute_dtype`
+    (`verify_operands`): q and k in the operand dtype; v only rounded to it when wider — v enters no product, the
+    kernels widen it to fp32 as they read it, exactly, so a narrower v is passed as it is (no cast kernel)."""
+    operand_dtype, precision = verify_operands(compute_dtype)
+    if jnp.finfo(v.dtype).bits > jnp.finfo(operand_dtype).bits:
+        v = v.astype(operand_dtype)
+    return q.astype(operand_dtype), k.astype(operand_dtype), v, precision
+
+
 def _pad_tree(n_pad, q, k, v, g, beta, mask):
     N = q.shape[1]
     if n_pad == N:
@@ -164,16 +174,22 @@ def _pad_tree(n_pad, q, k, v, g, beta, mask):
 
 
 def _kernel_forward(S0, q, k, v, g, beta, mask, path_nodes, cfg, deferred=None):
+    """The one-launch forms read a tree of any size into their node tile on chip; only the split forms, whose two
+    passes hand N × N operators through memory, are given zero-padded copies (measured: at B 1, N 8 the pads and
+    the slices back took 14 of 19.8 µs, the kernel 5.7 — bench/results/kernels/gdn_layer_h100_unpadded.md)."""
     config, interpret = cfg
     N = q.shape[1]
     n_pad = _padded_n(N)
+    if config.method not in ("split", "split_mgpu") or n_pad == N:
+        o, gamma, vc = gdn_tree_solve.tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred,
+                                                        path_nodes=min(path_nodes, N), config=config,
+                                                        interpret=interpret)
+        return o, gdn.SolveFactors(gamma, k, vc)               # the keys as given: no copy
     qp, kp, vp, gp, bp, mp = _pad_tree(n_pad, q, k, v, g, beta, mask)
     o, gamma, vc = gdn_tree_solve.tree_solve_pallas(S0, qp, kp, vp, gp, bp, mp, deferred,
                                                     path_nodes=min(path_nodes, N), config=config,
                                                     interpret=interpret)
-    if n_pad != N:
-        o, gamma, vc = o[:, :N], gamma[..., :N], vc[:, :, :N]
-    return o, gdn.SolveFactors(gamma, k, vc)                   # the keys as given: no copy
+    return o[:, :N], gdn.SolveFactors(gamma[..., :N], k, vc[:, :, :N])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
@@ -210,13 +226,22 @@ def _block_v(dv: int, block_v: int | None) -> int:
 # bench/results/archive/kernels_split_mgpu_h200.md; 12.5 / 35.0 / 65.0 / 118.5 µs with the fp16 operator chain,
 # bench/results/kernels/kernels_h200_mgpu_table.md), where its shape limits allow (bf16 q/k, one-pass precision).
 SPLIT_MIN_NODES, SPLIT_ALWAYS_NODES = 64, 128
+# With fp32-accurate products (an fp32 model's verify) the split form wins at every size measured on an H100 at the
+# 27B geometry (bench/results/kernels/gdn_layer_h100_unpadded.md, µs per layer, split vs one-launch inverse, 3-pass
+# tf32): B 1 / 8 / 32 at N 8: 30.8 / 76.0 / 228.0 vs 29.5 / 118.9 / 423.6; B 1 / 8 at N 32: 55.6 / 201.1 vs
+# 373.4 / 1,828.9. The one-launch form keeps the N × N chain live beside the state tile, and 3-pass products of it
+# spill.
+FP32_ACCURATE_SPLIT = ("tf32x3", "ieee")
 
 
-def auto_method(nodes: int, dv: int, mgpu_ok: bool = False) -> tuple[str, int]:
+def auto_method(nodes: int, dv: int, mgpu_ok: bool = False, precision: str = "tf32") -> tuple[str, int]:
     """(form, block_v) that `method="auto"` picks for trees of `nodes` (padded) nodes and value heads of width dv;
-    mgpu_ok: the Mosaic GPU value pass can run here (Hopper GPU, bf16 q/k, tf32 precision, its shapes)."""
+    mgpu_ok: the Mosaic GPU value pass can run here (Hopper GPU, bf16 q/k, tf32 precision, its shapes); precision:
+    the kernel's products (fp32-accurate ones take the split form at every size: `FP32_ACCURATE_SPLIT`)."""
     if nodes >= SPLIT_ALWAYS_NODES:
         return "split", min(128, dv)
+    if precision in FP32_ACCURATE_SPLIT:
+        return "split", min(64, dv)
     if nodes == gdn_tree_split_mgpu.NODES and mgpu_ok:
         return "split_mgpu", 64
     if nodes >= SPLIT_MIN_NODES:
@@ -252,8 +277,7 @@ def tree_solve(S0, q, k, v, g, beta, mask, path_nodes: int | None = None, *, imp
     """Closed-form GDN tree solve with gdn.masked_solve's contract; returns (o fp32, SolveFactors).
 
     compute_dtype: the dtype the calling model computes in (the verify passes its activations' dtype). On the
-    kernel path q, k, v are then handed over in `verify_operands(compute_dtype)`'s dtype and its precision is the
-    default; the reference path takes them as they are (fp32: the oracle). None: as given, precision by q's dtype.
+    kernel path q, k, v are then handed over as `kernel_operands` gives them and its precision is the default; the reference path takes them as they are (fp32: the oracle). None: as given, precision by q's dtype.
 
     deferred: the state is S0 with these committed rows pending (`gdn.DeferredUpdates`, heads first, keys at
     value heads; the engine's `TargetState.pending` of one layer). The one-launch kernel forms merge them into the
@@ -274,8 +298,7 @@ def tree_solve(S0, q, k, v, g, beta, mask, path_nodes: int | None = None, *, imp
     path_nodes = N if path_nodes is None else int(path_nodes)
     given = q, k, v                        # what the reference takes (the cast below is the kernel path's)
     if compute_dtype is not None and impl != "reference":
-        operand_dtype, operand_precision = verify_operands(compute_dtype)
-        q, k, v = q.astype(operand_dtype), k.astype(operand_dtype), v.astype(operand_dtype)
+        q, k, v, operand_precision = kernel_operands(q, k, v, compute_dtype)
         precision = precision or operand_precision
     if deferred is not None and impl == "reference":
         S0, deferred = gdn.deferred_fold(S0, deferred), None
@@ -284,7 +307,7 @@ def tree_solve(S0, q, k, v, g, beta, mask, path_nodes: int | None = None, *, imp
     if method == "auto":
         n_pad = _padded_n(N)
         mgpu_ok = impl != "interpret" and not _split_mgpu_refusal(q, v, 64, precision, impl)
-        method, auto_bv = auto_method(n_pad or N, v.shape[-1], mgpu_ok)
+        method, auto_bv = auto_method(n_pad or N, v.shape[-1], mgpu_ok, precision or _default_precision(q.dtype))
         block_v = auto_bv if block_v is None else block_v
     block_v = _block_v(v.shape[-1], block_v)
     ok, why = tree_solve_supported(S0, q, k, v, g, beta, mask, block_v, precision)

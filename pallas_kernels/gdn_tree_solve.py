@@ -143,6 +143,45 @@ def _fold_deferred(s0, c_ref, rc_ref, pk_ref, pv_ref, count_ref, precision):
     return jnp.exp(c) * s0 + _dot(kw, pv_ref[...], precision, trans_a=True)
 
 
+def tile_nodes(n: int) -> int:
+    """The node tile of a tree of n nodes: the next power of two, at least 16 (a tensor-core product's smallest
+    side). The one-launch forms read the n nodes into it (`_node_rows`); the split forms take n = the tile."""
+    t = 16
+    while t < n:
+        t *= 2
+    return t
+
+
+def _node_rows(ref, n: int):
+    """A block whose leading axis is the node tile: rows past the tree's n nodes read as zeros (g = 0, β = 0,
+    q = k = v = 0: identity steps, as zero-padded nodes were), no load issued for them."""
+    if n >= ref.shape[0]:
+        return ref[...]
+    rows = lax.broadcasted_iota(jnp.int32, ref.shape, 0)
+    return pltriton.load(ref, mask=rows < n, other=0)
+
+
+def _store_node_rows(ref, x, n: int):
+    """Write x's first n rows (the tree's nodes) into a node-tiled output block; the tile's padding is not written."""
+    if n >= ref.shape[0]:
+        ref[...] = x
+        return
+    rows = lax.broadcasted_iota(jnp.int32, ref.shape, 0)
+    pltriton.store(ref, x, mask=rows < n)
+
+
+def _ancestors(mask_ref, n: int):
+    """The ancestor mask A [tile, tile] as f32 0/1; padded nodes are their own only ancestor (identity steps that
+    no node of the tree descends from)."""
+    if n >= mask_ref.shape[0]:
+        A = mask_ref[...]
+        return A if A.dtype == F32 else A.astype(F32)
+    shape = mask_ref.shape
+    row, col = lax.broadcasted_iota(jnp.int32, shape, 0), lax.broadcasted_iota(jnp.int32, shape, 1)
+    A = pltriton.load(mask_ref, mask=(row < n) & (col < n), other=0).astype(F32)
+    return jnp.where((row == col) & (row >= n), 1.0, A)
+
+
 def _decays(on, gamma):
     """D = A ⊙ e^{Γ_i−Γ_j} (on: A > 0)."""
     return gdn.masked_exp(on, gamma[:, None] - gamma[None, :])
@@ -153,14 +192,14 @@ def _query_operator(q, k, D, precision):
     return _dot(q, k, precision, trans_b=True) * D
 
 
-def _node_operators(mask_ref, g_ref, beta_ref, q, k, precision):
+def _node_operators(mask_ref, g_ref, beta_ref, q, k, precision, nodes: int | None = None):
     """Γ = A g, the ancestor-masked L = strict(A) ⊙ β kkᵀ ⊙ D and C = qkᵀ ⊙ D (node by node, no value tile; q None:
-    no C)."""
+    no C). nodes: the tree's nodes when fewer than the tile (`_node_rows`)."""
     n = mask_ref.shape[0]
-    A = mask_ref[...]                                   # [N, N] 0/1, f32 or int8
-    A = A if A.dtype == F32 else A.astype(F32)
-    g = g_ref[...]                                      # [N]
-    beta = beta_ref[...]                                # [N]
+    nodes = n if nodes is None else nodes
+    A = _ancestors(mask_ref, nodes)                     # [N, N] 0/1 f32 (read as f32 or int8)
+    g = _node_rows(g_ref, nodes)                        # [N]
+    beta = _node_rows(beta_ref, nodes)                  # [N]
     on = A > 0
     gamma = jnp.sum(A * g[None, :], axis=1)             # Γ = A g            [N]
     D = _decays(on, gamma)
@@ -218,16 +257,16 @@ def _apply_inverse(L, R, rounds: int, method: str, precision):
     return U
 
 
-def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: bool, write_state: bool):
+def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: bool, write_state: bool, nodes: int):
     mask_ref, g_ref, beta_ref, q_ref, k_ref, v_ref, s0_ref = refs[:7]
     rest = refs[7:]
     if deferred:
         c_ref, rc_ref, pk_ref, pv_ref, count_ref = rest[:5]
         rest = rest[5:]
     o_ref, gamma_ref, vc_ref = rest[:3]
-    q = q_ref[...]                                      # [N, dk] (input dtype)
-    k = k_ref[...]
-    gamma, beta, L, C = _node_operators(mask_ref, g_ref, beta_ref, q, k, precision)
+    q = _node_rows(q_ref, nodes)                        # [N, dk] (input dtype; N the node tile)
+    k = _node_rows(k_ref, nodes)
+    gamma, beta, L, C = _node_operators(mask_ref, g_ref, beta_ref, q, k, precision, nodes)
     if method == "inverse":                             # node-wise work first, before the state tile is live
         M = _inverse(L, rounds, precision)
         CM = _dot(C, M, precision)
@@ -239,16 +278,16 @@ def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: boo
     ks = _dot(k, s0, precision)                         # [N, bv]
     qs = _dot(q, s0, precision)
     eg = jnp.exp(gamma)
-    R = beta[:, None] * (v_ref[...].astype(F32) - eg[:, None] * ks)
+    R = beta[:, None] * (_node_rows(v_ref, nodes).astype(F32) - eg[:, None] * ks)
     if method == "inverse":                             # V' = M R and C V' = (C M) R: two independent products
         U = _dot(M, R, precision)
         o = eg[:, None] * qs + _dot(CM, R, precision)
     else:
         U = _apply_inverse(L, R, rounds, method, precision)
         o = eg[:, None] * qs + _dot(C, U, precision)
-    o_ref[...] = o.astype(o_ref.dtype)
-    vc_ref[...] = U
-    gamma_ref[...] = gamma                              # every value tile writes the same Γ
+    _store_node_rows(o_ref, o.astype(o_ref.dtype), nodes)
+    _store_node_rows(vc_ref, U, nodes)
+    _store_node_rows(gamma_ref, gamma, nodes)           # every value tile writes the same Γ
 
 
 def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *out_refs, rounds: int, precision,
@@ -384,9 +423,10 @@ def supported(N: int, dk: int, dv: int, block_v: int, precision: Precision = "tf
 def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, path_nodes: int,
                       config: SolveConfig = SolveConfig(), write_state: bool = False, interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
-    g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N must be a power of two in [16, 128]
-    (the dispatcher pads with identity nodes). path_nodes: nodes on the longest path. config: the form and tiling
-    (`SolveConfig`). Returns (o [B,N,HV,dv], Γ [B,HV,N], V' [B,HV,N,dv]).
+    g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N ≤ 128 nodes; the one-launch forms read them into a
+    node tile (`tile_nodes`: a power of two ≥ 16) whose padding is identity steps, on chip — no padded copies in
+    memory; the split forms take N = its tile (the dispatcher pads for them). path_nodes: nodes on the longest path.
+    config: the form and tiling (`SolveConfig`). Returns (o [B,N,HV,dv], Γ [B,HV,N], V' [B,HV,N,dv]).
 
     deferred: the state is S0 plus committed-but-unmerged path updates (`gdn.DeferredUpdates` in kernel
     layout: c [B,HV], c_i [B,HV,P], keys [B,P,HK,dk] (key heads), values [B,HV,P,dv], count [B]; P a power
@@ -399,7 +439,8 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, path_nodes: 
     method, block_v, precision = config.method, config.block_v, config.precision
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
-    if not supported(N, dk, dv, block_v, precision) or HV % HK:
+    n_tile = tile_nodes(N)
+    if not supported(n_tile, dk, dv, block_v, precision) or HV % HK:
         raise ValueError(f"unsupported shape N={N} dk={dk} dv={dv} block_v={block_v} HV={HV} HK={HK} "
                          f"precision={precision}")
     if write_state and deferred is None:
@@ -416,6 +457,9 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, path_nodes: 
     num_stages = config.num_stages
     out_dtype = config.out_dtype
     if method in ("split", "split_mgpu"):
+        if N != n_tile:
+            raise ValueError(f"method {method!r} takes a node count that is its own tile (a power of two ≥ 16; the "
+                             f"dispatcher pads), got N={N}")
         if deferred is not None:
             raise ValueError(f"method {method!r} takes no deferred updates (use 'inverse', its one-pass form)")
         if method == "split_mgpu" and not gdn_tree_split_mgpu.supported(N, dk, dv, block_v, q.dtype):
@@ -425,20 +469,21 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, path_nodes: 
                                  num_warps=num_warps, interpret=interpret)
     kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(path_nodes, N), method=method,
                              precision=_f32_precision(precision, interpret), deferred=deferred is not None,
-                             write_state=write_state)
+                             write_state=write_state, nodes=N)
+    T = n_tile                  # node blocks are the tile; rows past N are masked in the kernel (`_node_rows`)
     in_specs = [
-        pl.BlockSpec((None, N, N), lambda b, h, t: (b, 0, 0)),                 # mask
-        pl.BlockSpec((None, N, None), lambda b, h, t: (b, 0, h)),              # g
-        pl.BlockSpec((None, N, None), lambda b, h, t: (b, 0, h)),              # beta
-        pl.BlockSpec((None, N, None, dk), lambda b, h, t: (b, 0, h // r, 0)),  # q (key head)
-        pl.BlockSpec((None, N, None, dk), lambda b, h, t: (b, 0, h // r, 0)),  # k (key head)
-        pl.BlockSpec((None, N, None, block_v), lambda b, h, t: (b, 0, h, t)),  # v
+        pl.BlockSpec((None, T, T), lambda b, h, t: (b, 0, 0)),                 # mask
+        pl.BlockSpec((None, T, None), lambda b, h, t: (b, 0, h)),              # g
+        pl.BlockSpec((None, T, None), lambda b, h, t: (b, 0, h)),              # beta
+        pl.BlockSpec((None, T, None, dk), lambda b, h, t: (b, 0, h // r, 0)),  # q (key head)
+        pl.BlockSpec((None, T, None, dk), lambda b, h, t: (b, 0, h // r, 0)),  # k (key head)
+        pl.BlockSpec((None, T, None, block_v), lambda b, h, t: (b, 0, h, t)),  # v
         pl.BlockSpec((None, None, dk, block_v), lambda b, h, t: (b, h, 0, t)),  # S0
     ]
     out_specs = [
-        pl.BlockSpec((None, N, None, block_v), lambda b, h, t: (b, 0, h, t)),  # o
-        pl.BlockSpec((None, None, N), lambda b, h, t: (b, h, 0)),              # Γ
-        pl.BlockSpec((None, None, N, block_v), lambda b, h, t: (b, h, 0, t)),  # V'
+        pl.BlockSpec((None, T, None, block_v), lambda b, h, t: (b, 0, h, t)),  # o
+        pl.BlockSpec((None, None, T), lambda b, h, t: (b, h, 0)),              # Γ
+        pl.BlockSpec((None, None, T, block_v), lambda b, h, t: (b, h, 0, t)),  # V'
     ]
     out_shape = [jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype),
                  jax.ShapeDtypeStruct((B, HV, N), F32),

@@ -116,6 +116,24 @@ def test_tree_solve_interpret(case, method):
     assert rel(vc, fac.corrected) < 1e-5
 
 
+@pytest.mark.parametrize("method", ["neumann", "squaring", "inverse"])
+@pytest.mark.parametrize("N,depth", [(8, 4), (11, 5), (5, 5), (20, 6)])
+def test_tree_solve_reads_any_node_count_into_its_tile_interpret(method, N, depth):
+    """The one-launch forms take N nodes that are not a tile (8, 11, 5 → 16; 20 → 32): rows past N read as
+    identity nodes on chip and are never written, so no padded copy exists and the outputs have N rows."""
+    par, mask, (S0, q, k, v, g, beta) = make_inputs(N * 7 + depth, 2, N, 2, 6, 16, 32, depth)
+    o_ref, fac = reference(S0, q, k, v, g, beta, mask)
+    o, gamma, vc = solve(S0, q, k, v, g, beta, mask, path_nodes=depth, method=method, block_v=16, interpret=True)
+    assert o.shape == o_ref.shape and gamma.shape == fac.log_decay.shape and vc.shape == fac.corrected.shape
+    assert rel(o, o_ref) < 1e-5 and rel(vc, fac.corrected) < 1e-5 and rel(gamma, fac.log_decay) < 1e-6
+
+
+def test_split_forms_take_only_a_whole_tile():
+    _, mask, args = make_inputs(3, 1, 8, 2, 4, 16, 16, 4)
+    with pytest.raises(ValueError, match="its own tile"):
+        solve(*args, mask, path_nodes=4, method="split", block_v=16, interpret=True)
+
+
 def _mgpu_case(seed: int, depth: int):
     """A forest of 64 nodes at this depth (a chain at depth 64) for the split_mgpu tests: 2 requests, 3 value heads
     per key head, dk 64, dv 128 (two value tiles), bf16 q/k/v; returns (args, mask, o_ref, factors)."""
@@ -350,9 +368,11 @@ def test_dispatch_unsupported_shape_falls_back():
         kernels.tree_solve(S0, q, k, v, g, beta, mask, 4, impl="interpret")
 
 
-def test_dispatch_pads_odd_node_count():
+@pytest.mark.parametrize("method", ["inverse", "split"])
+def test_dispatch_takes_an_odd_node_count(method):
+    """11 nodes: the one-launch form reads them into its 16-node tile, the split form is handed padded copies."""
     par, mask, args = make_inputs(43, 2, 11, 2, 4, 16, 16, 4)
-    o, fac = kernels.tree_solve(*args, mask, 4, impl="interpret", block_v=16)
+    o, fac = kernels.tree_solve(*args, mask, 4, impl="interpret", block_v=16, method=method)
     o_ref, fac_ref = reference(*args, mask)
     assert o.shape == o_ref.shape and fac.corrected.shape == fac_ref.corrected.shape
     assert rel(o, o_ref) < 1e-5 and rel(fac.corrected, fac_ref.corrected) < 1e-5
@@ -369,6 +389,9 @@ def test_auto_method_rule_and_split_through_dispatch():
     assert kernels.auto_method(128, 32) == ("split", 32)
     assert kernels.auto_method(64, 128, mgpu_ok=True) == ("split_mgpu", 64)   # Hopper, bf16 q/k
     assert kernels.auto_method(32, 128, mgpu_ok=True) == ("inverse", 64)
+    for precision in ("tf32x3", "ieee"):                                  # fp32-accurate products: split throughout
+        assert kernels.auto_method(16, 128, precision=precision) == ("split", 64)
+        assert kernels.auto_method(32, 64, precision=precision) == ("split", 64)
     par, mask, args = make_inputs(44, 2, 100, 2, 4, 16, 32, 6)            # padded to 128 nodes: split, bv 32
     # one-pass tf32 (what bf16 inputs get; interpret mode computes in fp32 anyway): fp32-accurate products at
     # 128 nodes do not fit the H200's shared memory and are refused (next test)
@@ -423,6 +446,18 @@ def test_tree_solve_gpu_bf16(method, N, depth):
     o_ref, fac = reference(*args, mask)
     o, fac_k = kernels.tree_solve(*args, mask, depth, impl="pallas", method=method)
     assert rel(o, o_ref) < 1e-2 and rel(fac_k.corrected, fac.corrected) < 1e-2
+
+
+@needs_gpu
+@pytest.mark.parametrize("N,depth", [(8, 4), (11, 6)])
+def test_tree_solve_gpu_node_count_not_a_tile(N, depth):
+    """Masked node rows on the GPU (Triton): the model's N = 8 verify at the 27B geometry, fp32 operands."""
+    par, mask, args = make_inputs(N + depth, 2, N, 16, 48, 128, 128, depth)
+    o_ref, fac = reference(*args, mask)
+    o, fac_k = kernels.tree_solve(*args, mask, depth, impl="pallas", method="inverse", precision="tf32")
+    assert o.shape == o_ref.shape
+    assert rel(o, o_ref) < 2e-3 and rel(fac_k.corrected, fac.corrected) < 2e-3
+    assert rel(fac_k.log_decay, fac.log_decay) < 1e-6
 
 
 @needs_gpu

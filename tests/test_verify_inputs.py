@@ -109,9 +109,11 @@ def test_kernel_bench_sets_are_the_dispatchers_operands():
     operands, _ = kernels.verify_operands(jnp.bfloat16)
     for got, ref in zip((S0, q, k, v, g, beta), call.args[:6]):
         assert got.shape == ref.shape
-    assert q.dtype == k.dtype == v.dtype == operands
-    np.testing.assert_array_equal(np.asarray(q), np.asarray(call.q.astype(operands)))
-    np.testing.assert_array_equal(np.asarray(v), np.asarray(call.v.astype(operands)))
+    assert q.dtype == k.dtype == operands
+    want_q, want_k, want_v, _ = kernels.kernel_operands(call.q, call.k, call.v, jnp.bfloat16)
+    for got, want in ((q, want_q), (k, want_k), (v, want_v)):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

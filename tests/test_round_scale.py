@@ -1,6 +1,7 @@
 """`hyspec bench round-scale` (bench/round_scale.py): the CPU tiny path end to end (the engine's round, its phases
-and the decoding step timed per batch and width), the projection arithmetic against the results file's own τ,
-the published drafter geometry, merge, and one-line errors."""
+and the decoding step timed per batch and width; every drafting mode, the MTP modes with the target's own MTP
+head), the projection arithmetic against the results file's own τ and the published τ per mode, the published
+drafter geometry, merge (across modes too), and one-line errors."""
 
 import json
 import os
@@ -25,15 +26,27 @@ def run(tmp_path_factory):
     return out, json.loads(out.read_text())
 
 
+@pytest.fixture(scope="module")
+def modes_run(tmp_path_factory):
+    """chain, mtp and mtp-tree in one process at N 4 (a chain of 3 drafts; a tree's 4 nodes), at the KV length of
+    `run` (so the two merge)."""
+    out = tmp_path_factory.mktemp("round_scale_modes") / "modes.json"
+    argv = ["--tiny", "--mode", "chain,mtp,mtp-tree", "--batch", "2", "--nodes", "4", "--prefix", "6", "--max-len",
+            "38", "--repeats", "2", "--warmup", "1", "--no-progress", "--json", str(out), *FAST]
+    assert rs.main(argv) == 0
+    return out, json.loads(out.read_text())
+
+
 def test_rows_and_outputs(run):
     out, rep = run
     assert rep["status"] == "complete" and not rep["skipped"]
     assert "--tiny" in rep["command"] and rep["meta"]["commit"]
     s = rep["settings"]
-    assert s["mode"] == "tree-ready" and s["tree"] == dict(depth=7, top_k=8, beam=16)
+    assert s["modes"] == ["tree-ready"] and s["nodes"] == {"tree-ready": [4, 32]}
+    assert s["tree"] == dict(depth=7, top_k=8, beam=16) and rep["mtp"] is None
     assert s["max_len"] == 6 + 32 and rep["drafter"]["gamma"] == 7 and rep["drafter"]["reader"] is not None
     assert [d["batch"] for d in rep["decode"]] == [2] and rep["decode"][0]["t_ms"] > 0
-    assert [(r["batch"], r["nodes"]) for r in rep["rows"]] == [(2, 4), (2, 32)]
+    assert [(r["mode"], r["batch"], r["nodes"]) for r in rep["rows"]] == [("tree-ready", 2, 4), ("tree-ready", 2, 32)]
     t_dec = {d["batch"]: d["t_ms"] for d in rep["decode"]}
     for r in rep["rows"]:
         assert r["depth"] == min(7, r["nodes"] - 1) and r["capacity"] == r["batch"] * r["nodes"]
@@ -45,6 +58,67 @@ def test_rows_and_outputs(run):
         assert r["committed_per_round"] == pytest.approx(r["accepted_per_round"] + 1)
     md = out.with_suffix(".md").read_text()
     assert "PROJECTED" in md and "2610.20503" in md and "e2e_h100_loop.json" in md and "T_round / T_dec" in md
+    assert "τ 4.53 (ReaDy, published)" in md and "| mode |" in md
+
+
+def test_every_mode(modes_run):
+    """chain (DSpark drafter, no reader), mtp and mtp-tree (the target's MTP head, no drafter's reader): each mode's
+    round and phases timed beside one decoding step; a chain's N is its node count (N − 1 drafts); the MTP head's
+    geometry and parameter count reported; the published τ per mode (mtp at 3 drafts: 3.28; none for a chain of 3
+    DSpark drafts or for mtp-tree)."""
+    out, rep = modes_run
+    s = rep["settings"]
+    assert rep["status"] == "complete" and not rep["skipped"]
+    assert s["modes"] == ["chain", "mtp", "mtp-tree"] and s["max_len"] == 38
+    assert s["nodes"] == {"chain": [4], "mtp": [4], "mtp-tree": [4]}
+    assert rep["decode"][0]["t_ms"] > 0 and len(rep["decode"]) == 1
+    rows = {r["mode"]: r for r in rep["rows"]}
+    assert sorted(rows) == ["chain", "mtp", "mtp-tree"]
+    for mode, r in rows.items():
+        assert r["batch"] == 2 and r["nodes"] == 4 and r["capacity"] == 2 * 4
+        assert r["t_round_ms"] > 0 and r["t_draft_ms"] > 0 and r["t_verify_ms"] > 0
+        assert r["t_dec_ms"] == rep["decode"][0]["t_ms"] and r["phases"]["verify"]["finite"]
+        assert r["committed_per_round"] == pytest.approx(r["accepted_per_round"] + 1)
+    assert rows["chain"]["depth"] == 3 and rows["mtp"]["depth"] == 3     # N − 1 drafts
+    assert rows["mtp-tree"]["depth"] == 3                                   # a 4-node tree: at most 3 deep
+    # the DSpark drafter without a reader (no ready mode); the MTP head: one layer at the target's hidden size
+    d, h = rep["drafter"], rep["mtp"]
+    assert d["reader"] is None and d["gamma"] == 7
+    H, I = rep["model"]["config"]["hidden_size"], rep["model"]["config"]["intermediate_size"]
+    assert h["layers"] == 1 and h["hidden_size"] == H and h["param_count"] > 0 and h["param_bytes"] > 0
+    attn = H * h["num_attention_heads"] * h["head_dim"] * 2 + 2 * H * h["num_key_value_heads"] * h["head_dim"]
+    attn += h["num_attention_heads"] * h["head_dim"] * H                  # q (+ gate), k, v, o
+    norms = 5 * H + 2 * h["head_dim"]     # pre-fc embedding / hidden, input, post-attention, final; q / k norms
+    assert h["param_count"] == 2 * H * H + attn + 3 * H * I + norms       # fc, gated attention, MLP, norms
+    pub = rep["taus"]["published"]
+    assert pub["mtp"]["tau"] == {"4": 3.28} and pub["chain"]["tau"] == {} and pub["mtp-tree"]["tau"] == {}
+    assert rows["mtp"]["projections"]["published"]["speedup"] == pytest.approx(
+        3.28 * rows["mtp"]["t_dec_ms"] / rows["mtp"]["t_round_ms"], rel=1e-3)
+    assert rows["chain"]["projections"]["published"]["speedup"] is None
+    md = out.with_suffix(".md").read_text()
+    assert "MTP head (mtp, mtp-tree; no separate drafter)" in md and "τ 3.28 (Qwen3.8-27B MTP head, published)" in md
+    for mode in rows:
+        assert f"| {mode} | 2 | 4 |" in md
+
+
+def test_published_taus_per_mode():
+    nodes = {"chain": [6, 8], "ready": [6, 8], "tree": [8, 32], "mtp": [2, 3, 4, 5, 6], "mtp-tree": [8]}
+    pub = rs.published_taus(list(nodes), nodes, None)
+    assert pub["chain"]["tau"] == {"6": 3.73} and pub["ready"]["tau"] == {"8": 4.5285}
+    assert pub["tree"]["tau"] == {"8": 4.5285, "32": 4.5285} and pub["tree"]["label"] == "ReaDy"
+    assert pub["mtp"]["tau"] == {"2": 1.90, "3": 2.68, "4": 3.28, "5": 3.79} and pub["mtp-tree"]["tau"] == {}
+    assert "drafters.md §10" in pub["mtp"]["source"] and "2610.20503" in pub["tree"]["source"]
+    own = rs.published_taus(["mtp-tree"], {"mtp-tree": [8]}, 2.5)["mtp-tree"]
+    assert own["tau"] == {"8": 2.5} and own["source"] == "--published-tau"
+
+
+def test_mode_nodes():
+    assert rs.mode_nodes("tree-ready", None, 7) == [8, 32] and rs.mode_nodes("mtp-tree", None, 0) == [8, 32]
+    assert rs.mode_nodes("chain", None, 7) == [6, 8] and rs.mode_nodes("chain", None, 3) == [4]
+    assert rs.mode_nodes("mtp", None, 0) == [4] and rs.mode_nodes("mtp", [2, 40], 0) == [2, 40]
+    for mode, nodes in (("chain", [32]), ("chain", [1]), ("mtp", [1])):
+        with pytest.raises(ValueError, match=f"does not apply to mode {mode}"):
+            rs.mode_nodes(mode, nodes, 7)
 
 
 def test_projection_arithmetic(run):
@@ -54,7 +128,8 @@ def test_projection_arithmetic(run):
     e2e = json.loads(E2E.read_text())
     assert e2e["meta"]["tree"] == dict(depth=7, top_k=8, beam=16, verify_nodes=32)
     tau_emb = e2e["results"]["tree-ready@b1"]["mean_tau"]
-    assert rep["taus"]["published"] == 4.5285 and rep["taus"]["embedded"]["32"]["tau"] == tau_emb
+    assert rep["taus"]["published"]["tree-ready"]["tau"] == {"4": 4.5285, "32": 4.5285}
+    assert rep["taus"]["embedded"]["tree-ready"]["32"]["tau"] == tau_emb
     for r in rep["rows"]:
         p = r["projections"]
         want = 4.5285 * r["t_dec_ms"] / r["t_round_ms"]
@@ -134,7 +209,8 @@ def test_random_drafter_norms_are_one():
 
 def test_merge(run, tmp_path):
     out, rep = run
-    a = dict(rep, rows=rep["rows"][:1], status="partial", skipped=["round B=2 N=32", "verify B=2 N=32"])
+    a = dict(rep, rows=rep["rows"][:1], status="partial",
+             skipped=["round tree-ready B=2 N=32", "verify tree-ready B=2 N=32"])
     b = dict(rep, rows=rep["rows"][1:])
     (tmp_path / "a.json").write_text(json.dumps(a))
     (tmp_path / "b.json").write_text(json.dumps(b))
@@ -145,13 +221,37 @@ def test_merge(run, tmp_path):
     assert merged.with_suffix(".md").is_file()
 
 
+def test_merge_across_modes(run, modes_run, tmp_path):
+    """Runs of different modes at one KV length merge into one table with a mode column; another KV length is
+    refused in one line."""
+    (out, rep), (out2, rep2) = run, modes_run
+    merged = tmp_path / "m.json"
+    assert rs.main(["--merge", str(out), str(out2), "--json", str(merged)]) == 0
+    m = json.loads(merged.read_text())
+    assert m["settings"]["modes"] == ["tree-ready", "chain", "mtp", "mtp-tree"] and m["status"] == "complete"
+    assert [(r["mode"], r["nodes"]) for r in m["rows"]] == [("tree-ready", 4), ("tree-ready", 32), ("chain", 4),
+                                                              ("mtp", 4), ("mtp-tree", 4)]
+    assert m["drafter"]["reader"] is not None and m["mtp"] == rep2["mtp"]
+    assert set(m["taus"]["published"]) == {"tree-ready", "chain", "mtp", "mtp-tree"}
+    md = merged.with_suffix(".md").read_text()
+    assert "| mode |" in md and "| mtp-tree | 2 | 4 |" in md and "at each row's τ" in md
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(dict(rep2, settings=dict(rep2["settings"], max_len=15))))
+    with pytest.raises(ValueError, match="max_len"):
+        rs.merge([str(out), str(other)])
+
+
 def test_errors_are_one_line(tmp_path, capsys):
     assert rs.main(["--tiny", "--no-progress", "--tau-from", str(tmp_path / "none.json")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hyspec bench round-scale: error:")
-    with pytest.raises(SystemExit) as e:
-        rs.main(["--tiny", "--tree-depth", "0"])
-    assert e.value.code == 2
+    for argv in (["--tree-depth", "0"], ["--mode", "chain", "--nodes", "32"], ["--mode", "mtp,bogus"],
+                 ["--mode", "mtp", "--block-size", "3"], ["--mode", "chain", "--block-size", "3", "--nodes", "8"]):
+        with pytest.raises(SystemExit) as e:
+            rs.main(["--tiny", *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("hyspec bench round-scale: error:"), (argv, err)
 
 
 def test_device_memory_default_and_out_of_memory_line(run, tmp_path, monkeypatch, capsys):

@@ -7,6 +7,8 @@
 #            layer, kernels per call, each program against its floor
 #   round    `hyspec bench round-scale` (tree-ready T_round / T_dec) at B 1 / 8 / 32 (ROUND_BATCH), N 8 / 32
 #   tests    the GPU twins of the kernel tests, where pytest is installed
+# layer's LAYER_CONFIGS, DECODE_BATCHES ('' for none), LAYER_VARIANTS (a regex) and LAYER_TIMEOUT narrow it to fit
+# beside other steps in one call.
 # The SGLang peer: the one kernel file of the sglang 0.5.23 wheel, zipped under .peer/ (ignored; carry it):
 #   here (repository root):  mkdir -p .peer/sgl && pip download --no-deps sglang==0.5.23 -d .peer/sgl && \
 #            (cd .peer/sgl && unzip -q sglang-*.whl sglang/kernels/ops/attention/linear/fused_sigmoid_gating_recurrent.py \
@@ -21,10 +23,13 @@ JAX_CACHE=${JAX_CACHE:-.jax_cache}      # the compile cache (ignored by git, so 
 for step in ${STEPS:-layer}; do
   case $step in
     layer)    # JAX takes half the GPU here: the peer's torch allocations need the rest
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 540 "${H[@]}" bench gdn-layer --configs 1:8,1:32,8:8,8:32,32:8 \
-        --decode-batches 1,8,32 ${PEER:+--sglang-wheel "$PEER"} --json "$OUT/gdn_layer.json" 2>&1 | tail -45 ;;
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout ${LAYER_TIMEOUT:-540} "${H[@]}" bench gdn-layer \
+        --configs ${LAYER_CONFIGS:-1:8,1:32,8:8,8:32,32:8} --decode-batches "${DECODE_BATCHES-1,8,32}" \
+        ${LAYER_VARIANTS:+--variants "$LAYER_VARIANTS"} ${PEER:+--sglang-wheel "$PEER"} \
+        --json "$OUT/gdn_layer.json" 2>&1 | tail -45 ;;
     profile)
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 290 "${H[@]}" bench profile-scale --batch 1,8 --nodes 8,32 \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout ${PROFILE_TIMEOUT:-290} "${H[@]}" bench profile-scale \
+        --batch ${PROFILE_BATCH:-1,8} --nodes 8,32 \
         --compile-workers 1 --max-seconds 240 --compile-cache "$JAX_CACHE" --no-progress \
         --json "$OUT/profile_scale.json" 2>&1 | tail -12 ;;
     round)

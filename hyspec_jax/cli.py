@@ -284,31 +284,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks and memory reports (JSON + a readable table)",
                        description="Benchmarks. `hyspec bench WHICH --help` for each one's options.")
-    b.add_argument("which", choices=("memory", "kernels", "kernel-resources", "verify-scale", "e2e", "budget-report",
-                                     "round-profile", "topk", "profile-scale", "moe-scale", "load-scale",
-                                     "serve-compile", "oneshot", "reader-probe", "round-scale", "packed-verify",
-                                     "ready-control", "serve-compare", "gdn-layer"),
-                   help="budget-report: throughput vs node budget and eps from an e2e sweep + a calibration table; e2e: Spec-Bench-style tokens/s, tau and prefix survival per domain and mode vs ar; round-profile: wall vs GPU busy time and GPU launches per round, per mode (profiler trace); topk: the tree build's per-level top-k kernel tilings vs XLA (GPU); memory: transient verify memory, "
+    b.add_argument("which", choices=("memory", "kernels", "verify-scale", "e2e", "round-profile", "topk",
+                                     "profile-scale", "serve-compile", "round-scale", "serve-compare", "gdn-layer"),
+                   help="e2e: Spec-Bench-style tokens/s, tau and prefix survival per domain and mode vs ar; round-profile: wall vs GPU busy time and GPU launches per round, per mode (profiler trace); topk: the tree build's per-level top-k kernel tilings vs XLA (GPU); memory: transient verify memory, "
                    "Bole's factorized design vs per-node snapshots; kernels: GDN tree kernels vs baselines (GPU); "
-                   "kernel-resources: registers, shared memory, launch shape and one launch's time of each Pallas kernel "
-                   "(Nsight Compute; GPU); "
                    "verify-scale: T_ver(N)/T_dec and B_ver of the Qwen3.8-27B geometry, 1 or D GPUs; "
                    "profile-scale: T_dec and T_ver split into dense, GDN, attention, norms, logits and the rest, "
                    "each against its floor (profiler trace); "
-                   "moe-scale: one sparse-MoE block per layer in each execution form (gather, dense) at "
-                   "Qwen3-Next-80B-A3B geometry against its floor; "
-                   "load-scale: write a sharded bf16 checkpoint (default the 9B geometry) and time its streamed load; "
                    "serve-compile: hyspec serve's whole start-up program set at a geometry (default 27B), compiled "
                    "cold and from the persistent cache; "
-                   "oneshot: one fresh `hyspec generate` process per prompt and mode (what a one-shot call costs); "
-                   "reader-probe: ReaDy's reader at long context: teacher-forced τ̂ with its own / another window's "
-                   "GDN states by prefix length, and a ridge bound of what the states add beyond the taps; "
                    "round-scale: the engine's round of each drafting mode (chain, ready, tree, tree-ready with a "
                    "published-geometry DSpark drafter; mtp, mtp-tree with the target's MTP head in Qwen's layout) "
                    "vs a decoding step at the 27B geometry (random weights), and the projected speed-up; "
-                   "packed-verify: Bole's packed forest against the dense [B, N] one, per batch, width and budget C; "
-                   "ready-control: the table of a ReaDy positive-control recipe's run (engine τ of DSpark, ReaDy with "
-                   "its own / another request's state, the state-free control; paired differences by domain); "
                    "gdn-layer: one GDN layer's verify tree solve and decoding step at the model's own inputs, their "
                    "alternatives, XLA and SGLang's kernels (GPU); "
                    "serve-compare: modes against a baseline from serve_load passes, the ratio taken within each pass "

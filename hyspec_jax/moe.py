@@ -22,8 +22,9 @@ Expert parallel (experts sharded over the mesh's `model` axis, `hyspec_jax.shard
 XLA partitions "gather" as a masked local gather plus an all-reduce of the gathered weights [T, k, 2I, H] (not
 of the [T, H] outputs, as "dense" does), a communication cost a shard_map form would avoid.
 
-`choose_form` is the static rule the model applies per call (on the token count); bench/moe_scale.py
-measures each form against its HBM / compute floor at Qwen3-Next-80B-A3B geometry.
+`choose_form` is the static rule the model applies per call (on the token count); each form against its HBM /
+compute floor at Qwen3-Next-80B-A3B geometry: bench/results/moe/moe_scale_h100.md (a one-time study,
+bench/moe_scale.py, removed from the tree; git history has it).
 """
 
 from __future__ import annotations

@@ -93,26 +93,6 @@ def test_e2e_every_mode_equals_ar(dirs):
     assert out.with_suffix(".png").stat().st_size > 0 and (out.parent / "e2e_budget.png").stat().st_size > 0
 
 
-def test_budget_report_joins_sweep_and_table(tmp_path):
-    from hyspec_jax.bench.budget_report import main as report_main
-    from hyspec_jax.spec.budget import b_ver
-    row = lambda n, tok: {"mode": "tree", "batch": 1, "verify_nodes": n, "mean_tok_s": tok, "mean_tau": 2.0,  # noqa: E731
-                          "domains": {"code": {}}}
-    e2e = {"meta": {"device_kind": "cpu", "dtype": "float32"},
-           "results": {"tree@b1": row(32, 300.0), "tree@b1@N8": row(8, 250.0), "tree@b1@N64": row(64, 280.0)}}
-    t_ver = {"8": 1.0, "32": 1.05, "64": 1.4}
-    table = {"entries": {"k": {"batch": 1, "device_kind": "cpu", "t_ver_ms": t_ver, "t_dec_ms": 1.0}}}
-    (tmp_path / "e.json").write_text(json.dumps(e2e))
-    (tmp_path / "t.json").write_text(json.dumps(table))
-    assert report_main(["--e2e", str(tmp_path / "e.json"), "--table", str(tmp_path / "t.json"), "--json",
-                        str(tmp_path / "b.json"), "--eps", "0", "0.1", "0.5"]) == 0
-    out = json.loads((tmp_path / "b.json").read_text())
-    assert [c["n"] for c in out["curve"]] == [8, 32, 64] and out["best_measured_n"] == 32
-    for r in out["eps"]:
-        assert r["b_ver"] == b_ver({int(k): v for k, v in t_ver.items()}, 1.0, r["eps"])[0]
-    assert [r["measured_n"] for r in out["eps"]] == [8, 32, 64]
-
-
 def test_results_record_project_paths_relative(tmp_path):
     """Result JSONs name the project's own files relative to its root, never one machine's directories."""
     import hyspec_jax

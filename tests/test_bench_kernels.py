@@ -126,62 +126,6 @@ def test_deferred_bench_runs_on_cpu(tmp_path, monkeypatch):
     assert "Deferred commit" in md and "| 2 | 16 | 4 | 16 |" in md
 
 
-def test_kernel_resources_parse_ncu_and_refuse_without_gpu(tmp_path):
-    """ncu's raw CSV (units row, log lines, thousands separators) maps to our kernels by name; on a CPU the
-    command says why it cannot run and exits 1 (never a traceback)."""
-    from hyspec_jax.bench import kernel_resources as KR
-    metrics = ",".join(f'"{m}"' for m in KR.NCU_METRICS)
-    text = f"""==PROF== Connected to process 123 (/usr/bin/python3)
-"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC",{metrics}
-"","","","","","","","","","","","register/thread","byte","byte","","","","nsecond"
-"0","123","python3","127.0.0.1","loop_add_fusion","1","7","(128, 1, 1)","(8, 1, 1)","0","9.0","16","0","0","128","8","0.01","1,984"
-"1","123","python3","127.0.0.1","gdn_tree_solve_squaring_deferred","1","7","(256, 1, 1)","(768, 1, 1)","0","9.0","255","0","98,304","256","768","2.91","113,216"
-"2","123","python3","127.0.0.1","gdn_path_commit_1","1","7","(128, 1, 1)","(36,864, 1, 1)","0","9.0","128","1024","0","128","36864","34.9","905,000"
-==PROF== Disconnected from process 123
-"""
-    launches = KR.parse_ncu_csv(text)
-    assert [r["name"] for r in launches] == ["loop_add_fusion", "gdn_tree_solve_squaring_deferred", "gdn_path_commit_1"]
-    ours = KR.match_kernels(launches)
-    assert set(ours) == {"gdn_tree_solve_squaring_deferred", "gdn_path_commit"}
-    assert ours["gdn_tree_solve_squaring_deferred"] == {
-        "name": "gdn_tree_solve_squaring_deferred", "registers": 255, "smem_static_bytes": 0,
-        "smem_dynamic_bytes": 98304, "block_threads": 256, "grid_blocks": 768, "waves": 2.91, "duration_ns": 113216}
-    assert ours["gdn_path_commit"]["smem_static_bytes"] == 1024 and ours["gdn_path_commit"]["grid_blocks"] == 36864
-    md = "\n".join(KR.render({"batch": 8, "nodes": 64, "kernels": ours, "notes": ["n"]}))
-    assert "| gdn_path_commit (gdn_path_commit_1) | 128 | 1024 | 0 | 128 | 36864 | 34.9 | 905.0 |" in md
-    assert KR.parse_ncu_csv("==ERROR== no kernels were profiled") == []
-    import jax
-    if jax.default_backend() != "gpu":
-        assert KR.main(["--json", str(tmp_path / "r.json")]) == 1
-
-
-def test_kernel_resources_sass_opcode_mix():
-    """ncu's SASS source page (CSV, one block per kernel; rows as the H200's ncu 2025.3 writes them, cut to the
-    columns read) becomes an opcode mix: predicates and modifiers dropped, counts and stall samples summed."""
-    from hyspec_jax.bench import kernel_resources as KR
-    head = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
-            '"Instructions Executed","stall_long_sb","stall_wait","stall_long_sb (Not Issued)"')
-    text = "\n".join([
-        '"Kernel Name","gdn_tree_operators",', head,
-        '"0x10","      LOP3.LUT R44, R25, 0xffffe000, RZ, 0xc0, !PT","3","1","1536","0","3","0"',
-        '"0x20","      LOP3.LUT R54, R29, 0xffffe000, RZ, 0xc0, !PT","1","1","1536","0","1","0"',
-        '"0x30","  @!P0 STS [R140+UR60+0x4000], R41","6","6","768","6","-","6"',
-        '"Kernel Name","gdn_tree_apply_mgpu_mosaic_gpu_kernel",', head,
-        '"0x40","      HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24","2","0","3072","0","2","0"'])
-    per = KR.parse_sass_csv(text)
-    assert [x["opcode"] for x in per["gdn_tree_operators"]] == ["LOP3", "LOP3", "STS"]
-    ours = KR.match_kernels([{"name": k, "sass": v} for k, v in per.items()])
-    assert set(ours) == {"gdn_tree_operators", "gdn_tree_apply_mgpu"}
-    mix = KR.opcode_mix(ours["gdn_tree_operators"]["sass"])
-    assert mix["executed"] == 3840 and mix["samples"] == 10 and mix["static_instructions"] == 3
-    assert [r["opcode"] for r in mix["opcodes"]] == ["STS", "LOP3"]            # most stall samples first
-    assert mix["opcodes"][1]["executed_pct"] == pytest.approx(80.0) and mix["opcodes"][0]["stalls_pct"] == {
-        "long_sb": pytest.approx(60.0)}
-    md = "\n".join(KR.render({"batch": 8, "nodes": 64, "notes": [], "kernels": {
-        "split_mgpu": {"name": "gdn_tree_operators", "grid_blocks": 2, "block_threads": 128, "sass": mix}}}))
-    assert "3,840 warp instructions, 480 per warp, 3 in the code" in md and "| LOP3 | 80.0 | 40.0 | wait 40.0 |" in md
-
-
 def test_gpu_stream_time_sums_stream_events_only():
     """device_us: the GPU planes' "Stream" lines summed per call; the "XLA Ops" line (the same time again) and
     host planes are left out; a trace without GPU stream events is an error, not a zero."""

@@ -15,8 +15,9 @@
 #   dspark  DSpark(1,3,5) on A for DSPARK_S training seconds
 #   reader  reader_h200.sh on it with B (READER: its stage-1 choices)
 #   tau     bench e2e: chain / ready with the new drafter (own and swapped state, batch SWAP_BATCH), the state-free
-#           LoRA control (chain: its LoRA merged, no reader), chain / ready with the shipped drafter; then the
-#           table of it all, paired by domain (`hyspec bench ready-control`: RUN/ready_control.{json,md})
+#           LoRA control (chain: its LoRA merged, no reader), chain / ready with the shipped drafter
+#           (RUN/tau_*.{json,md}; the table that paired them by domain, bench/ready_control.py, was a one-time
+#           report: git history has it)
 # Sizes and budgets as drafter_h200.sh / reader_h200.sh (PER_DOMAIN 1536 a domain: the shipped pack's size).
 # Long contexts ([ready-scale] item 2's training side): PROMPT_LEN=256 GEN_LEN=256 SEQ_LEN=512, and E2E with
 # --prompts bench/data/heldout_prompts_L256.npz (or _L448) for the engine's tau at those prefixes.
@@ -84,6 +85,5 @@ if has tau; then
       --modes ar chain 2>&1 | tail -n 6
   [ -z "$SHIPPED" ] || "${E[@]}" --json "$RUN/tau_shipped.json" --drafter "$SHIPPED" --batch 1 --modes ar chain ready \
       2>&1 | tail -n 8
-  python3 -m hyspec_jax.cli bench ready-control --run "$RUN" --json "$RUN/ready_control.json" | tail -n 30
-  stamp "tau: $(echo "$RUN"/tau_*.json); the table: $RUN/ready_control.md"
+  stamp "tau: $(echo "$RUN"/tau_*.json)"
 fi

@@ -14,11 +14,11 @@ from flax import nnx
 from hyspec_jax import tree as T
 from hyspec_jax.config import FULL, LINEAR, TargetConfig
 from hyspec_jax.sampling import SlotSampling
-from hyspec_jax.spec import propose as P
 from hyspec_jax.spec.budget import (BudgetTable, b_ver, confident_length, model_id, root_floor, select_nodes)
 from hyspec_jax.spec.select import tree_candidates
 from hyspec_jax.tree import TreeExpansion
 from tests.tiny_drafter import tiny_draft_block
+from tests.tree_reference import tree_from_block
 
 B, M = 6, 12
 
@@ -185,12 +185,12 @@ def block():
 
 def test_greedy_tree_candidates_agree_with_propose_tree(block):
     """Greedy rows: the beam expansion keeps the same top nodes (tokens on the same paths, same ρ) as
-    propose.tree_from_block when the beam holds every node of the full k-ary tree."""
+    the ρ-ranked reference (tests/tree_reference.py) when the beam holds every node of the full k-ary tree."""
     model, graphdef, params, blk, anchor = block
     spec = TreeExpansion(depth=3, top_k=2, beam=8)
     full = TreeExpansion(depth=3, top_k=2, beam=14)
     cand = jax.jit(lambda p, b, a: tree_candidates(nnx.merge(graphdef, p), b, a, spec))(params, blk, anchor)
-    prop = jax.jit(lambda p, b, a: P.tree_from_block(nnx.merge(graphdef, p), b, a, full))(params, blk, anchor)
+    prop = jax.jit(lambda p, b, a: tree_from_block(nnx.merge(graphdef, p), b, a, full))(params, blk, anchor)
     for b in range(2):
         def paths(tok, par, ok, base):
             out = {}

@@ -17,6 +17,7 @@ from hyspec_jax.sampling import SlotSampling, slot_keys
 from hyspec_jax.spec import propose as P
 from hyspec_jax.state import init_drafter_state
 from hyspec_jax.tree import TreeExpansion
+from tests import tree_reference as TR
 
 TCFG = TargetConfig(
     model_type="qwen3_5_text", vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -53,7 +54,7 @@ def setup(heads) -> Setup:
 
 
 chain_jit = jax.jit(P.propose_chain, static_argnums=0)
-tree_jit = jax.jit(P.propose_tree, static_argnums=(0, 5), static_argnames=("return_probs",))
+tree_jit = jax.jit(TR.propose_tree, static_argnums=(0, 5), static_argnames=("return_probs",))
 
 
 def _softmax(x):
@@ -117,7 +118,7 @@ def test_chain_sampling_distributions(setup, heads):
     np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(prop.tokens))
 
 
-def _paths(prop: P.TreeProposal, b: int) -> dict[int, tuple[int, ...]]:
+def _paths(prop: TR.TreeProposal, b: int) -> dict[int, tuple[int, ...]]:
     """node -> token path from the anchor (checks topological order and depths on the way)."""
     parent, token, depth, valid = (np.asarray(x[b]) for x in (prop.parent, prop.token, prop.depth, prop.valid))
     out: dict[int, tuple[int, ...]] = {}
@@ -199,7 +200,7 @@ def test_tree_with_k1_is_the_rnn_greedy_chain(setup):
     @jax.jit
     def both(params, block, anchor):  # the sequential stages alone, on the fixture's block
         m = nnx.merge(s.graphdef, params)
-        return P.tree_from_block(m, block, anchor, env), P.chain_from_block(m, block, anchor)
+        return TR.tree_from_block(m, block, anchor, env), P.chain_from_block(m, block, anchor)
 
     prop, chain = both(s.params, setup.block, s.anchor)
     np.testing.assert_array_equal(np.asarray(prop.token), np.asarray(chain.tokens))
@@ -238,7 +239,7 @@ def test_tree_sampling_and_anchor_convention(setup, heads):
         toks = [p[-1] for p in grp]
         assert len(toks) == len(set(toks))                          # siblings are distinct (no replacement)
 
-    parent, valid, depth, token = jax.jit(P.with_anchor)(prop, s.anchor)
+    parent, valid, depth, token = jax.jit(TR.with_anchor)(prop, s.anchor)
     assert parent.shape == (B, 7)
     assert int(parent[1, 0]) == -1 and int(depth[1, 0]) == 0 and int(token[1, 0]) == int(s.anchor[1])
     for i in range(6):

@@ -21,7 +21,7 @@ Tree drafting and the sampling rule assumed
 The c children of node u carry tokens drawn **i.i.d. (with replacement) from q_u**, and they are visited in
 node-index order — an order fixed before the tokens are drawn (equivalently: each sibling's token is drawn when
 it is visited). Siblings sorted by their own tokens' probabilities, or drawn without replacement (Gumbel-top-k,
-as `spec.propose.tree_from_block` does for sampling rows), are *not* this model; the expectation differs (the
+as `spec.select.tree_candidates` does for sampling rows), are *not* this model; the expectation differs (the
 tests show the difference is far outside Monte Carlo error for sampling without replacement).
 
 Verification rules (`rule`):

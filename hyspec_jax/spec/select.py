@@ -15,8 +15,8 @@ depth asc, index asc) every node is ranked below its ancestors, its later siblin
 descendants; the beam truncation per level and `budget.select_nodes` keep a node based on the nodes ranked
 above it only — so a kept set is always a draw-order prefix of every node's children whose size does not
 depend on their tokens (what `spec.accept` requires). This is why trees are expanded here and not by
-`propose.tree_from_block`, which ranks sampled nodes by ρ (their own probability): fine for greedy rows,
-biased for sampling rows. For greedy rows the two expansions agree (top-k children by logits, ρ = products
+the ρ-ranked expansion the tests keep as a reference (tests/tree_reference.py), which ranks sampled nodes by ρ
+(their own probability): fine for greedy rows, biased for sampling rows. For greedy rows the two expansions agree (top-k children by logits, ρ = products
 of softmax probabilities).
 """
 

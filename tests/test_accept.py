@@ -4,9 +4,9 @@ The sampling tests draw drafts exactly as the engine does (Gumbel-top-k = sequen
 replacement from q), run `accept` on many independent rows at once, and compare the emitted tokens with the
 target distribution by a chi-square goodness-of-fit test. Threshold: p-value ≥ 1e-4 with a fixed seed, so a
 correct rule fails with probability 1e-4 per run; the seeds are fixed, so the result is deterministic. The
-i.i.d.-siblings rule applied to drafts drawn without replacement is the negative control: on the same data
-it must fail the same test by a wide margin (p < 1e-12), which shows the test has power against a wrong
-residual update.
+i.i.d.-siblings rule (q not depleted after a rejected sibling; `_iid_one_level`, numpy) applied to drafts drawn
+without replacement is the negative control: on the same kind of data it must fail the same test by a wide margin
+(p < 1e-12), which shows the test has power against a wrong residual update.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _chisq(samples: np.ndarray, probs: np.ndarray) -> float:
     return float(stats.chi2.sf(chi2, len(e) - 1))
 
 
-def _one_level(rng, p_logits, q, k, sampling, iid=False):
+def _one_level(rng, p_logits, q, k, sampling):
     """Anchor with k ≤ 3 children drawn without replacement from q; returns the emitted first token [NS].
     Always 4 nodes (unused ones invalid), so every one-level test shares one compiled program."""
     kids = _draw_without_replacement(rng, q, k)
@@ -82,7 +82,7 @@ def _one_level(rng, p_logits, q, k, sampling, iid=False):
     child_q[:, 0] = q
     acc = accept_jit(jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(parent), jnp.asarray(valid),
                      jnp.asarray(child_q), sampling, _keys(NS, int(rng.integers(1 << 30))), max_depth=1,
-                     max_children=3, iid_siblings=jnp.asarray(iid))
+                     max_children=3)
     node, bonus = np.asarray(acc.node), np.asarray(acc.bonus)
     first = np.where(node > 0, tokens[np.arange(NS), node], bonus)
     assert np.array_equal(np.asarray(acc.num_accepted), (node > 0).astype(np.int32))
@@ -118,13 +118,36 @@ def test_tree_siblings_without_replacement_emit_the_target_distribution(warped):
     assert (node > 1).any() and (node == 0).any()   # later siblings and the residual were both exercised
 
 
+def _iid_one_level(rng, p: np.ndarray, q: np.ndarray, k: int) -> np.ndarray:
+    """The i.i.d.-drafts rule (SpecInfer's for siblings drawn with replacement: after a rejection the residual
+    p ← norm(max(p − q, 0)) but q stays q) on k siblings drawn without replacement from q, one level: the emitted
+    first token [NS]."""
+    kids = _draw_without_replacement(rng, q, k)
+    p_res = np.broadcast_to(p, (NS, V)).astype(np.float64)
+    out = np.full(NS, -1)
+    for i in range(k):
+        x = kids[:, i]
+        live = out < 0
+        ok = live & (rng.random(NS) * q[x] < p_res[np.arange(NS), x])
+        out[ok] = x[ok]
+        rej = live & ~ok
+        new = np.maximum(p_res - q, 0.0)
+        s = new.sum(1, keepdims=True)
+        new = np.where(s > 0, new / np.where(s > 0, s, 1.0), p_res)
+        p_res = np.where(rej[:, None], new, p_res)
+    miss = out < 0
+    u = rng.random(miss.sum())
+    out[miss] = np.minimum((np.cumsum(p_res[miss], axis=1) < u[:, None]).sum(1), V - 1)
+    return out
+
+
 def test_iid_sibling_rule_is_biased_for_draws_without_replacement():
     """Negative control: the same test rejects the i.i.d. rule (q not depleted) decisively."""
     rng = np.random.default_rng(2)
     p = np.array([0.02, 0.02, 0.3, 0.3, 0.2, 0.1, 0.03, 0.03])
     q = np.array([0.45, 0.35, 0.05, 0.05, 0.04, 0.02, 0.02, 0.02])
     good, _ = _one_level(rng, np.log(p), q, 3, _sampling(NS))
-    bad, _ = _one_level(rng, np.log(p), q, 3, _sampling(NS), iid=True)
+    bad = _iid_one_level(rng, p, q, 3)
     assert _chisq(good, p) > 1e-4
     assert _chisq(bad, p) < 1e-12
 

@@ -67,15 +67,13 @@ def _normalise(x: jax.Array, fallback: jax.Array) -> jax.Array:
 
 def accept(logits: jax.Array, tokens: jax.Array, parent: jax.Array, valid: jax.Array,
            child_q: jax.Array | None, sampling: SlotSampling | None, keys: jax.Array | None, *,
-           max_depth: int, max_children: int, iid_siblings: bool | jax.Array = False) -> Acceptance:
+           max_depth: int, max_children: int) -> Acceptance:
     """Accept a path of every row's verified tree.
 
     logits [B,N,V] target logits (fp32, unwarped) at each node; tokens/parent/valid [B,N]; child_q [B,N,V]
     the (warped) draft distribution node u's children were drawn from, required when `sampling` is given;
     sampling None = all rows greedy (no randomness); keys [B] per-slot PRNG keys (with sampling).
     max_depth bounds the accepted drafts, max_children the children visited per node (static).
-    iid_siblings (bool or traced bool): use the i.i.d.-drafts rule q_{i+1} = q_i instead (only correct for
-    drafts drawn with replacement; kept as a documented negative control).
     """
     B, N, V = logits.shape
     chex.assert_shape([tokens, parent, valid], (B, N))
@@ -120,10 +118,9 @@ def accept(logits: jax.Array, tokens: jax.Array, parent: jax.Array, valid: jax.A
             child = jnp.where(acc, c, child)
             p_new = _normalise(jnp.maximum(p_res - q_res, 0.0), p_res)
             p_res = jnp.where(rej[:, None], p_new, p_res)
-            if iid_siblings is not True:
-                q_drop = jnp.where(jnp.arange(V)[None] == x[:, None], 0.0, q_res)
-                q_drop = _normalise(q_drop, jnp.zeros_like(q_res))
-                q_res = jnp.where(rej[:, None] & ~jnp.asarray(iid_siblings, bool), q_drop, q_res)
+            q_drop = jnp.where(jnp.arange(V)[None] == x[:, None], 0.0, q_res)
+            q_drop = _normalise(q_drop, jnp.zeros_like(q_res))
+            q_res = jnp.where(rej[:, None], q_drop, q_res)
         stop = ~done & ~found
         p_fin = jnp.where(stop[:, None], p_res, p_fin)
         done = done | stop

@@ -112,3 +112,37 @@ def test_qwen38_27b_ratio():
     assert "| 128 | 1 |" in text and "60.0x" in text
     with pytest.raises(ValueError):
         M.verify_memory(cfg, 0, 32)
+
+
+def test_bench_memory_rows_are_the_27b_counts(tmp_path, capsys):
+    """`hyspec bench memory` (bench/memory.py) at the default Qwen3.8-27B geometry: one row per N for each of its
+    three designs, the bytes equal to the per-(request, node, GDN layer) counts written out by hand from the
+    geometry (48 GDN layers, 16 key / 48 value heads of 128, conv_dim 10240, kernel 4)."""
+    import json
+    from hyspec_jax import cli
+    out = tmp_path / "mem.json"
+    assert cli.main(["bench", "memory", "--batch", "2", "--nodes", "8,16", "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["model"] == "Qwen3.8-27B geometry" and rep["batch"] == 2
+    Lg, HK, HV, dk, dv, conv = 48, 16, 48, 128, 128, 10240
+    designs = rep["designs"]
+    assert list(designs) == ["this library", "keys per value head (an expanded copy)",
+                             "Bole Table I accounting (no conv windows)"]
+    for label, rows in designs.items():
+        assert [r["nodes"] for r in rows] == [8, 16] and all(r["batch"] == 2 for r in rows)
+        for r in rows:
+            cells = Lg * 2 * r["nodes"]                          # (GDN layer, request, node) triples
+            keys = (HV if label.startswith("keys per value head") else HK) * dk
+            with_conv = not label.startswith("Bole")
+            assert r["snapshot_ssm_bytes"] == cells * HV * dv * dk * 4
+            assert r["snapshot_conv_bytes"] == (cells * conv * 3 * 2 if with_conv else 0)
+            assert (r["log_decay_bytes"], r["key_bytes"], r["corrected_bytes"]) == (
+                cells * HV * 4, cells * keys * 4, cells * HV * dv * 4)
+            assert r["conv_input_bytes"] == (cells * conv * 2 if with_conv else 0)
+            assert r["interaction_bytes"] == 0
+            bole = cells * ((HV + keys + HV * dv) * 4 + (conv * 2 if with_conv else 0))
+            sglang = cells * (HV * dv * dk * 4 + (conv * 3 * 2 if with_conv else 0))
+            assert r["ratio"] == pytest.approx(sglang / bole)
+    assert 59.5 < designs["this library"][0]["ratio"] < 60.5
+    printed = capsys.readouterr().out
+    assert printed.count("| N | batch | factors MiB |") == 3 and "| 16 | 2 |" in printed

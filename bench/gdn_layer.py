@@ -188,7 +188,7 @@ def sglang_decode_row(verifier, call, dtype_name: str, want) -> dict:
     from hyspec_jax import gdn
 
     B, C = call.x.shape
-    hv, dk, dv = call.S.shape[1:]
+    hv, dk, dv = call.S.shape[-3:]
     hk = call.key_heads
     tdtype = getattr(torch, dtype_name)
     dev = torch.device("cuda")
@@ -200,7 +200,7 @@ def sglang_decode_row(verifier, call, dtype_name: str, want) -> dict:
     v = t(conv[:, 2 * kd:].reshape(B, 1, hv, dv))
     a, b = t(call.a).reshape(B, 1, hv), t(call.b).reshape(B, 1, hv)
     A_log, dt_bias = t(call.A_log, torch.float32), t(call.dt_bias, torch.float32)
-    state0 = t(np.swapaxes(np.asarray(call.S), -1, -2), torch.float32)            # SGLang keeps [HV, dv, dk]
+    state0 = t(np.swapaxes(np.asarray(call.S[call.layer]), -1, -2), torch.float32)            # SGLang keeps [HV, dv, dk]
     state = state0.clone()
     slots = torch.arange(B, device=dev, dtype=torch.int32)
 
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from hyspec_jax import gdn, kernels
-    from hyspec_jax.bench.kernels import copy_bandwidth, time_multi
+    from hyspec_jax.bench.kernels import copy_bandwidth, time_chained, time_multi
     from hyspec_jax.bench.report import portable_command, publish_report, run_metadata, write_report
     from hyspec_jax.models.target import decode_step_call, verify_solve_call
     from hyspec_jax.spec.memory import qwen38_27b
@@ -254,6 +254,17 @@ def main(argv: list[str] | None = None) -> int:
         try:
             row.update(check(jax.jit(fn)(*sets[0])) if a.interpret else
                        time_multi(fn, sets, a.reps, check=check, profile=True))
+        except Exception as e:  # noqa: BLE001 — record and go on
+            row["error"] = f"{type(e).__name__}: {e}"[:1000]
+        return row
+
+    def measure_chained(row: dict, fn, sets, state, check) -> dict:
+        try:
+            if a.interpret:
+                st, outs = jax.jit(lambda st, ss: _chain(fn, st, ss))(state, sets)
+                row.update(check(outs[0], st))
+            else:
+                row.update(time_chained(fn, sets, state, a.reps, check=check, profile=True))
         except Exception as e:  # noqa: BLE001 — record and go on
             row["error"] = f"{type(e).__name__}: {e}"[:1000]
         return row
@@ -288,11 +299,17 @@ def main(argv: list[str] | None = None) -> int:
         }
 
     def all_decode_variants(heads: dict) -> dict:
-        out = {"model": lambda *args: kernels.gdn_decode(*args, **heads, impl=impl)}
+        """fn(i, stack, x, window, weight, a, b, A_log, dt_bias, valid) -> ((o, window), stack): layer i's step on
+        the state stack, as the unrolled model's decoding step makes it."""
+        def step(**kw):
+            def fn(i, S, x, window, weight, a_, b_, A_log, dt_bias, valid):
+                out = kernels.gdn_decode(x, window, weight, a_, b_, A_log, dt_bias, S, valid, **heads, layer=i, **kw)
+                return (out.o, out.window), out.state
+            return fn
+        out = {"model": step(impl=impl)}
         for bv, w in ([] if a.interpret else tilings):
-            out[f"fused_bv{bv}_w{w}"] = (lambda t: lambda *args: kernels.gdn_decode(
-                *args, **heads, impl="pallas", tiling=t))((bv, w))
-        out["xla"] = lambda *args: kernels.gdn_decode(*args, **heads, impl="reference")
+            out[f"fused_bv{bv}_w{w}"] = step(impl="pallas", tiling=(bv, w))
+        out["xla"] = step(impl="reference")
         return out
 
     solve_rows, decode_rows = [], []
@@ -339,20 +356,25 @@ def main(argv: list[str] | None = None) -> int:
         save_partial()
     bandwidth = copy_bandwidth() if gpu and batches and not a.interpret else None
     for B in batches:
-        R = layer_sets(B)
-        calls = [decode_step_call(cfg, B, dtype=dtype, seed=77 * B + i) for i in range(R)]
-        sets = [c.args for c in calls]
-        want = jax.jit(lambda *args: gdn.decode_step(*args, **calls[0].kwargs))(*sets[0])
-        floor_bytes = 2 * B * hv * dk * dv * 4 + 2 * sum(x.nbytes for x in (calls[0].x, calls[0].window))
+        R = layer_sets(B)               # the sets are layers 0 … R−1 of one state stack, stepped one after another
+        first = decode_step_call(cfg, B, dtype=dtype, seed=77 * B)
+        calls = [first] + [decode_step_call(cfg, B, dtype=dtype, seed=77 * B + i, layer=i, states=first.S)
+                           for i in range(1, R)]
+        heads = {"key_heads": first.key_heads, "key_dim": first.key_dim}
+        sets = [tuple(x for n, x in enumerate(c.args) if n != 7) for c in calls]       # all but the stack
+        want = jax.jit(lambda *args: gdn.decode_step(*args, **heads))(*first.args[:7], first.S[0], first.valid)
+        stack = np.asarray(first.S)                                                      # each variant's own copy
+        floor_bytes = 2 * B * hv * dk * dv * 4 + 2 * sum(x.nbytes for x in (first.x, first.window))
         base = {"B": B, "sets": R, "floor_bytes": floor_bytes,
                 "floor_us": 1e6 * floor_bytes / bandwidth if bandwidth else None}
 
-        def check(out, want=want):
-            return {"err_o": rel_err(out.o, want.o), "err_state": rel_err(out.state, want.state),
-                    "window_equal": bool(np.array_equal(np.asarray(out.window, np.float32),
+        def check(out, state, want=want):
+            o, window = out
+            return {"err_o": rel_err(o, want.o), "err_state": rel_err(state[0], want.state),
+                    "window_equal": bool(np.array_equal(np.asarray(window, np.float32),
                                                         np.asarray(want.window, np.float32)))}
-        for name, fn in decode_variants(calls[0].kwargs).items():
-            decode_rows.append(measure({**base, "variant": name}, fn, sets, check))
+        for name, fn in decode_variants(heads).items():
+            decode_rows.append(measure_chained({**base, "variant": name}, fn, sets, jnp.asarray(stack), check))
             bar.update(1)
         if verifier is not None:
             try:
@@ -363,6 +385,15 @@ def main(argv: list[str] | None = None) -> int:
         save_partial()
     bar.close()
     return publish_report(report("complete"), "hyspec bench gdn-layer", argv, a.json, markdown)
+
+
+def _chain(fn, state, sets):
+    """fn(i, state, *sets[i]) -> (out, state) over the sets in order: (final state, outs)."""
+    outs = []
+    for i, s in enumerate(sets):
+        out, state = fn(i, state, *s)
+        outs.append(out)
+    return state, outs
 
 
 def _f(x, nd: int = 1) -> str:

@@ -211,6 +211,55 @@ def time_multi(fn, sets, reps: int, warmup: int = 2, check=None, profile: bool =
     return rec
 
 
+def time_chained(fn, sets, state, reps: int, warmup: int = 2, check=None, profile: bool = False) -> dict:
+    """`time_multi` for a step that updates one buffer in place, as a model's layers pass on the stack they update:
+    fn(i, state, *sets[i]) -> (out, state) for every set in order, all in one executable that takes `state`
+    donated and hands the updated one back (so no copy of it is timed). check(out of set 0, state after the first
+    run) -> dict of errors. Consumes `state`."""
+    def chain(st, ss):
+        outs = []
+        for i, s in enumerate(ss):
+            out, st = fn(i, st, *s)
+            outs.append(out)
+        return st, outs
+
+    transient = {}
+    try:
+        transient["transient_bytes"] = int(jax.jit(chain, donate_argnums=0).lower(state, sets).compile()
+                                           .memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 — a backend without memory analysis: the timing stands without it
+        pass
+    multi = jax.jit(chain, donate_argnums=0)
+    box = [state]
+
+    def run():
+        box[0], outs = multi(box[0], sets)
+        return jax.block_until_ready((box[0], outs))
+
+    t0 = time.perf_counter()
+    st, outs = run()
+    compile_s = time.perf_counter() - t0
+    errs = check(outs[0], st) if check is not None else {}
+    del st, outs
+    for _ in range(warmup - 1):
+        run()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        run()
+        ts.append(time.perf_counter() - t)
+    R = len(sets)
+    rec = {**errs, **transient, "median_us": 1e6 * float(np.median(ts)) / R, "min_us": 1e6 * float(np.min(ts)) / R,
+           "spread_us": 1e6 * float(np.percentile(ts, 90) - np.percentile(ts, 10)) / R,
+           "sets": R, "reps": reps, "compile_s": compile_s}
+    if profile and jax.default_backend() == "gpu":
+        try:
+            rec.update(device_kernel_time(run, R))
+        except Exception as e:  # noqa: BLE001 — the host-clock time stands without it
+            rec["device_error"] = f"{type(e).__name__}: {e}"[:500]
+    return rec
+
+
 def _measure(fn, sets, reps: int, check, floor_us: float, profile: bool = False) -> dict:
     """time_multi of one variant, with its distance to the floor; an exception is recorded, not raised."""
     rec = {}

@@ -10,7 +10,11 @@ taps of those columns, a, b and the head's A_log, dt_bias; forms the conv (SiLU)
 `hyspec_jax.gdn`'s own functions; then, on its state tile S[b, h, :, t] (fp32, in registers), the decay, the delta
 rule and o = Sᵀq — each state tile read once and written once. Every window column is written by one program: the
 value tile's by its own, the key head's q/k columns by the key head's first value head's first tile. The window and
-the state are written to new buffers (no aliasing: the q/k columns are read by every program of their key head).
+the state are written to new buffers (no aliasing: the q/k columns are read by every program of their key head) —
+unless the state is handed over as the model's stack of every GDN layer's state with the layer's static index
+(`layer`): then each program updates its tile of that layer in place (the stack is aliased to the output), and
+neither a slice of the stack before the step nor a write-back after it exists (measured: those two copies of the
+state were two kernels a layer, bench/results/scale/).
 What it replaces in the decoding step: the conv, the window update, the gates, the l2norm and the state update as
 separate XLA kernels (about nine a GDN layer; bench/results/scale/ has them counted).
 
@@ -85,22 +89,38 @@ def _decode_kernel(valid_ref, x_ref, win_ref, w_ref, a_ref, b_ref, alog_ref, dtb
         shift(kd + kh * key_dim, key_dim, k_rows)
 
 
-@functools.partial(jax.jit, static_argnames=("key_heads", "key_dim", "block_v", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("key_heads", "key_dim", "layer", "block_v", "num_warps", "interpret"))
 def decode_step_pallas(x, window, weight, a, b, A_log, dt_bias, S, valid, *, key_heads: int, key_dim: int,
-                       block_v: int = 32, num_warps: int = 1, interpret: bool = False) -> gdn.DecodeStep:
+                       layer: int | None = None, block_v: int = 32, num_warps: int = 1,
+                       interpret: bool = False) -> gdn.DecodeStep:
     """Kernel entry, `gdn.decode_step`'s contract: x [B, C] new raw inputs, window [B, K−1, C], weight [C, K] (tap
     K−1 = the new token), a, b [B, HV], A_log, dt_bias [HV], S [B, HV, dk, dv] fp32, valid [B] bool. C = 2·HK·dk +
-    HV·dv. Returns `gdn.DecodeStep(o [B, HV, dv] fp32, state, window)`."""
+    HV·dv. Returns `gdn.DecodeStep(o [B, HV, dv] fp32, state, window)`.
+
+    layer: S is the stack [L, B, HV, dk, dv] of every GDN layer's state and the step is layer `layer`'s; the returned
+    state is the stack with that layer updated, in place (aliased: donate or carry the stack, else XLA copies it)."""
     B, C = x.shape
-    HV, dk, dv = S.shape[1], S.shape[2], S.shape[3]
+    if layer is not None:
+        if S.ndim != 5 or not 0 <= layer < S.shape[0]:
+            raise ValueError(f"layer {layer} of a state stack [L, B, HV, dk, dv], got S {S.shape}")
+        if S.dtype != F32:
+            raise ValueError(f"a state stack updated in place must be float32, got {S.dtype}")
+    HV, dk, dv = S.shape[-3], S.shape[-2], S.shape[-1]
     km1 = window.shape[1]
     if (not supported(key_heads, key_dim, HV, dv, block_v) or dk != key_dim
-            or C != 2 * key_heads * key_dim + HV * dv or window.shape != (B, km1, C) or weight.shape != (C, km1 + 1)):
+            or C != 2 * key_heads * key_dim + HV * dv or window.shape != (B, km1, C) or weight.shape != (C, km1 + 1)
+            or S.shape[-4] != B):
         raise ValueError(f"unsupported decode step: x {x.shape}, window {window.shape}, weight {weight.shape}, "
                          f"S {S.shape}, {key_heads} key heads of {key_dim}, block_v {block_v}")
     kern = functools.partial(_decode_kernel, key_heads=key_heads, key_dim=key_dim, group=HV // key_heads,
                              value_dim=dv, block_v=block_v)
     row = lambda b, h, t: (b, 0)                     # noqa: E731
+    if layer is None:
+        state_spec = pl.BlockSpec((None, None, dk, block_v), lambda b, h, t: (b, h, 0, t))
+        aliases = {}
+    else:                                            # the layer's tiles of the stack, updated in place
+        state_spec = pl.BlockSpec((None, None, None, dk, block_v), lambda b, h, t: (layer, b, h, 0, t))
+        aliases = {8: 1}
     o, S_new, win_new = pl.pallas_call(
         kern,
         out_shape=[jax.ShapeDtypeStruct((B, HV, dv), F32), jax.ShapeDtypeStruct(S.shape, F32),
@@ -115,11 +135,12 @@ def decode_step_pallas(x, window, weight, a, b, A_log, dt_bias, S, valid, *, key
             pl.BlockSpec((None, None), lambda b, h, t: (b, h)),                         # b
             pl.BlockSpec((None,), lambda b, h, t: (h,)),                                # A_log
             pl.BlockSpec((None,), lambda b, h, t: (h,)),                                # dt_bias
-            pl.BlockSpec((None, None, dk, block_v), lambda b, h, t: (b, h, 0, t)),      # S
+            state_spec,                                                                 # S
         ],
         out_specs=[pl.BlockSpec((None, None, block_v), lambda b, h, t: (b, h, t)),     # o
-                   pl.BlockSpec((None, None, dk, block_v), lambda b, h, t: (b, h, 0, t)),  # S after
+                   state_spec,                                                          # S after
                    pl.BlockSpec((None, km1, C), lambda b, h, t: (b, 0, 0))],            # window after
+        input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name="gdn_decode_step",
     )(valid.astype(jnp.int32), x, window, weight, a, b, A_log, dt_bias, S.astype(F32))

@@ -76,3 +76,40 @@ def test_decode_kernel_equals_its_math_gpu(dtype):
     args, heads = _inputs(5, B=4, hk=4, hv=8, dk=128, dv=128, dtype=dtype)
     want = jax.jit(lambda a: gdn.decode_step(**a, **heads))(args)
     _check(kernels.gdn_decode(**args, **heads, impl="pallas"), want, 1e-5)
+
+
+def _stacked(args: dict, layers: int = 3) -> jax.Array:
+    """A stack of `layers` GDN states whose every row differs, the args' state at row 1."""
+    return jnp.stack([args["S"] * (1.0 + 0.5 * (i - 1)) for i in range(layers)])
+
+
+def _check_stacked(impl: str, args: dict, heads: dict, tol: float) -> None:
+    """Layer 1 of a stack steps as its own state does (o, window, that row of the state); the other rows are the
+    stack's as given, bit for bit."""
+    stack = _stacked(args)
+    before = np.asarray(stack)
+    want = kernels.gdn_decode(**args, **heads, impl="reference")
+    got = jax.jit(lambda s: kernels.gdn_decode(**{**args, "S": s}, **heads, layer=1, impl=impl), donate_argnums=0)(stack)
+    assert got.state.shape == before.shape
+    _check(got._replace(state=got.state[1]), want, tol)
+    for i in (0, 2):
+        np.testing.assert_array_equal(np.asarray(got.state[i]), before[i])
+
+
+@pytest.mark.parametrize("impl", ["reference", "interpret"])
+def test_decode_step_of_one_layer_of_the_state_stack(impl):
+    args, heads = _inputs(11)
+    _check_stacked(impl, args, heads, 1e-5)
+
+
+def test_stacked_decode_refuses_a_layer_outside_the_stack():
+    args, heads = _inputs(12)
+    with pytest.raises(ValueError, match="layer 3"):
+        gdn_decode.decode_step_pallas(**{**args, "S": _stacked(args)}, **heads, layer=3, block_v=16, interpret=True)
+
+
+@pytest.mark.skipif(not GPU, reason="needs an NVIDIA GPU")
+def test_decode_step_of_one_layer_of_the_state_stack_gpu():
+    """In place on the GPU: the layer's tiles of the donated stack are written, the other layers are untouched."""
+    args, heads = _inputs(13, B=4, hk=4, hv=8, dk=128, dv=128, dtype=jnp.bfloat16)
+    _check_stacked("pallas", args, heads, 1e-5)

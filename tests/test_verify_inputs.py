@@ -132,6 +132,9 @@ def test_decode_bench_call_is_the_decoding_steps_call(dtype):
             assert (got[name].shape, got[name].dtype) == (arr.shape, arr.dtype), name
         assert (got["key_heads"], got["key_dim"]) == (want.key_heads, want.key_dim)
         assert got["impl"] == "auto"
+    # the unrolled model hands over the whole state stack and each GDN layer's own row of it (stepped in place)
+    assert [c["layer"] for c in calls] == list(range(len(TCFG.gdn_layers)))
+    assert want.S.shape[0] == len(TCFG.gdn_layers) and want.layer == 0
 
 
 def test_operand_policy_is_the_kernel_paths_only(monkeypatch):

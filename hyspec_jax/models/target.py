@@ -164,10 +164,11 @@ class TargetModel(nnx.Module):
 
         def gdn_mixer(mix, h, j, carry):
             """Writes the layer's new state into the carry at row j; out: (new conv window when unrolled, else
-            None — written into the carry too; deferred row or None). Measured with `bench/dispatch_cost.py`:
-            when the state update's own computation fused into the row update, that fusion read the stacked
-            array it updated and XLA copied the whole stack before each GDN layer (12 more kernels a decoding
-            step of the embedded model); the barrier keeps them apart, so the row is written in place. Stacking
+            None — written into the carry too; deferred row or None). Measured on the embedded model's decoding
+            step (a one-time probe, in git history as bench/dispatch_cost.py): when the state update's own
+            computation fused into the row update, that fusion read the stacked array it updated and XLA copied the
+            whole stack before each GDN layer (12 more kernels a step); the barrier keeps them apart, so the row is
+            written in place (a decoding step's row: `kernels.gdn_decode` with the layer's index). Stacking
             per-layer states after the stack instead copies the whole state once a step (slower with a large
             state); the conv windows are small, and unrolled they are stacked: their in-place updates still
             drew copies."""
@@ -177,10 +178,18 @@ class TargetModel(nnx.Module):
             S0 = committed_ssm(carry, j)           # carry.pending is only replaced after the whole stack
             S = fac = None
             if T == 1 and not deferred_step:       # a decoding step: one launch on a GPU (kernels.gdn_decode)
-                o, S, conv = kernels.gdn_decode(qkv[:, 0], conv_j, mix.conv_weight, a[:, 0], b[:, 0], mix.A_log[...],
-                                                mix.dt_bias[...], S0, valid[:, 0], key_heads=mix.hk, key_dim=mix.dk,
-                                                impl=kernel_impl)
-                o = o[:, None]
+                # unrolled (j static): the step updates layer j of the state stack in place, no slice of it and no
+                # write-back; under the scan (j traced) the layer's state goes in and comes out
+                stacked = isinstance(j, int)
+                step = kernels.gdn_decode(qkv[:, 0], conv_j, mix.conv_weight, a[:, 0], b[:, 0], mix.A_log[...],
+                                          mix.dt_bias[...], carry.ssm if stacked else S0, valid[:, 0],
+                                          key_heads=mix.hk, key_dim=mix.dk, layer=j if stacked else None,
+                                          impl=kernel_impl)
+                o, conv = step.o[:, None], step.window
+                if stacked:
+                    carry = carry.replace(ssm=step.state)
+                else:
+                    S = step.state
             else:
                 q, k, v, g, beta = mix.mixer_inputs(gdn.causal_conv(qkv, conv_j, mix.conv_weight), b, a, valid)
                 conv = gdn.conv_window_after(qkv, conv_j, num_valid)
@@ -501,10 +510,11 @@ class DecodeCall:
     b: jax.Array        # [B, HV]
     A_log: jax.Array    # [HV]
     dt_bias: jax.Array  # [HV]
-    S: jax.Array        # [B, HV, dk, dv] fp32
+    S: jax.Array        # [Lg, B, HV, dk, dv] fp32: every GDN layer's state (the stack the step updates in place)
     valid: jax.Array    # [B] bool
     key_heads: int
     key_dim: int
+    layer: int          # the layer's row in S
 
     @property
     def args(self) -> tuple[jax.Array, ...]:
@@ -512,20 +522,27 @@ class DecodeCall:
 
     @property
     def kwargs(self) -> dict:
-        return {"key_heads": self.key_heads, "key_dim": self.key_dim}
+        return {"key_heads": self.key_heads, "key_dim": self.key_dim, "layer": self.layer}
 
 
-def decode_step_call(cfg: TargetConfig, batch: int, *, dtype=jnp.bfloat16, seed: int = 0) -> DecodeCall:
+def decode_step_call(cfg: TargetConfig, batch: int, *, dtype=jnp.bfloat16, seed: int = 0, layer: int = 0,
+                     states: jax.Array | None = None) -> DecodeCall:
     """A random GDN layer's decoding-step call at `cfg`'s geometry, every slot active, with the model computing (and
-    keeping its conv windows) in `dtype`; conv taps, A_log and dt_bias drawn as `GatedDeltaNet` initialises them."""
+    keeping its conv windows) in `dtype`; conv taps, A_log and dt_bias drawn as `GatedDeltaNet` initialises them.
+    The step is layer `layer`'s of the state stack `states` [Lg, B, HV, dk, dv] (default: a random stack of
+    `cfg`'s GDN layers), as the unrolled model's decoding step hands it over."""
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
     ks = jax.random.split(jax.random.key(seed), 7)
     normal = lambda key, *shape: jax.random.normal(key, shape, F32).astype(dtype)   # noqa: E731
+    if states is None:
+        states = 0.1 * jax.random.normal(ks[6], (len(cfg.gdn_layers), batch, hv, dk, dv), F32)
+    chex.assert_shape(states, (None, batch, hv, dk, dv))
+    if not 0 <= layer < states.shape[0]:
+        raise ValueError(f"layer {layer} of a stack of {states.shape[0]} GDN layers")
     return DecodeCall(
         x=normal(ks[0], batch, cfg.conv_dim), window=normal(ks[1], batch, K - 1, cfg.conv_dim),
         weight=(0.3 * jax.random.normal(ks[2], (cfg.conv_dim, K), F32)).astype(dtype),
         a=normal(ks[3], batch, hv), b=normal(ks[4], batch, hv),
         A_log=jnp.log(jax.random.uniform(ks[5], (hv,), F32, 1.0, 16.0)).astype(dtype), dt_bias=jnp.ones((hv,), dtype),
-        S=0.1 * jax.random.normal(ks[6], (batch, hv, dk, dv), F32), valid=jnp.ones((batch,), bool),
-        key_heads=hk, key_dim=dk)
+        S=states, valid=jnp.ones((batch,), bool), key_heads=hk, key_dim=dk, layer=layer)

@@ -65,9 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", choices=("reference", "auto"), default="auto",
                    help="tree build (top-k), GDN verify and commit of the speculative modes: the Pallas kernels "
                         "where supported on a GPU (auto, the default; pure JAX elsewhere), or pure JAX everywhere")
-    p.add_argument("--reader-state", choices=("own", "swapped"), default="own",
-                   help="ready modes: the reader reads its own request's committed state (default), or — ReaDy's "
-                        "swapped-state control — the state of the request one slot up (every batch >= 2)")
     p.add_argument("--no-plots", action="store_true")
     return p
 
@@ -77,8 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     if a.repeats < 1:
         parser.error("--repeats must be at least 1")
-    if a.reader_state == "swapped" and min(a.batch) < 2:
-        parser.error("--reader-state swapped reads another request's state: every --batch must be >= 2")
     import jax
     import jax.numpy as jnp
     from tqdm.auto import tqdm
@@ -108,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     def engine(mode: str, batch: int, nodes: int | None = None):
         return make_engine(target, drafters, mode, batch, kernels=a.kernels,
                            tree=TreeExpansion(depth, a.tree_topk, a.tree_beam), verify_nodes=nodes or a.verify_nodes,
-                           mtp_steps=a.mtp_steps, reader_state=a.reader_state)
+                           mtp_steps=a.mtp_steps)
 
     def run_pass(eng, batch: int, domains) -> tuple[dict, float]:
         out, secs = {}, {}
@@ -132,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": portable_path(model_dir), "drafter": portable_path(drafter_dir) if needs_drafter else None,
             "dtype": a.dtype, "prompts": portable_path(a.prompts), "prompts_per_domain": a.prompts_per_domain,
             "max_tokens": a.max_tokens, "repeats": a.repeats, "repeat_order": "round-robin over modes",
-            "kernels": a.kernels, "reader_state": a.reader_state,
+            "kernels": a.kernels,
             "tree": {"depth": depth, "top_k": a.tree_topk, "beam": a.tree_beam, "verify_nodes": a.verify_nodes}}
     bar = tqdm(total=len(configs) * (1 + a.repeats), desc="bench e2e", unit="pass")
     # Every engine compiles first; then the repeats go round-robin over the configurations, so a drift of the
@@ -220,7 +215,7 @@ def load_models(model_dir: Path, drafter_dir: Path, dtype, with_drafter: bool) -
 
 
 def make_engine(target, drafters: dict, mode: str, batch: int, *, kernels: str, tree, verify_nodes: int,
-                mtp_steps: int | None = None, reader_state: str = "own"):
+                mtp_steps: int | None = None):
     """The engine of one benchmarked mode (`tree` / `verify_nodes` used by the tree modes); None for a reader
     mode when the drafter has no reader. The MTP modes draft with `drafters["mtp"]`, the model's own head."""
     from hyspec_jax.spec.engine import SpecConfig, SpecEngine
@@ -235,7 +230,7 @@ def make_engine(target, drafters: dict, mode: str, batch: int, *, kernels: str, 
     d = drafters[mode in ("ready", "tree-ready")]
     if d is None:
         return None
-    kw = dict(kernels=kernels, reader_state=reader_state if mode in ("ready", "tree-ready") else "own")
+    kw = dict(kernels=kernels)
     if mode.startswith("tree"):
         kw.update(tree=tree, verify_nodes=verify_nodes)
     return SpecEngine(target, d, SpecConfig(mode=mode, **kw), slots=batch)

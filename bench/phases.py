@@ -35,7 +35,7 @@ def round_inputs(engine: SpecEngine, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams], what: str) -> dict:
     """The inputs of one round after the prefill of `prompts` (the first `slots` of them, admitted at once; the
     bucket `generate` would use): backend, shape, admit, k, state, dstate, anchor, active, sampling, steps,
-    capacity, hint."""
+    capacity."""
     if engine.spec.mode == "ar":
         raise ValueError(f"{what} need a speculative mode (ar has no draft / verify / commit)")
     if not prompts:
@@ -55,7 +55,7 @@ def round_inputs(engine: SpecEngine, prompts: Sequence[Sequence[int]],
     shape = be.round_shapes[any(p.temperature > 0 for p in plist[:k])]
     return dict(backend=be, B=B, S=S, N=be.verify_nodes, shape=shape, admit=admit, k=k, state=be.state,
                 dstate=be.dstate, anchor=be.anchor, active=jnp.asarray(admit), sampling=sampling,
-                steps=jnp.asarray(admit.astype(np.int32)), capacity=jnp.asarray(be.capacity, I32), hint=None)
+                steps=jnp.asarray(admit.astype(np.int32)), capacity=jnp.asarray(be.capacity, I32))
 
 
 def phase_times(engine: SpecEngine, prompts: Sequence[Sequence[int]],
@@ -73,7 +73,7 @@ def phase_times(engine: SpecEngine, prompts: Sequence[Sequence[int]],
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
     x = round_inputs(engine, prompts, params, "phase times")
     shape, state, dstate, anchor = x["shape"], x["state"], x["dstate"], x["anchor"]
-    active, sampling, steps, capacity, hint = x["active"], x["sampling"], x["steps"], x["capacity"], x["hint"]
+    active, sampling, steps, capacity = x["active"], x["sampling"], x["steps"], x["capacity"]
     copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
     tg, tp, dg, dp = engine.tgraph, engine.tparams, engine.dgraph, engine.dparams
     box = {}
@@ -95,13 +95,13 @@ def phase_times(engine: SpecEngine, prompts: Sequence[Sequence[int]],
         return box["s"], box["d"]
 
     t_draft, (dtoks, tree, child_q) = timed(lambda: round_draft_jit(tg, tp, dg, dp, state, dstate, anchor, active,
-                                                                     sampling, steps, capacity, hint, shape=shape))
+                                                                     sampling, steps, capacity, shape=shape))
     t_verify, (logits, taps, cache) = timed(lambda: round_verify_jit(tg, tp, state, tree, dtoks, shape=shape))
     t_commit, split = timed(lambda: round_commit_jit(dg, dp, box["s"], box["d"], anchor, active, sampling, steps,
                                                      dtoks, tree, child_q, logits, taps, cache, shape=shape),
                             before=restore)
     t_round, fused = timed(lambda: spec_round_jit(tg, tp, dg, dp, box["s"], box["d"], anchor, active, sampling,
-                                                  steps, capacity, hint, shape=shape), before=restore)
+                                                  steps, capacity, shape=shape), before=restore)
     same = lambda xs, ys: all(bool(np.array_equal(np.asarray(a), np.asarray(b)))  # noqa: E731
                               for a, b in zip(jax.tree.leaves(xs), jax.tree.leaves(ys)))
     identical = same(split[2:], fused[2:])            # anchor, tokens, count, accepted
@@ -110,12 +110,12 @@ def phase_times(engine: SpecEngine, prompts: Sequence[Sequence[int]],
     B = x["B"]
     kernels = dict(
         draft=kernel_count(round_draft_jit.lower(tg, tp, dg, dp, state, dstate, anchor, active, sampling, steps,
-                                                 capacity, hint, shape=shape)),
+                                                 capacity, shape=shape)),
         verify=kernel_count(round_verify_jit.lower(tg, tp, state, tree, dtoks, shape=shape)),
         commit=kernel_count(round_commit_jit.lower(dg, dp, state, dstate, anchor, active, sampling, steps, dtoks,
                                                    tree, child_q, logits, taps, cache, shape=shape)),
         round=kernel_count(spec_round_jit.lower(tg, tp, dg, dp, state, dstate, anchor, active, sampling, steps,
-                                                capacity, hint, shape=shape)),
+                                                capacity, shape=shape)),
         ar_step=kernel_count(ar_step_jit.lower(tg, tp, state, anchor, np.asarray(x["admit"]), sampling,
                                                np.zeros(B, np.int32), stochastic=shape.stochastic)))
     return dict(draft_ms=round(t_draft, 4), verify_ms=round(t_verify, 4), commit_ms=round(t_commit, 4),
@@ -134,7 +134,7 @@ def round_kernels(engine: SpecEngine, prompts: Sequence[Sequence[int]],
     HLO text there."""
     x = round_inputs(engine, prompts, params, "round kernels")
     admit, shape, B = x["admit"], x["shape"], x["B"]
-    host_in = pack_round_inputs(admit, admit.astype(np.int32), int(x["capacity"]), x["hint"])
+    host_in = pack_round_inputs(admit, admit.astype(np.int32), int(x["capacity"]))
     text = spec_round_io_jit.lower(engine.tgraph, engine.tparams, engine.dgraph, engine.dparams, x["state"],
                                    x["dstate"], x["anchor"], x["sampling"], host_in, shape=shape).compile().as_text()
     if hlo_path is not None:

@@ -2,7 +2,7 @@
 autoregressive decoding (the losslessness oracle), with ring capacities small enough that folds happen several
 times inside every generation and slots sit at different fold phases.
 
-The models, prompts, hints and the sampling oracle are test_engine's (one tiny random target and drafter).
+The models, prompts, scripted drafter and the sampling oracle are test_engine's (one tiny random target and drafter).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.spec.engine import SpecConfig, SpecEngine
 from hyspec_jax.state import fold_pending, init_state
 from hyspec_jax.tree import TreeExpansion
-from tests.test_engine import (GAMMA, SAMPLES, SETTINGS, SLOTS, KV, SV, _chisq_pvalue, _hint, _spec,  # noqa: F401
+from tests.test_engine import (GAMMA, SAMPLES, SETTINGS, SLOTS, KV, SV, _chisq_pvalue, _oracle, _spec,  # noqa: F401
                                models, reference, small)
 
 pytestmark = pytest.mark.usefixtures("quick_compiles")
@@ -53,26 +53,27 @@ def _drops(log) -> int:
 
 
 @pytest.mark.parametrize("mode", ["chain", "ready", "tree", "tree-ready"])
-@pytest.mark.parametrize("hinted", [True, False])
-def test_deferred_greedy_equals_autoregressive(mode, hinted, models, reference):
+@pytest.mark.parametrize("scripted", [True, False])
+def test_deferred_greedy_equals_autoregressive(mode, scripted, models, reference):
     target, drafter = models
     prompts, params, ref = reference
-    hint = _hint(ref) if hinted else None
+    if scripted:
+        drafter = _oracle(drafter, prompts, ref)
     log, states, eager_log, eager_states = [], [], [], []
     eng = _recording(SpecEngine(target, drafter, _spec(mode, deferred_rows=ROWS), slots=SLOTS, kv_len=KV), log,
                      states)
-    out = eng.generate(prompts, params, hint=hint)
+    out = eng.generate(prompts, params)
     assert [r.token_ids for r in out] == ref
     assert out[2].finish_reason == "stop"
     # the same rounds with every commit written: the committed states agree before every round
     eager = _recording(SpecEngine(target, drafter, _spec(mode), slots=SLOTS, kv_len=KV), eager_log, eager_states)
-    assert [r.token_ids for r in eager.generate(prompts, params, hint=hint)] == ref
+    assert [r.token_ids for r in eager.generate(prompts, params)] == ref
     assert [a.tolist() for _, a in log] == [a.tolist() for _, a in eager_log]
     for s, e in zip(states, eager_states):
         np.testing.assert_allclose(s, e, rtol=1e-5, atol=1e-6)
     counts = np.array([c for c, _ in log])
     assert counts.max() > 0                                           # verifies read pending rows
-    if hinted:                                                        # long acceptances: folds inside generations
+    if scripted:                                                        # long acceptances: folds inside generations
         assert _drops(log) >= 3, log
         # slots at different fold phases in one round
         assert any(len(set(c[a].tolist())) > 1 for c, a in log), log
@@ -103,11 +104,12 @@ def test_slot_reused_after_a_request_ends_mid_ring(models, reference):
     log, states, eager_log, eager_states = [], [], [], []
     pick = (0, 1, 3)
     args = ([prompts[i] for i in pick], [params[i] for i in pick])
+    drafter = _oracle(drafter, *args[:1], [ref[i] for i in pick])
     eng = _recording(SpecEngine(target, drafter, _spec("tree", deferred_rows=64), slots=1, kv_len=KV), log, states)
-    out = eng.generate(*args, hint=_hint([ref[i] for i in pick]))
+    out = eng.generate(*args)
     assert [r.token_ids for r in out] == [ref[i] for i in pick]
     eager = _recording(SpecEngine(target, drafter, _spec("tree"), slots=1, kv_len=KV), eager_log, eager_states)
-    eager.generate(*args, hint=_hint([ref[i] for i in pick]))
+    eager.generate(*args)
     assert len(states) == len(eager_states)
     for s, e in zip(states, eager_states):   # tight: the prompt's decay shrinks a leaked ring to ~1e-6 here
         np.testing.assert_allclose(s, e, rtol=0, atol=1e-7)

@@ -2,8 +2,8 @@
 
 One tiny random target and one random drafter (with a ReaDy reader) per module; every mode runs in one fixed
 bucket (4 slots, KV 64), so each compiles once. A random drafter rarely agrees with the target, so the greedy
-tests also pass an oracle hint: the drafter's base logits are pushed toward the AR continuation with one
-wrong token at a varying position — long acceptances, partial acceptances and rejections all occur, and a
+tests also draft with a scripted drafter (tests/scripted_drafter.py): the drafter's base logits are pushed toward the
+AR continuation with one wrong token at a varying position — long acceptances, partial acceptances and rejections all occur, and a
 broken acceptance or commit would change the output.
 
 Sampling: on a vocabulary-8 model the distribution of the first three generated tokens of many seeded
@@ -35,7 +35,7 @@ from hyspec_jax.spec.engine import SpecConfig, SpecEngine
 from hyspec_jax.spec.budget import BudgetTable
 from hyspec_jax.tree import TreeExpansion
 from hyspec_jax.tokenizer import byte_level_tokenizer
-from tests.spec_hints import oracle_hint
+from tests.scripted_drafter import oracle_script, scripted
 
 
 def _tcfg(vocab: int) -> TargetConfig:
@@ -84,8 +84,9 @@ def reference(models):
     return prompts, params, [r.token_ids for r in res]
 
 
-def _hint(ref):
-    return oracle_hint(ref, GAMMA, TCFG.vocab_size)
+def _oracle(drafter, prompts, ref, wrong: bool = True):
+    """`drafter` scripted with the AR continuations `ref` of `prompts` (one wrong token a round with `wrong`)."""
+    return scripted(drafter, oracle_script(prompts, ref, GAMMA, TCFG.vocab_size, KV, wrong))
 
 
 def _spec(mode: str, **kw) -> SpecConfig:
@@ -107,29 +108,44 @@ def engines(models):
     return get
 
 
+@pytest.fixture(scope="module")
+def oracle_engines(models, reference):
+    """Engines drafting with the drafter scripted for the reference (`_oracle`), one per mode."""
+    target, drafter = models
+    prompts, _, ref = reference
+    oracle = _oracle(drafter, prompts, ref)
+    cache = {}
+
+    def get(mode):
+        if mode not in cache:
+            cache[mode] = SpecEngine(target, None if mode == "ar" else oracle, _spec(mode), slots=SLOTS, kv_len=KV)
+        return cache[mode]
+    return get
+
+
 @pytest.mark.parametrize("mode", ["ar", "chain", "ready", "tree", "tree-ready"])
-def test_greedy_equals_autoregressive(mode, engines, reference):
+def test_greedy_equals_autoregressive(mode, oracle_engines, reference):
     prompts, params, ref = reference
-    eng = engines(mode)
+    eng = oracle_engines(mode)
     # ragged batch of 5 requests in 4 slots: one is admitted when another finishes
-    out = eng.generate(prompts, params, hint=_hint(ref))
+    out = eng.generate(prompts, params)
     assert [r.token_ids for r in out] == ref
     assert out[2].finish_reason == "stop" and all(r.finish_reason == "length" for i, r in enumerate(out) if i != 2)
     assert [len(r.token_ids) for i, r in enumerate(out) if i != 2] == [m for i, m in enumerate(MAX_TOKENS) if i != 2]
     stats = eng.last_stats
     if mode != "ar":
-        # the hints are right up to the wrong token: long and short acceptances both happen
+        # the scripted drafts are right up to the wrong token: long and short acceptances both happen
         assert stats.tau > 2.0, stats
         apos = stats.accepted_per_position
         assert len(apos) == GAMMA and 0.6 < apos[0] < 1.0 and apos[2] > 0.0, stats
         assert all(sum(r.committed) >= len(r.token_ids) - 1 for r in out)
         # batch of one request (same bucket)
-        one = eng.generate([prompts[3]], [params[3]], hint=_hint([ref[3]]))
+        one = eng.generate([prompts[3]], [params[3]])
         assert one[0].token_ids == ref[3]
 
 
 def test_isolation_alone_and_cobatched(engines, reference):
-    """Without hints (the drafter's own proposals): a request's output does not depend on its neighbours."""
+    """The drafter's own proposals: a request's output does not depend on its neighbours."""
     prompts, params, ref = reference
     eng = engines("tree")
     batch = eng.generate(prompts, params)
@@ -140,7 +156,7 @@ def test_isolation_alone_and_cobatched(engines, reference):
 
 @pytest.mark.parametrize("mode", ["chain", "ready", "tree-ready"])
 def test_pipelined_rounds_equal_autoregressive(mode, engines, reference):
-    """Without hints the host dispatches the next round before reading the one in flight: a request that stops
+    """The host dispatches the next round before reading the one in flight: a request that stops
     on a stop token in flight (request 2) and the request admitted into a freed slot (5 requests, 4 slots) still
     get exactly the AR tokens, and only the rounds a request really owned count in its statistics."""
     prompts, params, ref = reference
@@ -159,8 +175,8 @@ def test_budget_floor_only_is_still_exact(models, reference):
     """Capacity 1 (below the floor): every request verifies its anchor and root child only."""
     target, drafter = models
     prompts, params, ref = reference
-    eng = SpecEngine(target, drafter, _spec("tree", capacity=1), slots=SLOTS, kv_len=KV)
-    out = eng.generate(prompts, params, hint=_hint(ref))
+    eng = SpecEngine(target, _oracle(drafter, prompts, ref), _spec("tree", capacity=1), slots=SLOTS, kv_len=KV)
+    out = eng.generate(prompts, params)
     assert [r.token_ids for r in out] == ref
     assert max(c for r in out for c in r.committed) == 2          # one draft + the bonus at most
     assert eng.last_stats.accepted_per_position[0] > 0.5 and eng.last_stats.accepted_per_position[1] == 0.0
@@ -174,10 +190,10 @@ def test_packed_verify_under_a_batch_budget_is_exact(models, reference, mode):
     target, drafter = models
     prompts, params, ref = reference
     C = 13
-    eng = SpecEngine(target, drafter, _spec(mode, capacity=C), slots=SLOTS, kv_len=KV)
+    eng = SpecEngine(target, _oracle(drafter, prompts, ref), _spec(mode, capacity=C), slots=SLOTS, kv_len=KV)
     be = eng.backend(SLOTS, KV)
     assert {s.packed_rows for s in be.round_shapes.values()} == {C}
-    out = eng.generate(prompts, params, hint=_hint(ref))
+    out = eng.generate(prompts, params)
     assert [r.token_ids for r in out] == ref
     assert max(c for r in out for c in r.committed) - 1 > C // SLOTS - 1
 
@@ -191,13 +207,14 @@ def test_packed_rows_follow_the_budget():
     assert packed_rows(13, 4, 1) == 0                       # plain decoding verifies nothing
 
 
-def test_hints_with_fewer_verified_nodes_than_draft_slots(models, reference):
-    """A verify width N below the drafter's block (N − 1 < γ): the hints still cover the whole block the round
+def test_fewer_verified_nodes_than_draft_slots(models, reference):
+    """A verify width N below the drafter's block (N − 1 < γ): the script still covers the whole block the round
     drafts, and the output is exactly AR with at most N − 1 drafts accepted a round."""
     target, drafter = models
     prompts, params, ref = reference
-    eng = SpecEngine(target, drafter, SpecConfig(mode="chain", verify_nodes=3), slots=SLOTS, kv_len=KV)
-    out = eng.generate(prompts, params, hint=_hint(ref))
+    eng = SpecEngine(target, _oracle(drafter, prompts, ref), SpecConfig(mode="chain", verify_nodes=3), slots=SLOTS,
+                     kv_len=KV)
+    out = eng.generate(prompts, params)
     assert [r.token_ids for r in out] == ref
     assert max(c for r in out for c in r.committed) == 3
 
@@ -207,8 +224,9 @@ def test_confidence_scheduled_chain_is_exact(models, reference):
     draft (acceptance beyond the first position impossible) — and the output is still exactly AR."""
     target, drafter = models
     prompts, params, ref = reference
-    eng = SpecEngine(target, drafter, SpecConfig(mode="chain", confidence_threshold=1.0), slots=SLOTS, kv_len=KV)
-    out = eng.generate(prompts, params, hint=_hint(ref))
+    eng = SpecEngine(target, _oracle(drafter, prompts, ref), SpecConfig(mode="chain", confidence_threshold=1.0),
+                     slots=SLOTS, kv_len=KV)
+    out = eng.generate(prompts, params)
     assert [r.token_ids for r in out] == ref
     apos = eng.last_stats.accepted_per_position
     assert apos[0] > 0.5 and apos[1] == 0.0 and max(c for r in out for c in r.committed) == 2
@@ -234,16 +252,17 @@ def penalized_reference(models, reference):
 
 
 @pytest.mark.parametrize("mode", ["chain", "ready", "tree", "tree-ready"])
-def test_greedy_with_penalties_equals_autoregressive(mode, engines, penalized_reference):
+def test_greedy_with_penalties_equals_autoregressive(mode, models, engines, penalized_reference):
     """Each node's target distribution is penalized with its own path's history: greedy speculative decoding with
     penalties is exactly AR decoding with the same penalties, in a ragged batch of different penalties."""
+    target, drafter = models
     prompts, params, ref = penalized_reference
-    eng = engines(mode)
-    out = eng.generate(prompts, params, hint=_hint(ref))
+    eng = SpecEngine(target, _oracle(drafter, prompts, ref), _spec(mode), slots=SLOTS, kv_len=KV)
+    out = eng.generate(prompts, params)
     assert [r.token_ids for r in out] == ref
     assert eng.last_stats.tau > 2.0, eng.last_stats      # drafts were accepted under penalties
-    # without hints (pipelined rounds, the drafter's own proposals)
-    assert [r.token_ids for r in eng.generate(prompts, params)] == ref
+    # the drafter's own proposals
+    assert [r.token_ids for r in engines(mode).generate(prompts, params)] == ref
 
 
 def test_penalize_tree_equals_penalizing_each_path():

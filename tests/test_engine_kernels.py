@@ -1,6 +1,6 @@
 """The engine with the Pallas kernels in its verify (GDN tree solve, tree attention) and commit, run in Pallas
 interpret mode on the CPU: greedy outputs equal plain decoding (the losslessness oracle), with long and short
-acceptances (oracle hints as in test_engine), for a chain and a tree bucket."""
+acceptances (a scripted drafter as in test_engine), for a chain and a tree bucket."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hyspec_jax.models.target import create_model
 from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.spec.engine import SpecConfig, SpecEngine
 from hyspec_jax.tree import TreeExpansion
-from tests.spec_hints import oracle_hint
+from tests.scripted_drafter import oracle_script, scripted
 
 # GDN heads of 16 × 16: the smallest the kernels take (tl.dot needs every dimension ≥ 16)
 TCFG = TargetConfig(
@@ -49,13 +49,13 @@ def test_kernel_engine_equals_autoregressive(monkeypatch):
     params = [SamplingParams(max_tokens=m) for m in (10, 7)]
     ref = [r.token_ids for r in Generator.from_model(target).generate(prompts, params)]
 
-    hint = oracle_hint(ref, GAMMA, TCFG.vocab_size)
+    oracle = scripted(drafter, oracle_script(prompts, ref, GAMMA, TCFG.vocab_size, 32))
 
     for spec in (SpecConfig(mode="chain", kernels="interpret"),
                  SpecConfig(mode="tree", tree=TreeExpansion(depth=GAMMA, top_k=2, beam=2), verify_nodes=5,
                             kernels="interpret")):
-        eng = SpecEngine(target, drafter, spec, slots=2, kv_len=32)
-        out = eng.generate(prompts, params, hint=hint)
+        eng = SpecEngine(target, oracle, spec, slots=2, kv_len=32)
+        out = eng.generate(prompts, params)
         assert [r.token_ids for r in out] == ref, spec.mode
         assert eng.last_stats.tau > 1.5, (spec.mode, eng.last_stats)
     assert traced["solve"] >= 2 * 2 and traced["commit"] >= 2 and traced["attention"] >= 2, traced  # 2 buckets

@@ -20,14 +20,11 @@ CFG = TargetConfig(
 def test_pack_round_inputs_layout():
     active = np.array([True, False, True])
     steps = np.array([3, 0, 7])
-    hint = np.array([[5, -1], [-1, -1], [2, 9]])
-    host = pack_round_inputs(active, steps, 24, hint)
-    assert host.dtype == np.int32 and host.shape == (3, 5)
+    host = pack_round_inputs(active, steps, 24)
+    assert host.dtype == np.int32 and host.shape == (3, 3)
     np.testing.assert_array_equal(host[:, 0], [1, 0, 1])
     np.testing.assert_array_equal(host[:, 1], steps)
     assert (host[:, 2] == 24).all()
-    np.testing.assert_array_equal(host[:, 3:], hint)
-    assert pack_round_inputs(active, steps, 24, None).shape == (3, 3)        # no hint columns without hints
 
 
 def test_unpack_round_outputs():

@@ -24,8 +24,8 @@ except ImportError:
     from multihost_runs import launch
 
 WORKER = Path(__file__).with_name("multihost_width_worker.py")
-# verification costly and no hints: after the first (narrowest drafting) rounds plain decoding wins, with a probe
-# at width 2 every few plain rounds, so the width changes as the chooser reads the rounds
+# verification costly and the drafter its own (random): after the first (narrowest drafting) rounds plain decoding
+# wins, with a probe at width 2 every few plain rounds, so the width changes as the chooser reads the rounds
 ROUND_MS = {"1": 1.0, "2": 2.5, "4": 5.0, "8": 9.0}
 TIMEOUT = 300      # diverging widths launch different SPMD programs: the collectives may wait forever
 

@@ -43,7 +43,7 @@ class ScriptedBackend(Backend):
             first[i], self.pos[b] = self.base[b], 1     # a prompt's last chunk gives the stream's first token
         return first
 
-    def dispatch(self, active, sampling, steps, stochastic, hint=None):
+    def dispatch(self, active, sampling, steps, stochastic):
         self.dispatched += 1
         n = 1 + self.dispatched % 3
         toks = np.zeros((self.slots, DEPTH + 1), np.int32)
@@ -85,22 +85,6 @@ def test_every_request_gets_its_own_tokens(slots):
     assert loop.steps_collected == be.dispatched         # every dispatched step is read back
 
 
-def test_hints_are_read_each_round_and_disable_dispatch_ahead():
-    be = ScriptedBackend(2)
-    seen = []
-
-    def hint(i, generated):
-        seen.append((i, list(generated)))
-        return [7] * DEPTH
-    prompts, params = [[3], [4]], [SamplingParams(max_tokens=9), SamplingParams(max_tokens=5)]
-    reqs, outs, loop = run_batch(be, prompts, params, hint=hint)
-    assert outs == [expected(p, q)[0] for p, q in zip(prompts, params)]
-    # no step ahead: each round's hints saw every token committed before it
-    for i, generated in seen:
-        assert generated == outs[i][:len(generated)]
-    assert loop.steps_collected == be.dispatched
-
-
 class BoundedBackend(ScriptedBackend):
     """A slot holds `max_context` positions plus a step's overshoot: a step dispatched for a slot whose stream has
     passed max_context would write outside it (on a GPU: another slot's memory), so dispatch asserts it never is."""
@@ -120,10 +104,10 @@ class BoundedBackend(ScriptedBackend):
                 self.plen[b] = (0 if reset[i] else self.plen[b]) + int(valid[i].sum())
         return super().prefill(slots, tokens, valid, reset, sampling)
 
-    def dispatch(self, active, sampling, steps, stochastic, hint=None):
+    def dispatch(self, active, sampling, steps, stochastic):
         for b in np.flatnonzero(active):     # pos: the tokens generated on the device, the last one not yet written
             assert self.plen[b] + self.pos[b] - 1 <= self.max_context, (b, self.plen[b], self.pos[b])
-        return super().dispatch(active, sampling, steps, stochastic, hint)
+        return super().dispatch(active, sampling, steps, stochastic)
 
 
 def test_steps_go_ahead_beside_finishing_requests():
@@ -145,7 +129,7 @@ class TwoTokenBackend(ScriptedBackend):
 
     depth = 7
 
-    def dispatch(self, active, sampling, steps, stochastic, hint=None):
+    def dispatch(self, active, sampling, steps, stochastic):
         self.dispatched += 1
         toks = np.zeros((self.slots, self.depth + 1), np.int32)
         count = np.where(active, 2, 0).astype(np.int32)

@@ -2,7 +2,7 @@
 per-round width choice (`spec.width`), and the engine with the width changing across rounds against plain
 decoding (greedy outputs equal, the sampling distribution unchanged).
 
-The models, prompts, hints and the sampling oracle are test_engine's (one tiny random target and drafter).
+The models, prompts, scripted drafter and the sampling oracle are test_engine's (one tiny random target and drafter).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from hyspec_jax.spec.width import (WidthBackend, WidthChooser, choose_width, kep
                                    round_signature, width_buckets)
 from hyspec_jax.tree import TreeExpansion
 from tests.test_budget import _forest as budget_forest
-from tests.test_engine import (GAMMA, SAMPLES, SETTINGS, SLOTS, KV, SV, _chisq_pvalue, _cli, _hint,  # noqa: F401
+from tests.test_engine import (GAMMA, SAMPLES, SETTINGS, SLOTS, KV, SV, _chisq_pvalue, _cli, _oracle,  # noqa: F401
                                _spec, model_dirs, models, reference, small)
 
 pytestmark = pytest.mark.usefixtures("quick_compiles")
@@ -131,9 +131,9 @@ def test_packed_widths_greedy_equals_autoregressive(models, reference):
     target, drafter = models
     prompts, params, ref = reference
     made = []
-    eng = _forced(SpecEngine(target, drafter, _spec("tree-ready", packed_widths=True), slots=SLOTS, kv_len=KV),
-                  (8, 2, 1, 4, 2), made)
-    out = eng.generate(prompts, params, hint=_hint(ref))
+    eng = _forced(SpecEngine(target, _oracle(drafter, prompts, ref), _spec("tree-ready", packed_widths=True),
+                             slots=SLOTS, kv_len=KV), (8, 2, 1, 4, 2), made)
+    out = eng.generate(prompts, params)
     assert [r.token_ids for r in out] == ref
     (be,) = made
     shapes = {w: be.widths[w][False] for w in be.widths}
@@ -282,18 +282,19 @@ def _forced(eng, widths, made: list):
 
 @pytest.mark.parametrize("mode,widths", [("tree", (8, 1, 2, 4, 1, 1, 8)), ("chain", (5, 1, 2, 4)),
                                          ("tree-ready", (1, 4, 8, 2))])
-@pytest.mark.parametrize("hinted", [True, False])
-def test_greedy_equals_autoregressive_as_the_width_changes(mode, widths, hinted, models, reference):
+@pytest.mark.parametrize("scripted", [True, False])
+def test_greedy_equals_autoregressive_as_the_width_changes(mode, widths, scripted, models, reference):
     target, drafter = models
     prompts, params, ref = reference
     made = []
+    if scripted:                                               # every scripted draft right
+        drafter = _oracle(drafter, prompts, ref, wrong=False)
     eng = _forced(SpecEngine(target, drafter, _spec(mode), slots=SLOTS, kv_len=KV), widths, made)
-    right = lambda i, out: ref[i][len(out):len(out) + GAMMA]   # noqa: E731  (every hinted draft right)
-    out = eng.generate(prompts, params, hint=right if hinted else None)
+    out = eng.generate(prompts, params)
     assert [r.token_ids for r in out] == ref
     (be,) = made
     assert set(be.history) == set(widths) and len(be.history) >= len(widths)
-    if hinted:
+    if scripted:
         assert eng.last_stats.tau > 1.5
 
 
@@ -304,10 +305,11 @@ def _table(eng, ms: dict) -> BudgetTable:
     return table
 
 
-def _calibrated(models, spec, ms: dict, probe_every: int):
+def _calibrated(models, spec, ms: dict, probe_every: int, drafter=None):
     """An engine whose table holds round times `ms` for its signature, and the list of the backends it makes (their
-    choosers probing every `probe_every` plain rounds)."""
-    target, drafter = models
+    choosers probing every `probe_every` plain rounds); drafter: instead of the models' own."""
+    target, own = models
+    drafter = drafter or own
     base = SpecEngine(target, drafter, spec, slots=SLOTS, kv_len=KV)
     eng = SpecEngine(target, drafter, spec, slots=SLOTS, kv_len=KV, budget_table=_table(base, ms), model_name="m")
     made = []
@@ -321,25 +323,25 @@ def _calibrated(models, spec, ms: dict, probe_every: int):
     return eng, made
 
 
-@pytest.mark.parametrize("hinted", [False, True])
-def test_engine_chooses_the_width_from_the_calibrated_table(hinted, models, reference):
+@pytest.mark.parametrize("scripted", [False, True])
+def test_engine_chooses_the_width_from_the_calibrated_table(scripted, models, reference):
     """With round times for its signature in the table, the engine's backend chooses the width each round, and
     the output equals plain decoding. Verification 2.5x a decode and more: after its first (widest) round plain
-    decoding wins, with a probe every 4 plain rounds. Verification nearly free and the oracle hints making every
+    decoding wins, with a probe every 4 plain rounds. Verification nearly free and the scripted drafter making every
     draft right: the widest tree wins."""
     target, drafter = models
     prompts, params, ref = reference
     spec = _spec("tree")
-    ms = {"1": 1.0, "2": 1.2, "4": 1.4, "8": 1.5} if hinted else {"1": 1.0, "2": 2.5, "4": 5.0, "8": 9.0}
-    eng, made = _calibrated(models, spec, ms, probe_every=4)
-    right = lambda i, out: ref[i][len(out):len(out) + GAMMA]   # noqa: E731  (every hinted draft right)
-    out = eng.generate(prompts, params, hint=right if hinted else None)
+    ms = {"1": 1.0, "2": 1.2, "4": 1.4, "8": 1.5} if scripted else {"1": 1.0, "2": 2.5, "4": 5.0, "8": 9.0}
+    right = _oracle(models[1], prompts, ref, wrong=False) if scripted else None   # every scripted draft right
+    eng, made = _calibrated(models, spec, ms, probe_every=4, drafter=right)
+    out = eng.generate(prompts, params)
     assert [r.token_ids for r in out] == ref
     (be,) = made
     assert isinstance(be, WidthBackend)
     hist = list(be.history)
     assert hist[0] == 2               # nothing read yet: the cheapest drafting round
-    if hinted:
+    if scripted:
         assert 1 not in hist and hist.count(8) >= len(hist) // 2, hist
     else:
         assert hist.count(1) > len(hist) // 2 and 2 in hist and set(hist[2:]) <= {1, 2}, hist   # [1]: maybe dispatched before [0] was read
@@ -536,7 +538,8 @@ def test_deferred_commit_with_the_width_changing(mode, widths, packed, models, r
     target, drafter = models
     prompts, params, ref = reference
     made = []
-    eng = _forced(SpecEngine(target, drafter, _spec(mode, deferred_rows=8, packed_widths=packed), slots=SLOTS,
-                             kv_len=KV), widths, made)
-    assert [r.token_ids for r in eng.generate(prompts, params, hint=_hint(ref))] == ref
+    eng = _forced(SpecEngine(target, _oracle(drafter, prompts, ref), _spec(mode, deferred_rows=8,
+                                                                           packed_widths=packed),
+                             slots=SLOTS, kv_len=KV), widths, made)
+    assert [r.token_ids for r in eng.generate(prompts, params)] == ref
     assert set(made[0].history) == set(widths)

@@ -6,7 +6,7 @@ the device, and two kinds of call, each compiled once per static shape:
 - `prefill(slots, tokens, valid, reset, sampling)` — prompt chunks [P, T] (one of the backend's static prefill
   shapes) into slots; returns the sampled first tokens (host). Short prompts are packed several to a call; long
   prompts are cut into chunks so that decoding continues between their chunks.
-- `dispatch(active, sampling, steps, stochastic, hint)` → a handle, then `collect(handle)` → `StepResult`: one
+- `dispatch(active, sampling, steps, stochastic)` → a handle, then `collect(handle)` → `StepResult`: one
   decoding step (`ARBackend`) or one speculative round (`SpecBackend`: `hyspec_jax.spec.round`) for every active
   slot. Dispatch returns before the device finishes, so the loop can dispatch the next step before it reads this one.
 
@@ -148,7 +148,6 @@ class Backend(abc.ABC):
 
     mode = "ar"
     depth = 0              # most drafts a round commits (0: plain decoding)
-    hint_width = 0         # token-hint columns a step takes: the draft block's slots (0: no drafts to steer)
 
     def __init__(self, config: TargetConfig, graphdef, params, *, slots: int, kv_len: int,
                  shapes: Sequence[tuple[int, int]], drafter_config: DrafterConfig | None = None,
@@ -364,7 +363,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def dispatch(self, active: np.ndarray, sampling: SlotSampling, steps: np.ndarray, stochastic: bool,
-                 hint: np.ndarray | None = None, penalty: SlotPenalty | None = None):
+                 penalty: SlotPenalty | None = None):
         """Dispatch one step for every active slot (not waiting for it); returns the handle `collect` reads."""
 
     def _penalized(self, fn, *args, penalty: SlotPenalty | None, **kw):
@@ -397,9 +396,7 @@ class ARBackend(Backend):
         start_host_copy(first)
         return first
 
-    def dispatch(self, active, sampling, steps, stochastic, hint=None, penalty=None):
-        if hint is not None:
-            raise ValueError("token hints need a speculative mode")
+    def dispatch(self, active, sampling, steps, stochastic, penalty=None):
         active = np.array(active, bool)
         rows = self.step_rows(active)
         kw = {} if rows is None else {"rows": rows}
@@ -423,13 +420,12 @@ class SpecBackend(Backend):
         """round_shapes: the frozen round shape of the greedy (False) and the sampling (True) flavour.
         capacity: the batch-wide node budget C. drafter_config: the DSpark drafter's, or the target's own for its
         MTP head. deferred_rows, decode_buckets: as `Backend` (a round commits up to depth + 1 rows: P must hold
-        them; a packed round's rows and the swapped-state control's neighbours are the whole batch's, so those
-        run over all slots)."""
+        them; a packed round's rows are the whole batch's, so those run over all slots)."""
         depth = round_shapes[False].depth
         if 0 < deferred_rows < depth + 1:
             raise ValueError(f"deferred_rows {deferred_rows} cannot hold one round's accepted path ({depth + 1} rows)")
         g = round_shapes[False]
-        if g.reader_swap or g.packed_rows or g.packed_gains:    # their rows are the whole batch's
+        if g.packed_rows or g.packed_gains:    # their rows are the whole batch's
             decode_buckets = ()
         super().__init__(config, graphdef, params, slots=slots, kv_len=kv_len, shapes=shapes,
                          drafter_config=drafter_config, deferred_rows=deferred_rows, decode_buckets=decode_buckets)
@@ -437,8 +433,6 @@ class SpecBackend(Backend):
         self.round_shapes = dict(round_shapes)
         greedy = self.round_shapes[False]
         self.depth, self.verify_nodes = greedy.depth, greedy.verify_nodes
-        # the block the round drafts (N may verify fewer of its slots); the MTP head takes no hints
-        self.hint_width = 0 if greedy.drafter == "mtp" else greedy.gamma
         self.drafted = greedy.verify_nodes - 1
         self.capacity = int(capacity)
         self.tap_layers = greedy.tap_layers
@@ -458,12 +452,12 @@ class SpecBackend(Backend):
         start_host_copy(first)
         return first
 
-    def dispatch(self, active, sampling, steps, stochastic, hint=None, penalty=None):
+    def dispatch(self, active, sampling, steps, stochastic, penalty=None):
         active = np.asarray(active, bool)
         rows = self.step_rows(active)
         self.state, self.dstate, self.anchor, host_out = self._penalized(
             spec_round_io_jit, self.graphdef, self.params, self.dgraph, self.dparams, self.state, self.dstate,
-            self.anchor, sampling, pack_round_inputs(active, steps, self.capacity, hint, rows),
+            self.anchor, sampling, pack_round_inputs(active, steps, self.capacity, rows),
             penalty=penalty, shape=self.round_shapes[bool(stochastic)])
         start_host_copy(host_out)     # the host reads it: start its copy now
         return host_out, rows

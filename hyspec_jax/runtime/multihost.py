@@ -140,10 +140,9 @@ class BroadcastBackend:
                 return self.inner.prefill(slots, tokens, valid, reset, sampling.device)
             return self.inner.prefill(slots, tokens, valid, reset, sampling.device, penalty.device)
 
-    def dispatch(self, active, sampling: _Sampling, steps, stochastic, hint=None, penalty: _Sampling | None = None):
+    def dispatch(self, active, sampling: _Sampling, steps, stochastic, penalty: _Sampling | None = None):
         t, p, k, s = sampling.host
-        extra = {} if hint is None else {"hint": np.asarray(hint, np.int32)}
-        width = {}
+        extra, width = {}, {}
         if isinstance(self.inner, WidthBackend):
             # chosen from the rounds collected so far, which only this process reads: sent with the call, so that
             # every process launches the same round program
@@ -154,8 +153,8 @@ class BroadcastBackend:
                               stochastic=np.asarray(bool(stochastic)), temperature=t, top_p=p, top_k=k, seed=s,
                               **extra, **_penalty_fields(penalty))
             if penalty is None:
-                return self.inner.dispatch(active, sampling.device, steps, stochastic, hint, **width)
-            return self.inner.dispatch(active, sampling.device, steps, stochastic, hint, penalty.device, **width)
+                return self.inner.dispatch(active, sampling.device, steps, stochastic, **width)
+            return self.inner.dispatch(active, sampling.device, steps, stochastic, penalty.device, **width)
 
     def collect(self, handle) -> StepResult:
         return self.inner.collect(handle)       # a read of this process's copy: nothing to send
@@ -196,7 +195,7 @@ def follow(backend: Backend, channel: Channel, scorer=None) -> None:
             else:
                 # process 0's width (a `WidthBackend`): this process's chooser reads no round, so never chooses
                 width = {} if "width" not in a else {"width": int(a["width"])}
-                backend.dispatch(a["active"], samp, a["steps"], bool(a["stochastic"]), a.get("hint"), **pen, **width)
+                backend.dispatch(a["active"], samp, a["steps"], bool(a["stochastic"]), **pen, **width)
         elif op == SCORE:
             if scorer is None:
                 raise RuntimeError("process 0 scores logprobs but this process built no scorer")

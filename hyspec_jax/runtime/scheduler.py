@@ -17,8 +17,7 @@ step's tokens. A request whose first token stops it wastes its row of that step.
 while the request that owned it at dispatch still runs: a request that stops on a stop token in the step in flight
 costs its slot one discarded step, and so does one that reaches max_tokens in it. No step is dispatched ahead when
 every request likely reaches max_tokens in the step in flight (it commits as many tokens as the request's recent
-steps did: the step ahead would likely be wasted), when a row could then pass its slot's context, or when a request
-takes token hints (they read the tokens of the step before).
+steps did: the step ahead would likely be wasted), or when a row could then pass its slot's context.
 
 Two drivers: the server runs the loop on its own thread (`start`, `submit`, `abort`, `drain`), and
 `run_until_idle` runs it on the caller's thread until every submitted request has finished (`hyspec generate`,
@@ -114,8 +113,6 @@ class EngineRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    # token hints for the next drafts (tests, prompt lookup): called before each round with no arguments
-    hint: Callable[[], Sequence[int]] | None = None
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     id: int = dataclasses.field(default_factory=lambda: next(_ids))
     # loop-owned
@@ -456,9 +453,6 @@ class Scheduler:
         """Dispatch the next step, collect the one in flight, or both (pipelined; see the module docstring); read
         a pending prefill's first tokens on every path, after the dispatch where there is one."""
         decoding, _, active = self._slot_lists()
-        if self._firsts is not None and any(r.hint is not None for _, r in self._firsts[1]):
-            self._read_firsts()          # a request's hints read its tokens so far, the first one included
-            decoding, _, active = self._slot_lists()
         if self._inflight is None:
             if decoding:
                 self._inflight = self._dispatch(decoding, active)
@@ -473,17 +467,16 @@ class Scheduler:
         self._collect(*flight)
 
     def _may_dispatch_ahead(self, decoding: list[EngineRequest]) -> bool:
-        """Whether the next step may go out before the one in flight is read: no request takes hints (they read
-        the tokens of the step before), some request likely needs it (it stays short of max_tokens after the step
-        in flight commits as many tokens as its recent steps did: a step whose every row may have finished in
-        flight is likely wasted), and every row stays inside its slot's context even after the step in flight
+        """Whether the next step may go out before the one in flight is read: some request likely needs it (it
+        stays short of max_tokens after the step in flight commits as many tokens as its recent steps did: a step
+        whose every row may have finished in flight is likely wasted), and every row stays inside its slot's context even after the step in flight
         committed its most tokens. A row that finishes in flight costs only its own row of the step ahead, whose
         outputs are discarded (its slot is re-admitted, and reset, only after that step)."""
         if not decoding:
             return False
         reach = self.backend.depth + 1       # most tokens the step in flight gives a request
         limit = self.backend.max_context
-        return (all(r.hint is None and len(r.prompt_ids) + r.generated + reach < limit for r in decoding)
+        return (all(len(r.prompt_ids) + r.generated + reach < limit for r in decoding)
                 and any(r.generated + _recent_commit(r) < r.max_tokens for r in decoding))
 
     def _dispatch(self, decoding: list[EngineRequest], active: np.ndarray):
@@ -492,22 +485,13 @@ class Scheduler:
         if self._sampling is None:
             self._sampling = be.sampling(self.temperature, self.top_p, self.top_k, self.seed)
         stochastic = bool((self.temperature[active] > 0).any())
-        hint = None
-        if any(r.hint is not None for r in decoding):
-            # no hint columns without hints (the round then has no hint ops; hinted runs compile their own round)
-            G = be.hint_width
-            hint = np.full((be.slots, G), -1, np.int32)
-            for r in decoding:
-                if r.hint is not None:
-                    h = list(r.hint())[:G]
-                    hint[r.slot, :len(h)] = h
         pen = {}
         if any(r.penalized for r in decoding):    # the unpenalized programs otherwise (no extra inputs)
             if self._penalty is None:
                 self._penalty = be.penalty(self.presence, self.frequency, self.repetition)
             pen = {"penalty": self._penalty}
         t0 = time.perf_counter()
-        handle = be.dispatch(active, self._sampling, self.steps, stochastic, hint, **pen)
+        handle = be.dispatch(active, self._sampling, self.steps, stochastic, **pen)
         dispatched = time.perf_counter() - t0
         self.observer.engine_call("decode")
         return handle, list(self.slots), dispatched
@@ -549,13 +533,11 @@ def _recent_commit(r: EngineRequest) -> float:
 
 
 def run_batch(backend: Backend, prompts: Sequence[Sequence[int]], params: Sequence,
-              on_tokens: Callable[[int, list[int]], None] | None = None,
-              hint: Callable[[int, list[int]], Sequence[int]] | None = None
+              on_tokens: Callable[[int, list[int]], None] | None = None
               ) -> tuple[list[EngineRequest], list[list[int]], Scheduler]:
     """The synchronous driver: submit `prompts` (with their `SamplingParams`) to a fresh loop over `backend`, run it
     to completion on this thread. Returns (requests, generated tokens per request, the loop — its totals).
-    `on_tokens(request_index, new_ids)` streams tokens as steps commit them; `hint(request_index,
-    generated_so_far)` gives token hints for the next drafts (speculative backends)."""
+    `on_tokens(request_index, new_ids)` streams tokens as steps commit them."""
     sched = Scheduler(backend)
     outs: list[list[int]] = [[] for _ in prompts]
     reqs = []
@@ -569,8 +551,7 @@ def run_batch(backend: Backend, prompts: Sequence[Sequence[int]], params: Sequen
                             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
                             stop_token_ids=frozenset(int(t) for t in p.stop_token_ids),
                             presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                            repetition_penalty=p.repetition_penalty,
-                            hint=None if hint is None else (lambda i=i: hint(i, list(outs[i]))))
+                            repetition_penalty=p.repetition_penalty)
         sched.submit(req)
         reqs.append(req)
     sched.run_until_idle()      # on this thread: an error propagates as it is

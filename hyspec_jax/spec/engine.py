@@ -79,9 +79,6 @@ class SpecConfig:
     # Packed widths (Bole's packed forest as the per-round choice): width w = a batch-wide budget of slots · w
     # nodes at row capacity N, the verify packed into those rows (`budget.packed_rows`), instead of w nodes a row
     packed_widths: bool = False
-    # The reader's state (ready modes): "own", or "swapped" — a control, not a serving option: every slot's reader
-    # reads the committed state of the slot one row up (ReaDy's swapped-state control; needs >= 2 slots)
-    reader_state: str = "own"
 
     def __post_init__(self):
         if self.kernels not in KERNEL_IMPLS:
@@ -102,8 +99,6 @@ class SpecConfig:
             raise ValueError(f"calibrate_repeats must be >= 0, got {self.calibrate_repeats}")
         if not 0.0 <= self.width_margin < 1.0:
             raise ValueError(f"width_margin must be in [0, 1), got {self.width_margin}")
-        if self.reader_state not in ("own", "swapped"):
-            raise ValueError(f"reader_state must be 'own' or 'swapped', got {self.reader_state!r}")
         if self.packed_widths and self.capacity is not None:
             raise ValueError("packed widths choose the batch-wide budget every round: drop the fixed budget")
 
@@ -172,9 +167,6 @@ class SpecStats:
             d[k] = round(d[k], 4)
         return d
 
-
-
-HintFn = Callable[[int, list[int]], Sequence[int]]
 
 
 class SpecEngine:
@@ -299,7 +291,6 @@ class SpecEngine:
                                                 else self.spec.confidence_threshold),
                           method=self.spec.method, tap_layers=taps, kernel_impl=self.spec.kernels,
                           drafter="mtp" if mtp else "dspark",
-                          reader_swap=self.spec.uses_reader and self.spec.reader_state == "swapped",
                           packed_rows=0 if slots is None else packed_rows(self.spec.capacity, slots, verify_nodes),
                           # without a user budget C every backend passes slots · N or more: it never binds (a
                           # budget below that is packed: packed_rows)
@@ -453,19 +444,18 @@ class SpecEngine:
         return self.compile_buckets([(slots, self.kv_len or 128)], progress=progress, cache=cache, **kw)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-                 on_tokens: Callable[[int, list[int]], None] | None = None,
-                 hint: HintFn | None = None) -> list[SpecResult]:
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[SpecResult]:
         """Generate for ragged prompts; `on_tokens(request_index, new_ids)` streams tokens as rounds commit
-        them. hint(request_index, generated_so_far) -> token hints for the next drafts (tests / lookup)."""
+        them."""
         if not prompts:
             return []
         plist = validate_prompts(prompts, params, self.config.vocab_size)
         if self.spec.mode == "ar":
-            return self._generate_ar(prompts, plist, on_tokens)     # no drafts: hints have nothing to steer
+            return self._generate_ar(prompts, plist, on_tokens)
         t0 = time.perf_counter()
         B, S = self._bucket_for(prompts, plist)
         be = self.backend(B, S)
-        reqs, got, loop = run_batch(be, prompts, plist, on_tokens, hint)
+        reqs, got, loop = run_batch(be, prompts, plist, on_tokens)
         seconds = time.perf_counter() - t0
         D = be.depth
         committed = [c for r in reqs for c in r.committed]

@@ -51,7 +51,6 @@ from hyspec_jax.tree import TreeExpansion
 
 I32 = jnp.int32
 GAIN_SCALE = 1000   # host_out carries expected accepted drafts in thousandths (one int32 array each way)
-HINT_BIAS = 1.0e3   # added to the drafter's base logits at hinted tokens (see `spec_round`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +76,6 @@ class RoundShape:
     # the gain widths are packed widths (`budget.packed_gains`: width w = a batch-wide budget of slots · w nodes at
     # row capacity verify_nodes) instead of per-row widths (`budget.width_gains`)
     packed_gains: bool = False
-    # the reader reads the slot one row up's committed state (the swapped-state control, `SpecConfig.reader_state`)
-    reader_swap: bool = False
     # False: the round's batch-wide capacity is at least slots · N (no user budget C), so it never binds and each row's
     # nodes are ranked within the row alone (`budget.select_nodes(batch_capacity=False)`: no batch-wide sort)
     batch_budget: bool = True
@@ -115,15 +112,14 @@ def _gather(x: jax.Array, idx: jax.Array) -> jax.Array:
 
 def round_draft(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
                 state: TargetState, dstate: DrafterState, anchor: jax.Array, active: jax.Array,
-                sampling: SlotSampling, steps: jax.Array, capacity: jax.Array, hint: jax.Array | None = None, *,
-                shape: RoundShape):
+                sampling: SlotSampling, steps: jax.Array, capacity: jax.Array, *, shape: RoundShape):
     """Round phase 1 — draft, build, select (see `spec_round`): (tokens [B, N], tree, child_q [B, N, …] or
     None) — the [B, N] forest the target verifies and, when sampling, the draft distribution of each node."""
-    return _draft(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, sampling, steps, capacity, hint,
+    return _draft(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, sampling, steps, capacity,
                   shape=shape)[:3]
 
 
-def _draft(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, sampling, steps, capacity, hint=None, *,
+def _draft(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, sampling, steps, capacity, *,
            shape: RoundShape):
     """`round_draft`, and the expected accepted drafts [B, len(shape.gain_widths)] (None without gain widths)."""
     target: TargetModel = nnx.merge(tgraph, tparams)
@@ -138,17 +134,10 @@ def _draft(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, samp
                                   dkeys if samp is not None else None, kernel_impl=shape.kernel_impl)
         return _select(cand, active, capacity, samp, shape)
     ssm, pending = (state.ssm, state.pending) if shape.reader else (None, None)
-    if shape.reader_swap:      # every leaf of both has the slots on axis 1
-        ssm, pending = jax.tree.map(lambda x: jnp.roll(x, 1, axis=1), (ssm, pending))
     with jax.named_scope("drafter_forward"):
         block = drafter.draft(dstate, anchor, heads, ssm,
                               num_slots=shape.gamma,   # the slots a chain / tree reads (no unused LM heads)
                               pending=pending)
-    if hint is not None:
-        G, V = block.logits.shape[1], block.logits.shape[2]
-        h = hint[:, :G]
-        bonus_logits = jnp.where((jnp.arange(V)[None, None] == h[..., None]) & (h[..., None] >= 0), HINT_BIAS, 0.0)
-        block = DraftBlock(hidden=block.hidden, logits=block.logits + bonus_logits)
     if shape.tree is None:
         G = shape.gamma
         block = DraftBlock(hidden=block.hidden[:, :G], logits=block.logits[:, :G])
@@ -239,25 +228,22 @@ def round_commit(dgraph: nnx.GraphDef, dparams: nnx.State, state: TargetState, d
 
 def spec_round(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
                state: TargetState, dstate: DrafterState, anchor: jax.Array, active: jax.Array,
-               sampling: SlotSampling, steps: jax.Array, capacity: jax.Array, hint: jax.Array | None = None, *,
-               shape: RoundShape):
+               sampling: SlotSampling, steps: jax.Array, capacity: jax.Array, *, shape: RoundShape):
     """One speculative round for every slot. Returns (state, dstate, anchor, tokens [B, D+1], count [B],
     accepted [B]): slot b committed tokens[b, :count[b]] (its accepted drafts, then the bonus token, which is
     also the new anchor). Inactive slots are untouched (count 0).
 
     steps [B]: per-slot round counters (PRNG: a slot's randomness never depends on its neighbours);
-    capacity: batch-wide node budget (runtime scalar); hint [B, γ] int (−1 = none): optional token hints
-    added to the drafter's base logits at each block slot (an oracle / prompt-lookup hook; drafts stay
-    drafts — acceptance is unchanged and still lossless, because the hinted q is the q drawn from).
+    capacity: batch-wide node budget (runtime scalar).
 
     The three phases are `round_draft` → `round_verify` → `round_commit` (composed here into one program;
     `hyspec_jax.bench.phases.phase_times` jits and times them one by one).
     """
-    return _round(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, sampling, steps, capacity, hint,
+    return _round(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, sampling, steps, capacity,
                   shape=shape)[:6]
 
 
-def _round(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, sampling, steps, capacity, hint=None,
+def _round(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, sampling, steps, capacity,
            hist=None, penalty=None, *, shape: RoundShape):
     """`spec_round`'s outputs, then the expected accepted drafts per gain width (None without gain widths), then
     the updated penalty history (None unpenalized)."""
@@ -272,7 +258,7 @@ def _round(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active, samp
     # named scopes: each phase's kernels carry its name in profiles and in the compiled HLO's op names
     with jax.named_scope("draft"):
         tokens, tree, child_q, gains = _draft(tgraph, tparams, dgraph, dparams, state, dstate, anchor, active,
-                                              sampling, steps, capacity, hint, shape=shape)
+                                              sampling, steps, capacity, shape=shape)
     with jax.named_scope("verify"):
         logits, taps, cache = round_verify(tgraph, tparams, state, tree, tokens, shape=shape)
     embed = None
@@ -290,30 +276,27 @@ def spec_round_io(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef
                   shape: RoundShape):
     """`spec_round` with its per-round host inputs packed in one int32 array and its host outputs in another, so
     a round moves one array each way (each transfer costs tens of µs of host time beside a GPU: a visible part
-    of a launch-bound batch-1 round). host_in [B, 3 + g]: active (0/1), steps, capacity (read from row 0),
-    then g hint columns (g = 0: no hints). Returns (state, dstate, anchor, host_out [B, G + D + 3]: the expected
+    of a launch-bound batch-1 round). host_in [B, 3]: active (0/1), steps, capacity (read from row 0). Returns (state, dstate, anchor, host_out [B, G + D + 3]: the expected
     accepted drafts at each of the G = len(shape.gain_widths) widths in units of 1/GAIN_SCALE (−1: not
     drafted), then the committed tokens [D + 1], count, accepted); penalized (hist, penalty given): then the
     updated penalty history.
 
-    host_in of R < B rows [R, 4 + g] (`pack_round_inputs(rows=...)`): column 3 is each row's slot (B: padding),
+    host_in of R < B rows [R, 4] (`pack_round_inputs(rows=...)`): column 3 is each row's slot (B: padding),
     and the round runs on those R slots alone (`programs.gather_rows`; host_out then has R rows, in that
     order) — the same tokens as the round over all B slots, at the cost of R."""
     B = anchor.shape[0]
     if host_in.shape[0] != B:
         rows = host_in[:, 3]
         sub, dsub, (a, samp, h, pen) = gather_rows(rows, state, dstate, (anchor, sampling, hist, penalty))
-        inputs = jnp.concatenate([host_in[:, :3], host_in[:, 4:]], axis=1)     # padding rows: active 0
         sub, dsub, bonus, host_out, *h = spec_round_io(tgraph, tparams, dgraph, dparams, sub, dsub, a, samp,
-                                                       inputs, h, pen, shape=shape)
+                                                       host_in[:, :3], h, pen, shape=shape)   # padding: active 0
         state, dstate, (anchor, hist) = put_rows(rows, state, sub, dstate, dsub, (anchor, hist),
                                                  (bonus, h[0] if h else None))
         out = state, dstate, anchor, host_out
         return out if hist is None else out + (hist,)
-    hint = host_in[:, 3:] if host_in.shape[1] > 3 else None
     state, dstate, anchor, toks, count, acc, gains, hist = _round(
         tgraph, tparams, dgraph, dparams, state, dstate, anchor, host_in[:, 0] > 0, sampling, host_in[:, 1],
-        host_in[0, 2], hint, hist, penalty, shape=shape)
+        host_in[0, 2], hist, penalty, shape=shape)
     cols = [toks.astype(I32), count.astype(I32)[:, None], acc.astype(I32)[:, None]]
     if gains is not None:
         cols.insert(0, jnp.round(gains * GAIN_SCALE).astype(I32))
@@ -321,23 +304,19 @@ def spec_round_io(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef
     return out if hist is None else out + (hist,)
 
 
-def pack_round_inputs(active: np.ndarray, steps: np.ndarray, capacity: int, hint: np.ndarray | None,
+def pack_round_inputs(active: np.ndarray, steps: np.ndarray, capacity: int,
                       rows: np.ndarray | None = None) -> np.ndarray:
-    """`spec_round_io`'s host_in [B, 3 + g] int32 (hint [B, g] or None); with rows [R] (slot indices, B =
-    padding, inactive), the round over those slots alone: [R, 4 + g], the slots in column 3."""
+    """`spec_round_io`'s host_in [B, 3] int32; with rows [R] (slot indices, B = padding, inactive), the round
+    over those slots alone: [R, 4], the slots in column 3."""
     B = len(active)
     if rows is not None:
         pick = np.minimum(rows, B - 1)
         active = np.where(rows < B, np.asarray(active)[pick], 0)
-        steps, hint = np.asarray(steps)[pick], None if hint is None else hint[pick]
-    g = 0 if hint is None else hint.shape[1]
-    c = 3 if rows is None else 4
-    host = np.empty((len(active), c + g), np.int32)
+        steps = np.asarray(steps)[pick]
+    host = np.empty((len(active), 3 if rows is None else 4), np.int32)
     host[:, 0], host[:, 1], host[:, 2] = active, steps, capacity
     if rows is not None:
         host[:, 3] = rows
-    if g:
-        host[:, c:] = hint
     return host
 
 

@@ -264,7 +264,7 @@ class WidthBackend(SpecBackend):
         active, steps = np.zeros(B, bool), np.zeros(B, np.int32)
 
         def round_of(w: int):
-            return self.collect(self._run(w, active, sampling, steps, stochastic, None, None, self.step_rows(active)))
+            return self.collect(self._run(w, active, sampling, steps, stochastic, None, self.step_rows(active)))
         widths = sorted(self.widths) if self.chooser is None else self.chooser.kept(rows)
         return [functools.partial(round_of, w) for w in widths]
 
@@ -282,7 +282,7 @@ class WidthBackend(SpecBackend):
     def _width_over(self, active: np.ndarray, rows: np.ndarray | None) -> int:
         return self.next_width(int(active.sum()), self.slots if rows is None else len(rows))
 
-    def dispatch(self, active, sampling, steps, stochastic, hint=None, penalty=None, width: int | None = None):
+    def dispatch(self, active, sampling, steps, stochastic, penalty=None, width: int | None = None):
         """`Backend.dispatch` at `width` (None: `round_width` chooses). Across hosts process 0 chooses and every
         other process runs its width (`runtime.multihost`): a follower never collects, so its chooser never
         learns, and a width of its own would launch another program than process 0's."""
@@ -295,14 +295,14 @@ class WidthBackend(SpecBackend):
         self.history.append(w)
         self.width_counts[w] += 1
         self.rounds += 1
-        return self._run(w, active, sampling, steps, stochastic, hint, penalty, rows)
+        return self._run(w, active, sampling, steps, stochastic, penalty, rows)
 
-    def _run(self, w, active, sampling, steps, stochastic, hint, penalty=None, rows=None):
+    def _run(self, w, active, sampling, steps, stochastic, penalty=None, rows=None):
         shape = self.widths[w][bool(stochastic)]
         cap = self.user_capacity or self.slots * w
         self.state, self.dstate, self.anchor, host_out = self._penalized(
             spec_round_io_jit, self.graphdef, self.params, self.dgraph, self.dparams, self.state, self.dstate,
-            self.anchor, sampling, pack_round_inputs(active, steps, cap, hint, rows), penalty=penalty, shape=shape)
+            self.anchor, sampling, pack_round_inputs(active, steps, cap, rows), penalty=penalty, shape=shape)
         start_host_copy(host_out)
         return host_out, w, active.copy(), len(shape.gain_widths), rows
 
@@ -389,7 +389,7 @@ def time_widths(backend: WidthBackend, active: np.ndarray, repeats: int,
         for w in widths[r % len(widths):] + widths[:r % len(widths)]:
             steps += 1
             t0 = time.perf_counter()
-            backend.collect(backend._run(w, active, samp, steps, False, None, None, rows))
+            backend.collect(backend._run(w, active, samp, steps, False, None, rows))
             if r:
                 times[w].append(time.perf_counter() - t0)
     return {w: statistics.median(times[w]) for w in widths}

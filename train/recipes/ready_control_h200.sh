@@ -5,8 +5,8 @@
 # pack (B) whose windows overlap none of A's (`build-distill --exclude-prompts`), with DSpark's loss weights (CE 0.1
 # + L1 0.9: in the shipped reader's retrain they beat the paper's CE 1.0 + L1 0.1) and the paper's learning rates;
 # stage 2 and the state-free LoRA control (reader_h200.sh); and the engine's tau on the held-out prompts for
-# DSpark(1,3,5), the reader fed its own state and another request's (`--reader-state swapped`), and the shipped
-# DSpark(1,4,6).
+# DSpark(1,3,5), the reader fed its own state and another request's (`python -m experiments.reader_swap`), and the
+# shipped DSpark(1,4,6).
 #
 #   train/recipes/ready_control_h200.sh RUN_DIR        # needs the corpus (or PROMPTS_A / PROMPTS_B packs and
 #                                                      # the validation shards' first EVAL_WINDOWS windows)
@@ -76,10 +76,11 @@ fi
 
 if has tau; then
   E=(python3 -m hyspec_jax.cli bench e2e --no-plots --model "$TARGET" $E2E)
+  SWAP=(env PYTHONPATH="$HERE/../..${PYTHONPATH:+:$PYTHONPATH}" python3 -m experiments.reader_swap --no-plots --model "$TARGET" $E2E)
   "${E[@]}" --json "$RUN/tau_own.json" --drafter "$RUN/reader/ready2/drafter" --batch 1 "$SWAP_BATCH" \
       --modes ar chain ready 2>&1 | tail -n 8
-  "${E[@]}" --json "$RUN/tau_swapped.json" --drafter "$RUN/reader/ready2/drafter" --batch "$SWAP_BATCH" \
-      --modes ar ready --reader-state swapped 2>&1 | tail -n 6
+  "${SWAP[@]}" --json "$RUN/tau_swapped.json" --drafter "$RUN/reader/ready2/drafter" --batch "$SWAP_BATCH" \
+      --modes ar ready 2>&1 | tail -n 6
   # the state-free control: the stage-2 LoRA merged into the weights, no reader (so it drafts as chain)
   "${E[@]}" --json "$RUN/tau_nostate.json" --drafter "$RUN/reader/nostate/drafter" --batch 1 \
       --modes ar chain 2>&1 | tail -n 6

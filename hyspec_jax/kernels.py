@@ -134,12 +134,12 @@ def _default_precision(dtype) -> str:
 
 # What the verify hands the tree-solve kernel for a model computing in a dtype: (dtype of q, k, v; product
 # precision), chosen by measured error and time at the Qwen3.8-27B geometry on an H100
-# (bench/results/kernels/gdn_layer_h100_bf16_operands.md; o's error against the fp32 reference):
+# (bench/results/kernels/gdn_layer_h100_padded.md; o's error against the fp32 reference):
 # - a bf16 / fp16 model: the mixer's fp32 q, k, v with one-pass tf32 products: o error 3.4e-4, five times under the
-#   rounding of o itself to bf16 (1.7e-3), which the verify does next. bf16 operands ran 0-27% faster (B 8, N 32:
-#   46.6 vs 59.0 µs) but erred 2.3e-3, more than that rounding. Either is under a third of SGLang's serial verifier.
-# - an fp32 model: fp32 operands, 3-pass (fp32-accurate) products, so its greedy tokens equal plain decoding's;
-#   5-23x slower at N = 32 than one pass.
+#   rounding of o itself to bf16 (1.7e-3), which the verify does next. bf16 operands ran up to 21% faster (B 8,
+#   N 32: 46.0 vs 58.3 µs) but erred 2.2e-3, more than that rounding.
+# - an fp32 model: fp32 operands, 3-pass (fp32-accurate) products, so its greedy tokens equal plain decoding's (in
+#   the split form: `FP32_ACCURATE_SPLIT`).
 VERIFY_OPERANDS: dict = {jnp.dtype(F32): (jnp.dtype(F32), "tf32x3"),
                          jnp.dtype(jnp.bfloat16): (jnp.dtype(F32), "tf32"),
                          jnp.dtype(jnp.float16): (jnp.dtype(F32), "tf32")}
@@ -176,7 +176,8 @@ def _pad_tree(n_pad, q, k, v, g, beta, mask):
 def _kernel_forward(S0, q, k, v, g, beta, mask, path_nodes, cfg, deferred=None):
     """The one-launch forms read a tree of any size into their node tile on chip; only the split forms, whose two
     passes hand N × N operators through memory, are given zero-padded copies (measured: at B 1, N 8 the pads and
-    the slices back took 14 of 19.8 µs, the kernel 5.7 — bench/results/kernels/gdn_layer_h100_unpadded.md)."""
+    the slices back took 14 of 19.8 µs, the kernel 5.7 — bench/results/kernels/gdn_layer_h100_padded.md; without them
+    9.1 µs — gdn_layer_h100_unpadded.md)."""
     config, interpret = cfg
     N = q.shape[1]
     n_pad = _padded_n(N)
@@ -227,7 +228,7 @@ def _block_v(dv: int, block_v: int | None) -> int:
 # bench/results/kernels/kernels_h200_mgpu_table.md), where its shape limits allow (bf16 q/k, one-pass precision).
 SPLIT_MIN_NODES, SPLIT_ALWAYS_NODES = 64, 128
 # With fp32-accurate products (an fp32 model's verify) the split form wins at every size measured on an H100 at the
-# 27B geometry (bench/results/kernels/gdn_layer_h100_unpadded.md, µs per layer, split vs one-launch inverse, 3-pass
+# 27B geometry (bench/results/kernels/gdn_layer_h100_padded.md, µs per layer, split vs one-launch inverse, 3-pass
 # tf32): B 1 / 8 / 32 at N 8: 30.8 / 76.0 / 228.0 vs 29.5 / 118.9 / 423.6; B 1 / 8 at N 32: 55.6 / 201.1 vs
 # 373.4 / 1,828.9. The one-launch form keeps the N × N chain live beside the state tile, and 3-pass products of it
 # spill.
@@ -339,9 +340,9 @@ def _kernel_deferred(pend: gdn.DeferredUpdates, key_heads: int) -> tuple:
 
 
 # The decode kernel's tiling (`gdn_decode_tiling`), from the H100 sweep at the 27B geometry
-# (bench/results/kernels/gdn_layer_h100_bf16_operands.md): 2 warps throughout; 32-wide value tiles (B 8: 23.5 µs, 26.4 on one warp,
-# 25.1 at 64 wide) until the programs alone fill the GPU several times over, then 64-wide (B 32: 81.1 vs 85.9 µs).
-# At B 1 every tiling took 6.8-7.6 µs.
+# (bench/results/kernels/gdn_layer_h100_padded.md): 2 warps throughout; 32-wide value tiles (B 8: 23.1 µs, 26.1 on
+# one warp, 24.7 at 64 wide) until the programs alone fill the GPU several times over, then 64-wide (B 32: 80.3 vs
+# 84.7 µs). At B 1 every tiling took 6.8-7.6 µs.
 DECODE_WARPS, DECODE_WIDE_PROGRAMS = 2, 4096
 
 

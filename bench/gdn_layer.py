@@ -5,24 +5,27 @@
 
 Tree solve. For each batch B and tree size N (one tree per request, its deepest node at depth min(8, N − 1)), the
 inputs are one GDN layer's call of `kernels.tree_solve` as `TargetModel.verify` makes it
-(`target.verify_solve_call`, the Qwen3.8-27B geometry: 16 key heads, 48 value heads, dk = dv = 128;
-tests/test_verify_inputs.py keeps the two equal). Variants, each through the dispatcher (impl "auto"):
+(`target.verify_solve_call`, the Qwen3.8-27B geometry: 16 key heads, 48 value heads, dk = dv = 128; the committed
+state is a layer of the model's state stack, read where it lies; tests/test_verify_inputs.py keeps the two equal).
+Variants, each through the dispatcher (impl "auto"):
   model            the call as the verify makes it: q/k at their key heads, the kernel's operands and precision
                    from the model's dtype (`kernels.verify_operands`; a bf16 model: fp32 q/k/v, one-pass tf32)
   bf16_tf32        q/k/v rounded to bf16 at their key heads, one-pass tf32 products (what vLLM's and SGLang's
                    kernels are handed)
-  fp32_tf32x3      q/k/v in fp32 at their key heads, 3-pass products (an fp32 model's path)
+  fp32_tf32x3      q/k/v in fp32 at their key heads, 3-pass products, in the one-launch form
   expanded_tf32x3  q/k in fp32 repeated to the 48 value heads, 3-pass products: what the verify passed before q/k
                    stayed at their key heads (the configuration [verify-fast] measured)
-  fp32_tf32x3_split, fp32_ieee   an fp32 model's alternatives: the 3-pass products in the two-launch split form,
-                   and IEEE fp32 products
+  fp32_tf32x3_split, fp32_ieee   the 3-pass products in the two-launch split form (an fp32 model's path:
+                   `kernels.FP32_ACCURATE_SPLIT`), and IEEE fp32 products in one launch
   xla              the fp32 reference (`gdn.masked_solve`, triangular solve) jitted by XLA
   sglang           SGLang's serial tree verifier, `fused_sigmoid_gating_delta_rule_update` with
                    retrieve_parent_token (gates, q/k l2norm in the kernel; every node's state written), loaded from
                    the sglang wheel given with --sglang-wheel (only that file; its sglang imports stubbed), on the
                    same raw stream in the model's dtype
 Decoding step (--decode-batches). For each batch, one GDN layer's `kernels.gdn_decode` call as a decoding step makes
-it (`target.decode_step_call`: the in-projection's new columns, the conv window, gates' inputs and the fp32 state):
+it (`target.decode_step_call`: the in-projection's new columns, the conv window, gates' inputs and the fp32 state
+stack, the layer's tiles stepped in place; `bench.kernels.time_chained` runs the sets as consecutive layers of one
+donated stack):
   model            the dispatcher (impl "auto"): the fused Pallas kernel at its tiling (`kernels.gdn_decode_tiling`)
   fused_bvV_wW     the kernel at value tile V and W warps (the tiling sweep)
   xla              the same math (`gdn.decode_step`) as XLA compiles it: what the decoding step ran before
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import re
 import sys
@@ -161,7 +165,7 @@ def sglang_row(verifier, call, cfg, dtype_name: str, o_ref) -> dict:
     v = t(raw[..., 2 * kd:].reshape(B, N, hv, dv))
     a, b = t(s.a), t(s.b)
     A_log, dt_bias = t(s.A_log, torch.float32), t(s.dt_bias, torch.float32)
-    state = t(np.swapaxes(np.asarray(call.S0), -1, -2), torch.float32)             # SGLang keeps [HV, dv, dk]
+    state = t(np.swapaxes(np.asarray(call.S0[call.layer]), -1, -2), torch.float32)  # SGLang keeps [HV, dv, dk]
     slots = torch.arange(B, device=dev, dtype=torch.int32)
     buffer = torch.empty((B, N, hv, dv, dk), device=dev, dtype=torch.float32)
     parents = torch.from_numpy(np.asarray(s.parent, np.int32)).to(dev).contiguous()
@@ -252,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def measure(row: dict, fn, sets, check) -> dict:
         try:
-            row.update(check(jax.jit(fn)(*sets[0])) if a.interpret else
-                       time_multi(fn, sets, a.reps, check=check, profile=True))
+            row.update(check(jax.jit(functools.partial(fn, 0))(*sets[0])) if a.interpret else
+                       time_multi(fn, sets, a.reps, check=check, profile=True, indexed=True))
         except Exception as e:  # noqa: BLE001 — record and go on
             row["error"] = f"{type(e).__name__}: {e}"[:1000]
         return row
@@ -274,28 +278,31 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if a.interpret else min(48, max(4, -(-STATE_L2_BYTES // (B * hv * dk * dv * 4))))
 
     def solve_variants(path_nodes: int) -> dict:
+        """fn(i, S0 stack, q, k, v, g, β, mask): layer i's solve, as the unrolled verify calls the dispatcher."""
         return {n: f for n, f in all_solve_variants(path_nodes).items() if wanted(n)}
 
     def decode_variants(heads: dict) -> dict:
         return {n: f for n, f in all_decode_variants(heads).items() if wanted(n)}
 
     def all_solve_variants(path_nodes: int) -> dict:
-        solve = lambda *args, **kw: kernels.tree_solve(*args, path_nodes, impl=impl, **kw)   # noqa: E731
+        solve = lambda i, *args, **kw: kernels.tree_solve(*args, path_nodes, impl=impl, layer=i, **kw)  # noqa: E731
         f32 = lambda x: x.astype(F32)                                                           # noqa: E731
         bf16 = lambda x: x.astype(jnp.bfloat16)                                                 # noqa: E731
         expand = lambda x: gdn.value_heads(x, hv).astype(F32)                                   # noqa: E731
         return {
-            "model": lambda S0, q, k, v, g, b, m: solve(S0, q, k, v, g, b, m, compute_dtype=dtype),
-            "bf16_tf32": lambda S0, q, k, v, g, b, m: solve(S0, bf16(q), bf16(k), bf16(v), g, b, m, precision="tf32"),
-            "fp32_tf32x3": lambda S0, q, k, v, g, b, m: solve(S0, f32(q), f32(k), f32(v), g, b, m,
-                                                              precision="tf32x3"),
-            "expanded_tf32x3": lambda S0, q, k, v, g, b, m: solve(S0, expand(q), expand(k), f32(v), g, b, m,
-                                                                  precision="tf32x3"),
-            "fp32_tf32x3_split": lambda S0, q, k, v, g, b, m: solve(S0, f32(q), f32(k), f32(v), g, b, m,
-                                                                    precision="tf32x3", method="split"),
-            "fp32_ieee": lambda S0, q, k, v, g, b, m: solve(S0, f32(q), f32(k), f32(v), g, b, m, precision="ieee"),
-            "xla": lambda S0, q, k, v, g, b, m: kernels.tree_solve(S0, q, k, v, g, b, m, path_nodes,
-                                                                   impl="reference"),
+            "model": lambda i, S0, q, k, v, g, b, m: solve(i, S0, q, k, v, g, b, m, compute_dtype=dtype),
+            "bf16_tf32": lambda i, S0, q, k, v, g, b, m: solve(i, S0, bf16(q), bf16(k), bf16(v), g, b, m,
+                                                               precision="tf32"),
+            "fp32_tf32x3": lambda i, S0, q, k, v, g, b, m: solve(i, S0, f32(q), f32(k), f32(v), g, b, m,
+                                                                 precision="tf32x3", method="inverse"),
+            "expanded_tf32x3": lambda i, S0, q, k, v, g, b, m: solve(i, S0, expand(q), expand(k), f32(v), g, b, m,
+                                                                     precision="tf32x3", method="inverse"),
+            "fp32_tf32x3_split": lambda i, S0, q, k, v, g, b, m: solve(i, S0, f32(q), f32(k), f32(v), g, b, m,
+                                                                       precision="tf32x3", method="split"),
+            "fp32_ieee": lambda i, S0, q, k, v, g, b, m: solve(i, S0, f32(q), f32(k), f32(v), g, b, m,
+                                                               precision="ieee", method="inverse"),
+            "xla": lambda i, S0, q, k, v, g, b, m: kernels.tree_solve(S0, q, k, v, g, b, m, path_nodes,
+                                                                      impl="reference", layer=i),
         }
 
     def all_decode_variants(heads: dict) -> dict:
@@ -337,9 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     for B, N in configs:
         depth = min(8, N - 1)
         R = layer_sets(B)
-        calls = [verify_solve_call(cfg, B, N, depth=depth, dtype=dtype, seed=1000 * B + N + i) for i in range(R)]
+        # the sets are layers 0 … R−1 of one state stack, each with its own tree and mixer inputs
+        first = verify_solve_call(cfg, B, N, depth=depth, dtype=dtype, seed=1000 * B + N)
+        calls = [first] + [verify_solve_call(cfg, B, N, depth=depth, dtype=dtype, seed=1000 * B + N + i, layer=i,
+                                             states=first.S0) for i in range(1, R)]
         sets = [c.args for c in calls]
-        ref = jax.jit(lambda *args: gdn.masked_solve(*args, method="solve", path_nodes=calls[0].path_nodes)[0])
+        ref = jax.jit(lambda S0, *args: gdn.masked_solve(S0[0], *args, method="solve",
+                                                         path_nodes=first.path_nodes)[0])
         o_ref = np.asarray(ref(*sets[0]), np.float32)
         base = {"B": B, "N": N, "depth": depth, "sets": R,
                 "err_o_rounded_to_dtype": rel_err(np.asarray(jnp.asarray(o_ref).astype(dtype).astype(F32)), o_ref)}

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -87,13 +88,15 @@ def _maxabs(a, b) -> float:
 
 def make_set(seed: int, B: int, N: int, dtype=jnp.bfloat16):
     """One input set (S0, q, k, v, g, β) as the verify of a model computing in `dtype` hands it to the kernel:
-    `verify_solve_call`'s mixer inputs, q/k/v in `kernels.verify_operands(dtype)`'s dtype."""
+    `verify_solve_call`'s mixer inputs, q/k/v as `kernels.kernel_operands` gives them; S0 the layer's own state (the
+    verify hands the one-launch kernels the whole stack and the layer's index — `hyspec bench gdn-layer` times that;
+    the kernel forms compared here read the same tiles)."""
     depth = DEPTH_FOR_N.get(N, min(8, N)) - 1
     geometry = dataclasses.replace(GEOMETRY, linear_num_key_heads=HK, linear_num_value_heads=HV,   # the constants:
                                    linear_key_head_dim=DK, linear_value_head_dim=DV)               # tests shrink them
     call = verify_solve_call(geometry, B, N, depth=depth, dtype=dtype, seed=seed)
     q, k, v, _ = kernels.kernel_operands(call.q, call.k, call.v, dtype)
-    return call.S0, q, k, v, call.g, call.beta
+    return call.S0[call.layer], q, k, v, call.g, call.beta
 
 
 def value_pass_inputs(seed: int, B: int, N: int = 64, depth: int = 8, interpret: bool = False) -> tuple:
@@ -176,17 +179,19 @@ def gpu_stream_time(data, calls: int) -> dict:
 PROFILE_REPS = 3
 
 
-def time_multi(fn, sets, reps: int, warmup: int = 2, check=None, profile: bool = False) -> dict:
-    """Median seconds per call of fn over rotating input sets (one jitted executable runs them all).
+def time_multi(fn, sets, reps: int, warmup: int = 2, check=None, profile: bool = False, indexed: bool = False) -> dict:
+    """Median seconds per call of fn over rotating input sets (one jitted executable runs them all); indexed: fn
+    takes the set's index first (a static int: e.g. the layer a set is of a shared state stack).
 
     check(first_output) -> dict of errors is called on the first run's output for sets[0]. profile (GPU): also
     the device time per call from a profiler trace (`device_kernel_time`)."""
     transient = {}
     try:                      # XLA's scratch for one call: intermediates between its kernels, never the outputs
-        transient["transient_bytes"] = int(jax.jit(fn).lower(*sets[0]).compile().memory_analysis().temp_size_in_bytes)
+        one = functools.partial(fn, 0) if indexed else fn
+        transient["transient_bytes"] = int(jax.jit(one).lower(*sets[0]).compile().memory_analysis().temp_size_in_bytes)
     except Exception:  # noqa: BLE001 — a backend without memory analysis: the timing stands without it
         pass
-    multi = jax.jit(lambda ss: [fn(*s) for s in ss])
+    multi = jax.jit(lambda ss: [fn(i, *s) if indexed else fn(*s) for i, s in enumerate(ss)])
     t0 = time.perf_counter()
     res = jax.block_until_ready(multi(sets))
     compile_s = time.perf_counter() - t0

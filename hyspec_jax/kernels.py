@@ -178,13 +178,13 @@ def _kernel_forward(S0, q, k, v, g, beta, mask, path_nodes, cfg, deferred=None):
     passes hand N × N operators through memory, are given zero-padded copies (measured: at B 1, N 8 the pads and
     the slices back took 14 of 19.8 µs, the kernel 5.7 — bench/results/kernels/gdn_layer_h100_padded.md; without them
     9.1 µs — gdn_layer_h100_unpadded.md)."""
-    config, interpret = cfg
+    config, interpret, layer = cfg
     N = q.shape[1]
     n_pad = _padded_n(N)
     if config.method not in ("split", "split_mgpu") or n_pad == N:
         o, gamma, vc = gdn_tree_solve.tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred,
                                                         path_nodes=min(path_nodes, N), config=config,
-                                                        interpret=interpret)
+                                                        layer=layer, interpret=interpret)
         return o, gdn.SolveFactors(gamma, k, vc)               # the keys as given: no copy
     qp, kp, vp, gp, bp, mp = _pad_tree(n_pad, q, k, v, g, beta, mask)
     o, gamma, vc = gdn_tree_solve.tree_solve_pallas(S0, qp, kp, vp, gp, bp, mp, deferred,
@@ -204,7 +204,9 @@ def _kernel_solve_fwd(S0, q, k, v, g, beta, mask, path_nodes, cfg):
 
 def _kernel_solve_bwd(path_nodes, cfg, res, ct):
     S0, q, k, v, g, beta, mask = res
-    f = lambda S0, q, k, v, g, beta: _reference(S0, q, k, v, g, beta, mask, path_nodes)
+    layer = cfg[2]
+    f = lambda S0, q, k, v, g, beta: _reference(S0 if layer is None else S0[layer], q, k, v, g, beta, mask,  # noqa
+                                                path_nodes)
     _, vjp = jax.vjp(f, S0, q, k, v, g, beta)
     return (*vjp(ct), None)
 
@@ -274,8 +276,12 @@ def _split_mgpu_refusal(q, v, block_v: int, precision: str | None, impl: Impl) -
 def tree_solve(S0, q, k, v, g, beta, mask, path_nodes: int | None = None, *, impl: Impl = "auto",
                method: str = "auto", block_v: int | None = None, precision: str | None = None,
                reference_method: str = "solve", deferred: gdn.DeferredUpdates | None = None,
-               compute_dtype=None):
+               compute_dtype=None, layer: int | None = None):
     """Closed-form GDN tree solve with gdn.masked_solve's contract; returns (o fp32, SolveFactors).
+
+    layer (a static index): S0 is the model's stack [L, B, HV, dk, dv] of every GDN layer's committed state and the
+    solve is layer `layer`'s; the one-launch kernels read that layer's tiles where they lie (no copy of the layer's
+    state out of the stack), every other path takes `S0[layer]`.
 
     compute_dtype: the dtype the calling model computes in (the verify passes its activations' dtype). On the
     kernel path q, k, v are then handed over as `kernel_operands` gives them and its precision is the default; the reference path takes them as they are (fp32: the oracle). None: as given, precision by q's dtype.
@@ -301,6 +307,9 @@ def tree_solve(S0, q, k, v, g, beta, mask, path_nodes: int | None = None, *, imp
     if compute_dtype is not None and impl != "reference":
         q, k, v, operand_precision = kernel_operands(q, k, v, compute_dtype)
         precision = precision or operand_precision
+    stack = S0
+    if layer is not None:                  # the layer's state, for every path but the one-launch kernels'
+        S0 = jax.ShapeDtypeStruct(stack.shape[1:], stack.dtype) if impl != "reference" else stack[layer]
     if deferred is not None and impl == "reference":
         S0, deferred = gdn.deferred_fold(S0, deferred), None
     if impl == "reference":
@@ -319,17 +328,20 @@ def tree_solve(S0, q, k, v, g, beta, mask, path_nodes: int | None = None, *, imp
     elif method == "split_mgpu" and ok and (refusal := _split_mgpu_refusal(q, v, block_v, precision, impl)):
         ok, why = False, refusal
     interpret = _use_kernel(impl, ok, "tree_solve", why)
-    merge = (deferred is not None and interpret is not None and method not in ("split", "split_mgpu")
-             and tile_dim_ok(deferred.row_decay.shape[-1]))
+    one_launch = interpret is not None and method not in ("split", "split_mgpu")
+    if layer is not None:                  # one-launch kernels read the layer's tiles of the stack where they lie
+        S0, layer = (stack, layer) if one_launch else (stack[layer], None)
+    merge = deferred is not None and one_launch and tile_dim_ok(deferred.row_decay.shape[-1])
     if deferred is not None and not merge:
-        S0, deferred = gdn.deferred_fold(S0, deferred), None
+        S0 = S0[layer] if layer is not None else S0
+        S0, deferred, layer = gdn.deferred_fold(S0, deferred), None, None
     if interpret is None:
         return _reference(S0, *given, g, beta, mask, path_nodes, reference_method)
     config = solve_config(method, block_v, precision or _default_precision(q.dtype))
     if merge:
-        return _kernel_forward(S0, q, k, v, g, beta, mask, path_nodes, (config, interpret),
+        return _kernel_forward(S0, q, k, v, g, beta, mask, path_nodes, (config, interpret, layer),
                                _kernel_deferred(deferred, q.shape[2]))
-    return _kernel_solve(S0, q, k, v, g, beta, mask, path_nodes, (config, interpret))
+    return _kernel_solve(S0, q, k, v, g, beta, mask, path_nodes, (config, interpret, layer))
 
 
 def _kernel_deferred(pend: gdn.DeferredUpdates, key_heads: int) -> tuple:

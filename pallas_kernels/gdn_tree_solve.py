@@ -419,9 +419,10 @@ def supported(N: int, dk: int, dv: int, block_v: int, precision: Precision = "tf
             and dv % block_v == 0 and (precision == "tf32" or N <= FP32_ACCURATE_MAX_NODES))
 
 
-@functools.partial(jax.jit, static_argnames=("path_nodes", "config", "write_state", "interpret"))
+@functools.partial(jax.jit, static_argnames=("path_nodes", "config", "write_state", "layer", "interpret"))
 def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, path_nodes: int,
-                      config: SolveConfig = SolveConfig(), write_state: bool = False, interpret: bool = False):
+                      config: SolveConfig = SolveConfig(), write_state: bool = False, layer: int | None = None,
+                      interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N ≤ 128 nodes; the one-launch forms read them into a
     node tile (`tile_nodes`: a power of two ≥ 16) whose padding is identity steps, on chip — no padded copies in
@@ -433,10 +434,18 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, path_nodes: 
     of two ≥ 16), merged on chip after the S0 tile is loaded (one-launch forms only). write_state: also return
     the merged state (fourth output, written over S0 — donate S0 to make it in place); the caller then empties the
     updates.
+
+    layer (one-launch forms, no write_state): S0 is a stack [L, B, HV, dk, dv] of states and the solve reads layer
+    `layer`'s tiles of it where they lie.
     """
     if not isinstance(config, SolveConfig):
         raise TypeError(f"config must be a SolveConfig, got {type(config).__name__}")
     method, block_v, precision = config.method, config.block_v, config.precision
+    if layer is not None:
+        if write_state or method in ("split", "split_mgpu"):
+            raise ValueError("a layer of a state stack is read by the one-launch forms without write_state only")
+        if S0.ndim != 5 or not 0 <= layer < S0.shape[0]:
+            raise ValueError(f"layer {layer} of a state stack [L, B, HV, dk, dv], got S0 {S0.shape}")
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
     n_tile = tile_nodes(N)
@@ -478,7 +487,8 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, path_nodes: 
         pl.BlockSpec((None, T, None, dk), lambda b, h, t: (b, 0, h // r, 0)),  # q (key head)
         pl.BlockSpec((None, T, None, dk), lambda b, h, t: (b, 0, h // r, 0)),  # k (key head)
         pl.BlockSpec((None, T, None, block_v), lambda b, h, t: (b, 0, h, t)),  # v
-        pl.BlockSpec((None, None, dk, block_v), lambda b, h, t: (b, h, 0, t)),  # S0
+        (pl.BlockSpec((None, None, dk, block_v), lambda b, h, t: (b, h, 0, t)) if layer is None else       # S0
+         pl.BlockSpec((None, None, None, dk, block_v), lambda b, h, t: (layer, b, h, 0, t))),
     ]
     out_specs = [
         pl.BlockSpec((None, T, None, block_v), lambda b, h, t: (b, 0, h, t)),  # o

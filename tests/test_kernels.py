@@ -34,9 +34,10 @@ def _interpret_mode_on_the_cpu(request):
         yield
 
 
-def solve(*args, path_nodes, interpret=False, **config):
+def solve(*args, path_nodes, interpret=False, layer=None, **config):
     """tree_solve_pallas with its config's fields as keywords."""
-    return tree_solve_pallas(*args, path_nodes=path_nodes, config=SolveConfig(**config), interpret=interpret)
+    return tree_solve_pallas(*args, path_nodes=path_nodes, config=SolveConfig(**config), interpret=interpret,
+                             layer=layer)
 
 
 def rel(a, b):
@@ -569,3 +570,17 @@ def test_attention_tiling_rule_and_explicit_tiling():
     args = _attention_inputs(7, 2, 5, 4, 2, 16, 64, 5, jnp.float32)
     got = kernels.tree_attention(*args, impl="interpret", tiling=(16, 16, 2, 1))
     assert rel(got, attend_prefix_tree(*args)) < 2e-5
+
+
+@pytest.mark.parametrize("method", ["inverse", "squaring", "split"])
+def test_dispatch_reads_one_layer_of_a_state_stack_interpret(method):
+    """layer=j: the solve of layer j of a stack [L, B, HV, dk, dv] equals the solve of that layer's state; the
+    one-launch forms read its tiles in the stack, the split form takes the slice."""
+    par, mask, (S0, q, k, v, g, beta) = make_inputs(51, 2, 11, 2, 4, 16, 16, 4)
+    stack = jnp.stack([S0 * 0.5, S0, S0 * 2.0])
+    o_ref, fac_ref = reference(S0, q, k, v, g, beta, mask)
+    for impl in ("reference", "interpret"):
+        o, fac = kernels.tree_solve(stack, q, k, v, g, beta, mask, 4, impl=impl, method=method, block_v=16, layer=1)
+        assert rel(o, o_ref) < 1e-5 and rel(fac.corrected, fac_ref.corrected) < 1e-5
+    with pytest.raises(ValueError, match="layer"):
+        solve(stack, q, k, v, g, beta, mask, path_nodes=4, method="inverse", block_v=16, interpret=True, layer=5)

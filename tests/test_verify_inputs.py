@@ -73,6 +73,9 @@ def test_bench_call_is_the_verify_call(dtype):
         assert got["path_nodes"] == want.path_nodes
         assert jnp.dtype(got["compute_dtype"]) == want.compute_dtype == jnp.dtype(dtype)
         assert got["deferred"] is None
+    # the unrolled verify hands over the whole state stack and each GDN layer's own row of it
+    assert [c["layer"] for c in calls] == list(range(len(TCFG.gdn_layers)))
+    assert want.S0.shape[0] == len(TCFG.gdn_layers) and want.layer == 0
     # key heads, never a copy per value head; the kernel's operands and precision follow the model's dtype
     assert want.q.shape[2] == want.k.shape[2] == TCFG.linear_num_key_heads < want.v.shape[2]
     operands, precision = kernels.verify_operands(dtype)
@@ -107,7 +110,7 @@ def test_kernel_bench_sets_are_the_dispatchers_operands():
     call = verify_solve_call(bench_kernels.GEOMETRY, 1, 16, depth=bench_kernels.DEPTH_FOR_N[16] - 1,
                              dtype=jnp.bfloat16, seed=0)
     operands, _ = kernels.verify_operands(jnp.bfloat16)
-    for got, ref in zip((S0, q, k, v, g, beta), call.args[:6]):
+    for got, ref in zip((S0, q, k, v, g, beta), (call.S0[call.layer], *call.args[1:6])):
         assert got.shape == ref.shape
     assert q.dtype == k.dtype == operands
     want_q, want_k, want_v, _ = kernels.kernel_operands(call.q, call.k, call.v, jnp.bfloat16)
@@ -143,7 +146,7 @@ def test_operand_policy_is_the_kernel_paths_only(monkeypatch):
     cfg = dataclasses.replace(TCFG, linear_key_head_dim=16, linear_value_head_dim=16)    # heads the kernel tiles
     call = verify_solve_call(cfg, 2, 6, depth=3, dtype=jnp.bfloat16, seed=2)
     monkeypatch.setitem(kernels.VERIFY_OPERANDS, jnp.dtype(jnp.bfloat16), (jnp.dtype(jnp.bfloat16), "tf32"))
-    want = kernels.tree_solve(*call.args, call.path_nodes, impl="reference")
+    want = kernels.tree_solve(*call.args, call.path_nodes, impl="reference", layer=call.layer)
     got = kernels.tree_solve(*call.args, **call.kwargs, impl="auto")
     if not any(d.platform == "gpu" for d in jax.devices()):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

@@ -268,11 +268,13 @@ class TargetModel(nnx.Module):
                 o, fac = gdn.masked_solve(committed_ssm(state, j), q, k, v, g, beta, mask, method=method,
                                           path_nodes=tree.envelope.path_nodes)
             else:                                  # the one-launch kernels merge the rows into their state tile
-                o, fac = kernels.tree_solve(state.ssm[j], q, k, v, g, beta, mask, tree.envelope.path_nodes,
-                                            impl=kernel_impl, method="neumann" if method == "neumann" else "auto",
+                stacked = isinstance(j, int)       # unrolled: the kernel reads layer j's tiles of the stack itself
+                o, fac = kernels.tree_solve(state.ssm if stacked else state.ssm[j], q, k, v, g, beta, mask,
+                                            tree.envelope.path_nodes, impl=kernel_impl,
+                                            method="neumann" if method == "neumann" else "auto",
                                             reference_method=method, compute_dtype=x.dtype,
                                             deferred=None if state.pending is None else pending_layer(
-                                                state.pending, j))
+                                                state.pending, j), layer=j if stacked else None)
             return mix.output(pack(o), z, x.dtype), carry, (fac, qkv)
 
         def attn_mixer(att, h, j, carry):
@@ -455,7 +457,7 @@ class TreeSolveCall:
     keywords that follow from the model (path_nodes from the tree's envelope, compute_dtype from the activations).
     The one source of the kernel benchmarks' inputs (`verify_solve_call`); tests/test_verify_inputs.py checks it
     against what the verify really passes the dispatcher."""
-    S0: jax.Array      # [B, HV, dk, dv] the committed state (fp32)
+    S0: jax.Array      # [Lg, B, HV, dk, dv] every GDN layer's committed state (fp32); the layer's is S0[layer]
     q: jax.Array       # [B, N, HK, dk]
     k: jax.Array       # [B, N, HK, dk]
     v: jax.Array       # [B, N, HV, dv]
@@ -464,6 +466,7 @@ class TreeSolveCall:
     mask: jax.Array    # [B, N, N] ancestor-or-self
     path_nodes: int
     compute_dtype: jnp.dtype
+    layer: int            # the layer's row in S0 (the unrolled verify hands over the stack)
     stream: MixerStream   # where q, k, v, g, β came from
 
     @property
@@ -472,15 +475,17 @@ class TreeSolveCall:
 
     @property
     def kwargs(self) -> dict:
-        return {"path_nodes": self.path_nodes, "compute_dtype": self.compute_dtype}
+        return {"path_nodes": self.path_nodes, "compute_dtype": self.compute_dtype, "layer": self.layer}
 
 
 def verify_solve_call(cfg: TargetConfig, batch: int, nodes: int, *, depth: int, dtype=jnp.bfloat16,
-                      seed: int = 0) -> TreeSolveCall:
+                      seed: int = 0, layer: int = 0, states: jax.Array | None = None) -> TreeSolveCall:
     """A random GDN layer's tree-solve call at `cfg`'s geometry, formed as the verify forms it: one tree per
     request of `nodes` nodes with its deepest node at `depth` (`tree.random_parents`), a post-conv stream and gate
     inputs through `gdn.mixer_inputs` (q/k at their key heads, fp32), the committed state in fp32 and the model
-    computing in `dtype`. A_log and dt_bias drawn as `GatedDeltaNet` initialises them."""
+    computing in `dtype`. A_log and dt_bias drawn as `GatedDeltaNet` initialises them. The state is layer `layer`
+    of the stack `states` [Lg, B, HV, dk, dv] (default: a random stack of `cfg`'s GDN layers), as the unrolled
+    verify hands it over."""
     rng = np.random.default_rng(seed)
     shape = tree_lib.TreeShape(nodes, depth)
     tree = tree_lib.pack_forest([tree_lib.random_parents(rng, nodes, depth, min_depth=depth)
@@ -493,9 +498,13 @@ def verify_solve_call(cfg: TargetConfig, batch: int, nodes: int, *, depth: int, 
     A_log = jnp.log(jax.random.uniform(ks[3], (hv,), F32, 1.0, 16.0)).astype(dtype)
     dt_bias = jnp.ones((hv,), dtype)
     q, k, v, g, beta = gdn.mixer_inputs(conv_out, b, a, tree.valid, A_log, dt_bias, key_heads=hk, key_dim=dk)
-    S0 = jax.random.normal(ks[4], (batch, hv, dk, dv), F32) * 0.1
-    return TreeSolveCall(S0, q, k, v, g, beta, tree_lib.ancestor_mask(tree), shape.path_nodes, jnp.dtype(dtype),
-                         MixerStream(conv_out, b, a, A_log, dt_bias, tree.parent))
+    if states is None:
+        states = jax.random.normal(ks[4], (len(cfg.gdn_layers), batch, hv, dk, dv), F32) * 0.1
+    chex.assert_shape(states, (None, batch, hv, dk, dv))
+    if not 0 <= layer < states.shape[0]:
+        raise ValueError(f"layer {layer} of a stack of {states.shape[0]} GDN layers")
+    return TreeSolveCall(states, q, k, v, g, beta, tree_lib.ancestor_mask(tree), shape.path_nodes, jnp.dtype(dtype),
+                         layer, MixerStream(conv_out, b, a, A_log, dt_bias, tree.parent))
 
 
 @dataclasses.dataclass(frozen=True)

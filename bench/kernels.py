@@ -153,7 +153,7 @@ def device_kernel_time(run, calls: int) -> dict:
     PROFILE_REPS times under `jax.profiler.trace`; the GPU planes' stream events (kernels, memsets, copies the
     executable itself issues) are summed per call. Unlike a host clock this leaves out dispatching and awaiting the
     executable and the idle gaps between launches: it is the time the GPU spends in our kernels, warm (the
-    Nsight Compute table in kernel-resources times one cold, serialized launch instead)."""
+    Nsight Compute tables in bench/results/kernels/kernel_resources_*.md time one cold, serialized launch)."""
     def reps():
         for _ in range(PROFILE_REPS):
             run()

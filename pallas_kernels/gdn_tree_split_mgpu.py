@@ -116,7 +116,8 @@ def _apply_kernel(gamma_g, beta_g, mchi_g, mclo_g, k_g, q_g, v_g, s0_g, o_g, vc_
     N = k_s.shape[0]
     # Issued at once, on three barriers, so each product starts when its own operands have landed; the [M; C M]
     # pair lands where k and q were, so it is loaded once they are read. The named scopes are the phases
-    # `profile_dir` records (bench/recipes/value_pass_phases.py); without it they are names.
+    # `profile_dir` records (a one-time probe read them: bench/recipes/value_pass_phases.py, in git history);
+    # without it they are names.
     with jax.named_scope("issue_loads"):
         plgpu.copy_gmem_to_smem(s0_g.at[b, h, :, cols], s0f_s, bar_state)
         plgpu.copy_gmem_to_smem(k_g.at[b, :, key_head, :], k_s, bar_state)

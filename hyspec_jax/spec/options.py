@@ -63,8 +63,9 @@ def recommended_settings(drafter_dir, backend: str) -> dict:
     """The measured best speculative settings of a drafter for a backend ('cpu' / 'gpu'): its
     recommended_modes.json (written from `hyspec bench e2e` results), or {}. Two optional bounds of where the
     mode was measured faster than plain decoding (`plain_decoding_reason`): "max_slots", the most concurrent
-    requests; "min_new_tokens", the fewest new tokens one `hyspec generate` call must ask for (`hyspec bench
-    oneshot`: below it, loading the mode's extra programs and drafter costs more than decoding saves);
+    requests; "min_new_tokens", the fewest new tokens one `hyspec generate` call must ask for (measured once,
+    bench/results/e2e/oneshot_cpu_breakeven.md: below it, loading the mode's extra programs and drafter costs more
+    than decoding saves);
     "serve_max_slots", the most slots of a `hyspec serve` measured faster through the server (its rounds run in
     decoding buckets: `Backend.step_rows`), where it differs from the end-to-end runs' max_slots."""
     import json

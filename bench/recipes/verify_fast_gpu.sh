@@ -30,7 +30,7 @@ for step in ${STEPS:-layer}; do
     profile)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout ${PROFILE_TIMEOUT:-290} "${H[@]}" bench profile-scale \
         --batch ${PROFILE_BATCH:-1,8} --nodes 8,32 \
-        --compile-workers 1 --max-seconds 240 --compile-cache "$JAX_CACHE" --no-progress \
+        --compile-workers 1 --max-seconds $(( ${PROFILE_TIMEOUT:-290} - 50 )) --compile-cache "$JAX_CACHE" --no-progress \
         --json "$OUT/profile_scale.json" 2>&1 | tail -12 ;;
     round)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 320 "${H[@]}" bench round-scale --batch ${ROUND_BATCH:-1,8,32} --nodes 8,32 --no-phases \

@@ -14,7 +14,7 @@ import pytest
 
 from experiments import reader_swap
 from hyspec_jax.bench.e2e import load_models, make_engine
-from hyspec_jax.spec.round import round_draft_jit
+from hyspec_jax.spec.round import SlotState, StepInputs, round_draft_jit
 from tests.test_bench_e2e import dirs  # noqa: F401  (the tiny target, drafter with a reader and prompts)
 from tests.test_engine import TCFG
 
@@ -43,10 +43,10 @@ def test_swapped_reader_state_is_lossless_and_labelled(dirs, capsys):  # noqa: F
                            np.zeros(3, np.uint32))
         be.prefill(np.arange(3, dtype=np.int32), rng.integers(3, TCFG.vocab_size, (3, 16)), np.ones((3, 16), bool),
                    np.ones(3, bool), samp)
-        toks, _, _ = round_draft_jit(be.graphdef, be.params, be.dgraph, be.dparams, be.state, be.dstate, be.anchor,
-                                     jnp.ones(3, bool), samp, jnp.zeros(3, jnp.int32), jnp.asarray(15, jnp.int32),
-                                     shape=be.round_shapes[False])
-        blocks.append(np.asarray(toks))
+        inputs = StepInputs(StepInputs.pack(np.ones(3, bool), np.zeros(3, np.int32), 15), samp)
+        draft = round_draft_jit(be.graphdef, be.params, be.dgraph, be.dparams, SlotState(be.state, be.dstate),
+                                be.anchor, inputs, shape=be.round_shapes[False])
+        blocks.append(np.asarray(draft.tokens))
     assert (blocks[0] != blocks[1]).any()
     with pytest.raises(ValueError, match="ReaDy reader"):
         reader_swap.swapped(drafters[False])

@@ -143,6 +143,31 @@ def test_pallas_kernels_import_only_the_math_from_hyspec_jax():
         assert not lib, f"{m} imports {lib} (pallas_kernels may import only {sorted(KERNEL_MATH - {'hyspec_jax'})})"
 
 
+# spec/ modules that still import runtime/: the old name of `runtime.width`, kept only for spec/engine.py's import
+# until that file leaves spec/ (the engine builds backends: host-side)
+SPEC_TO_RUNTIME_LEFT = {"hyspec_jax.spec.width", "hyspec_jax.spec.engine"}
+
+
+def spec_runtime_imports(g: dict[str, set[str]]) -> dict[str, list[str]]:
+    """{spec module: the runtime modules it imports}, for every spec module that imports one."""
+    out = {}
+    for m, deps in g.items():
+        if m == "hyspec_jax.spec" or m.startswith("hyspec_jax.spec."):
+            up = sorted(n for n in deps if n == "hyspec_jax.runtime" or n.startswith("hyspec_jax.runtime."))
+            if up:
+                out[m] = up
+    return out
+
+
+def test_spec_never_imports_runtime():
+    """spec/ holds the pure jitted round and never imports runtime/, which holds every host-side piece (backends,
+    the width choice, the scheduler, multi-host) and imports spec/ — one direction only."""
+    found = spec_runtime_imports(graph())
+    assert set(found) <= SPEC_TO_RUNTIME_LEFT, {m: d for m, d in found.items() if m not in SPEC_TO_RUNTIME_LEFT}
+    assert spec_runtime_imports({"hyspec_jax.spec.round": {"hyspec_jax.runtime.programs", "hyspec_jax.tree"}}) == {
+        "hyspec_jax.spec.round": ["hyspec_jax.runtime.programs"]}          # the check sees such an import
+
+
 def test_the_checks_can_fail(tmp_path):
     """A cycle closed only by an import inside a function is found, and so is a kernel module importing the library
     (the graph as it stood before the dispatcher moved into hyspec_jax)."""

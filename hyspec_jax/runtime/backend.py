@@ -11,8 +11,9 @@ the device, and two kinds of call, each compiled once per static shape:
   slot. Dispatch returns before the device finishes, so the loop can dispatch the next step before it reads this one.
 
 Both take an optional `penalty` (`SlotPenalty`, per row): the penalized flavour of the program, which also updates
-the backend's per-slot penalty history (`PenaltyCounts`, made on first use); without it the program is the
-unpenalized one. The loop passes it while any of the rows' requests has non-neutral penalties.
+the backend's per-slot penalty history (`PenaltyCounts`, made on first use, in the `SlotState` the program takes);
+without it the program is the unpenalized one. The loop passes it while any of the rows' requests has non-neutral
+penalties.
 
 The round's static shape is a frozen `RoundShape` per sampling flavour, fixed when the backend is built.
 """
@@ -32,11 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from hyspec_jax.config import DrafterConfig, TargetConfig
-from hyspec_jax.runtime.programs import ar_prefill_jit, ar_step_jit, new_buffers, spec_prefill_jit
+from hyspec_jax.runtime.programs import (PrefillChunk, ar_prefill_jit, ar_step_jit, new_buffers, spec_prefill_jit,
+                                         spec_round_io_jit, spread_rows)
 from hyspec_jax.sharding import place_buffers
 from hyspec_jax.sampling import PenaltyCounts, SlotPenalty, SlotSampling
-from hyspec_jax.spec.round import (RoundShape, pack_round_inputs, spec_round_io_jit, spread_rows,
-                                   unpack_round_outputs)
+from hyspec_jax.spec.round import RoundOutput, RoundShape, SlotState, StepInputs
 
 F32 = jnp.float32
 MIN_CHUNK = 16      # the smallest prefill length (and prompt bucket)
@@ -127,8 +128,15 @@ def compile_backends(backends: Sequence["Backend"], prompt_lengths: Sequence[int
     bar.close()
 
 
+def prefill_chunk(slots, tokens, valid, reset, sampling: SlotSampling, penalty: SlotPenalty | None) -> PrefillChunk:
+    """A prefill call's inputs from the loop's host arrays: host arrays go straight to the jitted call (a
+    jnp.asarray is one more dispatch each); copies, since the scheduler reuses its buffers."""
+    return PrefillChunk(slots=np.array(slots, np.int32), tokens=np.array(tokens, np.int32), valid=np.array(valid, bool),
+                        reset=np.array(reset, bool), sampling=sampling, penalty=penalty)
+
+
 class _Captured(Exception):
-    """Raised by `Backend._penalized` while `Backend.compile` records the program calls its pass will make."""
+    """Raised by `Backend._launch` while `Backend.compile` records the program calls its pass will make."""
 
     def __init__(self, fn, args, kwargs):
         super().__init__("captured program call")
@@ -251,7 +259,7 @@ class Backend(abc.ABC):
         `progress(label)` once per program (a step with several widths counts as one).
 
         With workers > 1 (default `compilation.compile_workers()`) the pass, after its first program, records the
-        program calls it will make (`_penalized` stops each before it runs) and compiles them side by side on that
+        program calls it will make (`_launch` stops each before it runs) and compiles them side by side on that
         many threads (`compilation.precompile`); the pass itself then only runs them.
 
         Not over a mesh, whose pass repeats until it compiles nothing: XLA may return a buffer in another layout
@@ -366,16 +374,22 @@ class Backend(abc.ABC):
                  penalty: SlotPenalty | None = None):
         """Dispatch one step for every active slot (not waiting for it); returns the handle `collect` reads."""
 
-    def _penalized(self, fn, *args, penalty: SlotPenalty | None, **kw):
-        """fn(*args) or, with penalty, its penalized flavour (the history passed and taken back): fn's outputs.
-        Every program call of a backend goes through here, so `compile` can record them (`_Captured`)."""
+    def _slots(self, penalized: bool) -> SlotState:
+        """The slot state a program takes (the penalty history only for the penalized flavour)."""
+        return SlotState(target=self.state, drafter=self.dstate, hist=self.penalty_hist() if penalized else None)
+
+    def _keep(self, slots: SlotState) -> None:
+        """Hold the slot state a program returned (its inputs were donated)."""
+        self.state, self.dstate = slots.target, slots.drafter
+        if slots.hist is not None:
+            self._hist = slots.hist
+
+    def _launch(self, fn, *args, **kw):
+        """fn(*args, **kw): fn's outputs. Every program call of a backend goes through here, so `compile` can
+        record them (`_Captured`)."""
         if self._capturing:
-            raise _Captured(fn, args, kw if penalty is None else {**kw, "hist": self.penalty_hist(),
-                                                                  "penalty": penalty})
-        if penalty is None:
-            return fn(*args, **kw)
-        *out, self._hist = fn(*args, hist=self.penalty_hist(), penalty=penalty, **kw)
-        return tuple(out)
+            raise _Captured(fn, args, kw)
+        return fn(*args, **kw)
 
     @abc.abstractmethod
     def collect(self, handle) -> StepResult:
@@ -388,21 +402,19 @@ class ARBackend(Backend):
     mode = "ar"
 
     def prefill(self, slots, tokens, valid, reset, sampling, penalty=None) -> jax.Array:
-        # host arrays go straight to the jitted call (a jnp.asarray is one more dispatch each); copies, since
-        # the scheduler reuses its buffers
-        first, self.state, self.anchor = self._penalized(
-            ar_prefill_jit, self.graphdef, self.params, self.state, self.anchor, np.array(slots, np.int32),
-            np.array(tokens, np.int32), np.array(valid, bool), np.array(reset, bool), sampling, penalty=penalty)
+        first, out, self.anchor = self._launch(
+            ar_prefill_jit, self.graphdef, self.params, self._slots(penalty is not None), self.anchor,
+            prefill_chunk(slots, tokens, valid, reset, sampling, penalty))
+        self._keep(out)
         start_host_copy(first)
         return first
 
     def dispatch(self, active, sampling, steps, stochastic, penalty=None):
         active = np.array(active, bool)
-        rows = self.step_rows(active)
-        kw = {} if rows is None else {"rows": rows}
-        self.anchor, self.state = self._penalized(
-            ar_step_jit, self.graphdef, self.params, self.state, self.anchor, active, sampling,
-            np.array(steps, np.int32), penalty=penalty, stochastic=bool(stochastic), **kw)
+        inputs = StepInputs(StepInputs.pack(active, steps, 0, self.step_rows(active)), sampling, penalty)
+        self.anchor, out = self._launch(ar_step_jit, self.graphdef, self.params, self._slots(penalty is not None),
+                                        self.anchor, inputs, stochastic=bool(stochastic))
+        self._keep(out)
         start_host_copy(self.anchor)
         return self.anchor, active
 
@@ -445,24 +457,32 @@ class SpecBackend(Backend):
         return f"{self.mode} round N={self.verify_nodes}"
 
     def prefill(self, slots, tokens, valid, reset, sampling, penalty=None) -> jax.Array:
-        first, self.state, self.dstate, self.anchor = self._penalized(
-            spec_prefill_jit, self.graphdef, self.params, self.dgraph, self.dparams, self.state, self.dstate,
-            self.anchor, np.array(slots, np.int32), np.array(tokens, np.int32), np.array(valid, bool),
-            np.array(reset, bool), sampling, penalty=penalty, tap_layers=self.tap_layers)
+        first, out, self.anchor = self._launch(
+            spec_prefill_jit, self.graphdef, self.params, self.dgraph, self.dparams, self._slots(penalty is not None),
+            self.anchor, prefill_chunk(slots, tokens, valid, reset, sampling, penalty), tap_layers=self.tap_layers)
+        self._keep(out)
         start_host_copy(first)
         return first
 
     def dispatch(self, active, sampling, steps, stochastic, penalty=None):
         active = np.asarray(active, bool)
         rows = self.step_rows(active)
-        self.state, self.dstate, self.anchor, host_out = self._penalized(
-            spec_round_io_jit, self.graphdef, self.params, self.dgraph, self.dparams, self.state, self.dstate,
-            self.anchor, sampling, pack_round_inputs(active, steps, self.capacity, rows),
-            penalty=penalty, shape=self.round_shapes[bool(stochastic)])
+        return self._round(self.round_shapes[bool(stochastic)], self.capacity, active, sampling, steps, penalty,
+                           rows), rows
+
+    def _round(self, shape: RoundShape, capacity: int, active: np.ndarray, sampling: SlotSampling, steps,
+               penalty: SlotPenalty | None, rows: np.ndarray | None) -> jax.Array:
+        """Launch one round of this shape over `rows` (None: every slot): its packed `RoundOutput`, whose host copy
+        has started."""
+        inputs = StepInputs(StepInputs.pack(active, steps, capacity, rows), sampling, penalty)
+        out, self.anchor, host_out = self._launch(
+            spec_round_io_jit, self.graphdef, self.params, self.dgraph, self.dparams, self._slots(penalty is not None),
+            self.anchor, inputs, shape=shape)
+        self._keep(out)
         start_host_copy(host_out)     # the host reads it: start its copy now
-        return host_out, rows
+        return host_out
 
     def collect(self, handle) -> StepResult:
         host_out, rows = handle
-        toks, count, acc = unpack_round_outputs(spread_rows(np.asarray(host_out), rows, self.slots))  # one transfer
-        return StepResult(tokens=toks, count=count, accepted=acc, drafted=self.drafted)
+        out = RoundOutput.unpack(spread_rows(np.asarray(host_out), rows, self.slots))  # one transfer
+        return StepResult(tokens=out.tokens, count=out.count, accepted=out.accepted, drafted=self.drafted)

@@ -18,7 +18,7 @@ model and bucket (`hyspec_jax.spec.budget.BudgetTable`; existing entries of othe
 
 With a drafter — the speculative engine `hyspec generate` builds from the same options (the embedded model: its
 drafter and recommended settings) — it also times the engine's own round program (draft, select, verify with the
-kernels it runs, accept, commit) at every width bucket w of `hyspec_jax.spec.width` (w = 1: plain decoding) for
+kernels it runs, accept, commit) at every width bucket w of `hyspec_jax.runtime.width` (w = 1: plain decoding) for
 every slot; each timed call is one round's dispatch and host read, after a prefill of the slots with half the KV
 length (a power of two), as the median of `repeats` rounds after a warm-up round, the widths interleaved. They go
 to the entry's `t_round_ms` under the round's signature (mode, draft shape, kernels, deferred commit); the engine
@@ -208,9 +208,9 @@ def calibrate(model, *, model_name: str, batches: list[int], kv_lens: list[int],
 def calibrate_rounds(engine, *, batches: list[int], kv_lens: list[int], repeats: int,
                      log=print) -> dict[tuple[int, int], tuple[str, dict[str, float]]]:
     """The engine's round time at every width bucket (see the module docstring): {(B, S): (round signature,
-    {width: ms})}, timed by `spec.width.time_widths` (the widths interleaved), each repeat after a fresh prefill
+    {width: ms})}, timed by `runtime.width.time_widths` (the widths interleaved), each repeat after a fresh prefill
     of the slots (untimed)."""
-    from hyspec_jax.spec.width import round_signature, time_widths
+    from hyspec_jax.runtime.width import round_signature, time_widths
 
     out = {}
     for B in batches:

@@ -10,7 +10,7 @@ So, as tpu-inference / JetStream do, process 0 holds the HTTP server and the sch
 - on the others, `follow` builds nothing new: it receives each call and runs it on its own copy of the same backend
   (the same programs, compiled at start-up in the same order on every process), discarding the outputs, until
   process 0 sends `stop` (its SIGTERM drain is over). What process 0 decides from outputs it read travels with the
-  call: a round's verify width (`spec.width.WidthBackend`), whose chooser learns only from collected rounds,
+  call: a round's verify width (`runtime.width.WidthBackend`), whose chooser learns only from collected rounds,
   is process 0's choice, sent, never a follower's own.
 
 The scheduler, the engine and the programs are unchanged: this module is the one place that knows about followers.
@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hyspec_jax.runtime.backend import Backend, StepResult
-from hyspec_jax.spec.width import WidthBackend
+from hyspec_jax.runtime.width import WidthBackend
 
 log = logging.getLogger("hyspec.multihost")
 

@@ -1,18 +1,23 @@
-"""The slot programs of the request loop besides the speculative round (`hyspec_jax.spec.round`): prefill and
-the plain decoding step. Each is jitted once per static shape; state buffers are donated.
+"""The slot programs of the request loop: prefill, the plain decoding step, and the round's program around the
+pure round (`hyspec_jax.spec.round`). Each is jitted once per static shape; the slot state is donated.
 
-Every slot holds one request's committed state (a `TargetState` row; with a drafter also its `DrafterState` row)
-and its anchor — the last token the target chose, not processed yet — on the device.
+Every slot holds one request's committed state (a `TargetState` row; with a drafter also its `DrafterState` row;
+penalized, its `PenaltyCounts` row: one `SlotState`) and its anchor — the last token the target chose, not processed
+yet — on the device. A program's inputs are named pytrees: a prefill's `PrefillChunk`, a step's or round's
+`StepInputs`.
 
 - `ar_prefill` / `spec_prefill`: P rows of prompt chunks [P, T] are run into slots `slots` [P] (index B = a
   padding row, dropped): the slots' rows are gathered (reset for a request's first chunk), extended by the target
   (`spec_prefill`: with the drafter's tap layers, whose features are appended to the slot's drafter context),
   scattered back, and the sampled next token (PRNG step 0) becomes the slot's anchor.
 - `ar_step`: one plain decoding step of every slot (inactive slots keep their state and anchor); `spec_step` the
-  same beside a drafter, whose context it appends.
+  same beside a drafter, whose context it appends (the width-1 round).
+- `spec_round_io`: the round the backends launch — over a decoding bucket's rows (`gather_rows` / `put_rows`),
+  `spec_step` at width 1, else `spec.round.spec_round`, its `RoundOutput` packed for one transfer.
 
 Penalties (presence / frequency / repetition): a penalized flavour of each program, run only while a slot's request
-has non-neutral ones, takes the backend's per-slot `PenaltyCounts` (donated) and per-row `SlotPenalty` and penalizes
+has non-neutral ones, takes the backend's per-slot `PenaltyCounts` (`SlotState.hist`, donated) and per-row
+`SlotPenalty` (in the inputs) and penalizes
 the target's logits before sampling (`sampling.penalize`); prefill resets a first chunk's history and marks the
 chunk's tokens seen, a step counts the anchor it processes. Without them (None) the programs are exactly the
 unpenalized ones.
@@ -28,7 +33,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+import numpy as np
+from flax import nnx, struct
 
 from hyspec_jax.compilation import DiskCachedJit
 from hyspec_jax.config import TargetConfig
@@ -36,9 +42,23 @@ from hyspec_jax.models.drafter import Drafter
 from hyspec_jax.models.mtp import MTPHead, MTPState, init_mtp_state
 from hyspec_jax.models.target import TargetModel
 from hyspec_jax.sampling import PenaltyCounts, SlotPenalty, SlotSampling, sample
+from hyspec_jax.spec.round import RoundOutput, RoundShape, SlotState, StepInputs, spec_round
 from hyspec_jax.state import DrafterState, TargetState, init_drafter_state, init_state
 
 I32 = jnp.int32
+
+
+@struct.dataclass
+class PrefillChunk:
+    """A prefill call's inputs: P rows of prompt chunks [P, T] run into slots `slots` [P] (index B: a padding row,
+    dropped); `reset` [P]: a request's first chunk (its slot starts empty); the rows' sampling and penalty
+    parameters (penalty None: the unpenalized flavour)."""
+    slots: jax.Array           # [P] int32
+    tokens: jax.Array          # [P, T] int32
+    valid: jax.Array           # [P, T] bool
+    reset: jax.Array           # [P] bool
+    sampling: SlotSampling
+    penalty: SlotPenalty | None = None
 
 
 def _rows(x: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
@@ -95,133 +115,167 @@ def scatter_drafter(dstate: DrafterState | MTPState, slots: jax.Array, sub: Draf
     return DrafterState(**kw)
 
 
-def gather_rows(rows: jax.Array, state: TargetState, dstate, per_row: tuple):
+def gather_rows(rows: jax.Array, slots: SlotState, per_row: tuple) -> tuple[SlotState, tuple]:
     """A step over `rows` [R] of the B slots (index B: a padding row — it reads slot B − 1 and is written nowhere):
-    the rows of the target state, of the drafter context (None: none) and of every [B, ...] array or pytree of
-    them in `per_row` (None entries stay None). The decoding-bucket form of a step (`Backend.decode_buckets`)."""
+    the rows of the slot state (target, drafter context, penalty history; None parts stay None) and of every
+    [B, ...] array or pytree of them in `per_row` (None entries stay None). The decoding-bucket form of a step
+    (`Backend.decode_buckets`)."""
     keep = jnp.zeros(rows.shape, bool)
-    idx = jnp.minimum(rows, state.batch - 1)
+    idx = jnp.minimum(rows, slots.batch - 1)
     take = lambda x: None if x is None else jax.tree.map(lambda a: _rows(a, idx, 0), x)  # noqa: E731
-    return (gather_target(state, rows, keep), None if dstate is None else gather_drafter(dstate, rows, keep),
-            tuple(take(x) for x in per_row))
+    sub = SlotState(target=gather_target(slots.target, rows, keep),
+                    drafter=None if slots.drafter is None else gather_drafter(slots.drafter, rows, keep),
+                    hist=take(slots.hist))
+    return sub, tuple(take(x) for x in per_row)
 
 
-def put_rows(rows: jax.Array, state: TargetState, sub: TargetState, dstate, dsub, per_row: tuple, sub_rows: tuple):
-    """`gather_rows` undone: the rows written back into the B slots' state, drafter context and per-row arrays
-    (padding rows dropped)."""
+def put_rows(rows: jax.Array, slots: SlotState, sub: SlotState, per_row: tuple, sub_rows: tuple
+             ) -> tuple[SlotState, tuple]:
+    """`gather_rows` undone: the rows written back into the B slots' state and per-row arrays (padding rows
+    dropped)."""
     put = lambda full, part: None if full is None else jax.tree.map(  # noqa: E731
         lambda f, p: _put(f, rows, p, 0), full, part)
-    return (scatter_target(state, rows, sub), None if dstate is None else scatter_drafter(dstate, rows, dsub),
-            tuple(put(f, p) for f, p in zip(per_row, sub_rows)))
+    out = SlotState(target=scatter_target(slots.target, rows, sub.target),
+                    drafter=None if slots.drafter is None else scatter_drafter(slots.drafter, rows, sub.drafter),
+                    hist=put(slots.hist, sub.hist))
+    return out, tuple(put(f, p) for f, p in zip(per_row, sub_rows))
 
 
-def _prefill_penalty(logits: jax.Array, slots: jax.Array, tokens: jax.Array, valid: jax.Array, reset: jax.Array,
-                     hist: PenaltyCounts | None, penalty: SlotPenalty | None):
+def _prefill_penalty(logits: jax.Array, chunk: PrefillChunk, hist: PenaltyCounts | None):
     """Prefill's penalties: (penalized last logits [P, V], updated history or None). The rows' histories (reset
     for a first chunk) get the chunk's tokens as seen; no output is counted yet."""
     if hist is None:
         return logits, None
+    slots, reset = chunk.slots, chunk.reset
     idx = jnp.minimum(slots, hist.counts.shape[0] - 1)
     sub = PenaltyCounts(counts=_reset(_rows(hist.counts, idx, 0), reset, 0),
                         seen=_reset(_rows(hist.seen, idx, 0), reset, 0))
-    sub = sub.add(tokens, valid, output=False)
+    sub = sub.add(chunk.tokens, chunk.valid, output=False)
     hist = PenaltyCounts(counts=_put(hist.counts, slots, sub.counts, 0), seen=_put(hist.seen, slots, sub.seen, 0))
-    return penalty.apply(logits, sub), hist
+    return chunk.penalty.apply(logits, sub), hist
 
 
-def _step_penalty(logits: jax.Array, anchor: jax.Array, active: jax.Array, hist: PenaltyCounts | None,
-                  penalty: SlotPenalty | None):
+def _step_penalty(logits: jax.Array, anchor: jax.Array, inputs: StepInputs, hist: PenaltyCounts | None):
     """A decoding step's penalties: the anchor it processes is counted, then logits [B, V] penalized."""
     if hist is None:
         return logits, None
-    hist = hist.add(anchor[:, None], active[:, None])
-    return penalty.apply(logits, hist), hist
+    hist = hist.add(anchor[:, None], inputs.active[:, None])
+    return inputs.penalty.apply(logits, hist), hist
 
 
-def ar_prefill(graphdef: nnx.GraphDef, params: nnx.State, state: TargetState, anchor: jax.Array, slots: jax.Array,
-               tokens: jax.Array, valid: jax.Array, reset: jax.Array, sampling: SlotSampling,
-               hist: PenaltyCounts | None = None, penalty: SlotPenalty | None = None):
-    """Prompt chunks [P, T] into slots [P]: (first tokens [P], state, anchor), then the penalty history when
-    penalized (hist: the backend's, penalty: the P rows' parameters). The first token is the warped draw
-    of every row (`sample(stochastic=True)`: greedy rows get their argmax), so one program per prefill shape serves
-    greedy and sampling requests with no run-time branch."""
+def ar_prefill(graphdef: nnx.GraphDef, params: nnx.State, slots: SlotState, anchor: jax.Array, chunk: PrefillChunk
+               ) -> tuple[jax.Array, SlotState, jax.Array]:
+    """Prompt chunks [P, T] into their slots: (first tokens [P], slots, anchor); penalized (slots.hist and
+    chunk.penalty given) the history updated too. The first token is the warped draw of every row
+    (`sample(stochastic=True)`: greedy rows get their argmax), so one program per prefill shape serves greedy and
+    sampling requests with no run-time branch."""
     model: TargetModel = nnx.merge(graphdef, params)
-    sub = gather_target(state, slots, reset)
-    logits, _, sub = model.extend(sub, tokens, valid, last_only=True)
-    last, hist = _prefill_penalty(logits[:, 0], slots, tokens, valid, reset, hist, penalty)
-    first = sample(last, sampling, jnp.zeros((), I32), stochastic=True)
-    out = first, scatter_target(state, slots, sub), _put(anchor, slots, first, 0)
-    return out if hist is None else out + (hist,)
+    sub = gather_target(slots.target, chunk.slots, chunk.reset)
+    logits, _, sub = model.extend(sub, chunk.tokens, chunk.valid, last_only=True)
+    last, hist = _prefill_penalty(logits[:, 0], chunk, slots.hist)
+    first = sample(last, chunk.sampling, jnp.zeros((), I32), stochastic=True)
+    out = slots.replace(target=scatter_target(slots.target, chunk.slots, sub), hist=hist)
+    return first, out, _put(anchor, chunk.slots, first, 0)
 
 
 def spec_prefill(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
-                 state: TargetState, dstate: DrafterState, anchor: jax.Array, slots: jax.Array, tokens: jax.Array,
-                 valid: jax.Array, reset: jax.Array, sampling: SlotSampling, hist: PenaltyCounts | None = None,
-                 penalty: SlotPenalty | None = None, *, tap_layers: tuple[int, ...]):
-    """`ar_prefill` that also fills the slots' drafter context with the chunk's tap-layer features:
-    (first tokens [P], state, dstate, anchor[, penalty history]). With the MTP head (an `MTPState`): the chunk's
-    tokens paired with the target's final-norm hiddens (tap_layers = the last layer)."""
+                 slots: SlotState, anchor: jax.Array, chunk: PrefillChunk, *, tap_layers: tuple[int, ...]
+                 ) -> tuple[jax.Array, SlotState, jax.Array]:
+    """`ar_prefill` that also fills the slots' drafter context with the chunk's tap-layer features. With the MTP
+    head (an `MTPState`): the chunk's tokens paired with the target's final-norm hiddens (tap_layers = the last
+    layer)."""
     target: TargetModel = nnx.merge(tgraph, tparams)
     drafter: Drafter | MTPHead = nnx.merge(dgraph, dparams)
-    sub = gather_target(state, slots, reset)
-    dsub = gather_drafter(dstate, slots, reset)
-    logits, taps, sub = target.extend(sub, tokens, valid, last_only=True, tap_layers=tap_layers)
+    sub = gather_target(slots.target, chunk.slots, chunk.reset)
+    dsub = gather_drafter(slots.drafter, chunk.slots, chunk.reset)
+    logits, taps, sub = target.extend(sub, chunk.tokens, chunk.valid, last_only=True, tap_layers=tap_layers)
+    n = jnp.sum(chunk.valid, axis=1, dtype=I32)
     if isinstance(dsub, MTPState):
-        dsub = drafter.append(dsub, target.model.embed_tokens.weight[...], tokens, target.model.norm(taps[0]),
-                              jnp.sum(valid, axis=1, dtype=I32))
+        dsub = drafter.append(dsub, target.model.embed_tokens.weight[...], chunk.tokens, target.model.norm(taps[0]), n)
     else:
-        dsub = drafter.append_context(dsub, taps, jnp.sum(valid, axis=1, dtype=I32))
-    last, hist = _prefill_penalty(logits[:, 0], slots, tokens, valid, reset, hist, penalty)
-    first = sample(last, sampling, jnp.zeros((), I32), stochastic=True)
-    out = (first, scatter_target(state, slots, sub), scatter_drafter(dstate, slots, dsub),
-           _put(anchor, slots, first, 0))
-    return out if hist is None else out + (hist,)
+        dsub = drafter.append_context(dsub, taps, n)
+    last, hist = _prefill_penalty(logits[:, 0], chunk, slots.hist)
+    first = sample(last, chunk.sampling, jnp.zeros((), I32), stochastic=True)
+    out = SlotState(target=scatter_target(slots.target, chunk.slots, sub),
+                    drafter=scatter_drafter(slots.drafter, chunk.slots, dsub), hist=hist)
+    return first, out, _put(anchor, chunk.slots, first, 0)
 
 
-def ar_step(graphdef: nnx.GraphDef, params: nnx.State, state: TargetState, anchor: jax.Array, active: jax.Array,
-            sampling: SlotSampling, steps: jax.Array, stochastic: bool | None, hist: PenaltyCounts | None = None,
-            penalty: SlotPenalty | None = None, rows: jax.Array | None = None):
-    """One decoding step of every active slot: (next anchor [B], state[, penalty history]). stochastic (static):
-    False — every active slot greedy, a branch-free argmax program; True — the warped draw (`sampling.sample`).
-    rows [R] (R < B): the step runs on those slots only (`gather_rows`; the others are inactive), at the cost of R
+def ar_step(graphdef: nnx.GraphDef, params: nnx.State, slots: SlotState, anchor: jax.Array, inputs: StepInputs, *,
+            stochastic: bool | None) -> tuple[jax.Array, SlotState]:
+    """One decoding step of every active slot: (next anchor [B], slots). stochastic (static): False — every active
+    slot greedy, a branch-free argmax program; True — the warped draw (`sampling.sample`). With `inputs.rows`
+    (R < B rows) the step runs on those slots only (`gather_rows`; the others are inactive), at the cost of R
     rows — the same tokens, since a slot's randomness is its own (seed, step)."""
+    rows = inputs.rows
     if rows is not None:
-        B = anchor.shape[0]
-        sub, _, (a, act, samp, st, h, pen) = gather_rows(rows, state, None, (anchor, active, sampling, steps, hist,
-                                                                              penalty))
-        act = act & (rows < B)
-        tok, sub, *h = ar_step(graphdef, params, sub, a, act, samp, st, stochastic, h, pen)
-        state, _, (anchor, hist) = put_rows(rows, state, sub, None, None, (anchor, hist), (tok, h[0] if h else None))
-        return (anchor, state) if hist is None else (anchor, state, hist)
+        sub, (a, samp, pen) = gather_rows(rows, slots, (anchor, inputs.sampling, inputs.penalty))
+        tok, sub = ar_step(graphdef, params, sub, a, inputs.over_rows(samp, pen), stochastic=stochastic)
+        slots, (anchor,) = put_rows(rows, slots, sub, (anchor,), (tok,))
+        return anchor, slots
     model: TargetModel = nnx.merge(graphdef, params)
-    logits, _, state = model.extend(state, anchor[:, None], active[:, None])
-    last, hist = _step_penalty(logits[:, 0], anchor, active, hist, penalty)
-    tok = sample(last, sampling, steps, stochastic)
-    out = jnp.where(active, tok, anchor), state
-    return out if hist is None else out + (hist,)
+    active = inputs.active
+    logits, _, state = model.extend(slots.target, anchor[:, None], active[:, None])
+    last, hist = _step_penalty(logits[:, 0], anchor, inputs, slots.hist)
+    tok = sample(last, inputs.sampling, inputs.steps, stochastic)
+    return jnp.where(active, tok, anchor), slots.replace(target=state, hist=hist)
 
 
 def spec_step(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
-              state: TargetState, dstate: DrafterState | MTPState, anchor: jax.Array, active: jax.Array,
-              sampling: SlotSampling, steps: jax.Array, hist: PenaltyCounts | None = None,
-              penalty: SlotPenalty | None = None, *, tap_layers: tuple[int, ...], stochastic: bool | None):
-    """`ar_step` beside a drafter: one plain decoding step of every active slot that also appends the anchor's
-    tap-layer features to the slot's drafter context (as `spec_prefill` does for a chunk), so a later speculative
-    round drafts from an up-to-date context. The speculative backends' width-1 round (`spec.width`): plain
-    decoding at the decoding step's cost. Returns (next anchor [B], state, dstate[, penalty history])."""
+              slots: SlotState, anchor: jax.Array, inputs: StepInputs, *, shape: RoundShape
+              ) -> tuple[SlotState, jax.Array, RoundOutput]:
+    """The width-1 round (`RoundShape.plain`, `runtime.width`): one plain decoding step of every active slot, as
+    `ar_step`, that also appends the anchor's tap-layer features to the slot's drafter context (as `spec_prefill`
+    does for a chunk), so a later speculative round drafts from an up-to-date context — plain decoding at the
+    decoding step's cost. Returns what `spec_round` returns (nothing drafted: no accepted drafts, gains −1)."""
     target: TargetModel = nnx.merge(tgraph, tparams)
     drafter: Drafter | MTPHead = nnx.merge(dgraph, dparams)
-    logits, taps, state = target.extend(state, anchor[:, None], active[:, None], tap_layers=tap_layers)
+    active, anchor_in, dstate = inputs.active, anchor, slots.drafter
+    logits, taps, state = target.extend(slots.target, anchor[:, None], active[:, None], tap_layers=shape.tap_layers)
     n = active.astype(I32)
     if isinstance(dstate, MTPState):
         dstate = drafter.append(dstate, target.model.embed_tokens.weight[...], anchor[:, None],
                                 target.model.norm(taps[0]), n)
     else:
         dstate = drafter.append_context(dstate, taps, n)
-    last, hist = _step_penalty(logits[:, 0], anchor, active, hist, penalty)
-    tok = sample(last, sampling, steps, stochastic)
-    out = jnp.where(active, tok, anchor), state, dstate
-    return out if hist is None else out + (hist,)
+    last, hist = _step_penalty(logits[:, 0], anchor, inputs, slots.hist)
+    tok = sample(last, inputs.sampling, inputs.steps, shape.stochastic)
+    bonus = jnp.where(active, tok, anchor_in)
+    B = anchor.shape[0]
+    gains = jnp.full((B, len(shape.gain_widths)), -1.0, jnp.float32) if shape.gain_widths else None
+    out = RoundOutput(tokens=bonus[:, None], count=n, accepted=jnp.zeros((B,), I32), gains=gains)
+    return SlotState(target=state, drafter=dstate, hist=hist), bonus, out
+
+
+def spec_round_io(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
+                  slots: SlotState, anchor: jax.Array, inputs: StepInputs, *, shape: RoundShape
+                  ) -> tuple[SlotState, jax.Array, jax.Array]:
+    """The request loop's round program: `spec.round.spec_round` (width 1: `spec_step`) with its host outputs
+    packed into one int32 array (`RoundOutput.pack`: one device→host transfer): (slots, anchor, packed output).
+    With `inputs.rows` (R < B rows, `StepInputs.pack(rows=...)`) the round runs on those R slots alone
+    (`gather_rows`; the packed output then has R rows, in that order; `spread_rows` on the host) — the same
+    tokens as the round over all B slots, at the cost of R."""
+    rows = inputs.rows
+    if rows is not None:
+        sub, (a, samp, pen) = gather_rows(rows, slots, (anchor, inputs.sampling, inputs.penalty))
+        sub, bonus, packed = spec_round_io(tgraph, tparams, dgraph, dparams, sub, a, inputs.over_rows(samp, pen),
+                                           shape=shape)                        # padding rows: active 0
+        slots, (anchor,) = put_rows(rows, slots, sub, (anchor,), (bonus,))
+        return slots, anchor, packed
+    run = spec_step if shape.plain else spec_round
+    slots, anchor, out = run(tgraph, tparams, dgraph, dparams, slots, anchor, inputs, shape=shape)
+    return slots, anchor, out.pack()
+
+
+def spread_rows(host_out: np.ndarray, rows: np.ndarray | None, slots: int) -> np.ndarray:
+    """The packed output of a round over `rows` as the [slots, ...] one of the whole batch (the other slots, all
+    inactive: zeros); unchanged without rows."""
+    if rows is None:
+        return host_out
+    full = np.zeros((slots, host_out.shape[1]), host_out.dtype)
+    real = rows < slots
+    full[rows[real]] = host_out[real]
+    return full
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "batch", "kv_len", "dtype", "deferred_rows"))
@@ -238,11 +292,12 @@ def new_buffers(tcfg, dcfg, batch: int, kv_len: int, dtype, deferred_rows: int =
     return init_state(tcfg, batch, kv_len, dtype, deferred_rows), dstate, jnp.zeros((batch,), I32)
 
 
-# Anchors are never donated: in plain decoding the anchor array a step returns is also what the host reads, and the
-# loop dispatches the next step before reading it.
-ar_prefill_jit = DiskCachedJit(ar_prefill, name="ar_prefill", static_argnames=("graphdef",),
-                               donate_argnames=("state", "hist"))
+# Anchors are never donated: in plain decoding the anchor array a step returns is also what the host reads, and the loop
+# dispatches the next step before reading it. The slot state is (`SlotState`).
+ar_prefill_jit = DiskCachedJit(ar_prefill, name="ar_prefill", static_argnames=("graphdef",), donate_argnames=("slots",))
 spec_prefill_jit = DiskCachedJit(spec_prefill, name="spec_prefill", static_argnames=("tgraph", "dgraph", "tap_layers"),
-                                 donate_argnames=("state", "dstate", "hist"))
+                                 donate_argnames=("slots",))
 ar_step_jit = DiskCachedJit(ar_step, name="ar_step", static_argnames=("graphdef", "stochastic"),
-                            donate_argnames=("state", "hist"))
+                            donate_argnames=("slots",))
+spec_round_io_jit = DiskCachedJit(spec_round_io, name="spec_round_io", static_argnames=("tgraph", "dgraph", "shape"),
+                                  donate_argnames=("slots",))

@@ -21,7 +21,7 @@ own token or its descendants — which is what lossless tree sampling needs (`sp
 
 Data layout: the selection is a [B, N] forest. Without a batch-wide budget below B·N the verify runs over it
 as it is, and the engine makes its cost follow the capacity by choosing N per round from a small set of width
-buckets, one compiled round each (`spec.width`): width w selects C = slots · w nodes (per row: the anchor and its
+buckets, one compiled round each (`runtime.width`): width w selects C = slots · w nodes (per row: the anchor and its
 w − 1 best candidates, `width_gains`), and the round at width w costs what the calibration measured for it. With
 a budget C below slots · w (`--budget`), the verify packs the selected nodes into C rows (`packed_rows`, Bole's
 packed forest): its row-wise work — embedding, projections, norms, MLP, LM head — costs C rows, not B·N, while the
@@ -272,7 +272,7 @@ class BudgetTable:
                round_signature: str | None = None) -> dict[str, Any] | None:
         """The entry of this bucket, else the smallest calibrated bucket covering it (batch ≥, kv_len ≥),
         preferring the given tree depth; None when no calibrated bucket covers it. round_signature: only
-        entries holding round times of that round (`t_round_ms`, `spec.width.round_signature`)."""
+        entries holding round times of that round (`t_round_ms`, `runtime.width.round_signature`)."""
         cands = [e for e in self.entries.values()
                  if e["device_kind"] == device_kind and e["model"] == model and e["batch"] >= batch
                  and e["kv_len"] >= kv_len

@@ -218,14 +218,14 @@ def make_engine(target, drafters: dict, mode: str, batch: int, *, kernels: str, 
                 mtp_steps: int | None = None):
     """The engine of one benchmarked mode (`tree` / `verify_nodes` used by the tree modes); None for a reader
     mode when the drafter has no reader. The MTP modes draft with `drafters["mtp"]`, the model's own head."""
-    from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+    from hyspec_jax.runtime.engine import Engine, SpecConfig
     if mode == "ar":
-        return SpecEngine(target, None, SpecConfig(mode="ar"), slots=batch)
+        return Engine(target, None, SpecConfig(mode="ar"), slots=batch)
     if mode == "mtp":
-        return SpecEngine(target, drafters["mtp"], SpecConfig(mode=mode, kernels=kernels, chain_length=mtp_steps),
-                          slots=batch)
+        return Engine(target, drafters["mtp"], SpecConfig(mode=mode, kernels=kernels, chain_length=mtp_steps),
+                      slots=batch)
     if mode == "mtp-tree":
-        return SpecEngine(target, drafters["mtp"], SpecConfig(mode=mode, kernels=kernels, tree=tree,
+        return Engine(target, drafters["mtp"], SpecConfig(mode=mode, kernels=kernels, tree=tree,
                                                               verify_nodes=verify_nodes), slots=batch)
     d = drafters[mode in ("ready", "tree-ready")]
     if d is None:
@@ -233,7 +233,7 @@ def make_engine(target, drafters: dict, mode: str, batch: int, *, kernels: str, 
     kw = dict(kernels=kernels)
     if mode.startswith("tree"):
         kw.update(tree=tree, verify_nodes=verify_nodes)
-    return SpecEngine(target, d, SpecConfig(mode=mode, **kw), slots=batch)
+    return Engine(target, d, SpecConfig(mode=mode, **kw), slots=batch)
 
 
 def finish(results: dict, meta: dict, out: Path, partial: bool) -> dict:

@@ -20,18 +20,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from hyspec_jax.compilation import kernel_count, kernel_count_by_scope
-from hyspec_jax.generate import validate_prompts
 from hyspec_jax.runtime.backend import bucket
 from hyspec_jax.runtime.programs import ar_step_jit
 from hyspec_jax.sampling import SamplingParams, SlotSampling
-from hyspec_jax.spec.engine import SpecEngine
+from hyspec_jax.runtime.engine import Engine, validate_prompts
 from hyspec_jax.spec.round import (ROUND_SCOPES, pack_round_inputs, round_commit_jit, round_draft_jit,
                                    round_verify_jit, spec_round_io_jit, spec_round_jit)
 
 I32 = jnp.int32
 
 
-def round_inputs(engine: SpecEngine, prompts: Sequence[Sequence[int]],
+def round_inputs(engine: Engine, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams], what: str) -> dict:
     """The inputs of one round after the prefill of `prompts` (the first `slots` of them, admitted at once; the
     bucket `generate` would use): backend, shape, admit, k, state, dstate, anchor, active, sampling, steps,
@@ -41,7 +40,7 @@ def round_inputs(engine: SpecEngine, prompts: Sequence[Sequence[int]],
     if not prompts:
         raise ValueError(f"{what} need at least one prompt")
     plist = validate_prompts(prompts, params, engine.config.vocab_size)
-    B, S = engine._bucket_for(prompts, plist)
+    B, S = engine.bucket_for(prompts, plist)
     k = min(len(prompts), B)
     T = bucket(max(len(p) for p in prompts[:k]))
     be = engine.backend(B, S, shapes=[(B, T)])
@@ -58,7 +57,7 @@ def round_inputs(engine: SpecEngine, prompts: Sequence[Sequence[int]],
                 steps=jnp.asarray(admit.astype(np.int32)), capacity=jnp.asarray(be.capacity, I32))
 
 
-def phase_times(engine: SpecEngine, prompts: Sequence[Sequence[int]],
+def phase_times(engine: Engine, prompts: Sequence[Sequence[int]],
                 params: SamplingParams | Sequence[SamplingParams], repeats: int = 5, warmup: int = 1) -> dict:
     """Median of `repeats` calls after `warmup` of each phase jitted alone and of the fused round, each with
     block_until_ready; donated inputs (fused round, commit) are restored untimed before each call.
@@ -125,7 +124,7 @@ def phase_times(engine: SpecEngine, prompts: Sequence[Sequence[int]],
                 kv_len=x["S"], verify_nodes=x["N"], active=x["k"], repeats=repeats)
 
 
-def round_kernels(engine: SpecEngine, prompts: Sequence[Sequence[int]],
+def round_kernels(engine: Engine, prompts: Sequence[Sequence[int]],
                   params: SamplingParams | Sequence[SamplingParams], hlo_path: str | None = None) -> dict:
     """Kernels of the compiled fused round (`spec_round_io_jit`, the program `generate` runs for these prompts'
     bucket) by named scope (`compilation.kernel_count_by_scope`: draft/drafter_forward, draft/tree_build, verify,

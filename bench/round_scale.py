@@ -35,14 +35,14 @@ fillers):
 
 Verify width N (--nodes; anchor included): a tree mode verifies N of its tree's nodes (default 8, 32); a chain
 mode's N is its node count — N − 1 drafts and the anchor (`SpecConfig(chain_length=N − 1, verify_nodes=N)`, the
-width `SpecEngine` gives a chain), 2 ≤ N ≤ γ + 1 for a DSpark chain (default 6 and γ + 1: DSpark v2's published
+width `Engine` gives a chain), 2 ≤ N ≤ γ + 1 for a DSpark chain (default 6 and γ + 1: DSpark v2's published
 5 drafts and the full block), N ≥ 2 recursive-step chains for mtp (default 4: three steps, the published τ 3.28).
 
 Programs, per batch B (slots), mode and verify width N, every slot holding a committed prefix of --prefix tokens
 (random but deterministic target state, drafter context K/V and MTP cache; KV length S = --max-len, default
 prefix + max(every N, the rounds' overshoot: depth + 2)):
 
-  T_round(B, N)   the engine's round: the backend `SpecEngine(target, drafter or MTP head, SpecConfig(mode, tree or
+  T_round(B, N)   the engine's round: the backend `Engine(target, drafter or MTP head, SpecConfig(mode, tree or
                   chain length, N)).backend(B, S)` builds for the bucket, its program `spec.round.spec_round_io_jit`
                   with the backend's greedy round shape (draft, select, verify, accept, commit; target and drafter
                   context or MTP cache donated), called as `SpecBackend.dispatch` / `collect` call it (host inputs
@@ -629,7 +629,7 @@ def sweep(args, cfg, name: str, on_progress=None) -> dict:
     from hyspec_jax.bench.report import portable_args, portable_command, run_metadata
     from hyspec_jax.config import resolve_dtype
     from hyspec_jax.models.reader import ReaderConfig
-    from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+    from hyspec_jax.runtime.engine import Engine, SpecConfig
     from hyspec_jax.tree import TreeExpansion
 
     t_start = time.perf_counter()
@@ -660,13 +660,13 @@ def sweep(args, cfg, name: str, on_progress=None) -> dict:
 
     def spec(mode: str, N: int) -> SpecConfig:
         """The engine's settings of (mode, N): a tree verifies N of its nodes, a chain N − 1 drafts and its anchor
-        (`SpecEngine` sets a chain's width to its length + 1)."""
+        (`Engine` sets a chain's width to its length + 1)."""
         kw = dict(tree=tree) if not is_chain(mode) else dict(chain_length=N - 1)
         return SpecConfig(mode=mode, verify_nodes=N, kernels=args.kernels, adaptive_width=False, **kw)
 
-    engines = {(m, N): SpecEngine(target, head if uses_mtp(m) else drafter, spec(m, N)) for m in modes
+    engines = {(m, N): Engine(target, head if uses_mtp(m) else drafter, spec(m, N)) for m in modes
                for N in nodes[m]}
-    overshoot = max(e.overshoot for e in engines.values())      # `SpecEngine.overshoot`: the round's depth + 2
+    overshoot = max(e.overshoot for e in engines.values())      # `Engine.overshoot`: the round's depth + 2
     max_len = args.max_len or args.prefix + max(max(max(n) for n in nodes.values()), overshoot)
     if max_len < args.prefix + overshoot:
         raise ValueError(f"--max-len {max_len} must hold --prefix {args.prefix} + a round's {overshoot} positions")

@@ -87,22 +87,22 @@ def build_parser() -> argparse.ArgumentParser:
 def _backend(args, cfg, model, dtype):
     """The server's backend for these options (`serve.server.build_backend`'s shapes and lengths), over `model`."""
     from hyspec_jax.config import DrafterConfig
-    from hyspec_jax.generate import Generator
     from hyspec_jax.models.drafter import create_drafter
     from hyspec_jax.runtime.backend import prefill_shapes
-    from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+    from hyspec_jax.runtime.engine import Engine, SpecConfig
     from hyspec_jax.tree import TreeExpansion
 
     from hyspec_jax.serve.server import decode_buckets
     shapes = prefill_shapes(args.prefill_chunk, args.max_batch)
     if args.spec_mode == "ar":
-        return Generator.from_model(model).backend(args.max_batch, args.max_model_len, shapes,
-                                                   decode_buckets(args, plain=True))
-    drafter = create_drafter(DrafterConfig.from_target(cfg), seed=args.seed + 1, dtype=dtype)
-    spec = (SpecConfig(mode="tree", tree=TreeExpansion(depth=4, top_k=2, beam=4)) if args.spec_mode == "tree"
-            else SpecConfig(mode="chain"))
-    engine = SpecEngine(model, drafter, spec, slots=args.max_batch)
-    return engine.backend(args.max_batch, args.max_model_len + engine.overshoot, shapes, decode_buckets(args))
+        engine = Engine(model, slots=args.max_batch)
+    else:
+        drafter = create_drafter(DrafterConfig.from_target(cfg), seed=args.seed + 1, dtype=dtype)
+        spec = (SpecConfig(mode="tree", tree=TreeExpansion(depth=4, top_k=2, beam=4)) if args.spec_mode == "tree"
+                else SpecConfig(mode="chain"))
+        engine = Engine(model, drafter, spec, slots=args.max_batch)
+    return engine.backend(args.max_batch, args.max_model_len + engine.overshoot, shapes,
+                          decode_buckets(args, plain=args.spec_mode == "ar"))
 
 
 def run_phase(args) -> dict:

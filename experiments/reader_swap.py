@@ -2,7 +2,7 @@
 request one slot up instead of its own — what the reader gains from its own state is the difference.
 
 Not a serving option: the control is a drafter (`SwappedStateDrafter`, a `Drafter` whose `draft` rolls the states
-it is handed by one slot), so the library's round carries nothing for it. `SpecEngine.generate` runs every round
+it is handed by one slot), so the library's round carries nothing for it. `Engine.generate` runs every round
 over all of its slots, so each slot's neighbour is the same slot of the batch in every round; a batch needs two or
 more slots (with one, the roll hands the slot its own state).
 

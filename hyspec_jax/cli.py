@@ -15,8 +15,8 @@ from pathlib import Path
 
 from hyspec_jax.compilation import enable_compilation_cache
 from hyspec_jax.config import ConfigError
-from hyspec_jax.launch import (UsageError, add_distributed_arguments, check_parallel, engine_from_args, resolve_model_dir,
-                               shard_target)
+from hyspec_jax.launch import (UsageError, add_distributed_arguments, check_parallel, engine_from_args, plain_engine,
+                               resolve_model_dir, shard_target)
 
 
 def _fail(msg: str) -> "NoReturn":  # noqa: F821
@@ -56,35 +56,25 @@ def _read_prompts(args) -> list[str]:
     return [args.prompt]
 
 
-def batch_stats(engine, gen, results, seconds: float) -> dict:
-    """Acceptance statistics of one `hyspec generate` batch (`--stats`)."""
+def batch_stats(engine, results, seconds: float) -> dict:
+    """Acceptance statistics of one `hyspec generate` batch (`--stats`): the engine's `last_stats`."""
     new = sum(len(r.token_ids) for r in results)
     st = {"prompts": len(results), "new_tokens": new, "seconds": round(seconds, 4),
           "tokens_per_second": round(new / seconds, 2) if seconds > 0 else 0.0,
           "prefill_seconds": round(max((r.prefill_seconds for r in results), default=0.0), 4),
           "decode_steps_per_second": round(results[0].decode_steps_per_second, 2) if results else 0.0}
-    if engine is not None and engine.last_stats is not None:
-        s = engine.last_stats
-        from hyspec_jax.spec.stats import rounded
-        st.update(mode=s.mode, rounds=s.rounds, tau=round(s.tau, 4),
-                  accepted_per_position=[round(x, 4) for x in s.accepted_per_position],
-                  prefix_survival=rounded(s.prefix_survival),
-                  verify_nodes=s.verify_nodes, compilations_after_startup=s.compilations_after_startup)
-    else:
-        steps = max((len(r.token_ids) - 1 for r in results), default=0)
-        st.update(mode="ar", rounds=steps, tau=1.0 if new else 0.0, accepted_per_position=[], prefix_survival=[],
-                  verify_nodes=1,
-                  compilations_after_startup=gen.compilations_after_startup)
+    s = engine.last_stats
+    from hyspec_jax.spec.stats import rounded
+    st.update(mode=s.mode, rounds=s.rounds, tau=round(s.tau, 4),
+              accepted_per_position=[round(x, 4) for x in s.accepted_per_position],
+              prefix_survival=rounded(s.prefix_survival),
+              verify_nodes=s.verify_nodes, compilations_after_startup=s.compilations_after_startup)
     return st
 
 
 def request_stats(engine, res) -> dict:
-    """The speculative part of a request's `stats` (`hyspec generate --json`)."""
+    """The speculative part of a request's `stats` (`hyspec generate --json`; plain decoding: a step is a round)."""
     from hyspec_jax.spec.stats import rounded
-    if engine is None:
-        n = max(len(res.token_ids) - 1, 0)
-        return {"mode": "ar", "rounds": n, "tau": 1.0 if n else 0.0, "accepted_per_position": [],
-                "prefix_survival": []}
     return {"mode": engine.spec.mode, "rounds": res.rounds, "tau": round(res.tau, 4),
             "accepted_per_position": [round(x, 4) for x in res.accepted_per_position(engine.depth)],
             "prefix_survival": rounded(res.prefix_survival(engine.depth)),
@@ -146,7 +136,6 @@ def _generate(args) -> int:
 
 
     enable_compilation_cache()
-    from hyspec_jax.generate import Generator
     from hyspec_jax.io.hf import load_pretrained
     from hyspec_jax.tokenizer import StreamDecoder, load_tokenizer, special_token_ids
 
@@ -158,11 +147,10 @@ def _generate(args) -> int:
     cfg, model = load_pretrained(model_dir, dtype=dtype)
     shard_target(model, args.tensor_parallel_size, args.data_parallel_size)
     stops = tuple(sorted(set(cfg.eos_token_id) | set(special_token_ids(model_dir))))
-    gen = Generator.from_model(model, getattr(args, "deferred_rows", 0) or 0)
     engine = engine_from_args(args, model, model_dir, dtype, batch=len(prompts),   # None: plain decoding
                               new_tokens=args.max_tokens * len(prompts),
                               note=lambda why: print(f"[hyspec] mode ar (default: {why}; --spec-mode to choose)",
-                                                     file=sys.stderr))
+                                                     file=sys.stderr)) or plain_engine(args, model)
     encoded = [tokenizer.encode(p).ids for p in prompts]
     params = [SamplingParams(max_tokens=base.max_tokens, temperature=base.temperature, top_p=base.top_p,
                              top_k=base.top_k, seed=base.seed + i, stop_token_ids=stops)
@@ -181,7 +169,7 @@ def _generate(args) -> int:
         sys.stdout.write(prompts[0])
         sys.stdout.flush()
     t0 = time.perf_counter()
-    results = (engine or gen).generate(encoded, params, on_tokens=on_tokens if stream else None)
+    results = engine.generate(encoded, params, on_tokens=on_tokens if stream else None)
     seconds = time.perf_counter() - t0
     for prompt, res in zip(prompts, results):
         text = tokenizer.decode([t for t in res.token_ids if t not in stops], skip_special_tokens=True)
@@ -199,17 +187,17 @@ def _generate(args) -> int:
     if stream:
         print()
     if args.stats:
-        print(format_stats(batch_stats(engine, gen, results, seconds)), file=sys.stderr)
+        print(format_stats(batch_stats(engine, results, seconds)), file=sys.stderr)
     elif not args.json:
         total = sum(len(r.token_ids) for r in results)
         rate = results[0].decode_steps_per_second
-        mode, tau = ("ar", 1.0) if engine is None else (engine.spec.mode, engine.last_stats.tau)
         print(f"[hyspec] {total} tokens for {len(results)} prompt(s) in {seconds:.2f}s "
-              f"({total / seconds:.1f} tok/s incl. compile; {_warm_rate(mode, rate, tau, len(results))})",
+              f"({total / seconds:.1f} tok/s incl. compile; "
+              f"{_warm_rate(engine.spec.mode, rate, engine.last_stats.tau, len(results))})",
               file=sys.stderr)
     if getattr(args, "phase_times", False):
         from hyspec_jax.bench.phases import format_phase_times, phase_times
-        if engine is None:
+        if engine.spec.mode == "ar":
             print("[hyspec] --phase-times: plain autoregressive decoding has no draft / verify / commit phases",
                   file=sys.stderr)
         else:

@@ -30,7 +30,8 @@ def resolve_model_dir(arg: str | None) -> tuple[Path, str | None]:
 
 def engine_from_args(args, model, model_dir, dtype, batch: int | None = None, new_tokens: int | None = None,
                      note=None, server: bool = False):
-    """The engine `hyspec generate` / `hyspec serve` asked for, or None for plain autoregressive decoding.
+    """The speculative engine `hyspec generate` / `hyspec serve` asked for, or None for plain autoregressive
+    decoding (whose engine is `plain_engine`).
 
     With the embedded model (no --model) and no --drafter, its shipped drafter is used, and every option the
     user left unset takes the drafter's recommended value for this backend (explicit options always win).
@@ -44,7 +45,7 @@ def engine_from_args(args, model, model_dir, dtype, batch: int | None = None, ne
 
     from hyspec_jax.io.drafter_io import load_drafter
     from hyspec_jax.spec.budget import BudgetTable, model_id
-    from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+    from hyspec_jax.runtime.engine import Engine, SpecConfig
     from hyspec_jax.spec.options import MTP_MODES, plain_decoding_reason, recommended_settings
     from hyspec_jax.tree import TreeExpansion
     if getattr(args, "spec_mode", None) in MTP_MODES:
@@ -91,8 +92,19 @@ def engine_from_args(args, model, model_dir, dtype, batch: int | None = None, ne
         raise ValueError(f"--spec-mode {mode} needs a drafter with a ReaDy reader ({drafter_dir}/reader/ is missing)")
     table = BudgetTable.load(table_path) if table_path else None
     name = model_id(model.config, Path(model_dir).name)
-    return SpecEngine(model, drafter, spec, slots=getattr(args, "slots", None), budget_table=table, model_name=name,
-                      **_calibration_cache(args, spec))
+    return Engine(model, drafter, spec, slots=getattr(args, "slots", None), budget_table=table, model_name=name,
+                  **_calibration_cache(args, spec))
+
+
+def plain_engine(args, model):
+    """The engine of plain decoding (`ar`) for these options: `--deferred-rows`, and `--slots` as its bucket's
+    slots (unset: the slots of the request batch)."""
+    from hyspec_jax.runtime.engine import Engine, SpecConfig
+    slots = getattr(args, "slots", None)
+    if slots is not None and slots < 1:
+        raise ValueError(f"--slots must be >= 1, got {slots}")
+    return Engine(model, None, SpecConfig(mode="ar", deferred_rows=getattr(args, "deferred_rows", None) or 0),
+                  slots=slots)
 
 
 def _calibration_cache(args, spec) -> dict:
@@ -109,7 +121,7 @@ def _mtp_engine(args, model, model_dir, dtype):
     `NoMTPHead` — a ValueError — says in one line when there is none)."""
     from hyspec_jax.io.mtp_io import load_mtp
     from hyspec_jax.spec.budget import BudgetTable, model_id
-    from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+    from hyspec_jax.runtime.engine import Engine, SpecConfig
     from hyspec_jax.tree import TreeExpansion
     if getattr(args, "drafter", None) is not None:
         raise ValueError(f"--spec-mode {args.spec_mode} drafts with the model's own MTP head: drop --drafter")
@@ -128,8 +140,8 @@ def _mtp_engine(args, model, model_dir, dtype):
     head = load_mtp(model_dir, model.config, dtype=dtype)
     table_path = getattr(args, "budget_table", None)
     table = BudgetTable.load(table_path) if table_path else None
-    return SpecEngine(model, head, spec, slots=getattr(args, "slots", None), budget_table=table,
-                      model_name=model_id(model.config, Path(model_dir).name), **_calibration_cache(args, spec))
+    return Engine(model, head, spec, slots=getattr(args, "slots", None), budget_table=table,
+                  model_name=model_id(model.config, Path(model_dir).name), **_calibration_cache(args, spec))
 
 
 def check_parallel(tensor_parallel: int, data_parallel: int = 1, slots: int | None = None,

@@ -234,13 +234,13 @@ def _progress(msg: str) -> None:
 def build_backend(args, target, model_dir: Path, max_model_len: int):
     """The request loop's backend for the server's options: the engine exactly as `hyspec generate` builds it from
     the same options (`launch.engine_from_args`, which also picks the embedded drafter's measured best mode when
-    none is given) with the server's slots as its bucket, or plain decoding."""
+    none is given), or plain decoding (`launch.plain_engine`), with the server's slots as its bucket and a KV length
+    of max_model_len + the engine's `overshoot`."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from hyspec_jax.generate import Generator
-    from hyspec_jax.launch import engine_from_args
+    from hyspec_jax.launch import engine_from_args, plain_engine
     from hyspec_jax.runtime.backend import prefill_shapes
     shapes = prefill_shapes(args.prefill_chunk, args.max_batch)
     leaves = jax.tree.leaves(nnx.state(target))
@@ -254,9 +254,9 @@ def build_backend(args, target, model_dir: Path, max_model_len: int):
     if engine is None:
         if args.drafter and args.spec_mode == "ar":
             raise ValueError("--drafter is only used with a speculative --spec-mode (chain, ready, tree, tree-ready)")
-        return Generator.from_model(target, args.deferred_rows or 0).backend(args.max_batch, max_model_len, shapes,
-                                                                            decode_buckets(args, plain=True))
-    return engine.backend(args.max_batch, max_model_len + engine.overshoot, shapes, decode_buckets(args))
+        engine = plain_engine(ns, target)
+    return engine.backend(args.max_batch, max_model_len + engine.overshoot, shapes,
+                          decode_buckets(args, plain=engine.spec.mode == "ar"))
 
 
 def freeze_startup_objects() -> None:

@@ -30,7 +30,7 @@ def main(target_dir: str, drafter_dir: str, table_path: str, requests_path: str,
     from hyspec_jax.runtime.scheduler import run_batch
     from hyspec_jax.sampling import SamplingParams
     from hyspec_jax.spec.budget import BudgetTable
-    from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+    from hyspec_jax.runtime.engine import Engine, SpecConfig
     from hyspec_jax.spec.width import WidthBackend
     from hyspec_jax.tree import TreeExpansion
 
@@ -38,8 +38,8 @@ def main(target_dir: str, drafter_dir: str, table_path: str, requests_path: str,
     shard_target(target, jax.device_count())
     drafter = load_drafter(drafter_dir, with_reader=False)
     spec = SpecConfig(mode="tree", tree=TreeExpansion(depth=4, top_k=2, beam=4), verify_nodes=8)
-    engine = SpecEngine(target, drafter, spec, slots=SLOTS, kv_len=KV, budget_table=BudgetTable.load(table_path),
-                        model_name="m")
+    engine = Engine(target, drafter, spec, slots=SLOTS, kv_len=KV, budget_table=BudgetTable.load(table_path),
+                    model_name="m")
     backend = engine.backend(SLOTS, KV)
     assert isinstance(backend, WidthBackend) and backend.chooser is not None, "the table holds no round times"
     backend.chooser.probe_every = PROBE_EVERY

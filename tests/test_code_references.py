@@ -4,7 +4,7 @@ backticked hyspec_jax.module.name (or spec.module.name, runtime..., the package 
 a name defined at its top level.
 
 Read statically (ast), so nothing is imported. A renamed or removed attribute leaves no stale pointer behind, as
-SpecEngine.phase_times did in spec/round.py's docstrings after it moved to hyspec_jax.bench.phases."""
+Engine.phase_times did in spec/round.py's docstrings after it moved to hyspec_jax.bench.phases."""
 
 from __future__ import annotations
 
@@ -117,8 +117,8 @@ def _resolves(dotted: str) -> bool:
 
 
 def test_the_checker_catches_a_removed_attribute():
-    assert _has("SpecEngine", "generate") and _has("RoundShape", "gain_widths")
-    assert _has("SpecEngine", "phase_times") is False and _has("SpecEngine", "round_kernels") is False
+    assert _has("Engine", "generate") and _has("RoundShape", "gain_widths")
+    assert _has("Engine", "phase_times") is False and _has("Engine", "round_kernels") is False
     assert _resolves("hyspec_jax.bench.phases.phase_times") and _resolves("spec.round.round_draft_jit")
     assert not _resolves("hyspec_jax.spec.round.phase_times") and not _resolves("spec.no_such_module")
 

@@ -16,14 +16,13 @@ from jax.sharding import PartitionSpec as P
 
 from hyspec_jax import sharding as shd
 from hyspec_jax.embedded import default_drafter_dir, default_model_dir
-from hyspec_jax.generate import Generator, default_slots
 from hyspec_jax.io.drafter_io import load_drafter
 from hyspec_jax.io.hf import load_pretrained
 from hyspec_jax.io.mtp_io import load_mtp
 from hyspec_jax.launch import shard_target
 from hyspec_jax.runtime.scheduler import run_batch
 from hyspec_jax.sampling import SamplingParams
-from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+from hyspec_jax.runtime.engine import Engine, SpecConfig, default_slots
 
 pytestmark = pytest.mark.usefixtures("quick_compiles")   # small model: see conftest
 
@@ -42,11 +41,11 @@ def _target(tp: int, dp: int):
 
 def _engine(target, mode: str):
     if mode == "ar":
-        return Generator.from_model(target)
+        return Engine(target)
     if mode == "mtp":
-        return SpecEngine(target, load_mtp(default_model_dir(), target.config), SpecConfig(mode="mtp", chain_length=3))
+        return Engine(target, load_mtp(default_model_dir(), target.config), SpecConfig(mode="mtp", chain_length=3))
     drafter = load_drafter(default_drafter_dir(), with_reader=False)
-    return SpecEngine(target, drafter, SpecConfig(mode=mode))
+    return Engine(target, drafter, SpecConfig(mode=mode))
 
 
 def _decode(target, mode: str):
@@ -104,11 +103,11 @@ def test_penalties_on_a_mesh_equal_one_device(targets, mode):
 def test_default_slots_split_over_replicas(targets, one_device):
     """A library call that fixes no slots runs in a multiple of the replicas: one prompt decodes in 2 slots."""
     target = targets[(1, 2)]
-    got = Generator.from_model(target).generate(PROMPTS[:1], PARAMS[0])
+    got = Engine(target).generate(PROMPTS[:1], PARAMS[0])
     assert got[0].token_ids == one_device["ar"][0]
-    assert _engine(target, "chain")._bucket_for(PROMPTS[:1], PARAMS[:1])[0] == 2      # the engine's rule too
+    assert _engine(target, "chain").bucket_for(PROMPTS[:1], PARAMS[:1])[0] == 2      # the engine's rule too
     with pytest.raises(ValueError, match="3 slots do not split over 2 data-parallel replicas"):
-        Generator.from_model(target).backend(3, KV)
+        Engine(target).backend(3, KV)
 
 
 def test_default_slots_rule():

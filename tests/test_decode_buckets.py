@@ -11,11 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hyspec_jax.generate import Generator
 from hyspec_jax.runtime.backend import check_decode_buckets, default_decode_buckets
 from hyspec_jax.runtime.scheduler import run_batch
 from hyspec_jax.sampling import SamplingParams
-from hyspec_jax.spec.engine import SpecEngine
+from hyspec_jax.runtime.engine import Engine
 from tests.test_engine import KV, SLOTS, _spec, models, reference  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("quick_compiles")
@@ -37,7 +36,7 @@ def _recording(be):
 
 def test_step_rows_pick_the_smallest_bucket_that_holds_the_active_slots(models):
     target, _ = models
-    be = Generator.from_model(target).backend(SLOTS, KV, decode_buckets=(2, 1, 8))
+    be = Engine(target).backend(SLOTS, KV, decode_buckets=(2, 1, 8))
     assert be.decode_buckets == (1, 2) and be.step_programs == 3
     assert be.step_rows(np.array([0, 0, 1, 0])).tolist() == [2]
     assert be.step_rows(np.array([1, 0, 1, 0])).tolist() == [0, 2]
@@ -54,7 +53,7 @@ def test_step_rows_pick_the_smallest_bucket_that_holds_the_active_slots(models):
 def test_plain_decoding_in_buckets_equals_every_slot(penalized, models, reference):
     target, _ = models
     prompts, params, ref = reference
-    gen = Generator.from_model(target)
+    gen = Engine(target)
     if penalized:
         params = [SamplingParams(max_tokens=p.max_tokens, stop_token_ids=p.stop_token_ids, temperature=0.9, seed=i,
                                  repetition_penalty=1.3, presence_penalty=0.4) for i, p in enumerate(params)]
@@ -72,7 +71,7 @@ def test_rounds_in_buckets_equal_plain_decoding(mode, kw, models, reference):
     target, drafter = models
     prompts, params, ref = reference
     adaptive = kw.pop("adaptive", False)
-    eng = SpecEngine(target, drafter, _spec(mode, **kw), slots=SLOTS, kv_len=KV)
+    eng = Engine(target, drafter, _spec(mode, **kw), slots=SLOTS, kv_len=KV)
     if adaptive:
         be = eng.width_backend(SLOTS, KV, decode_buckets=BUCKETS)
         be.force = [8, 1, 2, 4]
@@ -90,7 +89,7 @@ def test_sampled_rounds_in_buckets_draw_the_same_tokens(models, reference):
     prompts, params, _ = reference
     params = [SamplingParams(max_tokens=p.max_tokens, temperature=1.0, top_k=8, seed=7 + i,
                              frequency_penalty=0.5 if i % 2 else 0.0) for i, p in enumerate(params)]
-    eng = SpecEngine(target, drafter, _spec("tree-ready"), slots=SLOTS, kv_len=KV)
+    eng = Engine(target, drafter, _spec("tree-ready"), slots=SLOTS, kv_len=KV)
     _, full, _ = run_batch(eng.backend(SLOTS, KV), prompts, params)
     be = eng.backend(SLOTS, KV, decode_buckets=BUCKETS)
     seen = _recording(be)

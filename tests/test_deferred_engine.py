@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from hyspec_jax.sampling import SamplingParams
-from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+from hyspec_jax.runtime.engine import Engine, SpecConfig
 from hyspec_jax.state import fold_pending, init_state
 from hyspec_jax.tree import TreeExpansion
 from tests.test_engine import (GAMMA, SAMPLES, SETTINGS, SLOTS, KV, SV, _chisq_pvalue, _oracle, _spec,  # noqa: F401
@@ -27,7 +27,7 @@ _committed = jax.jit(lambda st: fold_pending(st).ssm)
 
 
 def _recording(eng, log: list, states: list | None = None):
-    """Wrap the backends `eng.backend` makes (a SpecEngine, a Generator) to record, before every step, each slot's pending row count and whether it is active (and into `states`
+    """Wrap the backends `eng.backend` makes (an `Engine`'s) to record, before every step, each slot's pending row count and whether it is active (and into `states`
     the committed GDN states: checkpoints folded with their rows)."""
     make = eng.backend
 
@@ -60,13 +60,13 @@ def test_deferred_greedy_equals_autoregressive(mode, scripted, models, reference
     if scripted:
         drafter = _oracle(drafter, prompts, ref)
     log, states, eager_log, eager_states = [], [], [], []
-    eng = _recording(SpecEngine(target, drafter, _spec(mode, deferred_rows=ROWS), slots=SLOTS, kv_len=KV), log,
+    eng = _recording(Engine(target, drafter, _spec(mode, deferred_rows=ROWS), slots=SLOTS, kv_len=KV), log,
                      states)
     out = eng.generate(prompts, params)
     assert [r.token_ids for r in out] == ref
     assert out[2].finish_reason == "stop"
     # the same rounds with every commit written: the committed states agree before every round
-    eager = _recording(SpecEngine(target, drafter, _spec(mode), slots=SLOTS, kv_len=KV), eager_log, eager_states)
+    eager = _recording(Engine(target, drafter, _spec(mode), slots=SLOTS, kv_len=KV), eager_log, eager_states)
     assert [r.token_ids for r in eager.generate(prompts, params)] == ref
     assert [a.tolist() for _, a in log] == [a.tolist() for _, a in eager_log]
     for s, e in zip(states, eager_states):
@@ -85,11 +85,11 @@ def test_deferred_plain_decoding_equals_autoregressive(models, reference):
     target, _ = models
     prompts, params, ref = reference
     log, states, eager_log, eager_states = [], [], [], []
-    eng = SpecEngine(target, None, SpecConfig(mode="ar", deferred_rows=4), slots=SLOTS, kv_len=KV)
-    _recording(eng._ar, log, states)
+    eng = Engine(target, None, SpecConfig(mode="ar", deferred_rows=4), slots=SLOTS, kv_len=KV)
+    _recording(eng, log, states)
     assert [r.token_ids for r in eng.generate(prompts, params)] == ref
-    eager = SpecEngine(target, None, SpecConfig(mode="ar"), slots=SLOTS, kv_len=KV)
-    _recording(eager._ar, eager_log, eager_states)
+    eager = Engine(target, None, SpecConfig(mode="ar"), slots=SLOTS, kv_len=KV)
+    _recording(eager, eager_log, eager_states)
     eager.generate(prompts, params)
     assert len(states) == len(eager_states) and _drops(log) >= 3 and max(c.max() for c, _ in log) == 4
     for s, e in zip(states, eager_states):
@@ -105,10 +105,10 @@ def test_slot_reused_after_a_request_ends_mid_ring(models, reference):
     pick = (0, 1, 3)
     args = ([prompts[i] for i in pick], [params[i] for i in pick])
     drafter = _oracle(drafter, *args[:1], [ref[i] for i in pick])
-    eng = _recording(SpecEngine(target, drafter, _spec("tree", deferred_rows=64), slots=1, kv_len=KV), log, states)
+    eng = _recording(Engine(target, drafter, _spec("tree", deferred_rows=64), slots=1, kv_len=KV), log, states)
     out = eng.generate(*args)
     assert [r.token_ids for r in out] == [ref[i] for i in pick]
-    eager = _recording(SpecEngine(target, drafter, _spec("tree"), slots=1, kv_len=KV), eager_log, eager_states)
+    eager = _recording(Engine(target, drafter, _spec("tree"), slots=1, kv_len=KV), eager_log, eager_states)
     eager.generate(*args)
     assert len(states) == len(eager_states)
     for s, e in zip(states, eager_states):   # tight: the prompt's decay shrinks a leaked ring to ~1e-6 here
@@ -133,7 +133,7 @@ def test_prefill_gather_empties_the_rings_of_reset_rows():
 def test_ring_must_hold_a_round(models):
     target, drafter = models
     with pytest.raises(ValueError, match="deferred_rows"):
-        SpecEngine(target, drafter, _spec("chain", deferred_rows=GAMMA), slots=SLOTS, kv_len=KV).backend(SLOTS, KV)
+        Engine(target, drafter, _spec("chain", deferred_rows=GAMMA), slots=SLOTS, kv_len=KV).backend(SLOTS, KV)
     with pytest.raises(ValueError, match="deferred_rows"):
         SpecConfig(deferred_rows=-1)
 
@@ -146,7 +146,7 @@ def test_deferred_sampling_matches_autoregressive_distribution(mode, small):
     spec = (SpecConfig(mode="tree", tree=TreeExpansion(depth=2, top_k=3, beam=3), verify_nodes=5, deferred_rows=4)
             if mode == "tree" else SpecConfig(mode="chain", chain_length=2, deferred_rows=4))
     log = []
-    eng = _recording(SpecEngine(target, drafter, spec, slots=256, kv_len=128), log)
+    eng = _recording(Engine(target, drafter, spec, slots=256, kv_len=128), log)
     params = [SamplingParams(max_tokens=3, seed=i, **(SETTINGS[i % 3 - 1] if i % 3 else {}))
               for i in range(SAMPLES)]
     out = eng.generate([prompt] * SAMPLES, params)

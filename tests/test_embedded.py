@@ -17,7 +17,7 @@ from hyspec_jax.io import drafter_io
 from hyspec_jax.spec import options
 from hyspec_jax.embedded import default_budget_table, default_drafter_dir, default_model_dir
 from hyspec_jax.io.hf import load_pretrained
-from hyspec_jax.spec import engine as E
+from hyspec_jax.runtime import engine as E
 from hyspec_jax.spec.budget import BudgetTable, b_ver, model_id
 from hyspec_jax.spec.options import RECOMMENDED_FILE, plain_decoding_reason, recommended_settings
 

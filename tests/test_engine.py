@@ -24,14 +24,13 @@ from scipy import stats
 
 from hyspec_jax import cli
 from hyspec_jax.config import FULL, LINEAR, DrafterConfig, TargetConfig
-from hyspec_jax.generate import Generator
 from hyspec_jax.io.drafter_io import save_drafter
 from hyspec_jax.io.hf import save_pretrained
 from hyspec_jax.models import drafter as D
 from hyspec_jax.models.reader import ReaderConfig
 from hyspec_jax.models.target import create_model, forward_full
 from hyspec_jax.sampling import SamplingParams, warp
-from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+from hyspec_jax.runtime.engine import Engine, SpecConfig
 from hyspec_jax.spec.budget import BudgetTable
 from hyspec_jax.tree import TreeExpansion
 from hyspec_jax.tokenizer import byte_level_tokenizer
@@ -75,7 +74,7 @@ def reference(models):
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(0, TCFG.vocab_size, n)] for n in PROMPT_LENS]
     params = [SamplingParams(max_tokens=m) for m in MAX_TOKENS]
-    gen = Generator.from_model(target)
+    gen = Engine(target)
     free = [r.token_ids for r in gen.generate(prompts, params)]
     stop = free[2][5]
     params[2] = SamplingParams(max_tokens=MAX_TOKENS[2], stop_token_ids=(stop,))
@@ -103,7 +102,7 @@ def engines(models):
 
     def get(mode):
         if mode not in cache:
-            cache[mode] = SpecEngine(target, drafter, _spec(mode), slots=SLOTS, kv_len=KV)
+            cache[mode] = Engine(target, drafter, _spec(mode), slots=SLOTS, kv_len=KV)
         return cache[mode]
     return get
 
@@ -118,7 +117,7 @@ def oracle_engines(models, reference):
 
     def get(mode):
         if mode not in cache:
-            cache[mode] = SpecEngine(target, None if mode == "ar" else oracle, _spec(mode), slots=SLOTS, kv_len=KV)
+            cache[mode] = Engine(target, None if mode == "ar" else oracle, _spec(mode), slots=SLOTS, kv_len=KV)
         return cache[mode]
     return get
 
@@ -175,7 +174,7 @@ def test_budget_floor_only_is_still_exact(models, reference):
     """Capacity 1 (below the floor): every request verifies its anchor and root child only."""
     target, drafter = models
     prompts, params, ref = reference
-    eng = SpecEngine(target, _oracle(drafter, prompts, ref), _spec("tree", capacity=1), slots=SLOTS, kv_len=KV)
+    eng = Engine(target, _oracle(drafter, prompts, ref), _spec("tree", capacity=1), slots=SLOTS, kv_len=KV)
     out = eng.generate(prompts, params)
     assert [r.token_ids for r in out] == ref
     assert max(c for r in out for c in r.committed) == 2          # one draft + the bonus at most
@@ -190,7 +189,7 @@ def test_packed_verify_under_a_batch_budget_is_exact(models, reference, mode):
     target, drafter = models
     prompts, params, ref = reference
     C = 13
-    eng = SpecEngine(target, _oracle(drafter, prompts, ref), _spec(mode, capacity=C), slots=SLOTS, kv_len=KV)
+    eng = Engine(target, _oracle(drafter, prompts, ref), _spec(mode, capacity=C), slots=SLOTS, kv_len=KV)
     be = eng.backend(SLOTS, KV)
     assert {s.packed_rows for s in be.round_shapes.values()} == {C}
     out = eng.generate(prompts, params)
@@ -212,7 +211,7 @@ def test_fewer_verified_nodes_than_draft_slots(models, reference):
     drafts, and the output is exactly AR with at most N − 1 drafts accepted a round."""
     target, drafter = models
     prompts, params, ref = reference
-    eng = SpecEngine(target, _oracle(drafter, prompts, ref), SpecConfig(mode="chain", verify_nodes=3), slots=SLOTS,
+    eng = Engine(target, _oracle(drafter, prompts, ref), SpecConfig(mode="chain", verify_nodes=3), slots=SLOTS,
                      kv_len=KV)
     out = eng.generate(prompts, params)
     assert [r.token_ids for r in out] == ref
@@ -224,7 +223,7 @@ def test_confidence_scheduled_chain_is_exact(models, reference):
     draft (acceptance beyond the first position impossible) — and the output is still exactly AR."""
     target, drafter = models
     prompts, params, ref = reference
-    eng = SpecEngine(target, _oracle(drafter, prompts, ref), SpecConfig(mode="chain", confidence_threshold=1.0),
+    eng = Engine(target, _oracle(drafter, prompts, ref), SpecConfig(mode="chain", confidence_threshold=1.0),
                      slots=SLOTS, kv_len=KV)
     out = eng.generate(prompts, params)
     assert [r.token_ids for r in out] == ref
@@ -245,7 +244,7 @@ def penalized_reference(models, reference):
     target, _ = models
     prompts, plain_params, plain = reference
     params = [dataclasses.replace(p, **kw) for p, kw in zip(plain_params, PENALTIES)]
-    out = [r.token_ids for r in Generator.from_model(target).generate(prompts, params)]
+    out = [r.token_ids for r in Engine(target).generate(prompts, params)]
     # the penalties change every penalized request's output here (else the test below could not fail)
     assert [i for i in range(len(out)) if out[i] != plain[i]] == [0, 1, 3, 4], (out, plain)
     return prompts, params, out
@@ -257,7 +256,7 @@ def test_greedy_with_penalties_equals_autoregressive(mode, models, engines, pena
     penalties is exactly AR decoding with the same penalties, in a ragged batch of different penalties."""
     target, drafter = models
     prompts, params, ref = penalized_reference
-    eng = SpecEngine(target, _oracle(drafter, prompts, ref), _spec(mode), slots=SLOTS, kv_len=KV)
+    eng = Engine(target, _oracle(drafter, prompts, ref), _spec(mode), slots=SLOTS, kv_len=KV)
     out = eng.generate(prompts, params)
     assert [r.token_ids for r in out] == ref
     assert eng.last_stats.tau > 2.0, eng.last_stats      # drafts were accepted under penalties
@@ -352,7 +351,7 @@ def test_sampling_matches_autoregressive_distribution(mode, small):
     target, drafter, prompt, exact, greedy = small
     spec = (SpecConfig(mode="tree", tree=TreeExpansion(depth=2, top_k=3, beam=3), verify_nodes=5) if mode == "tree"
             else SpecConfig(mode="chain", chain_length=2))
-    eng = SpecEngine(target, drafter, spec, slots=256, kv_len=128)
+    eng = Engine(target, drafter, spec, slots=256, kv_len=128)
     # requests i % 3 == 0 are greedy (the greedy rows of a sampling batch), the others use SETTINGS
     params = [SamplingParams(max_tokens=3, seed=i, **(SETTINGS[i % 3 - 1] if i % 3 else {}))
               for i in range(SAMPLES)]
@@ -408,7 +407,7 @@ def test_sampling_with_penalties_matches_autoregressive_distribution(mode, small
         assert 0.5 * np.abs(want - exact(setting, lambda x, out: x)).sum() > 0.2     # the penalties matter
         spec = (SpecConfig(mode="tree", tree=TreeExpansion(depth=2, top_k=3, beam=3), verify_nodes=5)
                 if mode == "tree" else SpecConfig(mode="chain", chain_length=2))
-        eng = SpecEngine(target, drafter, spec, slots=256, kv_len=128)
+        eng = Engine(target, drafter, spec, slots=256, kv_len=128)
         half = SAMPLES // 2
         out = eng.generate([prompt] * half, [SamplingParams(max_tokens=3, seed=i, **setting, **PEN)
                                              for i in range(half)])
@@ -479,5 +478,5 @@ def test_cli_calibrate_writes_the_budget_table(model_dirs, capsys, models):
     assert len(table.entries) == 1
     # the engine takes its verify width from the table for that bucket (and its default elsewhere)
     target, drafter = models
-    eng = SpecEngine(target, drafter, SpecConfig(mode="chain"), budget_table=table, model_name=entry["model"])
+    eng = Engine(target, drafter, SpecConfig(mode="chain"), budget_table=table, model_name=entry["model"])
     assert eng.nodes_for(1, 64) == entry["b_ver"] and eng.nodes_for(8, 64) == GAMMA + 1

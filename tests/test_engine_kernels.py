@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 
 from hyspec_jax.config import FULL, LINEAR, DrafterConfig, TargetConfig
-from hyspec_jax.generate import Generator
 from hyspec_jax.models import drafter as D
 from hyspec_jax.models.target import create_model
 from hyspec_jax.sampling import SamplingParams
-from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+from hyspec_jax.runtime.engine import Engine, SpecConfig
 from hyspec_jax.tree import TreeExpansion
 from tests.scripted_drafter import oracle_script, scripted
 
@@ -47,14 +46,14 @@ def test_kernel_engine_equals_autoregressive(monkeypatch):
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(0, TCFG.vocab_size, n)] for n in (4, 9)]
     params = [SamplingParams(max_tokens=m) for m in (10, 7)]
-    ref = [r.token_ids for r in Generator.from_model(target).generate(prompts, params)]
+    ref = [r.token_ids for r in Engine(target).generate(prompts, params)]
 
     oracle = scripted(drafter, oracle_script(prompts, ref, GAMMA, TCFG.vocab_size, 32))
 
     for spec in (SpecConfig(mode="chain", kernels="interpret"),
                  SpecConfig(mode="tree", tree=TreeExpansion(depth=GAMMA, top_k=2, beam=2), verify_nodes=5,
                             kernels="interpret")):
-        eng = SpecEngine(target, oracle, spec, slots=2, kv_len=32)
+        eng = Engine(target, oracle, spec, slots=2, kv_len=32)
         out = eng.generate(prompts, params)
         assert [r.token_ids for r in out] == ref, spec.mode
         assert eng.last_stats.tau > 1.5, (spec.mode, eng.last_stats)

@@ -22,7 +22,7 @@ from hyspec_jax.models.target import create_model
 from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.bench.phases import format_phase_times, phase_times, round_inputs, round_kernels
 from hyspec_jax.cli import request_stats
-from hyspec_jax.spec.engine import SpecConfig, SpecEngine, SpecStats
+from hyspec_jax.runtime.engine import Engine, SpecConfig, SpecStats
 from hyspec_jax.tree import TreeExpansion
 from hyspec_jax.spec.stats import prefix_survival
 from hyspec_jax.tokenizer import byte_level_tokenizer
@@ -55,7 +55,7 @@ PROMPTS = [[5, 9, 17, 3, 44, 2], [7, 1, 250]]
 ])
 def test_phase_times_split_round_equals_fused(models, mode, spec_kw, temperature):
     target, drafter = models
-    eng = SpecEngine(target, drafter, SpecConfig(mode=mode, **spec_kw), slots=SLOTS, kv_len=KV)
+    eng = Engine(target, drafter, SpecConfig(mode=mode, **spec_kw), slots=SLOTS, kv_len=KV)
     params = [SamplingParams(max_tokens=8, temperature=temperature, seed=i) for i in range(len(PROMPTS))]
     pt = phase_times(eng, PROMPTS, params, repeats=2)
     assert pt["identical"] and pt["state_identical"], pt   # the three jitted phases = the fused round
@@ -79,7 +79,7 @@ def test_round_kernels_by_named_scope(models):
     from hyspec_jax.compilation import kernel_count
     from hyspec_jax.spec.round import pack_round_inputs, spec_round_io_jit
     target, drafter = models
-    eng = SpecEngine(target, drafter, SpecConfig(mode="tree-ready", tree=TreeExpansion(depth=3, top_k=2, beam=3),
+    eng = Engine(target, drafter, SpecConfig(mode="tree-ready", tree=TreeExpansion(depth=3, top_k=2, beam=3),
                                                  verify_nodes=6), slots=SLOTS, kv_len=KV)
     params = SamplingParams(max_tokens=8)
     rk = round_kernels(eng, PROMPTS, params)
@@ -96,18 +96,18 @@ def test_round_kernels_by_named_scope(models):
     # no run-time branch in the greedy round (a GPU would read its predicate back to the host every round)
     assert not re.search(r"\bconditional\(", lowered.compile().as_text())
     with pytest.raises(ValueError, match="speculative mode"):
-        round_kernels(SpecEngine(target, None, SpecConfig(mode="ar")), PROMPTS, params)
+        round_kernels(Engine(target, None, SpecConfig(mode="ar")), PROMPTS, params)
 
 
 def test_phase_times_rejects_ar(models):
     target, _ = models
     with pytest.raises(ValueError, match="speculative mode"):
-        phase_times(SpecEngine(target, None, SpecConfig(mode="ar")), PROMPTS, SamplingParams(max_tokens=4))
+        phase_times(Engine(target, None, SpecConfig(mode="ar")), PROMPTS, SamplingParams(max_tokens=4))
 
 
 def test_prefix_survival_in_spec_stats(models):
     target, drafter = models
-    eng = SpecEngine(target, drafter, SpecConfig(mode="chain"), slots=SLOTS, kv_len=KV)
+    eng = Engine(target, drafter, SpecConfig(mode="chain"), slots=SLOTS, kv_len=KV)
     prompts = PROMPTS + [[3, 3, 3]]
     res = eng.generate(prompts, [SamplingParams(max_tokens=m) for m in (12, 9, 7)])
     st = eng.last_stats

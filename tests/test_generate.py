@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (TemperatureLogitsWarper, Top
                                                     TopPLogitsWarper)
 
 from hyspec_jax import cli
-from hyspec_jax.generate import Generator
+from hyspec_jax.runtime.engine import Engine
 from hyspec_jax.runtime.programs import ar_prefill_jit, ar_step_jit
 from hyspec_jax.io.hf import load_pretrained
 from hyspec_jax.sampling import SamplingParams, SlotSampling, sample, warp
@@ -104,7 +104,7 @@ def test_repetition_penalty_equals_transformers(checkpoint):
     prompts = [tok.encode(p).ids for p in PROMPTS]
     reps = (1.5, 0.7, 1.0)
     params = [SamplingParams(max_tokens=24, stop_token_ids=(3,), repetition_penalty=r) for r in reps]
-    got = [r.token_ids for r in Generator.from_model(ours).generate(prompts, params)]
+    got = [r.token_ids for r in Engine(ours).generate(prompts, params)]
     want = [_hf_greedy_penalized(model, ids, 24, r) for ids, r in zip(prompts, reps)]
     assert got == want
     assert got[0] != _hf_greedy(model, prompts[0], 24)     # the penalty changed something
@@ -121,7 +121,7 @@ def test_presence_frequency_penalties_equal_numpy_formula(checkpoint):
     cases = [(ids, st) for st in settings for ids in prompts]
     params = [SamplingParams(max_tokens=20, stop_token_ids=(3,), presence_penalty=p, frequency_penalty=f,
                              repetition_penalty=r) for _, (p, f, r) in cases]
-    got = [r.token_ids for r in Generator.from_model(ours).generate([c[0] for c in cases], params)]
+    got = [r.token_ids for r in Engine(ours).generate([c[0] for c in cases], params)]
     assert got == [_numpy_penalized_greedy(model, ids, 20, *st) for ids, st in cases]
     plain = [_hf_greedy(model, ids, 20) for ids in prompts]
     changed = np.array([g != plain[i % len(prompts)] for i, g in enumerate(got)]).reshape(len(settings), -1)
@@ -177,7 +177,7 @@ def test_no_recompilation_within_bucket(checkpoint):
     sampling parameters of the bucket reuse them."""
     _, path = checkpoint
     cfg, model = load_pretrained(path)
-    gen = Generator.from_model(model)
+    gen = Engine(model)
     gen.generate([[5, 6, 7]], SamplingParams(max_tokens=5))
     gen.generate([[1, 2]], SamplingParams(max_tokens=5, temperature=0.9, seed=1))
     sizes = (ar_prefill_jit._cache_size(), ar_step_jit._cache_size())
@@ -204,7 +204,7 @@ def test_sample_flavours_agree(temperature):
 def test_sampling_seeded_and_independent_of_batch(checkpoint):
     _, path = checkpoint
     _, model = load_pretrained(path)
-    gen = Generator.from_model(model)
+    gen = Engine(model)
     p = SamplingParams(max_tokens=10, temperature=1.0, top_k=20, seed=11)
     alone = gen.generate([[5, 6, 7]], p)[0].token_ids
     batched = gen.generate([[1, 2], [5, 6, 7]], [SamplingParams(max_tokens=10, temperature=1.0, seed=1), p])
@@ -216,7 +216,7 @@ def test_sampling_seeded_and_independent_of_batch(checkpoint):
 def test_stop_token_and_max_tokens(checkpoint):
     _, path = checkpoint
     _, model = load_pretrained(path)
-    gen = Generator.from_model(model)
+    gen = Engine(model)
     free = gen.generate([[5, 6, 7]], SamplingParams(max_tokens=8))[0]
     assert len(free.token_ids) == 8 and free.finish_reason == "length"
     stop_at = free.token_ids[3]
@@ -285,12 +285,12 @@ def test_greedy_decode_step_has_no_run_time_branch(checkpoint):
     the host and blocks until it is there, once per token. The run-time-branch flavour does hold one."""
     _, path = checkpoint
     cfg, model = load_pretrained(path)
-    gen = Generator.from_model(model)
+    gen = Engine(model)
     state = gen.new_state(2, 32)
     sampling = SlotSampling.from_params([SamplingParams()], 2)
 
     def conditionals(stochastic):       # in the compiled HLO (the platform switch of a kernel is folded there)
-        hlo = ar_step_jit.lower(gen.graphdef, gen.params, state, np.zeros(2, np.int32), np.ones(2, bool), sampling,
+        hlo = ar_step_jit.lower(gen.tgraph, gen.tparams, state, np.zeros(2, np.int32), np.ones(2, bool), sampling,
                                 np.asarray(1, np.int32), stochastic=stochastic).compile().as_text()
         return len(re.findall(r"\bconditional\(", hlo))
     assert conditionals(False) == 0
@@ -303,10 +303,10 @@ def test_unpenalized_decode_step_takes_no_penalty_inputs(checkpoint):
     from hyspec_jax.sampling import PenaltyCounts, SlotPenalty
     _, path = checkpoint
     cfg, model = load_pretrained(path)
-    gen = Generator.from_model(model)
+    gen = Engine(model)
     state = gen.new_state(2, 32)
     sampling = SlotSampling.from_params([SamplingParams()], 2)
-    args = (gen.graphdef, gen.params, state, np.zeros(2, np.int32), np.ones(2, bool), sampling, np.ones(2, np.int32))
+    args = (gen.tgraph, gen.tparams, state, np.zeros(2, np.int32), np.ones(2, bool), sampling, np.ones(2, np.int32))
     def signature(**kw) -> str:      # the entry function's line: its inputs
         text = ar_step_jit.lower(*args, stochastic=False, **kw).as_text()
         return next(line for line in text.splitlines() if "func.func public @main" in line)

@@ -21,13 +21,12 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from hyspec_jax import cli
-from hyspec_jax.generate import Generator
 from hyspec_jax.io.hf import flat_params, save_pretrained
 from hyspec_jax.io.mtp_io import load_mtp
 from hyspec_jax.models.mtp import create_mtp
 from hyspec_jax.models.target import create_model
 from hyspec_jax.sampling import SamplingParams
-from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+from hyspec_jax.runtime.engine import Engine, SpecConfig
 from hyspec_jax.tokenizer import byte_level_tokenizer
 from hyspec_jax.tree import TreeExpansion
 from tests.test_engine import SAMPLES, SETTINGS, SV, _chisq_pvalue, _tcfg, small  # noqa: F401 (fixture)
@@ -56,14 +55,14 @@ def greedy_setup():
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(0, SV, n)] for n in (3, 9, 5, 12, 6)]
     params = [SamplingParams(max_tokens=m) for m in (30, 24, 33, 20, 28)]
-    ref = [r.token_ids for r in Generator.from_model(target).generate(prompts, params)]
+    ref = [r.token_ids for r in Engine(target).generate(prompts, params)]
     return target, head, prompts, params, ref
 
 
 @pytest.mark.parametrize("mode", ["mtp", "mtp-tree"])
 def test_greedy_equals_autoregressive(mode, greedy_setup):
     target, head, prompts, params, ref = greedy_setup
-    eng = SpecEngine(target, head, _spec(mode), slots=4, kv_len=128)     # 5 requests, 4 slots: one admitted later
+    eng = Engine(target, head, _spec(mode), slots=4, kv_len=128)     # 5 requests, 4 slots: one admitted later
     out = eng.generate(prompts, params)
     assert [r.token_ids for r in out] == ref
     apos = eng.last_stats.accepted_per_position
@@ -81,9 +80,9 @@ def test_greedy_with_penalties_equals_autoregressive(mode, greedy_setup):
     pens = (dict(repetition_penalty=1.4), dict(frequency_penalty=0.7), {}, dict(presence_penalty=1.0),
             dict(repetition_penalty=0.8, frequency_penalty=-0.3, presence_penalty=0.4))
     params = [dataclasses.replace(p, **kw) for p, kw in zip(params, pens)]
-    want = [r.token_ids for r in Generator.from_model(target).generate(prompts, params)]
+    want = [r.token_ids for r in Engine(target).generate(prompts, params)]
     assert [i for i in range(len(want)) if want[i] != ref[i]] == [0, 1, 3, 4]
-    eng = SpecEngine(target, head, _spec(mode), slots=4, kv_len=128)
+    eng = Engine(target, head, _spec(mode), slots=4, kv_len=128)
     assert [r.token_ids for r in eng.generate(prompts, params)] == want
     assert eng.last_stats.accepted_per_position[0] > 0.3, eng.last_stats
 
@@ -93,18 +92,18 @@ def test_deferred_commit_greedy_equals_autoregressive(mode, greedy_setup):
     """[batch]'s deferred GDN commit under the MTP modes: a ring of 5 rows holds one round's accepted path (up to
     4 rows) but rarely two, so the state folds inside every generation; outputs stay AR's."""
     target, head, prompts, params, ref = greedy_setup
-    eng = SpecEngine(target, head, _spec(mode, deferred_rows=5), slots=4, kv_len=128)
+    eng = Engine(target, head, _spec(mode, deferred_rows=5), slots=4, kv_len=128)
     assert [r.token_ids for r in eng.generate(prompts, params)] == ref
 
 
 def test_mtp_mode_rejects_a_dspark_drafter_and_vice_versa(small, greedy_setup):
     target, drafter = small[0], small[1]
     with pytest.raises(ValueError, match="MTP head"):
-        SpecEngine(target, drafter, SpecConfig(mode="mtp"))
+        Engine(target, drafter, SpecConfig(mode="mtp"))
     with pytest.raises(ValueError, match="DSpark drafter"):
-        SpecEngine(greedy_setup[0], greedy_setup[1], SpecConfig(mode="chain"))
+        Engine(greedy_setup[0], greedy_setup[1], SpecConfig(mode="chain"))
     with pytest.raises(ValueError, match="needs the model's MTP head"):
-        SpecEngine(target, None, SpecConfig(mode="mtp-tree"))
+        Engine(target, None, SpecConfig(mode="mtp-tree"))
 
 
 @pytest.mark.parametrize("mode", ["mtp", "mtp-tree"])
@@ -113,7 +112,7 @@ def test_sampling_matches_autoregressive_distribution(mode, small):
     head = create_mtp(_with_mtp(target.config), seed=9)
     spec = (SpecConfig(mode="mtp-tree", tree=TreeExpansion(depth=2, top_k=3, beam=3), verify_nodes=5)
             if mode == "mtp-tree" else SpecConfig(mode="mtp", chain_length=2))
-    eng = SpecEngine(target, head, spec, slots=256, kv_len=128)
+    eng = Engine(target, head, spec, slots=256, kv_len=128)
     # requests i % 3 == 0 are greedy (the greedy rows of a sampling batch), the others use SETTINGS
     params = [SamplingParams(max_tokens=3, seed=i, **(SETTINGS[i % 3 - 1] if i % 3 else {}))
               for i in range(SAMPLES)]

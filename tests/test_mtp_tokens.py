@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from hyspec_jax.config import TargetConfig
-from hyspec_jax.generate import Generator
+from hyspec_jax.runtime.engine import Engine
 from hyspec_jax.io.hf import save_pretrained
 from hyspec_jax.models.target import create_model
 from hyspec_jax.sampling import SamplingParams
@@ -94,7 +94,7 @@ def test_distillation_data_keeps_ids_beyond_uint16(corpus, tmp_path):
     seqs = np.load(tmp_path / "distill" / "sequences.npy")
     assert seqs.dtype == np.uint32
     np.testing.assert_array_equal(seqs[:, :6], tokens)
-    want = Generator.from_model(model).generate([list(map(int, tokens[0]))], [SamplingParams(max_tokens=4)])
+    want = Engine(model).generate([list(map(int, tokens[0]))], [SamplingParams(max_tokens=4)])
     assert list(seqs[0, 6:]) == want[0].token_ids
     batch = DistillSampler(tmp_path / "distill", 10, seed=0).batch(0, 3)
     assert batch.dtype == np.int32 and batch.max() < V

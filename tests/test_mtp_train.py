@@ -16,12 +16,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from hyspec_jax import cli
 from hyspec_jax.config import FULL, LINEAR, TargetConfig
-from hyspec_jax.generate import Generator
 from hyspec_jax.io.hf import flat_params, load_pretrained, save_pretrained
 from hyspec_jax.io.mtp_io import load_mtp
 from hyspec_jax.models.target import create_model
 from hyspec_jax.sampling import SamplingParams
-from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+from hyspec_jax.runtime.engine import Engine, SpecConfig
 from hyspec_jax.train.corpus import Document, build_corpus
 from hyspec_jax.train.mtp import MTPTrainConfig, MTPTrainer
 from hyspec_jax.train.tokenizer_train import EOS
@@ -114,8 +113,8 @@ def test_export_is_read_by_the_mtp_loader_and_mode(setup, trained):
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]))
     prompts = [[1, 2, 3, 1, 2, 3, 1], [5, 9, 5, 9]]
     params = [SamplingParams(max_tokens=12)] * 2
-    ref = [r.token_ids for r in Generator.from_model(target).generate(prompts, params)]
-    eng = SpecEngine(target, head, SpecConfig(mode="mtp", chain_length=2), slots=2, kv_len=64)
+    ref = [r.token_ids for r in Engine(target).generate(prompts, params)]
+    eng = Engine(target, head, SpecConfig(mode="mtp", chain_length=2), slots=2, kv_len=64)
     assert [r.token_ids for r in eng.generate(prompts, params)] == ref
 
 

@@ -67,7 +67,7 @@ PENALTIES = dict(frequency_penalty=0.5, repetition_penalty=1.3)
 def oracle():
     """Plain greedy decoding in this process, on one device: token ids per prompt (and the prompts' ids)."""
     from hyspec_jax.embedded import default_model_dir
-    from hyspec_jax.generate import Generator
+    from hyspec_jax.runtime.engine import Engine
     from hyspec_jax.io.hf import load_pretrained
     from hyspec_jax.sampling import SamplingParams
     from hyspec_jax.tokenizer import load_tokenizer
@@ -77,7 +77,7 @@ def oracle():
     tok = load_tokenizer(model_dir)
     ids = [tok.encode(p).ids for p in PROMPTS]
     _, model = load_pretrained(model_dir)
-    gen = Generator.from_model(model)
+    gen = Engine(model)
     res = gen.generate(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     pen = gen.generate(ids[:1], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, **PENALTIES))[0]
     return ids, [r.token_ids for r in res], pen.token_ids

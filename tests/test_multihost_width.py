@@ -31,13 +31,13 @@ TIMEOUT = 300      # diverging widths launch different SPMD programs: the collec
 
 
 def test_two_processes_launch_process_0s_widths_and_give_its_tokens(model_dirs, models, reference, tmp_path):
-    from hyspec_jax.spec.engine import SpecEngine
+    from hyspec_jax.runtime.engine import Engine
     from tests.test_engine import KV, SLOTS, _spec
 
     target, drafter = models
     prompts, params, want = reference
     table = tmp_path / "table.json"
-    _table(SpecEngine(target, drafter, _spec("tree"), slots=SLOTS, kv_len=KV), ROUND_MS).save(table)
+    _table(Engine(target, drafter, _spec("tree"), slots=SLOTS, kv_len=KV), ROUND_MS).save(table)
     requests = tmp_path / "requests.json"
     requests.write_text(json.dumps({"prompts": prompts, "max_tokens": [p.max_tokens for p in params],
                                     "stop_token_ids": [list(p.stop_token_ids) for p in params]}))

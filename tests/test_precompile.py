@@ -14,8 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hyspec_jax.compilation import CompileWatch, compile_workers
-from hyspec_jax.generate import Generator
-from hyspec_jax.spec.engine import SpecEngine
+from hyspec_jax.runtime.engine import Engine
 from tests.test_engine import _spec, models  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("quick_compiles")
@@ -36,7 +35,7 @@ def _compile_in_two_steps(be, workers):
 
 def test_plain_decoding_programs_compile_ahead_and_the_pass_compiles_nothing(models):
     target, _ = models
-    be = Generator.from_model(target).backend(3, 96, decode_buckets=(1,))
+    be = Engine(target).backend(3, 96, decode_buckets=(1,))
     ahead, after = _compile_in_two_steps(be, 2)
     # every prefill shape but the first, and the step of 2 flavours x (bucket 1 + all slots)
     assert ahead >= len(be.shapes) - 1 + 4 and after == 0
@@ -49,14 +48,14 @@ def test_weights_on_a_one_device_mesh_compile_ahead_too(models):
     graphdef, params = nnx.split(target)
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     placed = nnx.merge(graphdef, jax.device_put(params, NamedSharding(mesh, PartitionSpec())))
-    be = Generator.from_model(placed).backend(3, 112)
+    be = Engine(placed).backend(3, 112)
     ahead, after = _compile_in_two_steps(be, 2)
     assert ahead >= len(be.shapes) - 1 + 2 and after == 0
 
 
 def test_every_width_of_a_width_backend_compiles_ahead(models):
     target, drafter = models
-    eng = SpecEngine(target, drafter, _spec("tree-ready"), slots=3, kv_len=96)
+    eng = Engine(target, drafter, _spec("tree-ready"), slots=3, kv_len=96)
     be = eng.width_backend(3, 96, None, None, decode_buckets=(1,))
     widths = len(be.widths)
     assert widths >= 3
@@ -64,14 +63,14 @@ def test_every_width_of_a_width_backend_compiles_ahead(models):
     ahead, after = _compile_in_two_steps(be, 2)
     assert after == 0 and ahead >= 2 * 2 * widths            # 2 flavours x 2 row counts x every width
     # progress: one line per job, in the threads' order, each naming its job
-    be2 = Generator.from_model(target).backend(3, 80)
+    be2 = Engine(target).backend(3, 80)
     be2.compile(labels.append, workers=2)
     assert len(labels) == len(be2.shapes) + 2 and all(lab.endswith("s") for lab in labels)
 
 
 def test_capture_leaves_the_backend_as_it_was(models):
     target, _ = models
-    be = Generator.from_model(target).backend(3, 64)
+    be = Engine(target).backend(3, 64)
     before = [np.asarray(x) for x in jax.tree.leaves((be.state, be.anchor))]
     captured = []
     be._run_jobs(be._compile_jobs((False,), None), None, capture=captured)

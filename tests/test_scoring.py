@@ -9,15 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from hyspec_jax.compilation import CompileWatch
-from hyspec_jax.generate import Generator
+from hyspec_jax.runtime.engine import Engine
 from hyspec_jax.models.target import create_model, forward_full
 from hyspec_jax.runtime.scoring import Scorer
 from tests.test_engine import _tcfg
 
 
 def test_compile_covers_every_bucket_and_scores_equal_a_forward():
-    gen = Generator.from_model(create_model(_tcfg(64), seed=3))
-    scorer = Scorer(gen.graphdef, gen.params, max_len=64, top_k=2)
+    gen = Engine(create_model(_tcfg(64), seed=3))
+    scorer = Scorer(gen.tgraph, gen.tparams, max_len=64, top_k=2)
     assert scorer.buckets == [16, 32, 64]
     scorer.compile()
     watch = CompileWatch()
@@ -26,6 +26,6 @@ def test_compile_covers_every_bucket_and_scores_equal_a_forward():
     scores = [scorer.score(ids, 1) for ids in seqs]
     assert watch.since == 0, f"{watch.since} compilations while scoring"
     for ids, got in zip(seqs, scores):
-        logits = forward_full(gen.graphdef, gen.params, jnp.asarray([ids], jnp.int32))
+        logits = forward_full(gen.tgraph, gen.tparams, jnp.asarray([ids], jnp.int32))
         lp = np.asarray(jax.nn.log_softmax(logits[0, :-1].astype(jnp.float32), axis=-1))
         np.testing.assert_allclose(got.logprobs, [lp[j - 1, t] for j, t in enumerate(ids) if j >= 1], atol=1e-4)

@@ -1,5 +1,5 @@
 """The OpenAI-compatible server: a real `hyspec serve` process on loopback, driven by the official `openai`
-client and raw HTTP, against `hyspec_jax.generate.Generator` run alone on each prompt as the oracle (and a direct
+client and raw HTTP, against `hyspec_jax.runtime.engine.Engine` (plain decoding) run alone on each prompt as the oracle (and a direct
 forward of the target for logprobs).
 
 Three servers per module (a tiny random model in a tmp dir, byte-level tokenizer, a Jinja chat template): plain
@@ -199,14 +199,14 @@ def _wait_port(proc: subprocess.Popen, log: Path, model_dir: Path) -> "Server":
 
 @pytest.fixture(scope="module")
 def oracle(launched):
-    """Generator greedy / seeded sampling on one prompt alone (the same model directory the server loads)."""
+    """Plain decoding, greedy / seeded sampling on one prompt alone (the same model directory the server loads)."""
     from hyspec_jax.compilation import enable_compilation_cache
-    from hyspec_jax.generate import Generator
+    from hyspec_jax.runtime.engine import Engine
     from hyspec_jax.io.hf import load_pretrained
     from hyspec_jax.sampling import SamplingParams
     enable_compilation_cache()     # as `hyspec generate` does (and the server): re-runs skip XLA compiles
     cfg, model = load_pretrained(launched[1])
-    gen = Generator.from_model(model)
+    gen = Engine(model)
     eos = cfg.eos_token_id
     cache = {}
 

@@ -11,11 +11,10 @@ from flax import nnx
 
 from hyspec_jax import sharding as shd
 from hyspec_jax.embedded import default_drafter_dir, default_model_dir
-from hyspec_jax.generate import Generator
 from hyspec_jax.io.drafter_io import load_drafter
 from hyspec_jax.io.hf import load_pretrained
 from hyspec_jax.sampling import SamplingParams
-from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+from hyspec_jax.runtime.engine import Engine, SpecConfig
 
 PROMPTS = [[5, 17, 230, 11, 42], [7, 99, 3], [400, 12, 8, 8, 31, 2, 77]]
 
@@ -32,8 +31,8 @@ def reference():
     target = _models(1)
     params = SamplingParams(max_tokens=8)
     drafter = load_drafter(default_drafter_dir(), with_reader=False)
-    ar = [r.token_ids for r in Generator.from_model(target).generate(PROMPTS, params)]
-    chain = [r.token_ids for r in SpecEngine(target, drafter, SpecConfig(mode="chain")).generate(PROMPTS, params)]
+    ar = [r.token_ids for r in Engine(target).generate(PROMPTS, params)]
+    chain = [r.token_ids for r in Engine(target, drafter, SpecConfig(mode="chain")).generate(PROMPTS, params)]
     return ar, chain, drafter
 
 
@@ -45,11 +44,11 @@ def test_tensor_parallel_equals_one_device(reference):
     mesh = shd.params_mesh(nnx.state(target))
     assert mesh is not None and mesh.shape["model"] == 2
     params = SamplingParams(max_tokens=8)
-    gen = Generator.from_model(target)
+    gen = Engine(target)
     assert [r.token_ids for r in gen.generate(PROMPTS, params)] == ar
     backend = gen.backend(4, 64)
     assert backend.state.ssm.sharding.mesh.shape["model"] == 2       # the buffers follow the weights
-    engine = SpecEngine(target, drafter, SpecConfig(mode="chain"))
+    engine = Engine(target, drafter, SpecConfig(mode="chain"))
     assert [r.token_ids for r in engine.generate(PROMPTS, params)] == chain
 
 

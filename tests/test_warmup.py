@@ -9,12 +9,11 @@ import pytest
 
 from hyspec_jax import compilation
 from hyspec_jax.config import FULL, LINEAR, DrafterConfig, TargetConfig
-from hyspec_jax.generate import Generator
 from hyspec_jax.runtime.backend import prompt_buckets
 from hyspec_jax.models import drafter as D
 from hyspec_jax.models.target import create_model
 from hyspec_jax.sampling import SamplingParams
-from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+from hyspec_jax.runtime.engine import Engine, SpecConfig
 
 CFG = TargetConfig(
     model_type="qwen3_5_text", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -41,7 +40,7 @@ def test_prompt_buckets():
 
 def test_spec_engine_warmup_then_no_compilations(models):
     target, drafter = models
-    eng = SpecEngine(target, drafter, SpecConfig(mode="chain"), slots=2, kv_len=64)
+    eng = Engine(target, drafter, SpecConfig(mode="chain"), slots=2, kv_len=64)
     n = eng.compile_buckets([(2, 64)], prompt_lengths=[16], stochastic=(False,), progress=False, cache=False)
     assert n > 0 and eng.compilations_after_startup == 0
     eng.generate([[1, 2, 3], [4, 5, 6, 7, 8], [9] * 16], SamplingParams(max_tokens=6))   # admitted as slots free
@@ -55,7 +54,7 @@ def test_spec_engine_warmup_then_no_compilations(models):
 
 def test_generator_warmup_then_no_compilations(models):
     target, _ = models
-    gen = Generator.from_model(target)
+    gen = Engine(target)
     assert gen.warmup(batch=1, kv_len=128, progress=False, cache=False) > 0
     gen.generate([[1, 2, 3]], SamplingParams(max_tokens=5))
     gen.generate([[5] * 40], SamplingParams(max_tokens=5, temperature=0.8, seed=3))   # prompt bucket 64, KV 128
@@ -66,7 +65,7 @@ def test_generator_warmup_then_no_compilations(models):
 
 def test_ar_engine_warmup_delegates(models):
     target, _ = models
-    eng = SpecEngine(target, None, SpecConfig(mode="ar"), slots=1, kv_len=128)
+    eng = Engine(target, None, SpecConfig(mode="ar"), slots=1, kv_len=128)
     eng.compile_buckets([(1, 128)], prompt_lengths=[3], progress=False, cache=False)
     eng.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
     assert eng.last_stats.compilations_after_startup == 0

@@ -18,7 +18,7 @@ import pytest
 from hyspec_jax import tree as T
 from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.spec.budget import BudgetTable, packed_gains, root_floor, select_nodes, width_gains
-from hyspec_jax.spec.engine import SpecConfig, SpecEngine
+from hyspec_jax.runtime.engine import Engine, SpecConfig
 from hyspec_jax.spec.width import (WidthBackend, WidthChooser, choose_width, kept_widths, round_seconds,
                                    round_signature, width_buckets)
 from hyspec_jax.tree import TreeExpansion
@@ -131,8 +131,8 @@ def test_packed_widths_greedy_equals_autoregressive(models, reference):
     target, drafter = models
     prompts, params, ref = reference
     made = []
-    eng = _forced(SpecEngine(target, _oracle(drafter, prompts, ref), _spec("tree-ready", packed_widths=True),
-                             slots=SLOTS, kv_len=KV), (8, 2, 1, 4, 2), made)
+    eng = _forced(Engine(target, _oracle(drafter, prompts, ref), _spec("tree-ready", packed_widths=True),
+                         slots=SLOTS, kv_len=KV), (8, 2, 1, 4, 2), made)
     out = eng.generate(prompts, params)
     assert [r.token_ids for r in out] == ref
     (be,) = made
@@ -289,7 +289,7 @@ def test_greedy_equals_autoregressive_as_the_width_changes(mode, widths, scripte
     made = []
     if scripted:                                               # every scripted draft right
         drafter = _oracle(drafter, prompts, ref, wrong=False)
-    eng = _forced(SpecEngine(target, drafter, _spec(mode), slots=SLOTS, kv_len=KV), widths, made)
+    eng = _forced(Engine(target, drafter, _spec(mode), slots=SLOTS, kv_len=KV), widths, made)
     out = eng.generate(prompts, params)
     assert [r.token_ids for r in out] == ref
     (be,) = made
@@ -310,8 +310,8 @@ def _calibrated(models, spec, ms: dict, probe_every: int, drafter=None):
     choosers probing every `probe_every` plain rounds); drafter: instead of the models' own."""
     target, own = models
     drafter = drafter or own
-    base = SpecEngine(target, drafter, spec, slots=SLOTS, kv_len=KV)
-    eng = SpecEngine(target, drafter, spec, slots=SLOTS, kv_len=KV, budget_table=_table(base, ms), model_name="m")
+    base = Engine(target, drafter, spec, slots=SLOTS, kv_len=KV)
+    eng = Engine(target, drafter, spec, slots=SLOTS, kv_len=KV, budget_table=_table(base, ms), model_name="m")
     made = []
     make = eng.backend
 
@@ -346,8 +346,8 @@ def test_engine_chooses_the_width_from_the_calibrated_table(scripted, models, re
     else:
         assert hist.count(1) > len(hist) // 2 and 2 in hist and set(hist[2:]) <= {1, 2}, hist   # [1]: maybe dispatched before [0] was read
     # off: the fixed width
-    off = SpecEngine(target, drafter, SpecConfig(mode="tree", tree=spec.tree, verify_nodes=8, adaptive_width=False),
-                     slots=SLOTS, kv_len=KV, budget_table=eng.budget_table, model_name="m")
+    off = Engine(target, drafter, SpecConfig(mode="tree", tree=spec.tree, verify_nodes=8, adaptive_width=False),
+                 slots=SLOTS, kv_len=KV, budget_table=eng.budget_table, model_name="m")
     assert not isinstance(off.backend(SLOTS, KV), WidthBackend)
 
 
@@ -359,7 +359,7 @@ def test_sampling_matches_autoregressive_distribution_as_the_width_changes(mode,
                        packed_widths=mode == "tree-packed") if mode.startswith("tree")
             else SpecConfig(mode="chain", chain_length=2))
     made = []
-    eng = _forced(SpecEngine(target, drafter, spec, slots=256, kv_len=128),
+    eng = _forced(Engine(target, drafter, spec, slots=256, kv_len=128),
                   (1, 5, 2) if mode.startswith("tree") else (1, 3, 2), made)
     params = [SamplingParams(max_tokens=3, seed=i, **(SETTINGS[i % 3 - 1] if i % 3 else {}))
               for i in range(SAMPLES)]
@@ -384,8 +384,8 @@ def test_cli_calibrate_times_the_engines_rounds_and_the_engine_uses_them(model_d
     (entry,) = _cli(capsys, argv)[0]
     target, drafter = models
     spec = SpecConfig(mode="tree", tree=TreeExpansion(4, 2, 4), verify_nodes=8, kernels="reference")
-    eng = SpecEngine(target, drafter, spec, slots=SLOTS, kv_len=KV, budget_table=BudgetTable.load(out),
-                     model_name=entry["model"])
+    eng = Engine(target, drafter, spec, slots=SLOTS, kv_len=KV, budget_table=BudgetTable.load(out),
+                 model_name=entry["model"])
     sig = round_signature("tree", eng.round_shape(False, 8), 0)
     assert set(entry["t_round_ms"]) == {sig} and set(entry["t_round_ms"][sig]) == {"1", "2", "4", "8"}
     assert all(t > 0 for t in entry["t_round_ms"][sig].values())
@@ -407,7 +407,7 @@ def test_mtp_greedy_equals_autoregressive_as_the_width_changes(mode, widths):
     from tests.test_mtp_engine import greedy_setup
     target, head, prompts, params, ref = greedy_setup.__wrapped__()
     made = []
-    eng = _forced(SpecEngine(target, head, mtp_spec(mode), slots=4, kv_len=128), widths, made)
+    eng = _forced(Engine(target, head, mtp_spec(mode), slots=4, kv_len=128), widths, made)
     assert [r.token_ids for r in eng.generate(prompts, params)] == ref
     assert set(made[0].history) == set(widths) and eng.last_stats.tau > 1.0, eng.last_stats
 
@@ -418,9 +418,9 @@ def test_every_width_is_compiled_at_start_up(models, reference):
     target, drafter = models
     prompts, params, ref = reference
     spec = _spec("tree")
-    base = SpecEngine(target, drafter, spec, slots=SLOTS, kv_len=KV)
-    eng = SpecEngine(target, drafter, spec, slots=SLOTS, kv_len=KV, model_name="m",
-                     budget_table=_table(base, {"1": 1.0, "2": 1.5, "4": 2.0, "8": 2.5}))
+    base = Engine(target, drafter, spec, slots=SLOTS, kv_len=KV)
+    eng = Engine(target, drafter, spec, slots=SLOTS, kv_len=KV, model_name="m",
+                 budget_table=_table(base, {"1": 1.0, "2": 1.5, "4": 2.0, "8": 2.5}))
     eng.compile_buckets([(SLOTS, KV)], prompt_lengths=[max(map(len, prompts))], stochastic=(False,), progress=False,
                         cache=False)
     make = eng.backend
@@ -458,7 +458,7 @@ def test_start_up_calibration_times_every_width_then_chooses(models, reference):
     from hyspec_jax.compilation import CompileWatch
     target, drafter = models
     prompts, params, ref = reference
-    eng = SpecEngine(target, drafter, _spec("tree", calibrate_repeats=2), slots=SLOTS, kv_len=KV)
+    eng = Engine(target, drafter, _spec("tree", calibrate_repeats=2), slots=SLOTS, kv_len=KV)
     be = eng.backend(SLOTS, KV, decode_buckets=(1,))
     assert isinstance(be, WidthBackend) and be.chooser is None and be.calibrate_repeats == 2
     compiled = []
@@ -491,8 +491,8 @@ def test_a_start_up_calibration_is_kept_for_the_next_start(models, reference, tm
     cache = tmp_path / "hyspec" / "width_times.json"
 
     def backend(repeats: int = 2, reuse: bool = True, engine: list | None = None):
-        eng = SpecEngine(target, drafter, _spec("tree", calibrate_repeats=repeats), slots=SLOTS, kv_len=KV,
-                         calibration_cache=cache, reuse_calibration=reuse)
+        eng = Engine(target, drafter, _spec("tree", calibrate_repeats=repeats), slots=SLOTS, kv_len=KV,
+                     calibration_cache=cache, reuse_calibration=reuse)
         if engine is not None:
             engine.append(eng)
         return eng.backend(SLOTS, KV, decode_buckets=(1,))
@@ -538,8 +538,8 @@ def test_deferred_commit_with_the_width_changing(mode, widths, packed, models, r
     target, drafter = models
     prompts, params, ref = reference
     made = []
-    eng = _forced(SpecEngine(target, _oracle(drafter, prompts, ref), _spec(mode, deferred_rows=8,
+    eng = _forced(Engine(target, _oracle(drafter, prompts, ref), _spec(mode, deferred_rows=8,
                                                                            packed_widths=packed),
-                             slots=SLOTS, kv_len=KV), widths, made)
+                         slots=SLOTS, kv_len=KV), widths, made)
     assert [r.token_ids for r in eng.generate(prompts, params)] == ref
     assert set(made[0].history) == set(widths)

@@ -9,7 +9,7 @@ GPU machine receives only code + checkpoints + this small prompt pack):
    type, domain ids, window starts). With `exclude` no window overlaps another pack's: data disjoint from
    what a drafter was trained on (`--exclude-prompts`).
 2. `generate_continuations`: the frozen target continues every prompt for `gen_len` tokens with our
-   `Generator` (greedy by default — the decoding the drafter must match at inference), in batches; writes
+   `Engine` (plain decoding, greedy by default — the decoding the drafter must match at inference), in batches; writes
    `sequences.npy` [N·V, P + G] (uint16, or uint32 for a vocabulary over 65,536 ids: `corpus.token_dtype`),
    `domains.npy`, `manifest.json` (target, config, counts, throughput).
    With `variants` V > 1 every prompt is continued V times: variant 0 as above, variant v ≥ 1 samples its first
@@ -124,7 +124,7 @@ def generate_continuations(target_dir: str | Path, prompts_file: str | Path, out
     import jax.numpy as jnp
     from tqdm.auto import tqdm
 
-    from hyspec_jax.generate import Generator
+    from hyspec_jax.runtime.engine import Engine
     from hyspec_jax.io.hf import load_pretrained
     from hyspec_jax.sampling import SamplingParams
 
@@ -137,7 +137,7 @@ def generate_continuations(target_dir: str | Path, prompts_file: str | Path, out
     cfg, target = load_pretrained(target_dir, dtype=dt)
     if tokens.max() >= cfg.vocab_size:
         raise ValueError(f"prompt ids reach {tokens.max()} but the target's vocabulary is {cfg.vocab_size}")
-    gen = Generator.from_model(target)
+    gen = Engine(target)
     N, P = tokens.shape
     vids = list(range(first_variant, first_variant + variants))
     seqs = np.zeros((N * variants, P + gen_len), token_dtype(cfg.vocab_size))

@@ -21,7 +21,7 @@ steps did: the step ahead would likely be wasted), or when a row could then pass
 
 Two drivers: the server runs the loop on its own thread (`start`, `submit`, `abort`, `drain`), and
 `run_until_idle` runs it on the caller's thread until every submitted request has finished (`hyspec generate`,
-`Generator.generate`, `SpecEngine.generate`). Requests talk to their owner through
+`Engine.generate`). Requests talk to their owner through
 `sink(token_ids, finish_reason | None)`, called on the loop's thread; an optional `LoopObserver` sees every event
 (the server's metrics). `on_batch()`, where given, is called on the loop's thread after the sink calls of each
 iteration (a prefill's first tokens, a step's tokens), so that a front end on another thread can take them with one

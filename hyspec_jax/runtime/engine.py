@@ -1,14 +1,16 @@
-"""The speculative engine: a synchronous driver of the request loop (`hyspec_jax.runtime`) over a `SpecBackend`.
+"""The engine: the one synchronous driver of the request loop (`hyspec_jax.runtime.scheduler`), for every mode.
 
-`SpecEngine.generate(prompts, params)` submits the prompts to a fresh loop whose backend holds the bucket's slots
-(batch slots B, KV length S) and its frozen round shapes, runs it to completion and reports per-request results and
-the batch's acceptance statistics. The round itself is `hyspec_jax.spec.round`; the loop — admission into free
-slots, chunked prefill, pipelined rounds, exact stop / max_tokens handling — is `hyspec_jax.runtime.scheduler`,
-the same loop `hyspec serve` runs. Modes: `ar` (plain decoding, `generate.Generator`), `chain` (DSpark), `ready`
-(DSpark + ReaDy reader), `tree` (DSpark tree, Bole verification), `tree-ready`, `mtp` (the target's own MTP head,
-a chain of recursive steps), `mtp-tree` (that head expanded as a tree, Bole verification).
+`Engine(target, drafter, spec).generate(prompts, params)` submits the prompts to a fresh loop whose backend holds
+the bucket's slots (batch slots B, KV length S; `Engine.bucket_for`, the one rule) — an `ARBackend` for plain
+decoding, a `SpecBackend` (or `WidthBackend`) built from the `SpecConfig` and the round shapes otherwise — runs it
+to completion and reports one `GenerationResult` per request and the batch's statistics (`SpecStats`). The round
+itself is `hyspec_jax.spec.round`; the loop — admission into free slots, chunked prefill, pipelined steps, exact
+stop / max_tokens handling — is the same loop `hyspec serve` runs over `Engine.backend`. Modes: `ar` (plain
+decoding; `Engine(target)`), `chain` (DSpark), `ready` (DSpark + ReaDy reader), `tree` (DSpark tree, Bole
+verification), `tree-ready`, `mtp` (the target's own MTP head, a chain of recursive steps), `mtp-tree` (that head
+expanded as a tree, Bole verification).
 
-Start-up: `SpecEngine.warmup()` / `compile_buckets(buckets)` compile every configured bucket (the round, greedy
+Start-up: `Engine.warmup()` / `compile_buckets(buckets)` compile every configured bucket (the step or round, greedy
 and sampling, and the prefill of every prompt bucket) through JAX's persistent compilation cache;
 `compilations_after_startup` (also in `SpecStats`) counts the XLA compilations since — 0 while every request
 fits a compiled bucket.
@@ -28,27 +30,58 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hyspec_jax.compilation import CompileWatch, source_digest, split_for_jit
-from hyspec_jax.sharding import params_mesh, replicate
-from hyspec_jax.generate import Generator, default_slots, use_compilation_cache, validate_prompts
+from hyspec_jax.compilation import CompileWatch, enable_compilation_cache, source_digest, split_for_jit
 from hyspec_jax.models.drafter import Drafter
+from hyspec_jax.models.mtp import MTPHead
 from hyspec_jax.models.target import TargetModel
-from hyspec_jax.runtime.backend import SpecBackend, batch_shapes, bucket, compile_backends
+from hyspec_jax.runtime.backend import (ARBackend, Backend, SpecBackend, batch_shapes, bucket, compile_backends)
 from hyspec_jax.runtime.scheduler import run_batch
 from hyspec_jax.sampling import SamplingParams
+from hyspec_jax.sharding import params_mesh, replicate
 from hyspec_jax.spec.budget import BudgetTable, packed_rows
-from hyspec_jax.models.mtp import MTPHead
 from hyspec_jax.spec.options import KERNEL_IMPLS, MODES, MTP_DEFAULT_STEPS, MTP_MODES, TREE_MODES
 from hyspec_jax.spec.round import RoundShape
 from hyspec_jax.spec.stats import prefix_survival, rounded
-from hyspec_jax.spec.width import (WidthBackend, cached_round_times, round_seconds, round_signature, save_round_times,
-                                   width_buckets)
+from hyspec_jax.runtime.width import (WidthBackend, cached_round_times, round_seconds, round_signature, save_round_times,
+                                      width_buckets)
+from hyspec_jax.state import TargetState, init_state
 from hyspec_jax.tree import TreeExpansion
 
 log = logging.getLogger("hyspec.spec")
+
+
+def use_compilation_cache() -> None:
+    """Start-up compiles go through JAX's persistent cache: the configured directory, else hyspec's default."""
+    enable_compilation_cache(jax.config.jax_compilation_cache_dir)
+
+
+def validate_prompts(prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                     vocab_size: int) -> list[SamplingParams]:
+    """Check a batch request (non-empty prompts of in-vocabulary ids, one SamplingParams or one per prompt) and
+    return the per-prompt parameter list. Raises ValueError with the user-facing message."""
+    n = len(prompts)
+    plist = list(params) if isinstance(params, (list, tuple)) else [params] * n
+    if len(plist) != n:
+        raise ValueError(f"{n} prompts but {len(plist)} sampling params")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    return plist
+
+
+def default_slots(requests: int, params) -> int:
+    """The slots of a batch of `requests` when none are asked for: bucket(requests, 1), rounded up to a multiple
+    of the weights' data-parallel replicas (`sharding.data_parallel_size`; each replica decodes an equal share)."""
+    from hyspec_jax.sharding import data_parallel_size
+    replicas = data_parallel_size(params)
+    return -(-bucket(requests, 1) // replicas) * replicas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +98,11 @@ class SpecConfig:
     # Deferred GDN commit: P accepted rows per slot and GDN layer kept beside a checkpoint state, folded when full
     # (`TargetState.pending`); 0 = every round writes the state. Must hold a round's path (depth + 1 rows).
     deferred_rows: int = 0
-    # The verify width chosen each round (`spec.width`) from the budget table's calibrated round times of the
+    # The verify width chosen each round (`runtime.width`) from the budget table's calibrated round times of the
     # bucket — between plain decoding and verify_nodes; without them (or False) every round verifies N nodes.
     adaptive_width: bool = True
     # Widths not compiled: a drafting width whose calibrated round is within this fraction of a kept wider one's
-    # time (`spec.width.kept_widths`) — the wider round runs instead, at most this much slower per round; on the
+    # time (`runtime.width.kept_widths`) — the wider round runs instead, at most this much slower per round; on the
     # H100 table of a 64-slot server 13 of 24 widths stay at 0.05, 17 at 0
     width_margin: float = 0.05
     # Without calibrated round times for a bucket: time every width's round at start-up, this many rounds each
@@ -118,15 +151,17 @@ class SpecConfig:
 
 
 @dataclasses.dataclass
-class SpecResult:
+class GenerationResult:
+    """One request of an `Engine.generate` batch, in every mode (plain decoding: a step is a round of one token)."""
     prompt_token_ids: list[int]
     token_ids: list[int]
     finish_reason: str                       # "stop" | "length"
-    rounds: int = 0                          # rounds this request took part in
+    rounds: int = 0                          # steps / rounds this request took part in (after its prefill)
     committed: list[int] = dataclasses.field(default_factory=list)   # tokens committed per round (bonus incl.)
-    accepted: list[int] = dataclasses.field(default_factory=list)    # drafts accepted per round
-    prefill_seconds: float = 0.0             # (as generate.GenerationResult) batch totals
-    decode_steps_per_second: float = 0.0     # rounds per second of the batch after its first (compiling) round
+    accepted: list[int] = dataclasses.field(default_factory=list)    # drafts accepted per round (ar: 0)
+    seconds: float = 0.0                     # batch totals: wall time of the whole batch (compiles included),
+    prefill_seconds: float = 0.0             # its prefills,
+    decode_steps_per_second: float = 0.0     # and its steps / rounds per second after the first (compiling) one
 
     @property
     def tau(self) -> float:
@@ -155,7 +190,7 @@ class SpecStats:
     compilations_after_startup: int = 0   # XLA compilations since the engine's start-up compile (warmup)
     # ReaDy's censored prefix survival over the requests of the call (`prefix_survival`; NaN: no round counts)
     prefix_survival: list[float] = dataclasses.field(default_factory=list)
-    # rounds run at each verify width, when the width was chosen each round (`spec.width`; else empty)
+    # rounds run at each verify width, when the width was chosen each round (`runtime.width`; else empty)
     width_rounds: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -169,30 +204,34 @@ class SpecStats:
 
 
 
-class SpecEngine:
-    """Batched speculative generation with continuous admission between rounds."""
+class Engine:
+    """Batched generation — plain decoding or speculative — with continuous admission between steps: the one
+    synchronous driver of the request loop, and the backends the server's loop runs (`backend`)."""
 
-    def __init__(self, target: TargetModel, drafter: Drafter | MTPHead | None, spec: SpecConfig, *,
-                 slots: int | None = None,
+    def __init__(self, target: TargetModel, drafter: Drafter | MTPHead | None = None, spec: SpecConfig | None = None,
+                 *, slots: int | None = None,
                  kv_len: int | None = None, budget_table: BudgetTable | None = None, model_name: str = "",
                  calibration_cache: Path | None = None, reuse_calibration: bool = True):
-        """slots / kv_len fix the bucket (default: powers of two from the request batch); budget_table: Bole's
+        """spec: the mode and its options (default: plain decoding, `SpecConfig(mode="ar")`, which takes no
+        drafter); slots / kv_len fix the bucket (default: `bucket_for` the request batch); budget_table: Bole's
         calibrated B_ver per bucket sets the verify width N when spec.verify_nodes is not given;
         calibration_cache: with spec.calibrate_repeats, where the round times timed at start-up are kept
-        (`spec.width.save_round_times`) and, with reuse_calibration, looked up first where the budget table has
-        none for a bucket (`spec.width.cached_round_times`): a second start chooses without timing again."""
+        (`runtime.width.save_round_times`) and, with reuse_calibration, looked up first where the budget table has
+        none for a bucket (`runtime.width.cached_round_times`): a second start chooses without timing again."""
+        spec = SpecConfig(mode="ar") if spec is None else spec
         self.spec = spec
         self.budget_table, self.model_name = budget_table, model_name
         self.calibration_cache, self.reuse_calibration = calibration_cache, reuse_calibration
         self.config = target.config
         self.tgraph, self.tparams = split_for_jit(target)      # cheap to pass every round (compilation.py)
+        leaves = jax.tree.leaves(self.tparams)
+        self.dtype = leaves[0].dtype if leaves else jnp.float32
         self.slots, self.kv_len = slots, kv_len
         self.last_stats: SpecStats | None = None
         self.watch = CompileWatch()
         if spec.mode == "ar":
             self.drafter = None
-            self._ar = Generator(self.config, self.tgraph, self.tparams, deferred_rows=spec.deferred_rows)
-            self._gamma, self._tree, self._default_nodes = 0, None, 1
+            self._gamma, self._tree, self._default_nodes, self._max_nodes = 0, None, 1, 1
             return
         if drafter is None:
             raise ValueError(f"spec mode {spec.mode!r} needs " + ("the model's MTP head" if spec.uses_mtp
@@ -271,6 +310,10 @@ class SpecEngine:
         Process-wide: anything else compiling meanwhile counts too."""
         return self.watch.since
 
+    def new_state(self, batch: int, max_len: int) -> TargetState:
+        """An empty target state of `batch` rows and KV length `max_len` (the engine's dtype and deferred rows)."""
+        return init_state(self.config, batch, max_len, self.dtype, self.spec.deferred_rows)
+
     def nodes_for(self, batch: int, kv_len: int) -> int:
         """Verify width N of a bucket: spec.verify_nodes, else the calibrated B_ver, else the default."""
         if self.spec.verify_nodes is None and self.budget_table is not None:
@@ -297,7 +340,7 @@ class SpecEngine:
                           batch_budget=self.spec.capacity is not None)
 
     def round_seconds(self, slots: int, kv_len: int, rows: int | None = None) -> dict[int, float] | None:
-        """The calibrated round time of every width bucket of this bucket (`spec.width.round_seconds`), or None;
+        """The calibrated round time of every width bucket of this bucket (`runtime.width.round_seconds`), or None;
         rows: of that bucket's rounds over `rows` of its slots (calibrated as a bucket of `rows` slots)."""
         return self._round_times(slots, kv_len, rows)[0]
 
@@ -340,7 +383,7 @@ class SpecEngine:
     def width_backend(self, slots: int, kv_len: int, seconds: dict[int, float] | None = None,
                       shapes: Sequence[tuple[int, int]] | None = None,
                       decode_buckets: Sequence[int] = (), times_origin: str | None = None) -> WidthBackend:
-        """A backend with one round per width bucket up to `nodes_for` (`spec.width`): the width chosen each
+        """A backend with one round per width bucket up to `nodes_for` (`runtime.width`): the width chosen each
         round from `seconds` (calibrated round time per width; times_origin: where they came from, for the
         logs), fixed at the widest without them; a round over a decoding bucket's R rows chooses from the round
         times calibrated for R where the table has them."""
@@ -376,16 +419,18 @@ class SpecEngine:
                     for s in (False, True)} for w in widths}
 
     def backend(self, slots: int, kv_len: int, shapes: Sequence[tuple[int, int]] | None = None,
-                decode_buckets: Sequence[int] = ()) -> SpecBackend:
-        """A backend of this engine's drafter and rounds for the bucket (slots, KV length): with
-        spec.adaptive_width and calibrated round times of the bucket, the width chosen each round
+                decode_buckets: Sequence[int] = ()) -> Backend:
+        """The backend of this engine for the bucket (slots, KV length): plain decoding, an `ARBackend`; else one of
+        this engine's drafter and rounds: with spec.adaptive_width and calibrated round times of the bucket, the width chosen each round
         (`width_backend`); without them but with spec.calibrate_repeats, the same from round times the backend
         measures when it compiles (`WidthBackend.calibrate`); else N from `nodes_for`, capacity spec.capacity or
         slots · N. Prefill shapes
         (default: all `slots` rows of every prompt bucket the KV length holds); decoding buckets: the row counts
         below `slots` a round is also compiled for (`Backend.step_rows`)."""
         if self.spec.mode == "ar":
-            raise ValueError("plain decoding (ar) runs on `generate.Generator`'s backend")
+            return ARBackend(self.config, self.tgraph, self.tparams, slots=slots, kv_len=kv_len,
+                             shapes=shapes or batch_shapes(slots, self.max_prompt_len(kv_len)),
+                             deferred_rows=self.spec.deferred_rows, decode_buckets=decode_buckets)
         seconds, origin = self._round_times(slots, kv_len) if self.spec.adaptive_width else (None, "")
         if seconds is not None:
             return self.width_backend(slots, kv_len, seconds, shapes, decode_buckets, times_origin=origin)
@@ -399,8 +444,11 @@ class SpecEngine:
                            capacity=self.spec.capacity or slots * N, slots=slots, kv_len=kv_len, shapes=shapes,
                            deferred_rows=self.spec.deferred_rows, decode_buckets=decode_buckets)
 
-    def _bucket_for(self, prompts, plist) -> tuple[int, int]:
-        """The bucket a request batch runs in: (slots B, KV length S). One rule for `generate` and the profilers."""
+    def bucket_for(self, prompts, plist) -> tuple[int, int]:
+        """The bucket a request batch runs in: (slots B, KV length S) — the engine's slots, else
+        `default_slots(#prompts)`; its KV length, else bucket(longest prompt + largest max_tokens + `overshoot`,
+        128), the rule a server's KV length follows too (max-model-len + overshoot). One rule for every mode,
+        `generate` and the profilers."""
         B = self.slots or default_slots(len(prompts), self.tparams)
         need = max(len(p) for p in prompts) + max(p.max_tokens for p in plist) + self.overshoot
         S = self.kv_len or bucket(need, 128)
@@ -420,71 +468,57 @@ class SpecEngine:
     def compile_buckets(self, buckets: Sequence[tuple[int, int]], prompt_lengths: Sequence[int] | None = None,
                         stochastic: Sequence[bool] = (False, True), progress: bool = True, cache: bool = True) -> int:
         """Start-up compile: for every (batch slots, KV length) bucket, the prefill of every prompt bucket
-        (prompt_lengths rounded up to powers of two ≥ 16; default: every one the KV length holds) and the round
-        (greedy and/or sampling); then mark start-up (`compilations_after_startup` counts from here). A `generate`
-        call runs in (self.slots or default_slots(#prompts), self.kv_len or bucket(prompt + max_tokens + γ + 2,
-        128)).
-        cache: use JAX's persistent compilation cache. Returns the number of programs compiled."""
+        (prompt_lengths rounded up to powers of two ≥ 16; default: every one the KV length holds) and the step or
+        round (greedy and/or sampling: separate programs); then mark start-up (`compilations_after_startup` counts
+        from here). A `generate` call runs in `bucket_for` its batch. cache: use JAX's persistent compilation
+        cache. Returns the number of programs compiled."""
         if cache:
             use_compilation_cache()
-        if self.spec.mode == "ar":
-            n = self._ar.compile_buckets(buckets, prompt_lengths, progress=progress, cache=False,
-                                         stochastic=stochastic)
-            self.watch.mark()
-            return n
         watch = CompileWatch()
         compile_backends([self.backend(B, S) for B, S in buckets], prompt_lengths, stochastic, progress)
         self.watch.mark()
         return watch.since
 
-    def warmup(self, progress: bool = True, cache: bool = True, **kw) -> int:
-        """Start-up compile of the configured bucket (slots, kv_len; unset: the slots of 1 request, KV 128); see
+    def warmup(self, batch: int | None = None, kv_len: int | None = None, progress: bool = True, cache: bool = True,
+               stochastic: Sequence[bool] = (False, True)) -> int:
+        """Start-up compile of one bucket: the slots of `batch` requests (unset: the engine's slots, else 1
+        request's) and KV length kv_len (unset: the engine's, else 128), with every prompt bucket; see
         compile_buckets."""
-        slots = self.slots or default_slots(1, self.tparams)
-        return self.compile_buckets([(slots, self.kv_len or 128)], progress=progress, cache=cache, **kw)
+        slots = default_slots(batch, self.tparams) if batch else self.slots or default_slots(1, self.tparams)
+        return self.compile_buckets([(slots, kv_len or self.kv_len or 128)], progress=progress, cache=cache,
+                                    stochastic=stochastic)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[SpecResult]:
-        """Generate for ragged prompts; `on_tokens(request_index, new_ids)` streams tokens as rounds commit
-        them."""
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
+        """Generate for ragged prompts in the bucket `bucket_for` gives them; `on_tokens(request_index, new_ids)`
+        streams tokens as steps commit them. The batch's statistics: `last_stats`."""
         if not prompts:
             return []
         plist = validate_prompts(prompts, params, self.config.vocab_size)
-        if self.spec.mode == "ar":
-            return self._generate_ar(prompts, plist, on_tokens)
         t0 = time.perf_counter()
-        B, S = self._bucket_for(prompts, plist)
+        B, S = self.bucket_for(prompts, plist)
         be = self.backend(B, S)
         reqs, got, loop = run_batch(be, prompts, plist, on_tokens)
         seconds = time.perf_counter() - t0
-        D = be.depth
+        spec = isinstance(be, SpecBackend)
+        D = be.depth if spec else 0
+        # plain decoding: every step commits one token and accepts no draft
+        accepted = [list(r.accepted) if spec else [0] * len(r.committed) for r in reqs]
         committed = [c for r in reqs for c in r.committed]
-        acc_all = np.asarray([a for r in reqs for a in r.accepted])
+        acc_all = np.asarray([a for acc in accepted for a in acc])
         self.last_stats = SpecStats(
             mode=self.spec.mode, rounds=loop.steps_collected,
             tau=float(np.mean(committed)) if committed else 0.0,
             accepted_per_position=[float(np.mean(acc_all > k)) if len(acc_all) else 0.0 for k in range(D)],
-            # rounds overlap each other in the pipeline: their time is the generation's less its prefills
+            # steps overlap each other in the pipeline: their time is the generation's less its prefills
             seconds=seconds, prefill_seconds=loop.prefill_seconds, round_seconds=seconds - loop.prefill_seconds,
-            verify_nodes=be.verify_nodes, capacity=be.capacity,
+            verify_nodes=be.verify_nodes if spec else 1, capacity=be.capacity if spec else 0,
             compilations_after_startup=self.compilations_after_startup,
-            prefix_survival=prefix_survival([r.accepted for r in reqs], D),
+            prefix_survival=prefix_survival(accepted, D),
             width_rounds=dict(sorted(be.width_counts.items())) if isinstance(be, WidthBackend) else {})
-        return [SpecResult(list(map(int, p)), got[i], r.finish_reason, len(r.committed), list(r.committed),
-                           list(r.accepted), loop.prefill_seconds, loop.warm_steps_per_second)
+        return [GenerationResult(list(map(int, p)), got[i], r.finish_reason, len(r.committed), list(r.committed),
+                                 accepted[i], seconds, loop.prefill_seconds, loop.warm_steps_per_second)
                 for i, (p, r) in enumerate(zip(prompts, reqs))]
-
-    def _generate_ar(self, prompts, plist, on_tokens) -> list[SpecResult]:
-        t0 = time.perf_counter()
-        res = self._ar.generate(prompts, plist, on_tokens=on_tokens, slots=self.slots, kv_len=self.kv_len)
-        rounds = max(len(r.token_ids) for r in res) - 1
-        self.last_stats = SpecStats(mode="ar", rounds=rounds, tau=1.0, accepted_per_position=[],
-                                    seconds=time.perf_counter() - t0,
-                                    prefill_seconds=max(r.prefill_seconds for r in res), verify_nodes=1,
-                                    compilations_after_startup=self.compilations_after_startup)
-        return [SpecResult(r.prompt_token_ids, r.token_ids, r.finish_reason, len(r.token_ids) - 1,
-                           [1] * (len(r.token_ids) - 1), [0] * (len(r.token_ids) - 1), r.prefill_seconds,
-                           r.decode_steps_per_second) for r in res]
 
 
 def _without_reader(drafter: Drafter) -> Drafter:
@@ -495,4 +529,5 @@ def _without_reader(drafter: Drafter) -> Drafter:
     return clone
 
 
-__all__ = ["MODES", "SpecConfig", "SpecResult", "SpecStats", "SpecEngine"]
+__all__ = ["MODES", "Engine", "GenerationResult", "SpecConfig", "SpecStats", "default_slots", "use_compilation_cache",
+           "validate_prompts"]

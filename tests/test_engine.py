@@ -212,7 +212,7 @@ def test_fewer_verified_nodes_than_draft_slots(models, reference):
     target, drafter = models
     prompts, params, ref = reference
     eng = Engine(target, _oracle(drafter, prompts, ref), SpecConfig(mode="chain", verify_nodes=3), slots=SLOTS,
-                     kv_len=KV)
+                 kv_len=KV)
     out = eng.generate(prompts, params)
     assert [r.token_ids for r in out] == ref
     assert max(c for r in out for c in r.committed) == 3
@@ -224,7 +224,7 @@ def test_confidence_scheduled_chain_is_exact(models, reference):
     target, drafter = models
     prompts, params, ref = reference
     eng = Engine(target, _oracle(drafter, prompts, ref), SpecConfig(mode="chain", confidence_threshold=1.0),
-                     slots=SLOTS, kv_len=KV)
+                 slots=SLOTS, kv_len=KV)
     out = eng.generate(prompts, params)
     assert [r.token_ids for r in out] == ref
     apos = eng.last_stats.accepted_per_position

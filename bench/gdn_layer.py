@@ -198,7 +198,7 @@ def sglang_decode_row(verifier, call, dtype_name: str, want) -> dict:
     dev = torch.device("cuda")
     t = lambda x, dt=tdtype: torch.from_numpy(np.asarray(x, np.float32)).to(dev, dt).contiguous()   # noqa: E731
     # its input is the conv's output (SGLang convolves first, in causal_conv1d_update), in the model's dtype
-    conv = np.asarray(gdn.causal_conv(call.x[:, None], call.window, call.weight)[:, 0], np.float32)
+    conv = np.asarray(gdn.causal_conv(call.x[:, None], call.window[call.layer], call.weight)[:, 0], np.float32)
     kd = hk * dk
     q, k = t(conv[:, :kd].reshape(B, 1, hk, dk)), t(conv[:, kd:2 * kd].reshape(B, 1, hk, dk))
     v = t(conv[:, 2 * kd:].reshape(B, 1, hv, dv))
@@ -373,9 +373,10 @@ def main(argv: list[str] | None = None) -> int:
                            for i in range(1, R)]
         heads = {"key_heads": first.key_heads, "key_dim": first.key_dim}
         sets = [tuple(x for n, x in enumerate(c.args) if n != 7) for c in calls]       # all but the stack
-        want = jax.jit(lambda *args: gdn.decode_step(*args, **heads))(*first.args[:7], first.S[0], first.valid)
+        want = jax.jit(lambda *args: gdn.decode_step(*args, **heads))(
+            first.x, first.window[0], *first.args[2:7], first.S[0], first.valid)
         stack = np.asarray(first.S)                                                      # each variant's own copy
-        floor_bytes = 2 * B * hv * dk * dv * 4 + 2 * sum(x.nbytes for x in (first.x, first.window))
+        floor_bytes = 2 * B * hv * dk * dv * 4 + 2 * sum(x.nbytes for x in (first.x, first.window[0]))
         base = {"B": B, "sets": R, "floor_bytes": floor_bytes,
                 "floor_us": 1e6 * floor_bytes / bandwidth if bandwidth else None}
 

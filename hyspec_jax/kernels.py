@@ -372,15 +372,16 @@ def gdn_decode(x, window, weight, a, b, A_log, dt_bias, S, valid, *, key_heads: 
     [B, HV], A_log, dt_bias [HV], S [B, HV, dk, dv] fp32, valid [B]) by the one-launch Pallas kernel where supported,
     else the reference. tiling: (block_v, num_warps), default `gdn_decode_tiling`. Forward only on the kernel path.
 
-    layer (a static index): S is the model's stack [L, B, HV, dk, dv] of every GDN layer's state and the returned
-    state is that stack with layer `layer` stepped — in place on the kernel path (no slice of the stack before the
-    step, no write-back after it); the reference writes the layer's new state back into the stack."""
+    layer (a static index): S is the model's stack [L, B, HV, dk, dv] of every GDN layer's state, window the stack
+    [L, B, K−1, C] of their windows, and the returned state is the state stack with layer `layer` stepped — in place
+    on the kernel path (no slice of either stack before the step, no write-back after it); the reference writes the
+    layer's new state back into the stack. The returned window is the layer's new one [B, K−1, C]."""
     heads = dict(key_heads=key_heads, key_dim=key_dim)
 
     def reference():
         if layer is None:
             return gdn.decode_step(x, window, weight, a, b, A_log, dt_bias, S, valid, **heads)
-        step = gdn.decode_step(x, window, weight, a, b, A_log, dt_bias, S[layer], valid, **heads)
+        step = gdn.decode_step(x, window[layer], weight, a, b, A_log, dt_bias, S[layer], valid, **heads)
         # the barrier keeps the step's own computation out of the row update: fused into it, that update read the
         # stack it wrote and XLA copied the whole stack first (12 more kernels a decoding step on a CPU)
         return step._replace(state=S.at[layer].set(jax.lax.optimization_barrier(step.state.astype(S.dtype))))
@@ -392,9 +393,10 @@ def gdn_decode(x, window, weight, a, b, A_log, dt_bias, S, valid, *, key_heads: 
         HV, dk, dv = S.shape[-3:]
         block_v, num_warps = tiling or gdn_decode_tiling(B, HV, dv)
         ok = (gdn_decode_kernel.supported(key_heads, key_dim, HV, dv, block_v) and dk == key_dim
-              and S.dtype == F32 and C == 2 * key_heads * key_dim + HV * dv and window.shape[::2] == (B, C)
-              and weight.shape == (C, window.shape[1] + 1) and valid.shape == (B,)
-              and S.ndim == (4 if layer is None else 5) and S.shape[-4] == B)
+              and S.dtype == F32 and C == 2 * key_heads * key_dim + HV * dv
+              and (window.shape[-3], window.shape[-1]) == (B, C) and weight.shape == (C, window.shape[-2] + 1)
+              and valid.shape == (B,) and S.ndim == (4 if layer is None else 5) and S.shape[-4] == B
+              and window.ndim == S.ndim - 1 and (layer is None or window.shape[0] == S.shape[0]))
     except Exception:  # noqa: BLE001
         ok = False
     interpret = _use_kernel(impl, ok, "GDN decode step")

@@ -13,8 +13,10 @@ value tile's by its own, the key head's q/k columns by the key head's first valu
 the state are written to new buffers (no aliasing: the q/k columns are read by every program of their key head) —
 unless the state is handed over as the model's stack of every GDN layer's state with the layer's static index
 (`layer`): then each program updates its tile of that layer in place (the stack is aliased to the output), and
-neither a slice of the stack before the step nor a write-back after it exists (measured: those two copies of the
-state were two kernels a layer, bench/results/scale/).
+neither a slice of the stack before the step nor a write-back after it exists (those were two copies of the state a
+layer). The window is then read from the model's stack of windows as well (no copy of the layer's window out of it)
+and the new window written to a buffer of its own (in place, a program could overwrite q/k columns that another
+program of the key head has yet to read).
 What it replaces in the decoding step: the conv, the window update, the gates, the l2norm and the state update as
 separate XLA kernels (about nine a GDN layer; bench/results/scale/ has them counted).
 
@@ -97,18 +99,23 @@ def decode_step_pallas(x, window, weight, a, b, A_log, dt_bias, S, valid, *, key
     K−1 = the new token), a, b [B, HV], A_log, dt_bias [HV], S [B, HV, dk, dv] fp32, valid [B] bool. C = 2·HK·dk +
     HV·dv. Returns `gdn.DecodeStep(o [B, HV, dv] fp32, state, window)`.
 
-    layer: S is the stack [L, B, HV, dk, dv] of every GDN layer's state and the step is layer `layer`'s; the returned
-    state is the stack with that layer updated, in place (aliased: donate or carry the stack, else XLA copies it)."""
+    layer: S is the stack [L, B, HV, dk, dv] of every GDN layer's state, window the stack [L, B, K−1, C] of their
+    windows, and the step is layer `layer`'s; the returned state is the stack with that layer updated, in place
+    (aliased: donate or carry the stack, else XLA copies it), the returned window the layer's new one [B, K−1, C]."""
     B, C = x.shape
     if layer is not None:
         if S.ndim != 5 or not 0 <= layer < S.shape[0]:
             raise ValueError(f"layer {layer} of a state stack [L, B, HV, dk, dv], got S {S.shape}")
         if S.dtype != F32:
             raise ValueError(f"a state stack updated in place must be float32, got {S.dtype}")
+        if window.ndim != 4 or window.shape[0] != S.shape[0]:
+            raise ValueError(f"with a layer, window is the stack [L, B, K−1, C] of the state's L layers, got "
+                             f"{window.shape} beside S {S.shape}")
     HV, dk, dv = S.shape[-3], S.shape[-2], S.shape[-1]
-    km1 = window.shape[1]
+    km1 = window.shape[-2]
+    layer_window = window.shape[-3:]
     if (not supported(key_heads, key_dim, HV, dv, block_v) or dk != key_dim
-            or C != 2 * key_heads * key_dim + HV * dv or window.shape != (B, km1, C) or weight.shape != (C, km1 + 1)
+            or C != 2 * key_heads * key_dim + HV * dv or layer_window != (B, km1, C) or weight.shape != (C, km1 + 1)
             or S.shape[-4] != B):
         raise ValueError(f"unsupported decode step: x {x.shape}, window {window.shape}, weight {weight.shape}, "
                          f"S {S.shape}, {key_heads} key heads of {key_dim}, block_v {block_v}")
@@ -117,19 +124,21 @@ def decode_step_pallas(x, window, weight, a, b, A_log, dt_bias, S, valid, *, key
     row = lambda b, h, t: (b, 0)                     # noqa: E731
     if layer is None:
         state_spec = pl.BlockSpec((None, None, dk, block_v), lambda b, h, t: (b, h, 0, t))
+        window_spec = pl.BlockSpec((None, km1, C), lambda b, h, t: (b, 0, 0))
         aliases = {}
-    else:                                            # the layer's tiles of the stack, updated in place
+    else:                                            # the layer's tiles of the stacks; the state's updated in place
         state_spec = pl.BlockSpec((None, None, None, dk, block_v), lambda b, h, t: (layer, b, h, 0, t))
+        window_spec = pl.BlockSpec((None, None, km1, C), lambda b, h, t: (layer, b, 0, 0))
         aliases = {8: 1}
     o, S_new, win_new = pl.pallas_call(
         kern,
         out_shape=[jax.ShapeDtypeStruct((B, HV, dv), F32), jax.ShapeDtypeStruct(S.shape, F32),
-                   jax.ShapeDtypeStruct(window.shape, window.dtype)],
+                   jax.ShapeDtypeStruct(layer_window, window.dtype)],
         grid=(B, HV, dv // block_v),
         in_specs=[
             pl.BlockSpec((None,), lambda b, h, t: (b,)),                                # valid
             pl.BlockSpec((None, C), row),                                               # x
-            pl.BlockSpec((None, km1, C), lambda b, h, t: (b, 0, 0)),                    # window
+            window_spec,                                                                # window
             pl.BlockSpec((C, km1 + 1), lambda b, h, t: (0, 0)),                         # conv weight
             pl.BlockSpec((None, None), lambda b, h, t: (b, h)),                         # a
             pl.BlockSpec((None, None), lambda b, h, t: (b, h)),                         # b

@@ -78,18 +78,21 @@ def test_decode_kernel_equals_its_math_gpu(dtype):
     _check(kernels.gdn_decode(**args, **heads, impl="pallas"), want, 1e-5)
 
 
-def _stacked(args: dict, layers: int = 3) -> jax.Array:
-    """A stack of `layers` GDN states whose every row differs, the args' state at row 1."""
-    return jnp.stack([args["S"] * (1.0 + 0.5 * (i - 1)) for i in range(layers)])
+def _stacked(args: dict, layers: int = 3) -> dict:
+    """The args with stacks of `layers` GDN states and windows whose every row differs, the args' own at row 1."""
+    rows = lambda x: jnp.stack([(x.astype(jnp.float32) * (1.0 + 0.5 * (i - 1))).astype(x.dtype)   # noqa: E731
+                                for i in range(layers)])
+    return {**args, "S": rows(args["S"]), "window": rows(args["window"])}
 
 
 def _check_stacked(impl: str, args: dict, heads: dict, tol: float) -> None:
-    """Layer 1 of a stack steps as its own state does (o, window, that row of the state); the other rows are the
-    stack's as given, bit for bit."""
-    stack = _stacked(args)
-    before = np.asarray(stack)
+    """Layer 1 of the stacks steps as its own state and window do (o, the new window, that row of the state); the
+    state stack's other rows are as given, bit for bit."""
+    stacked = _stacked(args)
+    before = np.asarray(stacked["S"])
     want = kernels.gdn_decode(**args, **heads, impl="reference")
-    got = jax.jit(lambda s: kernels.gdn_decode(**{**args, "S": s}, **heads, layer=1, impl=impl), donate_argnums=0)(stack)
+    got = jax.jit(lambda s, w: kernels.gdn_decode(**{**stacked, "S": s, "window": w}, **heads, layer=1, impl=impl),
+                  donate_argnums=0)(stacked["S"], stacked["window"])
     assert got.state.shape == before.shape
     _check(got._replace(state=got.state[1]), want, tol)
     for i in (0, 2):
@@ -105,7 +108,7 @@ def test_decode_step_of_one_layer_of_the_state_stack(impl):
 def test_stacked_decode_refuses_a_layer_outside_the_stack():
     args, heads = _inputs(12)
     with pytest.raises(ValueError, match="layer 3"):
-        gdn_decode.decode_step_pallas(**{**args, "S": _stacked(args)}, **heads, layer=3, block_v=16, interpret=True)
+        gdn_decode.decode_step_pallas(**_stacked(args), **heads, layer=3, block_v=16, interpret=True)
 
 
 @pytest.mark.skipif(not GPU, reason="needs an NVIDIA GPU")

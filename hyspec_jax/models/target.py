@@ -178,11 +178,13 @@ class TargetModel(nnx.Module):
             S0 = committed_ssm(carry, j)           # carry.pending is only replaced after the whole stack
             S = fac = None
             if T == 1 and not deferred_step:       # a decoding step: one launch on a GPU (kernels.gdn_decode)
-                # unrolled (j static): the step updates layer j of the state stack in place, no slice of it and no
-                # write-back; under the scan (j traced) the layer's state goes in and comes out
+                # unrolled (j static): the step updates layer j of the state stack in place and reads its window
+                # in the window stack (no slice of either, no write-back); under the scan (j traced) the layer's
+                # state and window go in and come out
                 stacked = isinstance(j, int)
-                step = kernels.gdn_decode(qkv[:, 0], conv_j, mix.conv_weight, a[:, 0], b[:, 0], mix.A_log[...],
-                                          mix.dt_bias[...], carry.ssm if stacked else S0, valid[:, 0],
+                step = kernels.gdn_decode(qkv[:, 0], carry.conv if stacked else conv_j, mix.conv_weight, a[:, 0],
+                                          b[:, 0], mix.A_log[...], mix.dt_bias[...], carry.ssm if stacked else S0,
+                                          valid[:, 0],
                                           key_heads=mix.hk, key_dim=mix.dk, layer=j if stacked else None,
                                           impl=kernel_impl)
                 o, conv = step.o[:, None], step.window
@@ -513,7 +515,7 @@ class DecodeCall:
     slot), by name: the benchmarks' inputs (`decode_step_call`); tests/test_verify_inputs.py checks them against the
     decoding step's own call."""
     x: jax.Array        # [B, C] the in-projection's new [q | k | v] columns (model dtype)
-    window: jax.Array   # [B, K−1, C] the conv window (the state's conv dtype)
+    window: jax.Array   # [Lg, B, K−1, C] every GDN layer's conv window (the state's conv dtype); the layer's: [layer]
     weight: jax.Array   # [C, K] conv taps
     a: jax.Array        # [B, HV]
     b: jax.Array        # [B, HV]
@@ -539,7 +541,8 @@ def decode_step_call(cfg: TargetConfig, batch: int, *, dtype=jnp.bfloat16, seed:
     """A random GDN layer's decoding-step call at `cfg`'s geometry, every slot active, with the model computing (and
     keeping its conv windows) in `dtype`; conv taps, A_log and dt_bias drawn as `GatedDeltaNet` initialises them.
     The step is layer `layer`'s of the state stack `states` [Lg, B, HV, dk, dv] (default: a random stack of
-    `cfg`'s GDN layers), as the unrolled model's decoding step hands it over."""
+    `cfg`'s GDN layers) and of a random window stack of as many layers, as the unrolled model's decoding step hands
+    them over."""
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
     ks = jax.random.split(jax.random.key(seed), 7)
@@ -550,7 +553,7 @@ def decode_step_call(cfg: TargetConfig, batch: int, *, dtype=jnp.bfloat16, seed:
     if not 0 <= layer < states.shape[0]:
         raise ValueError(f"layer {layer} of a stack of {states.shape[0]} GDN layers")
     return DecodeCall(
-        x=normal(ks[0], batch, cfg.conv_dim), window=normal(ks[1], batch, K - 1, cfg.conv_dim),
+        x=normal(ks[0], batch, cfg.conv_dim), window=normal(ks[1], states.shape[0], batch, K - 1, cfg.conv_dim),
         weight=(0.3 * jax.random.normal(ks[2], (cfg.conv_dim, K), F32)).astype(dtype),
         a=normal(ks[3], batch, hv), b=normal(ks[4], batch, hv),
         A_log=jnp.log(jax.random.uniform(ks[5], (hv,), F32, 1.0, 16.0)).astype(dtype), dt_bias=jnp.ones((hv,), dtype),

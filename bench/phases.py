@@ -21,13 +21,11 @@ import numpy as np
 
 from hyspec_jax.compilation import kernel_count, kernel_count_by_scope
 from hyspec_jax.runtime.backend import bucket
-from hyspec_jax.runtime.programs import ar_step_jit
+from hyspec_jax.runtime.programs import ar_step_jit, spec_round_io_jit
 from hyspec_jax.sampling import SamplingParams, SlotSampling
 from hyspec_jax.runtime.engine import Engine, validate_prompts
-from hyspec_jax.spec.round import (ROUND_SCOPES, pack_round_inputs, round_commit_jit, round_draft_jit,
-                                   round_verify_jit, spec_round_io_jit, spec_round_jit)
-
-I32 = jnp.int32
+from hyspec_jax.spec.round import (ROUND_SCOPES, SlotState, StepInputs, round_commit_jit, round_draft_jit,
+                                   round_verify_jit, spec_round_jit)
 
 
 def round_inputs(engine: Engine, prompts: Sequence[Sequence[int]],
@@ -52,9 +50,15 @@ def round_inputs(engine: Engine, prompts: Sequence[Sequence[int]],
     np.asarray(be.prefill(slots, toks, val, np.arange(B) < k, sampling))     # done before any phase is timed
     admit = np.arange(B) < k
     shape = be.round_shapes[any(p.temperature > 0 for p in plist[:k])]
-    return dict(backend=be, B=B, S=S, N=be.verify_nodes, shape=shape, admit=admit, k=k, state=be.state,
-                dstate=be.dstate, anchor=be.anchor, active=jnp.asarray(admit), sampling=sampling,
-                steps=jnp.asarray(admit.astype(np.int32)), capacity=jnp.asarray(be.capacity, I32))
+    host = StepInputs.pack(admit, admit.astype(np.int32), be.capacity)
+    return dict(backend=be, B=B, S=S, N=be.verify_nodes, shape=shape, admit=admit, k=k,
+                slots=SlotState(be.state, be.dstate), anchor=be.anchor, sampling=sampling,
+                inputs=StepInputs(jnp.asarray(host), sampling), capacity=be.capacity)
+
+
+def _step_inputs(x: dict) -> StepInputs:
+    """A plain decoding step's inputs over the admitted slots (step 0), for its kernel count."""
+    return StepInputs(StepInputs.pack(x["admit"], np.zeros(x["B"], np.int32)), x["sampling"])
 
 
 def phase_times(engine: Engine, prompts: Sequence[Sequence[int]],
@@ -71,8 +75,7 @@ def phase_times(engine: Engine, prompts: Sequence[Sequence[int]],
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
     x = round_inputs(engine, prompts, params, "phase times")
-    shape, state, dstate, anchor = x["shape"], x["state"], x["dstate"], x["anchor"]
-    active, sampling, steps, capacity = x["active"], x["sampling"], x["steps"], x["capacity"]
+    shape, slots, anchor, inputs = x["shape"], x["slots"], x["anchor"], x["inputs"]
     copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
     tg, tp, dg, dp = engine.tgraph, engine.tparams, engine.dgraph, engine.dparams
     box = {}
@@ -90,33 +93,28 @@ def phase_times(engine: Engine, prompts: Sequence[Sequence[int]],
         return 1e3 * float(np.median(times)), out
 
     def restore():
-        box["s"], box["d"] = copy(state), copy(dstate)
-        return box["s"], box["d"]
+        box["s"] = copy(slots)
+        return box["s"]
 
-    t_draft, (dtoks, tree, child_q) = timed(lambda: round_draft_jit(tg, tp, dg, dp, state, dstate, anchor, active,
-                                                                     sampling, steps, capacity, shape=shape))
-    t_verify, (logits, taps, cache) = timed(lambda: round_verify_jit(tg, tp, state, tree, dtoks, shape=shape))
-    t_commit, split = timed(lambda: round_commit_jit(dg, dp, box["s"], box["d"], anchor, active, sampling, steps,
-                                                     dtoks, tree, child_q, logits, taps, cache, shape=shape),
+    t_draft, draft = timed(lambda: round_draft_jit(tg, tp, dg, dp, slots, anchor, inputs, shape=shape))
+    t_verify, verified = timed(lambda: round_verify_jit(tg, tp, slots.target, draft, shape=shape))
+    t_commit, split = timed(lambda: round_commit_jit(dg, dp, box["s"], anchor, inputs, draft, verified, shape=shape),
                             before=restore)
-    t_round, fused = timed(lambda: spec_round_jit(tg, tp, dg, dp, box["s"], box["d"], anchor, active, sampling,
-                                                  steps, capacity, shape=shape), before=restore)
+    t_round, fused = timed(lambda: spec_round_jit(tg, tp, dg, dp, box["s"], anchor, inputs, shape=shape),
+                           before=restore)
     same = lambda xs, ys: all(bool(np.array_equal(np.asarray(a), np.asarray(b)))  # noqa: E731
                               for a, b in zip(jax.tree.leaves(xs), jax.tree.leaves(ys)))
-    identical = same(split[2:], fused[2:])            # anchor, tokens, count, accepted
-    state_identical = same(split[:2], fused[:2])      # target and drafter states, bit for bit
+    identical = same(split[1:], fused[1:])            # anchor, and the round's output: tokens, count, accepted
+    state_identical = same(split[0], fused[0])        # target and drafter states, bit for bit
     total = t_draft + t_verify + t_commit
     B = x["B"]
     kernels = dict(
-        draft=kernel_count(round_draft_jit.lower(tg, tp, dg, dp, state, dstate, anchor, active, sampling, steps,
-                                                 capacity, shape=shape)),
-        verify=kernel_count(round_verify_jit.lower(tg, tp, state, tree, dtoks, shape=shape)),
-        commit=kernel_count(round_commit_jit.lower(dg, dp, state, dstate, anchor, active, sampling, steps, dtoks,
-                                                   tree, child_q, logits, taps, cache, shape=shape)),
-        round=kernel_count(spec_round_jit.lower(tg, tp, dg, dp, state, dstate, anchor, active, sampling, steps,
-                                                capacity, shape=shape)),
-        ar_step=kernel_count(ar_step_jit.lower(tg, tp, state, anchor, np.asarray(x["admit"]), sampling,
-                                               np.zeros(B, np.int32), stochastic=shape.stochastic)))
+        draft=kernel_count(round_draft_jit.lower(tg, tp, dg, dp, slots, anchor, inputs, shape=shape)),
+        verify=kernel_count(round_verify_jit.lower(tg, tp, slots.target, draft, shape=shape)),
+        commit=kernel_count(round_commit_jit.lower(dg, dp, slots, anchor, inputs, draft, verified, shape=shape)),
+        round=kernel_count(spec_round_jit.lower(tg, tp, dg, dp, slots, anchor, inputs, shape=shape)),
+        ar_step=kernel_count(ar_step_jit.lower(tg, tp, SlotState(slots.target), anchor, _step_inputs(x),
+                                               stochastic=shape.stochastic)))
     return dict(draft_ms=round(t_draft, 4), verify_ms=round(t_verify, 4), commit_ms=round(t_commit, 4),
                 kernels=kernels, sum_ms=round(total, 4), round_ms=round(t_round, 4),
                 sum_over_round=round(total / t_round, 4) if t_round > 0 else float("nan"),
@@ -132,16 +130,15 @@ def round_kernels(engine: Engine, prompts: Sequence[Sequence[int]],
     "ar_step"}. Compiles on this backend; runs nothing but the prefill. hlo_path: also write the compiled round's
     HLO text there."""
     x = round_inputs(engine, prompts, params, "round kernels")
-    admit, shape, B = x["admit"], x["shape"], x["B"]
-    host_in = pack_round_inputs(admit, admit.astype(np.int32), int(x["capacity"]))
-    text = spec_round_io_jit.lower(engine.tgraph, engine.tparams, engine.dgraph, engine.dparams, x["state"],
-                                   x["dstate"], x["anchor"], x["sampling"], host_in, shape=shape).compile().as_text()
+    shape = x["shape"]
+    text = spec_round_io_jit.lower(engine.tgraph, engine.tparams, engine.dgraph, engine.dparams, x["slots"],
+                                   x["anchor"], x["inputs"], shape=shape).compile().as_text()
     if hlo_path is not None:
         with open(hlo_path, "w") as f:
             f.write(text)
     scopes = kernel_count_by_scope(text, ROUND_SCOPES)
-    ar = kernel_count(ar_step_jit.lower(engine.tgraph, engine.tparams, x["state"], x["anchor"], np.asarray(admit),
-                                        x["sampling"], np.zeros(B, np.int32), stochastic=shape.stochastic))
+    ar = kernel_count(ar_step_jit.lower(engine.tgraph, engine.tparams, SlotState(x["slots"].target), x["anchor"],
+                                        _step_inputs(x), stochastic=shape.stochastic))
     return {"round": dict(sorted(scopes.items(), key=lambda kv: -kv[1])), "round_total": sum(scopes.values()),
             "ar_step": ar}
 

@@ -43,7 +43,8 @@ Programs, per batch B (slots), mode and verify width N, every slot holding a com
 prefix + max(every N, the rounds' overshoot: depth + 2)):
 
   T_round(B, N)   the engine's round: the backend `Engine(target, drafter or MTP head, SpecConfig(mode, tree or
-                  chain length, N)).backend(B, S)` builds for the bucket, its program `spec.round.spec_round_io_jit`
+                  chain length, N)).backend(B, S)` builds for the bucket, its program
+                  `runtime.programs.spec_round_io_jit`
                   with the backend's greedy round shape (draft, select, verify, accept, commit; target and drafter
                   context or MTP cache donated), called as `SpecBackend.dispatch` / `collect` call it (host inputs
                   packed, the host output read back);
@@ -414,7 +415,7 @@ class BatchRounds:
         import jax.numpy as jnp
 
         from hyspec_jax.runtime.backend import Backend
-        from hyspec_jax.spec.round import pack_round_inputs
+        from hyspec_jax.spec.round import StepInputs
 
         self.args, self.B, self.engines, self.max_len = args, B, engines, max_len
         copts = dict(args.xla_option) or None
@@ -440,8 +441,9 @@ class BatchRounds:
         z = np.zeros(B, np.float32)
         self.sampling = Backend.sampling(z, np.ones(B, np.float32), z.astype(np.int32), z.astype(np.uint32))
         self.active, self.steps = np.ones(B, bool), np.ones(B, np.int32)
-        self.host_in = {key: pack_round_inputs(self.active, self.steps, be.capacity, None)
-                        for key, be in self.backends.items()}
+        self.inputs = {key: StepInputs(StepInputs.pack(self.active, self.steps, be.capacity), self.sampling)
+                       for key, be in self.backends.items()}
+        self.step_inputs = StepInputs(StepInputs.pack(self.active, self.steps), self.sampling)
         eng = next(iter(engines.values()))
         self.tg, self.tp = eng.tgraph, eng.tparams
 
@@ -450,13 +452,14 @@ class BatchRounds:
         """Which drafting state a mode's round reads and donates: "mtp" (the MTP head's cache) or "dspark"."""
         return "mtp" if uses_mtp(mode) else "dspark"
 
-    def _phase_args(self, key):
-        import jax.numpy as jnp
+    def _slots(self, kind: str | None = None):
+        """The slot state a program takes: the target's, with `kind` that drafting state."""
+        from hyspec_jax.spec.round import SlotState
+        return SlotState(self.state, None if kind is None else self.dstates[kind])
 
+    def _phase_args(self, key):
         mode, _ = key
-        be = self.backends[key]
-        return (self.state, self.dstates[self.kind(mode)], self.anchor, jnp.asarray(self.active), self.sampling,
-                jnp.asarray(self.steps), jnp.asarray(be.capacity, jnp.int32), None)
+        return self._slots(self.kind(mode)), self.anchor, self.inputs[key]
 
     def jobs(self, phases: bool) -> list:
         """(key, lowerable, ()) of compile_all: ("decode", B, 0, "") and, per (mode, N), ("round", B, N, mode) and,
@@ -465,30 +468,30 @@ class BatchRounds:
 
         import jax
 
-        from hyspec_jax.runtime.programs import ar_step_jit
-        from hyspec_jax.spec.round import round_draft, round_draft_jit, round_verify_jit, spec_round_io_jit
+        from hyspec_jax.runtime.programs import ar_step_jit, spec_round_io_jit
+        from hyspec_jax.spec.round import round_draft, round_draft_jit, round_verify_jit
 
         B, tg, tp = self.B, self.tg, self.tp
         first = [(("decode", B, 0, ""), _Lower(lambda: ar_step_jit.lower(
-            tg, tp, self.state, self.anchor, self.active, self.sampling, self.steps, stochastic=False)), ())]
+            tg, tp, self._slots(), self.anchor, self.step_inputs, stochastic=False)), ())]
         extra = []
         for (mode, N), be in self.backends.items():
-            shape, key, dstate = be.round_shapes[False], (mode, N), self.dstates[self.kind(mode)]
+            shape, key, kind = be.round_shapes[False], (mode, N), self.kind(mode)
             first.append((("round", B, N, mode), _Lower(
-                lambda be=be, shape=shape, key=key, dstate=dstate: spec_round_io_jit.lower(
-                    be.graphdef, be.params, be.dgraph, be.dparams, self.state, dstate, self.anchor, self.sampling,
-                    self.host_in[key], shape=shape)), ()))
+                lambda be=be, shape=shape, key=key, kind=kind: spec_round_io_jit.lower(
+                    be.graphdef, be.params, be.dgraph, be.dparams, self._slots(kind), self.anchor, self.inputs[key],
+                    shape=shape)), ()))
             if not phases:
                 continue
             pargs = self._phase_args(key)
             extra.append((("draft", B, N, mode), _Lower(lambda be=be, shape=shape, pargs=pargs: round_draft_jit.lower(
                 be.graphdef, be.params, be.dgraph, be.dparams, *pargs, shape=shape)), ()))
             # the verify reads the draft's forest: its shapes, without running it
-            tokens, tree, _ = jax.eval_shape(functools.partial(round_draft, be.graphdef, be.params, be.dgraph,
-                                                               be.dparams, shape=shape), *pargs)
-            extra.append((("verify", B, N, mode), _Lower(lambda be=be, shape=shape, tree=tree, tokens=tokens:
+            draft = jax.eval_shape(functools.partial(round_draft, be.graphdef, be.params, be.dgraph, be.dparams,
+                                                     shape=shape), *pargs)
+            extra.append((("verify", B, N, mode), _Lower(lambda be=be, shape=shape, draft=draft:
                                                          round_verify_jit.lower(be.graphdef, be.params, self.state,
-                                                                                tree, tokens, shape=shape)), ()))
+                                                                                draft, shape=shape)), ()))
         return first, extra
 
     def _restore(self, kind: str | None = None):
@@ -517,7 +520,8 @@ class BatchRounds:
         tp, args = self.tp, self.args
 
         def call():
-            self.anchor, self.state = step(tp, self.state, self.anchor, self.active, self.sampling, self.steps)
+            self.anchor, slots = step(tp, self._slots(), self.anchor, self.step_inputs)
+            self.state = slots.target
             start_host_copy(self.anchor)
             return np.asarray(self.anchor), self.state.lengths
 
@@ -528,22 +532,22 @@ class BatchRounds:
         """T_round of (mode, N): `SpecBackend.dispatch` + `collect`, target and drafting state donated and fed
         back."""
         from hyspec_jax.runtime.backend import start_host_copy
-        from hyspec_jax.spec.round import pack_round_inputs, unpack_round_outputs
+        from hyspec_jax.spec.round import RoundOutput, StepInputs
 
         (mode, N), rnd, be = key, prog[0], self.backends[key]
         kind, box = self.kind(mode), {}
 
         def call():
-            host_in = pack_round_inputs(self.active, self.steps, be.capacity, None)
-            self.state, self.dstates[kind], self.anchor, out = rnd(be.params, be.dparams, self.state,
-                                                                   self.dstates[kind], self.anchor, self.sampling,
-                                                                   host_in)
+            inputs = StepInputs(StepInputs.pack(self.active, self.steps, be.capacity), self.sampling)
+            slots, self.anchor, out = rnd(be.params, be.dparams, self._slots(kind), self.anchor, inputs)
+            self.state, self.dstates[kind] = slots.target, slots.drafter
             start_host_copy(out)
             box["out"] = np.asarray(out)
             return self.state.lengths, self.dstates[kind].lengths
 
         t, _ = median_time(call, self.args.repeats, self.args.warmup, before=lambda: self._restore(kind))
-        _, count, accepted = unpack_round_outputs(box["out"])
+        res = RoundOutput.unpack(box["out"])
+        count, accepted = res.count, res.accepted
         shape = be.round_shapes[False]
         return dict(mode=mode, batch=self.B, nodes=N, depth=shape.depth, capacity=be.capacity,
                     kernels=shape.kernel_impl, accepted_per_round=round(float(np.mean(accepted)), 4),
@@ -558,13 +562,12 @@ class BatchRounds:
         if draft is None:
             return out
         pargs = self._phase_args(key)
-        t, (tokens, tree, _) = median_time(lambda: draft[0](be.params, be.dparams, *pargs), self.args.repeats,
-                                           self.args.warmup)
+        t, drafted = median_time(lambda: draft[0](be.params, be.dparams, *pargs), self.args.repeats, self.args.warmup)
         out["draft"] = self._timing(t, draft)
         if verify is not None:
-            t, (logits, _, _) = median_time(lambda: verify[0](be.params, self.state, tree, tokens), self.args.repeats,
-                                            self.args.warmup)
-            out["verify"] = dict(self._timing(t, verify), finite=_finite(logits))
+            t, verified = median_time(lambda: verify[0](be.params, self.state, drafted), self.args.repeats,
+                                      self.args.warmup)
+            out["verify"] = dict(self._timing(t, verify), finite=_finite(verified.logits))
         return out
 
 

@@ -112,7 +112,7 @@ def _calibration_cache(args, spec) -> dict:
     them again, replacing them)."""
     if spec.calibrate_repeats < 1:
         return {}
-    from hyspec_jax.spec.width import calibration_cache_path
+    from hyspec_jax.runtime.width import calibration_cache_path
     return dict(calibration_cache=calibration_cache_path(), reuse_calibration=not getattr(args, "recalibrate", False))
 
 

@@ -1,5 +1,5 @@
 """One process of tests/test_multihost_width.py: the server's multi-host request loop (`runtime.multihost`) over a
-width-choosing backend (`spec.width.WidthBackend`, its round times from a budget table), without HTTP.
+width-choosing backend (`runtime.width.WidthBackend`, its round times from a budget table), without HTTP.
 
 Usage: python multihost_width_worker.py TARGET DRAFTER TABLE REQUESTS OUT_DIR
 (under `launch.init_distributed`'s HYSPEC_* environment; one fake CPU device per process). The target's weights
@@ -31,7 +31,7 @@ def main(target_dir: str, drafter_dir: str, table_path: str, requests_path: str,
     from hyspec_jax.sampling import SamplingParams
     from hyspec_jax.spec.budget import BudgetTable
     from hyspec_jax.runtime.engine import Engine, SpecConfig
-    from hyspec_jax.spec.width import WidthBackend
+    from hyspec_jax.runtime.width import WidthBackend
     from hyspec_jax.tree import TreeExpansion
 
     _, target = load_pretrained(target_dir)

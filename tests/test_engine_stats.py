@@ -77,7 +77,7 @@ def test_round_kernels_by_named_scope(models):
     """The fused round's kernels split by the phases' named scopes add up to `kernel_count` of the same program,
     the tree build counts apart from the drafter's forward, and ar is refused."""
     from hyspec_jax.compilation import kernel_count
-    from hyspec_jax.spec.round import pack_round_inputs, spec_round_io_jit
+    from hyspec_jax.runtime.programs import spec_round_io_jit
     target, drafter = models
     eng = Engine(target, drafter, SpecConfig(mode="tree-ready", tree=TreeExpansion(depth=3, top_k=2, beam=3),
                                                  verify_nodes=6), slots=SLOTS, kv_len=KV)
@@ -87,11 +87,8 @@ def test_round_kernels_by_named_scope(models):
         assert rk["round"].get(scope, 0) > 0, rk
     assert rk["round_total"] == sum(rk["round"].values()) and rk["ar_step"] > 0
     x = round_inputs(eng, PROMPTS, params, "test")
-    shape, admit, state, dstate, anchor = x["shape"], x["admit"], x["state"], x["dstate"], x["anchor"]
-    sampling, capacity = x["sampling"], x["capacity"]
-    host_in = pack_round_inputs(admit, admit.astype(np.int32), int(capacity), None)   # as generate runs it
-    lowered = spec_round_io_jit.lower(eng.tgraph, eng.tparams, eng.dgraph, eng.dparams, state, dstate, anchor,
-                                      sampling, host_in, shape=shape)
+    lowered = spec_round_io_jit.lower(eng.tgraph, eng.tparams, eng.dgraph, eng.dparams, x["slots"], x["anchor"],
+                                      x["inputs"], shape=x["shape"])     # as the backend launches it
     assert rk["round_total"] == kernel_count(lowered)
     # no run-time branch in the greedy round (a GPU would read its predicate back to the host every round)
     assert not re.search(r"\bconditional\(", lowered.compile().as_text())

@@ -15,6 +15,7 @@ from transformers.generation.logits_process import (TemperatureLogitsWarper, Top
 from hyspec_jax import cli
 from hyspec_jax.runtime.engine import Engine
 from hyspec_jax.runtime.programs import ar_prefill_jit, ar_step_jit
+from hyspec_jax.spec.round import SlotState, StepInputs
 from hyspec_jax.io.hf import load_pretrained
 from hyspec_jax.sampling import SamplingParams, SlotSampling, sample, warp
 from hyspec_jax.tokenizer import byte_level_tokenizer
@@ -290,8 +291,9 @@ def test_greedy_decode_step_has_no_run_time_branch(checkpoint):
     sampling = SlotSampling.from_params([SamplingParams()], 2)
 
     def conditionals(stochastic):       # in the compiled HLO (the platform switch of a kernel is folded there)
-        hlo = ar_step_jit.lower(gen.tgraph, gen.tparams, state, np.zeros(2, np.int32), np.ones(2, bool), sampling,
-                                np.asarray(1, np.int32), stochastic=stochastic).compile().as_text()
+        inputs = StepInputs(StepInputs.pack(np.ones(2, bool), np.ones(2, np.int32)), sampling)
+        hlo = ar_step_jit.lower(gen.tgraph, gen.tparams, SlotState(state), np.zeros(2, np.int32), inputs,
+                                stochastic=stochastic).compile().as_text()
         return len(re.findall(r"\bconditional\(", hlo))
     assert conditionals(False) == 0
     assert conditionals(None) == 1
@@ -306,9 +308,11 @@ def test_unpenalized_decode_step_takes_no_penalty_inputs(checkpoint):
     gen = Engine(model)
     state = gen.new_state(2, 32)
     sampling = SlotSampling.from_params([SamplingParams()], 2)
-    args = (gen.tgraph, gen.tparams, state, np.zeros(2, np.int32), np.ones(2, bool), sampling, np.ones(2, np.int32))
-    def signature(**kw) -> str:      # the entry function's line: its inputs
-        text = ar_step_jit.lower(*args, stochastic=False, **kw).as_text()
+    host = StepInputs.pack(np.ones(2, bool), np.ones(2, np.int32))
+
+    def signature(hist=None, penalty=None) -> str:      # the entry function's line: its inputs
+        text = ar_step_jit.lower(gen.tgraph, gen.tparams, SlotState(state, hist=hist), np.zeros(2, np.int32),
+                                 StepInputs(host, sampling, penalty), stochastic=False).as_text()
         return next(line for line in text.splitlines() if "func.func public @main" in line)
     plain = signature()
     hist = PenaltyCounts(np.zeros((2, cfg.vocab_size), np.int32), np.zeros((2, cfg.vocab_size), bool))

@@ -1,4 +1,4 @@
-"""Multi-host serving with the verify width chosen every round (`spec.width`), on one machine: two processes of one
+"""Multi-host serving with the verify width chosen every round (`runtime.width`), on one machine: two processes of one
 fake CPU device each (`jax.distributed` over loopback, gloo collectives), the target tensor parallel over both,
 a budget table holding the round times of every width. Process 0 runs the request loop over a `BroadcastBackend`
 and process 1 follows it (`runtime.multihost`, as `hyspec serve` does; tests/multihost_width_worker.py).

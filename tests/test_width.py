@@ -1,5 +1,5 @@
 """The batch-wide node selection against a brute-force optimum, the expected accepted drafts per verify width, the
-per-round width choice (`spec.width`), and the engine with the width changing across rounds against plain
+per-round width choice (`runtime.width`), and the engine with the width changing across rounds against plain
 decoding (greedy outputs equal, the sampling distribution unchanged).
 
 The models, prompts, scripted drafter and the sampling oracle are test_engine's (one tiny random target and drafter).
@@ -19,7 +19,7 @@ from hyspec_jax import tree as T
 from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.spec.budget import BudgetTable, packed_gains, root_floor, select_nodes, width_gains
 from hyspec_jax.runtime.engine import Engine, SpecConfig
-from hyspec_jax.spec.width import (WidthBackend, WidthChooser, choose_width, kept_widths, round_seconds,
+from hyspec_jax.runtime.width import (WidthBackend, WidthChooser, choose_width, kept_widths, round_seconds,
                                    round_signature, width_buckets)
 from hyspec_jax.tree import TreeExpansion
 from tests.test_budget import _forest as budget_forest

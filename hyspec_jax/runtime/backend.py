@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import sys
 import time
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -143,6 +143,31 @@ class _Captured(Exception):
         self.call = (fn, args, kwargs)
 
 
+class JitModel(NamedTuple):
+    """A model as the jitted programs take it: its config, and graphdef and params as `compilation.split_for_jit`
+    returns them."""
+    config: TargetConfig | DrafterConfig
+    graphdef: object
+    params: object
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotLayout:
+    """A backend's bucket. slots: batch slots; kv_len: positions per slot; shapes: the static (rows, T) prefill
+    shapes (`prefill_shapes`, or one (slots, T) per prompt bucket); deferred_rows: the deferred commit's row capacity
+    P per slot and GDN layer (0: every step writes the state; `TargetState.pending`); decode_buckets: row counts
+    below `slots` a step is also compiled for (`Backend.step_rows`)."""
+    slots: int
+    kv_len: int
+    shapes: tuple[tuple[int, int], ...]
+    deferred_rows: int = 0
+    decode_buckets: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "shapes", tuple(tuple(s) for s in self.shapes))
+        object.__setattr__(self, "decode_buckets", tuple(self.decode_buckets))
+
+
 @dataclasses.dataclass
 class StepResult:
     tokens: np.ndarray                    # [B, K] committed tokens per slot (the first count[b] valid)
@@ -157,14 +182,13 @@ class Backend(abc.ABC):
     mode = "ar"
     depth = 0              # most drafts a round commits (0: plain decoding)
 
-    def __init__(self, config: TargetConfig, graphdef, params, *, slots: int, kv_len: int,
-                 shapes: Sequence[tuple[int, int]], drafter_config: DrafterConfig | None = None,
-                 deferred_rows: int = 0, decode_buckets: Sequence[int] = ()):
-        """graphdef, params: the target as `compilation.split_for_jit` returns it. kv_len: positions per slot.
-        shapes: the static (rows, T) prefill shapes (`prefill_shapes`, or one (slots, T) per prompt bucket).
-        deferred_rows: the deferred commit's row capacity P per slot and GDN layer (0: every step writes the
-        state; `TargetState.pending`). decode_buckets: row counts below `slots` a step is also compiled for
-        (`step_rows`)."""
+    def __init__(self, target: JitModel, layout: SlotLayout,
+                 drafter_config: DrafterConfig | TargetConfig | None = None):
+        """target: the target model; layout: the bucket (`SlotLayout`); drafter_config: the drafter's (its state is
+        made beside the target's), None for none."""
+        config, graphdef, params = target
+        slots, kv_len, shapes = layout.slots, layout.kv_len, layout.shapes
+        deferred_rows, decode_buckets = layout.deferred_rows, layout.decode_buckets
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if not shapes:
@@ -426,22 +450,21 @@ class ARBackend(Backend):
 class SpecBackend(Backend):
     """Speculative decoding: one round (draft → select → verify → accept → commit) per step."""
 
-    def __init__(self, config: TargetConfig, graphdef, params, drafter_config: DrafterConfig | TargetConfig, dgraph,
-                 dparams, *, mode: str, round_shapes: dict[bool, RoundShape], capacity: int, slots: int, kv_len: int,
-                 shapes: Sequence[tuple[int, int]], deferred_rows: int = 0, decode_buckets: Sequence[int] = ()):
-        """round_shapes: the frozen round shape of the greedy (False) and the sampling (True) flavour.
-        capacity: the batch-wide node budget C. drafter_config: the DSpark drafter's, or the target's own for its
-        MTP head. deferred_rows, decode_buckets: as `Backend` (a round commits up to depth + 1 rows: P must hold
-        them; a packed round's rows are the whole batch's, so those run over all slots)."""
+    def __init__(self, target: JitModel, drafter: JitModel, layout: SlotLayout, *, mode: str,
+                 round_shapes: dict[bool, RoundShape], capacity: int):
+        """drafter: the DSpark drafter, or for an MTP head the target's config with the head's graphdef and params.
+        round_shapes: the frozen round shape of the greedy (False) and the sampling (True) flavour. capacity: the
+        batch-wide node budget C. layout: as `Backend` (a round commits up to depth + 1 rows: its deferred_rows
+        must hold them; a packed round's rows are the whole batch's, so those run over all slots)."""
         depth = round_shapes[False].depth
-        if 0 < deferred_rows < depth + 1:
-            raise ValueError(f"deferred_rows {deferred_rows} cannot hold one round's accepted path ({depth + 1} rows)")
+        if 0 < layout.deferred_rows < depth + 1:
+            raise ValueError(f"deferred_rows {layout.deferred_rows} cannot hold one round's accepted path "
+                             f"({depth + 1} rows)")
         g = round_shapes[False]
         if g.packed_rows or g.packed_gains:    # their rows are the whole batch's
-            decode_buckets = ()
-        super().__init__(config, graphdef, params, slots=slots, kv_len=kv_len, shapes=shapes,
-                         drafter_config=drafter_config, deferred_rows=deferred_rows, decode_buckets=decode_buckets)
-        self.mode, self.dgraph, self.dparams = mode, dgraph, dparams
+            layout = dataclasses.replace(layout, decode_buckets=())
+        super().__init__(target, layout, drafter_config=drafter.config)
+        self.mode, self.dgraph, self.dparams = mode, drafter.graphdef, drafter.params
         self.round_shapes = dict(round_shapes)
         greedy = self.round_shapes[False]
         self.depth, self.verify_nodes = greedy.depth, greedy.verify_nodes

@@ -38,7 +38,8 @@ from hyspec_jax.compilation import CompileWatch, enable_compilation_cache, sourc
 from hyspec_jax.models.drafter import Drafter
 from hyspec_jax.models.mtp import MTPHead
 from hyspec_jax.models.target import TargetModel
-from hyspec_jax.runtime.backend import (ARBackend, Backend, SpecBackend, batch_shapes, bucket, compile_backends)
+from hyspec_jax.runtime.backend import (ARBackend, Backend, JitModel, SlotLayout, SpecBackend, batch_shapes, bucket,
+                                        compile_backends)
 from hyspec_jax.runtime.scheduler import run_batch
 from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.sharding import params_mesh, replicate
@@ -46,8 +47,8 @@ from hyspec_jax.spec.budget import BudgetTable, packed_rows
 from hyspec_jax.spec.options import KERNEL_IMPLS, MODES, MTP_DEFAULT_STEPS, MTP_MODES, TREE_MODES
 from hyspec_jax.spec.round import RoundShape
 from hyspec_jax.spec.stats import prefix_survival, rounded
-from hyspec_jax.runtime.width import (WidthBackend, cached_round_times, round_seconds, round_signature, save_round_times,
-                                      width_buckets)
+from hyspec_jax.runtime.width import (RoundTimesKey, WidthBackend, WidthOptions, cached_round_times, round_seconds,
+                                      round_signature, save_round_times, width_buckets)
 from hyspec_jax.state import TargetState, init_state
 from hyspec_jax.tree import TreeExpansion
 
@@ -361,11 +362,15 @@ class Engine:
             if (t := round_seconds(e, sig, widths)) is not None:
                 return t, "the budget table"
         if self.calibration_cache is not None and self.reuse_calibration and self.spec.calibrate_repeats > 0:
-            t = cached_round_times(self.calibration_cache, device, self.model_name, rows or slots, kv_len,
-                                   self._gamma, sig, widths, self.spec.calibrate_repeats, source_digest())
+            t = cached_round_times(self._times_key(device, kv_len, sig), rows or slots, widths)
             if t is not None:
                 return t, f"an earlier start-up calibration ({self.calibration_cache})"
         return None, ""
+
+    def _times_key(self, device_kind: str, kv_len: int, signature: str) -> RoundTimesKey:
+        """Where and for what this engine's start-up calibration keeps its round times (`calibration_cache`)."""
+        return RoundTimesKey(self.calibration_cache, device_kind, self.model_name, kv_len, self._gamma, signature,
+                             self.spec.calibrate_repeats, source_digest())
 
     def _save_calibration(self, kv_len: int, signature: str, times: dict[int, dict[int, float]]) -> Path | None:
         """Keep a start-up calibration's times in `calibration_cache` (nowhere without one); a cache that cannot
@@ -373,8 +378,7 @@ class Engine:
         if self.calibration_cache is None:
             return None
         try:
-            save_round_times(self.calibration_cache, jax.devices()[0].device_kind, self.model_name, kv_len,
-                             self._gamma, signature, times, self.spec.calibrate_repeats, source_digest())
+            save_round_times(self._times_key(jax.devices()[0].device_kind, kv_len, signature), times)
         except OSError as e:
             log.warning("could not keep the start-up calibration in %s: %s", self.calibration_cache, e)
             return None
@@ -396,15 +400,14 @@ class Engine:
                 if r < slots and (t := self.round_seconds(slots, kv_len, rows=r)) is not None:
                     rows_seconds[r] = t
         calibrates = seconds is None and self.spec.calibrate_repeats > 0
-        return WidthBackend(self.config, self.tgraph, self.tparams, self.drafter.config, self.dgraph, self.dparams,
-                            mode=self.spec.mode, widths=rounds, seconds=seconds, user_capacity=self.spec.capacity,
-                            slots=slots, kv_len=kv_len, shapes=shapes, deferred_rows=self.spec.deferred_rows,
-                            decode_buckets=decode_buckets, rows_seconds=rows_seconds,
-                            width_margin=self.spec.width_margin,
-                            calibrate_repeats=self.spec.calibrate_repeats if calibrates else 0,
-                            on_calibrated=(functools.partial(self._save_calibration, kv_len, sig) if calibrates
-                                           else None),
-                            times_origin=times_origin)
+        choice = WidthOptions(widths=rounds, seconds=seconds, user_capacity=self.spec.capacity,
+                              rows_seconds=rows_seconds, width_margin=self.spec.width_margin,
+                              calibrate_repeats=self.spec.calibrate_repeats if calibrates else 0,
+                              on_calibrated=(functools.partial(self._save_calibration, kv_len, sig) if calibrates
+                                             else None),
+                              times_origin=times_origin)
+        return WidthBackend(self._target, self._drafter, self._layout(slots, kv_len, shapes, decode_buckets),
+                            mode=self.spec.mode, choice=choice)
 
     def _width_shapes(self, slots: int, widths: tuple[int, ...]) -> dict[int, dict[bool, RoundShape]]:
         """{w: {flavour: round shape}} of the width buckets: w nodes a row, or with spec.packed_widths a batch-wide
@@ -421,28 +424,37 @@ class Engine:
     def backend(self, slots: int, kv_len: int, shapes: Sequence[tuple[int, int]] | None = None,
                 decode_buckets: Sequence[int] = ()) -> Backend:
         """The backend of this engine for the bucket (slots, KV length): plain decoding, an `ARBackend`; else one of
-        this engine's drafter and rounds: with spec.adaptive_width and calibrated round times of the bucket, the width chosen each round
-        (`width_backend`); without them but with spec.calibrate_repeats, the same from round times the backend
-        measures when it compiles (`WidthBackend.calibrate`); else N from `nodes_for`, capacity spec.capacity or
-        slots · N. Prefill shapes
-        (default: all `slots` rows of every prompt bucket the KV length holds); decoding buckets: the row counts
-        below `slots` a round is also compiled for (`Backend.step_rows`)."""
+        this engine's drafter and rounds: with spec.adaptive_width and calibrated round times of the bucket, the
+        width chosen each round (`width_backend`); without them but with spec.calibrate_repeats, the same from round
+        times the backend measures when it compiles (`WidthBackend.calibrate`); else N from `nodes_for`, capacity
+        spec.capacity or slots · N. Prefill shapes (default: all `slots` rows of every prompt bucket the KV length
+        holds); decoding buckets: the row counts below `slots` a round is also compiled for (`Backend.step_rows`)."""
         if self.spec.mode == "ar":
-            return ARBackend(self.config, self.tgraph, self.tparams, slots=slots, kv_len=kv_len,
-                             shapes=shapes or batch_shapes(slots, self.max_prompt_len(kv_len)),
-                             deferred_rows=self.spec.deferred_rows, decode_buckets=decode_buckets)
+            return ARBackend(self._target, self._layout(slots, kv_len, shapes, decode_buckets))
         seconds, origin = self._round_times(slots, kv_len) if self.spec.adaptive_width else (None, "")
         if seconds is not None:
             return self.width_backend(slots, kv_len, seconds, shapes, decode_buckets, times_origin=origin)
         if self.spec.adaptive_width and self.spec.calibrate_repeats and self.nodes_for(slots, kv_len) > 1:
             return self.width_backend(slots, kv_len, None, shapes, decode_buckets)       # timed at start-up
         N = self.nodes_for(slots, kv_len)
-        shapes = shapes or batch_shapes(slots, self.max_prompt_len(kv_len))
-        return SpecBackend(self.config, self.tgraph, self.tparams, self.drafter.config,   # MTP: the target's config
-                           self.dgraph, self.dparams,
+        return SpecBackend(self._target, self._drafter, self._layout(slots, kv_len, shapes, decode_buckets),
                            mode=self.spec.mode, round_shapes={s: self.round_shape(s, N, slots) for s in (False, True)},
-                           capacity=self.spec.capacity or slots * N, slots=slots, kv_len=kv_len, shapes=shapes,
-                           deferred_rows=self.spec.deferred_rows, decode_buckets=decode_buckets)
+                           capacity=self.spec.capacity or slots * N)
+
+    @property
+    def _target(self) -> JitModel:
+        return JitModel(self.config, self.tgraph, self.tparams)
+
+    @property
+    def _drafter(self) -> JitModel:
+        """The drafter as the round takes it (an MTP head: the target's config, the head's graph and params)."""
+        return JitModel(self.drafter.config, self.dgraph, self.dparams)
+
+    def _layout(self, slots: int, kv_len: int, shapes: Sequence[tuple[int, int]] | None,
+                decode_buckets: Sequence[int]) -> SlotLayout:
+        """The bucket's layout: every prompt bucket the KV length holds over all slots unless `shapes` are given."""
+        return SlotLayout(slots, kv_len, shapes or batch_shapes(slots, self.max_prompt_len(kv_len)),
+                          self.spec.deferred_rows, decode_buckets)
 
     def bucket_for(self, prompts, plist) -> tuple[int, int]:
         """The bucket a request batch runs in: (slots B, KV length S) — the engine's slots, else

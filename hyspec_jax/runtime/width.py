@@ -35,7 +35,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from hyspec_jax.runtime.backend import SpecBackend, StepResult
+from hyspec_jax.runtime.backend import JitModel, SlotLayout, SpecBackend, StepResult
 from hyspec_jax.runtime.programs import spread_rows
 from hyspec_jax.spec.budget import BudgetTable, bucket_key
 from hyspec_jax.spec.round import RoundOutput, RoundShape
@@ -181,23 +181,40 @@ class WidthChooser:
         self._plain_run = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class WidthOptions:
+    """The width buckets of a `WidthBackend` and how it chooses among them.
+
+    widths: {w: {flavour: round shape}} (every shape reporting the same gain widths, sorted(widths)); seconds:
+    calibrated round time per width (None: no choice, the widest width runs unless forced); user_capacity: a fixed
+    batch-wide node budget (default slots · w); rows_seconds: {R: round time per width} of the decoding buckets'
+    rounds, where calibrated; width_margin: `kept_widths`' margin; calibrate_repeats: without `seconds`, > 0 times
+    every width's round at start-up (`compile`), that many rounds each per decoding bucket, and chooses from those
+    times; on_calibrated(times): called with them, returns where it kept them (`calibration_saved`); times_origin:
+    where `seconds` came from (logs)."""
+    widths: dict[int, dict[bool, RoundShape]]
+    seconds: dict[int, float] | None = None
+    user_capacity: int | None = None
+    rows_seconds: dict[int, dict[int, float]] | None = None
+    width_margin: float = 0.0
+    calibrate_repeats: int = 0
+    on_calibrated: Callable[[dict[int, dict[int, float]]], Path | None] | None = None
+    times_origin: str | None = None
+
+
 class WidthBackend(SpecBackend):
     """A `SpecBackend` with one round per width bucket, the width chosen per round by a `WidthChooser` (or taken
     from `force`: calibration and tests). Its reported depth / verify_nodes are the widest round's."""
 
-    def __init__(self, *args, widths: dict[int, dict[bool, RoundShape]], seconds: dict[int, float] | None,
-                 user_capacity: int | None = None, rows_seconds: dict[int, dict[int, float]] | None = None,
-                 width_margin: float = 0.0, calibrate_repeats: int = 0,
-                 on_calibrated: Callable[[dict[int, dict[int, float]]], Path | None] | None = None,
-                 times_origin: str | None = None, **kw):
-        """widths: {w: {flavour: round shape}} (every shape reporting the same gain widths, sorted(widths));
-        seconds: calibrated round time per width (None: no choice, the widest width runs unless forced);
-        user_capacity: a fixed batch-wide node budget (default slots · w); rows_seconds: {R: round time per
-        width} of the decoding buckets' rounds, where calibrated; width_margin: `kept_widths`' margin;
-        calibrate_repeats: without `seconds`, > 0 times every width's round at start-up (`compile`), that many
-        rounds each per decoding bucket, and chooses from those times; on_calibrated(times): called with them,
-        returns where it kept them (`calibration_saved`); times_origin: where `seconds` came from (logs)."""
-        super().__init__(*args, round_shapes=widths[max(widths)], capacity=user_capacity or 1, **kw)
+    def __init__(self, target: JitModel, drafter: JitModel, layout: SlotLayout, *, mode: str, choice: WidthOptions):
+        """target, drafter, layout, mode: as `SpecBackend`; choice: the width buckets and how one is chosen
+        (`WidthOptions`)."""
+        widths, seconds, user_capacity = choice.widths, choice.seconds, choice.user_capacity
+        rows_seconds, width_margin = choice.rows_seconds, choice.width_margin
+        calibrate_repeats = choice.calibrate_repeats
+        on_calibrated, times_origin = choice.on_calibrated, choice.times_origin
+        super().__init__(target, drafter, layout, mode=mode, round_shapes=widths[max(widths)],
+                         capacity=user_capacity or 1)
         self.widths = dict(widths)
         self.user_capacity = user_capacity
         self.width_margin, self.calibrate_repeats = width_margin, int(calibrate_repeats)
@@ -320,29 +337,44 @@ def calibration_cache_path() -> Path:
     return cache_dir() / CALIBRATION_CACHE_FILE
 
 
-def cached_round_times(path: Path, device_kind: str, model: str, rows: int, kv_len: int, depth: int,
-                       signature: str, widths: Sequence[int], repeats: int, source: str) -> dict[int, float] | None:
-    """{width: seconds} an earlier start-up calibration saved at `path` for exactly this bucket (device kind,
-    model, rows, KV length, draft depth) and round signature, timed by the same code (`source`, the package's
-    `compilation.source_digest`) with at least `repeats` rounds a width; else None. A missing or unreadable
-    file holds nothing."""
+@dataclasses.dataclass(frozen=True)
+class RoundTimesKey:
+    """What a start-up calibration's kept round times are valid for, but the decoding bucket's rows: the table file,
+    the device kind, the model, the KV length, the draft depth and the round signature, timed by `source` (the
+    package's `compilation.source_digest`) with `repeats` rounds a width."""
+    path: Path
+    device_kind: str
+    model: str
+    kv_len: int
+    depth: int
+    signature: str
+    repeats: int
+    source: str
+
+
+def cached_round_times(key: RoundTimesKey, rows: int, widths: Sequence[int]) -> dict[int, float] | None:
+    """{width: seconds} an earlier start-up calibration saved at `key.path` for exactly this bucket (`key`'s device
+    kind, model, KV length and draft depth, and `rows`) and round signature, timed by the same code with at least
+    `key.repeats` rounds a width; else None. A missing or unreadable file holds nothing."""
     try:
-        e = BudgetTable.load(path).entries.get(bucket_key(device_kind, model, rows, kv_len, depth))
-        if not isinstance(e, dict) or e.get("source") != source:
+        e = BudgetTable.load(key.path).entries.get(bucket_key(key.device_kind, key.model, rows, key.kv_len,
+                                                               key.depth))
+        if not isinstance(e, dict) or e.get("source") != key.source:
             return None
-        if int((e.get("round_repeats") or {}).get(signature, 0)) < repeats:
+        if int((e.get("round_repeats") or {}).get(key.signature, 0)) < key.repeats:
             return None
-        return round_seconds(e, signature, widths)
+        return round_seconds(e, key.signature, widths)
     except (OSError, ValueError, TypeError, AttributeError):      # a file edited or torn by hand: time again
         return None
 
 
-def save_round_times(path: Path, device_kind: str, model: str, kv_len: int, depth: int, signature: str,
-                     times: Mapping[int, Mapping[int, float]], repeats: int, source: str) -> None:
-    """Add a start-up calibration's {rows: {width: seconds}} to the table at `path` (one budget-table entry per
+def save_round_times(key: RoundTimesKey, times: Mapping[int, Mapping[int, float]]) -> None:
+    """Add a start-up calibration's {rows: {width: seconds}} to the table at `key.path` (one budget-table entry per
     rows, `t_round_ms` by round signature; an entry timed by other code is replaced whole; `BudgetTable.save`
     writes atomically)."""
     import datetime
+    path, device_kind, model, kv_len, depth = key.path, key.device_kind, key.model, key.kv_len, key.depth
+    signature, repeats, source = key.signature, key.repeats, key.source
     try:
         table = BudgetTable.load(path)
     except (OSError, ValueError):
@@ -391,4 +423,5 @@ def time_widths(backend: WidthBackend, active: np.ndarray, repeats: int,
 
 
 __all__ = ["width_buckets", "round_signature", "round_seconds", "choose_width", "kept_widths", "WidthChooser",
-           "WidthBackend", "time_widths", "calibration_cache_path", "cached_round_times", "save_round_times"]
+           "WidthBackend", "time_widths", "calibration_cache_path", "cached_round_times", "save_round_times",
+           "RoundTimesKey", "WidthOptions"]

@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from hyspec_jax import gdn, kernels
-    from hyspec_jax.bench.kernels import copy_bandwidth, time_chained, time_multi
+    from hyspec_jax.bench.kernels import chain_steps, copy_bandwidth, time_chained, time_multi
     from hyspec_jax.bench.report import portable_command, publish_report, run_metadata, write_report
     from hyspec_jax.models.target import decode_step_call, verify_solve_call
     from hyspec_jax.spec.memory import qwen38_27b
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     def measure_chained(row: dict, fn, sets, state, check) -> dict:
         try:
             if a.interpret:
-                st, outs = jax.jit(lambda st, ss: _chain(fn, st, ss))(state, sets)
+                st, outs = jax.jit(functools.partial(chain_steps, fn))(state, sets)
                 row.update(check(outs[0], st))
             else:
                 row.update(time_chained(fn, sets, state, a.reps, check=check, profile=True))
@@ -397,15 +397,6 @@ def main(argv: list[str] | None = None) -> int:
         save_partial()
     bar.close()
     return publish_report(report("complete"), "hyspec bench gdn-layer", argv, a.json, markdown)
-
-
-def _chain(fn, state, sets):
-    """fn(i, state, *sets[i]) -> (out, state) over the sets in order: (final state, outs)."""
-    outs = []
-    for i, s in enumerate(sets):
-        out, state = fn(i, state, *s)
-        outs.append(out)
-    return state, outs
 
 
 def _f(x, nd: int = 1) -> str:

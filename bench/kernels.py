@@ -179,61 +179,70 @@ def gpu_stream_time(data, calls: int) -> dict:
 PROFILE_REPS = 3
 
 
+def _timed_runs(run, R: int, reps: int, warmup: int, profile: bool) -> dict:
+    """run() (one executable over R sets, blocking) after `warmup` − 1 more untimed runs (the first, which
+    compiled, is the caller's): per-set median / min / spread of `reps` runs, and with profile (GPU) the device time
+    per set from a profiler trace (`device_kernel_time`)."""
+    for _ in range(warmup - 1):
+        run()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        run()
+        ts.append(time.perf_counter() - t)
+    rec = {"median_us": 1e6 * float(np.median(ts)) / R, "min_us": 1e6 * float(np.min(ts)) / R,
+           "spread_us": 1e6 * float(np.percentile(ts, 90) - np.percentile(ts, 10)) / R, "sets": R, "reps": reps}
+    if profile and jax.default_backend() == "gpu":
+        try:
+            rec.update(device_kernel_time(run, R))
+        except Exception as e:  # noqa: BLE001 — the host-clock time stands without it
+            rec["device_error"] = f"{type(e).__name__}: {e}"[:500]
+    return rec
+
+
+def _transient_bytes(fn, *args, **jit_kw) -> dict:
+    """XLA's scratch for one call of jit(fn)(*args): intermediates between its kernels, never the outputs ({} on a
+    backend without memory analysis: the timing stands without it)."""
+    try:
+        return {"transient_bytes": int(jax.jit(fn, **jit_kw).lower(*args).compile().memory_analysis()
+                                       .temp_size_in_bytes)}
+    except Exception:  # noqa: BLE001
+        return {}
+
+
 def time_multi(fn, sets, reps: int, warmup: int = 2, check=None, profile: bool = False, indexed: bool = False) -> dict:
     """Median seconds per call of fn over rotating input sets (one jitted executable runs them all); indexed: fn
     takes the set's index first (a static int: e.g. the layer a set is of a shared state stack).
 
     check(first_output) -> dict of errors is called on the first run's output for sets[0]. profile (GPU): also
     the device time per call from a profiler trace (`device_kernel_time`)."""
-    transient = {}
-    try:                      # XLA's scratch for one call: intermediates between its kernels, never the outputs
-        one = functools.partial(fn, 0) if indexed else fn
-        transient["transient_bytes"] = int(jax.jit(one).lower(*sets[0]).compile().memory_analysis().temp_size_in_bytes)
-    except Exception:  # noqa: BLE001 — a backend without memory analysis: the timing stands without it
-        pass
+    transient = _transient_bytes(functools.partial(fn, 0) if indexed else fn, *sets[0])
     multi = jax.jit(lambda ss: [fn(i, *s) if indexed else fn(*s) for i, s in enumerate(ss)])
+    run = lambda: jax.block_until_ready(multi(sets))    # noqa: E731
     t0 = time.perf_counter()
-    res = jax.block_until_ready(multi(sets))
+    res = run()
     compile_s = time.perf_counter() - t0
     errs = check(res[0]) if check is not None else {}
     del res
-    for _ in range(warmup - 1):
-        jax.block_until_ready(multi(sets))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(multi(sets))
-        ts.append(time.perf_counter() - t)
-    R = len(sets)
-    rec = {**errs, **transient, "median_us": 1e6 * float(np.median(ts)) / R, "min_us": 1e6 * float(np.min(ts)) / R,
-           "spread_us": 1e6 * float(np.percentile(ts, 90) - np.percentile(ts, 10)) / R,
-           "sets": R, "reps": reps, "compile_s": compile_s}
-    if profile and jax.default_backend() == "gpu":
-        try:
-            rec.update(device_kernel_time(lambda: jax.block_until_ready(multi(sets)), R))
-        except Exception as e:  # noqa: BLE001 — the host-clock time stands without it
-            rec["device_error"] = f"{type(e).__name__}: {e}"[:500]
-    return rec
+    return {**errs, **transient, **_timed_runs(run, len(sets), reps, warmup, profile), "compile_s": compile_s}
+
+
+def chain_steps(fn, state, sets):
+    """fn(i, state, *sets[i]) -> (out, state) over the sets in order, each step handed the state the one before
+    returned: (final state, outs)."""
+    outs = []
+    for i, s in enumerate(sets):
+        out, state = fn(i, state, *s)
+        outs.append(out)
+    return state, outs
 
 
 def time_chained(fn, sets, state, reps: int, warmup: int = 2, check=None, profile: bool = False) -> dict:
     """`time_multi` for a step that updates one buffer in place, as a model's layers pass on the stack they update:
-    fn(i, state, *sets[i]) -> (out, state) for every set in order, all in one executable that takes `state`
-    donated and hands the updated one back (so no copy of it is timed). check(out of set 0, state after the first
-    run) -> dict of errors. Consumes `state`."""
-    def chain(st, ss):
-        outs = []
-        for i, s in enumerate(ss):
-            out, st = fn(i, st, *s)
-            outs.append(out)
-        return st, outs
-
-    transient = {}
-    try:
-        transient["transient_bytes"] = int(jax.jit(chain, donate_argnums=0).lower(state, sets).compile()
-                                           .memory_analysis().temp_size_in_bytes)
-    except Exception:  # noqa: BLE001 — a backend without memory analysis: the timing stands without it
-        pass
+    `chain_steps(fn, state, sets)` in one executable that takes `state` donated and hands the updated one back (so
+    no copy of it is timed). check(out of set 0, state after the first run) -> dict of errors. Consumes `state`."""
+    chain = functools.partial(chain_steps, fn)
+    transient = _transient_bytes(chain, state, sets, donate_argnums=0)
     multi = jax.jit(chain, donate_argnums=0)
     box = [state]
 
@@ -246,23 +255,7 @@ def time_chained(fn, sets, state, reps: int, warmup: int = 2, check=None, profil
     compile_s = time.perf_counter() - t0
     errs = check(outs[0], st) if check is not None else {}
     del st, outs
-    for _ in range(warmup - 1):
-        run()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        run()
-        ts.append(time.perf_counter() - t)
-    R = len(sets)
-    rec = {**errs, **transient, "median_us": 1e6 * float(np.median(ts)) / R, "min_us": 1e6 * float(np.min(ts)) / R,
-           "spread_us": 1e6 * float(np.percentile(ts, 90) - np.percentile(ts, 10)) / R,
-           "sets": R, "reps": reps, "compile_s": compile_s}
-    if profile and jax.default_backend() == "gpu":
-        try:
-            rec.update(device_kernel_time(run, R))
-        except Exception as e:  # noqa: BLE001 — the host-clock time stands without it
-            rec["device_error"] = f"{type(e).__name__}: {e}"[:500]
-    return rec
+    return {**errs, **transient, **_timed_runs(run, len(sets), reps, warmup, profile), "compile_s": compile_s}
 
 
 def _measure(fn, sets, reps: int, check, floor_us: float, profile: bool = False) -> dict:

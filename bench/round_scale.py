@@ -271,21 +271,25 @@ def drafter_init_rules(model, reader_cfg) -> dict:
 def random_drafter(dcfg, reader_cfg, dtype, seed: int, mesh, compiler_options: dict | None = None):
     """A `Drafter` with random weights (`drafter_init_rules`), built leaf by leaf on the device(s), replicated
     over `mesh` (as the engine places a drafter beside a sharded target)."""
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
     from hyspec_jax.models.drafter import abstract_drafter
 
     model = abstract_drafter(dcfg, reader_cfg, dtype)
-    rules = drafter_init_rules(model, reader_cfg)
+    return _fill_module(model, drafter_init_rules(model, reader_cfg), mesh, seed, DRAFTER_STREAM, compiler_options)
+
+
+def _fill_module(model, rules: dict, mesh, seed: int, stream: int, compiler_options: dict | None):
+    """The abstract module `model` with every leaf filled on the device(s) by its rule (`fill_leaf`), replicated
+    over `mesh`; `stream` keeps one module's random numbers apart from another's."""
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
     graphdef, abstract = nnx.split(model)
     rep = NamedSharding(mesh, P())
     leaves = []
     for i, (p, v) in enumerate(nnx.to_flat_state(abstract)):
         a, (kind, scale) = v.get_value(), rules[tuple(p)]
-        leaves.append((p, v.replace(value=fill_leaf(kind, scale, a.shape, a.dtype, rep, seed=seed,
-                                                    stream=DRAFTER_STREAM, index=i,
-                                                    compiler_options=compiler_options))))
+        leaves.append((p, v.replace(value=fill_leaf(kind, scale, a.shape, a.dtype, rep, seed=seed, stream=stream,
+                                                    index=i, compiler_options=compiler_options))))
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
 
@@ -316,23 +320,11 @@ def mtp_config(tcfg):
 def random_mtp(mcfg, dtype, seed: int, mesh, compiler_options: dict | None = None):
     """An `MTPHead` with random weights, built leaf by leaf on the device(s) as the target's (verify-scale's
     `INIT_RULES`: its norms are the target's zero-centred ones, weight 0), replicated over `mesh`."""
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
     from hyspec_jax.bench.verify_scale import param_init_rules
     from hyspec_jax.models.mtp import abstract_mtp
 
     model = abstract_mtp(mcfg, dtype)
-    rules = param_init_rules(model)
-    graphdef, abstract = nnx.split(model)
-    rep = NamedSharding(mesh, P())
-    leaves = []
-    for i, (p, v) in enumerate(nnx.to_flat_state(abstract)):
-        a, (kind, scale) = v.get_value(), rules[tuple(p)]
-        leaves.append((p, v.replace(value=fill_leaf(kind, scale, a.shape, a.dtype, rep, seed=seed,
-                                                    stream=MTP_STREAM, index=i,
-                                                    compiler_options=compiler_options))))
-    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+    return _fill_module(model, param_init_rules(model), mesh, seed, MTP_STREAM, compiler_options)
 
 
 def random_mtp_state(mcfg, batch: int, max_len: int, prefix: int, dtype, seed: int, mesh,

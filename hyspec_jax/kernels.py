@@ -35,6 +35,7 @@ from hyspec_jax.pallas_kernels import gdn_commit, gdn_tree_split_mgpu, gdn_tree_
 from hyspec_jax.pallas_kernels import gdn_decode as gdn_decode_kernel
 from hyspec_jax.pallas_kernels import tree_attention as tree_attention_kernel
 from hyspec_jax.pallas_kernels.gdn_tree_solve import SolveConfig
+from hyspec_jax.state import write_layer
 
 F32 = jnp.float32
 Impl = Literal["auto", "reference", "pallas", "interpret"]
@@ -382,9 +383,7 @@ def gdn_decode(x, window, weight, a, b, A_log, dt_bias, S, valid, *, key_heads: 
         if layer is None:
             return gdn.decode_step(x, window, weight, a, b, A_log, dt_bias, S, valid, **heads)
         step = gdn.decode_step(x, window[layer], weight, a, b, A_log, dt_bias, S[layer], valid, **heads)
-        # the barrier keeps the step's own computation out of the row update: fused into it, that update read the
-        # stack it wrote and XLA copied the whole stack first (12 more kernels a decoding step on a CPU)
-        return step._replace(state=S.at[layer].set(jax.lax.optimization_barrier(step.state.astype(S.dtype))))
+        return step._replace(state=write_layer(S, layer, step.state))
 
     if impl == "reference":
         return reference()

@@ -21,7 +21,7 @@ from hyspec_jax.config import FULL, LINEAR, TargetConfig
 from hyspec_jax.models.layers import (MLP, Attention, GatedDeltaNet, Linear, RMSNorm, SparseMoe, _normal,
                                       attend, dense)
 from hyspec_jax import tree as tree_lib
-from hyspec_jax.state import (TargetState, TreeCache, committed_ssm, empty_pending, pending_layer,
+from hyspec_jax.state import (TargetState, TreeCache, committed_ssm, empty_pending, pending_layer, write_layer,
                               settle_pending)
 from hyspec_jax.tree import Tree
 
@@ -201,8 +201,7 @@ class TargetModel(nnx.Module):
                 else:
                     o, S = gdn.chunked_prefill(S0, q, k, v, g, beta)
             if S is not None:
-                carry = carry.replace(ssm=carry.ssm.at[j].set(jax.lax.optimization_barrier(
-                    S.astype(carry.ssm.dtype))))
+                carry = carry.replace(ssm=write_layer(carry.ssm, j, S))
             if isinstance(j, int):
                 return mix.output(o, z, x.dtype), carry, (conv, fac)
             carry = carry.replace(conv=carry.conv.at[j].set(conv))

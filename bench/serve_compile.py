@@ -16,12 +16,21 @@ Each phase's weights are built before its clock starts; a program's time is its 
 compile or cache read, and one run on padding inputs), as the server's start-up log reports it. Each phase also
 counts, from JAX's own cache events, the XLA compilations its programs asked of the persistent cache and how many of
 them it found there (`cache`: requests, hits): the cached phase should find every one (0 compiled).
+
+Where each program's time goes ([startup]): JAX's own compile events (`jax.monitoring` time spans of tracing, lowering
+to StableHLO — Pallas kernels lower to Triton / Mosaic IR here — and XLA's compile or cache read) and XLA's per-pass
+timers (its `hlo_pass_pipeline` log, on in the child processes) split it into trace, lower, XLA's HLO passes, the
+autotuner (the passes that time kernel candidates on the device), code generation (the rest of XLA's compile: LLVM,
+PTX and the Triton / Pallas kernels' compiles) and the rest (the first run, host work). Per program with
+`--compile-workers 1` (a GPU's default: the programs compile one after another); side by side, per phase only.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -55,6 +64,102 @@ def _count_cache_events() -> dict[str, int]:
     return counts
 
 
+# XLA's per-pass timers: its C++ log at verbosity 1 for hlo_pass_pipeline.cc only (set before XLA loads: in the child's
+# environment), written to the phase's log file (the child points its fd 2 there)
+XLA_LOG_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "hlo_pass_pipeline=1"}
+# JAX's compile stages (`jax._src.dispatch`'s event names), each a time span in the thread doing it
+STAGE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+                "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+                "/jax/core/compile/backend_compile_duration": "xla"}
+# the passes that time kernel candidates on the device (GEMM / fusion / convolution autotuners)
+AUTOTUNE_PASS = re.compile(r"autotun|algorithm[-_ ]picker", re.IGNORECASE)
+SPLIT_KEYS = ("trace", "lower", "passes", "autotune", "codegen", "rest")
+_GLOG = re.compile(r"^[IWEF](\d{2})(\d{2}) (\d{2}):(\d{2}):(\d{2})\.(\d+)\s+(\d+) (\S+?):\d+\] (.*)$")
+_PASS = re.compile(r"^HLO pass: (.+?) time: ([\d.]+) ?(ns|us|µs|ms|s)\b")
+_PIPELINE = re.compile(r"^Running HLO pass pipeline on module \S+: (.+)$")
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def _record_stage_spans() -> list[tuple[str, float, float, int]]:
+    """A live list of this process's compile-stage spans from now on: (stage, start, end, native thread id), the
+    epoch times of `time.time()`, each recorded in the thread that did the work (compile threads included)."""
+    import threading
+
+    from jax import monitoring
+    spans: list[tuple[str, float, float, int]] = []
+
+    def on_span(event: str, start: float, end: float, **_) -> None:
+        stage = STAGE_EVENTS.get(event)
+        if stage is not None:
+            spans.append((stage, start, end, threading.get_native_id()))   # list.append: atomic under the GIL
+    monitoring.register_event_time_span_listener(on_span)
+    return spans
+
+
+def parse_xla_passes(lines, year: int) -> list[tuple[float, float, int, str]]:
+    """XLA's pass timers from its log (`XLA_LOG_ENV`): (start, end, native thread id, pass name) per leaf pass run,
+    epoch seconds (the log's local time). A pipeline nested in another is logged as one of its passes too: those
+    are dropped, so that no time counts twice."""
+    runs, pipelines = [], set()
+    for line in lines:
+        m = _GLOG.match(line.rstrip("\n"))
+        if m is None or m.group(8) != "hlo_pass_pipeline.cc":
+            continue
+        msg = m.group(9)
+        p = _PIPELINE.match(msg)
+        if p is not None:
+            pipelines.add(p.group(1).strip())
+            continue
+        q = _PASS.match(msg)
+        if q is None:
+            continue
+        mo, d, h, mi, sec, frac = (m.group(i) for i in range(1, 7))
+        end = time.mktime((year, int(mo), int(d), int(h), int(mi), int(sec), 0, 0, -1)) + float("0." + frac)
+        runs.append((end - float(q.group(2)) * _UNIT_S[q.group(3)], end, int(m.group(7)), q.group(1)))
+    return [r for r in runs if r[3] not in pipelines]
+
+
+def _union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by these intervals (a jit traced or compiled inside another counts once)."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            total += 0.0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + (0.0 if cur_e is None else cur_e - cur_s)
+
+
+def split_time(spans, passes, start: float, end: float, seconds: float | None = None) -> dict[str, float]:
+    """Where the time between start and end went, in thread-seconds (each thread's stages merged, then summed
+    over threads): trace, lower, XLA's HLO passes, its autotuner, its code generation (XLA's compile less its
+    passes) and, given the wall `seconds` of a program compiled alone, the rest (its first run, host work)."""
+    def clipped(a: float, b: float) -> tuple[float, float] | None:
+        a, b = max(a, start), min(b, end)
+        return (a, b) if b > a else None
+
+    out = {}
+    for stage in ("trace", "lower", "xla"):
+        by_thread: dict[int, list] = {}
+        for st, a, b, tid in spans:
+            c = clipped(a, b) if st == stage else None
+            if c is not None:
+                by_thread.setdefault(tid, []).append(c)
+        out[stage] = sum(_union_seconds(v) for v in by_thread.values())
+    tuned = total = 0.0
+    for a, b, _, name in passes:
+        c = clipped(a, b)
+        if c is not None:
+            total += c[1] - c[0]
+            tuned += c[1] - c[0] if AUTOTUNE_PASS.search(name) else 0.0
+    xla = out.pop("xla")
+    out.update(passes=total - tuned, autotune=tuned, codegen=max(0.0, xla - total))
+    if seconds is not None:
+        out["rest"] = max(0.0, seconds - out["trace"] - out["lower"] - xla)
+    return {k: round(v, 3) for k, v in out.items()}
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hyspec bench serve-compile", description=__doc__.split("\n\n")[0])
     g = ap.add_mutually_exclusive_group()
@@ -81,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)        # one timed phase, in this process
     ap.add_argument("--phase-out", help=argparse.SUPPRESS)
+    ap.add_argument("--xla-log", help=argparse.SUPPRESS)     # where the child's fd 2 (XLA's C++ log) goes
     return ap
 
 
@@ -130,38 +236,55 @@ def run_phase(args) -> dict:
     total = len(backend.shapes) + 2 + (len(scorer.buckets) if scorer else 0)
     bar = tqdm(total=total, desc=f"serve-compile {args.phase}", unit="program", disable=args.no_progress,
                file=sys.stderr, dynamic_ncols=True)
-    programs, last = [], [time.perf_counter()]
+    programs, last = [], [time.perf_counter(), time.time()]
+    windows: list[tuple[float, float]] = []       # each program's (start, end), epoch
 
     def done(msg: str) -> None:     # "<program> <seconds>s": the backend's own time for it (the scorer's: none)
-        now = time.perf_counter()
+        now, wall = time.perf_counter(), time.time()
         m = re.search(r"\s+([\d.]+)s$", msg)
         programs.append(dict(program=msg[:m.start()] if m else msg,
                              seconds=float(m.group(1)) if m else now - last[0]))
-        last[0] = now
+        windows.append((last[1], wall))
+        last[0], last[1] = now, wall
         bar.update(1)
     cache = _count_cache_events()
-    t0 = last[0] = time.perf_counter()
+    spans = _record_stage_spans()
     from hyspec_jax.compilation import compile_workers
     workers = args.compile_workers or compile_workers()
+    t0 = last[0] = time.perf_counter()
+    start = last[1] = time.time()
     backend.compile(done, workers=workers)
     if scorer is not None:
         scorer.compile(done)
-    total_s = time.perf_counter() - t0
+    total_s, end = time.perf_counter() - t0, time.time()
     bar.close()
+    passes = None
+    if args.xla_log:
+        sys.stderr.flush()
+        with open(args.xla_log, errors="replace") as f:
+            passes = parse_xla_passes(f, time.localtime(start).tm_year)
+    split = functools.partial(split_time, spans, passes or [])
+    if workers == 1:        # one program after another: each program's window is its own
+        for prog, (a, b) in zip(programs, windows):
+            prog["split"] = split(a, b, prog["seconds"])
     return dict(phase=args.phase, geometry=name, parameters=sum(x.size for x in jax.tree.leaves(params)),
                 dtype=str(jax.tree.leaves(params)[0].dtype), mode=backend.mode, slots=backend.slots,
                 kv_len=backend.kv_len, shapes=[list(s) for s in backend.shapes], init_s=init_s, total_s=total_s,
                 compile_workers=workers, cache=dict(cache),
+                split=split(start, end, total_s if workers == 1 else None), xla_passes=passes is not None,
                 programs=programs, meta=run_metadata())
 
 
 def _child(argv: list[str], phase: str, cache_dir: str) -> dict:
     """One phase in a fresh process (a process reads the persistent cache only for programs it has not built)."""
-    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as out, \
+            tempfile.NamedTemporaryFile("r", suffix=".log") as log:
         cmd = [sys.executable, "-m", "hyspec_jax.bench.serve_compile", *argv, "--phase", phase, "--cache-dir",
-               cache_dir, "--phase-out", out.name]
-        proc = subprocess.run(cmd)
+               cache_dir, "--phase-out", out.name, "--xla-log", log.name]
+        proc = subprocess.run(cmd, env={**os.environ, **XLA_LOG_ENV})
         if proc.returncode != 0:
+            tail = [ln.rstrip() for ln in open(log.name, errors="replace")][-10:]     # XLA's last words, if any
+            print("\n".join(tail), file=sys.stderr)
             raise RuntimeError(f"the {phase} phase failed (exit {proc.returncode})")
         return json.loads(open(out.name).read())
 
@@ -194,7 +317,37 @@ def markdown(report: dict) -> str:
     for a in c["programs"]:
         b = cached.get(a["program"])
         lines.append(f"| {a['program']} | {a['seconds']:.1f} | {'-' if b is None else f'{b:.1f}'} |")
+    if "split" in c:                    # reports written before the split have none
+        lines += ["", *split_tables(c, w)]
     return "\n".join(lines) + "\n"
+
+
+_SPLIT_HEAD = ("trace | lower | XLA's HLO passes | autotuning | code generation (LLVM, PTX, Triton / Pallas kernels) | "
+               "rest (first run, host)")
+
+
+def split_tables(c: dict, w: dict) -> list[str]:
+    """Markdown: where each phase's and (compiled one after another) each program's time went."""
+    def cells(d: dict) -> str:
+        return " | ".join("-" if d.get(k) is None else f"{d[k]:.1f}" for k in SPLIT_KEYS)
+
+    out = ["## Where the time goes (s)", "",
+           "Trace and lower: JAX's compile events; XLA's passes and its autotuner: XLA's per-pass timers (its "
+           "`hlo_pass_pipeline` log); code generation: the rest of XLA's compile (or, from the cache, the read); rest: "
+           "the program's time less those (its first run and host work)." +
+           ("" if c.get("xla_passes") else " XLA's pass timers were not read: passes count under code generation."),
+           "", f"| phase | {_SPLIT_HEAD} |", "|---|" + "---:|" * len(SPLIT_KEYS)]
+    for label, ph in (("cold", c), ("from the persistent cache", w)):
+        out.append(f"| {label} | {cells(ph['split'])} |")
+    if not any("split" in p for p in c["programs"]):
+        return out + ["", f"Per program only with `--compile-workers 1` (this run: {c['compile_workers']} threads)."]
+    cached = {p["program"]: p.get("split") for p in w["programs"]}
+    out += ["", f"| program, cold / cached | {_SPLIT_HEAD} |", "|---|" + "---:|" * len(SPLIT_KEYS)]
+    for p in c["programs"]:
+        out.append(f"| {p['program']} | {cells(p['split'])} |")
+        if cached.get(p["program"]):
+            out.append(f"| (cached) | {cells(cached[p['program']])} |")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,6 +364,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"serve-compile: error: {e}", file=sys.stderr)
         return 2
     if args.phase:                                   # a child: one phase, its result to --phase-out
+        if args.xla_log:        # XLA logs to fd 2: point it at the log file, Python's stderr stays the terminal
+            keep = os.dup(2)
+            fd = os.open(args.xla_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 2)
+            os.close(fd)
+            sys.stderr = os.fdopen(keep, "w", buffering=1)
         from hyspec_jax.config import ConfigError
         try:
             result = run_phase(args)

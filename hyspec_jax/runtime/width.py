@@ -431,5 +431,5 @@ def time_widths(backend: WidthBackend, active: np.ndarray, repeats: int,
 
 
 __all__ = ["width_buckets", "round_signature", "round_seconds", "choose_width", "kept_widths", "WidthChooser",
-           "WidthBackend", "time_widths", "calibration_cache_path", "CalibrationCache", "cached_round_times", "save_round_times",
-           "RoundTimesKey", "WidthOptions"]
+           "WidthBackend", "time_widths", "calibration_cache_path", "cached_round_times", "save_round_times",
+           "CalibrationCache", "RoundTimesKey", "WidthOptions"]

@@ -112,8 +112,9 @@ def _calibration_cache(args, spec) -> dict:
     them again, replacing them)."""
     if spec.calibrate_repeats < 1:
         return {}
-    from hyspec_jax.runtime.width import calibration_cache_path
-    return dict(calibration_cache=calibration_cache_path(), reuse_calibration=not getattr(args, "recalibrate", False))
+    from hyspec_jax.runtime.width import CalibrationCache, calibration_cache_path
+    return dict(calibration_cache=CalibrationCache(calibration_cache_path(),
+                                                   reuse=not getattr(args, "recalibrate", False)))
 
 
 def _mtp_engine(args, model, model_dir, dtype):

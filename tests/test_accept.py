@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from hyspec_jax import tree as tree_lib
 from hyspec_jax.sampling import SlotSampling, warp
 from hyspec_jax.spec.accept import accept
 
 V = 8
 NS = 100_000
-accept_jit = jax.jit(accept, static_argnames=("max_depth", "max_children"))
+accept_jit = jax.jit(accept, static_argnames=("max_children",))
 
 
 pytestmark = pytest.mark.usefixtures("quick_compiles")   # tiny models: see conftest
@@ -44,6 +45,15 @@ def _draw_without_replacement(rng, q: np.ndarray, k: int) -> np.ndarray:
 def _sampling(n, temperature=1.0, top_p=1.0, top_k=0) -> SlotSampling:
     return SlotSampling(temperature=jnp.full((n,), temperature, jnp.float32), top_p=jnp.full((n,), top_p, jnp.float32),
                         top_k=jnp.full((n,), top_k, jnp.int32), seed=jnp.arange(n, dtype=jnp.uint32))
+
+
+def _tree(parent, valid, max_depth: int) -> tree_lib.Tree:
+    """The tree of parent pointers [B, N] and validity, its envelope `max_depth` deep (accept's bound on the
+    accepted drafts). Depths are those of the whole tree: a node deeper than the envelope stays (where
+    `tree.from_parents(max_depth=)` would drop it), so the tests also see accept stop at the bound."""
+    parent = jnp.asarray(parent)
+    full = tree_lib.from_parents(parent, jnp.asarray(valid))
+    return full.replace(envelope=tree_lib.TreeShape(parent.shape[1], max_depth))
 
 
 def _keys(n, seed=0):
@@ -80,9 +90,8 @@ def _one_level(rng, p_logits, q, k, sampling):
     logits[:, 0] = p_logits
     child_q = np.zeros((NS, N, V), np.float32)
     child_q[:, 0] = q
-    acc = accept_jit(jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(parent), jnp.asarray(valid),
-                     jnp.asarray(child_q), sampling, _keys(NS, int(rng.integers(1 << 30))), max_depth=1,
-                     max_children=3)
+    acc = accept_jit(jnp.asarray(logits), jnp.asarray(tokens), _tree(parent, valid, 1), jnp.asarray(child_q),
+                     sampling, _keys(NS, int(rng.integers(1 << 30))), max_children=3)
     node, bonus = np.asarray(acc.node), np.asarray(acc.bonus)
     first = np.where(node > 0, tokens[np.arange(NS), node], bonus)
     assert np.array_equal(np.asarray(acc.num_accepted), (node > 0).astype(np.int32))
@@ -183,8 +192,8 @@ def test_two_level_tree_emits_the_target_joint():
     child_q[:, 0] = q1
     child_q[:, 1] = q2[c[:, 0]]
     child_q[:, 2] = q2[c[:, 1]]
-    acc = accept_jit(jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(parent), jnp.ones((NS, N), bool),
-                     jnp.asarray(child_q), _sampling(NS), _keys(NS, 7), max_depth=2, max_children=2)
+    acc = accept_jit(jnp.asarray(logits), jnp.asarray(tokens), _tree(parent, np.ones((NS, N), bool), 2),
+                     jnp.asarray(child_q), _sampling(NS), _keys(NS, 7), max_children=2)
     node, m, bonus = np.asarray(acc.node), np.asarray(acc.num_accepted), np.asarray(acc.bonus)
     rows = np.arange(NS)
     par = parent[0]
@@ -210,8 +219,8 @@ def test_greedy_walk_on_a_hand_made_tree():
                        [5, 0, 1, 2, 0, 7]])               # row 2: node 5 invalid → stop at 3, bonus 2
     logits = np.full((3, 6, V), -1.0, np.float32)
     np.put_along_axis(logits, argmax[..., None], 1.0, axis=2)
-    acc = accept_jit(jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(parent), jnp.asarray(valid), None, None,
-                     None, max_depth=3, max_children=2)
+    acc = accept_jit(jnp.asarray(logits), jnp.asarray(tokens), _tree(parent, valid, 3), None, None, None,
+                     max_children=2)
     assert np.asarray(acc.node).tolist() == [5, 1, 3]
     assert np.asarray(acc.num_accepted).tolist() == [3, 1, 2]
     assert np.asarray(acc.bonus).tolist() == [7, 4, 2]
@@ -255,10 +264,10 @@ def test_greedy_closed_form_equals_the_walk(max_depth):
     logits = np.full((B, N, Vb), -1.0, np.float32)
     np.put_along_axis(logits, argmax[..., None], 1.0, axis=2)
     kids_max = fan
-    args = (jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(parent), jnp.asarray(valid))
-    fast = accept_jit(*args, None, None, None, max_depth=max_depth, max_children=kids_max)
+    args = (jnp.asarray(logits), jnp.asarray(tokens), _tree(parent, valid, max_depth))
+    fast = accept_jit(*args, None, None, None, max_children=kids_max)
     walk = accept_jit(*args, jnp.zeros((B, N, Vb), jnp.float32), _sampling(B, temperature=0.0), _keys(B),
-                      max_depth=max_depth, max_children=kids_max)
+                      max_children=kids_max)
     for name in ("node", "num_accepted", "bonus"):
         np.testing.assert_array_equal(np.asarray(getattr(fast, name)), np.asarray(getattr(walk, name)), err_msg=name)
     assert 0 < float(np.mean(np.asarray(fast.num_accepted))) and int(np.max(np.asarray(fast.num_accepted))) == max_depth

@@ -4,6 +4,8 @@ that imports from the rest of `hyspec_jax` only the math its kernels must equal.
 Every module's source is parsed (ast), never imported, and every import counts: top level and inside functions.
 `hyspec_jax.serve`, `.train`, `.bench` and `.pallas_kernels` map to the serve/, train/, bench/ and pallas_kernels/
 folders, as pyproject.toml's package-dir has them.
+
+Parsed the same way: no function or method in spec/ or runtime/ takes more than 8 parameters ([house-2]).
 """
 
 from __future__ import annotations
@@ -178,3 +180,49 @@ def test_the_checks_can_fail(tmp_path):
            "hyspec_jax.models.target": {f"{KERNELS}.dispatch"}, "hyspec_jax.gdn": set()}
     assert find_cycle(old) is not None
     assert "hyspec_jax.models.layers" not in KERNEL_MATH
+
+
+MAX_PARAMS = 8          # [house-2]: a longer list is a named struct or a frozen config waiting to be written
+
+
+def wide_functions(path: Path, limit: int = MAX_PARAMS, root: Path = ROOT) -> list[str]:
+    """'file:line name (n)' for every function, method and lambda in `path` taking more than `limit` parameters,
+    counted from the source: positional, keyword-only, *args and **kwargs alike; a method's self / cls not."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    methods = {id(f) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for f in c.body
+               if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+               and not any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in f.decorator_list)}
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        a = node.args
+        n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+        n -= id(node) in methods
+        if n > limit:
+            out.append(f"{path.relative_to(root)}:{node.lineno} {getattr(node, 'name', 'lambda')} ({n})")
+    return out
+
+
+def test_no_function_in_spec_or_runtime_takes_more_than_8_parameters():
+    folders = [ROOT / "hyspec_jax" / "spec", ROOT / "hyspec_jax" / "runtime"]
+    files = [p for f in folders for p in sorted(f.rglob("*.py"))]
+    assert len(files) > 10
+    wide = [w for p in files for w in wide_functions(p)]
+    assert not wide, "more than 8 parameters (group them in a named struct or a frozen config): " + ", ".join(wide)
+
+
+def test_the_parameter_count_sees_every_kind(tmp_path):
+    """Keyword-only parameters, *args and **kwargs count; self and cls do not, a static method's first one does."""
+    src = ("def f(a, b, /, c, *args, d, **kw): pass\n"       # 6
+           "def ok(a, b, c, d, e): pass\n"                   # 5
+           "class C:\n"
+           "    def m(self, a, b, c, d, e): pass\n"          # 5
+           "    @classmethod\n"
+           "    def k(cls, a, b, c, d, *, e): pass\n"        # 5
+           "    @staticmethod\n"
+           "    def s(a, b, c, d, e, f): pass\n"             # 6
+           "g = lambda a, b, c, d, e, f: 0\n")               # 6
+    (tmp_path / "m.py").write_text(src)
+    assert sorted(wide_functions(tmp_path / "m.py", limit=5, root=tmp_path)) == [
+        "m.py:1 f (6)", "m.py:8 s (6)", "m.py:9 lambda (6)"]

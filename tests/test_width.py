@@ -19,8 +19,8 @@ from hyspec_jax import tree as T
 from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.spec.budget import BudgetTable, packed_gains, root_floor, select_nodes, width_gains
 from hyspec_jax.runtime.engine import Engine, SpecConfig
-from hyspec_jax.runtime.width import (WidthBackend, WidthChooser, choose_width, kept_widths, round_seconds,
-                                   round_signature, width_buckets)
+from hyspec_jax.runtime.width import (CalibrationCache, WidthBackend, WidthChooser, choose_width, kept_widths,
+                                   round_seconds, round_signature, width_buckets)
 from hyspec_jax.tree import TreeExpansion
 from tests.test_budget import _forest as budget_forest
 from tests.test_engine import (GAMMA, SAMPLES, SETTINGS, SLOTS, KV, SV, _chisq_pvalue, _cli, _oracle,  # noqa: F401
@@ -492,7 +492,7 @@ def test_a_start_up_calibration_is_kept_for_the_next_start(models, reference, tm
 
     def backend(repeats: int = 2, reuse: bool = True, engine: list | None = None):
         eng = Engine(target, drafter, _spec("tree", calibrate_repeats=repeats), slots=SLOTS, kv_len=KV,
-                     calibration_cache=cache, reuse_calibration=reuse)
+                     calibration_cache=CalibrationCache(cache, reuse=reuse))
         if engine is not None:
             engine.append(eng)
         return eng.backend(SLOTS, KV, decode_buckets=(1,))

@@ -157,10 +157,29 @@ def template_tree(rng: np.random.Generator, nodes: int, depth: int, batch: int):
     return tree_lib.pack_forest([par] * batch, tree_lib.TreeShape(nodes, d))
 
 
-def calibrate(model, *, model_name: str, batches: list[int], kv_lens: list[int], nodes: list[int], depth: int,
-              eps: float, repeats: int, kernel_impl: str = "reference", log=print) -> list[dict]:
-    """Measure every bucket; returns table entries (see module docstring). kernel_impl: the verify's kernels
-    (`hyspec_jax.kernels`; `hyspec calibrate` passes --kernels, auto by default, as the engine runs)."""
+@dataclasses.dataclass(frozen=True)
+class CalibrationSweep:
+    """What `hyspec calibrate` measures: every bucket (batch slots × KV length), T_ver at every node capacity over
+    a template tree `depth` deep, B_ver within (1 + eps)·T_dec, each time the median of `repeats` calls; kernel_impl:
+    the verify's kernels (`hyspec_jax.kernels`; `hyspec calibrate` passes --kernels, auto by default, as the
+    engine runs)."""
+    batches: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    nodes: tuple[int, ...]
+    depth: int
+    eps: float
+    repeats: int
+    kernel_impl: str = "reference"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "CalibrationSweep":
+        """The sweep of `hyspec calibrate`'s options (`add_arguments`)."""
+        return cls(batches=tuple(args.batch), kv_lens=tuple(args.kv_len), nodes=tuple(args.nodes), depth=args.depth,
+                   eps=args.eps, repeats=args.repeats, kernel_impl=args.kernels)
+
+
+def calibrate(model, sweep: CalibrationSweep, *, model_name: str, log=print) -> list[dict]:
+    """Measure every bucket of the sweep; returns table entries (see module docstring)."""
     import functools
 
     import jax
@@ -177,19 +196,20 @@ def calibrate(model, *, model_name: str, batches: list[int], kv_lens: list[int],
     device_kind = jax.devices()[0].device_kind
     decode = functools.partial(target_lib.extend_jit, graphdef)              # state donated
     verify = jax.jit(lambda p, st, tree, toks: nnx.merge(graphdef, p).verify(st, tree, toks,
-                                                                             kernel_impl=kernel_impl)[::2])
+                                                                             kernel_impl=sweep.kernel_impl)[::2])
     rng = np.random.default_rng(0)
     entries = []
-    for B in batches:
-        for S in kv_lens:
-            if S <= max(nodes) + 1:
-                raise ValueError(f"kv_len {S} too short for node capacity {max(nodes)}")
+    depth, eps, repeats = sweep.depth, sweep.eps, sweep.repeats
+    for B in sweep.batches:
+        for S in sweep.kv_lens:
+            if S <= max(sweep.nodes) + 1:
+                raise ValueError(f"kv_len {S} too short for node capacity {max(sweep.nodes)}")
             base = init_state(cfg, B, S, dtype)
             base = base.replace(lengths=jnp.full((B,), S // 2, jnp.int32))
             tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 1)), jnp.int32)
             t_dec = time_decode(decode, params, jax.tree.map(jnp.copy, base), tok, repeats=repeats)[0].median_s
             t_ver = {}
-            for N in nodes:
+            for N in sweep.nodes:
                 tree = template_tree(rng, N, depth, B)
                 toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, N)), jnp.int32)
                 t_ver[N] = time_verify(verify, params, base, tree, toks, repeats=repeats)[0].median_s
@@ -205,16 +225,16 @@ def calibrate(model, *, model_name: str, batches: list[int], kv_lens: list[int],
     return entries
 
 
-def calibrate_rounds(engine, *, batches: list[int], kv_lens: list[int], repeats: int,
+def calibrate_rounds(engine, sweep: CalibrationSweep, *,
                      log=print) -> dict[tuple[int, int], tuple[str, dict[str, float]]]:
-    """The engine's round time at every width bucket (see the module docstring): {(B, S): (round signature,
-    {width: ms})}, timed by `runtime.width.time_widths` (the widths interleaved), each repeat after a fresh prefill
-    of the slots (untimed)."""
+    """The engine's round time at every width bucket of the sweep's buckets (see the module docstring): {(B, S):
+    (round signature, {width: ms})}, timed by `runtime.width.time_widths` (the widths interleaved, `sweep.repeats`
+    rounds each), each repeat after a fresh prefill of the slots (untimed)."""
     from hyspec_jax.runtime.width import round_signature, time_widths
 
     out = {}
-    for B in batches:
-        for S in kv_lens:
+    for B in sweep.batches:
+        for S in sweep.kv_lens:
             T = 1 << max(0, (S // 2).bit_length() - 1)            # the prefix: the power of two ≤ S / 2
             be = engine.width_backend(B, S, None, shapes=[(B, T)])
             widths = sorted(be.widths)
@@ -235,7 +255,7 @@ def calibrate_rounds(engine, *, batches: list[int], kv_lens: list[int], repeats:
                 prompt = rng.integers(0, engine.config.vocab_size, (B, T))
                 np.asarray(be.prefill(np.arange(B, dtype=np.int32), prompt, np.ones((B, T), bool), np.ones(B, bool),
                                       samp))
-            seconds = time_widths(be, np.ones(B, bool), repeats, before_repeat=prefill)
+            seconds = time_widths(be, np.ones(B, bool), sweep.repeats, before_repeat=prefill)
             ms = {str(w): round(1e3 * seconds[w], 4) for w in widths}
             for w in widths:
                 log(f"[calibrate] B={B} S={S} {sig} width {w:<4d} round {ms[str(w)]:8.3f} ms")
@@ -264,15 +284,14 @@ def run(args) -> int:
     out = Path(args.out) if args.out else Path(model_dir) / "budget.json"
     table = BudgetTable.load(out) if out.is_file() else BudgetTable()
     log = lambda s: print(s, file=sys.stderr)  # noqa: E731
-    entries = calibrate(model, model_name=model_id(cfg, Path(model_dir).name), batches=args.batch,
-                        kv_lens=args.kv_len, nodes=args.nodes, depth=args.depth, eps=args.eps,
-                        repeats=args.repeats, kernel_impl=args.kernels, log=log)
+    sweep = CalibrationSweep.from_args(args)
+    entries = calibrate(model, sweep, model_name=model_id(cfg, Path(model_dir).name), log=log)
     from hyspec_jax.launch import engine_from_args
     engine = engine_from_args(args, model, model_dir, dtype)
     if engine is None:
         log("[calibrate] plain decoding (no drafter): no round times")
     else:
-        rounds = calibrate_rounds(engine, batches=args.batch, kv_lens=args.kv_len, repeats=args.repeats, log=log)
+        rounds = calibrate_rounds(engine, sweep, log=log)
         for e in entries:
             sig, ms = rounds[(e["batch"], e["kv_len"])]
             e["t_round_ms"] = {sig: ms}

@@ -47,8 +47,8 @@ from hyspec_jax.spec.budget import BudgetTable, packed_rows
 from hyspec_jax.spec.options import KERNEL_IMPLS, MODES, MTP_DEFAULT_STEPS, MTP_MODES, TREE_MODES
 from hyspec_jax.spec.round import RoundShape
 from hyspec_jax.spec.stats import prefix_survival, rounded
-from hyspec_jax.runtime.width import (RoundTimesKey, WidthBackend, WidthOptions, cached_round_times, round_seconds,
-                                      round_signature, save_round_times, width_buckets)
+from hyspec_jax.runtime.width import (CalibrationCache, RoundTimesKey, WidthBackend, WidthOptions, cached_round_times,
+                                      round_seconds, round_signature, save_round_times, width_buckets)
 from hyspec_jax.state import TargetState, init_state
 from hyspec_jax.tree import TreeExpansion
 
@@ -212,17 +212,17 @@ class Engine:
     def __init__(self, target: TargetModel, drafter: Drafter | MTPHead | None = None, spec: SpecConfig | None = None,
                  *, slots: int | None = None,
                  kv_len: int | None = None, budget_table: BudgetTable | None = None, model_name: str = "",
-                 calibration_cache: Path | None = None, reuse_calibration: bool = True):
+                 calibration_cache: CalibrationCache | None = None):
         """spec: the mode and its options (default: plain decoding, `SpecConfig(mode="ar")`, which takes no
         drafter); slots / kv_len fix the bucket (default: `bucket_for` the request batch); budget_table: Bole's
         calibrated B_ver per bucket sets the verify width N when spec.verify_nodes is not given;
         calibration_cache: with spec.calibrate_repeats, where the round times timed at start-up are kept
-        (`runtime.width.save_round_times`) and, with reuse_calibration, looked up first where the budget table has
+        (`runtime.width.save_round_times`) and, with its `reuse`, looked up first where the budget table has
         none for a bucket (`runtime.width.cached_round_times`): a second start chooses without timing again."""
         spec = SpecConfig(mode="ar") if spec is None else spec
         self.spec = spec
         self.budget_table, self.model_name = budget_table, model_name
-        self.calibration_cache, self.reuse_calibration = calibration_cache, reuse_calibration
+        self.calibration_cache = calibration_cache
         self.config = target.config
         self.tgraph, self.tparams = split_for_jit(target)      # cheap to pass every round (compilation.py)
         leaves = jax.tree.leaves(self.tparams)
@@ -352,7 +352,7 @@ class Engine:
 
     def _round_times(self, slots: int, kv_len: int, rows: int | None = None) -> tuple[dict[int, float] | None, str]:
         """`round_seconds` and where they came from: the budget table, else (with spec.calibrate_repeats and
-        reuse_calibration) the times an earlier start-up calibration of exactly this bucket kept."""
+        the calibration cache's reuse) the times an earlier start-up calibration of exactly this bucket kept."""
         if self.spec.mode == "ar":
             return None, ""
         widths, sig = self._round_signature(slots, kv_len)
@@ -361,15 +361,16 @@ class Engine:
             e = self.budget_table.lookup(device, self.model_name, rows or slots, kv_len, self._gamma, sig)
             if (t := round_seconds(e, sig, widths)) is not None:
                 return t, "the budget table"
-        if self.calibration_cache is not None and self.reuse_calibration and self.spec.calibrate_repeats > 0:
+        cache = self.calibration_cache
+        if cache is not None and cache.reuse and self.spec.calibrate_repeats > 0:
             t = cached_round_times(self._times_key(device, kv_len, sig), rows or slots, widths)
             if t is not None:
-                return t, f"an earlier start-up calibration ({self.calibration_cache})"
+                return t, f"an earlier start-up calibration ({cache.path})"
         return None, ""
 
     def _times_key(self, device_kind: str, kv_len: int, signature: str) -> RoundTimesKey:
         """Where and for what this engine's start-up calibration keeps its round times (`calibration_cache`)."""
-        return RoundTimesKey(self.calibration_cache, device_kind, self.model_name, kv_len, self._gamma, signature,
+        return RoundTimesKey(self.calibration_cache.path, device_kind, self.model_name, kv_len, self._gamma, signature,
                              self.spec.calibrate_repeats, source_digest())
 
     def _save_calibration(self, kv_len: int, signature: str, times: dict[int, dict[int, float]]) -> Path | None:
@@ -380,9 +381,9 @@ class Engine:
         try:
             save_round_times(self._times_key(jax.devices()[0].device_kind, kv_len, signature), times)
         except OSError as e:
-            log.warning("could not keep the start-up calibration in %s: %s", self.calibration_cache, e)
+            log.warning("could not keep the start-up calibration in %s: %s", self.calibration_cache.path, e)
             return None
-        return self.calibration_cache
+        return self.calibration_cache.path
 
     def width_backend(self, slots: int, kv_len: int, seconds: dict[int, float] | None = None,
                       shapes: Sequence[tuple[int, int]] | None = None,

@@ -338,6 +338,14 @@ def calibration_cache_path() -> Path:
 
 
 @dataclasses.dataclass(frozen=True)
+class CalibrationCache:
+    """Where an engine's start-up calibration keeps its round times (`save_round_times`) and whether it first looks
+    up what an earlier start kept there (`cached_round_times`; reuse False: `--recalibrate`, time them again)."""
+    path: Path
+    reuse: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class RoundTimesKey:
     """What a start-up calibration's kept round times are valid for, but the decoding bucket's rows: the table file,
     the device kind, the model, the KV length, the draft depth and the round signature, timed by `source` (the
@@ -424,4 +432,4 @@ def time_widths(backend: WidthBackend, active: np.ndarray, repeats: int,
 
 __all__ = ["width_buckets", "round_signature", "round_seconds", "choose_width", "kept_widths", "WidthChooser",
            "WidthBackend", "time_widths", "calibration_cache_path", "cached_round_times", "save_round_times",
-           "RoundTimesKey", "WidthOptions"]
+           "CalibrationCache", "RoundTimesKey", "WidthOptions"]

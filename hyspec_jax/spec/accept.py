@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from hyspec_jax import tree as tree_lib
 from hyspec_jax.sampling import SlotSampling, warp
 
 F32 = jnp.float32
@@ -65,17 +66,17 @@ def _normalise(x: jax.Array, fallback: jax.Array) -> jax.Array:
     return jnp.where(s > 0, x / jnp.where(s > 0, s, 1.0), fallback)
 
 
-def accept(logits: jax.Array, tokens: jax.Array, parent: jax.Array, valid: jax.Array,
-           child_q: jax.Array | None, sampling: SlotSampling | None, keys: jax.Array | None, *,
-           max_depth: int, max_children: int) -> Acceptance:
+def accept(logits: jax.Array, tokens: jax.Array, tree: tree_lib.Tree, child_q: jax.Array | None,
+           sampling: SlotSampling | None, keys: jax.Array | None, *, max_children: int) -> Acceptance:
     """Accept a path of every row's verified tree.
 
-    logits [B,N,V] target logits (fp32, unwarped) at each node; tokens/parent/valid [B,N]; child_q [B,N,V]
-    the (warped) draft distribution node u's children were drawn from, required when `sampling` is given;
+    logits [B,N,V] target logits (fp32, unwarped) at each node; tokens [B,N] and the tree over them; child_q
+    [B,N,V] the (warped) draft distribution node u's children were drawn from, required when `sampling` is given;
     sampling None = all rows greedy (no randomness); keys [B] per-slot PRNG keys (with sampling).
-    max_depth bounds the accepted drafts, max_children the children visited per node (static).
+    The tree's envelope depth bounds the accepted drafts, max_children the children visited per node (static).
     """
     B, N, V = logits.shape
+    parent, valid, max_depth = tree.parent, tree.valid, tree.max_depth
     chex.assert_shape([tokens, parent, valid], (B, N))
     argmax = jnp.argmax(logits, axis=-1).astype(I32)                            # [B,N]
     if sampling is None:
@@ -130,14 +131,7 @@ def accept(logits: jax.Array, tokens: jax.Array, parent: jax.Array, valid: jax.A
     gumbel = -jnp.log(-jnp.log(noise[:, n_u:]))                                 # Gumbel-max = categorical
     sampled = jnp.argmax(jnp.log(jnp.maximum(p_fin, 0.0)) + gumbel, axis=-1).astype(I32)
     bonus = jnp.where(greedy, _rows(argmax, cur), sampled)
-    depth = jnp.zeros((B,), I32)
-    # depth of cur: count ancestors by walking parents (max_depth gathers)
-    a = cur
-    for _ in range(max_depth):
-        up = a > 0
-        depth = depth + up
-        a = jnp.where(up, jnp.maximum(_rows(parent, a), 0), 0)
-    return Acceptance(node=cur, num_accepted=depth, bonus=bonus)
+    return Acceptance(node=cur, num_accepted=_rows(tree.depth, cur), bonus=bonus)
 
 
 def _accept_greedy(argmax: jax.Array, tokens: jax.Array, parent: jax.Array, valid: jax.Array,

@@ -18,7 +18,7 @@ from hyspec_jax.models.drafter import TargetHeads
 from hyspec_jax.models.mtp import MTPHead, MTPState
 from hyspec_jax.sampling import SlotSampling
 from hyspec_jax.spec.propose import ChainProposal, draw
-from hyspec_jax.spec.select import Candidates, chain_candidates, expand_candidates
+from hyspec_jax.spec.select import Candidates, expand_candidates
 from hyspec_jax.tree import TreeExpansion
 
 F32 = jnp.float32
@@ -93,14 +93,4 @@ def mtp_tree(head: MTPHead, heads: TargetHeads, mstate: MTPState, anchor: jax.Ar
     return expand_candidates(level, carry, anchor, expansion, V, sampling, keys, kernel_impl)
 
 
-def mtp_candidates(head: MTPHead, heads: TargetHeads, mstate: MTPState, anchor: jax.Array,
-                   tree: TreeExpansion | None, steps: int, sampling: SlotSampling | None = None,
-                   keys: jax.Array | None = None, kernel_impl: str = "reference") -> Candidates:
-    """The round's candidates: the chain of `steps` drafts (tree None) or the tree."""
-    if tree is None:
-        return chain_candidates(mtp_chain(head, heads, mstate, anchor, steps, sampling, keys), anchor, None,
-                                sampling)
-    return mtp_tree(head, heads, mstate, anchor, tree, sampling, keys, kernel_impl)
-
-
-__all__ = ["mtp_chain", "mtp_tree", "mtp_candidates"]
+__all__ = ["mtp_chain", "mtp_tree"]

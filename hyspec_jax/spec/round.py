@@ -44,7 +44,7 @@ from hyspec_jax.sampling import PenaltyCounts, SlotPenalty, SlotSampling, penali
 from hyspec_jax.spec.accept import accept
 from hyspec_jax.spec.budget import confident_length, packed_gains, root_floor, select_nodes, width_gains
 from hyspec_jax.spec.commit import commit
-from hyspec_jax.spec.mtp_propose import mtp_candidates
+from hyspec_jax.spec.mtp_propose import mtp_chain, mtp_tree
 from hyspec_jax.spec.propose import chain_from_block
 from hyspec_jax.spec.select import chain_candidates, tree_candidates
 from hyspec_jax.state import DrafterState, TargetState, TreeCache
@@ -234,8 +234,11 @@ def round_draft(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, 
 
     if shape.drafter == "mtp":
         with jax.named_scope("drafter_forward"):
-            cand = mtp_candidates(drafter, heads, slots.drafter, anchor, shape.tree, shape.gamma, samp, dkeys,
-                                  kernel_impl=shape.kernel_impl)
+            if shape.tree is None:
+                prop = mtp_chain(drafter, heads, slots.drafter, anchor, shape.gamma, samp, dkeys)
+                cand = chain_candidates(prop, anchor, None, samp)
+            else:
+                cand = mtp_tree(drafter, heads, slots.drafter, anchor, shape.tree, samp, dkeys, shape.kernel_impl)
         return _select(cand, inputs, samp, shape)
     state = slots.target
     ssm, pending = (state.ssm, state.pending) if shape.reader else (None, None)
@@ -308,8 +311,7 @@ def round_commit(dgraph: nnx.GraphDef, dparams: nnx.State, slots: SlotState, anc
     if hist is not None:
         hist = hist.add(anchor[:, None], active[:, None])
         logits = penalize_tree(logits, tokens, tree, hist, inputs.penalty)
-    acc = accept(logits, tokens, tree.parent, tree.valid, draft.child_q, samp, akeys,
-                 max_depth=D, max_children=shape.max_children)
+    acc = accept(logits, tokens, tree, draft.child_q, samp, akeys, max_children=shape.max_children)
 
     node = jnp.where(active, acc.node, -1)
     new_state = commit(slots.target, verified.cache, tree, node, shape.kernel_impl)

@@ -7,6 +7,7 @@
 #            layer, kernels per call, each program against its floor
 #   round    `hyspec bench round-scale` (tree-ready T_round / T_dec) at B 1 / 8 / 32 (ROUND_BATCH), N 8 / 32
 #   tests    the GPU twins of the kernel tests, where pytest is installed
+# profile's PROFILE_BATCH, PROFILE_TIMEOUT and PROFILE_HLO (XLA's optimized HLO of the decoding steps).
 # layer's LAYER_CONFIGS, DECODE_BATCHES ('' for none), LAYER_VARIANTS (a regex) and LAYER_TIMEOUT narrow it to fit
 # beside other steps in one call.
 # The SGLang peer: the one kernel file of the sglang 0.5.23 wheel, zipped under .peer/ (ignored; carry it):
@@ -27,11 +28,17 @@ for step in ${STEPS:-layer}; do
         --configs ${LAYER_CONFIGS:-1:8,1:32,8:8,8:32,32:8} --decode-batches "${DECODE_BATCHES-1,8,32}" \
         ${LAYER_VARIANTS:+--variants "$LAYER_VARIANTS"} ${PEER:+--sglang-wheel "$PEER"} \
         --json "$OUT/gdn_layer.json" 2>&1 | tail -45 ;;
-    profile)
+    profile)   # PROFILE_HLO=1: also XLA's optimized HLO of the decoding step (each batch), gzipped under $OUT
+      [ -n "${PROFILE_HLO:-}" ] && export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text \
+        --xla_dump_hlo_module_re=jit__extend"
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout ${PROFILE_TIMEOUT:-290} "${H[@]}" bench profile-scale \
         --batch ${PROFILE_BATCH:-1,8} --nodes 8,32 \
         --compile-workers 1 --max-seconds $(( ${PROFILE_TIMEOUT:-290} - 50 )) --compile-cache "$JAX_CACHE" --no-progress \
-        --json "$OUT/profile_scale.json" 2>&1 | tail -12 ;;
+        --json "$OUT/profile_scale.json" 2>&1 | tail -12
+      if [ -n "${PROFILE_HLO:-}" ]; then
+        i=0; for f in /tmp/hlo/*jit__extend*after_optimizations.txt; do
+          [ -e "$f" ] && gzip -c "$f" > "$OUT/decode_hlo_$i.txt.gz"; i=$((i + 1)); done
+        unset XLA_FLAGS; fi ;;
     round)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 320 "${H[@]}" bench round-scale --batch ${ROUND_BATCH:-1,8,32} --nodes 8,32 --no-phases \
         --compile-workers 2 --max-seconds 270 --compile-cache "$JAX_CACHE" --no-progress \

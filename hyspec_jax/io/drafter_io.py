@@ -158,8 +158,7 @@ def _merge_lora(model: Drafter, path: Path, dtype) -> None:
         if part is None:
             w += delta
         else:
-            for d, p in part.views(delta, w):
-                p += d
+            layout.scatter(part, delta, w, add=True)
         var.set_value(jnp.asarray(w, dtype=dtype))
 
 

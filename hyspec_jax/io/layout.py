@@ -6,15 +6,16 @@ tensors (its `Part`s) and split back into them on save, byte for byte:
 - an `MLP`'s `gate_up_proj.weight` [2I, H] (rows interleaved, `layers.gate_up`) <- `gate_proj.weight`,
   `up_proj.weight` [I, H] (the dense MLP, the shared expert, the MTP head's and the drafter's MLP);
 - a `GatedDeltaNet`'s `in_proj.weight` [HK·G, H] (rows grouped by key head, `layers.key_head_groups`) <- the
-  checkpoint's own layout (`TargetConfig.projection_layout`): "split" (Qwen3.5: `in_proj_qkv` [q | k | v, each
-  head-major], `in_proj_z`, `in_proj_b`, `in_proj_a`) or "interleaved" (Qwen3-Next: `in_proj_qkvz` per group
+  checkpoint's own layout (`TargetConfig.projection_layout`; what each tensor holds: `layers.IN_PROJ_TENSORS`,
+  which the module's seeded init follows too): "split" (Qwen3.5: `in_proj_qkv` [q | k | v, each head-major],
+  `in_proj_z`, `in_proj_b`, `in_proj_a`) or "interleaved" (Qwen3-Next: `in_proj_qkvz` per group
   [q_g | k_g | v_g | z_g], `in_proj_ba` per group [b_g | a_g]); saved back in that layout;
 - routed `Experts`' `gate_up_proj` [E, 2I, H] (gate rows first) and `down_proj` [E, H, I] <- per expert
   `experts.{e}.gate_proj.weight` / `up_proj` / `down_proj` (as transformers' save_pretrained writes them); a
   checkpoint may also hold these two fused under their own names (transformers' in-memory form), read as is.
 
-A `Part` is a list of matching views (on-disk tensor side, parameter side): loading copies one way (converting
-to the model dtype in the copy), saving the other. The row maps of the MLP and GDN parts apply to any trailing
+A `Part` gives matching views (on-disk tensor side, parameter side): loading copies one way (converting to the
+model dtype in the copy), saving the other. The row maps of the MLP and GDN parts apply to any trailing
 dimensions, so a LoRA factor B [out, r] of a fused weight splits into its parts' factors the same way.
 """
 
@@ -26,7 +27,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from flax import nnx
 
-from hyspec_jax.models.layers import MLP, Experts, GatedDeltaNet, gate_up, key_head_groups
+from hyspec_jax.models.layers import (IN_PROJ_TENSORS, MLP, Experts, GatedDeltaNet, gate_up, in_proj_tensor_parts,
+                                      key_head_groups)
 
 Views = Callable[[np.ndarray, np.ndarray], list[tuple[np.ndarray, np.ndarray]]]
 
@@ -50,50 +52,26 @@ class Fused:
     stored_whole: bool = False
 
 
-def _rows(key: str, rows: int, trailing: tuple[int, ...], select: Callable[[np.ndarray], list[np.ndarray]]) -> Part:
-    """A part whose on-disk rows are the parameter rows `select(param)` (views whose leading dims index rows and
-    whose trailing dims are the tensor's), one after the other."""
-    def views(tensor, param):
-        sides, start = [], 0
-        for p in select(param):
-            n = int(np.prod(p.shape[:p.ndim - tensor.ndim + 1]))
-            sides.append((tensor[start:start + n].reshape(p.shape), p))
-            start += n
-        assert start == tensor.shape[0], (key, tensor.shape)
-        return sides
-    return Part(key, (rows, *trailing), views, rows=True)
-
-
 def _mlp(prefix: str, m: MLP) -> list[Fused]:
     two_i, H = m.gate_up_proj.weight.shape
-    name = f"{prefix}gate_up_proj.weight"
-    parts = tuple(_rows(f"{prefix}{proj}_proj.weight", two_i // 2, (H,), lambda w, i=i: [gate_up(w, 0)[i]])
-                  for i, proj in enumerate(("gate", "up")))
-    return [Fused(name, (two_i, H), parts)]
 
-
-# the on-disk tensors of each GDN layout: name -> the parts of a key-head group they hold, in their on-disk order
-# (a "split" tensor holds a part for all heads before the next part: head-major blocks; an "interleaved" tensor
-# holds its parts group by group)
-_GDN_DISK = {
-    "split": {"in_proj_qkv": ("q", "k", "v"), "in_proj_z": ("z",), "in_proj_b": ("b",), "in_proj_a": ("a",)},
-    "interleaved": {"in_proj_qkvz": ("q", "k", "v", "z"), "in_proj_ba": ("b", "a")},
-}
+    def part(i: int, proj: str) -> Part:
+        return Part(f"{prefix}{proj}_proj.weight", (two_i // 2, H), lambda t, p: [(t, gate_up(p, 0)[i])], rows=True)
+    return [Fused(f"{prefix}gate_up_proj.weight", (two_i, H), (part(0, "gate"), part(1, "up")))]
 
 
 def _gdn(prefix: str, g: GatedDeltaNet) -> list[Fused]:
     rows, H = g.in_proj.weight.shape
     widths, hk = g.in_proj_widths, g.hk
-    starts = dict(zip(widths, np.cumsum([0, *widths.values()])))      # part -> its first row in a group
-    parts = []
-    for key, names in _GDN_DISK[g.layout].items():
-        if g.layout == "split":            # block by block: each part's [HK, w, H] view is one block of the tensor
-            select = lambda w, names=names: [key_head_groups(w, widths, hk, 0)[p] for p in names]
-        else:                              # group by group: the consecutive parts' [HK, Σw, H] view
-            lo, hi = int(starts[names[0]]), int(starts[names[-1]]) + widths[names[-1]]
-            select = lambda w, lo=lo, hi=hi: [w.reshape(hk, -1, *w.shape[1:])[:, lo:hi]]
-        parts.append(_rows(f"{prefix}{key}.weight", hk * sum(widths[p] for p in names), (H,), select))
-    return [Fused(f"{prefix}in_proj.weight", (rows, H), tuple(parts))]
+
+    def part(name: str, names: tuple[str, ...]) -> Part:
+        def views(tensor, param):
+            t = in_proj_tensor_parts(tensor, g.layout, name, widths, hk)
+            p = key_head_groups(param, widths, hk, 0)
+            return [(t[x], p[x]) for x in names]
+        return Part(f"{prefix}{name}.weight", (hk * sum(widths[x] for x in names), H), views, rows=True)
+    return [Fused(f"{prefix}in_proj.weight", (rows, H),
+                  tuple(part(name, names) for name, names in IN_PROJ_TENSORS[g.layout].items()))]
 
 
 def _experts(prefix: str, x: Experts) -> list[Fused]:
@@ -110,22 +88,29 @@ def _experts(prefix: str, x: Experts) -> list[Fused]:
             Fused(f"{prefix}down_proj", (E, H, I_down), tuple(one(e, "down") for e in range(E)), stored_whole=True)]
 
 
+_FUSERS = {MLP: _mlp, GatedDeltaNet: _gdn, Experts: _experts}     # module class -> its fused parameters
+
+
 def fused_params(module: nnx.Module) -> dict[str, Fused]:
     """The fused parameters of `module` (and its submodules) by dotted parameter path, as `hf.flat_params`
     names them."""
     out: dict[str, Fused] = {}
     for path, node in nnx.iter_graph(module):
-        prefix = "".join(f"{p}." for p in path)
-        kind = {MLP: _mlp, GatedDeltaNet: _gdn, Experts: _experts}.get(type(node))
-        for f in kind(prefix, node) if kind else ():
+        fuser = _FUSERS.get(type(node))
+        for f in fuser("".join(f"{p}." for p in path), node) if fuser else ():
             out[f.name] = f
     return out
 
 
-def scatter(part: Part, tensor: np.ndarray, param: np.ndarray) -> None:
-    """Copy an on-disk tensor into its place in the fused parameter array (cast to its dtype in the copy)."""
+def scatter(part: Part, tensor: np.ndarray, param: np.ndarray, *, add: bool = False) -> None:
+    """Copy an on-disk tensor into its place in the fused parameter array (cast to its dtype in the copy), or
+    with `add` add it there (a LoRA update of that tensor)."""
     for t, p in part.views(tensor, param):
-        p[...] = t
+        assert np.shares_memory(p, param), part.key      # a view, not a copy (param must be C-contiguous)
+        if add:
+            p += t
+        else:
+            p[...] = t
 
 
 def gather(part: Part, param: np.ndarray) -> np.ndarray:
@@ -134,6 +119,7 @@ def gather(part: Part, param: np.ndarray) -> np.ndarray:
     shape = (part.shape[0], *param.shape[1:]) if part.rows else part.shape
     out = np.empty(shape, param.dtype)
     for t, p in part.views(out, param):
+        assert np.shares_memory(t, out), part.key
         t[...] = p
     return out
 

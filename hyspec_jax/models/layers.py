@@ -9,6 +9,7 @@ runs one GEMM (one kernel launch) instead of several — an MLP's `gate_up_proj`
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -35,10 +36,12 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 class Linear(nnx.Module):
-    """y = x Wᵀ (+ b); weight [out, in] as in torch."""
+    """y = x Wᵀ (+ b); weight [out, in] as in torch (`weight`: its initial value, default drawn from `rngs`)."""
 
-    def __init__(self, din: int, dout: int, *, bias: bool = False, dtype=F32, rngs: nnx.Rngs):
-        self.weight = _normal(rngs, (dout, din), dtype)
+    def __init__(self, din: int, dout: int, *, bias: bool = False, dtype=F32, rngs: nnx.Rngs | None = None,
+                 weight: jax.Array | None = None):
+        self.weight = _normal(rngs, (dout, din), dtype) if weight is None else nnx.Param(weight.astype(dtype))
+        chex.assert_shape(self.weight[...], (dout, din))
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -99,7 +102,11 @@ class MLP(nnx.Module):
     """SwiGLU: down(SiLU(gate x) ⊙ up x), gate and up as one matmul (`gate_up_proj` [2I, H], rows as `gate_up`)."""
 
     def __init__(self, hidden: int, inter: int, *, dtype=F32, rngs: nnx.Rngs):
-        self.gate_up_proj = Linear(hidden, 2 * inter, dtype=dtype, rngs=rngs)
+        # drawn as the checkpoint's gate_proj then up_proj, paired row by row (`gate_up`): a seeded model is the
+        # one the unfused layers drew
+        gate, up = (_normal(rngs, (inter, hidden), dtype)[...] for _ in range(2))
+        self.gate_up_proj = Linear(hidden, 2 * inter, dtype=dtype,
+                                   weight=jnp.stack([gate, up], axis=1).reshape(2 * inter, hidden))
         self.down_proj = Linear(inter, hidden, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -217,20 +224,51 @@ def key_head_groups(x, widths: dict[str, int], heads: int, axis: int = -1) -> di
     return out
 
 
+# The in-projection tensors of each checkpoint layout (`TargetConfig.projection_layout`), in checkpoint order:
+# name -> the parts of a key-head group it holds, in order ("split", Qwen3.5: each part for all heads, one block
+# after the other; "interleaved", Qwen3-Next: the parts group by group)
+IN_PROJ_TENSORS: dict[str, dict[str, tuple[str, ...]]] = {
+    "split": {"in_proj_qkv": ("q", "k", "v"), "in_proj_z": ("z",), "in_proj_b": ("b",), "in_proj_a": ("a",)},
+    "interleaved": {"in_proj_qkvz": ("q", "k", "v", "z"), "in_proj_ba": ("b", "a")},
+}
+
+
+def in_proj_tensor_parts(t, layout: str, name: str, widths: dict[str, int], heads: int) -> dict[str, jax.Array]:
+    """The parts the checkpoint's in-projection tensor `name` [rows, ...] holds (`IN_PROJ_TENSORS`), each as
+    [heads, width, ...] like `key_head_groups` gives them from the fused rows. Views for numpy arrays."""
+    names = IN_PROJ_TENSORS[layout][name]
+    if layout == "interleaved":
+        return key_head_groups(t, {p: widths[p] for p in names}, heads, 0)
+    out, start = {}, 0
+    for p in names:
+        n = heads * widths[p]
+        out[p] = t[start:start + n].reshape(heads, widths[p], *t.shape[1:])
+        start += n
+    assert start == t.shape[0], (name, t.shape)
+    return out
+
+
 class GatedDeltaNet(nnx.Module):
     """Gated DeltaNet mixer. The math is in `hyspec_jax.gdn`; this module owns projections and layout.
 
     The in-projection is one matmul: `in_proj` [HK·G, H], per key-head group g the rows
     [q_g (dk) | k_g (dk) | v_g (r·dv) | z_g (r·dv) | b_g (r) | a_g (r)], r = HV/HK (`in_proj_widths`), so it
-    shards over key heads. Checkpoints store it in `layout` ("split": in_proj_qkv/z/b/a; "interleaved":
-    in_proj_qkvz/ba), which `hyspec_jax.io.layout` maps to and from."""
+    shards over key heads. Checkpoints store it in `layout` (`IN_PROJ_TENSORS`), which `hyspec_jax.io.layout`
+    maps to and from."""
 
     def __init__(self, cfg: TargetConfig, *, dtype=F32, rngs: nnx.Rngs):
         H = cfg.hidden_size
         self.layout = cfg.projection_layout
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.in_proj = Linear(H, self.hk * sum(self.in_proj_widths.values()), dtype=dtype, rngs=rngs)
+        # drawn tensor by tensor in checkpoint order, then regrouped: a seeded model is the one the unfused
+        # projections drew
+        widths, parts = self.in_proj_widths, {}
+        for name, names in IN_PROJ_TENSORS[self.layout].items():
+            t = _normal(rngs, (self.hk * sum(widths[p] for p in names), H), dtype)[...]
+            parts.update(in_proj_tensor_parts(t, self.layout, name, widths, self.hk))
+        self.in_proj = Linear(H, self.hk * sum(widths.values()), dtype=dtype,
+                              weight=jnp.concatenate([parts[p] for p in widths], axis=1).reshape(-1, H))
         self.conv1d = DepthwiseConv(cfg.conv_dim, cfg.linear_conv_kernel_dim, dtype=dtype, rngs=rngs)
         self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (self.hv,), F32, 1.0, 16.0)).astype(dtype))
         self.dt_bias = nnx.Param(jnp.ones((self.hv,), dtype))

@@ -12,8 +12,8 @@ where every array lives (the style of jax-ml/jax-llm-examples):
 
 A dimension is sharded over its mesh axis only if the number of whole *units* along it (attention heads,
 KV heads, GDN key-head groups, GDN value heads, experts; gate/up row pairs of a fused MLP; plain elements for
-MLP / vocab / batch) is a multiple of the mesh axis size, so every device holds whole heads / groups / experts. Otherwise that
-dimension falls back to replication. A parameter with no rule, a rule of the wrong rank, or a dimension
+MLP / vocab / batch) is a multiple of the mesh axis size, so every device holds whole heads / groups / experts.
+Otherwise that dimension falls back to replication. A parameter with no rule, a rule of the wrong rank, or a dimension
 that is not a whole number of its units raises — fail closed, never a silent or misaligned sharding.
 
 Layout notes (why the table looks the way it does):

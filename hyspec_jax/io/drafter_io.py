@@ -84,10 +84,10 @@ def save_drafter(model: Drafter, out_dir: str | Path, *, heads: TargetHeads | No
                 if key not in names:
                     raise CheckpointError(f"LoRA for {name!r}: no such drafter parameter")
                 a, b = cast(np.asarray(d["a"])), cast(np.asarray(d["b"]))
-                # a fused weight's W + B·A is its parts' W_p + B_p·A, B_p the part's rows of B
-                for part in fused[key].parts if key in fused else ():
-                    tensors[f"{part.key}.lora_a"], tensors[f"{part.key}.lora_b"] = a, layout.gather(part, b)
-                if key not in fused:
+                if key in fused:        # W + B·A of a fused weight is its parts' W_p + B_p·A, B_p their rows of B
+                    for part in fused[key].parts:
+                        tensors[f"{part.key}.lora_a"], tensors[f"{part.key}.lora_b"] = a, layout.gather(part, b)
+                else:
                     tensors[f"{key}.lora_a"], tensors[f"{key}.lora_b"] = a, b
             save_file(tensors, str(rdir / LORA_FILE), metadata={"format": "pt", "alpha": repr(float(lora_alpha))})
             files.append(f"{READER_DIR}/{LORA_FILE}")

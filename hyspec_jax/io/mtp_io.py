@@ -4,9 +4,9 @@ Qwen3.5 checkpoints keep them at the top level (`mtp.fc.weight`) while the LM si
 Qwen3-Next under `mtp.` too. Names below `mtp.` are the `MTPHead` parameter paths: `fc.weight`,
 `pre_fc_norm_embedding.weight`, `pre_fc_norm_hidden.weight`, `layers.{i}.…` (a decoder layer in the target's
 names, its fused parameters mapped to and from the target's on-disk tensors by `hyspec_jax.io.layout`),
-`norm.weight`. Only the shards that hold
-`mtp.` keys are opened (the index's weight map says which), and only those keys are read. `save_mtp` adds a head
-(e.g. one trained by `hyspec train-mtp`) to a model directory in the same layout.
+`norm.weight`. Only the shards that hold `mtp.` keys are opened (the index's weight map says which), and only
+those keys are read. `save_mtp` adds a head (e.g. one trained by `hyspec train-mtp`) to a model directory in
+the same layout.
 """
 
 from __future__ import annotations

@@ -6,30 +6,32 @@ where every array lives (the style of jax-ml/jax-llm-examples):
 
 1. a rule table from array names to *logical* axes, one entry per dimension —
    `PARAM_RULES` for the parameters of `TargetModel` (keyed by the Hugging Face parameter names the module
-   tree mirrors, e.g. ``model.layers.3.linear_attn.in_proj_qkv.weight``, weights [out, in]), and
+   tree mirrors, e.g. ``model.layers.3.linear_attn.out_proj.weight``, weights [out, in]), and
    `STATE_RULES` / `CACHE_RULES` for the `TargetState` / `TreeCache` pytrees (keyed by field name);
 2. `LOGICAL_AXIS_RULES`, from logical axes to mesh axes (``"data"``, ``"model"`` or ``None`` = replicated).
 
 A dimension is sharded over its mesh axis only if the number of whole *units* along it (attention heads,
-KV heads, GDN key-head groups, GDN value heads, experts; plain elements for MLP / vocab / batch) is a
-multiple of the mesh axis size, so every device holds whole heads / groups / experts. Otherwise that
-dimension falls back to replication. A parameter with no rule, a rule of the wrong rank, or a dimension
+KV heads, GDN key-head groups, GDN value heads, experts; gate/up row pairs of a fused MLP; plain elements for
+MLP / vocab / batch) is a multiple of the mesh axis size, so every device holds whole heads / groups / experts.
+Otherwise that dimension falls back to replication. A parameter with no rule, a rule of the wrong rank, or a dimension
 that is not a whole number of its units raises — fail closed, never a silent or misaligned sharding.
 
 Layout notes (why the table looks the way it does):
 
-- Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` are grouped by key head: per key-head group g the rows
-  are [q_g | k_g | v_g | z_g] (resp. [b_g | a_g]). A contiguous split of the output dim over "model" keeps
-  whole groups only when ``linear_num_key_heads`` is divisible by the axis size — that is the unit checked.
-- Qwen3.5's ``in_proj_qkv`` (and every layout's ``conv1d`` weight and conv window) is the concatenation
-  [q (all heads) | k (all heads) | v (all heads)]. A contiguous split of that dim would cut across the q/k/v
-  blocks instead of giving each device its heads' q, k and v. GSPMD would still compute correct values
-  (a sharding is only a layout), but it would have to reshuffle at the split into q, k, v — communication
-  on every layer. The logical axis ``gdn_qkv`` therefore maps to ``None`` (replicated) by default: the GDN
-  projections of the value side (z, b, a, A_log, dt_bias, out_proj) and the recurrent state are still
-  sharded over value heads; the q/k/v projection and the depthwise conv are then computed replicated
-  (redundant FLOPs and memory for those weights, no reshuffle). Map ``gdn_qkv`` to "model" to save that
-  memory at the price of the communication; the numbers are the same either way (tested).
+- A GDN layer's one in-projection ``in_proj`` (both checkpoint layouts load into it) is grouped by key head:
+  per key-head group g the rows are [q_g | k_g | v_g | z_g | b_g | a_g]. A contiguous split of the output dim
+  over "model" keeps whole groups only when ``linear_num_key_heads`` is divisible by the axis size — that is
+  the unit checked.
+- The ``conv1d`` weight and the conv window are the concatenation [q (all heads) | k (all heads) | v (all
+  heads)]. A contiguous split of that dim would cut across the q/k/v blocks instead of giving each device its
+  heads' q, k and v. GSPMD would still compute correct values (a sharding is only a layout), but it would have
+  to reshuffle at the split into q, k, v — communication on every layer. The logical axis ``gdn_qkv``
+  therefore maps to ``None`` (replicated) by default: the depthwise conv runs replicated on the gathered
+  q/k/v columns of the in-projection, while the in-projection itself, the value side (A_log, dt_bias,
+  out_proj) and the recurrent state are sharded over heads. Map ``gdn_qkv`` to "model" to save the conv's
+  memory at the price of more communication; the numbers are the same either way (tested).
+- An MLP's fused ``gate_up_proj`` rows are gate/up pairs ([g0, u0, g1, u1, …]), sharded over "mlp" by whole
+  pairs (the unit checked), so each device holds gate i with up i and the SwiGLU needs no communication.
 - Routed experts are sharded whole (expert parallel over "model": ``gate_up_proj`` rows are [gate | up], so a
   split of that dim would not be per-expert tensor parallel). The router and the shared-expert gate are
   replicated. Embedding and ``lm_head`` are vocab-parallel; the logits returned by the jitted entry points
@@ -73,15 +75,16 @@ LOGICAL_AXIS_RULES: Mapping[str, str | None] = {
     "vocab": MODEL,             # embedding rows / lm_head rows
     "heads": MODEL,             # attention query heads (q_proj rows [NH, 2·hd], o_proj columns [NH, hd])
     "kv_heads": MODEL,          # attention KV heads (k/v_proj rows, KV cache)
-    "gdn_key_heads": MODEL,     # Qwen3-Next key-head groups of in_proj_qkvz / in_proj_ba
+    "gdn_key_heads": MODEL,     # key-head groups of the GDN in_proj rows
     "gdn_value_heads": MODEL,   # GDN value heads (z, b, a, A_log, dt_bias, out_proj columns, recurrent state)
-    "gdn_qkv": None,            # [q | k | v] concatenation (in_proj_qkv rows, conv channels): see module doc
+    "gdn_qkv": None,            # [q | k | v] concatenation (conv channels): see module doc
     "mlp": MODEL,               # dense / shared-expert MLP intermediate
     "experts": MODEL,           # routed experts (expert parallel)
 }
 
-# Parameter name (full match, first rule wins) -> logical axis per dimension. Weights are [out, in].
-PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+# Parameter name (full match, first rule wins) -> logical axis per dimension (or (axis, elements per unit)).
+# Weights are [out, in].
+PARAM_RULES: tuple[tuple[str, tuple[str | tuple[str, int] | None, ...]], ...] = (
     (r"model\.embed_tokens\.weight", ("vocab", None)),
     (r"lm_head\.weight", ("vocab", None)),
     (r"lm_head\.bias", ("vocab",)),
@@ -95,20 +98,14 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"model\.layers\.\d+\.self_attn\.o_proj\.weight", (None, "heads")),
     (r"model\.layers\.\d+\.self_attn\.o_proj\.bias", (None,)),
     (r"model\.layers\.\d+\.self_attn\.[qk]_norm\.weight", (None,)),
-    # Gated DeltaNet, Qwen3-Next interleaved layout (grouped by key head)
-    (r"model\.layers\.\d+\.linear_attn\.in_proj_qkvz\.weight", ("gdn_key_heads", None)),
-    (r"model\.layers\.\d+\.linear_attn\.in_proj_ba\.weight", ("gdn_key_heads", None)),
-    # Gated DeltaNet, Qwen3.5 split layout
-    (r"model\.layers\.\d+\.linear_attn\.in_proj_qkv\.weight", ("gdn_qkv", None)),
-    (r"model\.layers\.\d+\.linear_attn\.in_proj_z\.weight", ("gdn_value_heads", None)),
-    (r"model\.layers\.\d+\.linear_attn\.in_proj_[ba]\.weight", ("gdn_value_heads", None)),
-    # Gated DeltaNet, both layouts
+    # Gated DeltaNet (one in-projection, grouped by key head)
+    (r"model\.layers\.\d+\.linear_attn\.in_proj\.weight", ("gdn_key_heads", None)),
     (r"model\.layers\.\d+\.linear_attn\.conv1d\.weight", ("gdn_qkv", None, None)),
     (r"model\.layers\.\d+\.linear_attn\.(A_log|dt_bias)", ("gdn_value_heads",)),
     (r"model\.layers\.\d+\.linear_attn\.norm\.weight", (None,)),
     (r"model\.layers\.\d+\.linear_attn\.out_proj\.weight", (None, "gdn_value_heads")),
     # dense MLP and the shared expert
-    (r"model\.layers\.\d+\.mlp\.(shared_expert\.)?(gate_proj|up_proj)\.weight", ("mlp", None)),
+    (r"model\.layers\.\d+\.mlp\.(shared_expert\.)?gate_up_proj\.weight", (("mlp", 2), None)),      # rows: gate/up pairs
     (r"model\.layers\.\d+\.mlp\.(shared_expert\.)?down_proj\.weight", (None, "mlp")),
     # sparse MoE: router and shared-expert gate replicated, routed experts whole per device
     (r"model\.layers\.\d+\.mlp\.gate\.weight", (None, None)),
@@ -182,13 +179,14 @@ def logical_units(cfg: TargetConfig) -> dict[str, int | None]:
     }
 
 
-def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh, *,
+def logical_to_spec(logical: Sequence[str | tuple[str, int] | None], shape: Sequence[int], mesh: Mesh, *,
                     units: Mapping[str, int | None] | None = None,
                     axis_rules: Mapping[str, str | None] = LOGICAL_AXIS_RULES, name: str = "array") -> P:
     """PartitionSpec for an array of `shape` whose dimensions carry the logical axes `logical`.
 
     A dimension is sharded over its mesh axis iff that mesh axis exists, is not already used by an earlier
-    dimension, and the dimension's whole units divide evenly over it; otherwise it is replicated.
+    dimension, and the dimension's whole units divide evenly over it; otherwise it is replicated. A logical
+    axis given as (axis, width) counts `width` elements as one unit where `units` has no count for it.
     """
     units = units or {}
     if len(logical) != len(shape):
@@ -199,9 +197,12 @@ def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: M
         if lax_name is None:
             spec.append(None)
             continue
+        width = 1
+        if isinstance(lax_name, tuple):        # (axis, elements per unit): e.g. gate/up row pairs of "mlp"
+            lax_name, width = lax_name
         if lax_name not in axis_rules:
             raise ShardingRuleError(f"{name}: logical axis {lax_name!r} has no entry in the axis rules")
-        unit = units.get(lax_name) or dim
+        unit = units.get(lax_name) or (dim // width if dim % width == 0 else 0)
         if unit <= 0 or dim % unit:
             raise ShardingRuleError(f"{name}: dimension {dim} is not a whole number of {lax_name!r} units ({unit})")
         axis = axis_rules[lax_name]
@@ -216,7 +217,7 @@ def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: M
 
 
 def param_rule(name: str, rules=PARAM_RULES) -> tuple[str | None, ...]:
-    """Logical axes of the parameter `name` (HF name, e.g. model.layers.0.mlp.gate_proj.weight)."""
+    """Logical axes of the parameter `name` (HF name, e.g. model.layers.0.mlp.down_proj.weight)."""
     for pattern, logical in rules:
         if re.fullmatch(pattern, name):
             return logical

@@ -422,7 +422,8 @@ def test_checkpoint_round_trip(tmp_path, heads):
         keys = set(f.keys())
     for key in ("fc.weight", "hidden_norm.weight", "norm.weight", "embed_tokens.weight", "lm_head.weight",
                 "layers.1.self_attn.q_proj.weight", "layers.0.self_attn.k_norm.weight",
-                "layers.0.mlp.down_proj.weight", "layers.1.post_attention_layernorm.weight",
+                "layers.0.mlp.down_proj.weight", "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight",
+                "layers.1.post_attention_layernorm.weight",
                 "markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "markov_head.gate_proj.bias",
                 "confidence_head.proj.weight", "confidence_head.proj.bias"):
         assert key in keys, key

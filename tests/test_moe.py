@@ -12,6 +12,7 @@ import torch
 from flax import nnx
 
 from hyspec_jax import moe
+from hyspec_jax.io.hf import fill_params
 from hyspec_jax.config import FULL, LINEAR, TargetConfig
 from hyspec_jax.models.layers import SparseMoe
 
@@ -226,13 +227,8 @@ def test_every_form_matches_transformers(norm_topk):
     num_experts, top_k = 6, 2
     t = _torch_block(norm_topk, num_experts, top_k)
     m = SparseMoe(config(norm_topk, num_experts, top_k), dtype=jnp.float32, rngs=nnx.Rngs(0))
-    sd = {k: jnp.asarray(v.detach().numpy()) for k, v in t.state_dict().items()}
-    m.gate.weight.set_value(sd["gate.weight"])
-    m.experts.gate_up_proj.set_value(sd["experts.gate_up_proj"])
-    m.experts.down_proj.set_value(sd["experts.down_proj"])
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        getattr(m.shared_expert, name).weight.set_value(sd[f"shared_expert.{name}.weight"])
-    m.shared_expert_gate.weight.set_value(sd["shared_expert_gate.weight"])
+    # transformers' parameters by name (experts fused, the shared expert's gate/up fused by the checkpoint mapping)
+    fill_params(m, {k: v.detach().numpy() for k, v in t.state_dict().items()}, "transformers", jnp.float32)
     x = np.random.default_rng(2).standard_normal((2, 5, H)).astype(np.float32)
     with torch.no_grad():
         ref = t(torch.from_numpy(x)).numpy()

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from hyspec_jax import cli
-from hyspec_jax.io.hf import flat_params, save_pretrained
+from hyspec_jax.io.hf import flat_params, hf_tensors, save_pretrained
 from hyspec_jax.io.mtp_io import load_mtp
 from hyspec_jax.models.mtp import create_mtp
 from hyspec_jax.models.target import create_model
@@ -141,7 +141,7 @@ def model_dirs(tmp_path_factory):
     for name in ("with", "without"):
         save_pretrained(target, root / name)
         byte_level_tokenizer().save(str(root / name / "tokenizer.json"))
-    mtp = {"mtp." + k: np.asarray(v[...]) for k, v in flat_params(head).items()}
+    mtp = {"mtp." + k: v for k, v in hf_tensors(head).items()}
     save_file(mtp, str(root / "with" / "mtp.safetensors"), metadata={"format": "pt"})
     with safe_open(str(root / "with" / "model.safetensors"), "np") as f:
         base = {k: "model.safetensors" for k in f.keys()}

@@ -168,23 +168,18 @@ def _expected_param_shards(cfg: TargetConfig, m: int) -> dict[str, tuple[int, ..
         "model.layers.0.linear_attn.dt_bias": (4 // m,),
         "model.layers.0.linear_attn.out_proj.weight": (64, 64 // m),
         "model.layers.0.linear_attn.conv1d.weight": (128, 1, 4),                     # [q|k|v]: replicated
-        "model.layers.1.mlp.gate_proj.weight": (128 // m, 64),
+        "model.layers.1.mlp.gate_up_proj.weight": (256 // m, 64),                  # 128 gate/up row pairs
         "model.layers.1.mlp.down_proj.weight": (64, 128 // m),
+        # both layouts: 2 key-head groups of 16 + 16 + 32 + 32 + 2 + 2 rows, whole groups for m ≤ 2, replicated
+        # for m = 4
+        "model.layers.0.linear_attn.in_proj.weight": (200 if m == 4 else 200 // m, 64),
     }
-    if cfg.projection_layout == "split":
+    if cfg.projection_layout == "interleaved":
         out.update({
-            "model.layers.0.linear_attn.in_proj_qkv.weight": (128, 64),              # [q|k|v]: replicated
-            "model.layers.0.linear_attn.in_proj_z.weight": (64 // m, 64),
-            "model.layers.0.linear_attn.in_proj_b.weight": (4 // m, 64),
-        })
-    else:   # 2 key-head groups: whole groups for m ≤ 2, replicated for m = 4
-        out.update({
-            "model.layers.0.linear_attn.in_proj_qkvz.weight": (192 if m == 4 else 192 // m, 64),
-            "model.layers.0.linear_attn.in_proj_ba.weight": (8 if m == 4 else 8 // m, 64),
             "model.layers.0.mlp.experts.gate_up_proj": (4 // m, 64, 64),
             "model.layers.0.mlp.experts.down_proj": (4 // m, 64, 32),
             "model.layers.0.mlp.gate.weight": (4, 64),
-            "model.layers.0.mlp.shared_expert.up_proj.weight": (64 // m, 64),
+            "model.layers.0.mlp.shared_expert.gate_up_proj.weight": (128 // m, 64),
             "model.layers.0.mlp.shared_expert.down_proj.weight": (64, 64 // m),
         })
     return out
@@ -224,14 +219,12 @@ def test_sharded_equals_single_device(case, mesh_shape):
 
 
 def test_qkv_concatenation_opt_in_is_still_exact(case):
-    """Mapping `gdn_qkv` to "model" splits in_proj_qkv / conv1d / the conv window across the q/k/v blocks:
+    """Mapping `gdn_qkv` to "model" splits conv1d / the conv window across the q/k/v blocks:
     not the default (communication), but GSPMD must still give the same numbers."""
     cfg, plans, inputs, (ref_logits, _, _) = case
     plan = plans["qkv"]
     flat = {shd._path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(plan["params"])[0]}
     assert _shard_shape(flat["model.layers.0.linear_attn.conv1d.weight"]) == (cfg.conv_dim // 4, 1, 4)
-    if cfg.projection_layout == "split":
-        assert _shard_shape(flat["model.layers.0.linear_attn.in_proj_qkv.weight"]) == (cfg.conv_dim // 4, 64)
     assert _shard_shape(plan["state"].conv) == (1, B, 3, cfg.conv_dim // 4)
     toks, valid = inputs[:2]
     logits, state = plan["exe"][0](plan["params"], plan["state"], toks, valid)
@@ -248,7 +241,7 @@ def test_every_parameter_has_a_rule_and_specs_are_whole_units():
         assert len(specs) == len(jax.tree.leaves(nnx.state(model)))
         # at 2-way model parallel everything with whole units is sharded: only norms, router, [q|k|v] replicated
         replicated = {n for n, s in specs.items() if s == P()}
-        assert all(re.search(r"norm|conv1d|in_proj_qkv\.|mlp\.gate\.|shared_expert_gate", n) for n in replicated), \
+        assert all(re.search(r"norm|conv1d|mlp\.gate\.|shared_expert_gate", n) for n in replicated), \
             replicated
 
 
@@ -262,8 +255,14 @@ def test_fail_closed():
     with pytest.raises(shd.ShardingRuleError, match="whole number"):     # 130 rows are not 4 whole heads
         shd.param_spec("model.layers.1.self_attn.q_proj.weight", (130, 64), cfg, mesh)
     # non-divisible units fall back to replication: 2 key-head groups / 2 KV heads over 4 devices, even
-    # though the element counts alone would divide (192 % 4 == 32 % 4 == 0): units decide, not sizes
-    assert shd.param_spec("model.layers.0.linear_attn.in_proj_qkvz.weight", (192, 64), cfg, mesh) == P()
+    # though the element counts alone would divide (200 % 4 == 32 % 4 == 0): units decide, not sizes
+    assert shd.param_spec("model.layers.0.linear_attn.in_proj.weight", (200, 64), cfg, mesh) == P()
+    # a fused MLP's rows are gate/up pairs: 6 pairs do not split over 4 devices though 12 rows would; an odd row
+    # count is not whole pairs
+    assert shd.param_spec("model.layers.1.mlp.gate_up_proj.weight", (12, 64), cfg, mesh) == P()
+    assert shd.param_spec("model.layers.1.mlp.gate_up_proj.weight", (16, 64), cfg, mesh) == P("model")
+    with pytest.raises(shd.ShardingRuleError, match="whole number"):
+        shd.param_spec("model.layers.1.mlp.gate_up_proj.weight", (13, 64), cfg, mesh)
     assert shd.param_spec("model.layers.1.self_attn.k_proj.weight", (32, 64), cfg, mesh) == P()
     assert shd.param_spec("model.layers.1.self_attn.q_proj.weight", (128, 64), cfg, mesh) == P("model")
     # batch not divisible by "data" -> slots replicated

@@ -14,7 +14,8 @@
                                       tree: the stage-1 weights) and ReaDy (ready, tree-ready: LoRA + reader)
     <dir>/SHA256.json                 digests of the files above
 
-Parameter paths of `Drafter` equal the checkpoint keys, so the mapping is the identity (plus `reader.`).
+Parameter paths of `Drafter` equal the checkpoint keys (plus `reader.`), its fused MLP gate/up aside:
+`hyspec_jax.io.layout` maps it to and from `gate_proj` / `up_proj` (the weights and a LoRA's factors alike).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from hyspec_jax.config import ConfigError, DrafterConfig
+from hyspec_jax.io import layout
 from hyspec_jax.io.hf import CheckpointError, flat_params, stream_params
 from hyspec_jax.models.drafter import Drafter, TargetHeads, abstract_drafter
 from hyspec_jax.models.reader import ReaderConfig
@@ -57,11 +59,12 @@ def save_drafter(model: Drafter, out_dir: str | Path, *, heads: TargetHeads | No
     out_dir.mkdir(parents=True, exist_ok=True)
     cast = lambda a: np.ascontiguousarray(np.asarray(a if dtype is None else a.astype(dtype)))  # noqa: E731
     main, reader = {}, {}
-    for name, var in flat_params(model).items():
+    arrays = {name: cast(var[...]) for name, var in flat_params(model).items()}
+    for name, arr in layout.disk_tensors(model, arrays):
         if name.startswith("reader."):
-            reader[name[len("reader."):]] = cast(var[...])
+            reader[name[len("reader."):]] = arr
         else:
-            main[name] = cast(var[...])
+            main[name] = np.ascontiguousarray(arr)
     if heads is not None:
         main["embed_tokens.weight"], main["lm_head.weight"] = cast(heads.embed), cast(heads.lm_head)
     (out_dir / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
@@ -74,13 +77,18 @@ def save_drafter(model: Drafter, out_dir: str | Path, *, heads: TargetHeads | No
         (rdir / "reader_config.json").write_text(json.dumps(model.reader_config.to_dict(), indent=2) + "\n")
         files += [f"{READER_DIR}/reader.safetensors", f"{READER_DIR}/reader_config.json"]
         if lora:
-            names = set(flat_params(model))
+            names, fused = set(flat_params(model)), layout.fused_params(model)
             tensors = {}
             for name, d in lora.items():
                 key = name.replace("/", ".")
                 if key not in names:
                     raise CheckpointError(f"LoRA for {name!r}: no such drafter parameter")
-                tensors[f"{key}.lora_a"], tensors[f"{key}.lora_b"] = cast(np.asarray(d["a"])), cast(np.asarray(d["b"]))
+                a, b = cast(np.asarray(d["a"])), cast(np.asarray(d["b"]))
+                if key in fused:        # W + B·A of a fused weight is its parts' W_p + B_p·A, B_p their rows of B
+                    for part in fused[key].parts:
+                        tensors[f"{part.key}.lora_a"], tensors[f"{part.key}.lora_b"] = a, layout.gather(part, b)
+                else:
+                    tensors[f"{key}.lora_a"], tensors[f"{key}.lora_b"] = a, b
             save_file(tensors, str(rdir / LORA_FILE), metadata={"format": "pt", "alpha": repr(float(lora_alpha))})
             files.append(f"{READER_DIR}/{LORA_FILE}")
     elif lora:
@@ -117,7 +125,7 @@ def load_drafter(model_dir: str | Path, *, dtype=jnp.float32, with_reader: bool 
     params = flat_params(model)
     # streamed like the target (hf.stream_params): each tensor placed as it is read
     stream_params({k: v for k, v in params.items() if not k.startswith("reader.")}, [weights], where=weights,
-                  dtype=dtype, rename=lambda k: None if k in _FROZEN_COPIES else k)
+                  dtype=dtype, rename=lambda k: None if k in _FROZEN_COPIES else k, fused=layout.fused_params(model))
     if model.reader is not None:
         rweights = model_dir / READER_DIR / "reader.safetensors"
         if not rweights.is_file():
@@ -128,7 +136,8 @@ def load_drafter(model_dir: str | Path, *, dtype=jnp.float32, with_reader: bool 
 
 
 def _merge_lora(model: Drafter, path: Path, dtype) -> None:
-    """W += α/r · B·A (fp32) for every LoRA pair in `path`, if the file exists."""
+    """W += α/r · B·A (fp32) for every LoRA pair in `path` (by on-disk weight name: a part of a fused weight
+    adds to its rows), if the file exists."""
     if not path.is_file():
         return
     with safe_open(str(path), framework="flax") as f:
@@ -137,12 +146,19 @@ def _merge_lora(model: Drafter, path: Path, dtype) -> None:
         raise CheckpointError(f"{path}: no 'alpha' in the metadata")
     tensors = _read(path)
     params = flat_params(model)
+    parts = {p.key: (f.name, p) for f in layout.fused_params(model).values() for p in f.parts}
     for key in sorted(k[:-len(".lora_a")] for k in tensors if k.endswith(".lora_a")):
         a, b = tensors[f"{key}.lora_a"].astype(np.float32), tensors.get(f"{key}.lora_b")
-        var = params.get(key)
-        if b is None or var is None or tuple(var.shape) != (b.shape[0], a.shape[1]) or b.shape[1] != a.shape[0]:
+        name, part = parts.get(key, (key, None))
+        var = params.get(name)
+        shape = part.shape if part is not None else None if var is None else tuple(var.shape)
+        if b is None or shape != (b.shape[0], a.shape[1]) or b.shape[1] != a.shape[0]:
             raise CheckpointError(f"{path}: LoRA pair {key!r} does not fit the drafter")
-        w = np.asarray(var[...], np.float32) + (alpha / a.shape[0]) * (b.astype(np.float32) @ a)
+        w, delta = np.array(var[...], np.float32), (alpha / a.shape[0]) * (b.astype(np.float32) @ a)
+        if part is None:
+            w += delta
+        else:
+            layout.scatter(part, delta, w, add=True)
         var.set_value(jnp.asarray(w, dtype=dtype))
 
 

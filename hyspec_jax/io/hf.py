@@ -1,19 +1,19 @@
 """Hugging Face checkpoint I/O: `config.json` + safetensors (single file or sharded with an index).
 
-Parameter paths of `TargetModel` equal HF keys, so the mapping is only about prefixes and MoE expert form:
+Parameter paths of `TargetModel` equal HF keys up to prefixes and the fused parameters:
 - `model.language_model.` (Qwen3.5 saved as ConditionalGeneration) → `model.`; `mtp.*`, `model.visual.*` ignored;
-- routed experts on disk per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`) or fused
-  (`mlp.experts.gate_up_proj` [E,2I,H], `mlp.experts.down_proj` [E,H,I]); saved per expert, as
-  `save_pretrained` does.
+- the fused parameters (an MLP's gate/up, a GDN layer's in-projection, the routed experts) are assembled from
+  their on-disk tensors as those stream in and split back on save: `hyspec_jax.io.layout`, the one home of
+  that mapping (also for the MTP head and the drafter).
 
 Loading is streamed (`stream_params`): first every shard's header is read (names, shapes, dtypes, offsets; no
 data) and checked against the config, so a missing or misshapen tensor fails before any data is read; then the
 shards are read one at a time, in file order, and each tensor is converted and placed straight into its final
 placement — the default device, or its `hyspec_jax.sharding` layout on a mesh, where each device's slice is read
 on its own (whole rows by a plain read at their offset, other slices through safetensors' lazy `get_slice`).
-The host never holds more than the tensor in flight, plus, for per-expert checkpoints, the fused expert
-buffers of the MoE layers whose experts are not all read yet (one layer, when a layer's experts are stored
-together). `LoadStats.peak_host_bytes` counts exactly those host buffers.
+The host never holds more than the tensor in flight, plus the buffers of the fused parameters whose parts are
+not all read yet (one MoE layer's experts, or one layer's MLP gate/up or GDN in-projection, when a parameter's
+parts are stored together). `LoadStats.peak_host_bytes` counts exactly those host buffers.
 """
 
 from __future__ import annotations
@@ -38,12 +38,13 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from hyspec_jax.config import ConfigError, TargetConfig
+from hyspec_jax.io import layout
+from hyspec_jax.io.layout import Fused, Part
 from hyspec_jax.models.target import TargetModel, abstract_model
 
 log = logging.getLogger(__name__)
 
 _IGNORED = re.compile(r"^(mtp\.|model\.visual\.|visual\.)")
-_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # safetensors dtype names -> numpy (bf16 / fp8 via ml_dtypes)
 _DTYPES = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16, "U32": np.uint32,
            "I32": np.int32, "U64": np.uint64, "I64": np.int64, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -92,9 +93,9 @@ class LoadStats:
     """What one load did (pass one to `load_pretrained(stats=)` / `stream_params`; filled in place).
 
     peak_host_bytes: the most bytes of host tensors the loader held at once — arrays read from the files (and
-    their dtype conversions) not yet placed, and fused expert buffers not yet complete; largest_file_bytes: the
-    tensor bytes of the largest weight file, the bound a streamed load stays under (per-expert MoE layers split
-    across files aside)."""
+    their dtype conversions) not yet placed, and fused parameter buffers not yet complete; largest_file_bytes:
+    the tensor bytes of the largest weight file, the bound a streamed load stays under (plus the fused
+    parameters' buffers)."""
     files: int = 0
     tensors: int = 0
     bytes_read: int = 0
@@ -181,75 +182,35 @@ def _in_memory(tensors: Mapping[str, np.ndarray]) -> list[tuple[Path | None, lis
     return [(None, [_Tensor(k, k, tuple(a.shape), a.dtype, array=np.asarray(a)) for k, a in tensors.items()])]
 
 
-@dataclasses.dataclass(frozen=True)
-class _ExpertGroup:
-    """The per-expert tensors of one MoE layer, fused on load into `gate_up` [E,2I,H] (gate rows first) and
-    `down` [E,H,I]."""
-    prefix: str
-    gate_up: str
-    down: str
-    experts: int
-    intermediate: int
-
-
-def _check_experts(prefix: str, per: dict[int, dict[str, _Tensor]], gate_up_shape: tuple[int, ...],
-                   down_shape: tuple[int, ...]) -> None:
-    """Per-expert gate/up/down must be [I,H]/[I,H]/[H,I] for every expert id in range(E) and no other."""
-    E, two_i, H = gate_up_shape
-    want = {"gate_proj": (two_i // 2, H), "up_proj": (two_i // 2, H), "down_proj": tuple(down_shape[1:])}
-    extra = sorted(set(per) - set(range(E)))
-    if extra:
-        raise CheckpointError(f"{prefix}: expert ids {extra} in the checkpoint, config.json has {E} experts")
-    for e in range(E):
-        for proj, shape in want.items():
-            if proj not in per.get(e, {}):
-                raise CheckpointError(f"missing tensor {f'{prefix}.{e}.{proj}.weight'!r} (expected shape {shape})")
-            t = per[e][proj]
-            if t.shape != shape:
-                raise CheckpointError(f"tensor {t.raw_key!r} has shape {t.shape} in the checkpoint, "
-                                      f"expected {shape} from config.json")
-
-
 def _plan(expected: Mapping[str, nnx.Variable], groups: list[tuple[Path | None, list[_Tensor]]],
-          where: str | Path) -> tuple[dict[str, _ExpertGroup], set[str]]:
-    """Check the checkpoint against the model before any data is read: per-expert groups complete and of the
-    right shapes, every other expected tensor present with its shape. Returns the expert groups (by prefix) and
-    the names of the tensors to skip (logged: unexpected, or per-expert where the config has no routed experts)."""
-    direct: dict[str, _Tensor] = {}
-    per_expert: dict[str, dict[int, dict[str, _Tensor]]] = {}
-    for _, tensors in groups:
-        for t in tensors:
-            m = _PER_EXPERT.match(t.key)
-            if m:
-                per_expert.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
-            else:
-                direct[t.key] = t
-    fused: dict[str, _ExpertGroup] = {}
-    skip: set[str] = set()
-    for prefix, per in per_expert.items():
-        gate_up, down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
-        if gate_up not in expected or down not in expected:
-            log.warning("ignoring per-expert tensors under %s (no routed experts there in config.json)", prefix)
-            skip.update(t.key for ex in per.values() for t in ex.values())
-            continue
-        if gate_up in direct or down in direct:
-            raise CheckpointError(f"{prefix}: both fused and per-expert expert tensors in the checkpoint")
-        gu_shape = tuple(expected[gate_up].shape)
-        _check_experts(prefix, per, gu_shape, tuple(expected[down].shape))
-        fused[prefix] = _ExpertGroup(prefix, gate_up, down, gu_shape[0], gu_shape[1] // 2)
-    fused_names = {n for g in fused.values() for n in (g.gate_up, g.down)}
-    for name, var in expected.items():
-        if name in fused_names:
-            continue
+          where: str | Path, fused: Mapping[str, Fused]) -> tuple[dict[str, tuple[Fused, Part]], set[str]]:
+    """Check the checkpoint against the model before any data is read: every fused parameter's parts (or, where
+    allowed, the parameter itself) present with their shapes, every other expected tensor present with its
+    shape. Returns the on-disk tensors that are parts of a fused parameter (by name: the parameter and the part)
+    and the names of the tensors to skip (unexpected ones, logged)."""
+    direct: dict[str, _Tensor] = {t.key: t for _, tensors in groups for t in tensors}
+
+    def check(name: str, shape: tuple[int, ...]) -> None:
         if name not in direct:
-            raise CheckpointError(f"missing tensor {name!r} (expected shape {tuple(var.shape)}) in {where}")
-        if direct[name].shape != tuple(var.shape):
+            raise CheckpointError(f"missing tensor {name!r} (expected shape {shape}) in {where}")
+        if direct[name].shape != shape:
             raise CheckpointError(f"tensor {name!r} has shape {direct[name].shape} in {where}, "
-                                  f"expected {tuple(var.shape)} from the config")
-    unexpected = sorted(set(direct) - set(expected))
+                                  f"expected {shape} from the config")
+    parts: dict[str, tuple[Fused, Part]] = {}
+    for name, var in expected.items():
+        f = fused.get(name)
+        if f is None or (f.stored_whole and name in direct):
+            if f is not None and any(p.key in direct for p in f.parts):
+                raise CheckpointError(f"{name}: both the fused tensor and its parts in {where}")
+            check(name, tuple(var.shape))
+            continue
+        for p in f.parts:
+            check(p.key, p.shape)
+            parts[p.key] = (f, p)
+    unexpected = sorted(set(direct) - set(expected) - set(parts))
     if unexpected:
         log.warning("%s: ignoring %d unexpected tensors, e.g. %s", where, len(unexpected), unexpected[:3])
-    return fused, skip | set(unexpected)
+    return parts, set(unexpected)
 
 
 Reader = Callable[[tuple[slice, ...] | None], np.ndarray]     # index (None: all) -> host array
@@ -265,7 +226,7 @@ class _Placer:
 
     def _read(self, read: Reader, index, counted: bool) -> tuple[np.ndarray, int]:
         """(the slice `index` of a tensor in the model dtype, the host bytes this read added to the count);
-        `counted`: the source is a host buffer already counted (the fused experts)."""
+        `counted`: the source is a host buffer already counted (a fused parameter)."""
         arr = read(index)
         if not counted:
             self.stats._hold(arr.nbytes)
@@ -368,17 +329,20 @@ def _reader(shard: _ShardReader | None, t: _Tensor) -> Reader:
 def stream_params(expected: Mapping[str, nnx.Variable], files: list[Path] | Mapping[str, np.ndarray], *,
                   where: str | Path, dtype, rename: Callable[[str], str | None] = lambda k: k,
                   sharding_of: Callable[[str, tuple[int, ...]], jax.sharding.Sharding | None] = lambda n, s: None,
-                  stats: LoadStats | None = None, progress: bool | None = None) -> LoadStats:
+                  stats: LoadStats | None = None, progress: bool | None = None,
+                  fused: Mapping[str, Fused] | None = None) -> LoadStats:
     """Set every expected variable (dotted name -> `nnx.Variable`, e.g. `flat_params` of an abstract model)
     from the weight files, one file at a time, each tensor placed as soon as it is read (`sharding_of(name,
-    shape)`: its sharding, or None for the default device). `files` may also be in-memory tensors by name.
-    `rename` maps on-disk names to parameter names (None: skip). Missing / misshapen tensors raise
+    shape)`: its sharding, or None for the default device); `fused` (`layout.fused_params` of the module) the
+    parameters assembled from several tensors, each placed once its parts are all read. `files` may also be
+    in-memory tensors by name. `rename` maps on-disk names to parameter names (None: skip). Missing / misshapen
+    tensors raise
     `CheckpointError` before any data is read; unexpected ones are logged. `progress`: a bar over the bytes
     (None: when stderr is a terminal or the checkpoint is at least `PROGRESS_MIN_BYTES`)."""
     t0 = time.perf_counter()
     stats = LoadStats() if stats is None else stats
     groups = _in_memory(files) if isinstance(files, Mapping) else _scan(list(files), rename)
-    fused, skip = _plan(expected, groups, where)
+    parts, skip = _plan(expected, groups, where, fused or {})
     load = [(path, [t for t in ts if t.key not in skip]) for path, ts in groups]
     sizes = [sum(t.nbytes for t in ts) for _, ts in load]
     total = sum(sizes)
@@ -387,7 +351,7 @@ def stream_params(expected: Mapping[str, nnx.Variable], files: list[Path] | Mapp
     if progress is None:
         progress = total >= PROGRESS_MIN_BYTES or sys.stderr.isatty()
     placer = _Placer(dtype, sharding_of, stats)
-    pending: dict[str, tuple[np.ndarray, np.ndarray, set]] = {}   # prefix -> fused buffers, experts' parts left
+    pending: dict[str, tuple[np.ndarray, set[str]]] = {}     # fused parameter -> its buffer, its parts left
     placed: set[str] = set()
 
     def put(name: str, read: Reader, counted: bool = False) -> None:
@@ -401,12 +365,10 @@ def stream_params(expected: Mapping[str, nnx.Variable], files: list[Path] | Mapp
             shard = _ShardReader(path) if path is not None and tensors else None
             try:
                 for t in tensors:
-                    m = _PER_EXPERT.match(t.key)
-                    if m is None:
-                        put(t.key, _reader(shard, t))
+                    if t.key in parts:
+                        _fill_part(*parts[t.key], _reader(shard, t), pending, placer, put)
                     else:
-                        _fill_expert(fused[m.group(1)], int(m.group(2)), m.group(3), _reader(shard, t), pending,
-                                     placer, put)
+                        put(t.key, _reader(shard, t))
                     stats.tensors += 1
                     stats.bytes_read += t.nbytes
                     bar.update(t.nbytes)
@@ -415,34 +377,29 @@ def stream_params(expected: Mapping[str, nnx.Variable], files: list[Path] | Mapp
                     shard.close()
     missing = sorted(set(expected) - placed)
     if missing or pending:                  # _plan checked completeness: this would be a bug here, not on disk
-        raise AssertionError(f"streamed load left {missing[:3]} unset, {sorted(pending)[:3]} unfused")
+        raise AssertionError(f"streamed load left {missing[:3]} unset, {sorted(pending)[:3]} unassembled")
     stats.seconds += time.perf_counter() - t0
     return stats
 
 
-def _fill_expert(g: _ExpertGroup, e: int, proj: str, read: Reader, pending, placer: _Placer, put) -> None:
-    """Copy one expert's projection into its MoE layer's fused buffers (allocated in the model dtype at the
-    layer's first expert tensor); place both once every part is there, and free them."""
+def _fill_part(f: Fused, part: Part, read: Reader, pending, placer: _Placer, put) -> None:
+    """Copy one on-disk tensor into its fused parameter's buffer (allocated in the model dtype at the parameter's
+    first part; the copy converts); place the parameter once every part is there, and free the buffer."""
     arr = read(None)
     placer.stats._hold(arr.nbytes)
-    if g.prefix not in pending:
-        E, I = g.experts, g.intermediate
-        H = arr.shape[1] if proj != "down_proj" else arr.shape[0]
-        gate_up, down = np.empty((E, 2 * I, H), placer.dtype), np.empty((E, H, I), placer.dtype)
-        placer.stats._hold(gate_up.nbytes + down.nbytes)
-        pending[g.prefix] = (gate_up, down, {(x, p) for x in range(E) for p in ("gate_proj", "up_proj", "down_proj")})
-    gate_up, down, left = pending[g.prefix]
-    I = g.intermediate
-    target = {"gate_proj": gate_up[e, :I], "up_proj": gate_up[e, I:], "down_proj": down[e]}[proj]
-    target[...] = arr
+    if f.name not in pending:
+        buf = np.empty(f.shape, placer.dtype)
+        placer.stats._hold(buf.nbytes)
+        pending[f.name] = (buf, {p.key for p in f.parts})
+    buf, left = pending[f.name]
+    layout.scatter(part, arr, buf)
     placer.stats._release(arr.nbytes)
     del arr
-    left.discard((e, proj))
+    left.discard(part.key)
     if not left:
-        del pending[g.prefix]
-        for name, buf in ((g.gate_up, gate_up), (g.down, down)):
-            put(name, lambda index, buf=buf: buf if index is None else buf[index], counted=True)
-        placer.stats._release(gate_up.nbytes + down.nbytes)
+        del pending[f.name]
+        put(f.name, lambda index: buf if index is None else buf[index], counted=True)
+        placer.stats._release(buf.nbytes)
 
 
 def flat_params(module: nnx.Module) -> dict[str, nnx.Variable]:
@@ -451,10 +408,11 @@ def flat_params(module: nnx.Module) -> dict[str, nnx.Variable]:
     return {".".join(map(str, path)): var for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param))}
 
 
-def fill_params(expected: dict[str, nnx.Variable], tensors: dict[str, np.ndarray], where: str | Path, dtype) -> None:
-    """Set each expected variable from in-memory tensors, checking presence and shape (`stream_params`'s rules);
-    leftover tensors are logged, not loaded."""
-    stream_params(expected, tensors, where=where, dtype=dtype, progress=False)
+def fill_params(module: nnx.Module, tensors: dict[str, np.ndarray], where: str | Path, dtype) -> None:
+    """Set a module's parameters from in-memory tensors in their on-disk names, checking presence and shape
+    (`stream_params`'s rules); leftover tensors are logged, not loaded."""
+    stream_params(flat_params(module), tensors, where=where, dtype=dtype, progress=False,
+                  fused=layout.fused_params(module))
 
 
 def load_pretrained(model_dir: str | Path, dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None, *,
@@ -479,28 +437,20 @@ def load_pretrained(model_dir: str | Path, dtype=jnp.float32, mesh: jax.sharding
         key = _canonical(raw_key)
         return None if tied and key == "lm_head.weight" else key
     stream_params(flat_params(model), files, where=model_dir, dtype=dtype, rename=rename, sharding_of=sharding_of,
-                  stats=stats, progress=progress)
+                  stats=stats, progress=progress, fused=layout.fused_params(model))
     return cfg, model
 
 
 # ------------------------------------------------------------------------------------------------
 # Saving
 # ------------------------------------------------------------------------------------------------
-def hf_tensors(name: str, arr: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
-    """The on-disk tensors of one parameter (views of `arr`): fused routed experts split per expert, as
-    transformers' save_pretrained writes them; every other parameter as it is."""
-    if name.endswith(".mlp.experts.gate_up_proj"):
-        prefix = name[: -len(".gate_up_proj")]
-        gate, up = np.split(arr, 2, axis=1)
-        for e in range(arr.shape[0]):
-            yield f"{prefix}.{e}.gate_proj.weight", gate[e]
-            yield f"{prefix}.{e}.up_proj.weight", up[e]
-    elif name.endswith(".mlp.experts.down_proj"):
-        prefix = name[: -len(".down_proj")]
-        for e in range(arr.shape[0]):
-            yield f"{prefix}.{e}.down_proj.weight", arr[e]
-    else:
-        yield name, arr
+def hf_tensors(module: nnx.Module, dtype=None) -> dict[str, np.ndarray]:
+    """The on-disk tensors of a module's parameters (in `dtype`, default their own), by on-disk name: the fused
+    ones split into their parts (`layout.disk_tensors`; routed experts per expert, as transformers'
+    save_pretrained writes them), every other parameter as it is."""
+    arrays = {name: np.asarray(var[...] if dtype is None else var[...].astype(dtype))
+              for name, var in flat_params(module).items()}
+    return dict(layout.disk_tensors(module, arrays))
 
 
 def shard_plan(nbytes: Mapping[str, int], max_shard_bytes: int) -> list[list[str]]:
@@ -544,9 +494,7 @@ def save_pretrained(model: TargetModel, model_dir: str | Path, *, max_shard_byte
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
     cfg: TargetConfig = model.config
-    out: dict[str, np.ndarray] = {}
-    for name, var in flat_params(model).items():
-        out.update(hf_tensors(name, np.asarray(var[...] if dtype is None else var[...].astype(dtype))))
+    out = hf_tensors(model, dtype)
     (model_dir / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     write_safetensors(model_dir, {k: a.nbytes for k, a in out.items()}, out.__getitem__,
                       max_shard_bytes=max_shard_bytes)

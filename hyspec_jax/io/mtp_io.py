@@ -3,9 +3,10 @@
 Qwen3.5 checkpoints keep them at the top level (`mtp.fc.weight`) while the LM sits under `model.language_model.`;
 Qwen3-Next under `mtp.` too. Names below `mtp.` are the `MTPHead` parameter paths: `fc.weight`,
 `pre_fc_norm_embedding.weight`, `pre_fc_norm_hidden.weight`, `layers.{i}.…` (a decoder layer in the target's
-names; routed experts per expert on disk or fused, as for the target), `norm.weight`. Only the shards that hold
-`mtp.` keys are opened (the index's weight map says which), and only those keys are read. `save_mtp` adds a head
-(e.g. one trained by `hyspec train-mtp`) to a model directory in the same layout.
+names, its fused parameters mapped to and from the target's on-disk tensors by `hyspec_jax.io.layout`),
+`norm.weight`. Only the shards that hold `mtp.` keys are opened (the index's weight map says which), and only
+those keys are read. `save_mtp` adds a head (e.g. one trained by `hyspec train-mtp`) to a model directory in
+the same layout.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from hyspec_jax.config import MTP_LAYERS_KEY, TargetConfig
+from hyspec_jax.io import layout
 from hyspec_jax.io.hf import CheckpointError, _weight_files, flat_params, hf_tensors, stream_params
 from hyspec_jax.models.mtp import MTPHead, abstract_mtp
 
@@ -76,7 +78,7 @@ def load_mtp(model_dir: str | Path, cfg: TargetConfig | None = None, dtype=jnp.f
         raise NoMTPHead(f"{model_dir}: no MTP head (no mtp.* tensors in its weights)")
     head = abstract_mtp(cfg, dtype)
     stream_params(flat_params(head), files, where=f"{model_dir} (mtp.*)", dtype=dtype, rename=_strip,
-                  progress=False)
+                  progress=False, fused=layout.fused_params(head))
     return head
 
 
@@ -103,10 +105,7 @@ def save_mtp(head: MTPHead, model_dir: str | Path, dtype=None) -> Path:
                 continue
             with safe_open(str(path), framework="numpy") as f:
                 weight_map.update({k: path.name for k in f.keys() if not k.startswith(PREFIX)})
-    tensors = {}
-    for name, var in flat_params(head).items():
-        arr = np.asarray(var[...] if dtype is None else var[...].astype(dtype))
-        tensors.update({PREFIX + k: np.ascontiguousarray(a) for k, a in hf_tensors(name, arr)})
+    tensors = {PREFIX + k: np.ascontiguousarray(a) for k, a in hf_tensors(head, dtype).items()}
     save_file(tensors, str(model_dir / MTP_FILE), metadata={"format": "pt"})
     weight_map.update({k: MTP_FILE for k in tensors})
     index.write_text(json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")

@@ -1,12 +1,15 @@
 """Building blocks of the hybrid target, in Flax NNX.
 
-Parameters mirror Hugging Face names and layouts exactly (`weight` is [out, in]), so a checkpoint key
-maps to a parameter path by stripping its prefix and nothing else: one home for the name mapping
-(`hyspec_jax.io.hf`), no per-tensor transposes on load or save.
+Parameters mirror Hugging Face names and layouts (`weight` is [out, in], no per-tensor transposes on load or
+save), except where several checkpoint tensors feed one matmul: those are fused into one parameter so the step
+runs one GEMM (one kernel launch) instead of several — an MLP's `gate_up_proj` (gate and up rows interleaved,
+`gate_up`), a GatedDeltaNet's `in_proj` (rows grouped by key head, `key_head_groups`) and the routed experts'
+`gate_up_proj`. The one home of the mapping between parameters and checkpoint tensors is `hyspec_jax.io.layout`.
 """
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -33,10 +36,12 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 class Linear(nnx.Module):
-    """y = x Wᵀ (+ b); weight [out, in] as in torch."""
+    """y = x Wᵀ (+ b); weight [out, in] as in torch (`weight`: its initial value, default drawn from `rngs`)."""
 
-    def __init__(self, din: int, dout: int, *, bias: bool = False, dtype=F32, rngs: nnx.Rngs):
-        self.weight = _normal(rngs, (dout, din), dtype)
+    def __init__(self, din: int, dout: int, *, bias: bool = False, dtype=F32, rngs: nnx.Rngs | None = None,
+                 weight: jax.Array | None = None):
+        self.weight = _normal(rngs, (dout, din), dtype) if weight is None else nnx.Param(weight.astype(dtype))
+        chex.assert_shape(self.weight[...], (dout, din))
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -80,16 +85,33 @@ class GatedRMSNorm(RMSNorm):
         return (y.astype(F32) * jax.nn.silu(z.astype(F32))).astype(x.dtype)
 
 
+def _take(x, axis: int, index) -> jax.Array:
+    return x[(slice(None),) * axis + (index,)]
+
+
+def gate_up(x, axis: int = -1):
+    """(gate, up) halves of a fused gate/up axis of 2I entries — the rows of `MLP.gate_up_proj` (axis 0) or its
+    output (axis -1): interleaved per intermediate unit, [g0, u0, g1, u1, …], so that a split of the rows into
+    whole pairs (the "mlp" sharding) keeps gate i with up i on one device. Views for numpy arrays."""
+    axis %= x.ndim
+    pairs = x.reshape(*x.shape[:axis], x.shape[axis] // 2, 2, *x.shape[axis + 1:])
+    return _take(pairs, axis + 1, 0), _take(pairs, axis + 1, 1)
+
+
 class MLP(nnx.Module):
-    """SwiGLU: down(SiLU(gate x) ⊙ up x)."""
+    """SwiGLU: down(SiLU(gate x) ⊙ up x), gate and up as one matmul (`gate_up_proj` [2I, H], rows as `gate_up`)."""
 
     def __init__(self, hidden: int, inter: int, *, dtype=F32, rngs: nnx.Rngs):
-        self.gate_proj = Linear(hidden, inter, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(hidden, inter, dtype=dtype, rngs=rngs)
+        # drawn as the checkpoint's gate_proj then up_proj, paired row by row (`gate_up`): a seeded model is the
+        # one the unfused layers drew
+        gate, up = (_normal(rngs, (inter, hidden), dtype)[...] for _ in range(2))
+        self.gate_up_proj = Linear(hidden, 2 * inter, dtype=dtype,
+                                   weight=jnp.stack([gate, up], axis=1).reshape(2 * inter, hidden))
         self.down_proj = Linear(inter, hidden, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = gate_up(self.gate_up_proj(x))
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class Experts(nnx.Module):
@@ -188,28 +210,76 @@ class DepthwiseConv(nnx.Module):
         self.weight = _normal(rngs, (channels, 1, kernel), dtype, std=0.3)
 
 
+def key_head_groups(x, widths: dict[str, int], heads: int, axis: int = -1) -> dict[str, jax.Array]:
+    """The parts of an axis grouped by key head — `heads` groups, each the concatenation of `widths` (name ->
+    entries, in order): {name: x with that axis as [heads, width]}. The rows of `GatedDeltaNet.in_proj` (axis 0)
+    and its output (axis -1). Views for numpy arrays."""
+    axis %= x.ndim
+    groups = x.reshape(*x.shape[:axis], heads, -1, *x.shape[axis + 1:])
+    out, start = {}, 0
+    for name, w in widths.items():
+        out[name] = _take(groups, axis + 1, slice(start, start + w))
+        start += w
+    assert start == groups.shape[axis + 1], (widths, x.shape)
+    return out
+
+
+# The in-projection tensors of each checkpoint layout (`TargetConfig.projection_layout`), in checkpoint order:
+# name -> the parts of a key-head group it holds, in order ("split", Qwen3.5: each part for all heads, one block
+# after the other; "interleaved", Qwen3-Next: the parts group by group)
+IN_PROJ_TENSORS: dict[str, dict[str, tuple[str, ...]]] = {
+    "split": {"in_proj_qkv": ("q", "k", "v"), "in_proj_z": ("z",), "in_proj_b": ("b",), "in_proj_a": ("a",)},
+    "interleaved": {"in_proj_qkvz": ("q", "k", "v", "z"), "in_proj_ba": ("b", "a")},
+}
+
+
+def in_proj_tensor_parts(t, layout: str, name: str, widths: dict[str, int], heads: int) -> dict[str, jax.Array]:
+    """The parts the checkpoint's in-projection tensor `name` [rows, ...] holds (`IN_PROJ_TENSORS`), each as
+    [heads, width, ...] like `key_head_groups` gives them from the fused rows. Views for numpy arrays."""
+    names = IN_PROJ_TENSORS[layout][name]
+    if layout == "interleaved":
+        return key_head_groups(t, {p: widths[p] for p in names}, heads, 0)
+    out, start = {}, 0
+    for p in names:
+        n = heads * widths[p]
+        out[p] = t[start:start + n].reshape(heads, widths[p], *t.shape[1:])
+        start += n
+    assert start == t.shape[0], (name, t.shape)
+    return out
+
+
 class GatedDeltaNet(nnx.Module):
-    """Gated DeltaNet mixer. The math is in `hyspec_jax.gdn`; this module owns projections and layout."""
+    """Gated DeltaNet mixer. The math is in `hyspec_jax.gdn`; this module owns projections and layout.
+
+    The in-projection is one matmul: `in_proj` [HK·G, H], per key-head group g the rows
+    [q_g (dk) | k_g (dk) | v_g (r·dv) | z_g (r·dv) | b_g (r) | a_g (r)], r = HV/HK (`in_proj_widths`), so it
+    shards over key heads. Checkpoints store it in `layout` (`IN_PROJ_TENSORS`), which `hyspec_jax.io.layout`
+    maps to and from."""
 
     def __init__(self, cfg: TargetConfig, *, dtype=F32, rngs: nnx.Rngs):
         H = cfg.hidden_size
         self.layout = cfg.projection_layout
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        kd, vd = cfg.key_dim, cfg.value_dim
-        if self.layout == "split":
-            self.in_proj_qkv = Linear(H, 2 * kd + vd, dtype=dtype, rngs=rngs)
-            self.in_proj_z = Linear(H, vd, dtype=dtype, rngs=rngs)
-            self.in_proj_b = Linear(H, self.hv, dtype=dtype, rngs=rngs)
-            self.in_proj_a = Linear(H, self.hv, dtype=dtype, rngs=rngs)
-        else:
-            self.in_proj_qkvz = Linear(H, 2 * kd + 2 * vd, dtype=dtype, rngs=rngs)
-            self.in_proj_ba = Linear(H, 2 * self.hv, dtype=dtype, rngs=rngs)
+        # drawn tensor by tensor in checkpoint order, then regrouped: a seeded model is the one the unfused
+        # projections drew
+        widths, parts = self.in_proj_widths, {}
+        for name, names in IN_PROJ_TENSORS[self.layout].items():
+            t = _normal(rngs, (self.hk * sum(widths[p] for p in names), H), dtype)[...]
+            parts.update(in_proj_tensor_parts(t, self.layout, name, widths, self.hk))
+        self.in_proj = Linear(H, self.hk * sum(widths.values()), dtype=dtype,
+                              weight=jnp.concatenate([parts[p] for p in widths], axis=1).reshape(-1, H))
         self.conv1d = DepthwiseConv(cfg.conv_dim, cfg.linear_conv_kernel_dim, dtype=dtype, rngs=rngs)
         self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (self.hv,), F32, 1.0, 16.0)).astype(dtype))
         self.dt_bias = nnx.Param(jnp.ones((self.hv,), dtype))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, dtype=dtype)
-        self.out_proj = Linear(vd, H, dtype=dtype, rngs=rngs)
+        self.out_proj = Linear(cfg.value_dim, H, dtype=dtype, rngs=rngs)
+
+    @property
+    def in_proj_widths(self) -> dict[str, int]:
+        """Rows of each part in one key-head group of `in_proj`, in order."""
+        r = self.hv // self.hk
+        return {"q": self.dk, "k": self.dk, "v": r * self.dv, "z": r * self.dv, "b": r, "a": r}
 
     @property
     def conv_weight(self) -> jax.Array:
@@ -218,18 +288,10 @@ class GatedDeltaNet(nnx.Module):
     def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """x [B,T,H] -> raw conv input qkv [B,T,conv_dim] ([q | k | v], head-major), z [B,T,HV,dv], b, a [B,T,HV]."""
         B, T, _ = x.shape
-        if self.layout == "split":
-            qkv = self.in_proj_qkv(x)
-            z = self.in_proj_z(x).reshape(B, T, self.hv, self.dv)
-            return qkv, z, self.in_proj_b(x), self.in_proj_a(x)
-        # Qwen3-Next: per key-head group g: [q_g (dk) | k_g (dk) | v_g (r·dv) | z_g (r·dv)], ba: [b_g (r) | a_g (r)]
-        r = self.hv // self.hk
-        qkvz = self.in_proj_qkvz(x).reshape(B, T, self.hk, 2 * self.dk + 2 * r * self.dv)
-        q, k, v, z = jnp.split(qkvz, [self.dk, 2 * self.dk, 2 * self.dk + r * self.dv], axis=-1)
-        ba = self.in_proj_ba(x).reshape(B, T, self.hk, 2 * r)
-        b, a = jnp.split(ba, 2, axis=-1)
-        qkv = jnp.concatenate([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], axis=-1)
-        return (qkv, z.reshape(B, T, self.hv, self.dv), b.reshape(B, T, self.hv), a.reshape(B, T, self.hv))
+        p = key_head_groups(self.in_proj(x), self.in_proj_widths, self.hk)
+        qkv = jnp.concatenate([p["q"].reshape(B, T, -1), p["k"].reshape(B, T, -1), p["v"].reshape(B, T, -1)], -1)
+        return (qkv, p["z"].reshape(B, T, self.hv, self.dv), p["b"].reshape(B, T, self.hv),
+                p["a"].reshape(B, T, self.hv))
 
     def mixer_inputs(self, conv_out: jax.Array, b: jax.Array, a: jax.Array, valid: jax.Array):
         """Post-conv stream -> gdn inputs (q, k [B,T,HK,dk] normalised, at their key heads; v [B,T,HV,dv]; g, β

@@ -159,6 +159,20 @@ def test_fused_and_per_expert_checkpoints_load_identically(next_moe, next_moe_lo
                                           layer.mlp.experts.down_proj.detach().numpy())
 
 
+def test_checkpoint_with_an_expert_the_config_lacks_fails_in_one_line(next_moe, tmp_path):
+    """transformers' checkpoint of 3 experts a layer plus a 4th expert's tensors config.json does not have: a clear
+    CheckpointError naming the stray tensor, before any data is read (not silently skipped)."""
+    _, hf_path = next_moe
+    tensors = disk_tensors(hf_path)
+    layer = next(k for k in tensors if ".mlp.experts.0.gate_proj.weight" in k).split(".experts.")[0]
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        tensors[f"{layer}.experts.3.{proj}.weight"] = tensors[f"{layer}.experts.0.{proj}.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(hf_path / "config.json", tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match=r"experts\.3\..*is not one of config.json's 3 experts"):
+        load_pretrained(tmp_path)
+
+
 def test_bf16_checkpoint_loads_in_the_requested_dtype(tmp_path):
     cfg = ho.qwen3_5_config(layer_types=[LIN, FULL], hk=1, hv=1)
     model = ho.build(cfg, seed=3).to(torch.bfloat16)

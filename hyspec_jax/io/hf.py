@@ -208,6 +208,11 @@ def _plan(expected: Mapping[str, nnx.Variable], groups: list[tuple[Path | None, 
             check(p.key, p.shape)
             parts[p.key] = (f, p)
     unexpected = sorted(set(direct) - set(expected) - set(parts))
+    for f in fused.values():        # a routed expert the config does not have: the config does not fit the weights
+        if f.stored_whole and f.name in expected:
+            stray = [n for n in unexpected if n.startswith(f.name.rsplit(".", 1)[0] + ".")]
+            if stray:
+                raise CheckpointError(f"{stray[0]!r} in {where} is not one of config.json's {f.shape[0]} experts")
     if unexpected:
         log.warning("%s: ignoring %d unexpected tensors, e.g. %s", where, len(unexpected), unexpected[:3])
     return parts, set(unexpected)

@@ -23,7 +23,7 @@ chunk's tokens seen, a step counts the anchor it processes. Without them (None) 
 unpenalized ones.
 
 Logprobs: with a static `logprobs` = k > 0 (the server's --max-logprobs; `RoundShape.logprobs` for the round and
-the width-1 step) every program also returns each token it emits's logprob and top-k alternatives
+the width-1 step) every program also returns the logprob and the top-k alternatives of each token it emits
 (`hyspec_jax.logprobs.token_logprobs` of the raw logits it chose the token from), packed beside the tokens
 (`first_out`, `RoundOutput`): the same programs, no flavour of their own; k = 0 computes nothing.
 

@@ -201,10 +201,10 @@ class RoundOutput:
         alternatives (`RoundShape.logprobs`)."""
         host = np.asarray(host)
         lp = None
-        if logprobs:      # width (D + 1)(2 + 2k) + 2 + G
-            n = (host.shape[1] - 2 - gains) // (2 + 2 * logprobs)
-            lp = TokenLogprobs.unpack(host[:, host.shape[1] - TokenLogprobs.columns(n, logprobs):], logprobs)
-            host = host[:, :host.shape[1] - TokenLogprobs.columns(n, logprobs)]
+        if logprobs:
+            n = (host.shape[1] - 2 - gains) // (2 + 2 * logprobs)     # D + 1 (the width: (D + 1)(2 + 2k) + 2 + G)
+            cut = host.shape[1] - TokenLogprobs.columns(n, logprobs)
+            host, lp = host[:, :cut], TokenLogprobs.unpack(host[:, cut:], logprobs)
         k = host.shape[1] - gains
         g = np.ascontiguousarray(host[:, k:]).view(np.float32).astype(np.float64) if gains else None
         return cls(tokens=host[:, :k - 2], count=host[:, k - 2], accepted=host[:, k - 1], gains=g, logprobs=lp)

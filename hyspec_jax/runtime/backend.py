@@ -37,8 +37,8 @@ import numpy as np
 
 from hyspec_jax.config import DrafterConfig, TargetConfig
 from hyspec_jax.logprobs import TokenLogprobs
-from hyspec_jax.runtime.programs import (PrefillChunk, ar_prefill_jit, ar_step_jit, new_buffers, spec_prefill_jit,
-                                         spec_round_io_jit, spread_rows)
+from hyspec_jax.runtime.programs import (PrefillChunk, PrefillShape, ar_prefill_jit, ar_step_jit, new_buffers,
+                                         spec_prefill_jit, spec_round_io_jit, spread_rows)
 from hyspec_jax.sharding import place_buffers
 from hyspec_jax.sampling import PenaltyCounts, SlotPenalty, SlotSampling
 from hyspec_jax.spec.round import RoundOutput, RoundShape, SlotState, StepInputs
@@ -483,7 +483,7 @@ class SpecBackend(Backend):
         self.depth, self.verify_nodes = greedy.depth, greedy.verify_nodes
         self.drafted = greedy.verify_nodes - 1
         self.capacity = int(capacity)
-        self.tap_layers = greedy.tap_layers
+        self.prefill_shape = PrefillShape(greedy.tap_layers, self.logprobs)
 
     @property
     def overshoot(self) -> int:
@@ -499,8 +499,8 @@ class SpecBackend(Backend):
     def prefill(self, slots, tokens, valid, reset, sampling, penalty=None) -> jax.Array:
         first, out, self.anchor = self._launch(
             spec_prefill_jit, self.graphdef, self.params, self.dgraph, self.dparams, self._slots(penalty is not None),
-            self.anchor, prefill_chunk(slots, tokens, valid, reset, sampling, penalty), tap_layers=self.tap_layers,
-            logprobs=self.logprobs)
+            self.anchor, prefill_chunk(slots, tokens, valid, reset, sampling, penalty),
+            shape=self.prefill_shape)
         self._keep(out)
         start_host_copy(first)
         return first

@@ -34,6 +34,7 @@ trigger a recompile or change a request's samples.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -65,6 +66,14 @@ class PrefillChunk:
     reset: jax.Array           # [P] bool
     sampling: SlotSampling
     penalty: SlotPenalty | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillShape:
+    """Static part of a speculative backend's prefill (hashable): the target's tap layers whose features fill the
+    drafter's context, and the top alternatives the first tokens' logprobs carry (`first_out`; 0: none)."""
+    tap_layers: tuple[int, ...]
+    logprobs: int = 0
 
 
 def _rows(x: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
@@ -201,16 +210,16 @@ def ar_prefill(graphdef: nnx.GraphDef, params: nnx.State, slots: SlotState, anch
 
 
 def spec_prefill(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
-                 slots: SlotState, anchor: jax.Array, chunk: PrefillChunk, *, tap_layers: tuple[int, ...],
-                 logprobs: int = 0) -> tuple[jax.Array, SlotState, jax.Array]:
-    """`ar_prefill` that also fills the slots' drafter context with the chunk's tap-layer features. With the MTP
-    head (an `MTPState`): the chunk's tokens paired with the target's final-norm hiddens (tap_layers = the last
-    layer)."""
+                 slots: SlotState, anchor: jax.Array, chunk: PrefillChunk, *, shape: PrefillShape
+                 ) -> tuple[jax.Array, SlotState, jax.Array]:
+    """`ar_prefill` that also fills the slots' drafter context with the chunk's features at shape.tap_layers. With
+    the MTP head (an `MTPState`): the chunk's tokens paired with the target's final-norm hiddens (tap_layers = the
+    last layer)."""
     target: TargetModel = nnx.merge(tgraph, tparams)
     drafter: Drafter | MTPHead = nnx.merge(dgraph, dparams)
     sub = gather_target(slots.target, chunk.slots, chunk.reset)
     dsub = gather_drafter(slots.drafter, chunk.slots, chunk.reset)
-    logits, taps, sub = target.extend(sub, chunk.tokens, chunk.valid, last_only=True, tap_layers=tap_layers)
+    logits, taps, sub = target.extend(sub, chunk.tokens, chunk.valid, last_only=True, tap_layers=shape.tap_layers)
     n = jnp.sum(chunk.valid, axis=1, dtype=I32)
     if isinstance(dsub, MTPState):
         dsub = drafter.append(dsub, target.model.embed_tokens.weight[...], chunk.tokens, target.model.norm(taps[0]), n)
@@ -220,7 +229,7 @@ def spec_prefill(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef,
     first = sample(last, chunk.sampling, jnp.zeros((), I32), stochastic=True)
     out = SlotState(target=scatter_target(slots.target, chunk.slots, sub),
                     drafter=scatter_drafter(slots.drafter, chunk.slots, dsub), hist=hist)
-    return first_out(first, logits[:, 0], logprobs), out, _put(anchor, chunk.slots, first, 0)
+    return first_out(first, logits[:, 0], shape.logprobs), out, _put(anchor, chunk.slots, first, 0)
 
 
 def ar_step(graphdef: nnx.GraphDef, params: nnx.State, slots: SlotState, anchor: jax.Array, inputs: StepInputs, *,
@@ -324,7 +333,7 @@ def new_buffers(tcfg, dcfg, batch: int, kv_len: int, dtype, deferred_rows: int =
 ar_prefill_jit = DiskCachedJit(ar_prefill, name="ar_prefill", static_argnames=("graphdef", "logprobs"),
                                donate_argnames=("slots",))
 spec_prefill_jit = DiskCachedJit(spec_prefill, name="spec_prefill",
-                                 static_argnames=("tgraph", "dgraph", "tap_layers", "logprobs"),
+                                 static_argnames=("tgraph", "dgraph", "shape"),
                                  donate_argnames=("slots",))
 ar_step_jit = DiskCachedJit(ar_step, name="ar_step", static_argnames=("graphdef", "stochastic", "logprobs"),
                             donate_argnames=("slots",))

@@ -208,7 +208,7 @@ def _backend(args, cfg, model, dtype):
                 else SpecConfig(mode="chain"))
         engine = Engine(model, drafter, spec, slots=args.max_batch)
     return engine.backend(args.max_batch, args.max_model_len + engine.overshoot, shapes,
-                          decode_buckets(args, plain=args.spec_mode == "ar"))
+                          decode_buckets(args, plain=args.spec_mode == "ar"), logprobs=args.max_logprobs)
 
 
 def run_phase(args) -> dict:

@@ -5,9 +5,11 @@ thread); their sinks hand tokens to the request's asyncio queue, all of a device
 event-loop wake-up per step, not one per request). A stream writes one SSE chunk per choice with every token that
 arrived since its last write (several steps' when the event loop is behind), as the hand-written server's socket
 writes coalesced them. A client that goes away (`http.disconnect`)
-aborts its engine requests, which frees their slots at the next step. `logprobs` / `echo` are scored after the
-tokens are known by one no-cache target forward (`hyspec_jax.runtime.scoring`), so they are the target's,
-whatever mode decoded.
+aborts its engine requests, which frees their slots at the next step. `logprobs` arrive with the tokens: the
+programs that emitted them computed them from the target's logits (`hyspec_jax.logprobs`; the backend's
+`SlotLayout.logprobs` = --max-logprobs), so they are the target's whatever mode decoded, and a chunk renders its
+own tokens' only. An `echo`ed prompt's, which no program emitted, are scored once per request by a no-cache target
+forward (`hyspec_jax.runtime.scoring`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
+from hyspec_jax.logprobs import TokenScores
 from hyspec_jax.runtime.scheduler import EngineRequest, QueueFull, Scheduler, ShuttingDown
 from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.serve.chat import ChatTemplate, TemplateError
@@ -244,12 +247,36 @@ def _params(req: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> 
 
 
 class Choice:
-    """One choice: its engine request, its text and the tokens already sent with logprobs."""
+    """One choice: its engine request, its text, the logprobs of its tokens as they arrived (aligned with
+    text.token_ids) and how many of them were sent; the text offset of its next token (completions logprobs)."""
 
     def __init__(self, index: int, prompt: int, text: ChoiceText):
         self.index, self.prompt, self.text = index, prompt, text
         self.engine: EngineRequest | None = None
+        self.logprobs: list[float] = []
+        self.top_ids: list[list[int]] = []
+        self.top_logprobs: list[list[float]] = []
         self.scored = 0
+        self.offset = 0
+
+    def feed(self, toks: list[int], finish: str | None, scores: TokenScores | None) -> bool:
+        """`ChoiceText.feed`, keeping the scores of the tokens it kept (a stop string may end it mid-way)."""
+        n = len(self.text.token_ids)
+        stopped = self.text.feed(toks, finish)
+        if scores is not None:
+            kept = len(self.text.token_ids) - n
+            self.logprobs += scores.logprobs[:kept]
+            self.top_ids += scores.top_ids[:kept]
+            self.top_logprobs += scores.top_logprobs[:kept]
+        return stopped
+
+    def take_scores(self, n: int) -> TokenScores:
+        """The scores of the next n tokens to send (those `ChoiceText.take` gave)."""
+        a, b = self.scored, self.scored + n
+        if b > len(self.logprobs):
+            raise APIError(500, "the engine returned no logprobs for these tokens")
+        self.scored = b
+        return TokenScores(self.logprobs[a:b], self.top_ids[a:b], self.top_logprobs[a:b])
 
 
 class OpenAIServer:
@@ -357,9 +384,10 @@ class OpenAIServer:
         return out
 
     # --- generation --------------------------------------------------------------------------------------
-    def start(self, prompts: list[list[int]], params: GenParams, max_tokens: list[int], extra_stops: frozenset[int]
-              ) -> tuple[list[Choice], Inbox]:
-        """Submit n engine requests per prompt; returns the choices (index = prompt · n + j) and their queue."""
+    def start(self, prompts: list[list[int]], params: GenParams, max_tokens: list[int], extra_stops: frozenset[int],
+              logprobs: bool) -> tuple[list[Choice], Inbox]:
+        """Submit n engine requests per prompt (logprobs: their tokens' logprobs wanted); returns the choices (index
+        = prompt · n + j) and their queue."""
         if self.draining:
             raise self.unavailable()
         self.handoff.loop = asyncio.get_running_loop()
@@ -372,14 +400,14 @@ class OpenAIServer:
             for j in range(params.n):
                 c = Choice(len(choices), p, ChoiceText(self.tokenizer, params.stop, stops))
 
-                def sink(toks, finish, i=c.index):
-                    put(queue, (i, toks, finish))
+                def sink(toks, finish, scores, i=c.index):
+                    put(queue, (i, toks, finish, scores))
                 c.engine = EngineRequest(prompt_ids=ids, max_tokens=max_tokens[p], sink=sink,
                                          temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                          seed=seed + c.index, stop_token_ids=stops,
                                          presence_penalty=params.presence_penalty,
                                          frequency_penalty=params.frequency_penalty,
-                                         repetition_penalty=params.repetition_penalty)
+                                         repetition_penalty=params.repetition_penalty, logprobs=logprobs)
                 choices.append(c)
         submitted = []
         try:
@@ -405,21 +433,21 @@ class OpenAIServer:
             while True:
                 msg = await request.receive()
                 if msg["type"] == "http.disconnect":
-                    queue.put_nowait((None, [], "disconnect"))
+                    queue.put_nowait((None, [], "disconnect", None))
                     return
         watcher = asyncio.create_task(watch())
         open_ = len(choices)
         try:
             while open_:
                 changed: dict[int, Choice] = {}
-                for i, toks, finish in await queue.take():
+                for i, toks, finish, scores in await queue.take():
                     if i is None:
                         return
                     c = choices[i]
                     if c.text.finish is None:
                         if finish == "error":
                             raise APIError(500, "the engine failed while generating")
-                        if c.text.feed(toks, finish):
+                        if c.feed(toks, finish, scores):
                             self.scheduler.abort(c.engine, "stop")
                         if c.text.finish is not None:
                             open_ -= 1
@@ -488,25 +516,25 @@ class OpenAIServer:
         max_tokens = [self.check_context(len(ids), req.max_tokens, DEFAULT_COMPLETION_TOKENS, "prompt", "max_tokens")
                       for ids in prompts]
         echo_text = [(text if text is not None else self.tokenizer.decode(ids)) if echo else "" for ids, text in items]
-        choices, queue = self.start(prompts, params, max_tokens, frozenset())
+        choices, queue = self.start(prompts, params, max_tokens, frozenset(), k is not None)
+        for c in choices:
+            c.offset = len(echo_text[c.prompt])
         rid = f"cmpl-{request.scope.get(SCOPE_REQUEST_ID) or uuid.uuid4().hex}"
         created = int(time.time())
 
         async def logprobs_of(c: Choice, ids: list[int], first: bool) -> dict | None:
-            """The logprobs of this chunk of choice c: its new tokens (and the echoed prompt in its first)."""
+            """The logprobs of this chunk of choice c: its new tokens' as they arrived (and in its first the echoed
+            prompt's, scored once)."""
             if k is None:
                 return None
-            prompt = prompts[c.prompt]
-            done = c.text.token_ids[:c.scored]
-            seq = prompt + done + ids
+            scores = c.take_scores(len(ids))
             if first and echo:
-                s = await self.score(seq, 1)
-                out = self.completion_logprobs(prompt + ids, s, k, True, 0)
+                prompt = prompts[c.prompt]
+                out = self.completion_logprobs(prompt + ids, await self.score(prompt, 1) + scores, k, True, 0)
+                c.offset += sum(len(s) for s in out["tokens"][len(prompt):])
             else:
-                s = await self.score(seq, len(prompt) + len(done))
-                out = self.completion_logprobs(ids, s, k, False, len(echo_text[c.prompt]) + len(
-                    "".join(self.token_str(t) for t in done)))
-            c.scored += len(ids)
+                out = self.completion_logprobs(ids, scores, k, False, c.offset)
+                c.offset += sum(len(s) for s in out["tokens"])
             return out
 
         def token_fields(c: Choice, ids: list[int], first: bool) -> dict:
@@ -595,17 +623,15 @@ class OpenAIServer:
             raise APIError(400, "the rendered chat prompt is empty", param="messages")
         max_tokens = self.check_context(len(ids), req.max_completion_tokens or req.max_tokens, None, "messages",
                                         max_param)
-        choices, queue = self.start([ids], params, [max_tokens], self.chat.stop_token_ids)
+        choices, queue = self.start([ids], params, [max_tokens], self.chat.stop_token_ids, k is not None)
         rid = f"chatcmpl-{request.scope.get(SCOPE_REQUEST_ID) or uuid.uuid4().hex}"
         created = int(time.time())
 
-        async def logprobs_of(c: Choice, new: list[int]) -> dict | None:
+        def logprobs_of(c: Choice, new: list[int]) -> dict | None:
+            """The logprobs of this chunk of choice c: its new tokens' as they arrived."""
             if k is None:
                 return None
-            done = c.text.token_ids[:c.scored]
-            s = await self.score(ids + done + new, len(ids) + len(done))
-            c.scored += len(new)
-            return self.chat_logprobs(new, s, k)
+            return self.chat_logprobs(new, c.take_scores(len(new)), k)
 
         def usage() -> dict:
             done = sum(c.text.completion_tokens for c in choices)
@@ -621,7 +647,7 @@ class OpenAIServer:
             for c in choices:
                 content, tids = c.text.take()
                 choice = {"index": c.index, "message": {"role": "assistant", "content": content},
-                          "logprobs": await logprobs_of(c, tids), "finish_reason": c.text.finish}
+                          "logprobs": logprobs_of(c, tids), "finish_reason": c.text.finish}
                 if params.return_token_ids:
                     choice["token_ids"] = tids
                     choice["prompt_token_ids"] = ids
@@ -636,7 +662,7 @@ class OpenAIServer:
 
             async def chunk(c: Choice, delta: dict, finish, tids=None) -> bytes:
                 ch = {"index": c.index, "delta": delta,
-                      "logprobs": await logprobs_of(c, tids) if tids and k is not None else None,
+                      "logprobs": logprobs_of(c, tids) if tids and k is not None else None,
                       "finish_reason": finish}
                 if params.return_token_ids and tids is not None:
                     ch["token_ids"] = tids

@@ -235,7 +235,8 @@ def build_backend(args, target, model_dir: Path, max_model_len: int):
     """The request loop's backend for the server's options: the engine exactly as `hyspec generate` builds it from
     the same options (`launch.engine_from_args`, which also picks the embedded drafter's measured best mode when
     none is given), or plain decoding (`launch.plain_engine`), with the server's slots as its bucket and a KV length
-    of max_model_len + the engine's `overshoot`."""
+    of max_model_len + the engine's `overshoot`; its programs compute --max-logprobs top alternatives beside each
+    emitted token's logprob (`SlotLayout.logprobs`)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -256,7 +257,7 @@ def build_backend(args, target, model_dir: Path, max_model_len: int):
             raise ValueError("--drafter is only used with a speculative --spec-mode (chain, ready, tree, tree-ready)")
         engine = plain_engine(ns, target)
     return engine.backend(args.max_batch, max_model_len + engine.overshoot, shapes,
-                          decode_buckets(args, plain=engine.spec.mode == "ar"))
+                          decode_buckets(args, plain=engine.spec.mode == "ar"), logprobs=args.max_logprobs)
 
 
 def freeze_startup_objects() -> None:

@@ -122,6 +122,56 @@ def oracle_engines(models, reference):
     return get
 
 
+LOGPROBS = 3
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain", "tree", "widths"])
+def test_emitted_logprobs_are_the_scorers(mode, models, reference):
+    """Every emitted token's logprob and top-k alternatives come out of the program that emitted it — the prefill,
+    the plain step, the width-1 step and the round (at the accepted path's nodes; "widths": rounds alternating
+    with width-1 steps) — and equal the scorer's (a no-cache forward) over the finished sequence: greedy and
+    sampled (the raw target distribution, not the warped one), penalized too. A request that asks none gets
+    none."""
+    from hyspec_jax.runtime.scheduler import EngineRequest, Scheduler
+    from hyspec_jax.runtime.scoring import Scorer
+    target, drafter = models
+    prompts, params, ref = reference
+    spec = _spec("chain" if mode == "widths" else mode)
+    eng = Engine(target, None if mode == "ar" else _oracle(drafter, prompts, ref), spec, slots=SLOTS, kv_len=KV)
+    if mode == "widths":
+        be = eng.width_backend(SLOTS, KV, logprobs=LOGPROBS)
+        assert 1 in be.widths
+        be.force = [1, max(be.widths)]
+    else:
+        be = eng.backend(SLOTS, KV, logprobs=LOGPROBS)
+    sched = Scheduler(be)
+    got = {i: ([], []) for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        def sink(toks, reason, scores, i=i):
+            got[i][0].extend(toks)
+            got[i][1].append(scores)
+        sched.submit(EngineRequest(prompt_ids=p, max_tokens=params[i].max_tokens, sink=sink,
+                                   temperature=0.8 if i % 2 else 0.0, seed=i, presence_penalty=0.5 * (i == 3),
+                                   logprobs=i != 4))
+    sched.run_until_idle()
+    scorer = Scorer(eng.tgraph, eng.tparams, max_len=KV, top_k=LOGPROBS)
+    for i, p in enumerate(prompts):
+        toks, scores = got[i]
+        assert toks
+        if i == 4:
+            assert all(s is None for s in scores)
+            continue
+        scores = [s for s in scores if s is not None]
+        have = sum(scores[1:], scores[0])
+        want = scorer.score(p + toks, len(p))
+        assert len(have) == len(toks)
+        np.testing.assert_allclose(have.logprobs, want.logprobs, atol=1e-4)
+        np.testing.assert_allclose(have.top_logprobs, want.top_logprobs, atol=1e-4)
+        assert have.top_ids == want.top_ids
+    if mode == "widths":
+        assert set(be.width_counts) == set(be.force)
+
+
 @pytest.mark.parametrize("mode", ["ar", "chain", "ready", "tree", "tree-ready"])
 def test_greedy_equals_autoregressive(mode, oracle_engines, reference):
     prompts, params, ref = reference

@@ -105,12 +105,13 @@ def test_two_process_server_equals_one_process(mode, oracle, tmp_path):
                                       frequency_penalty=PENALTIES["frequency_penalty"],
                                       extra_body={**body, "repetition_penalty": PENALTIES["repetition_penalty"]})
         assert r.choices[0].model_extra["token_ids"] == want_penalized
-        if mode == "ar":      # the logprobs forward runs on both processes too (`BroadcastScorer`)
+        if mode == "ar":      # the programs' logprobs, and the echoed prompt's scoring forward on both processes
             r = client.completions.create(model="default", prompt=ids[0], max_tokens=2, temperature=0, logprobs=1,
-                                          extra_body=body)
+                                          echo=True, extra_body=body)     # too (`BroadcastScorer`)
             lp = r.choices[0].logprobs
             assert r.choices[0].model_extra["token_ids"] == want[0][:2]
-            assert len(lp.token_logprobs) == 2 and all(x <= 0 for x in lp.token_logprobs)
+            assert len(lp.token_logprobs) == len(ids[0]) + 2 and lp.token_logprobs[0] is None
+            assert all(x <= 0 for x in lp.token_logprobs[1:])
         procs[0].send_signal(signal.SIGTERM)
         codes = [p.wait(120) for p in procs]
         assert codes == [0, 0], [log.read_text(errors="replace")[-3000:] for log in logs]

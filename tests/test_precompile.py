@@ -41,6 +41,26 @@ def test_plain_decoding_programs_compile_ahead_and_the_pass_compiles_nothing(mod
     assert ahead >= len(be.shapes) - 1 + 4 and after == 0
 
 
+def test_logprobs_are_computed_by_the_same_programs_and_compile_ahead(models):
+    """A backend computing logprobs (`SlotLayout.logprobs`) has as many programs as one that does not, all
+    compiled at start-up: requests with and without logprobs then compile nothing."""
+    from hyspec_jax.runtime.scheduler import EngineRequest, Scheduler
+    target, _ = models
+    be = Engine(target).backend(3, 96, decode_buckets=(1,), logprobs=2)
+    ahead, after = _compile_in_two_steps(be, 2)
+    assert ahead >= len(be.shapes) - 1 + 4 and after == 0
+    assert be.step_programs == 2           # the plain backend's: no flavour of its own
+    watch = CompileWatch()
+    sched = Scheduler(be)
+    got = []
+    for i in range(3):
+        sched.submit(EngineRequest(prompt_ids=[5 + i] * (3 + 9 * i), max_tokens=4, temperature=0.5 * (i == 1),
+                                   logprobs=i != 2, sink=lambda toks, why, lps: got.append(lps)))
+    sched.run_until_idle()
+    assert watch.since == 0
+    assert sum(len(s) for s in got if s is not None) == 8
+
+
 def test_weights_on_a_one_device_mesh_compile_ahead_too(models):
     """Such weights give programs whose outputs are placed by NamedSharding, unlike the start-up buffers: the calls
     recorded after the first job carry the outputs' placement, so nothing compiles twice."""

@@ -206,7 +206,7 @@ def test_abort_frees_the_slot_for_the_next_request():
     reqs: list[EngineRequest] = []
 
     def sink_for(i):
-        def sink(toks, reason):
+        def sink(toks, reason, logprobs):
             got[i].extend(toks)
             if reason:
                 reasons[i] = reason
@@ -232,7 +232,7 @@ def test_on_batch_follows_every_device_calls_sink_calls():
     sched = Scheduler(be, on_batch=lambda: log.append("batch"))
     for i, prompt in enumerate(([5], [6], [7])):
         sched.submit(EngineRequest(prompt_ids=prompt, max_tokens=7,
-                                   sink=lambda toks, reason, i=i: log.append((i, list(toks), reason))))
+                                   sink=lambda toks, reason, lps, i=i: log.append((i, list(toks), reason))))
     sched.run_until_idle()
     assert log[-1] == "batch"
     tokens = [e for e in log if e != "batch"]
@@ -278,7 +278,7 @@ def test_the_loop_reports_its_time_in_each_steps_dispatch_and_collect():
     out = {}
     for prompt in ([3], [4]):
         sched.submit(EngineRequest(prompt_ids=prompt, max_tokens=6,
-                                   sink=lambda toks, reason, p=prompt[0]: out.setdefault(p, []).extend(toks)))
+                                   sink=lambda toks, reason, lps, p=prompt[0]: out.setdefault(p, []).extend(toks)))
     sched.run_until_idle()
     assert out == {p: [p * 100 + k for k in range(6)] for p in (3, 4)}
     assert len(obs.calls) == be.dispatched
@@ -305,11 +305,11 @@ def test_a_failed_engine_fails_every_request_it_holds_and_takes_no_more():
     reqs = []
     for i in range(4):                       # 2 running, 2 waiting
         reqs.append(EngineRequest(prompt_ids=[10 + i], max_tokens=40,
-                                  sink=lambda toks, why, i=i: ends.__setitem__(i, why) if why else None))
+                                  sink=lambda toks, why, lps, i=i: ends.__setitem__(i, why) if why else None))
         sched.submit(reqs[-1])
     sched.start()
     assert sched.join(30)
     assert ends == {i: "error" for i in range(4)} and all(r.finished for r in reqs)
     assert len(seen) == 1 and seen[0] is sched.failed and "RESOURCE_EXHAUSTED" in str(sched.failed)
     with pytest.raises(ShuttingDown):
-        sched.submit(EngineRequest(prompt_ids=[9], max_tokens=4, sink=lambda toks, why: None))
+        sched.submit(EngineRequest(prompt_ids=[9], max_tokens=4, sink=lambda toks, why, lps: None))

@@ -459,13 +459,84 @@ def test_stream_events_coalesce_what_is_queued():
         queue = Inbox()
         ids = enc("hello")
         for k, t in enumerate(ids):
-            queue.put_nowait((0, [t], "length" if k == len(ids) - 1 else None))
+            queue.put_nowait((0, [t], "length" if k == len(ids) - 1 else None, None))
         chunks = []
         async for c in srv.events(Req(), choices, queue):
             chunks.append(c.text.take())
         return chunks
     assert asyncio.run(main()) == [("hello", enc("hello"))]
     assert aborted == []
+
+
+def test_streamed_logprobs_arrive_with_their_tokens_and_score_nothing():
+    """A streamed completion with logprobs renders each chunk's from what arrived with its tokens (the request
+    loop's programs computed them): the scoring forward runs 0 times for it (once per request was the echo's,
+    for the prompt, where it ran once per chunk over the whole sequence), and the values equal the scorer's over
+    the finished sequence. The front end in-process (its scorer spied on), driven by the official client."""
+    import asyncio
+
+    import httpx
+
+    from hyspec_jax.models.target import create_model
+    from hyspec_jax.runtime.engine import Engine
+    from hyspec_jax.runtime.scheduler import Scheduler
+    from hyspec_jax.runtime.scoring import Scorer
+    from hyspec_jax.serve.app import FrontOptions, OpenAIServer, ServedModel, build_app
+    from hyspec_jax.serve.metrics import ServerMetrics
+    from tests.test_engine import TCFG
+
+    k, kv = 3, 128
+    eng = Engine(create_model(TCFG, seed=0))
+    backend = eng.backend(2, kv, logprobs=k)
+    scorer = Scorer(eng.tgraph, eng.tparams, max_len=kv, top_k=k)
+    calls = []
+
+    class Spy:
+        def score(self, ids, start=1):
+            calls.append((len(ids), start))
+            return scorer.score(ids, start)
+    metrics = ServerMetrics(NAME)
+    sched = Scheduler(backend, metrics)
+    model = ServedModel(name=NAME, root="", max_model_len=kv - 1, vocab_size=TCFG.vocab_size,
+                        eos_token_ids=frozenset(), mode="ar", created=0)
+    srv = OpenAIServer(scheduler=sched, tokenizer=TOK, chat=None, model=model, metrics=metrics,
+                       options=FrontOptions(max_logprobs=k, log_requests=False), scorer=Spy(), version="test")
+    prompt = enc("stream my logprobs")
+
+    async def main():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(srv)), base_url="http://test")
+        client = openai.AsyncOpenAI(api_key="none", base_url="http://test/v1", http_client=http)
+        out = {}
+        for echo in (False, True):
+            ids, lps, tops = [], [], []
+            stream = await client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                                     logprobs=k, echo=echo, stream=True,
+                                                     extra_body={"return_token_ids": True, "ignore_eos": True})
+            async for ch in stream:
+                c = ch.choices[0]
+                ids += extra(c, "token_ids") or []
+                if c.logprobs is not None:
+                    lps += c.logprobs.token_logprobs
+                    tops += c.logprobs.top_logprobs
+            out[echo] = ids, lps, tops, len(calls)
+        await http.aclose()
+        return out
+    sched.start()
+    try:
+        out = asyncio.run(main())
+    finally:
+        sched.stop()
+        sched.join(10)
+    ids, lps, tops, n_calls = out[False]
+    assert len(ids) == 12 and n_calls == 0, calls
+    want = scorer.score(prompt + ids, len(prompt))
+    np.testing.assert_allclose(lps, want.logprobs, atol=1e-4)
+    for top, best in zip(tops, want.top_logprobs):     # the best alternative (tokens of equal text merge)
+        np.testing.assert_allclose(max(top.values()), best[0], atol=1e-4)
+    ids, lps, tops, n_calls = out[True]
+    assert n_calls == 1 and calls[0] == (len(prompt), 1)          # the echoed prompt's, once
+    assert lps[0] is None and len(lps) == len(prompt) + 12
+    np.testing.assert_allclose(lps[1:], scorer.score(prompt + ids, 1).logprobs, atol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -16,6 +16,9 @@ without it the program is the unpenalized one. The loop passes it while any of t
 penalties.
 
 The round's static shape is a frozen `RoundShape` per sampling flavour, fixed when the backend is built.
+
+With `SlotLayout.logprobs` = k > 0 every program also computes each emitted token's logprob and top-k alternatives
+(`hyspec_jax.logprobs`), read back with the tokens: `read_first` of a prefill's, `StepResult.logprobs` of a step's.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from hyspec_jax.config import DrafterConfig, TargetConfig
-from hyspec_jax.runtime.programs import (PrefillChunk, ar_prefill_jit, ar_step_jit, new_buffers, spec_prefill_jit,
-                                         spec_round_io_jit, spread_rows)
+from hyspec_jax.logprobs import TokenLogprobs
+from hyspec_jax.runtime.programs import (PrefillChunk, PrefillShape, ar_prefill_jit, ar_step_jit, new_buffers,
+                                         spec_prefill_jit, spec_round_io_jit, spread_rows)
 from hyspec_jax.sharding import place_buffers
 from hyspec_jax.sampling import PenaltyCounts, SlotPenalty, SlotSampling
 from hyspec_jax.spec.round import RoundOutput, RoundShape, SlotState, StepInputs
@@ -156,12 +160,14 @@ class SlotLayout:
     """A backend's bucket. slots: batch slots; kv_len: positions per slot; shapes: the static (rows, T) prefill
     shapes (`prefill_shapes`, or one (slots, T) per prompt bucket); deferred_rows: the deferred commit's row capacity
     P per slot and GDN layer (0: every step writes the state; `TargetState.pending`); decode_buckets: row counts
-    below `slots` a step is also compiled for (`Backend.step_rows`)."""
+    below `slots` a step is also compiled for (`Backend.step_rows`); logprobs: k > 0 — every program also returns
+    each emitted token's logprob and its k top alternatives (the server's --max-logprobs), 0 — none computed."""
     slots: int
     kv_len: int
     shapes: tuple[tuple[int, int], ...]
     deferred_rows: int = 0
     decode_buckets: tuple[int, ...] = ()
+    logprobs: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "shapes", tuple(tuple(s) for s in self.shapes))
@@ -174,6 +180,7 @@ class StepResult:
     count: np.ndarray                     # [B]
     accepted: np.ndarray | None = None    # [B] accepted drafts per slot (speculative modes)
     drafted: int = 0                      # draft tokens verified per active slot this round
+    logprobs: TokenLogprobs | None = None  # [B, K] the tokens' logprobs (`SlotLayout.logprobs` > 0)
 
 
 class Backend(abc.ABC):
@@ -198,6 +205,7 @@ class Backend(abc.ABC):
         self.dtype = leaves[0].dtype if leaves else F32
         self.slots, self.kv_len, self.shapes = slots, kv_len, list(shapes)
         self.deferred_rows = int(deferred_rows)
+        self.logprobs = int(layout.logprobs)
         self._drafter_config = drafter_config
         self.reset_buffers()
         self._hist: PenaltyCounts | None = None      # the penalty history, made by the first penalized call
@@ -389,9 +397,10 @@ class Backend(abc.ABC):
     def prefill(self, slots: np.ndarray, tokens: np.ndarray, valid: np.ndarray, reset: np.ndarray,
                 sampling: SlotSampling, penalty: SlotPenalty | None = None) -> jax.Array | np.ndarray:
         """Run prompt chunks [P, T] into slots `slots` [P] (B = padding row), not waiting for it; returns the
-        sampled next tokens [P] as an array the loop reads (`np.asarray`) once it has dispatched the next step (a
-        device array whose host copy has started, or a host array). A slot's next token is also kept on the
-        device, so that step does not need it."""
+        sampled next tokens [P] as an array the loop reads (`np.asarray`, then `programs.read_first`: with logprobs they
+        come packed beside the tokens) once it has dispatched the next step (a device array whose host copy has
+        started, or a host array). A slot's next token is also kept on the device, so that step does not need
+        it."""
 
     @abc.abstractmethod
     def dispatch(self, active: np.ndarray, sampling: SlotSampling, steps: np.ndarray, stochastic: bool,
@@ -428,7 +437,7 @@ class ARBackend(Backend):
     def prefill(self, slots, tokens, valid, reset, sampling, penalty=None) -> jax.Array:
         first, out, self.anchor = self._launch(
             ar_prefill_jit, self.graphdef, self.params, self._slots(penalty is not None), self.anchor,
-            prefill_chunk(slots, tokens, valid, reset, sampling, penalty))
+            prefill_chunk(slots, tokens, valid, reset, sampling, penalty), logprobs=self.logprobs)
         self._keep(out)
         start_host_copy(first)
         return first
@@ -436,15 +445,19 @@ class ARBackend(Backend):
     def dispatch(self, active, sampling, steps, stochastic, penalty=None):
         active = np.array(active, bool)
         inputs = StepInputs(StepInputs.pack(active, steps, 0, self.step_rows(active)), sampling, penalty)
-        self.anchor, out = self._launch(ar_step_jit, self.graphdef, self.params, self._slots(penalty is not None),
-                                        self.anchor, inputs, stochastic=bool(stochastic))
+        self.anchor, out, lps = self._launch(ar_step_jit, self.graphdef, self.params,
+                                             self._slots(penalty is not None), self.anchor, inputs,
+                                             stochastic=bool(stochastic), logprobs=self.logprobs)
         self._keep(out)
         start_host_copy(self.anchor)
-        return self.anchor, active
+        if lps is not None:
+            start_host_copy(lps)
+        return self.anchor, active, lps
 
     def collect(self, handle) -> StepResult:
-        tokens, active = handle
-        return StepResult(tokens=np.asarray(tokens)[:, None], count=active.astype(np.int32))
+        tokens, active, lps = handle
+        return StepResult(tokens=np.asarray(tokens)[:, None], count=active.astype(np.int32),
+                          logprobs=None if lps is None else TokenLogprobs.unpack(np.asarray(lps), self.logprobs))
 
 
 class SpecBackend(Backend):
@@ -465,16 +478,20 @@ class SpecBackend(Backend):
             layout = dataclasses.replace(layout, decode_buckets=())
         super().__init__(target, layout, drafter_config=drafter.config)
         self.mode, self.dgraph, self.dparams = mode, drafter.graphdef, drafter.params
-        self.round_shapes = dict(round_shapes)
+        self.round_shapes = self.with_logprobs(round_shapes)
         greedy = self.round_shapes[False]
         self.depth, self.verify_nodes = greedy.depth, greedy.verify_nodes
         self.drafted = greedy.verify_nodes - 1
         self.capacity = int(capacity)
-        self.tap_layers = greedy.tap_layers
+        self.prefill_shape = PrefillShape(greedy.tap_layers, self.logprobs)
 
     @property
     def overshoot(self) -> int:
         return self.round_shapes[False].gamma + 2
+
+    def with_logprobs(self, shapes: dict[bool, RoundShape]) -> dict[bool, RoundShape]:
+        """The round shapes computing this backend's logprobs (`SlotLayout.logprobs`)."""
+        return {s: dataclasses.replace(shape, logprobs=self.logprobs) for s, shape in shapes.items()}
 
     def describe_step(self, rows: int | None = None) -> str:
         return f"{self.mode} round N={self.verify_nodes}"
@@ -482,7 +499,8 @@ class SpecBackend(Backend):
     def prefill(self, slots, tokens, valid, reset, sampling, penalty=None) -> jax.Array:
         first, out, self.anchor = self._launch(
             spec_prefill_jit, self.graphdef, self.params, self.dgraph, self.dparams, self._slots(penalty is not None),
-            self.anchor, prefill_chunk(slots, tokens, valid, reset, sampling, penalty), tap_layers=self.tap_layers)
+            self.anchor, prefill_chunk(slots, tokens, valid, reset, sampling, penalty),
+            shape=self.prefill_shape)
         self._keep(out)
         start_host_copy(first)
         return first
@@ -507,5 +525,6 @@ class SpecBackend(Backend):
 
     def collect(self, handle) -> StepResult:
         host_out, rows = handle
-        out = RoundOutput.unpack(spread_rows(np.asarray(host_out), rows, self.slots))  # one transfer
-        return StepResult(tokens=out.tokens, count=out.count, accepted=out.accepted, drafted=self.drafted)
+        out = RoundOutput.unpack(spread_rows(np.asarray(host_out), rows, self.slots), 0, self.logprobs)  # one transfer
+        return StepResult(tokens=out.tokens, count=out.count, accepted=out.accepted, drafted=self.drafted,
+                          logprobs=out.logprobs)

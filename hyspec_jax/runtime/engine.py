@@ -387,7 +387,8 @@ class Engine:
 
     def width_backend(self, slots: int, kv_len: int, seconds: dict[int, float] | None = None,
                       shapes: Sequence[tuple[int, int]] | None = None,
-                      decode_buckets: Sequence[int] = (), times_origin: str | None = None) -> WidthBackend:
+                      decode_buckets: Sequence[int] = (), times_origin: str | None = None,
+                      logprobs: int = 0) -> WidthBackend:
         """A backend with one round per width bucket up to `nodes_for` (`runtime.width`): the width chosen each
         round from `seconds` (calibrated round time per width; times_origin: where they came from, for the
         logs), fixed at the widest without them; a round over a decoding bucket's R rows chooses from the round
@@ -407,7 +408,8 @@ class Engine:
                               on_calibrated=(functools.partial(self._save_calibration, kv_len, sig) if calibrates
                                              else None),
                               times_origin=times_origin)
-        return WidthBackend(self._target, self._drafter, self._layout(slots, kv_len, shapes, decode_buckets),
+        return WidthBackend(self._target, self._drafter,
+                            self._layout(slots, kv_len, shapes, decode_buckets, logprobs),
                             mode=self.spec.mode, choice=choice)
 
     def _width_shapes(self, slots: int, widths: tuple[int, ...]) -> dict[int, dict[bool, RoundShape]]:
@@ -423,22 +425,26 @@ class Engine:
                     for s in (False, True)} for w in widths}
 
     def backend(self, slots: int, kv_len: int, shapes: Sequence[tuple[int, int]] | None = None,
-                decode_buckets: Sequence[int] = ()) -> Backend:
+                decode_buckets: Sequence[int] = (), logprobs: int = 0) -> Backend:
         """The backend of this engine for the bucket (slots, KV length): plain decoding, an `ARBackend`; else one of
         this engine's drafter and rounds: with spec.adaptive_width and calibrated round times of the bucket, the
         width chosen each round (`width_backend`); without them but with spec.calibrate_repeats, the same from round
         times the backend measures when it compiles (`WidthBackend.calibrate`); else N from `nodes_for`, capacity
         spec.capacity or slots · N. Prefill shapes (default: all `slots` rows of every prompt bucket the KV length
-        holds); decoding buckets: the row counts below `slots` a round is also compiled for (`Backend.step_rows`)."""
+        holds); decoding buckets: the row counts below `slots` a round is also compiled for (`Backend.step_rows`);
+        logprobs: the top alternatives every program computes beside each emitted token's logprob
+        (`SlotLayout.logprobs`; 0: none)."""
         if self.spec.mode == "ar":
-            return ARBackend(self._target, self._layout(slots, kv_len, shapes, decode_buckets))
+            return ARBackend(self._target, self._layout(slots, kv_len, shapes, decode_buckets, logprobs))
         seconds, origin = self._round_times(slots, kv_len) if self.spec.adaptive_width else (None, "")
         if seconds is not None:
-            return self.width_backend(slots, kv_len, seconds, shapes, decode_buckets, times_origin=origin)
+            return self.width_backend(slots, kv_len, seconds, shapes, decode_buckets, times_origin=origin,
+                                      logprobs=logprobs)
         if self.spec.adaptive_width and self.spec.calibrate_repeats and self.nodes_for(slots, kv_len) > 1:
-            return self.width_backend(slots, kv_len, None, shapes, decode_buckets)       # timed at start-up
+            return self.width_backend(slots, kv_len, None, shapes, decode_buckets,       # timed at start-up
+                                      logprobs=logprobs)
         N = self.nodes_for(slots, kv_len)
-        return SpecBackend(self._target, self._drafter, self._layout(slots, kv_len, shapes, decode_buckets),
+        return SpecBackend(self._target, self._drafter, self._layout(slots, kv_len, shapes, decode_buckets, logprobs),
                            mode=self.spec.mode, round_shapes={s: self.round_shape(s, N, slots) for s in (False, True)},
                            capacity=self.spec.capacity or slots * N)
 
@@ -452,10 +458,10 @@ class Engine:
         return JitModel(self.drafter.config, self.dgraph, self.dparams)
 
     def _layout(self, slots: int, kv_len: int, shapes: Sequence[tuple[int, int]] | None,
-                decode_buckets: Sequence[int]) -> SlotLayout:
+                decode_buckets: Sequence[int], logprobs: int = 0) -> SlotLayout:
         """The bucket's layout: every prompt bucket the KV length holds over all slots unless `shapes` are given."""
         return SlotLayout(slots, kv_len, shapes or batch_shapes(slots, self.max_prompt_len(kv_len)),
-                          self.spec.deferred_rows, decode_buckets)
+                          self.spec.deferred_rows, decode_buckets, logprobs)
 
     def bucket_for(self, prompts, plist) -> tuple[int, int]:
         """The bucket a request batch runs in: (slots B, KV length S) — the engine's slots, else

@@ -6,7 +6,8 @@ generate` gets that by running the same loop everywhere; a server cannot (reques
 So, as tpu-inference / JetStream do, process 0 holds the HTTP server and the scheduler and the others follow:
 
 - on process 0, `BroadcastBackend` wraps the backend the scheduler drives: each `prefill` / `dispatch` first sends
-  its host inputs (`Channel.send`), then runs as before; `BroadcastScorer` does the same for the logprobs forward;
+  its host inputs (`Channel.send`), then runs as before; `BroadcastScorer` does the same for an echoed prompt's
+  logprobs forward (the generated tokens' come out of the programs above, on every process alike);
 - on the others, `follow` builds nothing new: it receives each call and runs it on its own copy of the same backend
   (the same programs, compiled at start-up in the same order on every process), discarding the outputs, until
   process 0 sends `stop` (its SIGTERM drain is over). What process 0 decides from outputs it read travels with the

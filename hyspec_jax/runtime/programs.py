@@ -22,6 +22,11 @@ the target's logits before sampling (`sampling.penalize`); prefill resets a firs
 chunk's tokens seen, a step counts the anchor it processes. Without them (None) the programs are exactly the
 unpenalized ones.
 
+Logprobs: with a static `logprobs` = k > 0 (the server's --max-logprobs; `RoundShape.logprobs` for the round and
+the width-1 step) every program also returns the logprob and the top-k alternatives of each token it emits
+(`hyspec_jax.logprobs.token_logprobs` of the raw logits it chose the token from), packed beside the tokens
+(`first_out`, `RoundOutput`): the same programs, no flavour of their own; k = 0 computes nothing.
+
 Sampling parameters are per-row device arrays (`SlotSampling`) and the PRNG key of a slot is
 fold_in(key(seed), step) with the slot's own step counter, so neither the parameters nor the batch composition
 trigger a recompile or change a request's samples.
@@ -29,6 +34,7 @@ trigger a recompile or change a request's samples.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -38,6 +44,7 @@ from flax import nnx, struct
 
 from hyspec_jax.compilation import DiskCachedJit
 from hyspec_jax.config import TargetConfig
+from hyspec_jax.logprobs import TokenLogprobs, token_logprobs
 from hyspec_jax.models.drafter import Drafter
 from hyspec_jax.models.mtp import MTPHead, MTPState, init_mtp_state
 from hyspec_jax.models.target import TargetModel
@@ -59,6 +66,14 @@ class PrefillChunk:
     reset: jax.Array           # [P] bool
     sampling: SlotSampling
     penalty: SlotPenalty | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillShape:
+    """Static part of a speculative backend's prefill (hashable): the target's tap layers whose features fill the
+    drafter's context, and the top alternatives the first tokens' logprobs carry (`first_out`; 0: none)."""
+    tap_layers: tuple[int, ...]
+    logprobs: int = 0
 
 
 def _rows(x: jax.Array, idx: jax.Array, axis: int) -> jax.Array:
@@ -163,32 +178,48 @@ def _step_penalty(logits: jax.Array, anchor: jax.Array, inputs: StepInputs, hist
     return inputs.penalty.apply(logits, hist), hist
 
 
-def ar_prefill(graphdef: nnx.GraphDef, params: nnx.State, slots: SlotState, anchor: jax.Array, chunk: PrefillChunk
-               ) -> tuple[jax.Array, SlotState, jax.Array]:
-    """Prompt chunks [P, T] into their slots: (first tokens [P], slots, anchor); penalized (slots.hist and
-    chunk.penalty given) the history updated too. The first token is the warped draw of every row
-    (`sample(stochastic=True)`: greedy rows get their argmax), so one program per prefill shape serves greedy and
-    sampling requests with no run-time branch."""
+def first_out(first: jax.Array, logits: jax.Array, logprobs: int) -> jax.Array:
+    """What a prefill tells the host: the first tokens [P]; with logprobs = k > 0, [P, 1 + 1 + 2k] int32 — each
+    token, then its `TokenLogprobs` under the raw logits [P, V] it was drawn from (`read_first` undoes it)."""
+    if not logprobs:
+        return first
+    return jnp.concatenate([first[:, None], token_logprobs(logits[:, None], first[:, None], logprobs).pack()], 1)
+
+
+def read_first(host: np.ndarray) -> tuple[np.ndarray, TokenLogprobs | None]:
+    """`first_out`'s array (host) back: the first tokens [P] and their logprobs (None without)."""
+    host = np.asarray(host)
+    if host.ndim == 1:
+        return host, None
+    return host[:, 0], TokenLogprobs.unpack(host[:, 1:], (host.shape[1] - 2) // 2)
+
+
+def ar_prefill(graphdef: nnx.GraphDef, params: nnx.State, slots: SlotState, anchor: jax.Array, chunk: PrefillChunk,
+               *, logprobs: int = 0) -> tuple[jax.Array, SlotState, jax.Array]:
+    """Prompt chunks [P, T] into their slots: (first tokens [P] as `first_out` packs them, slots, anchor);
+    penalized (slots.hist and chunk.penalty given) the history updated too. The first token is the warped draw of
+    every row (`sample(stochastic=True)`: greedy rows get their argmax), so one program per prefill shape serves
+    greedy and sampling requests with no run-time branch."""
     model: TargetModel = nnx.merge(graphdef, params)
     sub = gather_target(slots.target, chunk.slots, chunk.reset)
     logits, _, sub = model.extend(sub, chunk.tokens, chunk.valid, last_only=True)
     last, hist = _prefill_penalty(logits[:, 0], chunk, slots.hist)
     first = sample(last, chunk.sampling, jnp.zeros((), I32), stochastic=True)
     out = slots.replace(target=scatter_target(slots.target, chunk.slots, sub), hist=hist)
-    return first, out, _put(anchor, chunk.slots, first, 0)
+    return first_out(first, logits[:, 0], logprobs), out, _put(anchor, chunk.slots, first, 0)
 
 
 def spec_prefill(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
-                 slots: SlotState, anchor: jax.Array, chunk: PrefillChunk, *, tap_layers: tuple[int, ...]
+                 slots: SlotState, anchor: jax.Array, chunk: PrefillChunk, *, shape: PrefillShape
                  ) -> tuple[jax.Array, SlotState, jax.Array]:
-    """`ar_prefill` that also fills the slots' drafter context with the chunk's tap-layer features. With the MTP
-    head (an `MTPState`): the chunk's tokens paired with the target's final-norm hiddens (tap_layers = the last
-    layer)."""
+    """`ar_prefill` that also fills the slots' drafter context with the chunk's features at shape.tap_layers. With
+    the MTP head (an `MTPState`): the chunk's tokens paired with the target's final-norm hiddens (tap_layers = the
+    last layer)."""
     target: TargetModel = nnx.merge(tgraph, tparams)
     drafter: Drafter | MTPHead = nnx.merge(dgraph, dparams)
     sub = gather_target(slots.target, chunk.slots, chunk.reset)
     dsub = gather_drafter(slots.drafter, chunk.slots, chunk.reset)
-    logits, taps, sub = target.extend(sub, chunk.tokens, chunk.valid, last_only=True, tap_layers=tap_layers)
+    logits, taps, sub = target.extend(sub, chunk.tokens, chunk.valid, last_only=True, tap_layers=shape.tap_layers)
     n = jnp.sum(chunk.valid, axis=1, dtype=I32)
     if isinstance(dsub, MTPState):
         dsub = drafter.append(dsub, target.model.embed_tokens.weight[...], chunk.tokens, target.model.norm(taps[0]), n)
@@ -198,27 +229,31 @@ def spec_prefill(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef,
     first = sample(last, chunk.sampling, jnp.zeros((), I32), stochastic=True)
     out = SlotState(target=scatter_target(slots.target, chunk.slots, sub),
                     drafter=scatter_drafter(slots.drafter, chunk.slots, dsub), hist=hist)
-    return first, out, _put(anchor, chunk.slots, first, 0)
+    return first_out(first, logits[:, 0], shape.logprobs), out, _put(anchor, chunk.slots, first, 0)
 
 
 def ar_step(graphdef: nnx.GraphDef, params: nnx.State, slots: SlotState, anchor: jax.Array, inputs: StepInputs, *,
-            stochastic: bool | None) -> tuple[jax.Array, SlotState]:
-    """One decoding step of every active slot: (next anchor [B], slots). stochastic (static): False — every active
-    slot greedy, a branch-free argmax program; True — the warped draw (`sampling.sample`). With `inputs.rows`
-    (R < B rows) the step runs on those slots only (`gather_rows`; the others are inactive), at the cost of R
-    rows — the same tokens, since a slot's randomness is its own (seed, step)."""
+            stochastic: bool | None, logprobs: int = 0) -> tuple[jax.Array, SlotState, jax.Array | None]:
+    """One decoding step of every active slot: (next anchor [B], slots, with logprobs = k > 0 the new tokens'
+    packed `TokenLogprobs` [B, 1 + 2k], else None). stochastic (static): False — every active slot greedy, a
+    branch-free argmax program; True — the warped draw (`sampling.sample`). With `inputs.rows` (R < B rows) the
+    step runs on those slots only (`gather_rows`; the others are inactive), at the cost of R rows — the same
+    tokens, since a slot's randomness is its own (seed, step)."""
     rows = inputs.rows
     if rows is not None:
         sub, (a, samp, pen) = gather_rows(rows, slots, (anchor, inputs.sampling, inputs.penalty))
-        tok, sub = ar_step(graphdef, params, sub, a, inputs.over_rows(samp, pen), stochastic=stochastic)
-        slots, (anchor,) = put_rows(rows, slots, sub, (anchor,), (tok,))
-        return anchor, slots
+        tok, sub, lps = ar_step(graphdef, params, sub, a, inputs.over_rows(samp, pen), stochastic=stochastic,
+                                logprobs=logprobs)
+        full = None if lps is None else jnp.zeros((anchor.shape[0], lps.shape[1]), I32)
+        slots, (anchor, lps) = put_rows(rows, slots, sub, (anchor, full), (tok, lps))
+        return anchor, slots, lps
     model: TargetModel = nnx.merge(graphdef, params)
     active = inputs.active
     logits, _, state = model.extend(slots.target, anchor[:, None], active[:, None])
     last, hist = _step_penalty(logits[:, 0], anchor, inputs, slots.hist)
     tok = sample(last, inputs.sampling, inputs.steps, stochastic)
-    return jnp.where(active, tok, anchor), slots.replace(target=state, hist=hist)
+    lps = token_logprobs(logits, tok[:, None], logprobs).pack() if logprobs else None
+    return jnp.where(active, tok, anchor), slots.replace(target=state, hist=hist), lps
 
 
 def spec_step(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dparams: nnx.State,
@@ -243,7 +278,8 @@ def spec_step(tgraph: nnx.GraphDef, tparams: nnx.State, dgraph: nnx.GraphDef, dp
     bonus = jnp.where(active, tok, anchor_in)
     B = anchor.shape[0]
     gains = jnp.full((B, len(shape.gain_widths)), -1.0, jnp.float32) if shape.gain_widths else None
-    out = RoundOutput(tokens=bonus[:, None], count=n, accepted=jnp.zeros((B,), I32), gains=gains)
+    lps = token_logprobs(logits, bonus[:, None], shape.logprobs) if shape.logprobs else None
+    out = RoundOutput(tokens=bonus[:, None], count=n, accepted=jnp.zeros((B,), I32), gains=gains, logprobs=lps)
     return SlotState(target=state, drafter=dstate, hist=hist), bonus, out
 
 
@@ -294,10 +330,12 @@ def new_buffers(tcfg, dcfg, batch: int, kv_len: int, dtype, deferred_rows: int =
 
 # Anchors are never donated: in plain decoding the anchor array a step returns is also what the host reads, and the loop
 # dispatches the next step before reading it. The slot state is (`SlotState`).
-ar_prefill_jit = DiskCachedJit(ar_prefill, name="ar_prefill", static_argnames=("graphdef",), donate_argnames=("slots",))
-spec_prefill_jit = DiskCachedJit(spec_prefill, name="spec_prefill", static_argnames=("tgraph", "dgraph", "tap_layers"),
+ar_prefill_jit = DiskCachedJit(ar_prefill, name="ar_prefill", static_argnames=("graphdef", "logprobs"),
+                               donate_argnames=("slots",))
+spec_prefill_jit = DiskCachedJit(spec_prefill, name="spec_prefill",
+                                 static_argnames=("tgraph", "dgraph", "shape"),
                                  donate_argnames=("slots",))
-ar_step_jit = DiskCachedJit(ar_step, name="ar_step", static_argnames=("graphdef", "stochastic"),
+ar_step_jit = DiskCachedJit(ar_step, name="ar_step", static_argnames=("graphdef", "stochastic", "logprobs"),
                             donate_argnames=("slots",))
 spec_round_io_jit = DiskCachedJit(spec_round_io, name="spec_round_io", static_argnames=("tgraph", "dgraph", "shape"),
                                   donate_argnames=("slots",))

@@ -22,7 +22,9 @@ steps did: the step ahead would likely be wasted), or when a row could then pass
 Two drivers: the server runs the loop on its own thread (`start`, `submit`, `abort`, `drain`), and
 `run_until_idle` runs it on the caller's thread until every submitted request has finished (`hyspec generate`,
 `Engine.generate`). Requests talk to their owner through
-`sink(token_ids, finish_reason | None)`, called on the loop's thread; an optional `LoopObserver` sees every event
+`sink(token_ids, finish_reason | None, logprobs)`, called on the loop's thread — logprobs: the tokens' `TokenScores`
+as the programs computed them, for a request that asks (`EngineRequest.logprobs`) of a backend that computes them
+(`SlotLayout.logprobs`), else None; an optional `LoopObserver` sees every event
 (the server's metrics). `on_batch()`, where given, is called on the loop's thread after the sink calls of each
 iteration (a prefill's first tokens, a step's tokens), so that a front end on another thread can take them with one
 wake-up, after the loop's host work for that iteration (not one per request, competing with it for the GIL).
@@ -43,12 +45,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from hyspec_jax.logprobs import TokenLogprobs, TokenScores
 from hyspec_jax.runtime.backend import Backend, StepResult
+from hyspec_jax.runtime.programs import read_first
 from hyspec_jax.sampling import penalized
 
 log = logging.getLogger("hyspec.runtime")
 
-Sink = Callable[[list[int], "str | None"], None]
+Sink = Callable[[list[int], str | None, TokenScores | None], None]
 _ids = itertools.count()
 
 
@@ -113,6 +117,7 @@ class EngineRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: bool = False      # the sink gets the tokens' logprobs (where the backend computes them)
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     id: int = dataclasses.field(default_factory=lambda: next(_ids))
     # loop-owned
@@ -371,12 +376,13 @@ class Scheduler:
                                r.abort_reason is not None or reason in ("abort", "error"))
         if notify:
             try:
-                r.sink([], reason)
+                r.sink([], reason, None)
             except Exception:  # noqa: BLE001
                 log.exception("sink failed")
 
-    def _emit(self, r: EngineRequest, toks: Sequence[int]) -> bool:
-        """Give r its new tokens, cut at a stop token or max_tokens. True when r finished."""
+    def _emit(self, r: EngineRequest, toks: Sequence[int], lps: TokenLogprobs | None, row: int) -> bool:
+        """Give r its new tokens (with their logprobs: row `row` of lps, where r asks), cut at a stop token or
+        max_tokens. True when r finished."""
         out, reason = r.cut(toks)
         r.generated += len(out)
         now = time.perf_counter()
@@ -390,7 +396,7 @@ class Scheduler:
             r.finished, r.finish_reason = True, reason
             self.observer.finished(reason, now - r.arrival, False)
         try:
-            r.sink(out, reason)
+            r.sink(out, reason, lps.scores(row, len(out)) if r.logprobs and lps is not None else None)
         except Exception:  # noqa: BLE001
             log.exception("sink failed")
         return reason is not None
@@ -440,13 +446,13 @@ class Scheduler:
         first, ended, dt = self._firsts
         self._firsts = None
         t0 = time.perf_counter()
-        first = np.asarray(first)
+        first, lps = read_first(np.asarray(first))
         dt += time.perf_counter() - t0
         self.prefill_seconds += dt
         self.observer.prefill_time(dt)
         for i, r in ended:
             self.observer.prompt_done(len(r.prompt_ids))
-            if r.abort_reason is None and self._emit(r, [int(first[i])]):
+            if r.abort_reason is None and self._emit(r, [int(first[i])], lps, i):
                 self._release(r.slot)
 
     def _step(self) -> None:
@@ -521,7 +527,7 @@ class Scheduler:
                 r.accepted.append(accepted[b])
             if r.abort_reason is not None:
                 continue   # freed at the next iteration
-            if self._emit(r, tokens[b][:n]):
+            if self._emit(r, tokens[b][:n], res.logprobs, b):
                 self._release(b)
 
 
@@ -542,7 +548,7 @@ def run_batch(backend: Backend, prompts: Sequence[Sequence[int]], params: Sequen
     outs: list[list[int]] = [[] for _ in prompts]
     reqs = []
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-        def sink(toks: list[int], reason: str | None, i: int = i) -> None:
+        def sink(toks: list[int], reason: str | None, logprobs, i: int = i) -> None:
             if toks:
                 outs[i].extend(toks)
                 if on_tokens is not None:

@@ -215,7 +215,7 @@ class WidthBackend(SpecBackend):
         on_calibrated, times_origin = choice.on_calibrated, choice.times_origin
         super().__init__(target, drafter, layout, mode=mode, round_shapes=widths[max(widths)],
                          capacity=user_capacity or 1)
-        self.widths = dict(widths)
+        self.widths = {w: self.with_logprobs(shapes) for w, shapes in widths.items()}
         self.user_capacity = user_capacity
         self.width_margin, self.calibrate_repeats = width_margin, int(calibrate_repeats)
         self.chooser = self._chooser(seconds, rows_seconds) if seconds else None
@@ -321,10 +321,11 @@ class WidthBackend(SpecBackend):
 
     def collect(self, handle) -> StepResult:
         host_out, w, active, G, rows = handle
-        out = RoundOutput.unpack(spread_rows(np.asarray(host_out), rows, self.slots), G)
+        out = RoundOutput.unpack(spread_rows(np.asarray(host_out), rows, self.slots), G, self.logprobs)
         if self.chooser is not None and G:
             self.chooser.observe(w, out.gains, out.accepted, active, self.slots if rows is None else len(rows))
-        return StepResult(tokens=out.tokens, count=out.count, accepted=out.accepted, drafted=w - 1)
+        return StepResult(tokens=out.tokens, count=out.count, accepted=out.accepted, drafted=w - 1,
+                          logprobs=out.logprobs)
 
 
 CALIBRATION_CACHE_FILE = "width_times.json"

@@ -38,6 +38,7 @@ from flax import nnx, struct
 
 from hyspec_jax import tree as tree_lib
 from hyspec_jax.compilation import DiskCachedJit
+from hyspec_jax.logprobs import TokenLogprobs, token_logprobs
 from hyspec_jax.models.drafter import DraftBlock, Drafter, target_heads
 from hyspec_jax.models.target import TargetModel
 from hyspec_jax.sampling import PenaltyCounts, SlotPenalty, SlotSampling, penalize_tree, slot_keys
@@ -80,6 +81,9 @@ class RoundShape:
     # False: the round's batch-wide capacity is at least slots · N (no user budget C), so it never binds and each row's
     # nodes are ranked within the row alone (`budget.select_nodes(batch_capacity=False)`: no batch-wide sort)
     batch_budget: bool = True
+    # > 0: every committed token's logprob and this many top alternatives, from the target's verify logits
+    # (`RoundOutput.logprobs`; the server's --max-logprobs); 0: none computed
+    logprobs: int = 0
 
     def __post_init__(self) -> None:
         if self.packed_rows and not self.batch_budget:
@@ -178,21 +182,32 @@ class RoundOutput:
     # [B, G] the drafter's expected accepted drafts at each of the G = len(shape.gain_widths) widths (−1: nothing
     # drafted: a plain round); None without gain widths
     gains: jax.Array | None = None
+    # [B, D + 1] the target's logprobs of tokens (`RoundShape.logprobs` > 0); None without
+    logprobs: TokenLogprobs | None = None
 
     def pack(self) -> jax.Array:
-        """[B, D + 3 + G] int32: tokens, count, accepted, then the gains' float32 bits."""
+        """[B, D + 3 + G (+ (D + 1)(1 + 2k))] int32: tokens, count, accepted, the gains' float32 bits, then the
+        logprobs (`TokenLogprobs.pack`)."""
         cols = [self.tokens.astype(I32), self.count.astype(I32)[:, None], self.accepted.astype(I32)[:, None]]
         if self.gains is not None:
             cols.append(jax.lax.bitcast_convert_type(self.gains.astype(F32), I32))
+        if self.logprobs is not None:
+            cols.append(self.logprobs.pack())
         return jnp.concatenate(cols, axis=1)
 
     @classmethod
-    def unpack(cls, host: np.ndarray, gains: int = 0) -> "RoundOutput":
-        """`pack`'s array (host) back into named fields, for a round with `gains` gain widths."""
+    def unpack(cls, host: np.ndarray, gains: int = 0, logprobs: int = 0) -> "RoundOutput":
+        """`pack`'s array (host) back into named fields, for a round with `gains` gain widths and `logprobs` top
+        alternatives (`RoundShape.logprobs`)."""
         host = np.asarray(host)
+        lp = None
+        if logprobs:
+            n = (host.shape[1] - 2 - gains) // (2 + 2 * logprobs)     # D + 1 (the width: (D + 1)(2 + 2k) + 2 + G)
+            cut = host.shape[1] - TokenLogprobs.columns(n, logprobs)
+            host, lp = host[:, :cut], TokenLogprobs.unpack(host[:, cut:], logprobs)
         k = host.shape[1] - gains
         g = np.ascontiguousarray(host[:, k:]).view(np.float32).astype(np.float64) if gains else None
-        return cls(tokens=host[:, :k - 2], count=host[:, k - 2], accepted=host[:, k - 1], gains=g)
+        return cls(tokens=host[:, :k - 2], count=host[:, k - 2], accepted=host[:, k - 1], gains=g, logprobs=lp)
 
 
 @struct.dataclass
@@ -308,6 +323,7 @@ def round_commit(dgraph: nnx.GraphDef, dparams: nnx.State, slots: SlotState, anc
     samp = inputs.sampling if shape.stochastic else None
     akeys = _fold(slot_keys(inputs.sampling.seed, inputs.steps), 1) if samp is not None else None
     logits = verified.logits
+    raw = logits              # the reported logprobs are the raw target's (`hyspec_jax.logprobs`)
     if hist is not None:
         hist = hist.add(anchor[:, None], active[:, None])
         logits = penalize_tree(logits, tokens, tree, hist, inputs.penalty)
@@ -329,7 +345,11 @@ def round_commit(dgraph: nnx.GraphDef, dparams: nnx.State, slots: SlotState, anc
     out = jnp.where(jnp.arange(D + 1)[None] == m[:, None], acc.bonus[:, None], out)
     if hist is not None:
         hist = hist.add(path_tokens[:, 1:], (jnp.arange(D)[None] < m[:, None]) & active[:, None])
-    result = RoundOutput(tokens=out, count=jnp.where(active, m + 1, 0), accepted=m, gains=draft.gains)
+    lps = None
+    if shape.logprobs:        # emitted token j was chosen at path node j (the anchor's, then each accepted draft's)
+        lps = token_logprobs(jnp.take_along_axis(raw, src[:, :, None], axis=1), out, shape.logprobs)
+    result = RoundOutput(tokens=out, count=jnp.where(active, m + 1, 0), accepted=m, gains=draft.gains,
+                         logprobs=lps)
     return (SlotState(target=new_state, drafter=new_dstate, hist=hist), jnp.where(active, acc.bonus, anchor),
             result)
 

@@ -102,7 +102,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest request body; larger ones get 413 (default 32 MiB)")
     p.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
                    help="on SIGTERM, seconds to let in-flight requests finish (default 60)")
-    p.add_argument("--no-compilation-cache", action="store_true", help="do not use JAX's persistent compile cache")
+    p.add_argument("--no-compilation-cache", action="store_true",
+                   help="do not use JAX's persistent compile cache (nor, on a CPU, the traced programs kept on disk)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -311,6 +312,18 @@ def run(args) -> int:
     from hyspec_jax.launch import init_distributed
     init_distributed(args.coordinator_address, args.num_processes, args.process_id)   # before JAX starts
     check_devices(args)
+    import jax
+    from hyspec_jax.compilation import program_cache
+    # One process on one device (on a CPU: `enable_program_cache`): the programs' traced and lowered forms are kept on
+    # disk too, so a warm start skips Python tracing and lowering as well as XLA. Not over several devices or
+    # processes, whose sharded inputs the program cache does not store.
+    single = jax.process_count() == 1 and args.tensor_parallel_size == 1 and args.data_parallel_size == 1
+    with program_cache(single and not args.no_compilation_cache):
+        return _start(args)
+
+
+def _start(args) -> int:
+    """`run` once the devices are known: load, build the backend, compile, then serve (or follow process 0)."""
     import jax
     from hyspec_jax.compilation import enable_compilation_cache
     from hyspec_jax.config import TargetConfig, resolve_dtype

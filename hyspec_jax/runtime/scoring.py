@@ -9,6 +9,7 @@ One program per length bucket (powers of two ≥ 16, `runtime.backend.prompt_buc
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import jax
@@ -40,20 +41,37 @@ class Scorer:
         self.graphdef, self.params, self.max_len, self.top_k = graphdef, params, max_len, top_k
         self.buckets = prompt_buckets(max_len)
 
-    def compile(self, progress: Callable[[str], None] | None = None) -> None:
+    def compile(self, progress: Callable[[str], None] | None = None, workers: int | None = None) -> None:
+        """Compile every bucket's program — side by side on `workers` threads (default
+        `compilation.compile_workers()`; `compilation.precompile`), then each run once — and `progress(label)` per
+        program, with its compile seconds."""
+        from hyspec_jax.compilation import compile_workers, precompile
+        workers = compile_workers() if workers is None else int(workers)
+        spent = dict.fromkeys(self.buckets, 0.0)
+        if workers > 1 and len(self.buckets) > 1:
+            def done(i: int, seconds: float) -> None:
+                spent[self.buckets[i]] = seconds
+            # t tokens: the bucket-t program (1 token ran bucket 16 only)
+            precompile([(score_jit, self._args(np.zeros(t, np.int32), t), {"top_k": self.top_k})
+                        for t in self.buckets], workers, done)
         for t in self.buckets:
-            self._run(np.zeros(t, np.int32), t)     # t tokens: the bucket-t program (1 token ran bucket 16 only)
+            t0 = time.perf_counter()
+            self._run(np.zeros(t, np.int32), t)
             if progress:
-                progress(f"score [1x{t}]")
+                progress(f"score [1x{t}] {spent[t] + time.perf_counter() - t0:.1f}s")
 
-    def _run(self, ids: np.ndarray, n: int):
+    def _args(self, ids: np.ndarray, n: int) -> tuple:
+        """score_jit's positional arguments for the first n of ids: (graphdef, params, tokens, valid), padded to
+        n's bucket."""
         T = bucket(n)
         tokens = np.zeros((1, T), np.int32)
         tokens[0, :n] = ids[:n]
         valid = np.zeros((1, T), bool)
         valid[0, :n] = True
-        out = score_jit(self.graphdef, self.params, jnp.asarray(tokens), jnp.asarray(valid), top_k=self.top_k)
-        return jax.device_get(out)
+        return self.graphdef, self.params, jnp.asarray(tokens), jnp.asarray(valid)
+
+    def _run(self, ids: np.ndarray, n: int):
+        return jax.device_get(score_jit(*self._args(ids, n), top_k=self.top_k))
 
     def score(self, ids: list[int], start: int = 1) -> TokenScores:
         """Scores of ids[start:] (start >= 1) given the tokens before each."""

@@ -225,7 +225,7 @@ def run_phase(args) -> dict:
     from hyspec_jax.bench.verify_scale import make_mesh, random_params, resolve_config
     from hyspec_jax.compilation import CACHE_ENV, enable_compilation_cache, enable_program_cache
     from hyspec_jax.config import resolve_dtype
-    from hyspec_jax.runtime.scoring import Scorer
+    from hyspec_jax.runtime.scoring import Scorer, compile_server
 
     os.environ[CACHE_ENV] = os.path.join(args.cache_dir, "xla")    # this process's: the traced programs beside it
     enable_compilation_cache()
@@ -260,9 +260,7 @@ def run_phase(args) -> dict:
     workers = args.compile_workers or compile_workers()
     t0 = last[0] = time.perf_counter()
     start = last[1] = time.time()
-    backend.compile(done, workers=workers)
-    if scorer is not None:
-        scorer.compile(done, workers=workers)
+    compile_server(backend, scorer, done, workers)
     total_s, end = time.perf_counter() - t0, time.time()
     bar.close()
     passes = None

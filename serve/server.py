@@ -329,7 +329,7 @@ def _start(args) -> int:
     from hyspec_jax.config import TargetConfig, resolve_dtype
     from hyspec_jax.io.hf import load_pretrained
     from hyspec_jax.launch import resolve_model_dir, shard_target
-    from hyspec_jax.runtime.scoring import Scorer
+    from hyspec_jax.runtime.scoring import Scorer, compile_server
     from hyspec_jax.tokenizer import load_tokenizer
 
     model_dir, label = resolve_model_dir(args.model)
@@ -351,7 +351,9 @@ def _start(args) -> int:
               f"{max_model_len}, prefill shapes {backend.shapes}, decoding buckets "
               f"{list(backend.decode_buckets) or 'none'}; compiling")
     t0 = time.perf_counter()
-    backend.compile(lambda s: _progress(f"  compiled {s}"))
+    scorer = Scorer(backend.graphdef, backend.params, max_model_len, args.max_logprobs) if args.max_logprobs > 0 \
+        else None
+    compile_server(backend, scorer, lambda s: _progress(f"  compiled {s}"))
     for rows, seconds in (getattr(backend, "calibrated", None) or {}).items():     # the start-up calibration
         times = ", ".join(f"{w}: {1e3 * t:.2f}" for w, t in sorted(seconds.items()))
         _progress(f"  round ms over {rows} rows by width: {times}; kept {list(backend.chooser.kept(rows))}")
@@ -360,10 +362,6 @@ def _start(args) -> int:
                   "them again)")
     elif getattr(backend, "times_origin", None):
         _progress(f"  round times from {backend.times_origin}")
-    scorer = None
-    if args.max_logprobs > 0:
-        scorer = Scorer(backend.graphdef, backend.params, max_model_len, args.max_logprobs)
-        scorer.compile(lambda s: _progress(f"  compiled {s}"))
     _progress(f"warm-up done in {time.perf_counter() - t0:.1f}s ({counter.count} programs)")
     freeze_startup_objects()
     channel = None

@@ -81,3 +81,29 @@ class Scorer:
         if start == n:
             return NO_SCORES
         return self._run(np.asarray(ids, np.int32), n).scores(0, n - 1)[start - 1:]
+
+
+def compile_server(backend, scorer: Scorer | None, progress: Callable[[str], None] | None = None,
+                   workers: int | None = None) -> None:
+    """A server's start-up compile: its backend's programs (`Backend.compile`) and its scorer's, if any. With several
+    compile workers (default `compilation.compile_workers()`), the scorer's buckets compile one after another on a
+    thread of their own beside the backend's pass — whose first program compiles alone, leaving the other cores
+    idle — so that no core waits for the other pass. Else the scorer after the backend, as also where the backend
+    times rounds at start-up (`calibrate_repeats`: the scorer would disturb the timings) or runs over a mesh (its
+    pass repeats while anything compiles, and across processes every process must run the same programs in the
+    same order)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hyspec_jax.compilation import compile_workers
+    from hyspec_jax.sharding import params_mesh
+    workers = compile_workers() if workers is None else int(workers)
+    if (scorer is None or workers < 2 or getattr(backend, "calibrate_repeats", 0)
+            or params_mesh(backend.params) is not None):
+        backend.compile(progress, workers=workers)
+        if scorer is not None:
+            scorer.compile(progress, workers=workers)
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hyspec-score") as pool:
+        scoring = pool.submit(scorer.compile, progress, 1)
+        backend.compile(progress, workers=workers)
+        scoring.result()

@@ -9,7 +9,9 @@ logprobs on, the scoring forward of each prompt bucket up to the context (`runti
 builds the same backend and scorer the server builds from the same options — over random weights of the geometry
 (default Qwen3.8-27B, built on the device leaf by leaf as `bench/verify_scale.py` does; a speculative mode gets a
 random DSpark drafter of `DrafterConfig.from_target`'s default shape) — and times their compile twice, each in a
-fresh process: `cold` with an empty persistent compilation cache, then `cached` reading what the cold run wrote.
+fresh process: `cold` with an empty persistent compilation cache, then `cached` reading what the cold run wrote. As a
+one-device server on a CPU, both also keep the traced and lowered programs on disk (`compilation.DiskCachedJit`;
+`--no-program-cache`: not), so that the cached phase skips tracing and lowering too.
 The [scale] targets: the whole set ≤ 120 s cold and ≤ 20 s from the cache.
 
 Each phase's weights are built before its clock starts; a program's time is its first call (trace, lower,

@@ -222,11 +222,12 @@ def compile_workers() -> int:
 
 
 def precompile(calls: Sequence[tuple[Callable, tuple, dict]], workers: int,
-               done: Callable[[int, float], None] | None = None) -> None:
+               done: Callable[[int, float | None], None] | None = None) -> None:
     """Compile jitted calls `(fn, args, kwargs)` side by side on `workers` threads without running them
     (`fn.trace(*args, **kwargs).lower().compile()`): XLA's compile releases the GIL, and the compiled program lands
     in the jit's own cache, so the call itself then only runs. `done(i, seconds)` after call i compiled, with the
-    seconds its thread spent on it. A call that fails here is left to its real call, which raises the real error.
+    seconds its thread spent on it (None: it failed). A call that fails here is left to its real call, which raises
+    the real error.
     A `DiskCachedJit` compiles the program it will run (`DiskCachedJit.compile_ahead`: with the program cache on,
     the stored or exported one)."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -247,7 +248,7 @@ def precompile(calls: Sequence[tuple[Callable, tuple, dict]], workers: int,
                 import logging
                 logging.getLogger("hyspec").debug("precompile of call %d failed: %r", futures[f], f.exception())
             if done is not None:
-                done(futures[f], 0.0 if f.exception() is not None else f.result())
+                done(futures[f], None if f.exception() is not None else f.result())
 
 
 def split_for_jit(module):

@@ -9,7 +9,6 @@ One program per length bucket (powers of two ≥ 16, `runtime.backend.prompt_buc
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import jax
@@ -42,23 +41,25 @@ class Scorer:
         self.buckets = prompt_buckets(max_len)
 
     def compile(self, progress: Callable[[str], None] | None = None, workers: int | None = None) -> None:
-        """Compile every bucket's program — side by side on `workers` threads (default
-        `compilation.compile_workers()`; `compilation.precompile`), then each run once — and `progress(label)` per
-        program, with its compile seconds."""
+        """Compile every bucket's program without running it (`compilation.precompile`: side by side on `workers`
+        threads, default `compilation.compile_workers()`), so that scoring any length up to `max_len` compiles
+        nothing; `progress(label)` per program, with its compile seconds. Not run at start-up: a run of the longest
+        bucket's forward alone was 4 s of a warm 2-core server's 14 s start-up. A program that did not compile is
+        run, to raise its error now."""
         from hyspec_jax.compilation import compile_workers, precompile
         workers = compile_workers() if workers is None else int(workers)
-        spent = dict.fromkeys(self.buckets, 0.0)
-        if workers > 1 and len(self.buckets) > 1:
-            def done(i: int, seconds: float) -> None:
-                spent[self.buckets[i]] = seconds
-            # t tokens: the bucket-t program (1 token ran bucket 16 only)
-            precompile([(score_jit, self._args(np.zeros(t, np.int32), t), {"top_k": self.top_k})
-                        for t in self.buckets], workers, done)
-        for t in self.buckets:
-            t0 = time.perf_counter()
+        failed = []
+
+        def done(i: int, seconds: float | None) -> None:
+            if seconds is None:
+                failed.append(self.buckets[i])
+            elif progress:
+                progress(f"score [1x{self.buckets[i]}] {seconds:.1f}s")
+        # t tokens: the bucket-t program (1 token ran bucket 16 only)
+        precompile([(score_jit, self._args(np.zeros(t, np.int32), t), {"top_k": self.top_k}) for t in self.buckets],
+                   max(1, workers), done)
+        for t in sorted(failed):
             self._run(np.zeros(t, np.int32), t)
-            if progress:
-                progress(f"score [1x{t}] {spent[t] + time.perf_counter() - t0:.1f}s")
 
     def _args(self, ids: np.ndarray, n: int) -> tuple:
         """score_jit's positional arguments for the first n of ids: (graphdef, params, tokens, valid), padded to

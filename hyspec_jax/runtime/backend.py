@@ -246,11 +246,11 @@ class Backend(abc.ABC):
     def penalty_hist(self) -> PenaltyCounts:
         """The slots' penalty history [B, V] (zeros on first use: a penalized request's prefill resets its row)."""
         if self._hist is None:
-            from hyspec_jax.sharding import params_mesh, slot_shardings
+            from hyspec_jax.sharding import params_device, params_mesh, slot_shardings
             B, V = self.slots, self.config.vocab_size
             host = (np.zeros((B, V), np.int32), np.zeros((B, V), bool))
             mesh = params_mesh(self.params)      # placed like the other per-slot buffers (host values: any process)
-            dev = (jax.device_put(host) if mesh is None
+            dev = (jax.device_put(host, params_device(self.params)) if mesh is None     # committed: `place_buffers`
                    else tuple(jax.device_put(x, slot_shardings(x, mesh)) for x in host))
             self._hist = PenaltyCounts(*dev)
         return self._hist

@@ -26,6 +26,26 @@ settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# ------------------------------------------------------------------------------------------------
+# The xdist schedule: slow modules first
+# ------------------------------------------------------------------------------------------------
+# bin/test hands whole files to the workers (--dist loadfile) in collection order (--no-loadscope-reorder). xdist's
+# own order, most tests first, put the few-test modules that run for minutes (multi-process runs, servers, start-up
+# compiles) last, and each worker queues its next file before it finishes the current one: one worker was still
+# in a multi-host module long after the other had run out of files. A module marked `slow_module` is collected
+# first (registered in pytest_configure below), then the rest most tests first (xdist's order), so the files left for the
+# end are short ones.
+def pytest_collection_modifyitems(config, items):
+    if not hasattr(config, "workerinput"):          # only where xdist schedules whole files
+        return
+    files = [item.nodeid.split("::", 1)[0] for item in items]
+    count = {f: files.count(f) for f in set(files)}
+    first = {f: files.index(f) for f in set(files)}
+    slow = {f for f, item in zip(files, items) if item.get_closest_marker("slow_module")}
+    order = sorted(range(len(items)), key=lambda i: (files[i] not in slow, -count[files[i]], first[files[i]], i))
+    items[:] = [items[i] for i in order]
+
+
 def has_gpu() -> bool:
     try:
         return any(d.platform == "gpu" for d in jax.devices())
@@ -60,6 +80,8 @@ _crash_reports: list[tuple[str, str]] = []
 
 @pytest.hookimpl(trylast=True)  # after pytest's faulthandler plugin pointed it at stderr
 def pytest_configure(config):
+    config.addinivalue_line("markers", "slow_module: a module that runs for a minute or more; bin/test's xdist "
+                                       "schedule starts it first (see pytest_collection_modifyitems)")
     workerinput = getattr(config, "workerinput", None)
     if workerinput and workerinput.get(_FAULT_KEY):
         f = open(Path(workerinput[_FAULT_KEY]) / f"{workerinput['workerid']}.log", "w")  # noqa: SIM115

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hyspec_jax.bench import serve_compile
+
+pytestmark = pytest.mark.slow_module   # scheduled first by bin/test (tests/conftest.py)
 
 
 def _tiny_run(out, logprobs: int, workers: int) -> tuple[dict, dict]:

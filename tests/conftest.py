@@ -13,6 +13,15 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# JAX's persistent compilation cache from the start, where `hyspec generate` / `serve` keep it ($HYSPEC_JAX_CACHE,
+# else ~/.cache/hyspec_jax/xla): a program an earlier run, the other worker or a test's subprocess compiled is read
+# back instead of compiled again. It used to come on only at a worker's first start-up compile or CLI call
+# (`use_compilation_cache`), so whether a module's programs were cached depended on which modules ran before it.
+# Compile counts (`CompileWatch`) count programs read from the cache too.
+from hyspec_jax.compilation import enable_compilation_cache  # noqa: E402
+
+enable_compilation_cache()
+
 # Pin scipy's OpenBLAS to one thread now, before any test computes (cpu_kernels does it at its first eligibility
 # check, i.e. while tracing, which in a library process precedes its first LAPACK call; in a test worker
 # earlier tests may still be running XLA's LAPACK kernels asynchronously then, and OpenBLAS must not change

@@ -30,6 +30,8 @@ except ImportError:
     from multihost_runs import launch
     from test_train_target import micro_config, synthetic_docs
 
+pytestmark = pytest.mark.slow_module   # scheduled first by bin/test (tests/conftest.py)
+
 STEPS = 3
 COMMON = ["--steps", str(STEPS), "--batch-size", "4", "--dtype", "float32", "--eval-every", "0", "--eval-windows", "4"]
 TRAINERS = {   # tiny sizes; {root} is the module's directory

@@ -512,7 +512,7 @@ class BatchRounds:
         tp, args = self.tp, self.args
 
         def call():
-            self.anchor, slots = step(tp, self._slots(), self.anchor, self.step_inputs)
+            self.anchor, slots, _ = step(tp, self._slots(), self.anchor, self.step_inputs)
             self.state = slots.target
             start_host_copy(self.anchor)
             return np.asarray(self.anchor), self.state.lengths

@@ -13,6 +13,15 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# JAX's persistent compilation cache from the start, where `hyspec generate` / `serve` keep it ($HYSPEC_JAX_CACHE,
+# else ~/.cache/hyspec_jax/xla): a program an earlier run, the other worker or a test's subprocess compiled is read
+# back instead of compiled again. It used to come on only at a worker's first start-up compile or CLI call
+# (`use_compilation_cache`), so whether a module's programs were cached depended on which modules ran before it.
+# Compile counts (`CompileWatch`) count programs read from the cache too.
+from hyspec_jax.compilation import enable_compilation_cache  # noqa: E402
+
+enable_compilation_cache()
+
 # Pin scipy's OpenBLAS to one thread now, before any test computes (cpu_kernels does it at its first eligibility
 # check, i.e. while tracing, which in a library process precedes its first LAPACK call; in a test worker
 # earlier tests may still be running XLA's LAPACK kernels asynchronously then, and OpenBLAS must not change
@@ -24,6 +33,26 @@ cpu_kernels._tune_once()
 settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# ------------------------------------------------------------------------------------------------
+# The xdist schedule: slow modules first
+# ------------------------------------------------------------------------------------------------
+# bin/test hands whole files to the workers (--dist loadfile) in collection order (--no-loadscope-reorder). xdist's
+# own order, most tests first, put the few-test modules that run for minutes (multi-process runs, servers, start-up
+# compiles) last, and each worker queues its next file before it finishes the current one: one worker was still
+# in a multi-host module long after the other had run out of files. A module marked `slow_module` is collected
+# first (registered in pytest_configure below), then the rest most tests first (xdist's order), so the files left for the
+# end are short ones.
+def pytest_collection_modifyitems(config, items):
+    if not hasattr(config, "workerinput"):          # only where xdist schedules whole files
+        return
+    files = [item.nodeid.split("::", 1)[0] for item in items]
+    count = {f: files.count(f) for f in set(files)}
+    first = {f: files.index(f) for f in set(files)}
+    slow = {f for f, item in zip(files, items) if item.get_closest_marker("slow_module")}
+    order = sorted(range(len(items)), key=lambda i: (files[i] not in slow, -count[files[i]], first[files[i]], i))
+    items[:] = [items[i] for i in order]
 
 
 def has_gpu() -> bool:
@@ -60,6 +89,8 @@ _crash_reports: list[tuple[str, str]] = []
 
 @pytest.hookimpl(trylast=True)  # after pytest's faulthandler plugin pointed it at stderr
 def pytest_configure(config):
+    config.addinivalue_line("markers", "slow_module: a module that runs for a minute or more; bin/test's xdist "
+                                       "schedule starts it first (see pytest_collection_modifyitems)")
     workerinput = getattr(config, "workerinput", None)
     if workerinput and workerinput.get(_FAULT_KEY):
         f = open(Path(workerinput[_FAULT_KEY]) / f"{workerinput['workerid']}.log", "w")  # noqa: SIM115

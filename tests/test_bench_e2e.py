@@ -26,6 +26,8 @@ try:
 except ImportError:
     from test_engine import TCFG
 
+pytestmark = pytest.mark.slow_module   # scheduled first by bin/test (tests/conftest.py)
+
 
 def test_prefix_survival_censors_the_last_round():
     # request 1: rounds accept 2, 0, then a last round of 1 (cut by max_tokens); request 2: 3 then last 0

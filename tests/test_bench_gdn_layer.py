@@ -9,6 +9,8 @@ import pytest
 
 from hyspec_jax.bench import gdn_layer
 
+pytestmark = pytest.mark.slow_module   # scheduled first by bin/test (tests/conftest.py)
+
 
 def test_gdn_layer_bench_checks_every_variant(tmp_path):
     out = tmp_path / "ts.json"

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 try:
     from tests.multihost_runs import launch
 except ImportError:
     from multihost_runs import launch
+
+pytestmark = pytest.mark.slow_module   # scheduled first by bin/test (tests/conftest.py)
 
 PROMPT = "In the beginning"
 ARGS = ["generate", "--max-tokens", "6", "--temperature", "0", "--spec-mode", "ar", "--json"]

@@ -18,6 +18,8 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+pytestmark = pytest.mark.slow_module   # scheduled first by bin/test (tests/conftest.py)
+
 try:
     from tests.multihost_runs import free_port  # noqa: E402
 except ImportError:     # before the multi-host test helpers moved to tests/multihost_runs.py

@@ -30,6 +30,8 @@ except ImportError:
     from multihost_runs import launch
     from test_train_target import micro_config, synthetic_docs
 
+pytestmark = pytest.mark.slow_module   # scheduled first by bin/test (tests/conftest.py)
+
 STEPS = 3
 COMMON = ["--steps", str(STEPS), "--batch-size", "4", "--dtype", "float32", "--eval-every", "0", "--eval-windows", "4"]
 TRAINERS = {   # tiny sizes; {root} is the module's directory
@@ -102,9 +104,10 @@ def test_two_processes_train_like_one(runs, name):
         assert a.keys() == b.keys()
         for k in a:
             # the all-reduces sum in another order across processes, and Adam's g / sqrt(v) turns that into
-            # update differences up to ~1e-3 of a step where a gradient is near zero: 1e-4 is 1% of one step
-            # (lr 3e-3 at most); misplaced rows or shards would differ by whole steps (1e-3 .. 1e-2)
-            np.testing.assert_allclose(b[k], a[k], rtol=0, atol=1e-4, err_msg=f"{f}:{k}")
+            # update differences up to a few % of a step where a gradient is near zero (the fused gate/up GEMM
+            # sums its shards in another order: 1.02e-4 seen once in 8,192): 2e-4 is 7% of one step (lr 3e-3 at
+            # most); misplaced rows or shards would differ by whole steps (1e-3 .. 1e-2)
+            np.testing.assert_allclose(b[k], a[k], rtol=0, atol=2e-4, err_msg=f"{f}:{k}")
 
 
 @pytest.mark.parametrize("name", list(TRAINERS))

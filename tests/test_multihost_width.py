@@ -23,6 +23,8 @@ try:
 except ImportError:
     from multihost_runs import launch
 
+pytestmark = pytest.mark.slow_module   # scheduled first by bin/test (tests/conftest.py)
+
 WORKER = Path(__file__).with_name("multihost_width_worker.py")
 # verification costly and the drafter its own (random): after the first (narrowest drafting) rounds plain decoding
 # wins, with a probe at width 2 every few plain rounds, so the width changes as the chooser reads the rounds

@@ -4,11 +4,14 @@ import re
 from pathlib import Path
 
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 
 from hyspec_jax.config import FULL, LINEAR, TargetConfig
 from hyspec_jax.models.target import create_model, extend_jit
 from hyspec_jax.state import init_state
+
+pytestmark = pytest.mark.slow_module   # scheduled first by bin/test (tests/conftest.py)
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -37,7 +40,6 @@ def test_tree_verification_example_runs():
 def test_prefill_and_decoding_example_runs(capsys):
     from hyspec_jax.embedded import default_model_dir
     if default_model_dir() is None:
-        import pytest
         pytest.skip("no embedded model shipped")
     ns: dict = {}
     exec(compile(_block_after("### Prefill and decoding"), "README.md", "exec"), ns)

@@ -7,12 +7,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from hyspec_jax.compilation import CompileWatch
 from hyspec_jax.runtime.engine import Engine
 from hyspec_jax.models.target import create_model, forward_full
 from hyspec_jax.runtime.scoring import Scorer
 from tests.test_engine import _tcfg
+
+pytestmark = pytest.mark.slow_module   # scheduled first by bin/test (tests/conftest.py)
 
 
 def test_compile_covers_every_bucket_and_scores_equal_a_forward():

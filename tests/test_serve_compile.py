@@ -11,6 +11,8 @@ import pytest
 
 from hyspec_jax.bench import serve_compile
 
+pytestmark = pytest.mark.slow_module   # scheduled first by bin/test (tests/conftest.py)
+
 
 def _tiny_run(out, logprobs: int, workers: int) -> tuple[dict, dict]:
     """serve-compile at a tiny size: the (cold, cached) phases of its report."""

@@ -16,6 +16,8 @@ from hyspec_jax.io.hf import load_pretrained
 from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.runtime.engine import Engine, SpecConfig
 
+pytestmark = pytest.mark.slow_module   # scheduled first by bin/test (tests/conftest.py)
+
 PROMPTS = [[5, 17, 230, 11, 42], [7, 99, 3], [400, 12, 8, 8, 31, 2, 77]]
 
 

@@ -29,14 +29,14 @@ for step in ${STEPS:-layer}; do
         ${LAYER_VARIANTS:+--variants "$LAYER_VARIANTS"} ${PEER:+--sglang-wheel "$PEER"} \
         --json "$OUT/gdn_layer.json" 2>&1 | tail -45 ;;
     profile)   # PROFILE_HLO=1: also XLA's optimized HLO of the decoding step (each batch), gzipped under $OUT
-      [ -n "${PROFILE_HLO:-}" ] && export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text \
+      [ -n "${PROFILE_HLO:-}" ] && HLO_DIR=$(mktemp -d) && export XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$HLO_DIR --xla_dump_hlo_as_text \
         --xla_dump_hlo_module_re=jit__extend"
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout ${PROFILE_TIMEOUT:-290} "${H[@]}" bench profile-scale \
         --batch ${PROFILE_BATCH:-1,8} --nodes 8,32 \
         --compile-workers 1 --max-seconds $(( ${PROFILE_TIMEOUT:-290} - 50 )) --compile-cache "$JAX_CACHE" --no-progress \
         --json "$OUT/profile_scale.json" 2>&1 | tail -12
       if [ -n "${PROFILE_HLO:-}" ]; then
-        i=0; for f in /tmp/hlo/*jit__extend*after_optimizations.txt; do
+        i=0; for f in "$HLO_DIR"/*jit__extend*after_optimizations.txt; do
           [ -e "$f" ] && gzip -c "$f" > "$OUT/decode_hlo_$i.txt.gz"; i=$((i + 1)); done
         unset XLA_FLAGS; fi ;;
     round)

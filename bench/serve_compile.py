@@ -9,7 +9,9 @@ logprobs on, the scoring forward of each prompt bucket up to the context (`runti
 builds the same backend and scorer the server builds from the same options — over random weights of the geometry
 (default Qwen3.8-27B, built on the device leaf by leaf as `bench/verify_scale.py` does; a speculative mode gets a
 random DSpark drafter of `DrafterConfig.from_target`'s default shape) — and times their compile twice, each in a
-fresh process: `cold` with an empty persistent compilation cache, then `cached` reading what the cold run wrote.
+fresh process: `cold` with an empty persistent compilation cache, then `cached` reading what the cold run wrote. As a
+one-device server on a CPU, both also keep the traced and lowered programs on disk (`compilation.DiskCachedJit`;
+`--no-program-cache`: not), so that the cached phase skips tracing and lowering too.
 The [scale] targets: the whole set ≤ 120 s cold and ≤ 20 s from the cache.
 
 Each phase's weights are built before its clock starts; a program's time is its first call (trace, lower,
@@ -177,11 +179,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compile-workers", type=int, metavar="N",
                     help="threads compiling side by side (default: the server's, $HYSPEC_COMPILE_WORKERS or the "
                          "host's cores up to 8 on a CPU, 1 on a GPU; 1: one program after another, each timed alone)")
+    ap.add_argument("--no-program-cache", dest="program_cache", action="store_false",
+                    help="as `hyspec serve --no-compilation-cache` for the traced programs: a CPU server keeps its "
+                         "traced and lowered programs on disk beside the compilation cache (`compilation."
+                         "DiskCachedJit`); this leaves them out, so the cached phase traces and lowers every program")
     ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                     help="weights (auto: bfloat16 on GPU, float32 on CPU)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cache-dir", metavar="DIR", help="persistent compilation cache of both phases (default: a new "
-                    "empty temporary directory, removed afterwards)")
+    ap.add_argument("--cache-dir", metavar="DIR", help="the caches of both phases: DIR/xla the persistent compilation "
+                    "cache, DIR/programs the traced programs (default: a new empty temporary directory, removed "
+                    "afterwards)")
     ap.add_argument("--json", metavar="OUT.json", help="write OUT.json and OUT.md")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)        # one timed phase, in this process
@@ -218,11 +225,13 @@ def run_phase(args) -> dict:
     from tqdm import tqdm
 
     from hyspec_jax.bench.verify_scale import make_mesh, random_params, resolve_config
-    from hyspec_jax.compilation import enable_compilation_cache
+    from hyspec_jax.compilation import CACHE_ENV, enable_compilation_cache, enable_program_cache
     from hyspec_jax.config import resolve_dtype
-    from hyspec_jax.runtime.scoring import Scorer
+    from hyspec_jax.runtime.scoring import Scorer, compile_server
 
-    enable_compilation_cache(args.cache_dir)
+    os.environ[CACHE_ENV] = os.path.join(args.cache_dir, "xla")    # this process's: the traced programs beside it
+    enable_compilation_cache()
+    programs_kept = enable_program_cache(args.program_cache)     # as a one-device server's (on a CPU only)
     cfg, name = resolve_config(args.tiny, args.config)
     dtype = resolve_dtype(args.dtype)
     t0 = time.perf_counter()
@@ -253,9 +262,7 @@ def run_phase(args) -> dict:
     workers = args.compile_workers or compile_workers()
     t0 = last[0] = time.perf_counter()
     start = last[1] = time.time()
-    backend.compile(done, workers=workers)
-    if scorer is not None:
-        scorer.compile(done)
+    compile_server(backend, scorer, done, workers)
     total_s, end = time.perf_counter() - t0, time.time()
     bar.close()
     passes = None
@@ -270,7 +277,7 @@ def run_phase(args) -> dict:
     return dict(phase=args.phase, geometry=name, parameters=sum(x.size for x in jax.tree.leaves(params)),
                 dtype=str(jax.tree.leaves(params)[0].dtype), mode=backend.mode, slots=backend.slots,
                 kv_len=backend.kv_len, shapes=[list(s) for s in backend.shapes], init_s=init_s, total_s=total_s,
-                compile_workers=workers, cache=dict(cache),
+                compile_workers=workers, cache=dict(cache), program_cache=programs_kept,
                 split=split(start, end, total_s if workers == 1 else None), xla_passes=passes is not None,
                 programs=programs, meta=run_metadata())
 
@@ -300,7 +307,8 @@ def markdown(report: dict) -> str:
     lines = [f"# `hyspec serve` start-up compile — {c['geometry']}, {meta['device_kind']}, {c['dtype']}", "",
              f"`{report['command']}`", "",
              f"commit {meta['commit']}, jax {meta['jax']}; mode {c['mode']}, {c['slots']} slots, KV {c['kv_len']}, "
-             f"prefill shapes {c['shapes']}; {c['parameters'] / 1e9:.2f} B parameters (random). Each phase in its "
+             f"prefill shapes {c['shapes']}; {c['parameters'] / 1e9:.2f} B parameters (random); traced programs kept on "
+             f"disk (`DiskCachedJit`): {'yes' if c.get('program_cache') else 'no'}. Each phase in its "
              f"own process; a program's time is its first call (trace, lower, compile or cache read, one run)" +
              (f"; the programs compile on {c['compile_workers']} threads side by side, so their times overlap "
               f"(each is its compile in its thread) and add up to more than the total."

@@ -222,22 +222,23 @@ def compile_workers() -> int:
 
 
 def precompile(calls: Sequence[tuple[Callable, tuple, dict]], workers: int,
-               done: Callable[[int, float], None] | None = None) -> None:
+               done: Callable[[int, float | None], None] | None = None) -> None:
     """Compile jitted calls `(fn, args, kwargs)` side by side on `workers` threads without running them
     (`fn.trace(*args, **kwargs).lower().compile()`): XLA's compile releases the GIL, and the compiled program lands
     in the jit's own cache, so the call itself then only runs. `done(i, seconds)` after call i compiled, with the
-    seconds its thread spent on it. A call that fails here is left to its real call, which raises the real error.
-    A `DiskCachedJit` with the program cache on runs an exported program, not its jit: nothing to fill."""
+    seconds its thread spent on it (None: it failed). A call that fails here is left to its real call, which raises
+    the real error.
+    A `DiskCachedJit` compiles the program it will run (`DiskCachedJit.compile_ahead`: with the program cache on,
+    the stored or exported one)."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
     def one(call) -> float:
         t0 = time.perf_counter()
         fn, args, kwargs = call
         if isinstance(fn, DiskCachedJit):
-            if _program_cache["on"]:
-                return 0.0
-            fn = fn.jit
-        fn.trace(*args, **kwargs).lower().compile()
+            fn.compile_ahead(*args, **kwargs)
+        else:
+            fn.trace(*args, **kwargs).lower().compile()
         return time.perf_counter() - t0
 
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="hyspec-compile") as pool:
@@ -247,7 +248,7 @@ def precompile(calls: Sequence[tuple[Callable, tuple, dict]], workers: int,
                 import logging
                 logging.getLogger("hyspec").debug("precompile of call %d failed: %r", futures[f], f.exception())
             if done is not None:
-                done(futures[f], 0.0 if f.exception() is not None else f.result())
+                done(futures[f], None if f.exception() is not None else f.result())
 
 
 def split_for_jit(module):
@@ -419,6 +420,43 @@ class DiskCachedJit:
     def __call__(self, *args, **kwargs):
         if not _program_cache["on"]:
             return self.jit(*args, **kwargs)
+        import jax
+        key, leaves, first = self._resolve(args, kwargs)
+        prog = self._programs[key]
+        if prog is not False:
+            call, out_tree = prog
+            try:
+                return jax.tree.unflatten(out_tree, call(*leaves))
+            except Exception as e:  # noqa: BLE001
+                # the first call compiles it: a stored program this jaxlib cannot run falls back, unless it ran
+                # and consumed donated buffers (nothing left to fall back with); later failures are real
+                if not first or any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
+                    raise
+                self._programs[key] = self._fail(e)
+        return self.jit(*args, **kwargs)
+
+    def compile_ahead(self, *args, **kwargs) -> None:
+        """Compile this call's program without running it (`precompile`): with the program cache on, its stored or
+        newly exported program into that program's jit (XLA's compile, or the persistent cache's read), so that the
+        call then only runs; else the plain jit's trace, lower and compile. A program that fails to compile here
+        is not run: the call takes the plain jit (one warning)."""
+        if not _program_cache["on"]:
+            self.jit.trace(*args, **kwargs).lower().compile()
+            return
+        key, leaves, _ = self._resolve(args, kwargs)
+        prog = self._programs[key]
+        if prog is False:
+            self.jit.trace(*args, **kwargs).lower().compile()
+            return
+        try:
+            prog[0].trace(*leaves).lower().compile()
+        except Exception as e:  # noqa: BLE001 - the plain jit is always right
+            self._programs[key] = self._fail(e)
+            self.jit.trace(*args, **kwargs).lower().compile()
+
+    def _resolve(self, args, kwargs) -> tuple[tuple, list, bool]:
+        """(key, leaves, first): this call's key in `_programs`, where its program (or False: the plain jit) now is
+        (loaded or exported if it was not), its arguments' leaves, and whether this call put it there."""
         if self._epoch != _program_cache["epoch"]:
             self._programs, self._epoch = {}, _program_cache["epoch"]
         import jax
@@ -435,21 +473,10 @@ class DiskCachedJit:
         # call does not decide for a single-device one with the same shapes (one process can run both)
         sharded = any(isinstance(x, jax.Array) and len(x.sharding.device_set) > 1 for x in leaves)
         key = (static, names, treedef, avals, sharded)
-        prog = self._programs.get(key)
-        first = prog is None
+        first = key not in self._programs
         if first:
-            prog = self._programs[key] = self._program(static, names, treedef, leaves)
-        if prog is not False:
-            call, out_tree = prog
-            try:
-                return jax.tree.unflatten(out_tree, call(*leaves))
-            except Exception as e:  # noqa: BLE001
-                # the first call compiles it: a stored program this jaxlib cannot run falls back, unless it ran
-                # and consumed donated buffers (nothing left to fall back with); later failures are real
-                if not first or any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
-                    raise
-                self._programs[key] = self._fail(e)
-        return self.jit(*args, **kwargs)
+            self._programs[key] = self._program(static, names, treedef, leaves)
+        return key, leaves, first
 
     def _program(self, static, names, treedef, leaves):
         try:

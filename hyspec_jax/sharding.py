@@ -410,6 +410,12 @@ def params_mesh(params) -> Mesh | None:
     return None
 
 
+def params_device(params) -> jax.Device | None:
+    """The one device the weights sit on (None: several, or no arrays)."""
+    devices = {d for x in jax.tree.leaves(params) if isinstance(x, jax.Array) for d in x.devices()}
+    return next(iter(devices)) if len(devices) == 1 else None
+
+
 def _global_source(tree):
     """What `device_put` onto a mesh takes: the arrays themselves, or, when the mesh spans processes (whose
     devices this one cannot address), their host values — equal on every process, which each runs the same."""
@@ -450,10 +456,13 @@ def slot_shardings(tree, mesh: Mesh, *, axis_rules: Mapping[str, str | None] = L
 def place_buffers(config: TargetConfig, params, state: TargetState, *others):
     """(state, *others) placed like the weights `params`: the state by `STATE_RULES`, the others (a drafter's
     state, the anchors) by `SLOT_RULES`; with data-parallel replicas every buffer's slots are split over "data".
-    Unchanged when the weights sit on one device."""
+    On one device: committed to the weights' device, as every program's outputs are, so that a program compiled
+    for the fresh buffers also takes its own outputs (an exported program's jit, `compilation.DiskCachedJit`,
+    compiles again for a committed input)."""
     mesh = params_mesh(params)
     if mesh is None:
-        return (state, *others)
+        device = params_device(params)
+        return (state, *others) if device is None else tuple(jax.device_put(x, device) for x in (state, *others))
     replicas = mesh.shape.get(DATA, 1)
     if state.batch % replicas:
         raise ValueError(f"{state.batch} slots do not split over {replicas} data-parallel replicas: "

@@ -102,7 +102,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest request body; larger ones get 413 (default 32 MiB)")
     p.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
                    help="on SIGTERM, seconds to let in-flight requests finish (default 60)")
-    p.add_argument("--no-compilation-cache", action="store_true", help="do not use JAX's persistent compile cache")
+    p.add_argument("--no-compilation-cache", action="store_true",
+                   help="do not use JAX's persistent compile cache (nor, on a CPU, the traced programs kept on disk)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -312,11 +313,23 @@ def run(args) -> int:
     init_distributed(args.coordinator_address, args.num_processes, args.process_id)   # before JAX starts
     check_devices(args)
     import jax
+    from hyspec_jax.compilation import program_cache
+    # One process on one device (on a CPU: `enable_program_cache`): the programs' traced and lowered forms are kept on
+    # disk too, so a warm start skips Python tracing and lowering as well as XLA. Not over several devices or
+    # processes, whose sharded inputs the program cache does not store.
+    single = jax.process_count() == 1 and args.tensor_parallel_size == 1 and args.data_parallel_size == 1
+    with program_cache(single and not args.no_compilation_cache):
+        return _start(args)
+
+
+def _start(args) -> int:
+    """`run` once the devices are known: load, build the backend, compile, then serve (or follow process 0)."""
+    import jax
     from hyspec_jax.compilation import enable_compilation_cache
     from hyspec_jax.config import TargetConfig, resolve_dtype
     from hyspec_jax.io.hf import load_pretrained
     from hyspec_jax.launch import resolve_model_dir, shard_target
-    from hyspec_jax.runtime.scoring import Scorer
+    from hyspec_jax.runtime.scoring import Scorer, compile_server
     from hyspec_jax.tokenizer import load_tokenizer
 
     model_dir, label = resolve_model_dir(args.model)
@@ -338,7 +351,9 @@ def run(args) -> int:
               f"{max_model_len}, prefill shapes {backend.shapes}, decoding buckets "
               f"{list(backend.decode_buckets) or 'none'}; compiling")
     t0 = time.perf_counter()
-    backend.compile(lambda s: _progress(f"  compiled {s}"))
+    scorer = Scorer(backend.graphdef, backend.params, max_model_len, args.max_logprobs) if args.max_logprobs > 0 \
+        else None
+    compile_server(backend, scorer, lambda s: _progress(f"  compiled {s}"))
     for rows, seconds in (getattr(backend, "calibrated", None) or {}).items():     # the start-up calibration
         times = ", ".join(f"{w}: {1e3 * t:.2f}" for w, t in sorted(seconds.items()))
         _progress(f"  round ms over {rows} rows by width: {times}; kept {list(backend.chooser.kept(rows))}")
@@ -347,10 +362,6 @@ def run(args) -> int:
                   "them again)")
     elif getattr(backend, "times_origin", None):
         _progress(f"  round times from {backend.times_origin}")
-    scorer = None
-    if args.max_logprobs > 0:
-        scorer = Scorer(backend.graphdef, backend.params, max_model_len, args.max_logprobs)
-        scorer.compile(lambda s: _progress(f"  compiled {s}"))
     _progress(f"warm-up done in {time.perf_counter() - t0:.1f}s ({counter.count} programs)")
     freeze_startup_objects()
     channel = None

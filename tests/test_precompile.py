@@ -110,3 +110,27 @@ def test_compile_workers_setting(monkeypatch):
     assert compile_workers() == max(1, min(8, os.cpu_count() or 1))         # the CPU: side by side
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert compile_workers() == 1                       # a GPU: XLA's autotuner times kernels on the device
+
+
+def test_with_the_program_cache_requests_compile_nothing(models, tmp_path, monkeypatch):
+    """As a one-device CPU server (`compilation.program_cache`): the pass compiles the exported programs ahead and
+    runs only its first; requests then compile nothing — the first program's too, now given its own outputs (the
+    fresh buffers are committed like them, `sharding.place_buffers`)."""
+    from hyspec_jax import compilation as C
+    from hyspec_jax.runtime.scheduler import EngineRequest, Scheduler
+    monkeypatch.setenv(C.CACHE_ENV, str(tmp_path / "xla"))
+    monkeypatch.delenv(C.PROGRAM_CACHE_ENV, raising=False)
+    target, _ = models
+    with C.program_cache() as on:
+        if not on:
+            pytest.skip("no program cache here (a CPU only)")
+        be = Engine(target).backend(3, 104, decode_buckets=(1,))
+        be.compile(workers=2)
+        assert list((tmp_path / "programs").glob("*.bin"))
+        watch = CompileWatch()
+        sched = Scheduler(be)
+        for i in range(2):       # a short prompt: the first job's prefill shape
+            sched.submit(EngineRequest(prompt_ids=[3 + i] * 5, max_tokens=3, temperature=0.5 * i,
+                                       sink=lambda *a: None))
+        sched.run_until_idle()
+        assert watch.since == 0

@@ -137,3 +137,21 @@ def test_a_sharded_call_does_not_turn_the_cache_off_for_one_device(cache):
     out = fn(jnp.float32(2.0), x, st, power=1)
     assert list(cache.glob("t_placement-*.bin"))
     assert _same(out, jax.jit(step, static_argnames=("power",))(jnp.float32(2.0), x, st, power=1))
+
+
+def test_compiled_ahead_the_call_compiles_nothing(cache):
+    """`precompile` (the start-up compile side by side) of a call with the cache on exports, stores and compiles the
+    program the call then runs: the call traces and compiles nothing; a fresh instance (a new process) compiles the
+    stored program ahead without tracing the function. Outputs are those of the plain jit."""
+    x = jnp.arange(4, dtype=jnp.float32) / 3
+    plain = jax.jit(step, static_argnames=("power",))(jnp.float32(0.5), x, _state(), power=2)
+    for instance in range(2):
+        f = C.DiskCachedJit(step, name="t_ahead", static_argnames=("power",))
+        TRACES.clear()
+        C.precompile([(f, (jnp.float32(0.5), x, _state()), {"power": 2})], 2)
+        assert len(TRACES) == (1 - instance)            # traced once to export it, then loaded
+        assert len(list(cache.glob("t_ahead-*.bin"))) == 1
+        watch = C.CompileWatch()
+        out = f(jnp.float32(0.5), x, _state(), power=2)
+        assert watch.since == 0 and len(TRACES) == (1 - instance)
+        assert _same(out, plain)

@@ -246,11 +246,11 @@ class Backend(abc.ABC):
     def penalty_hist(self) -> PenaltyCounts:
         """The slots' penalty history [B, V] (zeros on first use: a penalized request's prefill resets its row)."""
         if self._hist is None:
-            from hyspec_jax.sharding import params_mesh, slot_shardings
+            from hyspec_jax.sharding import params_device, params_mesh, slot_shardings
             B, V = self.slots, self.config.vocab_size
             host = (np.zeros((B, V), np.int32), np.zeros((B, V), bool))
             mesh = params_mesh(self.params)      # placed like the other per-slot buffers (host values: any process)
-            dev = (jax.device_put(host) if mesh is None
+            dev = (jax.device_put(host, params_device(self.params)) if mesh is None     # committed: `place_buffers`
                    else tuple(jax.device_put(x, slot_shardings(x, mesh)) for x in host))
             self._hist = PenaltyCounts(*dev)
         return self._hist
@@ -292,7 +292,8 @@ class Backend(abc.ABC):
 
         With workers > 1 (default `compilation.compile_workers()`) the pass, after its first program, records the
         program calls it will make (`_launch` stops each before it runs) and compiles them side by side on that
-        many threads (`compilation.precompile`); the pass itself then only runs them.
+        many threads (`compilation.precompile`), without running them (the first request's call only runs its
+        program: a warm 2-core start-up ran no-op rounds for seconds).
 
         Not over a mesh, whose pass repeats until it compiles nothing: XLA may return a buffer in another layout
         than it was placed in (a size-1 mesh axis dropped, the conv window's channels split over "model"), and the
@@ -308,8 +309,10 @@ class Backend(abc.ABC):
             # 1-device mesh: NamedSharding out, SingleDeviceSharding in), and the calls recorded after it must
             # carry the placement the pass will then pass
             self._run_jobs(jobs[:1], progress)
-            self._precompile(jobs[1:], workers, progress)
-            self._run_jobs(jobs[1:], None)
+            failed = self._precompile(jobs[1:], workers, progress)
+            # a compiled program needs no run here (the first request's call only runs it): a job runs only where
+            # a compile failed, to raise its error now
+            self._run_jobs([job for job in jobs[1:] if job[0] in failed], None)
         else:
             self._run_jobs(jobs, progress)
         if not mesh:
@@ -369,17 +372,22 @@ class Backend(abc.ABC):
             if progress:
                 progress(f"{label} {time.perf_counter() - t0:.1f}s")
 
-    def _precompile(self, jobs, workers: int, progress) -> None:
+    def _precompile(self, jobs, workers: int, progress) -> set[str]:
+        """Compile the program calls of these jobs side by side (`compilation.precompile`); returns the labels of
+        the jobs where one failed."""
         from hyspec_jax.compilation import precompile
         captured: list = []
+        failed: set[str] = set()
         self._run_jobs(jobs, None, capture=captured)
         left = collections.Counter(label for label, _ in captured)
         spent = collections.Counter()
 
-        def done(i: int, seconds: float) -> None:      # a job's time: its calls' compile time, in their threads
+        def done(i: int, seconds: float | None) -> None:    # a job's time: its calls' compile time, in their threads
             label = captured[i][0]
             left[label] -= 1
-            spent[label] += seconds
+            spent[label] += seconds or 0.0
+            if seconds is None:
+                failed.add(label)
             if left[label] == 0 and progress:
                 progress(f"{label} {spent[label]:.1f}s")
         precompile([c for _, c in captured], workers, done)
@@ -387,6 +395,7 @@ class Backend(abc.ABC):
             for label, _, _ in jobs:
                 if label not in left:               # made no program call: nothing compiled ahead
                     progress(f"{label} 0.0s")
+        return failed
 
     def describe_step(self, rows: int | None = None) -> str:
         """What one step of this backend over `rows` rows runs (the start-up compile's log)."""

@@ -40,20 +40,39 @@ class Scorer:
         self.graphdef, self.params, self.max_len, self.top_k = graphdef, params, max_len, top_k
         self.buckets = prompt_buckets(max_len)
 
-    def compile(self, progress: Callable[[str], None] | None = None) -> None:
-        for t in self.buckets:
-            self._run(np.zeros(t, np.int32), t)     # t tokens: the bucket-t program (1 token ran bucket 16 only)
-            if progress:
-                progress(f"score [1x{t}]")
+    def compile(self, progress: Callable[[str], None] | None = None, workers: int | None = None) -> None:
+        """Compile every bucket's program without running it (`compilation.precompile`: side by side on `workers`
+        threads, default `compilation.compile_workers()`), so that scoring any length up to `max_len` compiles
+        nothing; `progress(label)` per program, with its compile seconds. Not run at start-up: a run of the longest
+        bucket's forward alone was 4 s of a warm 2-core server's 14 s start-up. A program that did not compile is
+        run, to raise its error now."""
+        from hyspec_jax.compilation import compile_workers, precompile
+        workers = compile_workers() if workers is None else int(workers)
+        failed = []
 
-    def _run(self, ids: np.ndarray, n: int):
+        def done(i: int, seconds: float | None) -> None:
+            if seconds is None:
+                failed.append(self.buckets[i])
+            elif progress:
+                progress(f"score [1x{self.buckets[i]}] {seconds:.1f}s")
+        # t tokens: the bucket-t program (1 token ran bucket 16 only)
+        precompile([(score_jit, self._args(np.zeros(t, np.int32), t), {"top_k": self.top_k}) for t in self.buckets],
+                   max(1, workers), done)
+        for t in sorted(failed):
+            self._run(np.zeros(t, np.int32), t)
+
+    def _args(self, ids: np.ndarray, n: int) -> tuple:
+        """score_jit's positional arguments for the first n of ids: (graphdef, params, tokens, valid), padded to
+        n's bucket."""
         T = bucket(n)
         tokens = np.zeros((1, T), np.int32)
         tokens[0, :n] = ids[:n]
         valid = np.zeros((1, T), bool)
         valid[0, :n] = True
-        out = score_jit(self.graphdef, self.params, jnp.asarray(tokens), jnp.asarray(valid), top_k=self.top_k)
-        return jax.device_get(out)
+        return self.graphdef, self.params, jnp.asarray(tokens), jnp.asarray(valid)
+
+    def _run(self, ids: np.ndarray, n: int):
+        return jax.device_get(score_jit(*self._args(ids, n), top_k=self.top_k))
 
     def score(self, ids: list[int], start: int = 1) -> TokenScores:
         """Scores of ids[start:] (start >= 1) given the tokens before each."""
@@ -63,3 +82,29 @@ class Scorer:
         if start == n:
             return NO_SCORES
         return self._run(np.asarray(ids, np.int32), n).scores(0, n - 1)[start - 1:]
+
+
+def compile_server(backend, scorer: Scorer | None, progress: Callable[[str], None] | None = None,
+                   workers: int | None = None) -> None:
+    """A server's start-up compile: its backend's programs (`Backend.compile`) and its scorer's, if any. With several
+    compile workers (default `compilation.compile_workers()`), the scorer's buckets compile one after another on a
+    thread of their own beside the backend's pass — whose first program compiles alone, leaving the other cores
+    idle — so that no core waits for the other pass. Else the scorer after the backend, as also where the backend
+    times rounds at start-up (`calibrate_repeats`: the scorer would disturb the timings) or runs over a mesh (its
+    pass repeats while anything compiles, and across processes every process must run the same programs in the
+    same order)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hyspec_jax.compilation import compile_workers
+    from hyspec_jax.sharding import params_mesh
+    workers = compile_workers() if workers is None else int(workers)
+    if (scorer is None or workers < 2 or getattr(backend, "calibrate_repeats", 0)
+            or params_mesh(backend.params) is not None):
+        backend.compile(progress, workers=workers)
+        if scorer is not None:
+            scorer.compile(progress, workers=workers)
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hyspec-score") as pool:
+        scoring = pool.submit(scorer.compile, progress, 1)
+        backend.compile(progress, workers=workers)
+        scoring.result()

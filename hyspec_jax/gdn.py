@@ -224,7 +224,8 @@ def decode_layer(proj: jax.Array, window: jax.Array, conv_weight: jax.Array, A_l
                        key_dim=key_dim)
     if norm is None:
         return step
-    return step._replace(o=gated_rms_norm(step.o.astype(proj.dtype), parts.z, norm.weight, norm.eps))
+    with jax.named_scope("norm"):              # as the module's (`layers.GatedRMSNorm`), for the profiles' parts
+        return step._replace(o=gated_rms_norm(step.o.astype(proj.dtype), parts.z, norm.weight, norm.eps))
 
 
 def serial_recurrence(S: jax.Array, q, k, v, g, beta) -> tuple[jax.Array, jax.Array]:

@@ -419,7 +419,8 @@ def gdn_decode_layer(proj, window, conv_weight, A_log, dt_bias, S, valid, *, key
                                                  num_warps=num_warps, interpret=interpret)
     if norm is not None and not fused_norm:      # a value tile narrower than the head: the norm after the kernel
         z = gdn.split_in_proj(proj, **heads, value_heads=HV, value_dim=dv).z
-        step = step._replace(o=gdn.gated_rms_norm(step.o.astype(proj.dtype), z, norm.weight, norm.eps))
+        with jax.named_scope("norm"):
+            step = step._replace(o=gdn.gated_rms_norm(step.o.astype(proj.dtype), z, norm.weight, norm.eps))
     return step
 
 

@@ -88,7 +88,8 @@ def _decode_kernel(valid_ref, proj_ref, win_ref, w_ref, alog_ref, dtb_ref, s_ref
     k, k_rows = conv_columns("k", 0, kd + kh * key_dim, key_dim)
     v, v_rows = conv_columns("v", hr * value_dim + t * block_v, v_start, block_v)
     q, k = gdn.prepare_qk(q, k)
-    g, beta = gdn.gates(part("a", hr, 1), part("b", hr, 1), alog_ref[...], dtb_ref[...])     # (1,) each
+    a, b = jnp.sum(part("a", hr, 1)), jnp.sum(part("b", hr, 1))     # the head's (1,)-long loads, as scalars
+    g, beta = gdn.gates(a, b, alog_ref[...], dtb_ref[...])
     g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)                  # gdn.invalidate
 
     S = s_ref[...] * jnp.exp(g)                                                       # [dk, bv] fp32

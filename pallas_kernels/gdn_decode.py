@@ -145,8 +145,8 @@ def decode_layer_pallas(proj, window, conv_weight, A_log, dt_bias, S, valid, nor
             or P != key_heads * sum(gdn.in_proj_widths(key_heads, HV, key_dim, dv).values())
             or layer_window != (B, km1, C) or conv_weight.shape != (C, km1 + 1) or S.shape[-4] != B
             or norm != (norm_weight is not None) or (norm and (block_v != dv or norm_weight.shape != (dv,)))):
-        raise ValueError(f"unsupported decode step: proj {proj.shape}, window {window.shape}, conv weight {conv_weight.shape}, "
-                         f"S {S.shape}, {key_heads} key heads of {key_dim}, block_v {block_v}"
+        raise ValueError(f"unsupported decode step: proj {proj.shape}, window {window.shape}, conv weight "
+                         f"{conv_weight.shape}, S {S.shape}, {key_heads} key heads of {key_dim}, block_v {block_v}"
                          + (f", a norm over {dv} needs block_v {dv} and a weight [{dv}]" if norm else ""))
     kern = functools.partial(_decode_kernel, key_heads=key_heads, key_dim=key_dim, group=HV // key_heads,
                              value_dim=dv, block_v=block_v, eps=eps)

@@ -519,7 +519,7 @@ class DecodeCall:
     per slot), by name: the benchmarks' inputs (`decode_step_call`); tests/test_verify_inputs.py checks them against
     the decoding step's own call."""
     proj: jax.Array         # [B, HK·G] the in-projection's output row as it is (model dtype; `gdn.in_proj_widths`)
-    window: jax.Array       # [Lg, B, K−1, C] every GDN layer's conv window (the state's conv dtype); the layer's: [layer]
+    window: jax.Array       # [Lg, B, K−1, C] every GDN layer's conv window (the state's conv dtype); layer's: [layer]
     conv_weight: jax.Array  # [C, K] conv taps
     A_log: jax.Array        # [HV]
     dt_bias: jax.Array      # [HV]

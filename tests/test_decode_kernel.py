@@ -265,29 +265,3 @@ def test_models_decoding_step_hands_the_kernel_the_projection_and_the_norm():
         (out_proj,) = ends(kernel.outvars[0])
         assert weight_of(out_proj) == tuple(mixers[0].out_proj.weight.shape), out_proj.primitive.name
 
-
-@pytest.mark.parametrize("batch", [1, 8, 32])
-@pytest.mark.parametrize("tiling", [None, (32, 1), (64, 1)])
-def test_kernel_lowers_for_an_h100_at_the_27b_geometry(monkeypatch, batch, tiling):
-    """The decoding step's kernel as the dispatcher launches it in the model (the 27B layer's call,
-    `target.decode_step_call`; the default tiling applies the norm inside the kernel, the narrower ones leave it to
-    XLA) lowers to Triton IR for an H100 — on CPU, without allocating the call's arrays."""
-    from hyspec_jax.models.target import decode_step_call
-    from hyspec_jax.spec.memory import qwen38_27b
-    from tests.gpu_lowering import dispatch_as_on_a_gpu, lower_for_h100
-
-    cfg = qwen38_27b()
-    args = jax.eval_shape(lambda: decode_step_call(cfg, batch).args)             # shapes only: nothing allocated
-    norm = gdn.OutputNorm(jnp.ones((cfg.linear_value_head_dim,), jnp.bfloat16), cfg.rms_norm_eps)
-    dispatch_as_on_a_gpu(monkeypatch)
-
-    def step(*args):                      # the norm's eps a Python float, as the module holds it
-        return kernels.gdn_decode_layer(*args, norm=norm, key_heads=cfg.linear_num_key_heads,
-                                        key_dim=cfg.linear_key_head_dim, layer=0, tiling=tiling)
-
-    text = lower_for_h100(step, *args)
-    block_v = (tiling or kernels.gdn_decode_tiling(batch, cfg.linear_num_value_heads, cfg.linear_value_head_dim,
-                                                   True))[0]
-    grid = (batch, cfg.linear_num_value_heads, cfg.linear_value_head_dim // block_v)
-    assert text.count("custom_call @__gpu$xla.gpu.triton") == 1, text[:2000]
-    assert "grid_x = {} : i32, grid_y = {} : i32, grid_z = {} : i32".format(*grid) in text

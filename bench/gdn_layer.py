@@ -22,16 +22,19 @@ Variants, each through the dispatcher (impl "auto"):
                    retrieve_parent_token (gates, q/k l2norm in the kernel; every node's state written), loaded from
                    the sglang wheel given with --sglang-wheel (only that file; its sglang imports stubbed), on the
                    same raw stream in the model's dtype
-Decoding step (--decode-batches). For each batch, one GDN layer's `kernels.gdn_decode` call as a decoding step makes
-it (`target.decode_step_call`: the in-projection's new columns, the conv window, gates' inputs and the fp32 state
-stack, the layer's tiles stepped in place; `bench.kernels.time_chained` runs the sets as consecutive layers of one
-donated stack):
-  model            the dispatcher (impl "auto"): the fused Pallas kernel at its tiling (`kernels.gdn_decode_tiling`)
-  fused_bvV_wW     the kernel at value tile V and W warps (the tiling sweep)
-  xla              the same math (`gdn.decode_step`) as XLA compiles it: what the decoding step ran before
+Decoding step (--decode-batches). For each batch, one GDN layer's `kernels.gdn_decode_layer` call as a decoding step
+makes it (`target.decode_step_call`: the in-projection's output row as it is, the conv window, the fp32 state stack
+— the layer's tiles stepped in place — and the gated output norm; `bench.kernels.time_chained` runs the sets as
+consecutive layers of one donated stack):
+  model            the dispatcher (impl "auto"): the fused Pallas kernel at its tiling (`kernels.gdn_decode_tiling`:
+                   the value head whole, the norm in the kernel)
+  fused_bvV_wW     the kernel at value tile V and W warps (the tiling sweep; V below dv: the norm after it, in XLA)
+  xla              the same math (`gdn.decode_layer`: the split of the row, the step, the norm) as XLA compiles it
   sglang           SGLang's recurrent decode kernel (the same file, one token, the state updated in place): gates,
                    l2norm, state update and readout, but not the conv (SGLang runs causal_conv1d_update before it)
-with its floor: the state read and written once, at the copy bandwidth this run measures.
+                   nor the norm
+with its floor: the state read and written once, the row, the window and the output, at the copy bandwidth this run
+measures.
 Times: device time per layer from a profiler trace (GPU; `bench.kernels.time_multi`), each program running R layers'
 input sets (R large enough that their states overflow L2, as 48 layers do); the host-clock median per call beside
 it. sglang: the median of `triton.testing.do_bench_cudagraph` (its launches replayed from a CUDA graph, as SGLang
@@ -62,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tree solve: B:N pairs, comma-separated (default %(default)s; '' for none)")
     ap.add_argument("--decode-batches", default="1,8,32",
                     help="decoding step: batches, comma-separated (default %(default)s; '' for none)")
-    ap.add_argument("--decode-tilings", default="16:1,32:1,32:2,64:2,64:4",
+    ap.add_argument("--decode-tilings", default="16:1,32:1,32:2,64:2,64:4,128:4,128:8",
                     help="decoding step: BLOCK_V:WARPS kernel tilings to sweep (default %(default)s)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="the model's compute dtype (default %(default)s)")
@@ -185,24 +188,25 @@ def sglang_row(verifier, call, cfg, dtype_name: str, o_ref) -> dict:
 
 def sglang_decode_row(verifier, call, dtype_name: str, want) -> dict:
     """SGLang's recurrent decode kernel (one token, state in place) on `call`'s post-conv columns: time and error of
-    its state against `want` (gdn.decode_step's)."""
+    its state against `want` (gdn.decode_layer's)."""
     import numpy as np
     import torch
 
     from hyspec_jax import gdn
 
-    B, C = call.x.shape
+    parts = call.parts
+    B, C = parts.x.shape
     hv, dk, dv = call.S.shape[-3:]
     hk = call.key_heads
     tdtype = getattr(torch, dtype_name)
     dev = torch.device("cuda")
     t = lambda x, dt=tdtype: torch.from_numpy(np.asarray(x, np.float32)).to(dev, dt).contiguous()   # noqa: E731
     # its input is the conv's output (SGLang convolves first, in causal_conv1d_update), in the model's dtype
-    conv = np.asarray(gdn.causal_conv(call.x[:, None], call.window[call.layer], call.weight)[:, 0], np.float32)
+    conv = np.asarray(gdn.causal_conv(parts.x[:, None], call.window[call.layer], call.conv_weight)[:, 0], np.float32)
     kd = hk * dk
     q, k = t(conv[:, :kd].reshape(B, 1, hk, dk)), t(conv[:, kd:2 * kd].reshape(B, 1, hk, dk))
     v = t(conv[:, 2 * kd:].reshape(B, 1, hv, dv))
-    a, b = t(call.a).reshape(B, 1, hv), t(call.b).reshape(B, 1, hv)
+    a, b = t(parts.a).reshape(B, 1, hv), t(parts.b).reshape(B, 1, hv)
     A_log, dt_bias = t(call.A_log, torch.float32), t(call.dt_bias, torch.float32)
     state0 = t(np.swapaxes(np.asarray(call.S[call.layer]), -1, -2), torch.float32)            # SGLang keeps [HV, dv, dk]
     state = state0.clone()
@@ -306,11 +310,12 @@ def main(argv: list[str] | None = None) -> int:
         }
 
     def all_decode_variants(heads: dict) -> dict:
-        """fn(i, stack, x, window, weight, a, b, A_log, dt_bias, valid) -> ((o, window), stack): layer i's step on
-        the state stack, as the unrolled model's decoding step makes it."""
+        """fn(i, stack, proj, window, conv_weight, A_log, dt_bias, valid) -> ((output, window), stack): layer i's
+        step on the state stack, as the unrolled model's decoding step makes it (heads: the keywords besides)."""
         def step(**kw):
-            def fn(i, S, x, window, weight, a_, b_, A_log, dt_bias, valid):
-                out = kernels.gdn_decode(x, window, weight, a_, b_, A_log, dt_bias, S, valid, **heads, layer=i, **kw)
+            def fn(i, S, proj, window, conv_weight, A_log, dt_bias, valid):
+                out = kernels.gdn_decode_layer(proj, window, conv_weight, A_log, dt_bias, S, valid, **heads, layer=i,
+                                               **kw)
                 return (out.o, out.window), out.state
             return fn
         out = {"model": step(impl=impl)}
@@ -326,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"status": status, "geometry": {"HK": cfg.linear_num_key_heads, "HV": hv, "dk": dk, "dv": dv},
                 "dtype": a.dtype, "interpret": a.interpret,
                 "model_operands": {"dtype": str(operands), "precision": precision},
-                "decode_tiling": list(kernels.gdn_decode_tiling(1, hv, dv)), "copy_bandwidth": bandwidth,
+                "decode_tiling": list(kernels.gdn_decode_tiling(1, hv, dv, norm=True)), "copy_bandwidth": bandwidth,
                 "sglang_wheel": a.sglang_wheel.rsplit("/", 1)[-1] if a.sglang_wheel else None,
                 "rows": solve_rows, "decode_rows": decode_rows}
 
@@ -371,12 +376,15 @@ def main(argv: list[str] | None = None) -> int:
         first = decode_step_call(cfg, B, dtype=dtype, seed=77 * B)
         calls = [first] + [decode_step_call(cfg, B, dtype=dtype, seed=77 * B + i, layer=i, states=first.S)
                            for i in range(1, R)]
-        heads = {"key_heads": first.key_heads, "key_dim": first.key_dim}
-        sets = [tuple(x for n, x in enumerate(c.args) if n != 7) for c in calls]       # all but the stack
-        want = jax.jit(lambda *args: gdn.decode_step(*args, **heads))(
-            first.x, first.window[0], *first.args[2:7], first.S[0], first.valid)
+        heads = {"key_heads": first.key_heads, "key_dim": first.key_dim, "norm": first.norm}
+        sets = [tuple(x for n, x in enumerate(c.args) if n != 5) for c in calls]       # all but the stack
+        want = jax.jit(lambda proj, window, S, *args: gdn.decode_layer(
+            proj, window[0], *args[:3], S[0], args[3], **heads))(first.proj, first.window, first.S,
+                                                                   *first.args[2:5], first.valid)
         stack = np.asarray(first.S)                                                      # each variant's own copy
-        floor_bytes = 2 * B * hv * dk * dv * 4 + 2 * sum(x.nbytes for x in (first.x, first.window[0]))
+        # the state read and written, the row read, the window read and written, the output written
+        floor_bytes = (2 * B * hv * dk * dv * 4 + first.proj.nbytes + 2 * first.window[0].nbytes
+                       + B * hv * dv * dtype.itemsize)
         base = {"B": B, "sets": R, "floor_bytes": floor_bytes,
                 "floor_us": 1e6 * floor_bytes / bandwidth if bandwidth else None}
 
@@ -440,11 +448,12 @@ def markdown(report: dict) -> str:
     if report.get("decode_rows"):
         bv, w = report["decode_tiling"]
         lines += ["## The decoding step", "",
-                  "The call a decoding step makes (`target.decode_step_call`): conv, gates, l2norm, state update and "
-                  f"readout of one token per slot. `model`: the dispatcher (fused kernel, block_v {bv}, {w} warp(s)); "
-                  "`xla`: the same math as XLA compiles it; `sglang`: its recurrent kernel without the conv. Floor: "
-                  "the state read and written once, the window and new columns, at the copy bandwidth measured "
-                  "here. err: against `gdn.decode_step` in fp32.", "",
+                  "The call a decoding step makes (`target.decode_step_call`): from the in-projection's output row, "
+                  "conv, gates, l2norm, state update, readout and the gated norm of one token per slot. `model`: the "
+                  f"dispatcher (fused kernel, block_v {bv}, {w} warp(s)); `xla`: the same math as XLA compiles it; "
+                  "`sglang`: its recurrent kernel without the conv and the norm. Floor: the state read and written "
+                  "once, the row, the window and the output, at the copy bandwidth measured here. err: against "
+                  "`gdn.decode_layer` (fp32 inside, its output in the model's dtype, as the model's).", "",
                   "| B | variant | device µs | host µs | floor µs | × floor | err o | err state | window "
                   "| × sglang |",
                   "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|"]

@@ -96,6 +96,84 @@ def invalidate(g: jax.Array, beta: jax.Array, valid: jax.Array) -> tuple[jax.Arr
 
 
 # ------------------------------------------------------------------------------------------------
+# The in-projection's output: its parts, grouped by key head
+# ------------------------------------------------------------------------------------------------
+def in_proj_widths(key_heads: int, value_heads: int, key_dim: int, value_dim: int) -> dict[str, int]:
+    """Entries of each part in one key-head group of a GDN layer's fused in-projection, in order:
+    [q (dk) | k (dk) | v (r·dv) | z (r·dv) | b (r) | a (r)], r = HV/HK value heads a key head."""
+    if value_heads % key_heads:
+        raise ValueError(f"{value_heads} value heads are not a multiple of {key_heads} key heads")
+    r = value_heads // key_heads
+    return {"q": key_dim, "k": key_dim, "v": r * value_dim, "z": r * value_dim, "b": r, "a": r}
+
+
+def in_proj_offsets(widths: dict[str, int]) -> dict[str, int]:
+    """Where each part of `in_proj_widths` starts inside its key head's group."""
+    out, start = {}, 0
+    for name, w in widths.items():
+        out[name], start = start, start + w
+    return out
+
+
+def key_head_groups(x, widths: dict[str, int], heads: int, axis: int = -1) -> dict:
+    """The parts of an axis grouped by key head — `heads` groups, each the concatenation of `widths` (name ->
+    entries, in order): {name: x with that axis as [heads, width]}. The rows of a GDN layer's fused in-projection
+    (axis 0) and its output (axis -1). Views for numpy arrays."""
+    axis %= x.ndim
+    groups = x.reshape(*x.shape[:axis], heads, -1, *x.shape[axis + 1:])
+    assert sum(widths.values()) == groups.shape[axis + 1], (widths, x.shape)
+    starts = in_proj_offsets(widths)
+    at = lambda s: groups[(slice(None),) * (axis + 1) + (s,)]     # noqa: E731
+    return {name: at(slice(starts[name], starts[name] + w)) for name, w in widths.items()}
+
+
+class InProjParts(NamedTuple):
+    """A GDN layer's in-projection output [..., HK·G] split (`split_in_proj`)."""
+    x: jax.Array   # [..., conv_dim] the conv's raw input [q_all | k_all | v_all] (head-major, the conv's order)
+    z: jax.Array   # [..., HV, dv] the output gate
+    b: jax.Array   # [..., HV] β logits
+    a: jax.Array   # [..., HV] decay inputs
+
+
+def split_in_proj(proj: jax.Array, *, key_heads: int, key_dim: int, value_heads: int,
+                  value_dim: int) -> InProjParts:
+    """The fused in-projection's output [..., HK·G] (groups as `in_proj_widths`) → its parts in the layouts the
+    math takes (`InProjParts`); the conv's raw input regrouped from key-head groups into [q | k | v]."""
+    lead = proj.shape[:-1]
+    p = key_head_groups(proj, in_proj_widths(key_heads, value_heads, key_dim, value_dim), key_heads)
+    x = jnp.concatenate([p[n].reshape(*lead, -1) for n in ("q", "k", "v")], -1)
+    return InProjParts(x, p["z"].reshape(*lead, value_heads, value_dim), p["b"].reshape(*lead, value_heads),
+                       p["a"].reshape(*lead, value_heads))
+
+
+# ------------------------------------------------------------------------------------------------
+# The output norm
+# ------------------------------------------------------------------------------------------------
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, zero_centred: bool) -> jax.Array:
+    """x/rms(x) (in fp32) times a per-channel scale, in the two forms checkpoints store (`layers.RMSNorm`):
+    zero_centred: · (1 + w) in fp32, then cast to x's dtype; else cast to x's dtype first, then · w (the two orders
+    round differently in bf16). Plain elementwise jnp over the last axis: the kernels call it on their tiles."""
+    xf = x.astype(F32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if zero_centred:
+        return (y * (1.0 + weight.astype(F32))).astype(x.dtype)
+    return weight * y.astype(x.dtype)
+
+
+def gated_rms_norm(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """A GDN layer's output norm over each value head (the last axis): the plain (· w) `rms_norm` of o, then
+    · SiLU(z) in fp32, cast to o's dtype."""
+    y = rms_norm(o, weight, eps, zero_centred=False)
+    return (y.astype(F32) * jax.nn.silu(z.astype(F32))).astype(o.dtype)
+
+
+class OutputNorm(NamedTuple):
+    """A GDN layer's gated output norm (`gated_rms_norm`): weight [dv], eps (a Python float: static)."""
+    weight: jax.Array
+    eps: float
+
+
+# ------------------------------------------------------------------------------------------------
 # One token, and the serial recurrence (the oracle every closed form must equal)
 # ------------------------------------------------------------------------------------------------
 @jax.named_scope("gdn_state")
@@ -112,8 +190,8 @@ def step(S: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, b
 
 
 class DecodeStep(NamedTuple):
-    """One token per slot through a GDN layer (`decode_step`)."""
-    o: jax.Array        # [B, HV, dv] fp32 readout
+    """One token per slot through a GDN layer (`decode_step`, `decode_layer`)."""
+    o: jax.Array        # [B, HV, dv] fp32 readout (`decode_layer` with a norm: the normed output, proj's dtype)
     state: jax.Array    # [B, HV, dk, dv] fp32
     window: jax.Array   # [B, K−1, C] the conv window after the token (the raw inputs, their dtype)
 
@@ -122,13 +200,32 @@ def decode_step(x: jax.Array, window: jax.Array, weight: jax.Array, a: jax.Array
                 dt_bias: jax.Array, S: jax.Array, valid: jax.Array, *, key_heads: int, key_dim: int) -> DecodeStep:
     """A GDN layer's decoding step after its in-projection: the conv over the window and the new raw inputs
     x [B, C] (zeroed where not valid), the gates from a, b [B, HV], the q/k l2norm, the state update and the readout;
-    slots where valid [B] is False take an identity step and keep their window. The math of the fused decode kernel
-    (`pallas_kernels.gdn_decode`), as the multi-token paths compose it."""
+    slots where valid [B] is False take an identity step and keep their window. As the multi-token paths compose it;
+    `decode_layer` adds the in-projection's split before it and the output norm after it."""
     conv_out = causal_conv(x[:, None], window, weight)
     q, k, v, g, beta = mixer_inputs(conv_out, b[:, None], a[:, None], valid[:, None], A_log, dt_bias,
                                     key_heads=key_heads, key_dim=key_dim)
     o, S = step(S, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
     return DecodeStep(o, S, conv_window_after(x[:, None], window, valid.astype(jnp.int32)))
+
+
+def decode_layer(proj: jax.Array, window: jax.Array, conv_weight: jax.Array, A_log: jax.Array, dt_bias: jax.Array,
+                 S: jax.Array, valid: jax.Array, *, key_heads: int, key_dim: int,
+                 norm: OutputNorm | None = None) -> DecodeStep:
+    """A GDN layer's decoding step from its in-projection's output row proj [B, HK·G] (`in_proj_widths`' groups):
+    its parts split (`split_in_proj`), the raw conv input zeroed where valid [B] is False (as HF zeroes padding
+    before the conv), then `decode_step`; with `norm`, the readout through the gated output norm: o is then
+    `gated_rms_norm(o.astype(proj.dtype), z, ...)` in proj's dtype (what the layer's out-projection takes). The
+    math of the decode kernel (`pallas_kernels.gdn_decode`)."""
+    HV, dv = S.shape[-3], S.shape[-1]
+    parts = split_in_proj(proj, key_heads=key_heads, key_dim=key_dim, value_heads=HV, value_dim=dv)
+    x = jnp.where(valid[:, None], parts.x, 0)
+    step = decode_step(x, window, conv_weight, parts.a, parts.b, A_log, dt_bias, S, valid, key_heads=key_heads,
+                       key_dim=key_dim)
+    if norm is None:
+        return step
+    with jax.named_scope("norm"):              # as the module's (`layers.GatedRMSNorm`), for the profiles' parts
+        return step._replace(o=gated_rms_norm(step.o.astype(proj.dtype), parts.z, norm.weight, norm.eps))
 
 
 def serial_recurrence(S: jax.Array, q, k, v, g, beta) -> tuple[jax.Array, jax.Array]:

@@ -8,9 +8,9 @@ Every kernel call of the models goes through here, each with a pure-JAX referenc
   `solve_config`) on an NVIDIA GPU (compute capability ≥ 8.0) with a supported shape and dtype. Node counts that
   are not a power of two in [16, 128] are padded with identity nodes (g = 0, β = 0, mask row = self) and sliced
   back. The kernel path is a `jax.custom_vjp` whose backward is the reference's VJP;
-- `gdn_decode(...)`: a GDN layer's decoding step after its in-projection, `gdn.decode_step` (conv, gates, l2norm,
-  state update, readout, window update); the one-launch Pallas kernel (`pallas_kernels.gdn_decode`) on an NVIDIA
-  GPU where its shapes allow;
+- `gdn_decode_layer(...)`: a GDN layer's decoding step from its in-projection's output row, `gdn.decode_layer`
+  (conv, gates, l2norm, state update, readout, window update, and the gated output norm); the one-launch Pallas
+  kernel (`pallas_kernels.gdn_decode`) on an NVIDIA GPU where its shapes allow;
 - `path_commit(...)`: the cross-layer factorized commit (gdn.node_state per layer);
 - `tree_attention(...)`: the verify's attention over the committed prefix + the tree
   (`hyspec_jax.attention.attend_prefix_tree`; the split-S Pallas prefix kernel where S fits its blocks);
@@ -353,25 +353,33 @@ def _kernel_deferred(pend: gdn.DeferredUpdates, key_heads: int) -> tuple:
 
 
 # The decode kernel's tiling (`gdn_decode_tiling`), from the H100 sweep at the 27B geometry
-# (bench/results/kernels/gdn_layer_h100_padded.md): 2 warps throughout; 32-wide value tiles (B 8: 23.1 µs, 26.1 on
-# one warp, 24.7 at 64 wide) until the programs alone fill the GPU several times over, then 64-wide (B 32: 80.3 vs
-# 84.7 µs). At B 1 every tiling took 6.8-7.6 µs.
-DECODE_WARPS, DECODE_WIDE_PROGRAMS = 2, 4096
+# (bench/results/kernels/gdn_layer_h100_padded.md, the kernel before it read the in-projection's output and took the
+# norm): 2 warps throughout; 32-wide value tiles (B 8: 23.1 µs, 26.1 on one warp, 24.7 at 64 wide) until the programs
+# alone fill the GPU several times over, then 64-wide (B 32: 80.3 vs 84.7 µs). At B 1 every tiling took 6.8-7.6 µs.
+# With the gated norm in the kernel a program holds its whole value head (block_v = dv): 4 warps for its dk × dv fp32
+# state tile, a starting point not measured on a GPU yet.
+DECODE_WARPS, DECODE_WIDE_PROGRAMS, DECODE_NORM_WARPS = 2, 4096, 4
 
 
-def gdn_decode_tiling(batch: int, value_heads: int, value_dim: int) -> tuple[int, int]:
-    """(block_v, num_warps) of the decode kernel for `batch` slots of `value_heads` heads of width value_dim."""
+def gdn_decode_tiling(batch: int, value_heads: int, value_dim: int, norm: bool = False) -> tuple[int, int]:
+    """(block_v, num_warps) of the decode kernel for `batch` slots of `value_heads` heads of width value_dim; norm:
+    the kernel applies the gated output norm, which needs the whole value head in one program."""
+    if norm:
+        return value_dim, DECODE_NORM_WARPS
     narrow = min(32, value_dim)
     wide = batch * value_heads * value_dim // narrow >= DECODE_WIDE_PROGRAMS
     return (min(64, value_dim) if wide else narrow), DECODE_WARPS
 
 
 @jax.named_scope("gdn_state")
-def gdn_decode(x, window, weight, a, b, A_log, dt_bias, S, valid, *, key_heads: int, key_dim: int,
-               layer: int | None = None, impl: Impl = "auto", tiling: tuple[int, int] | None = None) -> gdn.DecodeStep:
-    """`gdn.decode_step` (x [B, C] new raw inputs zeroed where not valid, window [B, K−1, C], weight [C, K], a, b
-    [B, HV], A_log, dt_bias [HV], S [B, HV, dk, dv] fp32, valid [B]) by the one-launch Pallas kernel where supported,
-    else the reference. tiling: (block_v, num_warps), default `gdn_decode_tiling`. Forward only on the kernel path.
+def gdn_decode_layer(proj, window, conv_weight, A_log, dt_bias, S, valid, *, key_heads: int, key_dim: int,
+                     norm: gdn.OutputNorm | None = None, layer: int | None = None, impl: Impl = "auto",
+                     tiling: tuple[int, int] | None = None) -> gdn.DecodeStep:
+    """`gdn.decode_layer` (proj [B, HK·G] the in-projection's output row as it is, window [B, K−1, C] in conv order,
+    conv_weight [C, K], A_log, dt_bias [HV], S [B, HV, dk, dv] fp32, valid [B]; norm: the gated output norm, then o
+    is the layer's normed output in proj's dtype) by the one-launch Pallas kernel where supported, else the
+    reference. tiling: (block_v, num_warps), default `gdn_decode_tiling`; the kernel applies the norm where
+    block_v = dv, else XLA applies it after the kernel. Forward only on the kernel path.
 
     layer (a static index): S is the model's stack [L, B, HV, dk, dv] of every GDN layer's state, window the stack
     [L, B, K−1, C] of their windows, and the returned state is the state stack with layer `layer` stepped — in place
@@ -381,29 +389,39 @@ def gdn_decode(x, window, weight, a, b, A_log, dt_bias, S, valid, *, key_heads: 
 
     def reference():
         if layer is None:
-            return gdn.decode_step(x, window, weight, a, b, A_log, dt_bias, S, valid, **heads)
-        step = gdn.decode_step(x, window[layer], weight, a, b, A_log, dt_bias, S[layer], valid, **heads)
+            return gdn.decode_layer(proj, window, conv_weight, A_log, dt_bias, S, valid, **heads, norm=norm)
+        step = gdn.decode_layer(proj, window[layer], conv_weight, A_log, dt_bias, S[layer], valid, **heads, norm=norm)
         return step._replace(state=write_layer(S, layer, step.state))
 
     if impl == "reference":
         return reference()
     try:
-        B, C = x.shape
+        B, P = proj.shape
         HV, dk, dv = S.shape[-3:]
-        block_v, num_warps = tiling or gdn_decode_tiling(B, HV, dv)
+        C = conv_weight.shape[0]
+        block_v, num_warps = tiling or gdn_decode_tiling(B, HV, dv, norm is not None)
+        fused_norm = norm is not None and block_v == dv
         ok = (gdn_decode_kernel.supported(key_heads, key_dim, HV, dv, block_v) and dk == key_dim
               and S.dtype == F32 and C == 2 * key_heads * key_dim + HV * dv
-              and (window.shape[-3], window.shape[-1]) == (B, C) and weight.shape == (C, window.shape[-2] + 1)
+              and P == key_heads * sum(gdn.in_proj_widths(key_heads, HV, key_dim, dv).values())
+              and (window.shape[-3], window.shape[-1]) == (B, C) and conv_weight.shape == (C, window.shape[-2] + 1)
               and valid.shape == (B,) and S.ndim == (4 if layer is None else 5) and S.shape[-4] == B
-              and window.ndim == S.ndim - 1 and (layer is None or window.shape[0] == S.shape[0]))
+              and window.ndim == S.ndim - 1 and (layer is None or window.shape[0] == S.shape[0])
+              and (norm is None or norm.weight.shape == (dv,)))
     except Exception:  # noqa: BLE001
         ok = False
     interpret = _use_kernel(impl, ok, "GDN decode step")
     if interpret is None:
         return reference()
-    return gdn_decode_kernel.decode_step_pallas(x, window, weight, a, b, A_log, dt_bias, S, valid, **heads,
-                                                layer=layer, block_v=block_v, num_warps=num_warps,
-                                                interpret=interpret)
+    step = gdn_decode_kernel.decode_layer_pallas(proj, window, conv_weight, A_log, dt_bias, S, valid,
+                                                 norm.weight if fused_norm else None, **heads,
+                                                 eps=norm.eps if fused_norm else None, layer=layer, block_v=block_v,
+                                                 num_warps=num_warps, interpret=interpret)
+    if norm is not None and not fused_norm:      # a value tile narrower than the head: the norm after the kernel
+        z = gdn.split_in_proj(proj, **heads, value_heads=HV, value_dim=dv).z
+        with jax.named_scope("norm"):
+            step = step._replace(o=gdn.gated_rms_norm(step.o.astype(proj.dtype), z, norm.weight, norm.eps))
+    return step
 
 
 @jax.named_scope("gdn_state")

@@ -121,20 +121,23 @@ def test_kernel_bench_sets_are_the_dispatchers_operands():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_decode_bench_call_is_the_decoding_steps_call(dtype):
-    """`decode_step_call` (the decode benchmarks' inputs) is what a decoding step hands `kernels.gdn_decode`."""
+    """`decode_step_call` (the decode benchmarks' inputs) is what a decoding step hands `kernels.gdn_decode_layer`:
+    the in-projection's output row as it is, and the layer's gated norm."""
     B = 3
     graphdef, params = nnx.split(create_model(TCFG, seed=0, dtype=dtype))
-    calls = _calls_of("gdn_decode", lambda: jax.eval_shape(
+    calls = _calls_of("gdn_decode_layer", lambda: jax.eval_shape(
         lambda p, s: nnx.merge(graphdef, p).extend(s, jnp.zeros((B, 1), jnp.int32), jnp.ones((B, 1), bool)),
         params, init_state(TCFG, B, 16, dtype)))
     assert len(calls) == len(TCFG.gdn_layers)
     want = decode_step_call(TCFG, B, dtype=dtype)
-    names = ("x", "window", "weight", "a", "b", "A_log", "dt_bias", "S", "valid")
+    names = ("proj", "window", "conv_weight", "A_log", "dt_bias", "S", "valid")
     for got in calls:
         for name, arr in zip(names, want.args):
             assert (got[name].shape, got[name].dtype) == (arr.shape, arr.dtype), name
         assert (got["key_heads"], got["key_dim"]) == (want.key_heads, want.key_dim)
-        assert got["impl"] == "auto"
+        assert (got["norm"].weight.shape, got["norm"].weight.dtype) == (want.norm.weight.shape, want.norm.weight.dtype)
+        assert got["norm"].eps == want.norm.eps == TCFG.rms_norm_eps
+        assert got["impl"] == "auto" and got["tiling"] is None
     # the unrolled model hands over the whole state stack and each GDN layer's own row of it (stepped in place)
     assert [c["layer"] for c in calls] == list(range(len(TCFG.gdn_layers)))
     assert want.S.shape[0] == len(TCFG.gdn_layers) and want.layer == 0

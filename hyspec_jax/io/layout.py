@@ -5,7 +5,7 @@ tensors (its `Part`s) and split back into them on save, byte for byte:
 
 - an `MLP`'s `gate_up_proj.weight` [2I, H] (rows interleaved, `layers.gate_up`) <- `gate_proj.weight`,
   `up_proj.weight` [I, H] (the dense MLP, the shared expert, the MTP head's and the drafter's MLP);
-- a `GatedDeltaNet`'s `in_proj.weight` [HK·G, H] (rows grouped by key head, `layers.key_head_groups`) <- the
+- a `GatedDeltaNet`'s `in_proj.weight` [HK·G, H] (rows grouped by key head, `gdn.key_head_groups`) <- the
   checkpoint's own layout (`TargetConfig.projection_layout`; what each tensor holds: `layers.IN_PROJ_TENSORS`,
   which the module's seeded init follows too): "split" (Qwen3.5: `in_proj_qkv` [q | k | v, each head-major],
   `in_proj_z`, `in_proj_b`, `in_proj_a`) or "interleaved" (Qwen3-Next: `in_proj_qkvz` per group
@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from flax import nnx
 
-from hyspec_jax.models.layers import (IN_PROJ_TENSORS, MLP, Experts, GatedDeltaNet, gate_up, in_proj_tensor_parts,
-                                      key_head_groups)
+from hyspec_jax.gdn import key_head_groups
+from hyspec_jax.models.layers import IN_PROJ_TENSORS, MLP, Experts, GatedDeltaNet, gate_up, in_proj_tensor_parts
 
 Views = Callable[[np.ndarray, np.ndarray], list[tuple[np.ndarray, np.ndarray]]]
 

@@ -3,7 +3,7 @@
 Parameters mirror Hugging Face names and layouts (`weight` is [out, in], no per-tensor transposes on load or
 save), except where several checkpoint tensors feed one matmul: those are fused into one parameter so the step
 runs one GEMM (one kernel launch) instead of several — an MLP's `gate_up_proj` (gate and up rows interleaved,
-`gate_up`), a GatedDeltaNet's `in_proj` (rows grouped by key head, `key_head_groups`) and the routed experts'
+`gate_up`), a GatedDeltaNet's `in_proj` (rows grouped by key head, `gdn.key_head_groups`) and the routed experts'
 `gate_up_proj`. The one home of the mapping between parameters and checkpoint tensors is `hyspec_jax.io.layout`.
 """
 
@@ -66,11 +66,7 @@ class RMSNorm(nnx.Module):
 
     @jax.named_scope("norm")
     def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(F32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        if self.zero_centred:
-            return (y * (1.0 + self.weight[...].astype(F32))).astype(x.dtype)
-        return self.weight[...] * y.astype(x.dtype)
+        return gdn.rms_norm(x, self.weight[...], self.eps, zero_centred=self.zero_centred)
 
 
 class GatedRMSNorm(RMSNorm):
@@ -81,8 +77,12 @@ class GatedRMSNorm(RMSNorm):
 
     @jax.named_scope("norm")
     def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:
-        y = super().__call__(x)
-        return (y.astype(F32) * jax.nn.silu(z.astype(F32))).astype(x.dtype)
+        return gdn.gated_rms_norm(x, z, self.weight[...], self.eps)
+
+    @property
+    def spec(self) -> gdn.OutputNorm:
+        """The norm as `gdn.decode_layer` and the decode kernel take it."""
+        return gdn.OutputNorm(self.weight[...], self.eps)
 
 
 def _take(x, axis: int, index) -> jax.Array:
@@ -210,20 +210,6 @@ class DepthwiseConv(nnx.Module):
         self.weight = _normal(rngs, (channels, 1, kernel), dtype, std=0.3)
 
 
-def key_head_groups(x, widths: dict[str, int], heads: int, axis: int = -1) -> dict[str, jax.Array]:
-    """The parts of an axis grouped by key head — `heads` groups, each the concatenation of `widths` (name ->
-    entries, in order): {name: x with that axis as [heads, width]}. The rows of `GatedDeltaNet.in_proj` (axis 0)
-    and its output (axis -1). Views for numpy arrays."""
-    axis %= x.ndim
-    groups = x.reshape(*x.shape[:axis], heads, -1, *x.shape[axis + 1:])
-    out, start = {}, 0
-    for name, w in widths.items():
-        out[name] = _take(groups, axis + 1, slice(start, start + w))
-        start += w
-    assert start == groups.shape[axis + 1], (widths, x.shape)
-    return out
-
-
 # The in-projection tensors of each checkpoint layout (`TargetConfig.projection_layout`), in checkpoint order:
 # name -> the parts of a key-head group it holds, in order ("split", Qwen3.5: each part for all heads, one block
 # after the other; "interleaved", Qwen3-Next: the parts group by group)
@@ -235,10 +221,10 @@ IN_PROJ_TENSORS: dict[str, dict[str, tuple[str, ...]]] = {
 
 def in_proj_tensor_parts(t, layout: str, name: str, widths: dict[str, int], heads: int) -> dict[str, jax.Array]:
     """The parts the checkpoint's in-projection tensor `name` [rows, ...] holds (`IN_PROJ_TENSORS`), each as
-    [heads, width, ...] like `key_head_groups` gives them from the fused rows. Views for numpy arrays."""
+    [heads, width, ...] like `gdn.key_head_groups` gives them from the fused rows. Views for numpy arrays."""
     names = IN_PROJ_TENSORS[layout][name]
     if layout == "interleaved":
-        return key_head_groups(t, {p: widths[p] for p in names}, heads, 0)
+        return gdn.key_head_groups(t, {p: widths[p] for p in names}, heads, 0)
     out, start = {}, 0
     for p in names:
         n = heads * widths[p]
@@ -278,8 +264,7 @@ class GatedDeltaNet(nnx.Module):
     @property
     def in_proj_widths(self) -> dict[str, int]:
         """Rows of each part in one key-head group of `in_proj`, in order."""
-        r = self.hv // self.hk
-        return {"q": self.dk, "k": self.dk, "v": r * self.dv, "z": r * self.dv, "b": r, "a": r}
+        return gdn.in_proj_widths(self.hk, self.hv, self.dk, self.dv)
 
     @property
     def conv_weight(self) -> jax.Array:
@@ -287,11 +272,12 @@ class GatedDeltaNet(nnx.Module):
 
     def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """x [B,T,H] -> raw conv input qkv [B,T,conv_dim] ([q | k | v], head-major), z [B,T,HV,dv], b, a [B,T,HV]."""
-        B, T, _ = x.shape
-        p = key_head_groups(self.in_proj(x), self.in_proj_widths, self.hk)
-        qkv = jnp.concatenate([p["q"].reshape(B, T, -1), p["k"].reshape(B, T, -1), p["v"].reshape(B, T, -1)], -1)
-        return (qkv, p["z"].reshape(B, T, self.hv, self.dv), p["b"].reshape(B, T, self.hv),
-                p["a"].reshape(B, T, self.hv))
+        return tuple(gdn.split_in_proj(self.in_proj(x), **self.heads))
+
+    @property
+    def heads(self) -> dict[str, int]:
+        """The head geometry by the names `hyspec_jax.gdn` takes it."""
+        return {"key_heads": self.hk, "key_dim": self.dk, "value_heads": self.hv, "value_dim": self.dv}
 
     def mixer_inputs(self, conv_out: jax.Array, b: jax.Array, a: jax.Array, valid: jax.Array):
         """Post-conv stream -> gdn inputs (q, k [B,T,HK,dk] normalised, at their key heads; v [B,T,HV,dv]; g, β
@@ -300,7 +286,11 @@ class GatedDeltaNet(nnx.Module):
                                 key_dim=self.dk)
 
     def output(self, o: jax.Array, z: jax.Array, dtype) -> jax.Array:
-        B, T = o.shape[:2]
-        y = self.norm(o.astype(dtype), z)
+        """The readout o [B,T,HV,dv] through the gated norm (in `dtype`) and the out-projection."""
+        return self.project_out(self.norm(o.astype(dtype), z))
+
+    def project_out(self, y: jax.Array) -> jax.Array:
+        """The normed output y [B,T,HV,dv] through the out-projection -> [B,T,H]."""
+        B, T = y.shape[:2]
         return self.out_proj(y.reshape(B, T, -1))
 

@@ -143,7 +143,7 @@ class TargetModel(nnx.Module):
         Returns (logits [B,T|1,V] fp32, hidden, new state). With last_only, logits of each slot's last valid
         token only. hidden is the final-norm hidden [B,T|1,H], or with tap_layers the outputs of those decoder
         layers stacked [len(tap_layers), B, T, H] (drafter taps, all T positions).
-        T == 1 uses the one-token GDN step (`kernels.gdn_decode`: one Pallas launch a layer on a GPU; kernel_impl
+        T == 1 uses the one-token GDN step (`kernels.gdn_decode_layer`: one Pallas launch a layer on a GPU; kernel_impl
         "reference" keeps XLA's), T > 1 the chunked closed form.
         Deferred commit (`state.pending`): every layer starts from its checkpoint folded with its rows; T > 1
         writes the new states and empties the rows; T == 1 (a decoding step) appends its one row per layer
@@ -168,38 +168,43 @@ class TargetModel(nnx.Module):
             step (a one-time probe, in git history as bench/dispatch_cost.py): when the state update's own
             computation fused into the row update, that fusion read the stacked array it updated and XLA copied the
             whole stack before each GDN layer (12 more kernels a step); the barrier keeps them apart, so the row is
-            written in place (a decoding step's row: `kernels.gdn_decode` with the layer's index). Stacking
+            written in place (a decoding step's row: `kernels.gdn_decode_layer` with the layer's index). Stacking
             per-layer states after the stack instead copies the whole state once a step (slower with a large
             state); the conv windows are small, and unrolled they are stacked: their in-place updates still
             drew copies."""
-            qkv, z, b, a = mix.project(h)
-            qkv = jnp.where(valid[..., None], qkv, 0)       # HF zeroes padding before the conv
             conv_j = carry.conv[j]
             S0 = committed_ssm(carry, j)           # carry.pending is only replaced after the whole stack
-            S = fac = None
-            if T == 1 and not deferred_step:       # a decoding step: one launch on a GPU (kernels.gdn_decode)
-                # unrolled (j static): the step updates layer j of the state stack in place and reads its window
-                # in the window stack (no slice of either, no write-back); under the scan (j traced) the layer's
-                # state and window go in and come out
+            if T == 1 and not deferred_step:       # a decoding step: one launch on a GPU (kernels.gdn_decode_layer)
+                # from the in-projection's output as it is (no regroup, no slices); the gated norm included, so its
+                # output goes straight to the out-projection. Unrolled (j static): the step updates layer j of the
+                # state stack in place and reads its window in the window stack (no slice of either, no
+                # write-back); under the scan (j traced) the layer's state and window go in and come out
                 stacked = isinstance(j, int)
-                step = kernels.gdn_decode(qkv[:, 0], carry.conv if stacked else conv_j, mix.conv_weight, a[:, 0],
-                                          b[:, 0], mix.A_log[...], mix.dt_bias[...], carry.ssm if stacked else S0,
-                                          valid[:, 0],
-                                          key_heads=mix.hk, key_dim=mix.dk, layer=j if stacked else None,
-                                          impl=kernel_impl)
-                o, conv = step.o[:, None], step.window
+                proj = mix.in_proj(h)[:, 0]
+                norm = mix.norm.spec if proj.dtype == x.dtype else None    # the norm rounds to the model's dtype
+                step = kernels.gdn_decode_layer(proj, carry.conv if stacked else conv_j, mix.conv_weight,
+                                                mix.A_log[...], mix.dt_bias[...], carry.ssm if stacked else S0,
+                                                valid[:, 0], key_heads=mix.hk, key_dim=mix.dk, norm=norm,
+                                                layer=j if stacked else None, impl=kernel_impl)
+                if norm is not None:
+                    out = mix.project_out(step.o[:, None])
+                else:
+                    z = gdn.split_in_proj(proj, **mix.heads).z
+                    out = mix.output(step.o[:, None], z[:, None], x.dtype)
                 if stacked:
-                    carry = carry.replace(ssm=step.state)
-                else:
-                    S = step.state
+                    return out, carry.replace(ssm=step.state), (step.window, None)
+                carry = carry.replace(ssm=write_layer(carry.ssm, j, step.state))
+                return out, carry.replace(conv=carry.conv.at[j].set(step.window)), (None, None)
+            qkv, z, b, a = mix.project(h)
+            qkv = jnp.where(valid[..., None], qkv, 0)       # HF zeroes padding before the conv
+            S = fac = None
+            q, k, v, g, beta = mix.mixer_inputs(gdn.causal_conv(qkv, conv_j, mix.conv_weight), b, a, valid)
+            conv = gdn.conv_window_after(qkv, conv_j, num_valid)
+            if deferred_step:                      # the one-node solve's factors are the row to append
+                o, fac = gdn.masked_solve(S0, q, k, v, g, beta, gdn.chain_mask(B, 1), method="squaring",
+                                          path_nodes=1)
             else:
-                q, k, v, g, beta = mix.mixer_inputs(gdn.causal_conv(qkv, conv_j, mix.conv_weight), b, a, valid)
-                conv = gdn.conv_window_after(qkv, conv_j, num_valid)
-                if deferred_step:                  # the one-node solve's factors are the row to append
-                    o, fac = gdn.masked_solve(S0, q, k, v, g, beta, gdn.chain_mask(B, 1), method="squaring",
-                                              path_nodes=1)
-                else:
-                    o, S = gdn.chunked_prefill(S0, q, k, v, g, beta)
+                o, S = gdn.chunked_prefill(S0, q, k, v, g, beta)
             if S is not None:
                 carry = carry.replace(ssm=write_layer(carry.ssm, j, S))
             if isinstance(j, int):
@@ -510,50 +515,58 @@ def verify_solve_call(cfg: TargetConfig, batch: int, nodes: int, *, depth: int, 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeCall:
-    """One GDN layer's `kernels.gdn_decode` call as `TargetModel.extend` makes it in a decoding step (one token per
-    slot), by name: the benchmarks' inputs (`decode_step_call`); tests/test_verify_inputs.py checks them against the
-    decoding step's own call."""
-    x: jax.Array        # [B, C] the in-projection's new [q | k | v] columns (model dtype)
-    window: jax.Array   # [Lg, B, K−1, C] every GDN layer's conv window (the state's conv dtype); the layer's: [layer]
-    weight: jax.Array   # [C, K] conv taps
-    a: jax.Array        # [B, HV]
-    b: jax.Array        # [B, HV]
-    A_log: jax.Array    # [HV]
-    dt_bias: jax.Array  # [HV]
-    S: jax.Array        # [Lg, B, HV, dk, dv] fp32: every GDN layer's state (the stack the step updates in place)
-    valid: jax.Array    # [B] bool
+    """One GDN layer's `kernels.gdn_decode_layer` call as `TargetModel.extend` makes it in a decoding step (one token
+    per slot), by name: the benchmarks' inputs (`decode_step_call`); tests/test_verify_inputs.py checks them against
+    the decoding step's own call."""
+    proj: jax.Array         # [B, HK·G] the in-projection's output row as it is (model dtype; `gdn.in_proj_widths`)
+    window: jax.Array       # [Lg, B, K−1, C] every GDN layer's conv window (the state's conv dtype); layer's: [layer]
+    conv_weight: jax.Array  # [C, K] conv taps
+    A_log: jax.Array        # [HV]
+    dt_bias: jax.Array      # [HV]
+    S: jax.Array            # [Lg, B, HV, dk, dv] fp32: every GDN layer's state (the stack the step updates in place)
+    valid: jax.Array        # [B] bool
     key_heads: int
     key_dim: int
-    layer: int          # the layer's row in S
+    norm: gdn.OutputNorm    # the gated output norm (weight [dv] in the model dtype, eps)
+    layer: int              # the layer's row in S
 
     @property
     def args(self) -> tuple[jax.Array, ...]:
-        return self.x, self.window, self.weight, self.a, self.b, self.A_log, self.dt_bias, self.S, self.valid
+        return self.proj, self.window, self.conv_weight, self.A_log, self.dt_bias, self.S, self.valid
 
     @property
     def kwargs(self) -> dict:
-        return {"key_heads": self.key_heads, "key_dim": self.key_dim, "layer": self.layer}
+        return {"key_heads": self.key_heads, "key_dim": self.key_dim, "norm": self.norm, "layer": self.layer}
+
+    @property
+    def parts(self) -> gdn.InProjParts:
+        """proj's parts (`gdn.split_in_proj`): what a peer kernel without the split is handed."""
+        HV, dv = self.S.shape[-3], self.S.shape[-1]
+        return gdn.split_in_proj(self.proj, key_heads=self.key_heads, key_dim=self.key_dim, value_heads=HV,
+                                 value_dim=dv)
 
 
 def decode_step_call(cfg: TargetConfig, batch: int, *, dtype=jnp.bfloat16, seed: int = 0, layer: int = 0,
                      states: jax.Array | None = None) -> DecodeCall:
     """A random GDN layer's decoding-step call at `cfg`'s geometry, every slot active, with the model computing (and
-    keeping its conv windows) in `dtype`; conv taps, A_log and dt_bias drawn as `GatedDeltaNet` initialises them.
-    The step is layer `layer`'s of the state stack `states` [Lg, B, HV, dk, dv] (default: a random stack of
-    `cfg`'s GDN layers) and of a random window stack of as many layers, as the unrolled model's decoding step hands
-    them over."""
+    keeping its conv windows) in `dtype`; conv taps, A_log, dt_bias and the norm's weight drawn as `GatedDeltaNet`
+    initialises them (the norm's weight perturbed around its initial 1, so that it shows). The step is layer
+    `layer`'s of the state stack `states` [Lg, B, HV, dk, dv] (default: a random stack of `cfg`'s GDN layers) and of
+    a random window stack of as many layers, as the unrolled model's decoding step hands them over."""
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
-    ks = jax.random.split(jax.random.key(seed), 7)
+    ks = jax.random.split(jax.random.key(seed), 6)
     normal = lambda key, *shape: jax.random.normal(key, shape, F32).astype(dtype)   # noqa: E731
     if states is None:
-        states = 0.1 * jax.random.normal(ks[6], (len(cfg.gdn_layers), batch, hv, dk, dv), F32)
+        states = 0.1 * jax.random.normal(ks[5], (len(cfg.gdn_layers), batch, hv, dk, dv), F32)
     chex.assert_shape(states, (None, batch, hv, dk, dv))
     if not 0 <= layer < states.shape[0]:
         raise ValueError(f"layer {layer} of a stack of {states.shape[0]} GDN layers")
+    width = hk * sum(gdn.in_proj_widths(hk, hv, dk, dv).values())
     return DecodeCall(
-        x=normal(ks[0], batch, cfg.conv_dim), window=normal(ks[1], states.shape[0], batch, K - 1, cfg.conv_dim),
-        weight=(0.3 * jax.random.normal(ks[2], (cfg.conv_dim, K), F32)).astype(dtype),
-        a=normal(ks[3], batch, hv), b=normal(ks[4], batch, hv),
-        A_log=jnp.log(jax.random.uniform(ks[5], (hv,), F32, 1.0, 16.0)).astype(dtype), dt_bias=jnp.ones((hv,), dtype),
-        S=states, valid=jnp.ones((batch,), bool), key_heads=hk, key_dim=dk, layer=layer)
+        proj=normal(ks[0], batch, width), window=normal(ks[1], states.shape[0], batch, K - 1, cfg.conv_dim),
+        conv_weight=(0.3 * jax.random.normal(ks[2], (cfg.conv_dim, K), F32)).astype(dtype),
+        A_log=jnp.log(jax.random.uniform(ks[3], (hv,), F32, 1.0, 16.0)).astype(dtype), dt_bias=jnp.ones((hv,), dtype),
+        S=states, valid=jnp.ones((batch,), bool), key_heads=hk, key_dim=dk,
+        norm=gdn.OutputNorm((1.0 + 0.1 * jax.random.normal(ks[4], (dv,), F32)).astype(dtype), cfg.rms_norm_eps),
+        layer=layer)

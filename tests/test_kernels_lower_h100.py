@@ -1,0 +1,53 @@
+"""Each kernel the model launches in a decoding step and a verify lowers to Triton IR for an H100, on CPU, at the
+Qwen3.8-27B geometry and from the calls the model makes (`target.decode_step_call`, `target.verify_solve_call`),
+through the dispatchers as they choose on a GPU (tests/gpu_lowering.py: what this covers and what it does not)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from hyspec_jax import gdn, kernels
+from hyspec_jax.models.target import decode_step_call, verify_solve_call
+from hyspec_jax.spec.memory import qwen38_27b
+from tests.gpu_lowering import dispatch_as_on_a_gpu, lower_for_h100
+
+TRITON = "custom_call @__gpu$xla.gpu.triton"
+
+
+@pytest.mark.parametrize("batch", [1, 8, 32])
+@pytest.mark.parametrize("tiling", [None, (32, 1), (64, 1)])
+def test_decode_kernel_lowers_for_an_h100_at_the_27b_geometry(monkeypatch, batch, tiling):
+    """The decoding step's kernel as the dispatcher launches it in the model (the 27B layer's call,
+    `target.decode_step_call`; the default tiling applies the norm inside the kernel, the narrower ones leave it to
+    XLA) lowers to Triton IR for an H100 — on CPU, without allocating the call's arrays."""
+    cfg = qwen38_27b()
+    args = jax.eval_shape(lambda: decode_step_call(cfg, batch).args)             # shapes only: nothing allocated
+    norm = gdn.OutputNorm(jnp.ones((cfg.linear_value_head_dim,), jnp.bfloat16), cfg.rms_norm_eps)
+    dispatch_as_on_a_gpu(monkeypatch)
+
+    def step(*args):                      # the norm's eps a Python float, as the module holds it
+        return kernels.gdn_decode_layer(*args, norm=norm, key_heads=cfg.linear_num_key_heads,
+                                        key_dim=cfg.linear_key_head_dim, layer=0, tiling=tiling)
+
+    text = lower_for_h100(step, *args)
+    block_v = (tiling or kernels.gdn_decode_tiling(batch, cfg.linear_num_value_heads, cfg.linear_value_head_dim,
+                                                   True))[0]
+    grid = (batch, cfg.linear_num_value_heads, cfg.linear_value_head_dim // block_v)
+    assert text.count(TRITON) == 1, text[:2000]
+    assert "grid_x = {} : i32, grid_y = {} : i32, grid_z = {} : i32".format(*grid) in text
+
+
+@pytest.mark.parametrize("batch,nodes", [(1, 8), (1, 32), (8, 8), (8, 32), (32, 8)])
+def test_tree_solve_lowers_for_an_h100_at_the_27b_geometry(monkeypatch, batch, nodes):
+    """The verify's tree solve as the dispatcher picks it on an H100 (`kernels.tree_solve`, method auto, the
+    model's compute dtype) lowers for an H100: one kernel launch."""
+    cfg = qwen38_27b()
+    depth = min(8, nodes - 1)
+    kwargs = verify_solve_call(cfg, 1, nodes, depth=depth).kwargs                 # static: from the tree's shape
+    args = jax.eval_shape(lambda: verify_solve_call(cfg, batch, nodes, depth=depth).args)
+    dispatch_as_on_a_gpu(monkeypatch)
+    monkeypatch.setattr(kernels, "hopper_available", lambda: True)
+    text = lower_for_h100(lambda *a: kernels.tree_solve(*a, **kwargs), *args)
+    assert text.count(TRITON) == 1, text[:2000]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -54,10 +55,18 @@ def test_tensor_parallel_equals_one_device(reference):
     assert [r.token_ids for r in engine.generate(PROMPTS, params)] == chain
 
 
-def test_one_device_weights_leave_buffers_alone():
-    state = jnp.zeros((2,))
-    assert shd.params_mesh({"w": jnp.ones((4, 4))}) is None
-    assert shd.place_buffers(None, {"w": jnp.ones((4, 4))}, state)[0] is state
+def test_one_device_weights_commit_buffers_to_their_device():
+    """Weights on one device (not the default one): the buffers go to that device, committed, as every program's
+    outputs are (`sharding.place_buffers`); no mesh."""
+    device = jax.devices()[1]
+    weights = {"w": jax.device_put(jnp.ones((4, 4)), device)}
+    assert shd.params_mesh(weights) is None and shd.params_device(weights) == device
+    state, anchors = jnp.arange(2.0), np.arange(3)
+    placed = shd.place_buffers(None, weights, state, anchors)
+    assert [x.devices() for x in placed] == [{device}, {device}]
+    assert all(x.committed for x in placed)
+    np.testing.assert_array_equal(placed[0], state)
+    np.testing.assert_array_equal(placed[1], anchors)
 
 
 def test_generate_cli_tensor_parallel(capsys):

@@ -6,6 +6,10 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("USE_HUB_KERNELS", "NO")  # keep transformers' torch reference path as the oracle
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tiny models and shapes: XLA's optimisation passes and LLVM's cost more time than they save (a CPU compile takes
+# about half as long without them), in the workers and in every process a test starts (servers, CLIs, multi-host
+# runs inherit it). The math is the same; tests that compare two programs compile both this way.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -60,16 +64,6 @@ def has_gpu() -> bool:
         return any(d.platform == "gpu" for d in jax.devices())
     except RuntimeError:
         return False
-
-
-@pytest.fixture(scope="module")
-def quick_compiles():
-    """Tiny models and shapes: XLA's optimisation passes cost more time than they save (compiles take about half
-    as long). Module-scoped; a module opts in with `pytestmark = pytest.mark.usefixtures("quick_compiles")`."""
-    prev = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", prev)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -26,9 +26,6 @@ NS = 100_000
 accept_jit = jax.jit(accept, static_argnames=("max_children",))
 
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")   # tiny models: see conftest
-
-
 def _dist(rng, sharp=2.0) -> np.ndarray:
     x = np.exp(sharp * rng.standard_normal(V))
     return x / x.sum()

@@ -23,9 +23,6 @@ from tests.tree_reference import tree_from_block
 B, M = 6, 12
 
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")   # tiny models: see conftest
-
-
 @jax.jit
 def _select(score, parent, depth, valid, active, capacity):
     forced = root_floor(score, parent, valid & active[:, None], active)

@@ -24,7 +24,6 @@ from hyspec_jax.runtime.scheduler import run_batch
 from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.runtime.engine import Engine, SpecConfig, default_slots
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")   # small model: see conftest
 
 # lengths 5, 3, 20, 7: two prompt buckets, one prompt per slot of a 4-slot batch (2 slots per replica)
 PROMPTS = [[5, 17, 230, 11, 42], [7, 99, 3], list(range(300, 320)), [400, 12, 8, 8, 31, 2, 77]]

@@ -17,7 +17,6 @@ from hyspec_jax.sampling import SamplingParams
 from hyspec_jax.runtime.engine import Engine
 from tests.test_engine import KV, SLOTS, _spec, models, reference  # noqa: F401
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
 BUCKETS = (1, 2)
 
 

@@ -19,7 +19,6 @@ from hyspec_jax.tree import TreeExpansion
 from tests.test_engine import (GAMMA, SAMPLES, SETTINGS, SLOTS, KV, SV, _chisq_pvalue, _oracle, _spec,  # noqa: F401
                                models, reference, small)
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
 ROWS = 8     # depth 4: a round appends ≤ 5 rows, so the ring folds about every second round
 
 

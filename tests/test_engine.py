@@ -47,7 +47,6 @@ def _tcfg(vocab: int) -> TargetConfig:
 TCFG = _tcfg(300)   # ≥ the byte-level tokenizer's 257 ids: the CLI tests load the same model
 
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")   # tiny models: see conftest
 SLOTS, KV = 4, 128
 GAMMA = 4
 TREE = TreeExpansion(depth=4, top_k=2, beam=4)

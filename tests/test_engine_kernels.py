@@ -23,9 +23,6 @@ TCFG = TargetConfig(
 GAMMA = 3
 
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")   # tiny models: see conftest
-
-
 def test_kernel_engine_equals_autoregressive(monkeypatch):
     from hyspec_jax.pallas_kernels import gdn_commit, gdn_tree_solve, tree_attention
     traced = {"solve": 0, "commit": 0, "attention": 0}      # the kernels really are in the compiled rounds

@@ -34,9 +34,6 @@ TCFG = TargetConfig(
 GAMMA, SLOTS, KV = 4, 2, 64
 
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")   # tiny models: see conftest
-
-
 @pytest.fixture(scope="module")
 def models():
     target = create_model(TCFG, seed=0)

@@ -31,7 +31,6 @@ from hyspec_jax.tokenizer import byte_level_tokenizer
 from hyspec_jax.tree import TreeExpansion
 from tests.test_engine import SAMPLES, SETTINGS, SV, _chisq_pvalue, _tcfg, small  # noqa: F401 (fixture)
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")   # tiny models: see conftest
 TREE = TreeExpansion(depth=3, top_k=2, beam=4)
 
 

@@ -25,7 +25,6 @@ from hyspec_jax.train.corpus import Document, build_corpus
 from hyspec_jax.train.mtp import MTPTrainConfig, MTPTrainer
 from hyspec_jax.train.tokenizer_train import EOS
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
 WORDS = 24
 
 

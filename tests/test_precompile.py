@@ -17,8 +17,7 @@ from hyspec_jax.compilation import CompileWatch, compile_workers
 from hyspec_jax.runtime.engine import Engine
 from tests.test_engine import _spec, models  # noqa: F401
 
-pytestmark = [pytest.mark.usefixtures("quick_compiles"),
-              pytest.mark.slow_module]   # slow_module: scheduled first by bin/test (tests/conftest.py)
+pytestmark = pytest.mark.slow_module   # scheduled first by bin/test (tests/conftest.py)
 
 
 def _compile_in_two_steps(be, workers):

@@ -21,9 +21,6 @@ CFG = TargetConfig(
     linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
 
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")   # tiny models: see conftest
-
-
 @pytest.fixture(scope="module")
 def models():
     target = create_model(CFG, seed=0)

@@ -26,8 +26,6 @@ from tests.test_budget import _forest as budget_forest
 from tests.test_engine import (GAMMA, SAMPLES, SETTINGS, SLOTS, KV, SV, _chisq_pvalue, _cli, _oracle,  # noqa: F401
                                _spec, model_dirs, models, reference, small)
 
-pytestmark = pytest.mark.usefixtures("quick_compiles")
-
 
 # ------------------------------------------------------------------------------------------------
 # Selection: brute force over every node subset of small forests

@@ -174,6 +174,15 @@ class TargetModel(nnx.Module):
             drew copies."""
             conv_j = carry.conv[j]
             S0 = committed_ssm(carry, j)           # carry.pending is only replaced after the whole stack
+
+            def finish(out, carry, S, conv, fac):
+                """The layer's new state S (None: already in the carry) and window into the carry."""
+                if S is not None:
+                    carry = carry.replace(ssm=write_layer(carry.ssm, j, S))
+                if isinstance(j, int):
+                    return out, carry, (conv, fac)
+                return out, carry.replace(conv=carry.conv.at[j].set(conv)), (None, fac)
+
             if T == 1 and not deferred_step:       # a decoding step: one launch on a GPU (kernels.gdn_decode_layer)
                 # from the in-projection's output as it is (no regroup, no slices); the gated norm included, so its
                 # output goes straight to the out-projection. Unrolled (j static): the step updates layer j of the
@@ -191,10 +200,9 @@ class TargetModel(nnx.Module):
                 else:
                     z = gdn.split_in_proj(proj, **mix.heads).z
                     out = mix.output(step.o[:, None], z[:, None], x.dtype)
-                if stacked:
-                    return out, carry.replace(ssm=step.state), (step.window, None)
-                carry = carry.replace(ssm=write_layer(carry.ssm, j, step.state))
-                return out, carry.replace(conv=carry.conv.at[j].set(step.window)), (None, None)
+                if stacked:                        # the kernel stepped the stack's layer in place
+                    return finish(out, carry.replace(ssm=step.state), None, step.window, None)
+                return finish(out, carry, step.state, step.window, None)
             qkv, z, b, a = mix.project(h)
             qkv = jnp.where(valid[..., None], qkv, 0)       # HF zeroes padding before the conv
             S = fac = None
@@ -205,12 +213,7 @@ class TargetModel(nnx.Module):
                                           path_nodes=1)
             else:
                 o, S = gdn.chunked_prefill(S0, q, k, v, g, beta)
-            if S is not None:
-                carry = carry.replace(ssm=write_layer(carry.ssm, j, S))
-            if isinstance(j, int):
-                return mix.output(o, z, x.dtype), carry, (conv, fac)
-            carry = carry.replace(conv=carry.conv.at[j].set(conv))
-            return mix.output(o, z, x.dtype), carry, (None, fac)
+            return finish(mix.output(o, z, x.dtype), carry, S, conv, fac)
 
         def attn_mixer(att, h, j, carry):
             q, gate, k, v = att.qkv(h, positions)

@@ -222,10 +222,14 @@ def decode_layer(proj: jax.Array, window: jax.Array, conv_weight: jax.Array, A_l
     x = jnp.where(valid[:, None], parts.x, 0)
     step = decode_step(x, window, conv_weight, parts.a, parts.b, A_log, dt_bias, S, valid, key_heads=key_heads,
                        key_dim=key_dim)
-    if norm is None:
-        return step
+    return step if norm is None else normed_readout(step, proj.dtype, parts.z, norm)
+
+
+def normed_readout(step: DecodeStep, dtype, z: jax.Array, norm: OutputNorm) -> DecodeStep:
+    """`decode_layer`'s readout through the gated output norm: o cast to dtype (the in-projection row's), then
+    `gated_rms_norm` with the output gate z [B, HV, dv]."""
     with jax.named_scope("norm"):              # as the module's (`layers.GatedRMSNorm`), for the profiles' parts
-        return step._replace(o=gated_rms_norm(step.o.astype(proj.dtype), parts.z, norm.weight, norm.eps))
+        return step._replace(o=gated_rms_norm(step.o.astype(dtype), z, norm.weight, norm.eps))
 
 
 def serial_recurrence(S: jax.Array, q, k, v, g, beta) -> tuple[jax.Array, jax.Array]:

@@ -418,9 +418,8 @@ def gdn_decode_layer(proj, window, conv_weight, A_log, dt_bias, S, valid, *, key
                                                  eps=norm.eps if fused_norm else None, layer=layer, block_v=block_v,
                                                  num_warps=num_warps, interpret=interpret)
     if norm is not None and not fused_norm:      # a value tile narrower than the head: the norm after the kernel
-        z = gdn.split_in_proj(proj, **heads, value_heads=HV, value_dim=dv).z
-        with jax.named_scope("norm"):
-            step = step._replace(o=gdn.gated_rms_norm(step.o.astype(proj.dtype), z, norm.weight, norm.eps))
+        step = gdn.normed_readout(step, proj.dtype, gdn.split_in_proj(proj, **heads, value_heads=HV, value_dim=dv).z,
+                                  norm)
     return step
 
 

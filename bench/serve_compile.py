@@ -5,7 +5,7 @@
 
 The server compiles, before it listens, every program a request can reach: the prefill of each chunk shape
 (`runtime.backend.prefill_shapes`), the decoding step (or speculative round) of each sampling flavour, and, with
-logprobs on, the scoring forward of each prompt bucket up to the context (`runtime.scoring.Scorer`). This command
+logprobs on, the scoring forward of each length bucket up to the context (`runtime.scoring.Scorer`, `runtime.scoring.score_buckets`). This command
 builds the same backend and scorer the server builds from the same options — over random weights of the geometry
 (default Qwen3.8-27B, built on the device leaf by leaf as `bench/verify_scale.py` does; a speculative mode gets a
 random DSpark drafter of `DrafterConfig.from_target`'s default shape) — and times their compile twice, each in a
@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=4096, metavar="S", help="context per slot (default 4096)")
     ap.add_argument("--prefill-chunk", type=int, default=128, metavar="T", help="prefill token budget (default 128)")
     ap.add_argument("--max-logprobs", type=int, default=20, metavar="K",
-                    help="as the server's option: > 0 compiles the scoring forward of every prompt bucket (default 20)")
+                    help="as the server's option: > 0 compiles the scoring forward of every length bucket (default 20)")
     ap.add_argument("--compile-workers", type=int, metavar="N",
                     help="threads compiling side by side (default: the server's, $HYSPEC_COMPILE_WORKERS or the "
                          "host's cores up to 8 on a CPU, 1 on a GPU; 1: one program after another, each timed alone)")

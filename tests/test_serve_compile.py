@@ -37,9 +37,9 @@ def test_tiny_run_times_every_program_cold_and_cached(tmp_path):
     cold, cached = _tiny_run(out, 2, 1)
     names = [p["program"] for p in cold["programs"]]
     # 2 prefill shapes, the decoding step of both sampling flavours over 1 row (a CPU's decoding bucket) and over
-    # all 4 slots, the scorer's 3 prompt buckets
+    # all 4 slots, the scorer's 2 length buckets
     assert names == ["prefill [2x16]", "prefill [1x32]", "decode [1, greedy]", "decode [4, greedy]",
-                     "decode [1, sampling]", "decode [4, sampling]", "score [1x16]", "score [1x32]", "score [1x64]"]
+                     "decode [1, sampling]", "decode [4, sampling]", "score [1x16]", "score [1x64]"]
     assert [p["program"] for p in cached["programs"]] == names
     _cached_compiled_nothing(cold, cached, len(names))
     md = out.with_suffix(".md").read_text()

@@ -4,7 +4,9 @@
 The tokens a server generates carry theirs from the programs that emitted them (`runtime.programs`,
 `spec.round`); the scorer serves what no program emitted: an `echo`ed prompt's, scored once per request.
 
-One program per length bucket (powers of two ≥ 16, `runtime.backend.prompt_buckets`), compiled at start-up.
+One program per length bucket (`score_buckets`: powers of four from 16, then the context's power of two), compiled at
+start-up: padding a rare request's sequence up to 4x costs less than compiling twice the programs (on a 2-core CPU
+the powers of two up to a 2048-token context were 8 of a default server's 38 start-up programs).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from flax import nnx
 from hyspec_jax.compilation import DiskCachedJit
 from hyspec_jax.logprobs import NO_SCORES, TokenLogprobs, TokenScores, token_logprobs
 from hyspec_jax.models.target import forward_full
-from hyspec_jax.runtime.backend import bucket, prompt_buckets
+from hyspec_jax.runtime.backend import MIN_CHUNK, bucket
 
 
 def score_tokens(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, valid: jax.Array, *,
@@ -32,13 +34,23 @@ def score_tokens(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, v
 score_jit = DiskCachedJit(score_tokens, name="score_tokens", static_argnames=("graphdef", "top_k"))
 
 
+def score_buckets(max_len: int) -> list[int]:
+    """The padded lengths of sequences of 1..max_len tokens: powers of four from 16 below max_len's power of two
+    (`runtime.backend.bucket`), then that one."""
+    top, out, t = bucket(max_len), [], MIN_CHUNK
+    while t < top:
+        out.append(t)
+        t *= 4
+    return out + [top]
+
+
 class Scorer:
     """Scores token sequences of up to `max_len` tokens with the target (graphdef, params as the backends take
     them); `top_k`: the most alternatives a request may ask for (static: one program per length bucket)."""
 
     def __init__(self, graphdef, params, max_len: int, top_k: int):
         self.graphdef, self.params, self.max_len, self.top_k = graphdef, params, max_len, top_k
-        self.buckets = prompt_buckets(max_len)
+        self.buckets = score_buckets(max_len)
 
     def compile(self, progress: Callable[[str], None] | None = None, workers: int | None = None) -> None:
         """Compile every bucket's program without running it (`compilation.precompile`: side by side on `workers`
@@ -55,7 +67,6 @@ class Scorer:
                 failed.append(self.buckets[i])
             elif progress:
                 progress(f"score [1x{self.buckets[i]}] {seconds:.1f}s")
-        # t tokens: the bucket-t program (1 token ran bucket 16 only)
         precompile([(score_jit, self._args(np.zeros(t, np.int32), t), {"top_k": self.top_k}) for t in self.buckets],
                    max(1, workers), done)
         for t in sorted(failed):
@@ -63,8 +74,8 @@ class Scorer:
 
     def _args(self, ids: np.ndarray, n: int) -> tuple:
         """score_jit's positional arguments for the first n of ids: (graphdef, params, tokens, valid), padded to
-        n's bucket."""
-        T = bucket(n)
+        the smallest of `buckets` that holds them."""
+        T = next(t for t in self.buckets if t >= n)
         tokens = np.zeros((1, T), np.int32)
         tokens[0, :n] = ids[:n]
         valid = np.zeros((1, T), bool)

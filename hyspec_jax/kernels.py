@@ -381,10 +381,11 @@ def gdn_decode_layer(proj, window, conv_weight, A_log, dt_bias, S, valid, *, key
     reference. tiling: (block_v, num_warps), default `gdn_decode_tiling`; the kernel applies the norm where
     block_v = dv, else XLA applies it after the kernel. Forward only on the kernel path.
 
-    layer (a static index): S is the model's stack [L, B, HV, dk, dv] of every GDN layer's state, window the stack
-    [L, B, K−1, C] of their windows, and the returned state is the state stack with layer `layer` stepped — in place
-    on the kernel path (no slice of either stack before the step, no write-back after it); the reference writes the
-    layer's new state back into the stack. The returned window is the layer's new one [B, K−1, C]."""
+    layer (an index, not static: every layer runs one kernel): S is the model's stack [L, B, HV, dk, dv] of every
+    GDN layer's state, window the stack [L, B, K−1, C] of their windows, and the returned state is the state stack
+    with layer `layer` stepped — in place on the kernel path (no slice of either stack before the step, no write-
+    back after it); the reference writes the layer's new state back into the stack. The returned window is the
+    layer's new one [B, K−1, C]."""
     heads = dict(key_heads=key_heads, key_dim=key_dim)
 
     def reference():

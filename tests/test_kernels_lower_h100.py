@@ -76,3 +76,18 @@ def test_every_layer_of_a_decoding_step_runs_one_triton_kernel(monkeypatch):
     at = text.index(TRITON)
     holder = re.findall(r"func\.func private @(\S+?)\(", text[:at])[-1]
     assert text.count(f"call @{holder}(") == len(cfg.gdn_layers) == 2      # ... which every GDN layer calls
+
+
+def test_the_verifys_tree_solve_is_one_triton_kernel_for_every_layer(monkeypatch):
+    """The verify's tree solve reading two layers of the state stack (as the unrolled model calls it: `layer=j`,
+    `target.verify_solve_call`) is one Triton kernel, called once a layer."""
+    cfg = qwen38_27b()
+    kwargs = {k: v for k, v in verify_solve_call(cfg, 1, 8, depth=7).kwargs.items() if k != "layer"}
+    args = jax.eval_shape(lambda: verify_solve_call(cfg, 1, 8, depth=7).args)   # args[0]: the GDN layers' stack
+    dispatch_as_on_a_gpu(monkeypatch)
+    monkeypatch.setattr(kernels, "hopper_available", lambda: True)
+    text = lower_for_h100(lambda *a: [kernels.tree_solve(*a, **kwargs, layer=j)[0] for j in (0, 1)], *args)
+    assert len(triton_kernels(text)) == 1
+    at = text.index(TRITON)
+    holder = re.findall(r"func\.func private @(\S+?)\(", text[:at])[-1]
+    assert text.count(f"call @{holder}(") == 2

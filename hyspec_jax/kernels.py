@@ -280,9 +280,10 @@ def tree_solve(S0, q, k, v, g, beta, mask, path_nodes: int | None = None, *, imp
                compute_dtype=None, layer: int | None = None):
     """Closed-form GDN tree solve with gdn.masked_solve's contract; returns (o fp32, SolveFactors).
 
-    layer (a static index): S0 is the model's stack [L, B, HV, dk, dv] of every GDN layer's committed state and the
-    solve is layer `layer`'s; the one-launch kernels read that layer's tiles where they lie (no copy of the layer's
-    state out of the stack), every other path takes `S0[layer]`.
+    layer (an index; not static on the kernel path: one kernel for every layer): S0 is the model's stack [L, B, HV,
+    dk, dv] of every GDN layer's committed state and the solve is layer `layer`'s; the one-launch kernels read that
+    layer's tiles where they lie (no copy of the layer's state out of the stack), every other path takes
+    `S0[layer]`.
 
     compute_dtype: the dtype the calling model computes in (the verify passes its activations' dtype). On the
     kernel path q, k, v are then handed over as `kernel_operands` gives them and its precision is the default; the reference path takes them as they are (fp32: the oracle). None: as given, precision by q's dtype.
@@ -381,10 +382,11 @@ def gdn_decode_layer(proj, window, conv_weight, A_log, dt_bias, S, valid, *, key
     reference. tiling: (block_v, num_warps), default `gdn_decode_tiling`; the kernel applies the norm where
     block_v = dv, else XLA applies it after the kernel. Forward only on the kernel path.
 
-    layer (a static index): S is the model's stack [L, B, HV, dk, dv] of every GDN layer's state, window the stack
-    [L, B, K−1, C] of their windows, and the returned state is the state stack with layer `layer` stepped — in place
-    on the kernel path (no slice of either stack before the step, no write-back after it); the reference writes the
-    layer's new state back into the stack. The returned window is the layer's new one [B, K−1, C]."""
+    layer (an index, not static: every layer runs one kernel): S is the model's stack [L, B, HV, dk, dv] of every
+    GDN layer's state, window the stack [L, B, K−1, C] of their windows, and the returned state is the state stack
+    with layer `layer` stepped — in place on the kernel path (no slice of either stack before the step, no write-
+    back after it); the reference writes the layer's new state back into the stack. The returned window is the
+    layer's new one [B, K−1, C]."""
     heads = dict(key_heads=key_heads, key_dim=key_dim)
 
     def reference():

@@ -18,15 +18,17 @@ whole value head, so it is in the kernel only with block_v = dv (a static option
 is written by one program: the value tile's by its own, the key head's q/k columns by the key head's first value
 head's first tile. The window and the state are written to new buffers (no aliasing: the q/k columns are read by
 every program of their key head) — unless the state is handed over as the model's stack of every GDN layer's state
-with the layer's static index (`layer`): then each program updates its tile of that layer in place (the stack is
+with the layer's index (`layer`): then each program updates its tile of that layer in place (the stack is
 aliased to the output), and neither a slice of the stack before the step nor a write-back after it exists (those
 were two copies of the state a layer). The window is then read from the model's stack of windows as well (no copy
 of the layer's window out of it) and the new window written to a buffer of its own (in place, a program could
-overwrite q/k columns that another program of the key head has yet to read).
+overwrite q/k columns that another program of the key head has yet to read). The index is an operand read by the
+kernel, not a constant of it, so every layer of a program runs one Triton kernel (XLA compiles identical kernels
+once); a static index made each layer's kernel a compile of its own.
 What it replaces in the decoding step: the regroup of the in-projection's output into conv order and the slices of
 b and a (three XLA kernels a GDN layer, counted in XLA's optimized HLO), the conv, the window update, the gates, the
 l2norm and the state update (about nine; bench/results/scale/ has them counted) and, with the norm, the gated norm
-(two). The effect on the decoding step's kernel count and time is not measured on a GPU yet.
+(two): 12 kernels a GDN layer are left at batch 1 on an H100 (bench/results/scale/decode_hlo_h100_decode_row.md).
 
 Lowering: Pallas' Triton lowering. The products are matrix-vector (one token): elementwise products and sums in
 fp32 on the CUDA cores, as SGLang's and vLLM's recurrent kernels do them; no tensor cores. Loads are power-of-two
@@ -60,11 +62,15 @@ def supported(key_heads: int, key_dim: int, value_heads: int, value_dim: int, bl
             and value_dim % block_v == 0 and key_heads >= 1 and value_heads % key_heads == 0)
 
 
-def _decode_kernel(valid_ref, proj_ref, win_ref, w_ref, alog_ref, dtb_ref, s_ref, *refs, key_heads: int,
+def _decode_kernel(layer_ref, valid_ref, proj_ref, win_ref, w_ref, alog_ref, dtb_ref, s_ref, *refs, key_heads: int,
                    key_dim: int, group: int, value_dim: int, block_v: int, eps: float | None):
     nw_ref, (o_ref, s_out_ref, win_out_ref) = (None, refs) if eps is None else (refs[0], refs[1:])
-    h, t = pl.program_id(1), pl.program_id(2)
-    km1 = win_ref.shape[0]                              # K − 1 window rows
+    slot, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    # the stacks' whole refs, indexed at the layer read from memory: every layer runs this one kernel (a static
+    # layer made each layer's kernel its own Triton compile)
+    layer = jnp.sum(layer_ref[...])
+    km1 = win_ref.shape[-2]                             # K − 1 window rows
+    tile = pl.ds(t * block_v, block_v)
     valid = valid_ref[...] != 0
     widths = gdn.in_proj_widths(key_heads, key_heads * group, key_dim, value_dim)
     at = gdn.in_proj_offsets(widths)
@@ -78,7 +84,7 @@ def _decode_kernel(valid_ref, proj_ref, win_ref, w_ref, alog_ref, dtb_ref, s_ref
         cols = pl.ds(start, n)
         new = part(name, offset, n)
         new = jnp.where(valid, new, jnp.zeros_like(new))                              # HF zeroes padding
-        rows = [win_ref[j, cols] for j in range(km1)] + [new]                         # K rows, oldest first
+        rows = [win_ref[layer, slot, j, cols] for j in range(km1)] + [new]            # K rows, oldest first
         out = sum(rows[j].astype(F32) * w_ref[cols, j].astype(F32) for j in range(km1 + 1))
         return jax.nn.silu(out), rows
 
@@ -92,7 +98,7 @@ def _decode_kernel(valid_ref, proj_ref, win_ref, w_ref, alog_ref, dtb_ref, s_ref
     g, beta = gdn.gates(a, b, alog_ref[...], dtb_ref[...])
     g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)                  # gdn.invalidate
 
-    S = s_ref[...] * jnp.exp(g)                                                       # [dk, bv] fp32
+    S = s_ref[layer, slot, h, :, tile] * jnp.exp(g)                                   # [dk, bv] fp32
     delta = beta * (v - jnp.sum(S * k[:, None], axis=0))
     S = S + k[:, None] * delta[None, :]
     o = jnp.sum(S * q[:, None], axis=0)
@@ -101,7 +107,7 @@ def _decode_kernel(valid_ref, proj_ref, win_ref, w_ref, alog_ref, dtb_ref, s_ref
     else:                                               # block_v = dv: the program holds its whole value head
         z = part("z", hr * value_dim, value_dim)
         o_ref[...] = gdn.gated_rms_norm(o.astype(o_ref.dtype), z, nw_ref[...], eps).astype(o_ref.dtype)
-    s_out_ref[...] = S
+    s_out_ref[layer, slot, h, :, tile] = S
 
     def shift(start, n: int, rows):                     # the window after the token: a valid slot drops its oldest
         for j in range(km1):
@@ -115,23 +121,32 @@ def _decode_kernel(valid_ref, proj_ref, win_ref, w_ref, alog_ref, dtb_ref, s_ref
         shift(kd + kh * key_dim, key_dim, k_rows)
 
 
-@functools.partial(jax.jit, static_argnames=("key_heads", "key_dim", "eps", "layer", "block_v", "num_warps",
-                                             "interpret"))
 def decode_layer_pallas(proj, window, conv_weight, A_log, dt_bias, S, valid, norm_weight=None, *, key_heads: int,
-                        key_dim: int, eps: float | None = None, layer: int | None = None, block_v: int = 32,
-                        num_warps: int = 1, interpret: bool = False) -> gdn.DecodeStep:
+                        key_dim: int, eps: float | None = None, layer: int | jax.Array | None = None,
+                        block_v: int = 32, num_warps: int = 1, interpret: bool = False) -> gdn.DecodeStep:
     """Kernel entry, `gdn.decode_layer`'s contract: proj [B, HK·G] the in-projection's output row (groups as
     `gdn.in_proj_widths`), window [B, K−1, C] (conv order), conv_weight [C, K] (tap K−1 = the new token), A_log,
     dt_bias [HV], S [B, HV, dk, dv] fp32, valid [B] bool. C = 2·HK·dk + HV·dv. Returns `gdn.DecodeStep(o [B, HV, dv]
     fp32, state, window)`; with norm_weight [dv] and eps (block_v = dv), o is the normed output in proj's dtype.
 
     layer: S is the stack [L, B, HV, dk, dv] of every GDN layer's state, window the stack [L, B, K−1, C] of their
-    windows, and the step is layer `layer`'s; the returned state is the stack with that layer updated, in place
+    windows, and the step is layer `layer`'s (an operand, not static: every layer runs one kernel); the returned state is the stack with that layer updated, in place
     (aliased: donate or carry the stack, else XLA copies it), the returned window the layer's new one [B, K−1, C]."""
+    if layer is not None and isinstance(layer, int) and not (S.ndim == 5 and 0 <= layer < S.shape[0]):
+        raise ValueError(f"layer {layer} of a state stack [L, B, HV, dk, dv], got S {S.shape}")
+    return _decode_layer(proj, window, conv_weight, A_log, dt_bias, S, valid, norm_weight, key_heads=key_heads,
+                         key_dim=key_dim, eps=eps, layer=layer, block_v=block_v, num_warps=num_warps,
+                         interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("key_heads", "key_dim", "eps", "block_v", "num_warps", "interpret"))
+def _decode_layer(proj, window, conv_weight, A_log, dt_bias, S, valid, norm_weight, *, key_heads: int, key_dim: int,
+                  eps: float | None, layer, block_v: int, num_warps: int, interpret: bool) -> gdn.DecodeStep:
+    """`decode_layer_pallas` once its layer index is checked (here a traced operand)."""
     B, P = proj.shape
     if layer is not None:
-        if S.ndim != 5 or not 0 <= layer < S.shape[0]:
-            raise ValueError(f"layer {layer} of a state stack [L, B, HV, dk, dv], got S {S.shape}")
+        if S.ndim != 5:
+            raise ValueError(f"a layer of a state stack [L, B, HV, dk, dv], got S {S.shape}")
         if S.dtype != F32:
             raise ValueError(f"a state stack updated in place must be float32, got {S.dtype}")
         if window.ndim != 4 or window.shape[0] != S.shape[0]:
@@ -151,22 +166,18 @@ def decode_layer_pallas(proj, window, conv_weight, A_log, dt_bias, S, valid, nor
     kern = functools.partial(_decode_kernel, key_heads=key_heads, key_dim=key_dim, group=HV // key_heads,
                              value_dim=dv, block_v=block_v, eps=eps)
     row = lambda b, h, t: (b, 0)                     # noqa: E731
-    if layer is None:
-        state_spec = pl.BlockSpec((None, None, dk, block_v), lambda b, h, t: (b, h, 0, t))
-        window_spec = pl.BlockSpec((None, km1, C), lambda b, h, t: (b, 0, 0))
-        aliases = {}
-    else:                                            # the layer's tiles of the stacks; the state's updated in place
-        state_spec = pl.BlockSpec((None, None, None, dk, block_v), lambda b, h, t: (layer, b, h, 0, t))
-        window_spec = pl.BlockSpec((None, None, km1, C), lambda b, h, t: (layer, b, 0, 0))
-        aliases = {6: 1}
+    stacked = layer is not None
+    if not stacked:                                  # one layer's state and window: a stack of one
+        S, window, layer = S[None], window[None], 0
     in_specs = [
+        pl.BlockSpec((1,), lambda b, h, t: (0,)),                                   # the layer
         pl.BlockSpec((None,), lambda b, h, t: (b,)),                                # valid
         pl.BlockSpec((None, P), row),                                               # proj
-        window_spec,                                                                # window
+        pl.no_block_spec,                                                           # window stack
         pl.BlockSpec((C, km1 + 1), lambda b, h, t: (0, 0)),                         # conv weight
         pl.BlockSpec((None,), lambda b, h, t: (h,)),                                # A_log
         pl.BlockSpec((None,), lambda b, h, t: (h,)),                                # dt_bias
-        state_spec,                                                                 # S
+        pl.no_block_spec,                                                           # state stack
     ] + ([pl.BlockSpec((dv,), lambda b, h, t: (0,))] if norm else [])              # norm weight
     o, S_new, win_new = pl.pallas_call(
         kern,
@@ -175,11 +186,13 @@ def decode_layer_pallas(proj, window, conv_weight, A_log, dt_bias, S, valid, nor
         grid=(B, HV, dv // block_v),
         in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, None, block_v), lambda b, h, t: (b, h, t)),     # o (or the normed output)
-                   state_spec,                                                          # S after
+                   pl.no_block_spec,                                                    # state stack, its tile set
                    pl.BlockSpec((None, km1, C), lambda b, h, t: (b, 0, 0))],            # window after
-        input_output_aliases=aliases,
+        # the stack's layer updated in place (aliased: donate or carry the stack); one layer's state is a new array
+        # whose every tile the programs write
+        input_output_aliases={7: 1} if stacked else {},
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name="gdn_decode_layer",
-    )(valid.astype(jnp.int32), proj, window, conv_weight, A_log, dt_bias, S.astype(F32),
-      *([norm_weight] if norm else []))
-    return gdn.DecodeStep(o, S_new, win_new)
+    )(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), valid.astype(jnp.int32), proj, window, conv_weight, A_log,
+      dt_bias, S.astype(F32), *([norm_weight] if norm else []))
+    return gdn.DecodeStep(o, S_new if stacked else S_new[0], win_new)

@@ -257,7 +257,10 @@ def _apply_inverse(L, R, rounds: int, method: str, precision):
     return U
 
 
-def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: bool, write_state: bool, nodes: int):
+def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: bool, write_state: bool, nodes: int,
+                       stacked_block_v: int | None):
+    if stacked_block_v is not None:                     # first the layer's index, then S0 is the whole state stack
+        layer_ref, refs = refs[0], refs[1:]
     mask_ref, g_ref, beta_ref, q_ref, k_ref, v_ref, s0_ref = refs[:7]
     rest = refs[7:]
     if deferred:
@@ -270,7 +273,11 @@ def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: boo
     if method == "inverse":                             # node-wise work first, before the state tile is live
         M = _inverse(L, rounds, precision)
         CM = _dot(C, M, precision)
-    s0 = s0_ref[...]                                    # [dk, bv] f32
+    if stacked_block_v is None:
+        s0 = s0_ref[...]                                # [dk, bv] f32
+    else:     # the layer's tile, at an index read from memory: every layer runs this one kernel (one Triton compile)
+        tile = pl.ds(pl.program_id(2) * stacked_block_v, stacked_block_v)
+        s0 = s0_ref[jnp.sum(layer_ref[...]), pl.program_id(0), pl.program_id(1), :, tile]
     if deferred:                                        # merge the committed-but-deferred path updates
         s0 = _fold_deferred(s0, c_ref, rc_ref, pk_ref, pv_ref, count_ref, precision)
         if write_state:
@@ -419,10 +426,9 @@ def supported(N: int, dk: int, dv: int, block_v: int, precision: Precision = "tf
             and dv % block_v == 0 and (precision == "tf32" or N <= FP32_ACCURATE_MAX_NODES))
 
 
-@functools.partial(jax.jit, static_argnames=("path_nodes", "config", "write_state", "layer", "interpret"))
 def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, path_nodes: int,
-                      config: SolveConfig = SolveConfig(), write_state: bool = False, layer: int | None = None,
-                      interpret: bool = False):
+                      config: SolveConfig = SolveConfig(), write_state: bool = False,
+                      layer: int | jax.Array | None = None, interpret: bool = False):
     """Kernel entry. q, k [B,N,HK,dk] (HK | HV, key head of value head h is h // (HV/HK)); v [B,N,HV,dv];
     g, β [B,N,HV] fp32; S0 [B,HV,dk,dv] fp32; mask [B,N,N]. N ≤ 128 nodes; the one-launch forms read them into a
     node tile (`tile_nodes`: a power of two ≥ 16) whose padding is identity steps, on chip — no padded copies in
@@ -436,16 +442,26 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, path_nodes: 
     updates.
 
     layer (one-launch forms, no write_state): S0 is a stack [L, B, HV, dk, dv] of states and the solve reads layer
-    `layer`'s tiles of it where they lie.
+    `layer`'s tiles of it where they lie. The index is an operand, not static: every layer runs one kernel.
     """
+    if layer is not None and isinstance(layer, int) and not (S0.ndim == 5 and 0 <= layer < S0.shape[0]):
+        raise ValueError(f"layer {layer} of a state stack [L, B, HV, dk, dv], got S0 {S0.shape}")
+    return _tree_solve(S0, q, k, v, g, beta, mask, deferred, path_nodes=path_nodes, config=config,
+                       write_state=write_state, layer=layer, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("path_nodes", "config", "write_state", "interpret"))
+def _tree_solve(S0, q, k, v, g, beta, mask, deferred, *, path_nodes: int, config: SolveConfig, write_state: bool,
+                layer, interpret: bool):
+    """`tree_solve_pallas` once its layer index is checked (here a traced operand)."""
     if not isinstance(config, SolveConfig):
         raise TypeError(f"config must be a SolveConfig, got {type(config).__name__}")
     method, block_v, precision = config.method, config.block_v, config.precision
     if layer is not None:
         if write_state or method in ("split", "split_mgpu"):
             raise ValueError("a layer of a state stack is read by the one-launch forms without write_state only")
-        if S0.ndim != 5 or not 0 <= layer < S0.shape[0]:
-            raise ValueError(f"layer {layer} of a state stack [L, B, HV, dk, dv], got S0 {S0.shape}")
+        if S0.ndim != 5:
+            raise ValueError(f"a layer of a state stack [L, B, HV, dk, dv], got S0 {S0.shape}")
     B, N, HK, dk = q.shape
     HV, dv = v.shape[2], v.shape[3]
     n_tile = tile_nodes(N)
@@ -478,7 +494,7 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, path_nodes: 
                                  num_warps=num_warps, interpret=interpret)
     kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(path_nodes, N), method=method,
                              precision=_f32_precision(precision, interpret), deferred=deferred is not None,
-                             write_state=write_state, nodes=N)
+                             write_state=write_state, nodes=N, stacked_block_v=None if layer is None else block_v)
     T = n_tile                  # node blocks are the tile; rows past N are masked in the kernel (`_node_rows`)
     in_specs = [
         pl.BlockSpec((None, T, T), lambda b, h, t: (b, 0, 0)),                 # mask
@@ -487,8 +503,8 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, path_nodes: 
         pl.BlockSpec((None, T, None, dk), lambda b, h, t: (b, 0, h // r, 0)),  # q (key head)
         pl.BlockSpec((None, T, None, dk), lambda b, h, t: (b, 0, h // r, 0)),  # k (key head)
         pl.BlockSpec((None, T, None, block_v), lambda b, h, t: (b, 0, h, t)),  # v
-        (pl.BlockSpec((None, None, dk, block_v), lambda b, h, t: (b, h, 0, t)) if layer is None else       # S0
-         pl.BlockSpec((None, None, None, dk, block_v), lambda b, h, t: (layer, b, h, 0, t))),
+        pl.BlockSpec((None, None, dk, block_v), lambda b, h, t: (b, h, 0, t)) if layer is None else       # S0
+        pl.no_block_spec,                                                      # (the stack: the kernel indexes it)
     ]
     out_specs = [
         pl.BlockSpec((None, T, None, block_v), lambda b, h, t: (b, 0, h, t)),  # o
@@ -518,6 +534,9 @@ def tree_solve_pallas(S0, q, k, v, g, beta, mask, deferred=None, *, path_nodes: 
             out_specs.append(pl.BlockSpec((None, None, dk, block_v), lambda b, h, t: (b, h, 0, t)))
             out_shape.append(jax.ShapeDtypeStruct((B, HV, dk, dv), F32))
             aliases = {6: 3}
+    if layer is not None:                              # the layer's index first (no aliases: write_state is off)
+        in_specs = [pl.BlockSpec((1,), lambda b, h, t: (0,))] + in_specs
+        operands = [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))] + operands
     return pl.pallas_call(
         kern, out_shape=out_shape, grid=(B, HV, nv), in_specs=in_specs, out_specs=out_specs,
         input_output_aliases=aliases,

@@ -6,6 +6,8 @@ GPU compile (both run only on a GPU), and the kernel's speed."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 
 H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
@@ -24,3 +26,23 @@ def lower_for_h100(fn, *args, **kwargs) -> str:
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H100)
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def triton_kernels(text: str) -> list[str]:
+    """The backend config (the kernel's serialized Triton IR, grid and launch settings) of each Triton kernel call in
+    a lowered module's text, in order. XLA compiles calls with equal configs once."""
+    out, key = [], "mhlo.backend_config = {"
+    for start in (m.end() for m in re.finditer(r"custom_call @__gpu\$xla\.gpu\.triton\(", text)):
+        i = text.index(key, start) + len(key)
+        j, depth, quoted = i, 1, False
+        while depth:
+            c = text[j]
+            if quoted and c == "\\":
+                j += 1                     # an escaped character inside a string
+            elif c == '"':
+                quoted = not quoted
+            elif not quoted:
+                depth += (c == "{") - (c == "}")
+            j += 1
+        out.append(text[i:j - 1])
+    return out

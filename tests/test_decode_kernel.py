@@ -251,7 +251,7 @@ def test_models_decoding_step_hands_the_kernel_the_projection_and_the_norm():
         return out
 
     def is_kernel(e) -> bool:
-        return e.params.get("name") == "decode_layer_pallas" and any(
+        return e.params.get("name") == "_decode_layer" and any(
             x.primitive.name == "pallas_call" for x in e.params["jaxpr"].jaxpr.eqns)
 
     def weight_of(e):

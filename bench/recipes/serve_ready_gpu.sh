@@ -3,7 +3,20 @@
 # /health answering 200, cold (empty caches) and then again from the persistent caches, on this machine; then one
 # completion through the server. Writes $OUT/serve_ready.json. COLD_LIMIT / WARM_LIMIT: seconds to wait (330 / 150).
 # Usage (repository root, device machine): bash bench/recipes/serve_ready_gpu.sh
+# A device call carries at most 64 MiB of working tree, less than the checkout with the embedded checkpoint: leave
+# bench/results, docs, tests and checkpoints/default/mtp.safetensors out of the call (the tree-ready server does not
+# read the MTP head); this script then drops the missing shard's entries from that copy's index.
 source bench/recipes/lib.sh
+CKPT=checkpoints/default
+if [ ! -e "$CKPT/mtp.safetensors" ] && grep -q '"mtp.safetensors"' "$CKPT/model.safetensors.index.json"; then
+  echo "no $CKPT/mtp.safetensors here: its entries leave this copy's index (the MTP head is not measured)"
+  python3 - "$CKPT/model.safetensors.index.json" <<'PY'
+import json, sys
+index = json.load(open(sys.argv[1]))
+index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != "mtp.safetensors"}
+json.dump(index, open(sys.argv[1], "w"), indent=2)
+PY
+fi
 export HYSPEC_CACHE=$(mktemp -d)          # empty: the first start is cold; the second reads what the first kept
 PORT=${PORT:-8471}
 http() {  # $1: path, $2: JSON body (POST) or empty (GET); the body on stdout, non-zero unless 200

@@ -25,6 +25,7 @@ from hyspec_jax.tree import TreeExpansion
 from tests.test_budget import _forest as budget_forest
 from tests.test_engine import (GAMMA, SAMPLES, SETTINGS, SLOTS, KV, SV, _chisq_pvalue, _cli, _oracle,  # noqa: F401
                                _spec, model_dirs, models, reference, small)
+from tests.test_mtp_engine import greedy_setup  # noqa: F401  (fixture: one MTP model and reference per module)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -399,11 +400,10 @@ def test_cli_calibrate_times_the_engines_rounds_and_the_engine_uses_them(model_d
 
 
 @pytest.mark.parametrize("mode,widths", [("mtp", (4, 1, 2, 1)), ("mtp-tree", (1, 8, 2, 4))])
-def test_mtp_greedy_equals_autoregressive_as_the_width_changes(mode, widths):
+def test_mtp_greedy_equals_autoregressive_as_the_width_changes(mode, widths, greedy_setup):
     """The MTP head's cache is appended on plain rounds too (its drafts stay the target's: output == ar)."""
     from tests.test_mtp_engine import _spec as mtp_spec
-    from tests.test_mtp_engine import greedy_setup
-    target, head, prompts, params, ref = greedy_setup.__wrapped__()
+    target, head, prompts, params, ref = greedy_setup
     made = []
     eng = _forced(Engine(target, head, mtp_spec(mode), slots=4, kv_len=128), widths, made)
     assert [r.token_ids for r in eng.generate(prompts, params)] == ref

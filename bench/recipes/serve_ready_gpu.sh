@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # [startup] target 5 as a user meets it: the default `hyspec serve` (embedded model, no options) from launch to
 # /health answering 200, cold (empty caches) and then again from the persistent caches, on this machine; then one
-# completion through the server. Writes $OUT/serve_ready.json. COLD_LIMIT / WARM_LIMIT: seconds to wait (330 / 150).
+# completion through the server. Writes $OUT/serve_ready.json. COLD_LIMIT / WARM_LIMIT: seconds to wait (330 / 150);
+# SERVE_ARGS: options for both starts (default none, e.g. "--spec-mode tree-ready" for a CPU's tree-ready server).
+# Runs on a CPU as well.
 # Usage (repository root, device machine): bash bench/recipes/serve_ready_gpu.sh
 # A device call carries at most 64 MiB of working tree, less than the checkout with the embedded checkpoint: leave
 # bench/results, docs, tests and checkpoints/default/mtp.safetensors out of the call (the tree-ready server does not
@@ -32,7 +34,7 @@ PY
 }
 start() {  # $1: label, $2: limit (s) -> "label seconds" (or "label >limit") on stdout, the log under $OUT
   local t0=$(date +%s.%N) ok=
-  "${H[@]}" serve --port $PORT > "$OUT/serve_$1.log" 2>&1 & local pid=$!
+  "${H[@]}" serve --port $PORT ${SERVE_ARGS:-} > "$OUT/serve_$1.log" 2>&1 & local pid=$!
   local deadline=$(( $(date +%s) + $2 ))
   while [ "$(date +%s)" -lt $deadline ]; do   # wall clock, not a count of polls (each poll starts a python)
     if http /health > /dev/null 2>&1; then ok=1; break; fi
@@ -58,6 +60,8 @@ rows = {}
 for arg in sys.argv[1:]:
     label, value = arg.split()
     rows[label] = {"ready_s": float(value)} if not value.startswith(">") else {"not_ready_within_s": float(value[1:])}
-print(json.dumps({"command": "hyspec serve (no options)", "device": gpu, "jax": jax.__version__, **rows}, indent=1))
+import os
+command = ("hyspec serve " + os.environ.get("SERVE_ARGS", "")).strip() or "hyspec serve"
+print(json.dumps({"command": command, "device": gpu, "jax": jax.__version__, **rows}, indent=1))
 PY
 cat "$OUT/serve_ready.json"; head -c 400 "$OUT/serve_cold_completion.json" 2>/dev/null; echo; cat "$OUT/serve_warm_metrics.txt" 2>/dev/null | head

@@ -5,20 +5,10 @@
 # SERVE_ARGS: options for both starts (default none, e.g. "--spec-mode tree-ready" for a CPU's tree-ready server).
 # Runs on a CPU as well.
 # Usage (repository root, device machine): bash bench/recipes/serve_ready_gpu.sh
-# A device call carries at most 64 MiB of working tree, less than the checkout with the embedded checkpoint: leave
-# bench/results, docs, tests and checkpoints/default/mtp.safetensors out of the call (the tree-ready server does not
-# read the MTP head); this script then drops the missing shard's entries from that copy's index.
+# A device call carries at most 64 MiB of working tree, less than the checkout with the embedded checkpoint: pack the
+# weights first (`bash bench/recipes/device_pack.sh pack` here, carry .devpack; `restore` after the call) and run
+#   bash bench/recipes/device_pack.sh unpack && bash bench/recipes/serve_ready_gpu.sh
 source bench/recipes/lib.sh
-CKPT=checkpoints/default
-if [ ! -e "$CKPT/mtp.safetensors" ] && grep -q '"mtp.safetensors"' "$CKPT/model.safetensors.index.json"; then
-  echo "no $CKPT/mtp.safetensors here: its entries leave this copy's index (the MTP head is not measured)"
-  python3 - "$CKPT/model.safetensors.index.json" <<'PY'
-import json, sys
-index = json.load(open(sys.argv[1]))
-index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != "mtp.safetensors"}
-json.dump(index, open(sys.argv[1], "w"), indent=2)
-PY
-fi
 export HYSPEC_CACHE=$(mktemp -d)          # empty: the first start is cold; the second reads what the first kept
 PORT=${PORT:-8471}
 http() {  # $1: path, $2: JSON body (POST) or empty (GET); the body on stdout, non-zero unless 200

@@ -258,8 +258,8 @@ def _apply_inverse(L, R, rounds: int, method: str, precision):
 
 
 def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: bool, write_state: bool, nodes: int,
-                       stacked_block_v: int | None):
-    if stacked_block_v is not None:                     # first the layer's index, then S0 is the whole state stack
+                       stacked: bool):
+    if stacked:                                         # first the layer's index, then S0 is the whole state stack
         layer_ref, refs = refs[0], refs[1:]
     mask_ref, g_ref, beta_ref, q_ref, k_ref, v_ref, s0_ref = refs[:7]
     rest = refs[7:]
@@ -273,10 +273,11 @@ def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: boo
     if method == "inverse":                             # node-wise work first, before the state tile is live
         M = _inverse(L, rounds, precision)
         CM = _dot(C, M, precision)
-    if stacked_block_v is None:
+    if not stacked:
         s0 = s0_ref[...]                                # [dk, bv] f32
     else:     # the layer's tile, at an index read from memory: every layer runs this one kernel (one Triton compile)
-        tile = pl.ds(pl.program_id(2) * stacked_block_v, stacked_block_v)
+        block_v = vc_ref.shape[-1]
+        tile = pl.ds(pl.program_id(2) * block_v, block_v)
         s0 = s0_ref[jnp.sum(layer_ref[...]), pl.program_id(0), pl.program_id(1), :, tile]
     if deferred:                                        # merge the committed-but-deferred path updates
         s0 = _fold_deferred(s0, c_ref, rc_ref, pk_ref, pv_ref, count_ref, precision)
@@ -494,7 +495,7 @@ def _tree_solve(S0, q, k, v, g, beta, mask, deferred, *, path_nodes: int, config
                                  num_warps=num_warps, interpret=interpret)
     kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(path_nodes, N), method=method,
                              precision=_f32_precision(precision, interpret), deferred=deferred is not None,
-                             write_state=write_state, nodes=N, stacked_block_v=None if layer is None else block_v)
+                             write_state=write_state, nodes=N, stacked=layer is not None)
     T = n_tile                  # node blocks are the tile; rows past N are masked in the kernel (`_node_rows`)
     in_specs = [
         pl.BlockSpec((None, T, T), lambda b, h, t: (b, 0, 0)),                 # mask

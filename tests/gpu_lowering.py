@@ -30,7 +30,7 @@ def lower_for_h100(fn, *args, **kwargs) -> str:
 
 def triton_kernels(text: str) -> list[str]:
     """The backend config (the kernel's serialized Triton IR, grid and launch settings) of each Triton kernel call in
-    a lowered module's text, in order. XLA compiles calls with equal configs once."""
+    a lowered module's text, in order: calls with equal configs run the same kernel."""
     out, key = [], "mhlo.backend_config = {"
     for start in (m.end() for m in re.finditer(r"custom_call @__gpu\$xla\.gpu\.triton\(", text)):
         i = text.index(key, start) + len(key)
@@ -46,3 +46,11 @@ def triton_kernels(text: str) -> list[str]:
             j += 1
         out.append(text[i:j - 1])
     return out
+
+
+def calls_of_the_kernels_function(text: str) -> int:
+    """How often the module calls the function that holds its first Triton kernel call (a jitted kernel entry that
+    JAX lowered once and every caller shares)."""
+    at = text.index("custom_call @__gpu$xla.gpu.triton")
+    holder = re.findall(r"func\.func private @(\S+?)\(", text[:at])[-1]
+    return text.count(f"call @{holder}(")

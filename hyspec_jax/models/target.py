@@ -549,11 +549,11 @@ class VerifyLayerCall:
 
 
 def verify_layer_call(cfg: TargetConfig, batch: int, nodes: int, *, depth: int, dtype=jnp.bfloat16, seed: int = 0,
-                      layer: int = 0) -> VerifyLayerCall:
+                      layer: int = 0, stacks: tuple[jax.Array, jax.Array] | None = None) -> VerifyLayerCall:
     """A random GDN layer's `kernels.verify_layer` call at `cfg`'s geometry, as the unrolled verify makes it: one
     tree per request of `nodes` nodes with its deepest node at `depth` (`tree.random_parents`), raw conv inputs and
-    gate inputs in the model dtype `dtype`, conv taps, A_log and dt_bias drawn as `GatedDeltaNet` initialises them,
-    random state and window stacks of `cfg`'s GDN layers."""
+    gate inputs in the model dtype `dtype`, conv taps, A_log and dt_bias drawn as `GatedDeltaNet` initialises them;
+    stacks: the (state, window) stacks of `cfg`'s GDN layers (default: random ones)."""
     rng = np.random.default_rng(seed)
     shape = tree_lib.TreeShape(nodes, depth)
     tree = tree_lib.pack_forest([tree_lib.random_parents(rng, nodes, depth, min_depth=depth)
@@ -568,9 +568,12 @@ def verify_layer_call(cfg: TargetConfig, batch: int, nodes: int, *, depth: int, 
     qkv = jnp.where(tree.valid[..., None], normal(ks[0], batch, nodes, cfg.conv_dim), 0)
     stream = gdn.TreeStream(qkv, normal(ks[1], batch, nodes, hv), normal(ks[2], batch, nodes, hv), tree.valid,
                             tree_lib.conv_taps(tree, K))
+    if stacks is None:
+        stacks = (0.1 * jax.random.normal(ks[3], (Lg, batch, hv, dk, dv), F32),
+                  normal(ks[4], Lg, batch, K - 1, cfg.conv_dim))
+    chex.assert_shape(stacks, [(Lg, batch, hv, dk, dv), (Lg, batch, K - 1, cfg.conv_dim)])
     return VerifyLayerCall(
-        S0=0.1 * jax.random.normal(ks[3], (Lg, batch, hv, dk, dv), F32),
-        window=normal(ks[4], Lg, batch, K - 1, cfg.conv_dim), stream=stream,
+        S0=stacks[0], window=stacks[1], stream=stream,
         conv_weight=(0.3 * jax.random.normal(ks[5], (cfg.conv_dim, K), F32)).astype(dtype),
         A_log=jnp.log(jax.random.uniform(ks[6], (hv,), F32, 1.0, 16.0)).astype(dtype), dt_bias=jnp.ones((hv,), dtype),
         mask=tree_lib.ancestor_mask(tree), path_nodes=shape.path_nodes, key_heads=hk, key_dim=dk,

@@ -38,11 +38,13 @@ def commit(state: TargetState, cache: TreeCache, tree: Tree, node: jax.Array, ke
         ssm = state.ssm
         pending = jax.vmap(gdn.deferred_append, in_axes=(0, 0, None, None))(state.pending, cache.factors, path,
                                                                              length)
-    elif kernel_impl == "reference":
-        ssm = jax.vmap(gdn.node_state, in_axes=(0, 0, None, None))(state.ssm, cache.factors, cache.mask, node)
     else:
-        ssm = kernels.path_commit(state.ssm, cache.factors.log_decay, cache.factors.keys, cache.factors.corrected,
-                                  cache.mask, node, impl=kernel_impl)
+        factors, chain, last = _path_rows(cache.factors, path, length)
+        if kernel_impl == "reference":
+            ssm = jax.vmap(gdn.node_state, in_axes=(0, 0, None, None))(state.ssm, factors, chain, last)
+        else:
+            ssm = kernels.path_commit(state.ssm, factors.log_decay, factors.keys, factors.corrected, chain, last,
+                                      impl=kernel_impl)
 
     K = state.conv.shape[2] + 1
     rows = tree_lib.window_taps_after(tree, node, K)                             # [B, K-1]
@@ -64,3 +66,20 @@ def commit(state: TargetState, cache: TreeCache, tree: Tree, node: jax.Array, ke
         values = jax.vmap(place)(state.values, cache.values)
     return TargetState(ssm=ssm, conv=conv, keys=keys, values=values, lengths=state.lengths + length,
                        pending=pending)
+
+
+def _path_rows(factors: gdn.SolveFactors, path: jax.Array, length: jax.Array
+               ) -> tuple[gdn.SolveFactors, jax.Array, jax.Array]:
+    """Every layer's factors at the accepted path's nodes only (path [B, d] as `tree.path_to` gives it), with the
+    chain mask of that path and its last node (−1: nothing accepted): what `gdn.node_state` and
+    `kernels.path_commit` need, d nodes instead of N. Gathering first also lets XLA read each layer's factors where
+    the verify wrote them: the stacks of all N nodes over the layers are never written out whole for the commit."""
+    src = jnp.maximum(path, 0)[None]                                                 # [1, B, d]
+    d = path.shape[1]
+    on_path = gdn.SolveFactors(
+        log_decay=jnp.take_along_axis(factors.log_decay, src[:, :, None, :], axis=3),           # [Lg,B,HV,d]
+        keys=jnp.take_along_axis(factors.keys, src[..., None, None], axis=2),                 # [Lg,B,d,HK,dk]
+        corrected=jnp.take_along_axis(factors.corrected, src[:, :, None, :, None], axis=3))  # [Lg,B,HV,d,dv]
+    chain = jnp.broadcast_to(jnp.tril(jnp.ones((d, d), bool)), (path.shape[0], d, d))
+    return on_path, chain, length - 1
+

@@ -62,6 +62,7 @@ import zipfile
 
 SGLANG_KERNEL = "sglang/kernels/ops/attention/linear/fused_sigmoid_gating_recurrent.py"
 STATE_L2_BYTES = 200 << 20      # the R input sets' states together: several times an H100 / H200's L2
+LAYER_TILINGS = ((32, 4), (64, 8), (128, 4), (128, 8))   # the fused verify layer's sweep: (block_v, num_warps)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -339,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
                                       compute_dtype=kw["compute_dtype"], layer=i)
         return {
             "layer_fused": lambda i, *args, **kw: kernels.verify_layer(*args, **{**kw, "layer": i}, impl=impl),
+            **{f"layer_fused_bv{bv}_w{w}": functools.partial(
+                lambda i, *args, tiling, **kw: kernels.verify_layer(*args, **{**kw, "layer": i}, impl="pallas",
+                                                                     tiling=tiling), tiling=(bv, w))
+               for bv, w in ([] if a.interpret else LAYER_TILINGS)},
             "layer_unfused": unfused,
             "layer_xla": lambda i, *args, **kw: kernels.verify_layer(*args, **{**kw, "layer": i}, impl="reference"),
         }

@@ -23,6 +23,7 @@ the reference. "pallas" / "interpret" (Pallas interpret mode, the CPU tests) rai
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Literal
 
@@ -351,7 +352,7 @@ def tree_solve(S0, q, k, v, g, beta, mask, path_nodes: int | None = None, *, imp
 def verify_layer(S0, window, stream: gdn.TreeStream, conv_weight, A_log, dt_bias, mask, path_nodes: int, *,
                  key_heads: int, key_dim: int, impl: Impl = "auto", method: str = "auto",
                  reference_method: str = "solve", compute_dtype=None, deferred: gdn.DeferredUpdates | None = None,
-                 layer: int | None = None):
+                 layer: int | None = None, tiling: tuple[int, int] | None = None):
     """A GDN layer's verify core, `gdn.tree_inputs` then `tree_solve` (its contract and arguments), from the layer's
     raw conv inputs (`gdn.TreeStream`) and committed window [B, K−1, C] (with `layer`: the model's window stack
     [L, B, K−1, C], beside the state stack). Returns (o fp32, SolveFactors).
@@ -360,7 +361,8 @@ def verify_layer(S0, window, stream: gdn.TreeStream, conv_weight, A_log, dt_bias
     `verify_operands`) and the geometry allows (`gdn_tree_solve.verify_layer_supported`), the conv, the gates and
     the q/k l2norm run inside that launch (`gdn_tree_solve.verify_layer_pallas`): one kernel a layer instead of the
     conv's, the gates' and the slices' XLA kernels before it. Elsewhere the inputs are formed by XLA and handed to
-    `tree_solve`. The fused path's backward is the reference's VJP (no deferred updates), as `tree_solve`'s is."""
+    `tree_solve`. The fused path's backward is the reference's VJP (no deferred updates), as `tree_solve`'s is.
+    tiling: the fused kernel's (block_v, num_warps) (default: the solve's, `auto_method`)."""
     def unfused():
         w = window if layer is None else window[layer]
         q, k, v, g, beta = gdn.tree_inputs(stream, w, conv_weight, A_log, dt_bias, key_heads=key_heads,
@@ -377,7 +379,7 @@ def verify_layer(S0, window, stream: gdn.TreeStream, conv_weight, A_log, dt_bias
     operand_dtype, precision = verify_operands(compute_dtype if compute_dtype is not None else stream.qkv.dtype)
     n_pad = _padded_n(N)
     form = auto_method(n_pad, dv, False, precision) if method == "auto" and n_pad else (method, None)
-    block_v = _block_v(dv, form[1])
+    block_v = _block_v(dv, tiling[0] if tiling else form[1])
     ok = (n_pad is not None and operand_dtype == jnp.dtype(F32) and form[0] in ("neumann", "squaring", "inverse")
           and dk == key_dim and S0.dtype == F32
           and gdn_tree_solve.verify_layer_supported(key_heads, key_dim, HV, dv, C, K)
@@ -394,6 +396,8 @@ def verify_layer(S0, window, stream: gdn.TreeStream, conv_weight, A_log, dt_bias
     if layer is None:                      # one layer's state and window: a stack of one
         S0, window, layer = S0[None], window[None], 0
     config = solve_config(form[0], block_v, precision)
+    if tiling:
+        config = dataclasses.replace(config, num_warps=tiling[1])
     inputs = (stream.qkv, window, conv_weight, stream.a, stream.b, A_log, dt_bias)
     fixed = (stream.taps, stream.valid, mask)
     if deferred is not None:

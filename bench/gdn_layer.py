@@ -22,11 +22,6 @@ Variants, each through the dispatcher (impl "auto"):
                    retrieve_parent_token (gates, q/k l2norm in the kernel; every node's state written), loaded from
                    the sglang wheel given with --sglang-wheel (only that file; its sglang imports stubbed), on the
                    same raw stream in the model's dtype
-The verify's whole GDN layer core at the same B and N: `kernels.verify_layer` as the verify calls it
-(`target.verify_layer_call`: the layer's raw conv inputs, gate inputs and conv taps, the window and state stacks):
-  layer_fused      the dispatcher: the tree's conv, the gates and the q/k l2norm inside the tree solve's launch
-  layer_unfused    XLA's conv and gates (`gdn.tree_inputs`), then the tree-solve kernel (the path before the fusion)
-  layer_xla        all of it in XLA, the fp32 reference solve
 Decoding step (--decode-batches). For each batch, one GDN layer's `kernels.gdn_decode_layer` call as a decoding step
 makes it (`target.decode_step_call`: the in-projection's output row as it is, the conv window, the fp32 state stack
 — the layer's tiles stepped in place — and the gated output norm; `bench.kernels.time_chained` runs the sets as
@@ -62,7 +57,6 @@ import zipfile
 
 SGLANG_KERNEL = "sglang/kernels/ops/attention/linear/fused_sigmoid_gating_recurrent.py"
 STATE_L2_BYTES = 200 << 20      # the R input sets' states together: several times an H100 / H200's L2
-LAYER_TILINGS = ((32, 4), (64, 8), (128, 4), (128, 8))   # the fused verify layer's sweep: (block_v, num_warps)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -248,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     from hyspec_jax import gdn, kernels
     from hyspec_jax.bench.kernels import chain_steps, copy_bandwidth, time_chained, time_multi
     from hyspec_jax.bench.report import portable_command, publish_report, run_metadata, write_report
-    from hyspec_jax.models.target import decode_step_call, verify_layer_call, verify_solve_call
+    from hyspec_jax.models.target import decode_step_call, verify_solve_call
     from hyspec_jax.spec.memory import qwen38_27b
 
     gpu = jax.default_backend() == "gpu"
@@ -330,25 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         out["xla"] = step(impl="reference")
         return out
 
-    def all_layer_variants() -> dict:
-        """fn(i, S0 stack, window stack, stream, conv_weight, A_log, dt_bias, mask): layer i's verify core (conv,
-        gates, l2norm, tree solve), as the unrolled verify calls `kernels.verify_layer` (`kw`: its keywords)."""
-        def unfused(i, S0, window, stream, conv_weight, A_log, dt_bias, mask, **kw):
-            q, k, v, g, beta = gdn.tree_inputs(stream, window[i], conv_weight, A_log, dt_bias,
-                                               key_heads=kw["key_heads"], key_dim=kw["key_dim"])
-            return kernels.tree_solve(S0, q, k, v, g, beta, mask, kw["path_nodes"], impl=impl,
-                                      compute_dtype=kw["compute_dtype"], layer=i)
-        return {
-            "layer_fused": lambda i, *args, **kw: kernels.verify_layer(*args, **{**kw, "layer": i}, impl=impl),
-            **{f"layer_fused_bv{bv}_w{w}": functools.partial(
-                lambda i, *args, tiling, **kw: kernels.verify_layer(*args, **{**kw, "layer": i}, impl="pallas",
-                                                                     tiling=tiling), tiling=(bv, w))
-               for bv, w in ([] if a.interpret else LAYER_TILINGS)},
-            "layer_unfused": unfused,
-            "layer_xla": lambda i, *args, **kw: kernels.verify_layer(*args, **{**kw, "layer": i}, impl="reference"),
-        }
-
-    solve_rows, decode_rows, layer_rows = [], [], []
+    solve_rows, decode_rows = [], []
     operands, precision = kernels.verify_operands(dtype)
 
     def report(status: str) -> dict:
@@ -357,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                 "model_operands": {"dtype": str(operands), "precision": precision},
                 "decode_tiling": list(kernels.gdn_decode_tiling(1, hv, dv, norm=True)), "copy_bandwidth": bandwidth,
                 "sglang_wheel": a.sglang_wheel.rsplit("/", 1)[-1] if a.sglang_wheel else None,
-                "rows": solve_rows, "decode_rows": decode_rows, "layer_rows": layer_rows}
+                "rows": solve_rows, "decode_rows": decode_rows}
 
     def save_partial() -> None:
         """What is measured so far, written whole: a run stopped by its time limit keeps its last configuration."""
@@ -369,9 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = None
     per_solve = len(solve_variants(1)) + bool(verifier)
     per_decode = len(decode_variants({})) + bool(verifier)
-    layer_variants = {n: f for n, f in all_layer_variants().items() if wanted(n)}
-    bar = tqdm(total=len(configs) * (per_solve + len(layer_variants)) + len(batches) * per_decode,
-               desc="bench gdn-layer", unit="variant")
+    bar = tqdm(total=len(configs) * per_solve + len(batches) * per_decode, desc="bench gdn-layer", unit="variant")
     for B, N in configs:
         depth = min(8, N - 1)
         R = layer_sets(B)
@@ -396,22 +370,6 @@ def main(argv: list[str] | None = None) -> int:
                 solve_rows.append({**base, "variant": "sglang", "error": f"{type(e).__name__}: {e}"[:1000]})
             bar.update(1)
         save_partial()
-        if layer_variants:          # the layer's conv and gates too: fused into the solve's launch, or not
-            del calls, sets
-            first = verify_layer_call(cfg, B, N, depth=depth, dtype=dtype, seed=1000 * B + N)
-            calls = [first] + [verify_layer_call(cfg, B, N, depth=depth, dtype=dtype, seed=1000 * B + N + i, layer=i,
-                                                 stacks=(first.S0, first.window)) for i in range(1, R)]
-            kw = {k: v for k, v in first.kwargs.items() if k != "layer"}
-            o_ref = np.asarray(jax.jit(lambda *args: kernels.verify_layer(*args, **kw, impl="reference", layer=0)[0])(
-                *first.args), np.float32)
-            base = {"B": B, "N": N, "depth": depth, "sets": R, "err_o_rounded_to_dtype": rel_err(
-                np.asarray(jnp.asarray(o_ref).astype(dtype).astype(F32)), o_ref)}
-            check = lambda out: {"err_o": rel_err(np.asarray(out[0], np.float32), o_ref)}      # noqa: E731
-            for name, fn in layer_variants.items():
-                layer_rows.append(measure({**base, "variant": name}, functools.partial(fn, **kw),
-                                          [c.args for c in calls], check))
-                bar.update(1)
-            save_partial()
     bandwidth = copy_bandwidth() if gpu and batches and not a.interpret else None
     for B in batches:
         R = layer_sets(B)               # the sets are layers 0 … R−1 of one state stack, stepped one after another
@@ -486,22 +444,6 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['B']} | {r['N']} | {r['variant']} | {_f(r.get('device_us'))} | "
                          f"{_f(r.get('median_us'))} | {_e(r.get('err_o'))} | {_e(r['err_o_rounded_to_dtype'])} | "
                          f"{ratio} |")
-        lines.append("")
-    if report.get("layer_rows"):
-        lines += ["## The verify's GDN layer: conv, gates and tree solve", "",
-                  "The call `TargetModel.verify` makes (`target.verify_layer_call`: the layer's raw conv inputs, the "
-                  "window and state stacks). `layer_fused`: the dispatcher (`kernels.verify_layer`: the conv, the "
-                  "gates and the q/k l2norm inside the tree solve's launch); `layer_unfused`: XLA's conv and gates "
-                  "(`gdn.tree_inputs`), then the tree-solve kernel; `layer_xla`: all of it in XLA (fp32 reference "
-                  "solve). err o against the fp32 reference.", "",
-                  "| B | N | variant | device µs | host µs | err o | o_ref → dtype |",
-                  "|---:|---:|---|---:|---:|---:|---:|"]
-        for r in report["layer_rows"]:
-            if "error" in r:
-                lines.append(f"| {r['B']} | {r['N']} | {r['variant']} | failed: {r['error'][:120]} | | | |")
-                continue
-            lines.append(f"| {r['B']} | {r['N']} | {r['variant']} | {_f(r.get('device_us'))} | "
-                         f"{_f(r.get('median_us'))} | {_e(r.get('err_o'))} | {_e(r['err_o_rounded_to_dtype'])} |")
         lines.append("")
     if report.get("decode_rows"):
         bv, w = report["decode_tiling"]

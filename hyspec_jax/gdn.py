@@ -88,25 +88,6 @@ def mixer_inputs(conv_out: jax.Array, b: jax.Array, a: jax.Array, valid: jax.Arr
     return q, k, v, g, beta
 
 
-class TreeStream(NamedTuple):
-    """A GDN layer's verify inputs as its in-projection leaves them, before the conv: what the fused verify layer
-    (`kernels.verify_layer`) reads."""
-    qkv: jax.Array     # [B, N, C] the raw conv inputs in conv order [q | k | v]; invalid nodes zeroed
-    b: jax.Array       # [B, N, HV] β logits
-    a: jax.Array       # [B, N, HV] decay inputs
-    valid: jax.Array   # [B, N] bool
-    taps: jax.Array    # [B, N, K] int32: each node's conv rows in concat(window, qkv) (`tree.conv_taps`)
-
-
-def tree_inputs(stream: TreeStream, window: jax.Array, conv_weight: jax.Array, A_log: jax.Array,
-                dt_bias: jax.Array, *, key_heads: int, key_dim: int):
-    """A tree's (q, k, v, g, β) from its stream (`TreeStream`) and the committed conv window [B, K−1, C]: the conv
-    along each node's ancestors (`gathered_conv`), then `mixer_inputs`."""
-    conv_out = gathered_conv(stream.qkv, window, conv_weight, stream.taps)
-    return mixer_inputs(conv_out, stream.b, stream.a, stream.valid, A_log, dt_bias, key_heads=key_heads,
-                        key_dim=key_dim)
-
-
 @jax.named_scope("gdn_gates")
 def invalidate(g: jax.Array, beta: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Turn invalid positions (valid: [B, N]) into identity steps (g = 0, β = 0)."""

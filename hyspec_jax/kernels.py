@@ -23,13 +23,11 @@ the reference. "pallas" / "interpret" (Pallas interpret mode, the CPU tests) rai
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from hyspec_jax import cpu_kernels, gdn
 from hyspec_jax.attention import attend_prefix_tree
@@ -346,112 +344,6 @@ def tree_solve(S0, q, k, v, g, beta, mask, path_nodes: int | None = None, *, imp
         return _kernel_forward(S0, q, k, v, g, beta, mask, path_nodes, (config, interpret, layer),
                                _kernel_deferred(deferred, q.shape[2]))
     return _kernel_solve(S0, q, k, v, g, beta, mask, path_nodes, (config, interpret, layer))
-
-
-@jax.named_scope("gdn_state")
-def verify_layer(S0, window, stream: gdn.TreeStream, conv_weight, A_log, dt_bias, mask, path_nodes: int, *,
-                 key_heads: int, key_dim: int, impl: Impl = "auto", method: str = "auto",
-                 reference_method: str = "solve", compute_dtype=None, deferred: gdn.DeferredUpdates | None = None,
-                 layer: int | None = None, tiling: tuple[int, int] | None = None):
-    """A GDN layer's verify core, `gdn.tree_inputs` then `tree_solve` (its contract and arguments), from the layer's
-    raw conv inputs (`gdn.TreeStream`) and committed window [B, K−1, C] (with `layer`: the model's window stack
-    [L, B, K−1, C], beside the state stack). Returns (o fp32, SolveFactors).
-
-    Where the tree solve would run a one-launch kernel form on fp32 operands (a bf16/f16 model's verify:
-    `verify_operands`) and the geometry allows (`gdn_tree_solve.verify_layer_supported`), the conv, the gates and
-    the q/k l2norm run inside that launch (`gdn_tree_solve.verify_layer_pallas`): one kernel a layer instead of the
-    conv's, the gates' and the slices' XLA kernels before it. Elsewhere the inputs are formed by XLA and handed to
-    `tree_solve`. The fused path's backward is the reference's VJP (no deferred updates), as `tree_solve`'s is.
-    tiling: the fused kernel's (block_v, num_warps) (default: the solve's, `auto_method`)."""
-    def unfused():
-        w = window if layer is None else window[layer]
-        q, k, v, g, beta = gdn.tree_inputs(stream, w, conv_weight, A_log, dt_bias, key_heads=key_heads,
-                                           key_dim=key_dim)
-        return tree_solve(S0, q, k, v, g, beta, mask, path_nodes, impl=impl, method=method,
-                          reference_method=reference_method, deferred=deferred, compute_dtype=compute_dtype,
-                          layer=layer)
-
-    if impl == "reference":
-        return unfused()
-    B, N, C = stream.qkv.shape
-    HV, dk, dv = S0.shape[-3:]
-    K = conv_weight.shape[-1]
-    operand_dtype, precision = verify_operands(compute_dtype if compute_dtype is not None else stream.qkv.dtype)
-    n_pad = _padded_n(N)
-    form = auto_method(n_pad, dv, False, precision) if method == "auto" and n_pad else (method, None)
-    block_v = _block_v(dv, tiling[0] if tiling else form[1])
-    ok = (n_pad is not None and operand_dtype == jnp.dtype(F32) and form[0] in ("neumann", "squaring", "inverse")
-          and dk == key_dim and S0.dtype == F32
-          and gdn_tree_solve.verify_layer_supported(key_heads, key_dim, HV, dv, C, K)
-          and gdn_tree_solve.supported(n_pad, dk, dv, block_v, precision)
-          and (form[0] != "squaring" or gdn_tree_solve.series_ok(min(path_nodes, N), n_pad))
-          and (deferred is None or tile_dim_ok(deferred.row_decay.shape[-1])))
-    if not ok or (impl == "auto" and not gpu_kernels_available()):
-        return unfused()
-    interpret = impl == "interpret"
-    if impl not in ("pallas", "interpret", "auto"):
-        raise ValueError(f"unknown impl {impl!r}")
-    if impl == "pallas" and not gpu_kernels_available():
-        raise ValueError("GDN verify layer kernel needs an NVIDIA GPU backend")
-    if layer is None:                      # one layer's state and window: a stack of one
-        S0, window, layer = S0[None], window[None], 0
-    config = solve_config(form[0], block_v, precision)
-    if tiling:
-        config = dataclasses.replace(config, num_warps=tiling[1])
-    inputs = (stream.qkv, window, conv_weight, stream.a, stream.b, A_log, dt_bias)
-    fixed = (stream.taps, stream.valid, mask)
-    if deferred is not None:
-        o, gamma, vc, keys = gdn_tree_solve.verify_layer_pallas(
-            S0, *_fused_operands(inputs, fixed), _kernel_deferred(deferred, key_heads), key_heads=key_heads,
-            path_nodes=min(path_nodes, N), layer=layer, config=config, interpret=interpret)
-        return o, gdn.SolveFactors(gamma, keys, vc)
-    return _fused_layer(S0, inputs, fixed, layer, (min(path_nodes, N), key_heads, config, interpret))
-
-
-def _fused_operands(inputs, fixed):
-    """`verify_layer_pallas`' positional operands after S: qkv, window, conv_weight, taps, a, b, valid, A_log, dt_bias,
-    mask."""
-    qkv, window, conv_weight, a, b, A_log, dt_bias = inputs
-    taps, valid, mask = fixed
-    return qkv, window, conv_weight, taps, a, b, valid, A_log, dt_bias, mask
-
-
-def _fused_forward(S0, inputs, fixed, layer, static):
-    path_nodes, key_heads, config, interpret = static
-    o, gamma, vc, keys = gdn_tree_solve.verify_layer_pallas(
-        S0, *_fused_operands(inputs, fixed), key_heads=key_heads, path_nodes=path_nodes, layer=layer, config=config,
-        interpret=interpret)
-    return o, gdn.SolveFactors(gamma, keys, vc)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fused_layer(S0, inputs, fixed, layer, static):
-    return _fused_forward(S0, inputs, fixed, layer, static)
-
-
-def _fused_layer_fwd(S0, inputs, fixed, layer, static):
-    return _fused_forward(S0, inputs, fixed, layer, static), (S0, inputs, fixed, layer)
-
-
-def _fused_layer_bwd(static, res, ct):
-    S0, inputs, fixed, layer = res
-    path_nodes, key_heads, _, _ = static
-    taps, valid, mask = fixed
-
-    def reference(S0, inputs):
-        qkv, window, conv_weight, a, b, A_log, dt_bias = inputs
-        q, k, v, g, beta = gdn.tree_inputs(gdn.TreeStream(qkv, b, a, valid, taps), window[layer], conv_weight,
-                                           A_log, dt_bias, key_heads=key_heads, key_dim=S0.shape[-2])
-        o, fac = _reference(S0[layer], q, k, v, g, beta, mask, path_nodes)
-        return o, fac
-
-    _, vjp = jax.vjp(reference, S0, inputs)
-    zeros = jax.tree.map(lambda x: jnp.zeros_like(x) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-                         else np.zeros(np.shape(x), jax.dtypes.float0), (fixed, layer))   # no cotangents
-    return (*vjp(ct), *zeros)
-
-
-_fused_layer.defvjp(_fused_layer_fwd, _fused_layer_bwd)
 
 
 def _kernel_deferred(pend: gdn.DeferredUpdates, key_heads: int) -> tuple:

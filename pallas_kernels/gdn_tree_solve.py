@@ -192,12 +192,14 @@ def _query_operator(q, k, D, precision):
     return _dot(q, k, precision, trans_b=True) * D
 
 
-def _node_operators(mask_ref, g, beta, q, k, precision, nodes: int | None = None):
+def _node_operators(mask_ref, g_ref, beta_ref, q, k, precision, nodes: int | None = None):
     """Γ = A g, the ancestor-masked L = strict(A) ⊙ β kkᵀ ⊙ D and C = qkᵀ ⊙ D (node by node, no value tile; q None:
-    no C) from the node rows g, β [N]. nodes: the tree's nodes when fewer than the tile (`_node_rows`)."""
+    no C). nodes: the tree's nodes when fewer than the tile (`_node_rows`)."""
     n = mask_ref.shape[0]
     nodes = n if nodes is None else nodes
     A = _ancestors(mask_ref, nodes)                     # [N, N] 0/1 f32 (read as f32 or int8)
+    g = _node_rows(g_ref, nodes)                        # [N]
+    beta = _node_rows(beta_ref, nodes)                  # [N]
     on = A > 0
     gamma = jnp.sum(A * g[None, :], axis=1)             # Γ = A g            [N]
     D = _decays(on, gamma)
@@ -255,103 +257,36 @@ def _apply_inverse(L, R, rounds: int, method: str, precision):
     return U
 
 
-def _gathered_rows(taps, x, window_rows, precision):
-    """Tap j of each node's conv inputs, gathered on chip: taps [N] int32 index concat(window rows, the nodes' rows
-    x [N, n]) as `tree.conv_taps` makes them; a node's row by a one-hot product (exact: one nonzero term, fp32
-    accumulation; fp32 rows at IEEE precision), a window row by a select. Returns [N, n] fp32."""
-    n_tile, km1 = x.shape[0], len(window_rows)
-    cols = lax.broadcasted_iota(jnp.int32, (n_tile, n_tile), 1)
-    pick = (taps[:, None] == cols + km1).astype(x.dtype)                        # [N, N] one-hot
-    out = _dot(pick, x, precision if x.dtype == F32 else None)
-    for r, row in enumerate(window_rows):                                       # the window as the conv casts it
-        out = jnp.where((taps == r)[:, None], row.astype(x.dtype).astype(F32)[None, :], out)
-    return out
-
-
-class _LayerReader:
-    """The fused verify layer's inputs of one program (request b, value head h, value tile t): SiLU(conv) columns
-    of the tree's nodes from their raw conv inputs — `gdn.gathered_conv`, the committed window read in the model's
-    window stack at the layer — and the head's gates, with `gdn.mixer_inputs`' own q/k normalisation and gates."""
-
-    def __init__(self, layer, refs, *, nodes: int, gather_precision):
-        (self.taps_ref, self.valid_ref, self.qkv_ref, self.win_ref, self.w_ref, self.a_ref, self.b_ref,
-         self.alog_ref, self.dtb_ref) = refs
-        self.layer, self.nodes, self.precision = layer, nodes, gather_precision
-        K = self.taps_ref.shape[0]
-        self.taps = [_node_rows(self.taps_ref.at[jnp.int32(j)], nodes) for j in range(K)]   # K × [N] int32
-
-    def conv(self, start, n: int):
-        """SiLU(conv) [N, n] fp32 of conv columns [start, start + n), the taps summed in gathered_conv's order."""
-        cols = pl.ds(start, n)
-        x = _node_rows(self.qkv_ref.at[:, cols], self.nodes)                     # [N, n] raw inputs
-        b = pl.program_id(0)
-        window_rows = [self.win_ref[self.layer, b, r, cols] for r in range(len(self.taps) - 1)]
-        out = sum(_gathered_rows(taps, x, window_rows, self.precision) * self.w_ref[cols, j].astype(F32)[None, :]
-                  for j, taps in enumerate(self.taps))
-        return jax.nn.silu(out)
-
-    def gates(self):
-        """(g, β) [N] of the program's value head; invalid nodes and the tile's padding: identity steps."""
-        g, beta = gdn.gates(_node_rows(self.a_ref, self.nodes), _node_rows(self.b_ref, self.nodes),
-                            self.alog_ref[...], self.dtb_ref[...])
-        keep = _node_rows(self.valid_ref, self.nodes) != 0
-        return jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0)
-
-
 def _tree_solve_kernel(*refs, rounds: int, method: str, precision, deferred: bool, write_state: bool, nodes: int,
-                       stacked: bool, fused_heads: int | None = None, gather_precision=None):
+                       stacked: bool):
     if stacked:                                         # first the layer's index, then S0 is the whole state stack
         layer_ref, refs = refs[0], refs[1:]
-    mask_ref, refs = refs[0], refs[1:]
-    if fused_heads:                                     # the layer's raw inputs, not q, k, v, g, β
-        reader = _LayerReader(jnp.sum(layer_ref[...]), refs[:9], nodes=nodes, gather_precision=gather_precision)
-        refs = refs[9:]
-    else:
-        g_ref, beta_ref, q_ref, k_ref, v_ref = refs[:5]
-        refs = refs[5:]
-    s0_ref, rest = refs[0], refs[1:]
+    mask_ref, g_ref, beta_ref, q_ref, k_ref, v_ref, s0_ref = refs[:7]
+    rest = refs[7:]
     if deferred:
         c_ref, rc_ref, pk_ref, pv_ref, count_ref = rest[:5]
         rest = rest[5:]
     o_ref, gamma_ref, vc_ref = rest[:3]
-    rest = rest[3:]
-    block_v = vc_ref.shape[-1]
-    if fused_heads:
-        HV, dk, dv = s0_ref.shape[-3:]
-        kd, group = fused_heads * dk, HV // fused_heads
-        h, t = pl.program_id(1), pl.program_id(2)
-        q, k = gdn.prepare_qk(reader.conv((h // group) * dk, dk), reader.conv(kd + (h // group) * dk, dk))
-        g, beta_in = reader.gates()
-        keys_ref, rest = rest[0], rest[1:]
-
-        @pl.when((h % group == 0) & (t == 0))           # the key head's keys, for the commit: its first program
-        def _():
-            _store_node_rows(keys_ref, k, nodes)
-    else:
-        q = _node_rows(q_ref, nodes)                    # [N, dk] (input dtype; N the node tile)
-        k = _node_rows(k_ref, nodes)
-        g, beta_in = _node_rows(g_ref, nodes), _node_rows(beta_ref, nodes)
-    gamma, beta, L, C = _node_operators(mask_ref, g, beta_in, q, k, precision, nodes)
+    q = _node_rows(q_ref, nodes)                        # [N, dk] (input dtype; N the node tile)
+    k = _node_rows(k_ref, nodes)
+    gamma, beta, L, C = _node_operators(mask_ref, g_ref, beta_ref, q, k, precision, nodes)
     if method == "inverse":                             # node-wise work first, before the state tile is live
         M = _inverse(L, rounds, precision)
         CM = _dot(C, M, precision)
     if not stacked:
         s0 = s0_ref[...]                                # [dk, bv] f32
     else:     # the layer's tile, at an index read from memory: every layer runs this one kernel (one Triton compile)
+        block_v = vc_ref.shape[-1]
         tile = pl.ds(pl.program_id(2) * block_v, block_v)
         s0 = s0_ref[jnp.sum(layer_ref[...]), pl.program_id(0), pl.program_id(1), :, tile]
     if deferred:                                        # merge the committed-but-deferred path updates
         s0 = _fold_deferred(s0, c_ref, rc_ref, pk_ref, pv_ref, count_ref, precision)
         if write_state:
-            rest[0][...] = s0                           # the merged state replaces S_base (aliased)
+            rest[3][...] = s0                           # the merged state replaces S_base (aliased)
     ks = _dot(k, s0, precision)                         # [N, bv]
     qs = _dot(q, s0, precision)
     eg = jnp.exp(gamma)
-    if fused_heads:                                     # the value tile's conv columns
-        v = reader.conv(2 * kd + pl.program_id(1) * dv + pl.program_id(2) * block_v, block_v)
-    else:
-        v = _node_rows(v_ref, nodes).astype(F32)
-    R = beta[:, None] * (v - eg[:, None] * ks)
+    R = beta[:, None] * (_node_rows(v_ref, nodes).astype(F32) - eg[:, None] * ks)
     if method == "inverse":                             # V' = M R and C V' = (C M) R: two independent products
         U = _dot(M, R, precision)
         o = eg[:, None] * qs + _dot(CM, R, precision)
@@ -374,7 +309,7 @@ def _tree_operator_kernel(mask_ref, g_ref, beta_ref, q_ref, k_ref, gamma_ref, *o
     n = mask_ref.shape[0]
     c_first = chain == "pair" or form == "fp32"
     q = q_ref[...] if c_first else None
-    gamma, beta, L, C = _node_operators(mask_ref, g_ref[...], beta_ref[...], q, k_ref[...], precision)
+    gamma, beta, L, C = _node_operators(mask_ref, g_ref, beta_ref, q, k_ref[...], precision)
     dot = {"pair": _pair_dot, "f16": _f16_dot}.get(chain) or functools.partial(_dot, precision=precision)
     M = _inverse(L, rounds, precision, dot)
     if form == "fp32":
@@ -536,7 +471,17 @@ def _tree_solve(S0, q, k, v, g, beta, mask, deferred, *, path_nodes: int, config
                          f"precision={precision}")
     if write_state and deferred is None:
         raise ValueError("write_state needs deferred updates (without them the state is S0 itself)")
-    _check_series(method, path_nodes, N)
+    if method == "squaring" and not series_ok(path_nodes, N):
+        raise ValueError(f"method 'squaring' applies the series (I−L)(I+L²)… to the value tile, which loses its digits "
+                         f"past {gdn.SERIES_BLOCK} nodes per path (path_nodes={path_nodes}): use 'inverse', 'split' or "
+                         "'neumann'")
+    r = HV // HK
+    nv = dv // block_v
+    num_warps = config.num_warps
+    if num_warps is None:
+        num_warps = 4 if block_v * dk <= 128 * 64 else 8     # keep the fp32 state tile in registers
+    num_stages = config.num_stages
+    out_dtype = config.out_dtype
     if method in ("split", "split_mgpu"):
         if N != n_tile:
             raise ValueError(f"method {method!r} takes a node count that is its own tile (a power of two ≥ 16; the "
@@ -547,46 +492,18 @@ def _tree_solve(S0, q, k, v, g, beta, mask, deferred, *, path_nodes: int, config
             raise ValueError(f"method 'split_mgpu' needs N={gdn_tree_split_mgpu.NODES}, bf16 q/k and block_v in "
                              f"{gdn_tree_split_mgpu.BLOCK_VS}; got N={N} {q.dtype} block_v={block_v}")
         return _tree_solve_split(S0, q, k, v, g, beta, mask, rounds=num_rounds(path_nodes, N), config=config,
-                                 num_warps=_num_warps(config, dk), interpret=interpret)
-    T, r = n_tile, HV // HK     # node blocks are the tile; rows past N are masked in the kernel (`_node_rows`)
-    node_specs = [
+                                 num_warps=num_warps, interpret=interpret)
+    kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(path_nodes, N), method=method,
+                             precision=_f32_precision(precision, interpret), deferred=deferred is not None,
+                             write_state=write_state, nodes=N, stacked=layer is not None)
+    T = n_tile                  # node blocks are the tile; rows past N are masked in the kernel (`_node_rows`)
+    in_specs = [
+        pl.BlockSpec((None, T, T), lambda b, h, t: (b, 0, 0)),                 # mask
         pl.BlockSpec((None, T, None), lambda b, h, t: (b, 0, h)),              # g
         pl.BlockSpec((None, T, None), lambda b, h, t: (b, 0, h)),              # beta
         pl.BlockSpec((None, T, None, dk), lambda b, h, t: (b, 0, h // r, 0)),  # q (key head)
         pl.BlockSpec((None, T, None, dk), lambda b, h, t: (b, 0, h // r, 0)),  # k (key head)
         pl.BlockSpec((None, T, None, block_v), lambda b, h, t: (b, 0, h, t)),  # v
-    ]
-    return _one_launch(S0, mask, node_specs, [g.astype(F32), beta.astype(F32), q, k, v], deferred, HK=HK,
-                       path_nodes=path_nodes, config=config, write_state=write_state, layer=layer,
-                       interpret=interpret)
-
-
-def _check_series(method: str, path_nodes: int, N: int):
-    if method == "squaring" and not series_ok(path_nodes, N):
-        raise ValueError(f"method 'squaring' applies the series (I−L)(I+L²)… to the value tile, which loses its digits "
-                         f"past {gdn.SERIES_BLOCK} nodes per path (path_nodes={path_nodes}): use 'inverse', 'split' or "
-                         "'neumann'")
-
-
-def _num_warps(config: SolveConfig, dk: int) -> int:
-    if config.num_warps is not None:
-        return config.num_warps
-    return 4 if config.block_v * dk <= 128 * 64 else 8     # keep the fp32 state tile in registers
-
-
-def _one_launch(S0, mask, node_specs, node_operands, deferred, *, HK: int, path_nodes: int, config: SolveConfig,
-                write_state: bool, layer, interpret: bool, fused_heads: int | None = None):
-    """The one-launch forms' pallas_call: the node inputs (`node_specs` / `node_operands`: q, k, v, g, β, or the
-    fused layer's raw inputs) between the mask and S0; then the deferred updates. Returns (o, Γ, V'[, keys with
-    fused_heads][, the merged state with write_state])."""
-    B, N = mask.shape[:2]
-    HV, dk, dv = S0.shape[-3:]
-    block_v, r, T = config.block_v, HV // HK, tile_nodes(N)
-    kern = functools.partial(_tree_solve_kernel, rounds=num_rounds(path_nodes, N), method=config.method,
-                             precision=_f32_precision(config.precision, interpret), deferred=deferred is not None,
-                             write_state=write_state, nodes=N, stacked=layer is not None, fused_heads=fused_heads,
-                             gather_precision=_f32_precision("ieee", interpret))
-    in_specs = [pl.BlockSpec((None, T, T), lambda b, h, t: (b, 0, 0))] + node_specs + [             # mask, inputs
         pl.BlockSpec((None, None, dk, block_v), lambda b, h, t: (b, h, 0, t)) if layer is None else       # S0
         pl.no_block_spec,                                                      # (the stack: the kernel indexes it)
     ]
@@ -595,13 +512,10 @@ def _one_launch(S0, mask, node_specs, node_operands, deferred, *, HK: int, path_
         pl.BlockSpec((None, None, T), lambda b, h, t: (b, h, 0)),              # Γ
         pl.BlockSpec((None, None, T, block_v), lambda b, h, t: (b, h, 0, t)),  # V'
     ]
-    out_shape = [jax.ShapeDtypeStruct((B, N, HV, dv), config.out_dtype),
+    out_shape = [jax.ShapeDtypeStruct((B, N, HV, dv), out_dtype),
                  jax.ShapeDtypeStruct((B, HV, N), F32),
                  jax.ShapeDtypeStruct((B, HV, N, dv), F32)]
-    if fused_heads:                                                            # the keys, for the commit
-        out_specs.append(pl.BlockSpec((None, T, None, dk), lambda b, h, t: (b, 0, h // r, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((B, N, HK, dk), F32))
-    operands = [mask.astype(F32), *node_operands, S0.astype(F32)]
+    operands = [mask.astype(F32), g.astype(F32), beta.astype(F32), q, k, v, S0.astype(F32)]
     aliases = {}
     if deferred is not None:
         c, rc, pk, pv, count = deferred
@@ -620,77 +534,13 @@ def _one_launch(S0, mask, node_specs, node_operands, deferred, *, HK: int, path_
         if write_state:
             out_specs.append(pl.BlockSpec((None, None, dk, block_v), lambda b, h, t: (b, h, 0, t)))
             out_shape.append(jax.ShapeDtypeStruct((B, HV, dk, dv), F32))
-            aliases = {len(operands) - 6: len(out_shape) - 1}                  # S0 → the merged state
+            aliases = {6: 3}
     if layer is not None:                              # the layer's index first (no aliases: write_state is off)
         in_specs = [pl.BlockSpec((1,), lambda b, h, t: (0,))] + in_specs
         operands = [jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))] + operands
     return pl.pallas_call(
-        kern, out_shape=out_shape, grid=(B, HV, dv // block_v), in_specs=in_specs, out_specs=out_specs,
+        kern, out_shape=out_shape, grid=(B, HV, nv), in_specs=in_specs, out_specs=out_specs,
         input_output_aliases=aliases,
-        compiler_params=pltriton.CompilerParams(num_warps=_num_warps(config, dk), num_stages=config.num_stages),
-        interpret=interpret, name=("gdn_verify_layer_" if fused_heads else "gdn_tree_solve_") + config.method
-        + ("_deferred" if deferred is not None else ""),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret, name=f"gdn_tree_solve_{method}" + ("_deferred" if deferred is not None else ""),
     )(*operands)
-
-
-def verify_layer_supported(key_heads: int, key_dim: int, value_heads: int, value_dim: int, conv_dim: int,
-                           taps: int) -> bool:
-    """Geometries the fused verify layer takes beside `supported`'s: whole key heads of the conv's columns
-    ([q | k | v]: C = 2·HK·dk + HV·dv) and a power-of-two conv width K (its taps are one block)."""
-    return (value_heads % key_heads == 0 and conv_dim == 2 * key_heads * key_dim + value_heads * value_dim
-            and tile_dim_ok(key_dim) and taps >= 2 and taps & (taps - 1) == 0)
-
-
-def verify_layer_pallas(S, qkv, window, conv_weight, taps, a, b, valid, A_log, dt_bias, mask, deferred=None, *,
-                        key_heads: int, path_nodes: int, layer: int | jax.Array, config: SolveConfig = SolveConfig(),
-                        interpret: bool = False):
-    """A GDN layer's verify core in one launch: `gdn.verify_inputs` (the tree's conv, q/k l2norm, gates) then
-    `tree_solve_pallas`, from the layer's raw conv inputs as the in-projection leaves them. S [L, B, HV, dk, dv] the
-    state stack and window [L, B, K−1, C] the window stack of every GDN layer (read at `layer`, an operand: one
-    kernel for every layer); qkv [B, N, C] the raw conv inputs in conv order [q | k | v] (invalid nodes zeroed, as
-    the verify keeps them for the commit); conv_weight [C, K]; taps [B, N, K] int32 (`tree.conv_taps`); a, b
-    [B, N, HV] the gate inputs; valid [B, N]; A_log, dt_bias [HV]; mask [B, N, N]; deferred, config (a one-launch
-    form) as `tree_solve_pallas`. Returns (o [B, N, HV, dv], Γ [B, HV, N], V' [B, HV, N, dv], keys [B, N, HK, dk]
-    fp32: the normalised keys the commit takes)."""
-    if isinstance(layer, int) and not (S.ndim == 5 and 0 <= layer < S.shape[0]):
-        raise ValueError(f"layer {layer} of a state stack [L, B, HV, dk, dv], got S {S.shape}")
-    return _verify_layer(S, qkv, window, conv_weight, taps, a, b, valid, A_log, dt_bias, mask, deferred,
-                         key_heads=key_heads, path_nodes=path_nodes, layer=layer, config=config, interpret=interpret)
-
-
-@functools.partial(jax.jit, static_argnames=("key_heads", "path_nodes", "config", "interpret"))
-def _verify_layer(S, qkv, window, conv_weight, taps, a, b, valid, A_log, dt_bias, mask, deferred, *, key_heads: int,
-                  path_nodes: int, layer, config: SolveConfig, interpret: bool):
-    """`verify_layer_pallas` once its layer index is checked (here a traced operand)."""
-    if not isinstance(config, SolveConfig):
-        raise TypeError(f"config must be a SolveConfig, got {type(config).__name__}")
-    method, block_v = config.method, config.block_v
-    B, N, C = qkv.shape
-    K = conv_weight.shape[-1]
-    L, HV, dk, dv = S.shape[0], S.shape[-3], S.shape[-2], S.shape[-1]
-    if (S.ndim != 5 or S.shape[1] != B or window.shape != (L, B, K - 1, C) or conv_weight.shape != (C, K)
-            or taps.shape != (B, N, K) or a.shape != (B, N, HV) or b.shape != (B, N, HV) or valid.shape != (B, N)
-            or mask.shape != (B, N, N) or method in ("split", "split_mgpu")
-            or not verify_layer_supported(key_heads, dk, HV, dv, C, K)
-            or not supported(tile_nodes(N), dk, dv, block_v, config.precision)):
-        raise ValueError(f"unsupported verify layer: S {S.shape}, qkv {qkv.shape}, window {window.shape}, conv weight "
-                         f"{conv_weight.shape}, taps {taps.shape}, {key_heads} key heads, method {method!r}, "
-                         f"block_v {block_v}")
-    _check_series(method, path_nodes, N)
-    T, r = tile_nodes(N), HV // key_heads
-    node_specs = [
-        pl.BlockSpec((None, K, T), lambda b, h, t: (b, 0, 0)),                 # taps, tap-major
-        pl.BlockSpec((None, T), lambda b, h, t: (b, 0)),                       # valid
-        pl.BlockSpec((None, T, C), lambda b, h, t: (b, 0, 0)),                 # qkv rows (columns read at offsets)
-        pl.no_block_spec,                                                      # window stack
-        pl.BlockSpec((C, K), lambda b, h, t: (0, 0)),                          # conv weight
-        pl.BlockSpec((None, T, None), lambda b, h, t: (b, 0, h)),              # a
-        pl.BlockSpec((None, T, None), lambda b, h, t: (b, 0, h)),              # b
-        pl.BlockSpec((None,), lambda b, h, t: (h,)),                           # A_log
-        pl.BlockSpec((None,), lambda b, h, t: (h,)),                           # dt_bias
-    ]
-    del r
-    operands = [jnp.swapaxes(taps.astype(jnp.int32), 1, 2), valid.astype(jnp.int32), qkv, window, conv_weight, a, b,
-                A_log, dt_bias]
-    return _one_launch(S, mask, node_specs, operands, deferred, HK=key_heads, path_nodes=path_nodes, config=config,
-                       write_state=False, layer=layer, interpret=interpret, fused_heads=key_heads)

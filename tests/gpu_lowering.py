@@ -48,11 +48,9 @@ def triton_kernels(text: str) -> list[str]:
     return out
 
 
-def calls_of_the_kernels_function(text: str, name: str = "") -> int:
+def calls_of_the_kernels_function(text: str) -> int:
     """How often the module calls the function that holds its first Triton kernel call (a jitted kernel entry that
-    JAX lowered once and every caller shares); name: the first whose config holds it."""
+    JAX lowered once and every caller shares)."""
     at = text.index("custom_call @__gpu$xla.gpu.triton")
-    if name:
-        at = text.rindex("custom_call @__gpu$xla.gpu.triton", 0, text.index(name))
     holder = re.findall(r"func\.func private @(\S+?)\(", text[:at])[-1]
     return text.count(f"call @{holder}(")

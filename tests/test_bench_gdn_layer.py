@@ -31,11 +31,6 @@ def test_gdn_layer_bench_checks_every_variant(tmp_path):
         else:                                   # fp32 operands (interpret mode: exact products)
             assert r["err_o"] < 1e-5, r
         assert 1e-4 < r["err_o_rounded_to_dtype"] < 1e-2
-    layer = {(r["B"], r["N"], r["variant"]): r for r in report["layer_rows"]}
-    assert set(layer) == {(B, N, v) for B, N in ((1, 8), (2, 16)) for v in ("layer_fused", "layer_unfused",
-                                                                             "layer_xla")}
-    for r in layer.values():                    # the conv and gates fused or not: the reference's o
-        assert "error" not in r and r["err_o"] < 1e-5, r
     decode = {(r["B"], r["variant"]): r for r in report["decode_rows"]}
     assert set(decode) == {(B, v) for B in (1, 3) for v in ("model", "xla")}
     for (B, variant), r in decode.items():
@@ -46,7 +41,7 @@ def test_gdn_layer_bench_checks_every_variant(tmp_path):
         assert r["floor_bytes"] == 2 * B * 4 * 16 * 16 * 4 + B * 200 * 2 + 2 * B * 3 * 128 * 2 + B * 4 * 16 * 2
     md = out.with_suffix(".md").read_text()
     assert "| 2 | 16 | expanded_tf32x3 |" in md and "float32 q/k/v at their key heads with tf32" in md
-    assert "## The decoding step" in md and "| 3 | model |" in md and "| 2 | 16 | layer_fused |" in md
+    assert "## The decoding step" in md and "| 3 | model |" in md
 
 
 def test_gdn_layer_bench_refuses_bad_arguments():

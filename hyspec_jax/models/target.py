@@ -271,23 +271,19 @@ class TargetModel(nnx.Module):
             qkv, z, b, a = mix.project(h)
             qkv, b, a = unpack(qkv), unpack(b), unpack(a)
             qkv = jnp.where(valid[..., None], qkv, 0)
-            stream = gdn.TreeStream(qkv, b, a, valid, taps_idx)
-            heads = {"key_heads": mix.hk, "key_dim": mix.dk}
+            conv_out = gdn.gathered_conv(qkv, state.conv[j], mix.conv_weight, taps_idx)
+            q, k, v, g, beta = mix.mixer_inputs(conv_out, b, a, valid)
             if kernel_impl == "reference":         # deferred commit: checkpoint + rows, folded on the fly
-                q, k, v, g, beta = gdn.tree_inputs(stream, state.conv[j], mix.conv_weight, mix.A_log[...],
-                                                   mix.dt_bias[...], **heads)
                 o, fac = gdn.masked_solve(committed_ssm(state, j), q, k, v, g, beta, mask, method=method,
                                           path_nodes=tree.envelope.path_nodes)
-            else:     # conv, gates and solve in one launch where they fuse; pending rows merged into the state tile
-                stacked = isinstance(j, int)       # unrolled: the kernel reads layer j's tiles of the stacks itself
-                o, fac = kernels.verify_layer(state.ssm if stacked else state.ssm[j],
-                                              state.conv if stacked else state.conv[j], stream, mix.conv_weight,
-                                              mix.A_log[...], mix.dt_bias[...], mask, tree.envelope.path_nodes,
-                                              **heads, impl=kernel_impl,
-                                              method="neumann" if method == "neumann" else "auto",
-                                              reference_method=method, compute_dtype=x.dtype,
-                                              deferred=None if state.pending is None else pending_layer(
-                                                  state.pending, j), layer=j if stacked else None)
+            else:                                  # the one-launch kernels merge the rows into their state tile
+                stacked = isinstance(j, int)       # unrolled: the kernel reads layer j's tiles of the stack itself
+                o, fac = kernels.tree_solve(state.ssm if stacked else state.ssm[j], q, k, v, g, beta, mask,
+                                            tree.envelope.path_nodes, impl=kernel_impl,
+                                            method="neumann" if method == "neumann" else "auto",
+                                            reference_method=method, compute_dtype=x.dtype,
+                                            deferred=None if state.pending is None else pending_layer(
+                                                state.pending, j), layer=j if stacked else None)
             return mix.output(pack(o), z, x.dtype), carry, (fac, qkv)
 
         def attn_mixer(att, h, j, carry):
@@ -518,66 +514,6 @@ def verify_solve_call(cfg: TargetConfig, batch: int, nodes: int, *, depth: int, 
         raise ValueError(f"layer {layer} of a stack of {states.shape[0]} GDN layers")
     return TreeSolveCall(states, q, k, v, g, beta, tree_lib.ancestor_mask(tree), shape.path_nodes, jnp.dtype(dtype),
                          layer, MixerStream(conv_out, b, a, A_log, dt_bias, tree.parent))
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifyLayerCall:
-    """One GDN layer's `kernels.verify_layer` call as `TargetModel.verify` makes it (the unrolled model: the state and
-    window stacks with the layer's index), by name: the fused verify layer's benchmark and lowering inputs
-    (`verify_layer_call`); tests/test_verify_layer.py checks them against the verify's own call."""
-    S0: jax.Array              # [Lg, B, HV, dk, dv] every GDN layer's committed state (fp32)
-    window: jax.Array          # [Lg, B, K−1, C] every GDN layer's committed conv window (the model dtype)
-    stream: gdn.TreeStream     # the layer's raw conv inputs, gate inputs, valid nodes and conv taps
-    conv_weight: jax.Array     # [C, K]
-    A_log: jax.Array           # [HV]
-    dt_bias: jax.Array         # [HV]
-    mask: jax.Array            # [B, N, N] ancestor-or-self
-    path_nodes: int
-    key_heads: int
-    key_dim: int
-    compute_dtype: jnp.dtype
-    layer: int
-
-    @property
-    def args(self) -> tuple:
-        return self.S0, self.window, self.stream, self.conv_weight, self.A_log, self.dt_bias, self.mask
-
-    @property
-    def kwargs(self) -> dict:
-        return {"path_nodes": self.path_nodes, "key_heads": self.key_heads, "key_dim": self.key_dim,
-                "compute_dtype": self.compute_dtype, "layer": self.layer}
-
-
-def verify_layer_call(cfg: TargetConfig, batch: int, nodes: int, *, depth: int, dtype=jnp.bfloat16, seed: int = 0,
-                      layer: int = 0, stacks: tuple[jax.Array, jax.Array] | None = None) -> VerifyLayerCall:
-    """A random GDN layer's `kernels.verify_layer` call at `cfg`'s geometry, as the unrolled verify makes it: one
-    tree per request of `nodes` nodes with its deepest node at `depth` (`tree.random_parents`), raw conv inputs and
-    gate inputs in the model dtype `dtype`, conv taps, A_log and dt_bias drawn as `GatedDeltaNet` initialises them;
-    stacks: the (state, window) stacks of `cfg`'s GDN layers (default: random ones)."""
-    rng = np.random.default_rng(seed)
-    shape = tree_lib.TreeShape(nodes, depth)
-    tree = tree_lib.pack_forest([tree_lib.random_parents(rng, nodes, depth, min_depth=depth)
-                                 for _ in range(batch)], shape)
-    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
-    Lg = len(cfg.gdn_layers)
-    if not 0 <= layer < Lg:
-        raise ValueError(f"layer {layer} of a stack of {Lg} GDN layers")
-    ks = jax.random.split(jax.random.key(seed), 7)
-    normal = lambda key, *shape: jax.random.normal(key, shape, F32).astype(dtype)   # noqa: E731
-    qkv = jnp.where(tree.valid[..., None], normal(ks[0], batch, nodes, cfg.conv_dim), 0)
-    stream = gdn.TreeStream(qkv, normal(ks[1], batch, nodes, hv), normal(ks[2], batch, nodes, hv), tree.valid,
-                            tree_lib.conv_taps(tree, K))
-    if stacks is None:
-        stacks = (0.1 * jax.random.normal(ks[3], (Lg, batch, hv, dk, dv), F32),
-                  normal(ks[4], Lg, batch, K - 1, cfg.conv_dim))
-    chex.assert_shape(stacks, [(Lg, batch, hv, dk, dv), (Lg, batch, K - 1, cfg.conv_dim)])
-    return VerifyLayerCall(
-        S0=stacks[0], window=stacks[1], stream=stream,
-        conv_weight=(0.3 * jax.random.normal(ks[5], (cfg.conv_dim, K), F32)).astype(dtype),
-        A_log=jnp.log(jax.random.uniform(ks[6], (hv,), F32, 1.0, 16.0)).astype(dtype), dt_bias=jnp.ones((hv,), dtype),
-        mask=tree_lib.ancestor_mask(tree), path_nodes=shape.path_nodes, key_heads=hk, key_dim=dk,
-        compute_dtype=jnp.dtype(dtype), layer=layer)
 
 
 @dataclasses.dataclass(frozen=True)

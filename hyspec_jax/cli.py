@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from hyspec_jax.compilation import enable_compilation_cache
+from hyspec_jax.compilation import enable_compilation_cache, tune_cpu_codegen
 from hyspec_jax.config import ConfigError
 from hyspec_jax.launch import (UsageError, add_distributed_arguments, check_parallel, engine_from_args, plain_engine,
                                resolve_model_dir, shard_target)
@@ -308,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    tune_cpu_codegen()          # before JAX starts its backend
     from hyspec_jax.io.hf import CheckpointError
     try:
         return args.func(args)

@@ -309,6 +309,8 @@ def run(args) -> int:
     check_args(args)
     if args.gpu_memory_utilization is not None:
         os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{args.gpu_memory_utilization:g}"
+    from hyspec_jax.compilation import tune_cpu_codegen
+    tune_cpu_codegen()          # before JAX starts, as the memory fraction
     from hyspec_jax.launch import init_distributed
     init_distributed(args.coordinator_address, args.num_processes, args.process_id)   # before JAX starts
     check_devices(args)

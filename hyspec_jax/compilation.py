@@ -52,9 +52,12 @@ _callbacks: list[Callable[[str], None]] = []
 def _gpu_plugin_installed() -> bool:
     """Whether a PJRT GPU plugin (jax-cuda*-plugin, jax-rocm*-plugin) is installed: then JAX may run on a GPU, whose
     code the CPU setting must not touch."""
+    import importlib.metadata
     import importlib.util
     import pkgutil
-    if importlib.util.find_spec("jax_plugins") is None:
+    if importlib.metadata.entry_points(group="jax_plugins"):       # plugins registered by entry point
+        return True
+    if importlib.util.find_spec("jax_plugins") is None:            # or in the jax_plugins namespace package
         return False
     import jax_plugins
     return any(True for _ in pkgutil.iter_modules(jax_plugins.__path__))

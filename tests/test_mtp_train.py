@@ -127,3 +127,48 @@ def test_cli_help_and_bad_target(capsys, tmp_path):
     assert e.value.code != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in err[0]
+
+
+def test_teacher_forced_steps_equal_the_drafting_path(setup, trained):
+    """Every recursive step `teacher_forced` trains is what drafting computes: at pair p, the cache of the
+    committed pairs (`append` of t_0 .. t_p), then `step` at depths 0, 1, 2 fed t_{p+1}, t_{p+2}, t_{p+3} and the
+    previous step's g, with the earlier steps' K/V as the node's ancestors."""
+    import jax.numpy as jnp
+    from hyspec_jax.models.drafter import target_heads
+    from hyspec_jax.models.mtp import init_mtp_state
+    from hyspec_jax.train.forward import train_forward
+
+    tr, _ = trained
+    head = tr.head()
+    _, target = load_pretrained(setup / "target")
+    embed = target_heads(target).embed
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, WORDS, (2, 12)), jnp.int32)
+    _, hidden, _, _ = train_forward(target, tokens, chunk=12)
+    steps = 3
+    g_tf = head.teacher_forced(embed, tokens, hidden, steps=steps)
+    assert g_tf.shape == (steps, 2, 11, hidden.shape[-1])
+    for p in (0, 4, 8):
+        state = init_mtp_state(head.config, 2, 16)
+        state = head.append(state, embed, tokens[:, :p + 1], hidden[:, :p + 1], jnp.full((2,), p + 1, jnp.int32))
+        fed = state.hidden[:, None]
+        ks, vs = [], []
+        for d in range(steps):
+            local_k = jnp.concatenate(ks, axis=1) if ks else jnp.zeros((2, 0, *state.keys.shape[3:]))
+            local_v = jnp.concatenate(vs, axis=1) if vs else local_k
+            g, k, v = head.step(state, embed, tokens[:, p + 1 + d][:, None], fed, d, local_k, local_v,
+                                jnp.ones((2, 1, d), bool))
+            np.testing.assert_allclose(np.asarray(g[:, 0]), np.asarray(g_tf[d, :, p]), atol=2e-5, err_msg=f"{p} {d}")
+            ks.append(k), vs.append(v)
+            fed = g
+
+
+def test_multi_step_distilled_training_runs_and_reports_each_step(setup):
+    tr = MTPTrainer(_cfg(setup, "multi", steps=6, draft_steps=3, distill=0.5, step_decay=0.7, eval_every=6, ckpt_every=100))
+    summary = tr.run()
+    tr.ckpt.close()
+    assert all(np.isfinite(v) for v in summary["losses"].values())
+    for v in summary["val"].values():
+        assert {"loss", "acc", "agree", "agree_1", "agree_2"} <= set(v)
+    with pytest.raises(ValueError, match="draft_steps"):
+        MTPTrainer(_cfg(setup, "bad", draft_steps=0))

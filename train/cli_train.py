@@ -84,6 +84,7 @@ def cmd_train_mtp(args) -> int:
 
     cfg = MTPTrainConfig(
         target=args.target, corpus=args.corpus, out=args.out, data=args.data, from_target=not args.from_scratch,
+        draft_steps=args.draft_steps, distill=args.distill, step_decay=args.step_decay,
         seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr, seed=args.seed,
         dtype=args.dtype, devices=args.devices, eval_every=args.eval_every, eval_windows=args.eval_windows,
         ckpt_every=args.ckpt_every, time_budget_s=args.time_budget, export_dtype=args.export_dtype)
@@ -236,6 +237,12 @@ def add_train_commands(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--install-into", metavar="DIR", help="write the head into this model directory (e.g. the "
                    "target's own) instead of OUT/model")
     q.add_argument("--export-dtype", default="float32", choices=("float32", "bfloat16"))
+    q.add_argument("--draft-steps", type=int, default=1, metavar="S",
+                   help="recursive draft steps trained, as `--spec-mode mtp` drafts them (its default length: 3)")
+    q.add_argument("--distill", type=float, default=0.0, metavar="W",
+                   help="weight in [0, 1] of the target's own next-token distribution against the corpus token")
+    q.add_argument("--step-decay", type=float, default=1.0, metavar="R",
+                   help="draft step d's loss weight R^d, normalised (R in (0, 1]; 1: every step alike)")
     q.add_argument("--seq-len", type=int, default=256)
     q.add_argument("--batch-size", type=int, default=16)
     q.add_argument("--steps", type=int, default=1000)

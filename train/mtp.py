@@ -6,8 +6,11 @@ Data: windows of the corpus train split, or target-generated continuations from 
 the step, giving its final-norm hiddens h_p; the head's first step at every position p reads (t_{p+1}, h_p)
 (`MTPHead.teacher_forced`, causal over the window) and is trained on the next-next token:
     L = mean_p CE(softmax(LM head(g_p)), t_{p+2}),
-the target's LM head and embedding frozen. Metrics: the loss, acc (argmax = t_{p+2}) and agree (argmax = the
-target's own argmax at p + 1: the greedy acceptance rate of the first draft, teacher-forced).
+the target's LM head and embedding frozen. With draft_steps S > 1 the head also runs its recursive steps as
+drafting does (step d reads t_{p+1+d} and step d − 1's output g) and the loss averages the S steps; with distill
+w > 0 each step's CE mixes in (weight w) the target's own distribution for that token, which greedy verification
+accepts by argmax. Metrics: the loss, acc (argmax = t_{p+2}) and agree (argmax = the target's own argmax at p + 1:
+the greedy acceptance rate of the first draft, teacher-forced; agree_d for step d).
 Optimiser, mesh and checkpoints are the other trainers' (`train.common`: AdamW, warm-up + cosine, data parallel,
 orbax with the data position). The head is written into a model directory as `mtp.*` tensors
 (`io.mtp_io.save_mtp`), the layout `hyspec generate --spec-mode mtp` reads from real Qwen checkpoints.
@@ -46,6 +49,9 @@ class MTPTrainConfig:
     out: str
     data: str | None = None            # distillation data dir (build-distill); None = corpus windows
     from_target: bool = True           # start from the target directory's own mtp.* when it has them
+    draft_steps: int = 1               # recursive draft steps trained (the mode's draft length: 3)
+    distill: float = 0.0               # weight of the target's distribution against the corpus token
+    step_decay: float = 1.0            # step d's loss weight step_decay^d (normalised)
     seq_len: int = 256
     batch_size: int = 16
     steps: int = 1000
@@ -71,24 +77,42 @@ class MTPTrainConfig:
         return dataclasses.asdict(self)
 
 
-def mtp_loss(logits: jax.Array, tokens: jax.Array, target_logits: jax.Array) -> tuple[jax.Array, dict]:
-    """logits [B,T−1,V] of the pairs (t_{p+1}, h_p), tokens [B,T], the target's logits [B,T,V] -> (loss, metrics):
-    CE against t_{p+2} over p < T − 2; acc; agree with the target's argmax at p + 1."""
+def mtp_loss(logits: jax.Array, tokens: jax.Array, target_logits: jax.Array, *,
+             distill: float = 0.0, step_decay: float = 1.0) -> tuple[jax.Array, dict]:
+    """logits [S,B,T−1,V] of the head's S draft steps (`MTPHead.teacher_forced`), tokens [B,T], the target's logits
+    [B,T,V] -> (loss, metrics). Step d at pair p predicts t_{p+d+2}, entries p < T − 2 − d: over the steps, weighted
+    step_decay^d (a later step counts only where the earlier drafts were accepted) and normalised, of
+    (1 − distill) · CE against that token + distill · CE against the target's own distribution there (its logits
+    at p + d + 1, which greedy verification accepts by argmax). Metrics: acc and agree (argmax = the target's argmax)
+    of step 0, agree_{d} of step d ≥ 1."""
+    S, _, P, _ = logits.shape
     T = tokens.shape[1]
-    lg = logits[:, :T - 2].astype(F32)
-    labels = tokens[:, 2:]
-    logp = jax.nn.log_softmax(lg, axis=-1)
-    loss = -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
-    pred = jnp.argmax(lg, axis=-1)
-    return loss, {"loss": loss, "acc": jnp.mean((pred == labels).astype(F32)),
-                  "agree": jnp.mean((pred == jnp.argmax(target_logits[:, 1:T - 1], axis=-1)).astype(F32))}
+    loss, metrics = 0.0, {}
+    weights = [step_decay ** d for d in range(S)]
+    for d in range(S):
+        n = T - 2 - d
+        lg = logits[d, :, :n].astype(F32)
+        labels = tokens[:, 2 + d:]
+        logp = jax.nn.log_softmax(lg, axis=-1)
+        t_lg = target_logits[:, 1 + d:T - 1].astype(F32)
+        hard = -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+        soft = -jnp.mean(jnp.sum(jax.nn.softmax(t_lg, axis=-1) * logp, axis=-1)) if distill else 0.0
+        loss = loss + weights[d] / sum(weights) * ((1.0 - distill) * hard + distill * soft)
+        pred = jnp.argmax(lg, axis=-1)
+        metrics["agree" if d == 0 else f"agree_{d}"] = jnp.mean((pred == jnp.argmax(t_lg, axis=-1)).astype(F32))
+        if d == 0:
+            metrics["acc"] = jnp.mean((pred == labels).astype(F32))
+    return loss, {"loss": loss, **metrics}
 
 
 class MTPTrainer(common.ResumableTrainer):
     def __init__(self, cfg: MTPTrainConfig):
         self._start_run(cfg)
-        if cfg.seq_len < 3:
-            raise ValueError("seq_len must be >= 3 (a pair and its next-next token)")
+        if cfg.seq_len < cfg.draft_steps + 2:
+            raise ValueError(f"seq_len must be >= draft_steps + 2 = {cfg.draft_steps + 2} (a pair and the token its "
+                             "last step predicts)")
+        if cfg.draft_steps < 1 or not 0.0 <= cfg.distill <= 1.0 or not 0.0 < cfg.step_decay <= 1.0:
+            raise ValueError("draft_steps must be >= 1, distill within [0, 1] and step_decay within (0, 1]")
         self.dt = resolve_dtype(cfg.dtype)
         tcfg, target = load_pretrained(cfg.target, dtype=F32)
         if cfg.from_target and has_mtp(cfg.target):
@@ -113,8 +137,9 @@ class MTPTrainer(common.ResumableTrainer):
         t_logits, hidden = jax.lax.stop_gradient(t_logits), jax.lax.stop_gradient(hidden)
         heads = jax.tree.map(lambda x: x.astype(dt), frozen["heads"])
         head = nnx.merge(self.h_graphdef, common.cast_compute(train, dt))
-        g = head.teacher_forced(jax.lax.stop_gradient(heads.embed), tokens, hidden)
-        return mtp_loss(heads.logits(g), tokens, t_logits)
+        g = head.teacher_forced(jax.lax.stop_gradient(heads.embed), tokens, hidden, steps=self.cfg.draft_steps)
+        return mtp_loss(heads.logits(g), tokens, t_logits, distill=self.cfg.distill,
+                        step_decay=self.cfg.step_decay)
 
     def _build(self) -> None:
         tx = self.tx
@@ -158,7 +183,8 @@ class MTPTrainer(common.ResumableTrainer):
             usable = len(w) - len(w) % n
             if usable == 0:
                 continue
-            sums = {"loss": 0.0, "acc": 0.0, "agree": 0.0}
+            sums = {"loss": 0.0, "acc": 0.0, "agree": 0.0,
+                    **{f"agree_{d}": 0.0 for d in range(1, self.cfg.draft_steps)}}
             for i in range(0, usable, n):
                 m = jax.device_get(self._eval_fn(self.state["train"], self.frozen,
                                                  common.batch_from_host(w[i:i + n].astype(np.int32), self.batch_sh)))

@@ -160,18 +160,33 @@ class MTPHead(nnx.Module):
         values = jnp.concatenate([state.values[i], local_values.astype(state.values.dtype)], axis=1)
         return self.layer(i, x, positions, keys, values, mask)
 
-
-    def teacher_forced(self, embed: jax.Array, tokens: jax.Array, hidden: jax.Array) -> jax.Array:
-        """Training: the first step of the head at every position of whole windows, no cache. tokens [B,T], the
-        target's final-norm hidden [B,T,H] -> g [B,T−1,H], entry p from the pair (t_{p+1}, h_p) at position p
-        (its logits predict t_{p+2}); layer 0, causal over the window's pairs."""
+    def teacher_forced(self, embed: jax.Array, tokens: jax.Array, hidden: jax.Array, steps: int = 1) -> jax.Array:
+        """Training: the head's first `steps` draft steps at every position of whole windows, no cache, as
+        recursive drafting runs them. tokens [B,T], the target's final-norm hidden [B,T,H] -> g [steps,B,T−1,H]:
+        step d at pair p reads (t_{p+1+d}, h_p) at d = 0, (t_{p+1+d}, g^{d−1}_p) after, at position p + d, and its
+        logits predict t_{p+d+2} (entries whose token runs past the window read the last token; the loss masks
+        them). Step d sees step 0's keys at pairs ≤ p (the cache and the anchor) and steps 1 .. d−1's keys at
+        pair p (its ancestors), as `step` does; step d uses layer d mod num_layers."""
         B, T = tokens.shape
-        x = self.fuse(jnp.take(embed, tokens[:, 1:], axis=0), hidden[:, :-1])
-        positions = jnp.broadcast_to(jnp.arange(T - 1, dtype=jnp.int32), (B, T - 1))
-        mask = jnp.broadcast_to(jnp.tril(jnp.ones((T - 1, T - 1), bool)), (B, T - 1, T - 1))
         cfg = self.config
-        empty = jnp.zeros((B, 0, cfg.num_key_value_heads, cfg.head_dim), x.dtype)
-        return self.layer(0, x, positions, empty, empty, mask)[0]
+        P = T - 1
+        tril = jnp.tril(jnp.ones((P, P), bool))
+        eye = jnp.eye(P, dtype=bool)
+        keys = jnp.zeros((B, 0, cfg.num_key_value_heads, cfg.head_dim), hidden.dtype)
+        values = keys
+        fed, out = hidden[:, :-1], []
+        for d in range(steps):
+            t = jnp.take(tokens, jnp.minimum(jnp.arange(1 + d, T + d), T - 1), axis=1)
+            x = self.fuse(jnp.take(embed, t, axis=0), fed)
+            positions = jnp.broadcast_to(jnp.arange(d, P + d, dtype=jnp.int32), (B, P))
+            mask = jnp.concatenate([tril] + [eye] * d, axis=-1)       # [P, (d+1)P]: step 0, steps 1..d−1, own
+            g, k, v = self.layer(d % self.num_layers, x, positions, keys.astype(x.dtype), values.astype(x.dtype),
+                                 jnp.broadcast_to(mask, (B, P, (d + 1) * P)))
+            keys = jnp.concatenate([keys, k.astype(keys.dtype)], axis=1)
+            values = jnp.concatenate([values, v.astype(values.dtype)], axis=1)
+            fed = g
+            out.append(g)
+        return jnp.stack(out)
 
 
 def create_mtp(cfg: TargetConfig, *, seed: int = 0, dtype=F32) -> MTPHead:

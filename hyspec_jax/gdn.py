@@ -147,17 +147,37 @@ def split_in_proj(proj: jax.Array, *, key_heads: int, key_dim: int, value_heads:
 
 
 # ------------------------------------------------------------------------------------------------
-# The output norm
+# RMSNorm: the decoder layers' norms and the GDN output norm
 # ------------------------------------------------------------------------------------------------
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, zero_centred: bool) -> jax.Array:
     """x/rms(x) (in fp32) times a per-channel scale, in the two forms checkpoints store (`layers.RMSNorm`):
     zero_centred: · (1 + w) in fp32, then cast to x's dtype; else cast to x's dtype first, then · w (the two orders
-    round differently in bf16). Plain elementwise jnp over the last axis: the kernels call it on their tiles."""
+    round differently in bf16). Plain elementwise jnp over the last axis: the kernels call it on their tiles.
+    = `rms_apply(x, rms_inverse(x, eps), weight, ...)`, the two halves a kernel holding a row in chunks calls."""
+    return rms_apply(x, rms_inverse(x, eps), weight, zero_centred=zero_centred)
+
+
+def rms_inverse(x: jax.Array, eps: float) -> jax.Array:
+    """1/rms(x) over the last axis in fp32, [..., 1]: rsqrt(mean(x²) + eps)."""
     xf = x.astype(F32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+def rms_apply(x: jax.Array, inv: jax.Array, weight: jax.Array, *, zero_centred: bool) -> jax.Array:
+    """`rms_norm` given its fp32 1/rms(x) `inv` (broadcast against x: [..., 1], or a scalar for one row): x · inv in
+    fp32, then the per-channel scale in the form `rms_norm` says. Elementwise, so a kernel may apply it per chunk."""
+    y = x.astype(F32) * inv
     if zero_centred:
         return (y * (1.0 + weight.astype(F32))).astype(x.dtype)
     return weight * y.astype(x.dtype)
+
+
+def add_rms_norm(x: jax.Array, y: jax.Array, weight: jax.Array, eps: float, *, zero_centred: bool
+                 ) -> tuple[jax.Array, jax.Array]:
+    """A residual add and the RMSNorm after it: (s = x + y in their dtype, as the decoder layer adds it,
+    `rms_norm(s, ...)`). The math of the fused kernel (`pallas_kernels.add_norm`)."""
+    s = x + y
+    return s, rms_norm(s, weight, eps, zero_centred=zero_centred)
 
 
 def gated_rms_norm(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -11,6 +11,8 @@ Every kernel call of the models goes through here, each with a pure-JAX referenc
 - `gdn_decode_layer(...)`: a GDN layer's decoding step from its in-projection's output row, `gdn.decode_layer`
   (conv, gates, l2norm, state update, readout, window update, and the gated output norm); the one-launch Pallas
   kernel (`pallas_kernels.gdn_decode`) on an NVIDIA GPU where its shapes allow;
+- `add_rms_norm(...)`: a residual add and the RMSNorm after it, `gdn.add_rms_norm`; one Pallas launch
+  (`pallas_kernels.add_norm`) on an NVIDIA GPU where the width allows;
 - `path_commit(...)`: the cross-layer factorized commit (gdn.node_state per layer);
 - `tree_attention(...)`: the verify's attention over the committed prefix + the tree
   (`hyspec_jax.attention.attend_prefix_tree`; the split-S Pallas prefix kernel where S fits its blocks);
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 
 from hyspec_jax import cpu_kernels, gdn
 from hyspec_jax.attention import attend_prefix_tree
-from hyspec_jax.pallas_kernels import gdn_commit, gdn_tree_split_mgpu, gdn_tree_solve, tile_dim_ok, topk
+from hyspec_jax.pallas_kernels import add_norm, gdn_commit, gdn_tree_split_mgpu, gdn_tree_solve, tile_dim_ok, topk
 from hyspec_jax.pallas_kernels import gdn_decode as gdn_decode_kernel
 from hyspec_jax.pallas_kernels import tree_attention as tree_attention_kernel
 from hyspec_jax.pallas_kernels.gdn_tree_solve import SolveConfig
@@ -423,6 +425,36 @@ def gdn_decode_layer(proj, window, conv_weight, A_log, dt_bias, S, valid, *, key
         step = gdn.normed_readout(step, proj.dtype, gdn.split_in_proj(proj, **heads, value_heads=HV, value_dim=dv).z,
                                   norm)
     return step
+
+
+# Warps of an add + RMSNorm program (one row): a starting point, not measured on a GPU yet.
+ADD_NORM_WARPS = 4
+
+
+@jax.named_scope("norm")
+def add_rms_norm(x: jax.Array, y: jax.Array, weight: jax.Array, eps: float, *, zero_centred: bool,
+                 impl: Impl = "auto") -> tuple[jax.Array, jax.Array]:
+    """`gdn.add_rms_norm` (x, y [..., H] of one dtype, weight [H]) → (s = x + y, h = rms_norm(s)): the residual add
+    and the norm after it in one Pallas launch (`pallas_kernels.add_norm`, the leading axes as its rows) where
+    supported, else the reference. Forward only on the kernel path (serving)."""
+    def reference():
+        return gdn.add_rms_norm(x, y, weight, eps, zero_centred=zero_centred)
+
+    if impl == "reference":
+        return reference()
+    try:
+        H = x.shape[-1]
+        ok = (x.shape == y.shape and x.dtype == y.dtype and x.ndim >= 1 and weight.shape == (H,)
+              and jnp.dtype(x.dtype) in _FLOATS and add_norm.supported(H))
+    except Exception:  # noqa: BLE001
+        ok = False
+    interpret = _use_kernel(impl, ok, "add + RMSNorm")
+    if interpret is None:
+        return reference()
+    rows = x.reshape(-1, H)
+    s, h = add_norm.add_rms_norm_pallas(rows, y.reshape(-1, H), weight, eps=eps, zero_centred=zero_centred,
+                                        num_warps=ADD_NORM_WARPS, interpret=interpret)
+    return s.reshape(x.shape), h.reshape(x.shape)
 
 
 @jax.named_scope("gdn_state")

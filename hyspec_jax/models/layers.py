@@ -68,6 +68,14 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         return gdn.rms_norm(x, self.weight[...], self.eps, zero_centred=self.zero_centred)
 
+    def add(self, x: jax.Array, y: jax.Array | None, impl: kernels.Impl = "reference"
+            ) -> tuple[jax.Array, jax.Array]:
+        """The residual add x + y and this norm of it: (s, norm(s)) — one launch on the kernel path
+        (`kernels.add_rms_norm`); y None: nothing to add, (x, norm(x))."""
+        if y is None:
+            return x, self(x)
+        return kernels.add_rms_norm(x, y, self.weight[...], self.eps, zero_centred=self.zero_centred, impl=impl)
+
 
 class GatedRMSNorm(RMSNorm):
     """GDN output norm: the plain (· w) RMSNorm, then · SiLU(z) in fp32, cast back."""

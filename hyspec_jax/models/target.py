@@ -76,15 +76,21 @@ class TargetModel(nnx.Module):
     def is_scanned(self) -> bool:
         return hasattr(self.model, "scanned")
 
-    def _layer(self, layer: DecoderLayer, x: jax.Array, j, carry, gdn_mixer, attn_mixer):
-        """One decoder layer: the mixer of its kind on the normed input, residual, MLP, residual."""
-        h = layer.input_layernorm(x)
+    @staticmethod
+    def _mix(layer: DecoderLayer, h: jax.Array, j, carry, gdn_mixer, attn_mixer):
+        """The layer's mixer of its kind on the normed input h: (y, carry, out)."""
         mixer, module = (gdn_mixer, layer.linear_attn) if layer.is_linear else (attn_mixer, layer.self_attn)
-        y, carry, out = mixer(module, h, j, carry)
+        return mixer(module, h, j, carry)
+
+    def _layer(self, layer: DecoderLayer, x: jax.Array, j, carry, gdn_mixer, attn_mixer):
+        """One decoder layer: the mixer of its kind on the normed input, residual, MLP, residual (the scanned
+        stack's; the unrolled `_stack` makes the same ops, each residual add beside the norm after it)."""
+        y, carry, out = self._mix(layer, layer.input_layernorm(x), j, carry, gdn_mixer, attn_mixer)
         x = x + y
         return x + layer.mlp(layer.post_attention_layernorm(x)), carry, out
 
-    def _stack(self, x: jax.Array, gdn_mixer, attn_mixer, tap_layers: tuple[int, ...], carry=None):
+    def _stack(self, x: jax.Array, gdn_mixer, attn_mixer, tap_layers: tuple[int, ...], carry=None,
+               norm_impl: kernels.Impl = "reference"):
         """The decoder stack with pluggable mixers `mixer(module, h, j, carry) -> (y, carry, out)`: j is the layer's
         row in the state stacked per kind (a Python int when unrolled, traced under the scan), carry the state
         arrays a layer updates in place (row j), out what the layer leaves for its kind's stacked output.
@@ -92,19 +98,32 @@ class TargetModel(nnx.Module):
         Returns (final-norm hidden, taps [len(tap_layers), ...] or None, carry, gdn outs, attn outs): outs
         stacked over the layers of each kind (None when the mixers return None; unrolled only, a list when only
         some layers return one). A scanned model (`scan_layers`) runs one block under `lax.scan`, an unscanned
-        one the Python loop; both compute the same thing."""
+        one the Python loop; both compute the same thing.
+
+        Unrolled, every residual add is made together with the norm after it (`RMSNorm.add`; norm_impl: its
+        `kernels.add_rms_norm` implementation, one launch on the kernel path): a layer's MLP output is added by
+        the next layer's input norm (the last layer's by the final norm). "reference" is the plain adds and norms,
+        the same ops in the same order as `_layer`'s."""
         if self.is_scanned:
             return self._scanned_stack(x, gdn_mixer, attn_mixer, tap_layers, carry)
         cfg = self.config
         outs = {True: [], False: []}
         taps = {}
+        pending = None                      # the previous layer's MLP output, not added yet
         for i, layer in enumerate(self.model.layers):
-            x, carry, out = self._layer(layer, x, cfg.layer_slot(i), carry, gdn_mixer, attn_mixer)
+            x, h = layer.input_layernorm.add(x, pending, norm_impl)
+            if i - 1 in tap_layers and i > 0:          # the residual stream after layer i − 1's MLP add
+                taps[i - 1] = x
+            y, carry, out = self._mix(layer, h, cfg.layer_slot(i), carry, gdn_mixer, attn_mixer)
+            x, h = layer.post_attention_layernorm.add(x, y, norm_impl)
+            pending = layer.mlp(h)
             outs[layer.is_linear].append(out)
-            if i in tap_layers:
-                taps[i] = x
+        x, hidden = self.model.norm.add(x, pending, norm_impl)
+        last = len(self.model.layers) - 1
+        if last in tap_layers:
+            taps[last] = x
         tap_stack = jnp.stack([taps[i] for i in tap_layers]) if tap_layers else None
-        return self.model.norm(x), tap_stack, carry, _stack_outs(outs[True]), _stack_outs(outs[False])
+        return hidden, tap_stack, carry, _stack_outs(outs[True]), _stack_outs(outs[False])
 
     def _scanned_stack(self, x, gdn_mixer, attn_mixer, tap_layers, carry):
         plan = scan_plan(self.config)
@@ -144,7 +163,8 @@ class TargetModel(nnx.Module):
         token only. hidden is the final-norm hidden [B,T|1,H], or with tap_layers the outputs of those decoder
         layers stacked [len(tap_layers), B, T, H] (drafter taps, all T positions).
         T == 1 uses the one-token GDN step (`kernels.gdn_decode_layer`: one Pallas launch a layer on a GPU; kernel_impl
-        "reference" keeps XLA's), T > 1 the chunked closed form.
+        "reference" keeps XLA's), T > 1 the chunked closed form. Unrolled, each residual add and the norm after it
+        go through `kernels.add_rms_norm` with kernel_impl (one launch a pair on a GPU).
         Deferred commit (`state.pending`): every layer starts from its checkpoint folded with its rows; T > 1
         writes the new states and empties the rows; T == 1 (a decoding step) appends its one row per layer
         instead, writing no state unless some slot's ring is full (`state.settle_pending`).
@@ -222,7 +242,8 @@ class TargetModel(nnx.Module):
             carry = carry.replace(keys=keys, values=values)
             return att.out(attend(q, keys[j], values[j], attn_mask), gate), carry, None
 
-        x, taps, new_state, gdn_out, _ = self._stack(x, gdn_mixer, attn_mixer, tap_layers, state)
+        x, taps, new_state, gdn_out, _ = self._stack(x, gdn_mixer, attn_mixer, tap_layers, state,
+                                                     norm_impl=kernel_impl)
         conv, factors = gdn_out if gdn_out is not None else (None, None)
         if conv is not None:                       # unrolled: the layers' new conv windows, stacked
             new_state = new_state.replace(conv=conv)
@@ -297,7 +318,7 @@ class TargetModel(nnx.Module):
             o = kernels.tree_attention(q, state.keys[j], state.values[j], prefix_mask, k, v, mask, impl=kernel_impl)
             return att.out(pack(o), gate), carry, (k, v)
 
-        x, taps, _, gdn_out, attn_out = self._stack(x, gdn_mixer, attn_mixer, tap_layers)
+        x, taps, _, gdn_out, attn_out = self._stack(x, gdn_mixer, attn_mixer, tap_layers, norm_impl=kernel_impl)
         (factors, conv_inputs) = gdn_out if gdn_out is not None else (None, None)
         (keys, values) = attn_out if attn_out is not None else (None, None)
         cache = TreeCache(factors=factors, conv_inputs=conv_inputs, keys=keys, values=values, mask=mask)

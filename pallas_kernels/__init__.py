@@ -2,6 +2,7 @@
 
 - gdn_tree_solve: closed-form value-tiled GDN tree solve (Bole Algorithm 1), its form a `SolveConfig`
 - gdn_tree_split_mgpu: the split form's value pass in Mosaic GPU (TMA, bf16-pair wgmma; 64 nodes, Hopper)
+- add_norm: a residual add and the RMSNorm after it in one launch (the decoder layer's add + norm)
 - gdn_commit: cross-layer factorized path commit (Bole Algorithm 2, Phase C)
 - gdn_serial: baselines (SGLang-style per-node serial kernel; XLA closed form and per-path scan)
 - tree_attention: a full-attention layer's verify over the KV cache + the tree (split-S prefix kernel)

@@ -48,9 +48,11 @@ def triton_kernels(text: str) -> list[str]:
     return out
 
 
-def calls_of_the_kernels_function(text: str) -> int:
-    """How often the module calls the function that holds its first Triton kernel call (a jitted kernel entry that
-    JAX lowered once and every caller shares)."""
+def calls_of_the_kernels_function(text: str, name: str | None = None) -> int:
+    """How often the module calls the function that holds its first Triton kernel call (of the kernel called `name`,
+    when given): a jitted kernel entry that JAX lowered once and every caller shares."""
     at = text.index("custom_call @__gpu$xla.gpu.triton")
+    if name is not None:
+        at = text.index(f'name = "{name}"')
     holder = re.findall(r"func\.func private @(\S+?)\(", text[:at])[-1]
     return text.count(f"call @{holder}(")

@@ -70,8 +70,29 @@ def test_every_layer_of_a_decoding_step_runs_one_triton_kernel(monkeypatch):
     text = lower_for_h100(lambda p, s, t, v: nnx.merge(graphdef, p).extend(s, t, v, kernel_impl="auto"), params,
                           jax.eval_shape(lambda: init_state(cfg, B, 8, jnp.bfloat16)),
                           jax.ShapeDtypeStruct((B, 1), jnp.int32), jax.ShapeDtypeStruct((B, 1), bool))
-    assert len(set(triton_kernels(text))) == 1                 # one kernel in the module (JAX lowers a jit once) ...
-    assert calls_of_the_kernels_function(text) == len(cfg.gdn_layers) == 2     # ... which every GDN layer calls
+    decode = [k for k in triton_kernels(text) if 'name = "gdn_decode_layer"' in k]
+    assert len(set(decode)) == 1                      # one decode kernel in the module (JAX lowers a jit once) ...
+    assert calls_of_the_kernels_function(text, "gdn_decode_layer") == len(cfg.gdn_layers) == 2   # ... every GDN layer's
+    # the residual adds with their norms: one Triton kernel (every pair has the same shapes), called for every add of
+    # the stack — two a layer: the mixer's with the post-attention norm, the MLP's with the next input norm or the
+    # final norm (whose caller JAX lowers as a function of its own: only the normed output is used)
+    adds = [k for k in triton_kernels(text) if 'name = "add_rms_norm"' in k]
+    assert len(set(adds)) == 1
+    assert text.count("call @_add_rms_norm") == 2 * cfg.num_hidden_layers
+
+
+@pytest.mark.parametrize("rows", [1, 8, 32 * 8])
+def test_add_norm_kernel_lowers_for_an_h100_at_the_27b_geometry(monkeypatch, rows):
+    """The residual add and the norm after it (`kernels.add_rms_norm`, the decoder layer's [rows, 5120] bf16
+    stream: a decoding step's batch, or a verify's nodes) lower to one Triton kernel for an H100, one program a row."""
+    cfg = qwen38_27b()
+    H = cfg.hidden_size
+    x = jax.ShapeDtypeStruct((rows, 1, H), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((H,), jnp.bfloat16)
+    dispatch_as_on_a_gpu(monkeypatch)
+    text = lower_for_h100(lambda a, b, w: kernels.add_rms_norm(a, b, w, cfg.rms_norm_eps, zero_centred=True), x, x, w)
+    assert text.count(TRITON) == 1, text[:2000]
+    assert f"grid_x = {rows} : i32" in text
 
 
 def test_the_verifys_tree_solve_is_one_triton_kernel_for_every_layer(monkeypatch):

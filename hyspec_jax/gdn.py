@@ -160,7 +160,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, zero_centred: bool)
 def rms_inverse(x: jax.Array, eps: float) -> jax.Array:
     """1/rms(x) over the last axis in fp32, [..., 1]: rsqrt(mean(x²) + eps)."""
     xf = x.astype(F32)
-    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return inverse_rms(jnp.mean(xf * xf, axis=-1, keepdims=True), eps)
+
+
+def inverse_rms(mean_square: jax.Array, eps: float) -> jax.Array:
+    """1/rms from the fp32 mean of the squares (a kernel that sums a row in chunks computes that mean itself)."""
+    return jax.lax.rsqrt(mean_square + eps)
 
 
 def rms_apply(x: jax.Array, inv: jax.Array, weight: jax.Array, *, zero_centred: bool) -> jax.Array:

@@ -54,7 +54,7 @@ def _add_norm_kernel(x_ref, y_ref, w_ref, s_ref, h_ref, *, eps: float, zero_cent
         sf = s.astype(F32)
         total = total + jnp.sum(sf * sf)
         sums.append(s)
-    inv = jax.lax.rsqrt(total / hidden + eps)          # gdn.rms_inverse: mean(s²) + eps
+    inv = gdn.inverse_rms(total / hidden, eps)
     for at, s in zip(parts, sums):                     # pass 2: the norm, chunk by chunk
         h_ref[at] = gdn.rms_apply(s, inv, w_ref[at], zero_centred=zero_centred).astype(h_ref.dtype)
 

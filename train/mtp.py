@@ -85,7 +85,7 @@ def mtp_loss(logits: jax.Array, tokens: jax.Array, target_logits: jax.Array, *,
     (1 − distill) · CE against that token + distill · CE against the target's own distribution there (its logits
     at p + d + 1, which greedy verification accepts by argmax). Metrics: acc and agree (argmax = the target's argmax)
     of step 0, agree_{d} of step d ≥ 1."""
-    S, _, P, _ = logits.shape
+    S = logits.shape[0]
     T = tokens.shape[1]
     loss, metrics = 0.0, {}
     weights = [step_decay ** d for d in range(S)]
